@@ -1,0 +1,636 @@
+"""The planner: per-rank sequence lengths + topology + workload model -> :class:`RoutingPlan`.
+
+Pure NumPy and Python, no ``torch.distributed``: every rank of a balance group calls
+:func:`plan_routing` on the same gathered lengths and gets a bit-identical plan, and the planner can be
+tested and benchmarked for 1,024 simulated GPUs on a laptop.
+
+Dimension names: ``S`` ranks in the balance group, ``N`` sequences (rank 0's first, in order, then
+rank 1's, ...), ``B`` bags, ``C`` bag classes (bags of equal size and speed), ``K`` chunks.
+
+Determinism: modeled costs are quantised once to int64 units (the largest sequence cost is 2**32
+units), and every load, comparison and tie-break after that is exact integer arithmetic ordered by
+ids. Float noise, such as a SIMD reduction order that differs between two CPUs, cannot change a plan.
+
+Solvers (``SOLVERS``):
+
+* ``none``: no balancing; each rank runs its own sequences alone (Ulysses degree 1).
+* ``knapformer``: the published greedy (Zhang et al., 2025), reimplemented from its description, as
+  the reference to beat. It knows nothing of communication, speeds or memory caps.
+* ``refine`` (default): the best of three starting assignments (a finish-time greedy that prices the
+  Ulysses all-to-all; the ``knapformer`` greedy; every sequence in the bag holding its home rank),
+  improved by local search (move one sequence off the busiest bag, or swap it with a sequence of a
+  lightly loaded bag, while that lowers the busiest bag's load), then permuted among identical bags to
+  keep tokens on their home rank. Local search never raises the max load, so ``refine`` is never worse
+  than ``knapformer`` in modeled max load, and it honours ``max_tokens_per_gpu``.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from deepspeed_knap.topology import Topology
+from deepspeed_knap.workload import WorkloadModel
+
+SOLVERS = ("none", "knapformer", "refine")
+DEFAULT_SOLVER = "refine"
+DEFAULT_REFINE_STEPS = 256
+# Local search stops once the max load is within this fraction of the lower bound: the workload
+# model is far coarser than that.
+REFINE_TOLERANCE = 1e-3
+# Swaps are tried with the sequences of the least-loaded bags, the likeliest partners, up to this many.
+SWAP_CANDIDATES = 256
+# Bags of a class are interchangeable for a move, so only the lightest few of each class are tried
+# (more than one: under a memory cap the lightest may lack room).
+MOVE_TARGETS_PER_CLASS = 4
+# Largest quantised sequence cost. Sums of up to 2**20 such costs stay exact in float64 bincounts.
+_COST_UNITS = 2**32
+
+
+@dataclass(frozen=True, eq=False)
+class RoutingPlan:
+    """Where every token of one step goes, and the modeled loads that result.
+
+    Sequence ``i``'s tokens are cut into contiguous chunks, one per GPU of its group, in rank order:
+    chunk ``k`` in ``chunk_offsets[i]:chunk_offsets[i+1]`` holds tokens
+    ``[chunk_start[k], chunk_start[k] + chunk_len[k])`` on rank ``chunk_gpu[k]``. A chunk may be empty
+    when the sequence is shorter than its group. The group (``seq_group_start``, ``seq_group_size``)
+    is the GPUs that run the sequence's attention together; for topology bags it is one bag.
+    All ranks are positions inside the balance group (0 .. S-1).
+
+    Attributes:
+        topology_spec: topology the plan was made for.
+        solver: solver name.
+        seq_lens: ``[N]`` int64 token counts.
+        seq_src_rank: ``[N]`` int64 rank that holds the sequence before routing.
+        seq_group_start: ``[N]`` int64 first rank of the sequence's group.
+        seq_group_size: ``[N]`` int64 GPUs in that group (the Ulysses degree).
+        chunk_offsets: ``[N + 1]`` int64 CSR offsets into the chunk arrays.
+        chunk_gpu, chunk_start, chunk_len: ``[K]`` int64 chunk placement.
+        gpu_loads: ``[S]`` float64 modeled seconds per GPU.
+        lower_bound: modeled seconds no plan on this topology can beat (0.0 when ``N == 0``).
+        max_tokens_per_gpu: the memory cap the plan was asked to honour, or ``None``.
+    """
+
+    topology_spec: str
+    solver: str
+    seq_lens: np.ndarray
+    seq_src_rank: np.ndarray
+    seq_group_start: np.ndarray
+    seq_group_size: np.ndarray
+    chunk_offsets: np.ndarray
+    chunk_gpu: np.ndarray
+    chunk_start: np.ndarray
+    chunk_len: np.ndarray
+    gpu_loads: np.ndarray
+    lower_bound: float
+    max_tokens_per_gpu: int | None
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpu_loads)
+
+    @property
+    def max_load(self) -> float:
+        """Modeled step time: the busiest GPU's seconds."""
+        return float(self.gpu_loads.max()) if self.gpu_loads.size else 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """Max over mean modeled GPU load (1.0 is perfect; 1.0 when nothing is planned)."""
+        mean = float(self.gpu_loads.mean()) if self.gpu_loads.size else 0.0
+        return self.max_load / mean if mean > 0 else 1.0
+
+    @property
+    def gpu_tokens(self) -> np.ndarray:
+        """``[S]`` int64 tokens each GPU holds after routing."""
+        return np.bincount(self.chunk_gpu, weights=self.chunk_len, minlength=self.num_gpus).astype(np.int64)
+
+    @property
+    def tokens_moved_fraction(self) -> float:
+        """Fraction of all tokens that leave their home rank."""
+        total = int(self.seq_lens.sum())
+        if total == 0:
+            return 0.0
+        home = np.repeat(self.seq_src_rank, np.diff(self.chunk_offsets))
+        return float(self.chunk_len[self.chunk_gpu != home].sum()) / total
+
+    def __eq__(self, other: object) -> bool:
+        """Bitwise equality of every field (arrays compared element by element, dtypes included)."""
+        if not isinstance(other, RoutingPlan):
+            return NotImplemented
+        for field in fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if isinstance(mine, np.ndarray):
+                if mine.dtype != theirs.dtype or mine.shape != theirs.shape or mine.tobytes() != theirs.tobytes():
+                    return False
+            elif mine != theirs:
+                return False
+        return True
+
+    __hash__ = None  # mutable-looking arrays inside: plans are compared, not hashed
+
+
+def plan_routing(
+    seq_lens_per_rank: Sequence[Sequence[int]],
+    topology: Topology,
+    workload: WorkloadModel,
+    solver: str = DEFAULT_SOLVER,
+    max_tokens_per_gpu: int | None = None,
+    refine_steps: int = DEFAULT_REFINE_STEPS,
+) -> RoutingPlan:
+    """Plan one step for one balance group.
+
+    Args:
+        seq_lens_per_rank: ``S`` lists, one per rank of the balance group, of that rank's sequence
+            lengths (tokens). An empty list is a rank with nothing this step.
+        topology: bag layout; only its balance group (``topology.group_size`` ranks) is planned.
+        workload: cost model.
+        solver: one of :data:`SOLVERS`.
+        max_tokens_per_gpu: hard cap on tokens a GPU may hold after routing. ``refine`` honours it; the
+            baselines ignore it (compare ``plan.gpu_tokens`` to see by how much).
+        refine_steps: local-search step budget of ``refine`` (a count, not a time, so plans stay
+            deterministic).
+
+    Raises:
+        ValueError: wrong number of ranks, non-positive or non-integer lengths, an unknown solver, a
+            sequence no bag can hold under the cap, or a cap no assignment can meet.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if max_tokens_per_gpu is not None and (isinstance(max_tokens_per_gpu, bool) or not isinstance(max_tokens_per_gpu, (int, np.integer)) or max_tokens_per_gpu <= 0):
+        raise ValueError(f"max_tokens_per_gpu must be a positive integer or None; got {max_tokens_per_gpu!r}")
+    if refine_steps < 0:
+        raise ValueError(f"refine_steps must be >= 0; got {refine_steps}")
+    problem = _Problem.build(seq_lens_per_rank, topology, workload, max_tokens_per_gpu)
+
+    if solver == "none":
+        group_start, group_size = problem.src.copy(), np.ones_like(problem.src)
+    else:
+        if solver == "knapformer":
+            bag_of_seq = _knapformer_greedy(problem)
+        else:
+            bag_of_seq = _refine(problem, refine_steps)
+        group_start = problem.bag_first[bag_of_seq]
+        group_size = problem.bag_size[bag_of_seq]
+    return problem.make_plan(solver, group_start, group_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The problem: flattened lengths, bag classes, quantised costs.
+
+
+@dataclass(frozen=True)
+class _Problem:
+    topology: Topology
+    workload: WorkloadModel
+    cap: int | None
+    seq_lens: np.ndarray  # [N] int64
+    src: np.ndarray  # [N] int64 home rank
+    bag_size: np.ndarray  # [B] int64
+    bag_first: np.ndarray  # [B] int64
+    bag_speed: np.ndarray  # [B] float64
+    bag_class: np.ndarray  # [B] int64
+    class_size: np.ndarray  # [C] int64
+    class_count: np.ndarray  # [C] int64 bags per class
+    cost: np.ndarray  # [N, C] int64 quantised per-GPU cost of sequence i in a bag of class c
+    tokens: np.ndarray  # [N, C] int64 tokens on the busiest GPU of the bag: ceil(s / G)
+    allowed: np.ndarray  # [N, C] bool: the sequence fits a bag of the class under the cap
+    seconds_per_unit: float  # modeled seconds of one quantised cost unit
+
+    @classmethod
+    def build(cls, seq_lens_per_rank, topology: Topology, workload: WorkloadModel, cap: int | None) -> _Problem:
+        seq_lens, src = _flatten_lengths(seq_lens_per_rank, topology)
+        bag_size = np.asarray(topology.bag_sizes, dtype=np.int64)
+        bag_first = np.asarray(topology.bag_first_rank, dtype=np.int64)
+        bag_speed = workload.bag_speeds(topology.bag_first_rank, topology.bag_sizes)
+        keys = sorted(set(zip(bag_size.tolist(), bag_speed.tolist(), strict=True)))
+        bag_class = np.array([keys.index(k) for k in zip(bag_size.tolist(), bag_speed.tolist(), strict=True)], dtype=np.int64)
+        class_size = np.array([k[0] for k in keys], dtype=np.int64)
+        class_speed = np.array([k[1] for k in keys])
+        class_count = np.bincount(bag_class, minlength=len(keys)).astype(np.int64)
+
+        cost_s = workload.per_gpu_time(seq_lens[:, None], class_size[None, :], class_speed[None, :])
+        scale = _COST_UNITS / cost_s.max() if seq_lens.size else 1.0
+        cost = np.rint(cost_s * scale).astype(np.int64)
+        tokens = -(-seq_lens[:, None] // class_size[None, :])
+        allowed = np.ones_like(tokens, dtype=bool) if cap is None else tokens <= cap
+        if cap is not None and seq_lens.size and not allowed.any(axis=1).all():
+            i = int(np.flatnonzero(~allowed.any(axis=1))[0])
+            rank, index = int(src[i]), i - int(np.searchsorted(src, src[i]))
+            raise ValueError(
+                f"sequence {index} of rank {rank} has {seq_lens[i]} tokens: even the largest bag "
+                f"({class_size.max()} GPUs) leaves {tokens[i].min()} tokens on one GPU, over "
+                f"max_tokens_per_gpu={cap}. Raise max_tokens_per_gpu to at least {tokens[i].min()}, "
+                "use a topology with larger bags, or drop sequences this long"
+            )
+        return cls(topology, workload, cap, seq_lens, src, bag_size, bag_first, bag_speed, bag_class,
+                   class_size, class_count, cost, tokens, allowed, 1.0 / scale)  # fmt: skip
+
+    @property
+    def num_bags(self) -> int:
+        return len(self.bag_size)
+
+    def bags_by_class(self) -> list[list[int]]:
+        return [np.flatnonzero(self.bag_class == c).tolist() for c in range(len(self.class_size))]
+
+    def bag_loads(self, bag_of_seq: np.ndarray) -> np.ndarray:
+        """``[B]`` int64 quantised per-GPU load of each bag (exact: the sums stay below 2**53)."""
+        cost = self.cost[np.arange(len(bag_of_seq)), self.bag_class[bag_of_seq]]
+        return np.bincount(bag_of_seq, weights=cost, minlength=self.num_bags).astype(np.int64)
+
+    def bag_tokens(self, bag_of_seq: np.ndarray) -> np.ndarray:
+        """``[B]`` int64 tokens on each bag's busiest GPU (its first: near-equal chunks put the extra
+        token of every sequence there)."""
+        tokens = self.tokens[np.arange(len(bag_of_seq)), self.bag_class[bag_of_seq]]
+        return np.bincount(bag_of_seq, weights=tokens, minlength=self.num_bags).astype(np.int64)
+
+    def fits_cap(self, bag_of_seq: np.ndarray) -> bool:
+        return self.cap is None or bool(np.all(self.bag_tokens(bag_of_seq) <= self.cap))
+
+    @functools.cached_property
+    def lower_bound(self) -> int:
+        """Quantised load no assignment of sequences to bags can beat.
+
+        For a makespan ``T``, sequence ``i`` may only use classes where its cost is ``<= T`` (and that
+        fit the cap). Any assignment with makespan ``T`` then (1) spends at least
+        ``sum_i min_c G_c * cost[i, c]`` GPU-seconds over allowed ``c``, which cannot exceed ``S * T``,
+        and (2) puts the sequences allowed in one class only into that class, whose ``n_c`` bags hold
+        at most ``n_c * T``. Both tests get easier as ``T`` grows, so the smallest ``T`` passing both
+        is a lower bound. Within test (2), ``n_c`` bags holding the ``t * n_c + 1`` largest forced
+        sequences put ``t + 1`` of them in one bag. The allowed sets only change at cost values
+        (breakpoints): binary search for the interval, inside which both tests are linear in ``T``.
+        """
+        if not self.seq_lens.size:
+            return 0
+        group_size = int(self.bag_size.sum())
+        masked = np.iinfo(np.int64).max
+        gpu_time = np.where(self.allowed, self.cost * self.class_size[None, :], masked)
+        # No T below these passes: some sequence fits nowhere, or even the cheapest choices overflow.
+        floor = max(int(np.where(self.allowed, self.cost, masked).min(axis=1).max()),
+                    -(-int(gpu_time.min(axis=1).sum()) // group_size))  # fmt: skip
+        breakpoints = np.concatenate([[floor], np.unique(self.cost[self.allowed & (self.cost > floor)])])
+
+        def smallest_within(t: int) -> float:
+            """Smallest T >= t passing both tests with the allowed sets of t (inf if none covers)."""
+            usable = self.allowed & (self.cost <= t)
+            if not usable.any(axis=1).all():
+                return np.inf
+            need = max(t, -(-int(np.where(usable, gpu_time, masked).min(axis=1).sum()) // group_size))
+            single = usable.sum(axis=1) == 1
+            if single.any():
+                only_class = usable[single].argmax(axis=1)
+                forced_cost = self.cost[single, only_class]
+                for c in np.unique(only_class).tolist():
+                    need = max(need, _pigeonhole_bound(forced_cost[only_class == c], int(self.class_count[c])))
+            return need
+
+        # Smallest index whose breakpoint passes; len(breakpoints) if none does (then the sets are final).
+        lo, hi = 0, len(breakpoints)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if smallest_within(int(breakpoints[mid])) <= breakpoints[mid]:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == 0:
+            return int(breakpoints[0])
+        beyond = smallest_within(int(breakpoints[lo - 1]))
+        return int(beyond if lo == len(breakpoints) else min(beyond, breakpoints[lo]))
+
+    def make_plan(self, solver: str, group_start: np.ndarray, group_size: np.ndarray) -> RoutingPlan:
+        """Cut every sequence into near-equal contiguous chunks over its group and price the result."""
+        n = len(self.seq_lens)
+        chunk_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(group_size, out=chunk_offsets[1:])
+        seq_of_chunk = np.repeat(np.arange(n), group_size)
+        position = np.arange(chunk_offsets[-1]) - chunk_offsets[seq_of_chunk]
+        base = (self.seq_lens // group_size)[seq_of_chunk]
+        extra = (self.seq_lens % group_size)[seq_of_chunk]
+        chunk_len = base + (position < extra)
+        chunk_start = position * base + np.minimum(position, extra)
+        chunk_gpu = group_start[seq_of_chunk] + position
+
+        per_gpu_s = self.workload.per_gpu_time(self.seq_lens, group_size, self._group_speeds(group_start, group_size))
+        gpu_loads = np.bincount(chunk_gpu, weights=per_gpu_s[seq_of_chunk], minlength=self.topology.group_size)
+        arrays = [self.seq_lens, self.src, group_start.astype(np.int64), group_size.astype(np.int64), chunk_offsets,
+                  chunk_gpu, chunk_start, chunk_len, gpu_loads]  # fmt: skip
+        for array in arrays:
+            array.setflags(write=False)
+        return RoutingPlan(self.topology.spec, solver, *arrays, self.lower_bound * self.seconds_per_unit, self.cap)
+
+    def _group_speeds(self, group_start: np.ndarray, group_size: np.ndarray) -> np.ndarray | float:
+        if self.workload.gpu_speed is None:
+            return 1.0
+        speeds = np.asarray(self.workload.gpu_speed, dtype=np.float64)
+        pairs, inverse = np.unique(np.stack([group_start, group_size]), axis=1, return_inverse=True)
+        return np.array([speeds[s : s + g].min() for s, g in pairs.T])[inverse.ravel()]
+
+
+def _pigeonhole_bound(costs: np.ndarray, bags: int) -> int:
+    """Load some bag must reach when ``costs`` all go to ``bags`` identical bags.
+
+    Total over bags (rounded up), and for every ``t >= 1``: the ``t * bags + 1`` largest costs put
+    ``t + 1`` of them in one bag, which carries at least the ``t + 1`` smallest of those.
+    """
+    descending = np.sort(costs)[::-1]
+    prefix = np.concatenate([[0], np.cumsum(descending)])
+    bound = -(-int(prefix[-1]) // bags)
+    t = np.arange(1, (len(costs) - 1) // bags + 1)
+    if t.size:
+        bound = max(bound, int(np.max(prefix[t * bags + 1] - prefix[t * bags - t])))
+    return bound
+
+
+def _flatten_lengths(seq_lens_per_rank, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """``[N]`` lengths and ``[N]`` home ranks, validated; errors name the rank and the bad value."""
+    if len(seq_lens_per_rank) != topology.group_size:
+        raise ValueError(
+            f"got sequence lengths for {len(seq_lens_per_rank)} ranks, but topology {topology.spec!r} has "
+            f"{topology.group_size} GPUs per balance group; pass one list per rank of the balance group"
+        )
+    per_rank = []
+    for rank, lengths in enumerate(seq_lens_per_rank):
+        array = np.asarray(lengths)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            if array.ndim == 1 and array.dtype.kind == "f" and np.all(array == np.round(array)):
+                array = array.astype(np.int64)
+            else:
+                raise ValueError(f"rank {rank}: sequence lengths must be a flat list of integers; got {lengths!r}")
+        if array.size and array.min() <= 0:
+            index = int(np.argmin(array))
+            raise ValueError(
+                f"rank {rank}: sequence {index} has length {int(array[index])}; every length must be a "
+                "positive token count (drop empty samples before planning; a rank may have no sequences)"
+            )
+        per_rank.append(array.astype(np.int64))
+    seq_lens = np.concatenate(per_rank) if per_rank else np.zeros(0, dtype=np.int64)
+    src = np.repeat(np.arange(len(per_rank), dtype=np.int64), [len(a) for a in per_rank])
+    return seq_lens, src
+
+
+# ----------------------------------------------------------------------------------------------------
+# Greedy constructions.
+
+
+class _BagHeaps:
+    """For every bag class, a heap of ``(load, bag id)``: the lightest bag of a class in O(1).
+
+    With a token ``cap``, :meth:`lightest` sets aside bags without room for ``need`` more tokens;
+    :meth:`add` charges the bag that ``lightest`` last returned for that class and puts the set-aside
+    bags back.
+    """
+
+    def __init__(self, bags_by_class: list[list[int]], cap: int | None = None):
+        self.heaps = [[(0, bag) for bag in bags] for bags in bags_by_class]  # sorted, so valid heaps
+        self.cap = cap
+        self.bag_tokens = [0] * sum(len(bags) for bags in bags_by_class)
+        self.set_aside: list[tuple[int, tuple[int, int]]] = []
+
+    def lightest(self, c: int, need: int = 0) -> tuple[int, int] | None:
+        heap = self.heaps[c]
+        while self.cap is not None and heap and self.bag_tokens[heap[0][1]] + need > self.cap:
+            self.set_aside.append((c, heapq.heappop(heap)))
+        return heap[0] if heap else None
+
+    def add(self, c: int, amount: int, need: int = 0) -> int:
+        load, bag = self.heaps[c][0]
+        heapq.heapreplace(self.heaps[c], (load + amount, bag))
+        self.bag_tokens[bag] += need
+        if self.set_aside:
+            for c_aside, entry in self.set_aside:
+                heapq.heappush(self.heaps[c_aside], entry)
+            self.set_aside.clear()
+        return bag
+
+
+def _finish_time_greedy(problem: _Problem) -> np.ndarray | None:
+    """``[N]`` bag of each sequence: largest first, each to the bag where it would finish earliest.
+
+    The price of a bag includes the Ulysses all-to-all, so a short sequence is not split over a big
+    bag for nothing; ties go to the option using fewer GPU-seconds, then the lower bag id. Returns
+    ``None`` if the memory cap leaves some sequence without room.
+    """
+    n = len(problem.seq_lens)
+    order = np.lexsort((np.arange(n), -problem.cost.min(axis=1)))
+    heaps = _BagHeaps(problem.bags_by_class(), problem.cap)
+    placed = []
+    cost_rows = problem.cost[order].tolist()
+    if problem.cap is None:  # the common case, kept tight (heap access inlined)
+        gpu_seconds = (problem.cost * problem.class_size[None, :])[order].tolist()
+        class_heaps = heaps.heaps
+        for costs, gpu_s in zip(cost_rows, gpu_seconds, strict=True):
+            best_key, best_c = None, 0
+            for c, cost in enumerate(costs):
+                load, bag = class_heaps[c][0]
+                key = (load + cost, gpu_s[c], bag)
+                if best_key is None or key < best_key:
+                    best_key, best_c = key, c
+            heapq.heapreplace(class_heaps[best_c], (best_key[0], best_key[2]))
+            placed.append(best_key[2])
+    else:
+        gpu_seconds = (problem.cost * problem.class_size[None, :])[order].tolist()
+        for costs, gpu_s, allowed, needs in zip(
+            cost_rows, gpu_seconds, problem.allowed[order].tolist(), problem.tokens[order].tolist(), strict=True
+        ):
+            best = None
+            for c, cost in enumerate(costs):
+                top = heaps.lightest(c, needs[c]) if allowed[c] else None
+                if top is not None:
+                    key = (top[0] + cost, gpu_s[c], top[1], c)
+                    if best is None or key < best:
+                        best = key
+            if best is None:
+                return None
+            c = best[3]
+            placed.append(heaps.add(c, costs[c], needs[c]))
+    bag_of_seq = np.empty(n, dtype=np.int64)
+    bag_of_seq[order] = placed
+    return bag_of_seq
+
+
+def _knapformer_greedy(problem: _Problem) -> np.ndarray:
+    """``[N]`` bag of each sequence by the KnapFormer greedy, as published.
+
+    Workload ``w = a*s + b*s**2`` (no communication, no speeds); sequences by ``w`` descending; a bag's
+    capacity is the mean per-GPU workload times its size ``G``; candidate bags have capacity ``>= w``
+    and ``G <= s``, else all bags of the largest ``G``; the candidate with the lowest occupancy (used
+    over capacity) wins, ties to the lower bag id. Exact integer arithmetic: occupancies are compared by
+    cross-multiplication.
+    """
+    n = len(problem.seq_lens)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    w_s = problem.workload.per_gpu_time(problem.seq_lens, 1)  # at G=1 there is no all-to-all term
+    w = np.rint(w_s * (_COST_UNITS / w_s.max())).astype(np.int64)
+    sizes = np.unique(problem.bag_size)
+    heaps = _BagHeaps([np.flatnonzero(problem.bag_size == g).tolist() for g in sizes])
+    # Candidates depend only on the sequence: capacity_G >= w  <=>  total * G >= w * S.
+    candidate = (sizes[None, :] <= problem.seq_lens[:, None]) & (
+        int(w.sum()) * sizes[None, :] >= w[:, None] * int(problem.bag_size.sum())
+    )
+    candidate[~candidate.any(axis=1), -1] = True
+    order = np.lexsort((np.arange(n), -w))
+    sizes = sizes.tolist()
+    placed = []
+    class_heaps = heaps.heaps
+    for amount, candidates in zip(w[order].tolist(), candidate[order].tolist(), strict=True):
+        best_k = -1
+        for k, ok in enumerate(candidates):
+            if ok:
+                used, bag = class_heaps[k][0]
+                if best_k < 0:
+                    best_used, best_bag, best_k = used, bag, k
+                else:
+                    mine, theirs = used * sizes[best_k], best_used * sizes[k]
+                    if mine < theirs or (mine == theirs and bag < best_bag):
+                        best_used, best_bag, best_k = used, bag, k
+        heapq.heapreplace(class_heaps[best_k], (best_used + amount, best_bag))
+        placed.append(best_bag)
+    bag_of_seq = np.empty(n, dtype=np.int64)
+    bag_of_seq[order] = placed
+    return bag_of_seq
+
+
+# ----------------------------------------------------------------------------------------------------
+# Our solver: best start, local search, locality.
+
+
+def _refine(problem: _Problem, steps: int) -> np.ndarray:
+    """``[N]`` bag of each sequence; see the module docstring."""
+    if len(problem.seq_lens) == 0:
+        return np.zeros(0, dtype=np.int64)
+    home_bag = np.asarray(problem.topology.bag_of_gpu, dtype=np.int64)[problem.src]
+    starts = [home_bag, _finish_time_greedy(problem), _knapformer_greedy(problem)]
+    feasible = [s for s in starts if s is not None and problem.fits_cap(s)]
+    if not feasible:
+        raise ValueError(
+            f"max_tokens_per_gpu={problem.cap} cannot be met: {int(problem.seq_lens.sum())} tokens over "
+            f"{problem.topology.group_size} GPUs found no assignment that fits. Raise the cap or use larger bags"
+        )
+    # min() keeps the first of equal loads: the home-bag start, which moves the fewest tokens.
+    bag_of_seq = min(feasible, key=lambda s: int(problem.bag_loads(s).max())).copy()
+    _local_search(problem, bag_of_seq, steps)
+    return _keep_tokens_home(problem, bag_of_seq)
+
+
+def _local_search(problem: _Problem, bag_of_seq: np.ndarray, steps: int) -> None:
+    """Lower the busiest bag's load by moves and swaps, in place, for at most ``steps`` steps.
+
+    A step takes the busiest bag ``A`` (lowest id among equals) and applies the best of: moving one of
+    its sequences to a light bag of any class, or swapping one with a sequence of the least-loaded bags (up to
+    ``SWAP_CANDIDATES`` of them), judged by the larger of the two new loads. It is applied only if that
+    is below ``A``'s load, so the sorted load vector decreases lexicographically: no cycles, and the
+    max load never rises. Stops early within ``REFINE_TOLERANCE`` of the lower bound, or when no step
+    improves.
+    """
+    big = np.iinfo(np.int64).max
+    good_enough = problem.lower_bound + int(problem.lower_bound * REFINE_TOLERANCE)
+    loads = problem.bag_loads(bag_of_seq)
+    bag_tokens = problem.bag_tokens(bag_of_seq)
+    members = [[] for _ in range(problem.num_bags)]
+    for i, bag in enumerate(bag_of_seq.tolist()):
+        members[bag].append(i)
+    bag_class, cost, tokens, cap = problem.bag_class, problem.cost, problem.tokens, problem.cap
+    class_first = np.concatenate([[0], np.cumsum(problem.class_count)[:-1]]).tolist()
+    for _ in range(steps):
+        a = int(np.argmax(loads))
+        load_a = int(loads[a])
+        if load_a <= good_enough:
+            return
+        items = np.asarray(members[a])
+        class_a = bag_class[a]
+        left_a = load_a - cost[items, class_a]  # [k] load of A once the item leaves
+
+        # Moves: item k of A to a target bag.
+        by_class_then_load = np.lexsort((loads, bag_class))
+        targets = np.concatenate([by_class_then_load[first : first + MOVE_TARGETS_PER_CLASS + 1] for first in class_first])
+        targets = targets[targets != a]
+        move_score = np.maximum(loads[targets][None, :] + cost[items][:, bag_class[targets]], left_a[:, None])  # [k, M]
+        if cap is not None:
+            move_score[bag_tokens[targets][None, :] + tokens[items][:, bag_class[targets]] > cap] = big
+        best_move = int(np.argmin(move_score))
+
+        # Swaps: item k of A with sequence j of a light partner bag.
+        js = []
+        for b in np.argsort(loads, kind="stable")[: SWAP_CANDIDATES + 1].tolist():
+            if len(js) >= SWAP_CANDIDATES:
+                break
+            if b != a:
+                js.extend(members[b])
+        js = np.asarray(js, dtype=np.int64)
+        best_swap, swap_score = None, None
+        if js.size:
+            class_b = bag_class[bag_of_seq[js]]
+            new_a = left_a[:, None] + cost[js, class_a][None, :]  # [k, J]
+            new_b = (loads[bag_of_seq[js]] - cost[js, class_b])[None, :] + cost[items][:, class_b]
+            swap_score = np.maximum(new_a, new_b)
+            if cap is not None:
+                over_a = bag_tokens[a] - tokens[items, class_a][:, None] + tokens[js, class_a][None, :] > cap
+                over_b = (bag_tokens[bag_of_seq[js]] - tokens[js, class_b])[None, :] + tokens[items][:, class_b] > cap
+                swap_score[over_a | over_b] = big
+            best_swap = int(np.argmin(swap_score))
+
+        move_value = int(move_score.flat[best_move])
+        swap_value = int(swap_score.flat[best_swap]) if best_swap is not None else big
+        if min(move_value, swap_value) >= load_a:
+            return
+        if move_value <= swap_value:
+            k, t = divmod(best_move, len(targets))
+            _move(problem, bag_of_seq, loads, bag_tokens, members, int(items[k]), int(targets[t]))
+        else:
+            k, jj = divmod(best_swap, len(js))
+            i, j = int(items[k]), int(js[jj])
+            b = int(bag_of_seq[j])
+            _move(problem, bag_of_seq, loads, bag_tokens, members, i, b)
+            _move(problem, bag_of_seq, loads, bag_tokens, members, j, a)
+
+
+def _move(problem: _Problem, bag_of_seq, loads, bag_tokens, members, i: int, to_bag: int) -> None:
+    from_bag = int(bag_of_seq[i])
+    c_from, c_to = problem.bag_class[from_bag], problem.bag_class[to_bag]
+    loads[from_bag] -= problem.cost[i, c_from]
+    loads[to_bag] += problem.cost[i, c_to]
+    bag_tokens[from_bag] -= problem.tokens[i, c_from]
+    bag_tokens[to_bag] += problem.tokens[i, c_to]
+    members[from_bag].remove(i)
+    members[to_bag].append(i)
+    bag_of_seq[i] = to_bag
+
+
+def _keep_tokens_home(problem: _Problem, bag_of_seq: np.ndarray) -> np.ndarray:
+    """Permute whole bag contents among identical bags (same size and speed) to keep tokens home.
+
+    Loads are unchanged, so the max load is too. A sequence whose contents land in the bag holding its
+    home rank keeps the chunk that rank gets. Matching contents to bags is an assignment problem;
+    exact solvers cost ~25 ms at 1,024 bags, so contents and bags are matched greedily by kept tokens
+    (heaviest pair first, ties by ids), and the identity is kept if it keeps more.
+    """
+    num_bags = problem.num_bags
+    home_bag = np.asarray(problem.topology.bag_of_gpu, dtype=np.int64)[problem.src]
+    size = problem.bag_size[home_bag]
+    position = problem.src - problem.bag_first[home_bag]
+    kept = problem.seq_lens // size + (position < problem.seq_lens % size)
+    same_class = problem.bag_class[home_bag] == problem.bag_class[bag_of_seq]
+    pair_key, inverse = np.unique(bag_of_seq[same_class] * num_bags + home_bag[same_class], return_inverse=True)
+    pair_kept = np.bincount(inverse.ravel(), weights=kept[same_class]).astype(np.int64)
+
+    content_to_bag = np.full(num_bags, -1, dtype=np.int64)
+    bag_taken = np.zeros(num_bags, dtype=bool)
+    matched = 0
+    for p in np.lexsort((pair_key, -pair_kept)).tolist():
+        content, bag = divmod(int(pair_key[p]), num_bags)
+        if content_to_bag[content] < 0 and not bag_taken[bag]:
+            content_to_bag[content], bag_taken[bag] = bag, True
+            matched += int(pair_kept[p])
+    kept_identity = int(pair_kept[pair_key // num_bags == pair_key % num_bags].sum())
+    if matched <= kept_identity:
+        return bag_of_seq
+    for c in range(len(problem.class_size)):
+        in_class = problem.bag_class == c
+        content_to_bag[np.flatnonzero(in_class & (content_to_bag < 0))] = np.flatnonzero(in_class & ~bag_taken)
+    return content_to_bag[bag_of_seq]

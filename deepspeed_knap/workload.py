@@ -1,0 +1,197 @@
+"""Workload model: modeled forward + backward time of one sequence on each GPU of its bag.
+
+For a sequence of ``s`` tokens run with Ulysses degree ``G`` (a bag of ``G`` GPUs), every GPU of the
+bag spends::
+
+    time(s, G) = (a * s + b * s**2) / (G * speed)  +  c * s * (G - 1) / G**2
+
+* ``a * s``: token-wise work (projections, MLP); ``b * s**2``: attention. Both split evenly over the
+  bag: Ulysses gives each GPU ``s / G`` tokens for the linear layers and ``H / G`` heads of attention.
+* ``c * s * (G-1) / G**2``: the Ulysses all-to-alls. Each GPU holds ``s / G`` tokens and sends the
+  fraction ``(G-1)/G`` of them away, for q, k, v and the output, forward and backward. Zero at G=1.
+* ``speed``: relative speed of the bag, the slowest of its GPUs (a bag moves in lockstep).
+
+Defaults come from FLOP counts of the model's dimensions (:meth:`WorkloadModel.from_model_dims`);
+:func:`fit_workload` fits ``a, b, c`` to measured (length, bag size, time) triples by non-negative
+least squares.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+# Model dimensions by name. FLUX.1-dev and -schnell share the transformer shape.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "flux-dev": {"hidden": 3072, "double_blocks": 19, "single_blocks": 38, "mlp_ratio": 4},
+    "flux-schnell": {"hidden": 3072, "double_blocks": 19, "single_blocks": 38, "mlp_ratio": 4},
+    "flux-tiny": {"hidden": 64, "double_blocks": 2, "single_blocks": 2, "mlp_ratio": 4},
+}
+
+# Forward + backward over forward FLOPs. Linear layers: backward is two matmuls per forward matmul.
+# Flash attention's backward also recomputes the scores: ~2.5 forward's worth.
+_LINEAR_TRAIN_FACTOR = 3.0
+_ATTENTION_TRAIN_FACTOR = 3.5
+
+
+@dataclass(frozen=True)
+class WorkloadModel:
+    """Per-GPU modeled seconds of a sequence; see the module docstring for the formula.
+
+    Attributes:
+        linear_coef: ``a``, seconds per token on one GPU (forward + backward).
+        quadratic_coef: ``b``, seconds per token**2 on one GPU.
+        alltoall_coef: ``c``, seconds per token of Ulysses all-to-all traffic (0 disables the term).
+        gpu_speed: relative speed of each rank of the balance group (``None``: all equal). A bag runs
+            at the speed of its slowest GPU.
+    """
+
+    linear_coef: float
+    quadratic_coef: float
+    alltoall_coef: float = 0.0
+    gpu_speed: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("linear_coef", "quadratic_coef", "alltoall_coef"):
+            value = getattr(self, name)
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"workload {name} must be a finite number >= 0; got {value!r}")
+        if self.linear_coef == 0 and self.quadratic_coef == 0:
+            raise ValueError("workload linear_coef and quadratic_coef are both 0: every sequence would cost nothing")
+        if self.gpu_speed is not None:
+            speeds = np.asarray(self.gpu_speed, dtype=np.float64)
+            if speeds.ndim != 1 or not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
+                raise ValueError(f"gpu_speed must be a list of positive numbers, one per rank; got {self.gpu_speed!r}")
+
+    @classmethod
+    def from_model_dims(
+        cls,
+        hidden: int = 3072,
+        double_blocks: int = 19,
+        single_blocks: int = 38,
+        mlp_ratio: int = 4,
+        tflops: float = 400.0,
+        alltoall_gbps: float = 150.0,
+        bytes_per_element: int = 2,
+        gpu_speed: tuple[float, ...] | None = None,
+    ) -> WorkloadModel:
+        """FLOP-based defaults for a FLUX-style DiT (defaults: FLUX.1-dev on an H100 in bf16).
+
+        Per block and token (forward), a FLUX double- or single-stream block does
+        ``(4 + 2 * mlp_ratio) * hidden**2`` multiply-adds in its linear layers (q, k, v, output, MLP;
+        the single-stream block fuses the same matrices) and ``2 * s * hidden`` in attention.
+
+        Args:
+            hidden: model width ``d``.
+            double_blocks, single_blocks: number of each block type; all attend over the whole sequence.
+            mlp_ratio: MLP hidden size over ``d``.
+            tflops: sustained training throughput of one GPU, in 10**12 FLOP/s (H100 bf16 ~ 400).
+            alltoall_gbps: per-GPU all-to-all bandwidth inside a bag, in 10**9 bytes/s.
+            bytes_per_element: activation dtype size moved by the all-to-alls.
+            gpu_speed: see the class attributes.
+        """
+        if min(hidden, double_blocks + single_blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element) <= 0:
+            raise ValueError(
+                "model dims must be positive: got "
+                f"hidden={hidden}, blocks={double_blocks}+{single_blocks}, mlp_ratio={mlp_ratio}, "
+                f"tflops={tflops}, alltoall_gbps={alltoall_gbps}, bytes_per_element={bytes_per_element}"
+            )
+        blocks = double_blocks + single_blocks
+        flops_per_s = tflops * 1e12
+        linear = _LINEAR_TRAIN_FACTOR * 2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s
+        quadratic = _ATTENTION_TRAIN_FACTOR * 2 * 2 * hidden * blocks / flops_per_s
+        # q, k, v in and the output back, forward and backward: 8 all-to-alls of hidden-wide tokens.
+        alltoall = 8 * hidden * bytes_per_element * blocks / (alltoall_gbps * 1e9)
+        return cls(linear, quadratic, alltoall, gpu_speed)
+
+    def per_gpu_time(self, seq_lens: np.ndarray, bag_size: np.ndarray | int, bag_speed: np.ndarray | float = 1.0) -> np.ndarray:
+        """Modeled seconds each GPU of the bag spends on each sequence.
+
+        Args:
+            seq_lens: ``[...]`` token counts.
+            bag_size: Ulysses degree ``G``, broadcastable against ``seq_lens``.
+            bag_speed: relative bag speed, broadcastable against ``seq_lens``.
+
+        Returns:
+            ``[...]`` float64 seconds, the broadcast shape.
+        """
+        s = np.asarray(seq_lens, dtype=np.float64)
+        g = np.asarray(bag_size, dtype=np.float64)
+        compute = (self.linear_coef * s + self.quadratic_coef * s * s) / (g * bag_speed)
+        return compute + self.alltoall_coef * s * (g - 1.0) / (g * g)
+
+    def bag_speeds(self, bag_first_rank: tuple[int, ...], bag_sizes: tuple[int, ...]) -> np.ndarray:
+        """``[B]`` speed of each bag: the slowest of its GPUs (1.0 everywhere without ``gpu_speed``)."""
+        if self.gpu_speed is None:
+            return np.ones(len(bag_sizes))
+        group_size = sum(bag_sizes)
+        if len(self.gpu_speed) != group_size:
+            raise ValueError(
+                f"gpu_speed has {len(self.gpu_speed)} entries but the balance group has {group_size} ranks; "
+                "give one speed per rank of the balance group"
+            )
+        speeds = np.asarray(self.gpu_speed, dtype=np.float64)
+        return np.array([speeds[first : first + size].min() for first, size in zip(bag_first_rank, bag_sizes, strict=True)])
+
+
+def default_workload(model: str | dict[str, int] = "flux-dev", **overrides: float) -> WorkloadModel:
+    """FLOP-based workload of a named preset (:data:`MODEL_PRESETS`) or a dict of model dims."""
+    if isinstance(model, str):
+        if model not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {model!r}; choose one of {sorted(MODEL_PRESETS)} or give dims")
+        dims: dict = dict(MODEL_PRESETS[model])
+    else:
+        dims = dict(model)
+    dims.update(overrides)
+    return WorkloadModel.from_model_dims(**dims)
+
+
+def fit_workload(
+    seq_lens: np.ndarray,
+    times: np.ndarray,
+    bag_sizes: np.ndarray | None = None,
+) -> WorkloadModel:
+    """Fit ``a, b, c`` >= 0 to measured per-GPU times by non-negative least squares.
+
+    With at most three unknowns the NNLS optimum is the unconstrained least-squares solution on one of
+    the 2**3 subsets of columns (its support), so trying every subset and keeping the best non-negative
+    one is exact. Columns are scaled to unit norm first: ``s`` and ``s**2`` differ by ~10 orders.
+
+    Args:
+        seq_lens: ``[M]`` sequence lengths of the measurements.
+        times: ``[M]`` measured per-GPU seconds (forward + backward).
+        bag_sizes: ``[M]`` Ulysses degree of each measurement; default all 1, which leaves ``c = 0``.
+
+    Raises:
+        ValueError: mismatched or too few measurements, non-positive lengths, negative times.
+    """
+    s = np.asarray(seq_lens, dtype=np.float64).ravel()
+    t = np.asarray(times, dtype=np.float64).ravel()
+    g = np.ones_like(s) if bag_sizes is None else np.asarray(bag_sizes, dtype=np.float64).ravel()
+    if not (s.shape == t.shape == g.shape):
+        raise ValueError(f"seq_lens, times and bag_sizes must have equal lengths; got {s.size}, {t.size}, {g.size}")
+    if s.size < 2 or np.any(s <= 0) or np.any(g < 1) or np.any(t < 0) or not np.all(np.isfinite(t)):
+        raise ValueError(
+            f"need >= 2 measurements with positive lengths, bag sizes >= 1 and finite times >= 0; got {s.size} "
+            f"measurements, min length {s.min() if s.size else None}, min time {t.min() if t.size else None}"
+        )
+    columns = np.stack([s / g, s * s / g, s * (g - 1) / (g * g)], axis=1)
+    usable = [j for j in range(3) if np.any(columns[:, j] > 0)]
+    norms = np.linalg.norm(columns, axis=0)
+    best_coef, best_residual = None, np.inf
+    for k in range(1, len(usable) + 1):
+        for support in itertools.combinations(usable, k):
+            scaled = columns[:, support] / norms[list(support)]
+            solution, *_ = np.linalg.lstsq(scaled, t, rcond=None)
+            if np.any(solution < 0):
+                continue
+            residual = float(np.sum((scaled @ solution - t) ** 2))
+            if residual < best_residual:
+                best_residual = residual
+                best_coef = np.zeros(3)
+                best_coef[list(support)] = solution / norms[list(support)]
+    if best_coef is None or best_coef[0] == 0 and best_coef[1] == 0:
+        raise ValueError("the measurements give no positive compute coefficient; are the times all zero?")
+    return WorkloadModel(float(best_coef[0]), float(best_coef[1]), float(best_coef[2]))
