@@ -20,15 +20,17 @@ Solvers (``SOLVERS``):
   Ulysses all-to-all; the ``knapformer`` greedy; every sequence in the bag holding its home rank),
   improved by local search (move one sequence off the busiest bag, or swap it with a sequence of a
   lightly loaded bag, while that lowers the busiest bag's load), then permuted among identical bags to
-  keep tokens on their home rank. Local search never raises the max load, so ``refine`` is never worse
-  than ``knapformer`` in modeled max load, and it honours ``max_tokens_per_gpu``.
+  keep tokens on their home rank. If keeping every sequence alone on its home GPU (``none``) is no
+  slower, that plan is returned instead: the all-to-all can cost more than balancing gains. Local
+  search never raises the max load, so ``refine`` is never worse than ``knapformer`` or ``none`` in
+  modeled max load, and it honours ``max_tokens_per_gpu``.
 """
 
 from __future__ import annotations
 
 import functools
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -43,7 +45,7 @@ DEFAULT_REFINE_STEPS = 256
 # model is far coarser than that.
 REFINE_TOLERANCE = 1e-3
 # Swaps are tried with the sequences of the least-loaded bags, the likeliest partners, up to this many.
-SWAP_CANDIDATES = 256
+SWAP_CANDIDATES = 64
 # Bags of a class are interchangeable for a move, so only the lightest few of each class are tried
 # (more than one: under a memory cap the lightest may lack room).
 MOVE_TARGETS_PER_CLASS = 4
@@ -72,7 +74,8 @@ class RoutingPlan:
         chunk_offsets: ``[N + 1]`` int64 CSR offsets into the chunk arrays.
         chunk_gpu, chunk_start, chunk_len: ``[K]`` int64 chunk placement.
         gpu_loads: ``[S]`` float64 modeled seconds per GPU.
-        lower_bound: modeled seconds no plan on this topology can beat (0.0 when ``N == 0``).
+        lower_bound: modeled seconds no plan can beat, over plans that use the topology's bags or keep
+            every sequence alone on its home GPU (0.0 when ``N == 0``).
         max_tokens_per_gpu: the memory cap the plan was asked to honour, or ``None``.
     """
 
@@ -162,22 +165,25 @@ def plan_routing(
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    if max_tokens_per_gpu is not None and (isinstance(max_tokens_per_gpu, bool) or not isinstance(max_tokens_per_gpu, (int, np.integer)) or max_tokens_per_gpu <= 0):
+    if max_tokens_per_gpu is not None and (
+        isinstance(max_tokens_per_gpu, bool)
+        or not isinstance(max_tokens_per_gpu, (int, np.integer))
+        or max_tokens_per_gpu <= 0
+    ):
         raise ValueError(f"max_tokens_per_gpu must be a positive integer or None; got {max_tokens_per_gpu!r}")
     if refine_steps < 0:
         raise ValueError(f"refine_steps must be >= 0; got {refine_steps}")
     problem = _Problem.build(seq_lens_per_rank, topology, workload, max_tokens_per_gpu)
-
+    home_plan = problem.make_plan(solver, problem.src, np.ones_like(problem.src))
     if solver == "none":
-        group_start, group_size = problem.src.copy(), np.ones_like(problem.src)
-    else:
-        if solver == "knapformer":
-            bag_of_seq = _knapformer_greedy(problem)
-        else:
-            bag_of_seq = _refine(problem, refine_steps)
-        group_start = problem.bag_first[bag_of_seq]
-        group_size = problem.bag_size[bag_of_seq]
-    return problem.make_plan(solver, group_start, group_size)
+        return home_plan
+    bag_of_seq = _knapformer_greedy(problem) if solver == "knapformer" else _refine(problem, refine_steps)
+    plan = problem.make_plan(solver, problem.bag_first[bag_of_seq], problem.bag_size[bag_of_seq])
+    # Running every sequence alone on its home GPU needs no bag at all; when no topology plan beats
+    # it (tiny sequences, where the all-to-all costs more than balancing wins), that is the plan.
+    if solver == "refine" and home_plan.max_load <= plan.max_load and problem.fits_cap_at_home():
+        return home_plan
+    return plan
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -209,7 +215,9 @@ class _Problem:
         bag_first = np.asarray(topology.bag_first_rank, dtype=np.int64)
         bag_speed = workload.bag_speeds(topology.bag_first_rank, topology.bag_sizes)
         keys = sorted(set(zip(bag_size.tolist(), bag_speed.tolist(), strict=True)))
-        bag_class = np.array([keys.index(k) for k in zip(bag_size.tolist(), bag_speed.tolist(), strict=True)], dtype=np.int64)
+        bag_class = np.array(
+            [keys.index(k) for k in zip(bag_size.tolist(), bag_speed.tolist(), strict=True)], dtype=np.int64
+        )
         class_size = np.array([k[0] for k in keys], dtype=np.int64)
         class_speed = np.array([k[1] for k in keys])
         class_count = np.bincount(bag_class, minlength=len(keys)).astype(np.int64)
@@ -315,13 +323,30 @@ class _Problem:
         chunk_start = position * base + np.minimum(position, extra)
         chunk_gpu = group_start[seq_of_chunk] + position
 
-        per_gpu_s = self.workload.per_gpu_time(self.seq_lens, group_size, self._group_speeds(group_start, group_size))
-        gpu_loads = np.bincount(chunk_gpu, weights=per_gpu_s[seq_of_chunk], minlength=self.topology.group_size)
+        gpu_loads = self._gpu_loads(group_start, group_size)
         arrays = [self.seq_lens, self.src, group_start.astype(np.int64), group_size.astype(np.int64), chunk_offsets,
                   chunk_gpu, chunk_start, chunk_len, gpu_loads]  # fmt: skip
         for array in arrays:
             array.setflags(write=False)
-        return RoutingPlan(self.topology.spec, solver, *arrays, self.lower_bound * self.seconds_per_unit, self.cap)
+        return RoutingPlan(self.topology.spec, solver, *arrays, self.lower_bound_s, self.cap)
+
+    def _gpu_loads(self, group_start: np.ndarray, group_size: np.ndarray) -> np.ndarray:
+        """``[S]`` modeled seconds: every GPU of a group spends the sequence's per-GPU time."""
+        per_gpu_s = self.workload.per_gpu_time(self.seq_lens, group_size, self._group_speeds(group_start, group_size))
+        gpu_of_member = np.repeat(group_start, group_size) + (
+            np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)
+        )
+        return np.bincount(gpu_of_member, weights=np.repeat(per_gpu_s, group_size), minlength=self.topology.group_size)
+
+    @functools.cached_property
+    def lower_bound_s(self) -> float:
+        """Seconds no plan of ours can beat: the topology bound, or running everything at home."""
+        home_max = float(self._gpu_loads(self.src, np.ones_like(self.src)).max()) if self.seq_lens.size else 0.0
+        return min(self.lower_bound * self.seconds_per_unit, home_max)
+
+    def fits_cap_at_home(self) -> bool:
+        home_tokens = np.bincount(self.src, weights=self.seq_lens, minlength=self.topology.group_size)
+        return self.cap is None or bool(home_tokens.max(initial=0) <= self.cap)
 
     def _group_speeds(self, group_start: np.ndarray, group_size: np.ndarray) -> np.ndarray | float:
         if self.workload.gpu_speed is None:
@@ -525,8 +550,8 @@ def _local_search(problem: _Problem, bag_of_seq: np.ndarray, steps: int) -> None
     its sequences to a light bag of any class, or swapping one with a sequence of the least-loaded bags (up to
     ``SWAP_CANDIDATES`` of them), judged by the larger of the two new loads. It is applied only if that
     is below ``A``'s load, so the sorted load vector decreases lexicographically: no cycles, and the
-    max load never rises. Stops early within ``REFINE_TOLERANCE`` of the lower bound, or when no step
-    improves.
+    max load never rises. Stops early within ``REFINE_TOLERANCE`` of the lower bound, when no step
+    improves, or when ``B`` steps in a row cut the max by less than ``REFINE_TOLERANCE``.
     """
     big = np.iinfo(np.int64).max
     good_enough = problem.lower_bound + int(problem.lower_bound * REFINE_TOLERANCE)
@@ -537,25 +562,39 @@ def _local_search(problem: _Problem, bag_of_seq: np.ndarray, steps: int) -> None
         members[bag].append(i)
     bag_class, cost, tokens, cap = problem.bag_class, problem.cost, problem.tokens, problem.cap
     class_first = np.concatenate([[0], np.cumsum(problem.class_count)[:-1]]).tolist()
-    for _ in range(steps):
+    window_start_max = int(loads.max())
+    for step in range(steps):
         a = int(np.argmax(loads))
         load_a = int(loads[a])
         if load_a <= good_enough:
             return
+        # A step lowers one busiest bag; B steps give every bag a turn. A window that did not cut the
+        # max by REFINE_TOLERANCE means the search has stalled on small lexicographic gains.
+        if step and step % problem.num_bags == 0:
+            if window_start_max - load_a <= int(window_start_max * REFINE_TOLERANCE):
+                return
+            window_start_max = load_a
         items = np.asarray(members[a])
         class_a = bag_class[a]
         left_a = load_a - cost[items, class_a]  # [k] load of A once the item leaves
 
         # Moves: item k of A to a target bag.
         by_class_then_load = np.lexsort((loads, bag_class))
-        targets = np.concatenate([by_class_then_load[first : first + MOVE_TARGETS_PER_CLASS + 1] for first in class_first])
+        targets = np.concatenate(
+            [by_class_then_load[first : first + MOVE_TARGETS_PER_CLASS + 1] for first in class_first]
+        )
         targets = targets[targets != a]
         move_score = np.maximum(loads[targets][None, :] + cost[items][:, bag_class[targets]], left_a[:, None])  # [k, M]
         if cap is not None:
             move_score[bag_tokens[targets][None, :] + tokens[items][:, bag_class[targets]] > cap] = big
         best_move = int(np.argmin(move_score))
 
-        # Swaps: item k of A with sequence j of a light partner bag.
+        # Swaps: an item of A with sequence j of a light partner bag. A useful swap trades costs that
+        # differ by about half the load gap, so a sample of A's items spread evenly by cost will do.
+        swap_items = items
+        if len(items) > SWAP_CANDIDATES:
+            by_cost = np.argsort(cost[items, class_a], kind="stable")
+            swap_items = items[by_cost[np.linspace(0, len(items) - 1, SWAP_CANDIDATES).astype(np.int64)]]
         js = []
         for b in np.argsort(loads, kind="stable")[: SWAP_CANDIDATES + 1].tolist():
             if len(js) >= SWAP_CANDIDATES:
@@ -566,12 +605,14 @@ def _local_search(problem: _Problem, bag_of_seq: np.ndarray, steps: int) -> None
         best_swap, swap_score = None, None
         if js.size:
             class_b = bag_class[bag_of_seq[js]]
-            new_a = left_a[:, None] + cost[js, class_a][None, :]  # [k, J]
-            new_b = (loads[bag_of_seq[js]] - cost[js, class_b])[None, :] + cost[items][:, class_b]
+            new_a = (load_a - cost[swap_items, class_a])[:, None] + cost[js, class_a][None, :]  # [k', J]
+            new_b = (loads[bag_of_seq[js]] - cost[js, class_b])[None, :] + cost[swap_items][:, class_b]
             swap_score = np.maximum(new_a, new_b)
             if cap is not None:
-                over_a = bag_tokens[a] - tokens[items, class_a][:, None] + tokens[js, class_a][None, :] > cap
-                over_b = (bag_tokens[bag_of_seq[js]] - tokens[js, class_b])[None, :] + tokens[items][:, class_b] > cap
+                over_a = bag_tokens[a] - tokens[swap_items, class_a][:, None] + tokens[js, class_a][None, :] > cap
+                over_b = (bag_tokens[bag_of_seq[js]] - tokens[js, class_b])[None, :] + tokens[swap_items][
+                    :, class_b
+                ] > cap
                 swap_score[over_a | over_b] = big
             best_swap = int(np.argmin(swap_score))
 
@@ -584,7 +625,7 @@ def _local_search(problem: _Problem, bag_of_seq: np.ndarray, steps: int) -> None
             _move(problem, bag_of_seq, loads, bag_tokens, members, int(items[k]), int(targets[t]))
         else:
             k, jj = divmod(best_swap, len(js))
-            i, j = int(items[k]), int(js[jj])
+            i, j = int(swap_items[k]), int(js[jj])
             b = int(bag_of_seq[j])
             _move(problem, bag_of_seq, loads, bag_tokens, members, i, b)
             _move(problem, bag_of_seq, loads, bag_tokens, members, j, a)

@@ -164,7 +164,7 @@ def _node_aligned_order(sizes: list[int], gpus_per_node: int) -> list[int] | Non
         for i in range(choice, len(distinct)):
             if not remaining[i] or not _fits_node(offset, distinct[i], gpus_per_node):
                 continue
-            child = (remaining[:i] + (remaining[i] - 1,) + remaining[i + 1 :], (offset + distinct[i]) % gpus_per_node)
+            child = ((*remaining[:i], remaining[i] - 1, *remaining[i + 1 :]), (offset + distinct[i]) % gpus_per_node)
             if child not in dead:
                 stack[-1] = (remaining, offset, i + 1)
                 stack.append((*child, 0))

@@ -106,7 +106,9 @@ class WorkloadModel:
         alltoall = 8 * hidden * bytes_per_element * blocks / (alltoall_gbps * 1e9)
         return cls(linear, quadratic, alltoall, gpu_speed)
 
-    def per_gpu_time(self, seq_lens: np.ndarray, bag_size: np.ndarray | int, bag_speed: np.ndarray | float = 1.0) -> np.ndarray:
+    def per_gpu_time(
+        self, seq_lens: np.ndarray, bag_size: np.ndarray | int, bag_speed: np.ndarray | float = 1.0
+    ) -> np.ndarray:
         """Modeled seconds each GPU of the bag spends on each sequence.
 
         Args:
@@ -133,7 +135,9 @@ class WorkloadModel:
                 "give one speed per rank of the balance group"
             )
         speeds = np.asarray(self.gpu_speed, dtype=np.float64)
-        return np.array([speeds[first : first + size].min() for first, size in zip(bag_first_rank, bag_sizes, strict=True)])
+        return np.array(
+            [speeds[first : first + size].min() for first, size in zip(bag_first_rank, bag_sizes, strict=True)]
+        )
 
 
 def default_workload(model: str | dict[str, int] = "flux-dev", **overrides: float) -> WorkloadModel:
@@ -192,6 +196,6 @@ def fit_workload(
                 best_residual = residual
                 best_coef = np.zeros(3)
                 best_coef[list(support)] = solution / norms[list(support)]
-    if best_coef is None or best_coef[0] == 0 and best_coef[1] == 0:
+    if best_coef is None or (best_coef[0] == 0 and best_coef[1] == 0):
         raise ValueError("the measurements give no positive compute coefficient; are the times all zero?")
     return WorkloadModel(float(best_coef[0]), float(best_coef[1]), float(best_coef[2]))

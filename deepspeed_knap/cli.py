@@ -1,0 +1,184 @@
+"""``deepspeed-knap``: command-line entry point.
+
+``deepspeed-knap plan`` solves one step of a bundled workload (or lengths from a JSON file) with
+every solver and compares them: modeled step time, imbalance, distance to the lower bound, tokens
+moved, memory, solve time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_routing
+from deepspeed_knap.topology import build_topology
+from deepspeed_knap.workload import MODEL_PRESETS, WorkloadModel, default_workload
+from deepspeed_knap.workloads import WORKLOADS, sample_workload
+
+_MODEL_KEYS = ("hidden", "double_blocks", "single_blocks", "mlp_ratio")
+
+
+def parse_model(text: str) -> dict[str, int]:
+    """``flux-dev`` (a preset) or ``hidden=3072,double_blocks=19,single_blocks=38[,mlp_ratio=4]``."""
+    if text in MODEL_PRESETS:
+        return dict(MODEL_PRESETS[text])
+    dims = dict(MODEL_PRESETS["flux-dev"])
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in _MODEL_KEYS or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(
+                f"bad --model part {item!r}: give a preset ({', '.join(MODEL_PRESETS)}) or "
+                f"key=int pairs with keys {', '.join(_MODEL_KEYS)}"
+            )
+        dims[key.strip()] = int(value)
+    return dims
+
+
+def load_lengths(path: str) -> list[list[int]]:
+    """A JSON list with one list of sequence lengths per rank."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise SystemExit(f"cannot read --lengths {path}: {error}") from error
+    if not isinstance(data, list) or not all(isinstance(rank, list) for rank in data):
+        raise SystemExit(f"--lengths {path} must hold a JSON list with one list of lengths per rank")
+    return data
+
+
+def _timed_plan(lengths, topology, workload: WorkloadModel, solver: str, cap: int | None, repeat: int):
+    times, plan = [], None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        plan = plan_routing(lengths, topology, workload, solver, max_tokens_per_gpu=cap)
+        times.append((time.perf_counter() - start) * 1e3)
+    return plan, statistics.median(times)
+
+
+def _summary(plan: RoutingPlan, baseline: RoutingPlan, solve_ms: float) -> dict:
+    return {
+        "max_load_s": plan.max_load,
+        "imbalance": plan.imbalance,
+        "lower_bound": plan.lower_bound,
+        "ratio_to_lower_bound": plan.max_load / plan.lower_bound if plan.lower_bound > 0 else 1.0,
+        "speedup_vs_none": baseline.max_load / plan.max_load if plan.max_load > 0 else 1.0,
+        "tokens_moved_fraction": plan.tokens_moved_fraction,
+        "max_gpu_tokens": int(plan.gpu_tokens.max()) if plan.num_gpus else 0,
+        "solve_ms": solve_ms,
+        "gpu_loads": plan.gpu_loads.tolist(),
+    }
+
+
+def plot_loads(plans: dict[str, RoutingPlan], path: str, title: str) -> None:
+    """Bar chart of modeled per-GPU load, one panel per solver, lower bound dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(plans), 1, figsize=(10, 2.2 * len(plans) + 0.6), sharex=True, sharey=True)
+    axes = np.atleast_1d(axes)
+    for ax, (name, plan) in zip(axes, plans.items(), strict=True):
+        ax.bar(np.arange(plan.num_gpus), plan.gpu_loads, width=0.85, color="tab:gray" if name == "none" else "tab:blue")
+        ax.axhline(plan.lower_bound, color="tab:red", linestyle="--", linewidth=1, label="lower bound")
+        ax.set_ylabel("modeled s")
+        ax.set_title(f"{name}: step {plan.max_load:.3g} s, imbalance {plan.imbalance:.3f}", fontsize=10, loc="left")
+    axes[0].legend(loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("GPU (rank in balance group)")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    topology = build_topology(args.topology, gpus_per_node=args.gpus_per_node)
+    if args.lengths:
+        lengths, source = load_lengths(args.lengths), args.lengths
+    else:
+        lengths, source = (
+            sample_workload(args.workload, topology.group_size, args.seed),
+            f"{args.workload} (seed {args.seed})",
+        )
+    workload = default_workload(args.model, tflops=args.tflops, alltoall_gbps=args.alltoall_gbps)
+    solvers = list(SOLVERS) if args.solver == "all" else sorted({"none", args.solver}, key=SOLVERS.index)
+    plans, timings = {}, {}
+    for solver in solvers:
+        plans[solver], timings[solver] = _timed_plan(
+            lengths, topology, workload, solver, args.max_tokens_per_gpu, args.repeat
+        )
+    baseline = plans["none"]
+    report = {
+        "topology": topology.spec,
+        "num_gpus": topology.group_size,
+        "lengths": source,
+        "num_sequences": int(baseline.seq_lens.size),
+        "num_tokens": int(baseline.seq_lens.sum()),
+        "max_tokens_per_gpu": args.max_tokens_per_gpu,
+        "solvers": {name: _summary(plan, baseline, timings[name]) for name, plan in plans.items()},
+    }
+    if args.plot:
+        plot_loads(plans, args.plot, f"{topology.spec}, {source}")
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+        return 0
+    print(
+        f"topology {topology.spec}: {topology.num_bags} bags over {topology.group_size} GPUs; lengths {source}: "
+        f"{report['num_sequences']} sequences, {report['num_tokens']:,} tokens"
+    )
+    print(f"lower bound on the modeled step: {baseline.lower_bound:.4g} s")
+    header = f"{'solver':<11}{'step s':>9}{'imbalance':>11}{'vs bound':>10}{'speedup':>9}{'moved':>8}{'max tok/GPU':>13}{'solve ms':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, row in report["solvers"].items():
+        print(
+            f"{name:<11}{row['max_load_s']:>9.4g}{row['imbalance']:>11.4f}{row['ratio_to_lower_bound']:>10.4f}"
+            f"{row['speedup_vs_none']:>8.2f}x{row['tokens_moved_fraction']:>8.1%}{row['max_gpu_tokens']:>13,}{row['solve_ms']:>10.2f}"
+        )
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepspeed-knap", description="KnapFormer-style balancing for DeepSpeed.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser("plan", help="solve one step and compare solvers", description=__doc__,
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    plan.add_argument("--topology", default="g8n4", help="bags, e.g. g8n4 or g1n8+g2n4")
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--workload", default="kf_image_video", choices=list(WORKLOADS), help="bundled workload")
+    source.add_argument("--lengths", metavar="FILE.json", help="JSON list of per-rank lists of sequence lengths")
+    plan.add_argument("--seed", type=int, default=0, help="seed of the bundled workload")
+    plan.add_argument("--solver", default="all", choices=["all", *SOLVERS],
+                      help=f"solver to run next to 'none' (default solver: {DEFAULT_SOLVER})")  # fmt: skip
+    plan.add_argument("--model", type=parse_model, default="flux-dev",
+                      help="preset or dims: hidden=3072,double_blocks=19,single_blocks=38,mlp_ratio=4")  # fmt: skip
+    plan.add_argument("--tflops", type=float, default=400.0, help="sustained TFLOP/s per GPU")
+    plan.add_argument("--alltoall-gbps", type=float, default=150.0, help="per-GPU all-to-all GB/s inside a bag")
+    plan.add_argument("--gpus-per-node", type=int, default=None, help="keep bags inside nodes of this many GPUs")
+    plan.add_argument("--max-tokens-per-gpu", type=int, default=None, help="hard memory cap on routed tokens")
+    plan.add_argument("--repeat", type=int, default=5, help="solves per solver; the median time is reported")
+    plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    plan.add_argument("--plot", metavar="OUT.png", help="write per-GPU loads before and after")
+    plan.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as error:
+        print(f"deepspeed-knap {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
