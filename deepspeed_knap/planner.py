@@ -174,15 +174,14 @@ def plan_routing(
     if refine_steps < 0:
         raise ValueError(f"refine_steps must be >= 0; got {refine_steps}")
     problem = _Problem.build(seq_lens_per_rank, topology, workload, max_tokens_per_gpu)
-    home_plan = problem.make_plan(solver, problem.src, np.ones_like(problem.src))
     if solver == "none":
-        return home_plan
+        return problem.make_plan(solver, problem.src, np.ones_like(problem.src))
     bag_of_seq = _knapformer_greedy(problem) if solver == "knapformer" else _refine(problem, refine_steps)
     plan = problem.make_plan(solver, problem.bag_first[bag_of_seq], problem.bag_size[bag_of_seq])
     # Running every sequence alone on its home GPU needs no bag at all; when no topology plan beats
     # it (tiny sequences, where the all-to-all costs more than balancing wins), that is the plan.
-    if solver == "refine" and home_plan.max_load <= plan.max_load and problem.fits_cap_at_home():
-        return home_plan
+    if solver == "refine" and problem.home_max_load_s <= plan.max_load and problem.fits_cap_at_home():
+        return problem.make_plan(solver, problem.src, np.ones_like(problem.src))
     return plan
 
 
@@ -339,10 +338,14 @@ class _Problem:
         return np.bincount(gpu_of_member, weights=np.repeat(per_gpu_s, group_size), minlength=self.topology.group_size)
 
     @functools.cached_property
+    def home_max_load_s(self) -> float:
+        """Modeled step time of keeping every sequence alone on its home GPU."""
+        return float(self._gpu_loads(self.src, np.ones_like(self.src)).max()) if self.seq_lens.size else 0.0
+
+    @functools.cached_property
     def lower_bound_s(self) -> float:
         """Seconds no plan of ours can beat: the topology bound, or running everything at home."""
-        home_max = float(self._gpu_loads(self.src, np.ones_like(self.src)).max()) if self.seq_lens.size else 0.0
-        return min(self.lower_bound * self.seconds_per_unit, home_max)
+        return min(self.lower_bound * self.seconds_per_unit, self.home_max_load_s)
 
     def fits_cap_at_home(self) -> bool:
         home_tokens = np.bincount(self.src, weights=self.seq_lens, minlength=self.topology.group_size)
@@ -660,17 +663,23 @@ def _keep_tokens_home(problem: _Problem, bag_of_seq: np.ndarray) -> np.ndarray:
     pair_key, inverse = np.unique(bag_of_seq[same_class] * num_bags + home_bag[same_class], return_inverse=True)
     pair_kept = np.bincount(inverse.ravel(), weights=kept[same_class]).astype(np.int64)
 
-    content_to_bag = np.full(num_bags, -1, dtype=np.int64)
-    bag_taken = np.zeros(num_bags, dtype=bool)
+    by_weight = np.lexsort((pair_key, -pair_kept))
+    content_to_bag = [-1] * num_bags
+    bag_taken = [False] * num_bags
     matched = 0
-    for p in np.lexsort((pair_key, -pair_kept)).tolist():
-        content, bag = divmod(int(pair_key[p]), num_bags)
+    for content, bag, weight in zip(
+        (pair_key[by_weight] // num_bags).tolist(),
+        (pair_key[by_weight] % num_bags).tolist(),
+        pair_kept[by_weight].tolist(),
+        strict=True,
+    ):
         if content_to_bag[content] < 0 and not bag_taken[bag]:
             content_to_bag[content], bag_taken[bag] = bag, True
-            matched += int(pair_kept[p])
+            matched += weight
     kept_identity = int(pair_kept[pair_key // num_bags == pair_key % num_bags].sum())
     if matched <= kept_identity:
         return bag_of_seq
+    content_to_bag, bag_taken = np.asarray(content_to_bag), np.asarray(bag_taken)
     for c in range(len(problem.class_size)):
         in_class = problem.bag_class == c
         content_to_bag[np.flatnonzero(in_class & (content_to_bag < 0))] = np.flatnonzero(in_class & ~bag_taken)

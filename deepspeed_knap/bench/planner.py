@@ -8,8 +8,8 @@ imbalance (max/mean modeled GPU load), median ratio of the step time to the lowe
 speedup of the modeled step over ``none``, median solve time.
 
 Part 2, scale: 1,024 GPUs with 16 sequences each, drawn from the pooled lengths of
-``kf_image_video`` (the paper's joint image + video mix), on g1n1024, g8n128 and a four-size mix;
-median and p95 solve time.
+``kf_image_video`` (the paper's joint image + video mix), on g1n1024, g8n128 and the four-size mix
+g1n512+g2n128+g4n32+g8n16; median and p95 solve time.
 
 Solve times are wall-clock medians of single solves on this machine; quality figures are modeled (the
 FLUX.1-dev FLOP model with default throughput and bandwidth).
@@ -29,7 +29,14 @@ from deepspeed_knap.workload import default_workload
 from deepspeed_knap.workloads import WORKLOADS, sample_workload
 
 TOPOLOGIES_32 = ["g1n32", "g2n16", "g4n8", "g8n4", "g1n8+g2n4+g4n2+g8n1"]
-TOPOLOGIES_1024 = ["g1n1024", "g8n128", "g1n512+g2n128+g4n32+g8n16"]
+
+
+def scale_topologies(num_gpus: int) -> list[str]:
+    """Flat, 8-GPU bags, and a four-size mix (half the GPUs alone, the rest in bags of 2, 4, 8)."""
+    if num_gpus % 64:
+        raise ValueError(f"the scale benchmark needs a multiple of 64 GPUs; got {num_gpus}")
+    mixed = f"g1n{num_gpus // 2}+g2n{num_gpus // 8}+g4n{num_gpus // 32}+g8n{num_gpus // 64}"
+    return [f"g1n{num_gpus}", f"g8n{num_gpus // 8}", mixed]
 
 
 def _solve(lengths, topology, workload, solver):
@@ -67,7 +74,7 @@ def bench_scale(steps: int, num_gpus: int = 1024, per_rank: int = 16) -> list[di
     model = default_workload()
     pool = np.concatenate([np.asarray(r) for r in sample_workload("kf_image_video", 32, 0) if r])
     rows = []
-    for spec in tqdm(TOPOLOGIES_1024, desc=f"{num_gpus}-GPU scale", unit="topology"):
+    for spec in tqdm(scale_topologies(num_gpus), desc=f"{num_gpus}-GPU scale", unit="topology"):
         topology = build_topology(spec, gpus_per_node=8)
         samples = {solver: [] for solver in SOLVERS}
         for seed in range(steps):

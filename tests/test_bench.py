@@ -1,0 +1,20 @@
+"""The planner benchmark runs end to end (small) and its tables hold what they claim."""
+
+from deepspeed_knap.bench import planner as bench
+
+
+def test_32_gpu_table_smoke():
+    rows = bench.bench_32(steps=1, workload_names=["kf_mixed_res"])
+    assert len(rows) == len(bench.TOPOLOGIES_32) * 3
+    for row in rows:
+        assert row["ratio_to_bound"] >= 1 - 1e-9 and row["solve_ms"] > 0
+    table = bench.format_32(rows)
+    assert table.count("\n| kf_mixed_res |") == len(bench.TOPOLOGIES_32)
+
+
+def test_scale_smoke():
+    rows = bench.bench_scale(steps=1, num_gpus=64, per_rank=4)
+    topologies = ["g1n64", "g8n8", "g1n32+g2n8+g4n2+g8n1"]
+    assert bench.scale_topologies(64) == topologies
+    assert [row["topology"] for row in rows] == [t for t in topologies for _ in range(3)]
+    assert "| g8n8 | refine |" in bench.format_scale(rows)
