@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -452,14 +453,19 @@ def _finish_time_greedy(problem: _Problem) -> np.ndarray | None:
         gpu_seconds = (problem.cost * problem.class_size[None, :])[order].tolist()
         class_heaps = heaps.heaps
         for costs, gpu_s in zip(cost_rows, gpu_seconds, strict=True):
-            best_key, best_c = None, 0
+            best_finish, best_c, best_bag = -1, 0, -1
             for c, cost in enumerate(costs):
                 load, bag = class_heaps[c][0]
-                key = (load + cost, gpu_s[c], bag)
-                if best_key is None or key < best_key:
-                    best_key, best_c = key, c
-            heapq.heapreplace(class_heaps[best_c], (best_key[0], best_key[2]))
-            placed.append(best_key[2])
+                finish = load + cost
+                # Same order as the tuple (finish, gpu_s, bag), without building one per class.
+                if (
+                    best_finish < 0
+                    or finish < best_finish
+                    or (finish == best_finish and (gpu_s[c], bag) < (gpu_s[best_c], best_bag))
+                ):
+                    best_finish, best_c, best_bag = finish, c, bag
+            heapq.heapreplace(class_heaps[best_c], (best_finish, best_bag))
+            placed.append(best_bag)
     else:
         gpu_seconds = (problem.cost * problem.class_size[None, :])[order].tolist()
         for costs, gpu_s, allowed, needs in zip(
@@ -487,8 +493,7 @@ def _knapformer_greedy(problem: _Problem) -> np.ndarray:
     Workload ``w = a*s + b*s**2`` (no communication, no speeds); sequences by ``w`` descending; a bag's
     capacity is the mean per-GPU workload times its size ``G``; candidate bags have capacity ``>= w``
     and ``G <= s``, else all bags of the largest ``G``; the candidate with the lowest occupancy (used
-    over capacity) wins, ties to the lower bag id. Exact integer arithmetic: occupancies are compared by
-    cross-multiplication.
+    over capacity) wins, ties to the lower bag id. Exact integer arithmetic throughout.
     """
     n = len(problem.seq_lens)
     if n == 0:
@@ -503,21 +508,19 @@ def _knapformer_greedy(problem: _Problem) -> np.ndarray:
     )
     candidate[~candidate.any(axis=1), -1] = True
     order = np.lexsort((np.arange(n), -w))
-    sizes = sizes.tolist()
-    placed = []
+    # Heaps hold used * (L / G), L the lcm of the sizes: occupancy used / (mean * G) compares exactly
+    # as a plain integer across classes.
+    scale = [math.lcm(*sizes.tolist()) // g for g in sizes.tolist()]
     class_heaps = heaps.heaps
+    placed = []
     for amount, candidates in zip(w[order].tolist(), candidate[order].tolist(), strict=True):
-        best_k = -1
+        best_k, best_occupancy, best_bag = -1, 0, -1
         for k, ok in enumerate(candidates):
             if ok:
-                used, bag = class_heaps[k][0]
-                if best_k < 0:
-                    best_used, best_bag, best_k = used, bag, k
-                else:
-                    mine, theirs = used * sizes[best_k], best_used * sizes[k]
-                    if mine < theirs or (mine == theirs and bag < best_bag):
-                        best_used, best_bag, best_k = used, bag, k
-        heapq.heapreplace(class_heaps[best_k], (best_used + amount, best_bag))
+                occupancy, bag = class_heaps[k][0]
+                if best_k < 0 or occupancy < best_occupancy or (occupancy == best_occupancy and bag < best_bag):
+                    best_occupancy, best_bag, best_k = occupancy, bag, k
+        heapq.heapreplace(class_heaps[best_k], (best_occupancy + amount * scale[best_k], best_bag))
         placed.append(best_bag)
     bag_of_seq = np.empty(n, dtype=np.int64)
     bag_of_seq[order] = placed

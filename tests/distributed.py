@@ -25,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
 # Spawning a rank and importing torch takes seconds on 2 cores; rendezvous must finish within this.
 _STARTUP_LIMIT_S = 120.0
 

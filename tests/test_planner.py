@@ -44,7 +44,7 @@ def check_plan_covers_every_token(plan, seq_lens_per_rank, topology):
         group = range(plan.seq_group_start[i], plan.seq_group_start[i] + plan.seq_group_size[i])
         # One chunk per GPU of the group, in rank order, contiguous, covering [0, length) exactly once.
         assert gpus.tolist() == list(group)
-        assert 0 <= group.start and group.stop <= topology.group_size
+        assert group.start >= 0 and group.stop <= topology.group_size
         assert np.all(lens >= 0) and lens.sum() == length
         assert starts[0] == 0 and np.array_equal(starts[1:], (starts + lens)[:-1])
         assert lens.max() - lens.min() <= 1  # near-equal chunks
