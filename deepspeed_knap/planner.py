@@ -20,7 +20,8 @@ Solvers (``SOLVERS``):
   Ulysses all-to-all; the ``knapformer`` greedy; every sequence in the bag holding its home rank),
   improved by local search (move one sequence off the busiest bag, or swap it with a sequence of a
   lightly loaded bag, while that lowers the busiest bag's load), then permuted among identical bags to
-  keep tokens on their home rank. If keeping every sequence alone on its home GPU (``none``) is no
+  keep tokens on their home rank. Steps of at most ``EXACT_MAX_SEQUENCES`` sequences are finished by
+  a budgeted exact branch and bound. If keeping every sequence alone on its home GPU (``none``) is no
   slower, that plan is returned instead: the all-to-all can cost more than balancing gains. Local
   search never raises the max load, so ``refine`` is never worse than ``knapformer`` or ``none`` in
   modeled max load, and it honours ``max_tokens_per_gpu``.
@@ -50,6 +51,13 @@ SWAP_CANDIDATES = 64
 # Bags of a class are interchangeable for a move, so only the lightest few of each class are tried
 # (more than one: under a memory cap the lightest may lack room).
 MOVE_TARGETS_PER_CLASS = 4
+# Two-step chains start from this many of the busiest bag's largest sequences (a chain costs a full
+# step search per try).
+CHAIN_STARTS = 4
+# Steps with at most this many sequences are finished by an exact branch and bound (few sequences
+# per GPU is where one bad placement costs the most), within a node budget.
+EXACT_MAX_SEQUENCES = 16
+EXACT_NODE_BUDGET = 20_000
 # Largest quantised sequence cost. Sums of up to 2**20 such costs stay exact in float64 bincounts.
 _COST_UNITS = 2**32
 
@@ -199,7 +207,6 @@ class _Problem:
     src: np.ndarray  # [N] int64 home rank
     bag_size: np.ndarray  # [B] int64
     bag_first: np.ndarray  # [B] int64
-    bag_speed: np.ndarray  # [B] float64
     bag_class: np.ndarray  # [B] int64
     class_size: np.ndarray  # [C] int64
     class_count: np.ndarray  # [C] int64 bags per class
@@ -236,7 +243,7 @@ class _Problem:
                 f"max_tokens_per_gpu={cap}. Raise max_tokens_per_gpu to at least {tokens[i].min()}, "
                 "use a topology with larger bags, or drop sequences this long"
             )
-        return cls(topology, workload, cap, seq_lens, src, bag_size, bag_first, bag_speed, bag_class,
+        return cls(topology, workload, cap, seq_lens, src, bag_size, bag_first, bag_class,
                    class_size, class_count, cost, tokens, allowed, 1.0 / scale)  # fmt: skip
 
     @property
@@ -539,39 +546,90 @@ def _refine(problem: _Problem, steps: int) -> np.ndarray:
     starts = [home_bag, _finish_time_greedy(problem), _knapformer_greedy(problem)]
     feasible = [s for s in starts if s is not None and problem.fits_cap(s)]
     if not feasible:
+        total, gpus = int(problem.seq_lens.sum()), problem.topology.group_size
         raise ValueError(
-            f"max_tokens_per_gpu={problem.cap} cannot be met: {int(problem.seq_lens.sum())} tokens over "
-            f"{problem.topology.group_size} GPUs found no assignment that fits. Raise the cap or use larger bags"
+            f"max_tokens_per_gpu={problem.cap} could not be met: {total} tokens over {gpus} GPUs need at least "
+            f"{-(-total // gpus)} per GPU on average, and no assignment found keeps every GPU under the cap. "
+            "Raise the cap or use larger bags"
         )
     # min() keeps the first of equal loads: the home-bag start, which moves the fewest tokens.
     bag_of_seq = min(feasible, key=lambda s: int(problem.bag_loads(s).max())).copy()
     _local_search(problem, bag_of_seq, steps)
+    if len(bag_of_seq) <= EXACT_MAX_SEQUENCES:
+        bag_of_seq = _exact_search(problem, bag_of_seq, EXACT_NODE_BUDGET)
     return _keep_tokens_home(problem, bag_of_seq)
 
 
+def _exact_search(problem: _Problem, incumbent: np.ndarray, node_budget: int) -> np.ndarray:
+    """The best assignment found by branch and bound within ``node_budget`` nodes, or ``incumbent``.
+
+    Sequences go in descending cost order; of several empty bags of one class only the first is
+    tried (they are interchangeable); a branch is cut when its busiest bag reaches the incumbent, or
+    when even the cheapest placement of the remaining sequences cannot fit under it (GPU-seconds
+    over ``S`` GPUs). Stops at the lower bound. Exact when the budget suffices.
+    """
+    n, num_bags = len(incumbent), problem.num_bags
+    order = np.lexsort((np.arange(n), -problem.cost.min(axis=1)))
+    cost, allowed, need = (problem.cost[order].tolist(), problem.allowed[order].tolist(),
+                           problem.tokens[order].tolist())  # fmt: skip
+    gpu_time = problem.cost[order] * problem.class_size[None, :]
+    cheapest_rest = np.concatenate([np.cumsum(np.where(problem.allowed[order], gpu_time, np.iinfo(np.int64).max)
+                                              .min(axis=1)[::-1])[::-1], [0]]).tolist()  # fmt: skip
+    bag_class, class_size = problem.bag_class.tolist(), problem.class_size.tolist()
+    group_size, cap = int(problem.bag_size.sum()), problem.cap
+    loads, tokens, counts, assign = [0] * num_bags, [0] * num_bags, [0] * num_bags, [0] * n
+    best_max, best_assign, nodes = int(problem.bag_loads(incumbent).max()), None, 0
+
+    def search(k: int, current_max: int, used: int) -> None:
+        nonlocal best_max, best_assign, nodes
+        if k == n:
+            best_max, best_assign = current_max, list(assign)
+            return
+        if nodes >= node_budget or best_max <= problem.lower_bound:
+            return
+        if -(-(used + cheapest_rest[k]) // group_size) >= best_max:
+            return
+        empty_classes_tried = set()
+        for b in range(num_bags):
+            c = bag_class[b]
+            if counts[b] == 0:
+                if c in empty_classes_tried:
+                    continue
+                empty_classes_tried.add(c)
+            new_load = loads[b] + cost[k][c]
+            if not allowed[k][c] or new_load >= best_max or (cap is not None and tokens[b] + need[k][c] > cap):
+                continue
+            nodes += 1
+            loads[b], tokens[b], counts[b], assign[k] = new_load, tokens[b] + need[k][c], counts[b] + 1, b
+            search(k + 1, max(current_max, new_load), used + class_size[c] * cost[k][c])
+            loads[b], tokens[b], counts[b] = loads[b] - cost[k][c], tokens[b] - need[k][c], counts[b] - 1
+
+    search(0, 0, 0)
+    if best_assign is None:
+        return incumbent
+    bag_of_seq = np.empty(n, dtype=np.int64)
+    bag_of_seq[order] = best_assign
+    return bag_of_seq
+
+
 def _local_search(problem: _Problem, bag_of_seq: np.ndarray, steps: int) -> None:
-    """Lower the busiest bag's load by moves and swaps, in place, for at most ``steps`` steps.
+    """Lower the busiest bag's load by moves, swaps and two-step chains, in place, for <= ``steps`` steps.
 
     A step takes the busiest bag ``A`` (lowest id among equals) and applies the best of: moving one of
-    its sequences to a light bag of any class, or swapping one with a sequence of the least-loaded bags (up to
-    ``SWAP_CANDIDATES`` of them), judged by the larger of the two new loads. It is applied only if that
-    is below ``A``'s load, so the sorted load vector decreases lexicographically: no cycles, and the
-    max load never rises. Stops early within ``REFINE_TOLERANCE`` of the lower bound, when no step
+    its sequences to a light bag of any class, or swapping one with a sequence of the least-loaded bags
+    (up to ``SWAP_CANDIDATES`` of them), judged by the larger of the new loads. When neither helps, a
+    chain: move a sequence of ``A`` into a bag ``B`` even if that overloads ``B``, then the best move or
+    swap out of ``B`` (never back into ``A``). A step is applied only if every load it touches ends
+    below ``A``'s load, so the sorted load vector decreases lexicographically: no cycles, and the max
+    load never rises. Stops early within ``REFINE_TOLERANCE`` of the lower bound, when no step
     improves, or when ``B`` steps in a row cut the max by less than ``REFINE_TOLERANCE``.
     """
-    big = np.iinfo(np.int64).max
+    state = _Assignment(problem, bag_of_seq)
     good_enough = problem.lower_bound + int(problem.lower_bound * REFINE_TOLERANCE)
-    loads = problem.bag_loads(bag_of_seq)
-    bag_tokens = problem.bag_tokens(bag_of_seq)
-    members = [[] for _ in range(problem.num_bags)]
-    for i, bag in enumerate(bag_of_seq.tolist()):
-        members[bag].append(i)
-    bag_class, cost, tokens, cap = problem.bag_class, problem.cost, problem.tokens, problem.cap
-    class_first = np.concatenate([[0], np.cumsum(problem.class_count)[:-1]]).tolist()
-    window_start_max = int(loads.max())
+    window_start_max = int(state.loads.max())
     for step in range(steps):
-        a = int(np.argmax(loads))
-        load_a = int(loads[a])
+        a = int(np.argmax(state.loads))
+        load_a = int(state.loads[a])
         if load_a <= good_enough:
             return
         # A step lowers one busiest bag; B steps give every bag a turn. A window that did not cut the
@@ -580,73 +638,130 @@ def _local_search(problem: _Problem, bag_of_seq: np.ndarray, steps: int) -> None
             if window_start_max - load_a <= int(window_start_max * REFINE_TOLERANCE):
                 return
             window_start_max = load_a
-        items = np.asarray(members[a])
-        class_a = bag_class[a]
-        left_a = load_a - cost[items, class_a]  # [k] load of A once the item leaves
+        found = state.best_step(a, load_a, exclude=(a,))
+        if found is None:
+            found = state.best_chain(a, load_a)
+            if found is None:
+                return
+        for i, to_bag in found[1]:
+            state.move(i, to_bag)
 
-        # Moves: item k of A to a target bag.
+
+class _Assignment:
+    """A mutable assignment of sequences to bags with its loads, for local search.
+
+    ``bag_of_seq`` is updated in place; ``loads`` (quantised) and ``bag_tokens`` (tokens on each
+    bag's busiest GPU) follow every move.
+    """
+
+    _BIG = np.iinfo(np.int64).max
+
+    def __init__(self, problem: _Problem, bag_of_seq: np.ndarray):
+        self.problem = problem
+        self.bag_of_seq = bag_of_seq
+        self.loads = problem.bag_loads(bag_of_seq)
+        self.bag_tokens = problem.bag_tokens(bag_of_seq)
+        self.members: list[list[int]] = [[] for _ in range(problem.num_bags)]
+        for i, bag in enumerate(bag_of_seq.tolist()):
+            self.members[bag].append(i)
+        self.class_first = np.concatenate([[0], np.cumsum(problem.class_count)[:-1]]).tolist()
+
+    def move(self, i: int, to_bag: int) -> None:
+        problem, from_bag = self.problem, int(self.bag_of_seq[i])
+        c_from, c_to = problem.bag_class[from_bag], problem.bag_class[to_bag]
+        self.loads[from_bag] -= problem.cost[i, c_from]
+        self.loads[to_bag] += problem.cost[i, c_to]
+        self.bag_tokens[from_bag] -= problem.tokens[i, c_from]
+        self.bag_tokens[to_bag] += problem.tokens[i, c_to]
+        self.members[from_bag].remove(i)
+        self.members[to_bag].append(i)
+        self.bag_of_seq[i] = to_bag
+
+    def best_step(self, a: int, limit: int, exclude: tuple[int, ...]) -> tuple[int, list[tuple[int, int]]] | None:
+        """Best move or swap of a sequence of bag ``a`` with bags not in ``exclude``.
+
+        Returns ``(score, [(sequence, to_bag), ...])`` when its score (the largest load it leaves on
+        the bags it touches) is below ``limit``, else ``None``.
+        """
+        problem, loads, bag_tokens = self.problem, self.loads, self.bag_tokens
+        bag_class, cost, tokens, cap, big = problem.bag_class, problem.cost, problem.tokens, problem.cap, self._BIG
+        if not self.members[a]:
+            return None
+        items = np.asarray(self.members[a])
+        class_a = bag_class[a]
+        left_a = loads[a] - cost[items, class_a]  # [k] load of a once the item leaves
+
+        # Moves: item k of a to a target bag; bags of a class are interchangeable, so the lightest few.
         by_class_then_load = np.lexsort((loads, bag_class))
         targets = np.concatenate(
-            [by_class_then_load[first : first + MOVE_TARGETS_PER_CLASS + 1] for first in class_first]
+            [by_class_then_load[first : first + MOVE_TARGETS_PER_CLASS + len(exclude)] for first in self.class_first]
         )
-        targets = targets[targets != a]
+        targets = targets[~np.isin(targets, exclude)]
         move_score = np.maximum(loads[targets][None, :] + cost[items][:, bag_class[targets]], left_a[:, None])  # [k, M]
         if cap is not None:
             move_score[bag_tokens[targets][None, :] + tokens[items][:, bag_class[targets]] > cap] = big
-        best_move = int(np.argmin(move_score))
+        best = None
+        if targets.size:
+            flat = int(np.argmin(move_score))
+            k, t = divmod(flat, len(targets))
+            best = (int(move_score.flat[flat]), [(int(items[k]), int(targets[t]))])
 
-        # Swaps: an item of A with sequence j of a light partner bag. A useful swap trades costs that
-        # differ by about half the load gap, so a sample of A's items spread evenly by cost will do.
+        # Swaps: an item of a with sequence j of a light partner bag. A useful swap trades costs that
+        # differ by about half the load gap, so a sample of a's items spread evenly by cost will do.
         swap_items = items
         if len(items) > SWAP_CANDIDATES:
             by_cost = np.argsort(cost[items, class_a], kind="stable")
             swap_items = items[by_cost[np.linspace(0, len(items) - 1, SWAP_CANDIDATES).astype(np.int64)]]
         js = []
-        for b in np.argsort(loads, kind="stable")[: SWAP_CANDIDATES + 1].tolist():
+        for b in np.argsort(loads, kind="stable")[: SWAP_CANDIDATES + len(exclude)].tolist():
             if len(js) >= SWAP_CANDIDATES:
                 break
-            if b != a:
-                js.extend(members[b])
-        js = np.asarray(js, dtype=np.int64)
-        best_swap, swap_score = None, None
-        if js.size:
-            class_b = bag_class[bag_of_seq[js]]
-            new_a = (load_a - cost[swap_items, class_a])[:, None] + cost[js, class_a][None, :]  # [k', J]
-            new_b = (loads[bag_of_seq[js]] - cost[js, class_b])[None, :] + cost[swap_items][:, class_b]
+            if b not in exclude:
+                js.extend(self.members[b])
+        if js:
+            js = np.asarray(js, dtype=np.int64)
+            bag_j = self.bag_of_seq[js]
+            class_b = bag_class[bag_j]
+            new_a = (loads[a] - cost[swap_items, class_a])[:, None] + cost[js, class_a][None, :]  # [k', J]
+            new_b = (loads[bag_j] - cost[js, class_b])[None, :] + cost[swap_items][:, class_b]
             swap_score = np.maximum(new_a, new_b)
             if cap is not None:
                 over_a = bag_tokens[a] - tokens[swap_items, class_a][:, None] + tokens[js, class_a][None, :] > cap
-                over_b = (bag_tokens[bag_of_seq[js]] - tokens[js, class_b])[None, :] + tokens[swap_items][
-                    :, class_b
-                ] > cap
+                over_b = (bag_tokens[bag_j] - tokens[js, class_b])[None, :] + tokens[swap_items][:, class_b] > cap
                 swap_score[over_a | over_b] = big
-            best_swap = int(np.argmin(swap_score))
+            flat = int(np.argmin(swap_score))
+            if best is None or swap_score.flat[flat] < best[0]:
+                k, jj = divmod(flat, len(js))
+                i, j = int(swap_items[k]), int(js[jj])
+                best = (int(swap_score.flat[flat]), [(i, int(bag_j[jj])), (j, a)])
+        return best if best is not None and best[0] < limit else None
 
-        move_value = int(move_score.flat[best_move])
-        swap_value = int(swap_score.flat[best_swap]) if best_swap is not None else big
-        if min(move_value, swap_value) >= load_a:
-            return
-        if move_value <= swap_value:
-            k, t = divmod(best_move, len(targets))
-            _move(problem, bag_of_seq, loads, bag_tokens, members, int(items[k]), int(targets[t]))
-        else:
-            k, jj = divmod(best_swap, len(js))
-            i, j = int(swap_items[k]), int(js[jj])
-            b = int(bag_of_seq[j])
-            _move(problem, bag_of_seq, loads, bag_tokens, members, i, b)
-            _move(problem, bag_of_seq, loads, bag_tokens, members, j, a)
+    def best_chain(self, a: int, limit: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """First two-step chain out of bag ``a`` that leaves every touched load below ``limit``.
 
-
-def _move(problem: _Problem, bag_of_seq, loads, bag_tokens, members, i: int, to_bag: int) -> None:
-    from_bag = int(bag_of_seq[i])
-    c_from, c_to = problem.bag_class[from_bag], problem.bag_class[to_bag]
-    loads[from_bag] -= problem.cost[i, c_from]
-    loads[to_bag] += problem.cost[i, c_to]
-    bag_tokens[from_bag] -= problem.tokens[i, c_from]
-    bag_tokens[to_bag] += problem.tokens[i, c_to]
-    members[from_bag].remove(i)
-    members[to_bag].append(i)
-    bag_of_seq[i] = to_bag
+        For each of the ``CHAIN_STARTS`` largest sequences of ``a`` and each class's lightest other bag ``B``: move the
+        sequence into ``B``, then look for the best step out of ``B`` that avoids ``a`` and ``B``.
+        Tentative moves are undone; the chain is returned, not applied.
+        """
+        problem = self.problem
+        items = sorted(self.members[a], key=lambda i: (-int(problem.cost[i, problem.bag_class[a]]), i))[:CHAIN_STARTS]
+        by_class_then_load = np.lexsort((self.loads, problem.bag_class)).tolist()
+        lightest = []  # the lightest bag other than a of each class
+        for first, count in zip(self.class_first, problem.class_count.tolist(), strict=True):
+            lightest += [b for b in by_class_then_load[first : first + count] if b != a][:1]
+        for i in items:
+            for b in lightest:
+                if (
+                    problem.cap is not None
+                    and self.bag_tokens[b] + problem.tokens[i, problem.bag_class[b]] > problem.cap
+                ):
+                    continue
+                self.move(i, b)
+                follow = self.best_step(b, limit, exclude=(a, b)) if self.loads[a] < limit else None
+                self.move(i, a)
+                if follow is not None:
+                    return follow[0], [(i, b), *follow[1]]
+        return None
 
 
 def _keep_tokens_home(problem: _Problem, bag_of_seq: np.ndarray) -> np.ndarray:
