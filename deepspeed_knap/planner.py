@@ -7,9 +7,11 @@ tested and benchmarked for 1,024 simulated GPUs on a laptop.
 Dimension names: ``S`` ranks in the balance group, ``N`` sequences (rank 0's first, in order, then
 rank 1's, ...), ``B`` bags, ``C`` bag classes (bags of equal size and speed), ``K`` chunks.
 
-Determinism: modeled costs are quantised once to int64 units (the largest sequence cost is 2**32
-units), and every load, comparison and tie-break after that is exact integer arithmetic ordered by
-ids. Float noise, such as a SIMD reduction order that differs between two CPUs, cannot change a plan.
+Determinism: modeled costs are quantised once to int64 units (rounded down; the largest sequence
+cost is 2**32 units), and every load, comparison and tie-break after that is exact integer
+arithmetic ordered by ids. Float noise, such as a SIMD reduction order that differs between two
+CPUs, cannot change a plan. Guarantees below about max loads hold exactly in these units, so in
+seconds to within one unit (2**-32 of the largest cost) per sequence.
 
 Solvers (``SOLVERS``):
 
@@ -46,6 +48,8 @@ DEFAULT_REFINE_STEPS = 256
 # Local search stops once the max load is within this fraction of the lower bound: the workload
 # model is far coarser than that.
 REFINE_TOLERANCE = 1e-3
+# ... and once this many steps in a row (or B, if fewer bags) cut the max by less than that.
+STALL_WINDOW = 32
 # Swaps are tried with the sequences of the least-loaded bags, the likeliest partners, up to this many.
 SWAP_CANDIDATES = 64
 # Bags of a class are interchangeable for a move, so only the lightest few of each class are tried
@@ -170,7 +174,7 @@ def plan_routing(
 
     Raises:
         ValueError: wrong number of ranks, non-positive or non-integer lengths, an unknown solver, a
-            sequence no bag can hold under the cap, or a cap no assignment can meet.
+            sequence no bag can hold under the cap, or a cap the planner finds no assignment for.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -186,10 +190,20 @@ def plan_routing(
     if solver == "none":
         return problem.make_plan(solver, problem.src, np.ones_like(problem.src))
     bag_of_seq = _knapformer_greedy(problem) if solver == "knapformer" else _refine(problem, refine_steps)
-    plan = problem.make_plan(solver, problem.bag_first[bag_of_seq], problem.bag_size[bag_of_seq])
+    home_fits = solver == "refine" and problem.fits_cap_at_home()
+    if bag_of_seq is None and not home_fits:
+        total, gpus = int(problem.seq_lens.sum()), topology.group_size
+        raise ValueError(
+            f"max_tokens_per_gpu={max_tokens_per_gpu} could not be met: {total} tokens over {gpus} GPUs need at "
+            f"least {-(-total // gpus)} per GPU on average, and the planner found no assignment that keeps every "
+            "GPU under the cap. Raise the cap or use larger bags"
+        )
     # Running every sequence alone on its home GPU needs no bag at all; when no topology plan beats
     # it (tiny sequences, where the all-to-all costs more than balancing wins), that is the plan.
-    if solver == "refine" and problem.home_max_load_s <= plan.max_load and problem.fits_cap_at_home():
+    if bag_of_seq is None:
+        return problem.make_plan(solver, problem.src, np.ones_like(problem.src))
+    plan = problem.make_plan(solver, problem.bag_first[bag_of_seq], problem.bag_size[bag_of_seq])
+    if home_fits and problem.home_max_load_s <= plan.max_load:
         return problem.make_plan(solver, problem.src, np.ones_like(problem.src))
     return plan
 
@@ -231,7 +245,8 @@ class _Problem:
 
         cost_s = workload.per_gpu_time(seq_lens[:, None], class_size[None, :], class_speed[None, :])
         scale = _COST_UNITS / cost_s.max() if seq_lens.size else 1.0
-        cost = np.rint(cost_s * scale).astype(np.int64)
+        # Rounding down keeps every quantised cost <= the true one, so bounds on them bound the truth.
+        cost = np.floor(cost_s * scale).astype(np.int64)
         tokens = -(-seq_lens[:, None] // class_size[None, :])
         allowed = np.ones_like(tokens, dtype=bool) if cap is None else tokens <= cap
         if cap is not None and seq_lens.size and not allowed.any(axis=1).all():
@@ -520,7 +535,14 @@ def _knapformer_greedy(problem: _Problem) -> np.ndarray:
     scale = [math.lcm(*sizes.tolist()) // g for g in sizes.tolist()]
     class_heaps = heaps.heaps
     placed = []
-    for amount, candidates in zip(w[order].tolist(), candidate[order].tolist(), strict=True):
+    # Sequences that may use every class take the lowest occupancy over all bags: one heap serves.
+    # They form a suffix of the order in practice (restricted ones are the largest, or shorter than
+    # a bag), so the per-class scan runs up to the last restricted sequence only.
+    candidate = candidate[order]
+    restricted = np.flatnonzero(~candidate.all(axis=1))
+    split = int(restricted[-1]) + 1 if restricted.size else 0
+    amounts = w[order].tolist()
+    for amount, candidates in zip(amounts[:split], candidate[:split].tolist(), strict=True):
         best_k, best_occupancy, best_bag = -1, 0, -1
         for k, ok in enumerate(candidates):
             if ok:
@@ -529,8 +551,34 @@ def _knapformer_greedy(problem: _Problem) -> np.ndarray:
                     best_occupancy, best_bag, best_k = occupancy, bag, k
         heapq.heapreplace(class_heaps[best_k], (best_occupancy + amount * scale[best_k], best_bag))
         placed.append(best_bag)
+    all_bags = [entry for heap in class_heaps for entry in heap]
+    heapq.heapify(all_bags)
+    bag_scale = [scale[k] for k in np.searchsorted(sizes, problem.bag_size).tolist()]
+    for amount in amounts[split:]:
+        occupancy, bag = all_bags[0]
+        heapq.heapreplace(all_bags, (occupancy + amount * bag_scale[bag], bag))
+        placed.append(bag)
     bag_of_seq = np.empty(n, dtype=np.int64)
     bag_of_seq[order] = placed
+    return bag_of_seq
+
+
+def _first_fit_decreasing(problem: _Problem) -> np.ndarray | None:
+    """``[N]`` bag of each sequence packed for the memory cap alone, or ``None`` if it fails.
+
+    Bin packing's first-fit decreasing: sequences by the tokens they need (their smallest per-GPU
+    share) descending, each to the lowest-id bag with room. Load balance is left to local search.
+    Used only when the cap defeats every load-driven start.
+    """
+    room = np.full(problem.num_bags, problem.cap, dtype=np.int64)
+    need = problem.tokens[:, problem.bag_class]  # [N, B] tokens on the busiest GPU of each bag
+    bag_of_seq = np.empty(len(problem.seq_lens), dtype=np.int64)
+    for i in np.lexsort((np.arange(len(problem.seq_lens)), -problem.tokens.min(axis=1))).tolist():
+        fits = np.flatnonzero(need[i] <= room)
+        if fits.size == 0:
+            return None
+        bag_of_seq[i] = fits[0]
+        room[fits[0]] -= need[i, fits[0]]
     return bag_of_seq
 
 
@@ -538,20 +586,20 @@ def _knapformer_greedy(problem: _Problem) -> np.ndarray:
 # Our solver: best start, local search, locality.
 
 
-def _refine(problem: _Problem, steps: int) -> np.ndarray:
-    """``[N]`` bag of each sequence; see the module docstring."""
+def _refine(problem: _Problem, steps: int) -> np.ndarray | None:
+    """``[N]`` bag of each sequence (see the module docstring), or ``None`` if none found fits the cap."""
     if len(problem.seq_lens) == 0:
         return np.zeros(0, dtype=np.int64)
     home_bag = np.asarray(problem.topology.bag_of_gpu, dtype=np.int64)[problem.src]
     starts = [home_bag, _finish_time_greedy(problem), _knapformer_greedy(problem)]
     feasible = [s for s in starts if s is not None and problem.fits_cap(s)]
+    if not feasible:  # only under a tight cap: fall back to bin packing, then to the exact search
+        packed = _first_fit_decreasing(problem)
+        if packed is None and len(home_bag) <= EXACT_MAX_SEQUENCES:
+            packed = _exact_search(problem, None, EXACT_NODE_BUDGET)
+        feasible = [packed] if packed is not None else []
     if not feasible:
-        total, gpus = int(problem.seq_lens.sum()), problem.topology.group_size
-        raise ValueError(
-            f"max_tokens_per_gpu={problem.cap} could not be met: {total} tokens over {gpus} GPUs need at least "
-            f"{-(-total // gpus)} per GPU on average, and no assignment found keeps every GPU under the cap. "
-            "Raise the cap or use larger bags"
-        )
+        return None
     # min() keeps the first of equal loads: the home-bag start, which moves the fewest tokens.
     bag_of_seq = min(feasible, key=lambda s: int(problem.bag_loads(s).max())).copy()
     _local_search(problem, bag_of_seq, steps)
@@ -560,15 +608,17 @@ def _refine(problem: _Problem, steps: int) -> np.ndarray:
     return _keep_tokens_home(problem, bag_of_seq)
 
 
-def _exact_search(problem: _Problem, incumbent: np.ndarray, node_budget: int) -> np.ndarray:
+def _exact_search(problem: _Problem, incumbent: np.ndarray | None, node_budget: int) -> np.ndarray | None:
     """The best assignment found by branch and bound within ``node_budget`` nodes, or ``incumbent``.
+
+    With no incumbent it looks for any assignment that fits the memory cap, and the best of those.
 
     Sequences go in descending cost order; of several empty bags of one class only the first is
     tried (they are interchangeable); a branch is cut when its busiest bag reaches the incumbent, or
     when even the cheapest placement of the remaining sequences cannot fit under it (GPU-seconds
     over ``S`` GPUs). Stops at the lower bound. Exact when the budget suffices.
     """
-    n, num_bags = len(incumbent), problem.num_bags
+    n, num_bags = len(problem.seq_lens), problem.num_bags
     order = np.lexsort((np.arange(n), -problem.cost.min(axis=1)))
     cost, allowed, need = (problem.cost[order].tolist(), problem.allowed[order].tolist(),
                            problem.tokens[order].tolist())  # fmt: skip
@@ -578,7 +628,9 @@ def _exact_search(problem: _Problem, incumbent: np.ndarray, node_budget: int) ->
     bag_class, class_size = problem.bag_class.tolist(), problem.class_size.tolist()
     group_size, cap = int(problem.bag_size.sum()), problem.cap
     loads, tokens, counts, assign = [0] * num_bags, [0] * num_bags, [0] * num_bags, [0] * n
-    best_max, best_assign, nodes = int(problem.bag_loads(incumbent).max()), None, 0
+    no_incumbent = np.iinfo(np.int64).max
+    best_max = no_incumbent if incumbent is None else int(problem.bag_loads(incumbent).max())
+    best_assign, nodes = None, 0
 
     def search(k: int, current_max: int, used: int) -> None:
         nonlocal best_max, best_assign, nodes
@@ -587,7 +639,7 @@ def _exact_search(problem: _Problem, incumbent: np.ndarray, node_budget: int) ->
             return
         if nodes >= node_budget or best_max <= problem.lower_bound:
             return
-        if -(-(used + cheapest_rest[k]) // group_size) >= best_max:
+        if best_max != no_incumbent and -(-(used + cheapest_rest[k]) // group_size) >= best_max:
             return
         empty_classes_tried = set()
         for b in range(num_bags):
@@ -622,19 +674,21 @@ def _local_search(problem: _Problem, bag_of_seq: np.ndarray, steps: int) -> None
     swap out of ``B`` (never back into ``A``). A step is applied only if every load it touches ends
     below ``A``'s load, so the sorted load vector decreases lexicographically: no cycles, and the max
     load never rises. Stops early within ``REFINE_TOLERANCE`` of the lower bound, when no step
-    improves, or when ``B`` steps in a row cut the max by less than ``REFINE_TOLERANCE``.
+    improves, or when ``min(B, STALL_WINDOW)`` steps in a row cut the max by less than
+    ``REFINE_TOLERANCE``.
     """
     state = _Assignment(problem, bag_of_seq)
     good_enough = problem.lower_bound + int(problem.lower_bound * REFINE_TOLERANCE)
+    window = min(problem.num_bags, STALL_WINDOW)
     window_start_max = int(state.loads.max())
     for step in range(steps):
         a = int(np.argmax(state.loads))
         load_a = int(state.loads[a])
         if load_a <= good_enough:
             return
-        # A step lowers one busiest bag; B steps give every bag a turn. A window that did not cut the
-        # max by REFINE_TOLERANCE means the search has stalled on small lexicographic gains.
-        if step and step % problem.num_bags == 0:
+        # A step lowers one busiest bag; a window of steps that did not cut the max by
+        # REFINE_TOLERANCE means the search is stalled on small lexicographic gains.
+        if step and step % window == 0:
             if window_start_max - load_a <= int(window_start_max * REFINE_TOLERANCE):
                 return
             window_start_max = load_a
