@@ -188,7 +188,7 @@ def plan_routing(
         raise ValueError(f"refine_steps must be >= 0; got {refine_steps}")
     problem = _Problem.build(seq_lens_per_rank, topology, workload, max_tokens_per_gpu)
     if solver == "none":
-        return problem.make_plan(solver, problem.src, np.ones_like(problem.src))
+        return problem.make_home_plan(solver)
     bag_of_seq = _knapformer_greedy(problem) if solver == "knapformer" else _refine(problem, refine_steps)
     home_fits = solver == "refine" and problem.fits_cap_at_home()
     if bag_of_seq is None and not home_fits:
@@ -201,10 +201,10 @@ def plan_routing(
     # Running every sequence alone on its home GPU needs no bag at all; when no topology plan beats
     # it (tiny sequences, where the all-to-all costs more than balancing wins), that is the plan.
     if bag_of_seq is None:
-        return problem.make_plan(solver, problem.src, np.ones_like(problem.src))
+        return problem.make_home_plan(solver)
     plan = problem.make_plan(solver, problem.bag_first[bag_of_seq], problem.bag_size[bag_of_seq])
     if home_fits and problem.home_max_load_s <= plan.max_load:
-        return problem.make_plan(solver, problem.src, np.ones_like(problem.src))
+        return problem.make_home_plan(solver)
     return plan
 
 
@@ -265,6 +265,16 @@ class _Problem:
     def num_bags(self) -> int:
         return len(self.bag_size)
 
+    @functools.cached_property
+    def home_bag(self) -> np.ndarray:
+        """``[N]`` the bag holding each sequence's home rank."""
+        return np.asarray(self.topology.bag_of_gpu, dtype=np.int64)[self.src]
+
+    @functools.cached_property
+    def gpu_seconds(self) -> np.ndarray:
+        """``[N, C]`` quantised GPU-time of each sequence in a bag of each class: cost times G."""
+        return self.cost * self.class_size[None, :]
+
     def bags_by_class(self) -> list[list[int]]:
         return [np.flatnonzero(self.bag_class == c).tolist() for c in range(len(self.class_size))]
 
@@ -299,7 +309,7 @@ class _Problem:
             return 0
         group_size = int(self.bag_size.sum())
         masked = np.iinfo(np.int64).max
-        gpu_time = np.where(self.allowed, self.cost * self.class_size[None, :], masked)
+        gpu_time = np.where(self.allowed, self.gpu_seconds, masked)
         # No T below these passes: some sequence fits nowhere, or even the cheapest choices overflow.
         floor = max(int(np.where(self.allowed, self.cost, masked).min(axis=1).max()),
                     -(-int(gpu_time.min(axis=1).sum()) // group_size))  # fmt: skip
@@ -351,6 +361,10 @@ class _Problem:
         for array in arrays:
             array.setflags(write=False)
         return RoutingPlan(self.topology.spec, solver, *arrays, self.lower_bound_s, self.cap)
+
+    def make_home_plan(self, solver: str) -> RoutingPlan:
+        """Every sequence alone on its home GPU (Ulysses degree 1, no bag)."""
+        return self.make_plan(solver, self.src, np.ones_like(self.src))
 
     def _gpu_loads(self, group_start: np.ndarray, group_size: np.ndarray) -> np.ndarray:
         """``[S]`` modeled seconds: every GPU of a group spends the sequence's per-GPU time."""
@@ -471,8 +485,8 @@ def _finish_time_greedy(problem: _Problem) -> np.ndarray | None:
     heaps = _BagHeaps(problem.bags_by_class(), problem.cap)
     placed = []
     cost_rows = problem.cost[order].tolist()
+    gpu_seconds = problem.gpu_seconds[order].tolist()
     if problem.cap is None:  # the common case, kept tight (heap access inlined)
-        gpu_seconds = (problem.cost * problem.class_size[None, :])[order].tolist()
         class_heaps = heaps.heaps
         for costs, gpu_s in zip(cost_rows, gpu_seconds, strict=True):
             best_finish, best_c, best_bag = -1, 0, -1
@@ -489,7 +503,6 @@ def _finish_time_greedy(problem: _Problem) -> np.ndarray | None:
             heapq.heapreplace(class_heaps[best_c], (best_finish, best_bag))
             placed.append(best_bag)
     else:
-        gpu_seconds = (problem.cost * problem.class_size[None, :])[order].tolist()
         for costs, gpu_s, allowed, needs in zip(
             cost_rows, gpu_seconds, problem.allowed[order].tolist(), problem.tokens[order].tolist(), strict=True
         ):
@@ -590,12 +603,11 @@ def _refine(problem: _Problem, steps: int) -> np.ndarray | None:
     """``[N]`` bag of each sequence (see the module docstring), or ``None`` if none found fits the cap."""
     if len(problem.seq_lens) == 0:
         return np.zeros(0, dtype=np.int64)
-    home_bag = np.asarray(problem.topology.bag_of_gpu, dtype=np.int64)[problem.src]
-    starts = [home_bag, _finish_time_greedy(problem), _knapformer_greedy(problem)]
+    starts = [problem.home_bag, _finish_time_greedy(problem), _knapformer_greedy(problem)]
     feasible = [s for s in starts if s is not None and problem.fits_cap(s)]
     if not feasible:  # only under a tight cap: fall back to bin packing, then to the exact search
         packed = _first_fit_decreasing(problem)
-        if packed is None and len(home_bag) <= EXACT_MAX_SEQUENCES:
+        if packed is None and len(problem.seq_lens) <= EXACT_MAX_SEQUENCES:
             packed = _exact_search(problem, None, EXACT_NODE_BUDGET)
         feasible = [packed] if packed is not None else []
     if not feasible:
@@ -622,9 +634,8 @@ def _exact_search(problem: _Problem, incumbent: np.ndarray | None, node_budget: 
     order = np.lexsort((np.arange(n), -problem.cost.min(axis=1)))
     cost, allowed, need = (problem.cost[order].tolist(), problem.allowed[order].tolist(),
                            problem.tokens[order].tolist())  # fmt: skip
-    gpu_time = problem.cost[order] * problem.class_size[None, :]
-    cheapest_rest = np.concatenate([np.cumsum(np.where(problem.allowed[order], gpu_time, np.iinfo(np.int64).max)
-                                              .min(axis=1)[::-1])[::-1], [0]]).tolist()  # fmt: skip
+    cheapest = np.where(problem.allowed, problem.gpu_seconds, np.iinfo(np.int64).max).min(axis=1)[order]
+    cheapest_rest = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()  # of sequences k..N-1
     bag_class, class_size = problem.bag_class.tolist(), problem.class_size.tolist()
     group_size, cap = int(problem.bag_size.sum()), problem.cap
     loads, tokens, counts, assign = [0] * num_bags, [0] * num_bags, [0] * num_bags, [0] * n
@@ -826,8 +837,7 @@ def _keep_tokens_home(problem: _Problem, bag_of_seq: np.ndarray) -> np.ndarray:
     exact solvers cost ~25 ms at 1,024 bags, so contents and bags are matched greedily by kept tokens
     (heaviest pair first, ties by ids), and the identity is kept if it keeps more.
     """
-    num_bags = problem.num_bags
-    home_bag = np.asarray(problem.topology.bag_of_gpu, dtype=np.int64)[problem.src]
+    num_bags, home_bag = problem.num_bags, problem.home_bag
     size = problem.bag_size[home_bag]
     position = problem.src - problem.bag_first[home_bag]
     kept = problem.seq_lens // size + (position < problem.seq_lens % size)
