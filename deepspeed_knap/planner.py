@@ -32,6 +32,7 @@ Solvers (``SOLVERS``):
 from __future__ import annotations
 
 import functools
+import hashlib
 import heapq
 import math
 from collections.abc import Sequence
@@ -134,6 +135,15 @@ class RoutingPlan:
             return 0.0
         home = np.repeat(self.seq_src_rank, np.diff(self.chunk_offsets))
         return float(self.chunk_len[self.chunk_gpu != home].sum()) / total
+
+    @functools.cached_property
+    def fingerprint(self) -> int:
+        """A 63-bit digest of where every token goes: equal plans have equal fingerprints, and ranks
+        compare them to catch one rank routing with a plan from another step."""
+        digest = hashlib.blake2b(self.topology_spec.encode(), digest_size=8)
+        for array in (self.seq_lens, self.seq_src_rank, self.seq_group_start, self.seq_group_size):
+            digest.update(array.tobytes())
+        return int.from_bytes(digest.digest(), "little") >> 1
 
     def __eq__(self, other: object) -> bool:
         """Bitwise equality of every field (arrays compared element by element, dtypes included)."""

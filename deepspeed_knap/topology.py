@@ -10,7 +10,8 @@ boundary whenever such an order exists (bags larger than a node must then start 
 cover whole nodes). Among valid orders the first found with larger bags first is taken, so the layout is
 deterministic.
 
-Process-group creation lives here too once routing exists; this module is otherwise pure Python.
+:func:`create_process_groups` makes the communication groups through ``deepspeed.comm``; everything
+else here is pure Python.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import Any
 
 GRAMMAR = "g{G}n{N}(+g{G}n{N})*, e.g. 'g8n4' (4 bags of 8 GPUs) or 'g1n8+g2n4'"
 _TERM = re.compile(r"g([1-9][0-9]*)n([1-9][0-9]*)")
@@ -185,3 +187,74 @@ def _all_aligned(bag_sizes: list[int], gpus_per_node: int) -> bool:
             return False
         start += size
     return True
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessGroups:
+    """This rank's communication groups for one topology.
+
+    Attributes:
+        topology: the layout the groups were made for.
+        rank: this process's global rank.
+        replica: which balance group it belongs to.
+        group_rank: its position inside the balance group, the GPU index plans use.
+        balance_group: the process group of the balance group (lengths gather, routing), or ``None``
+            for the whole world when there is one replica.
+        attention_groups: ``{(start, size): process group}`` for every bag of size > 1 this rank is in,
+            keyed by positions inside the balance group as plans give them.
+    """
+
+    topology: Topology
+    rank: int
+    replica: int
+    group_rank: int
+    balance_group: Any
+    attention_groups: dict[tuple[int, int], Any]
+
+    def attention_group(self, start: int, size: int) -> Any:
+        """The process group of the ``size`` GPUs starting at ``start`` (``None`` for a single GPU)."""
+        if size == 1:
+            return None
+        try:
+            return self.attention_groups[(start, size)]
+        except KeyError:
+            raise ValueError(
+                f"no process group for GPUs {start}..{start + size - 1} of the balance group on rank {self.rank}: "
+                f"the plan does not use the bags of topology {self.topology.spec!r} (bags here: "
+                f"{sorted(self.attention_groups)})"
+            ) from None
+
+
+def create_process_groups(topology: Topology) -> ProcessGroups:
+    """Create the balance-group and bag process groups through ``deepspeed.comm``.
+
+    Every rank creates every group, in the same order (replica by replica, bags in rank order):
+    ``new_group`` is collective, and creating them in different orders hangs.
+
+    Raises:
+        ValueError: the world size differs from the topology's (identical on every rank).
+    """
+    import deepspeed.comm as dist
+
+    world_size = dist.get_world_size()
+    if world_size != topology.world_size:
+        raise ValueError(
+            f"topology {topology.spec!r} was built for {topology.world_size} ranks but the job has {world_size}; "
+            f"build it with build_topology(spec, world_size={world_size})"
+        )
+    rank = dist.get_rank()
+    replica, bag, _ = topology.locate(rank)
+    balance_group = None
+    attention_groups = {}
+    for r in range(topology.num_replicas):
+        if topology.num_replicas > 1:
+            group = dist.new_group(list(range(r * topology.group_size, (r + 1) * topology.group_size)))
+            if r == replica:
+                balance_group = group
+        for b, size in enumerate(topology.bag_sizes):
+            if size == 1:
+                continue
+            group = dist.new_group(list(topology.bag_ranks(b, r)))
+            if r == replica and b == bag:
+                attention_groups[(topology.bag_first_rank[b], size)] = group
+    return ProcessGroups(topology, rank, replica, rank - replica * topology.group_size, balance_group, attention_groups)

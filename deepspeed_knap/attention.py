@@ -1,0 +1,287 @@
+"""KnapDistributedAttention: DeepSpeed-Ulysses attention over whole variable-length sequences.
+
+Dimension names: ``T`` routed tokens on this GPU, ``H`` attention heads, ``Dh`` head dim, ``G`` GPUs
+in an attention group (bag), ``h`` heads a member runs (``H`` split near-equally over ``G``), ``L``
+tokens of whole sequences a member runs attention over.
+
+After routing, a GPU holds one contiguous chunk of each sequence of its bag. For each attention
+group it belongs to (one bag, in plans of :func:`~deepspeed_knap.planner.plan_routing`), attention is:
+
+1. one all-to-all inside the bag: every member sends each member that member's share of heads of
+   q, k and v for all its tokens; with uneven chunks the split sizes differ per member;
+2. reorder what arrived (member by member) into whole sequences;
+3. variable-length attention over those sequences (``cu_seqlens``) on ``h`` heads;
+4. one all-to-all back, and concatenate the heads again.
+
+A group of one GPU runs step 3 alone, with no communication.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from deepspeed.sequence.layer import DistributedAttention
+from deepspeed.utils import logger
+from torch import Tensor, nn
+
+from deepspeed_knap.layout import AttentionGroup
+from deepspeed_knap.routing import RoutedBatch, exchange
+from deepspeed_knap.topology import Topology
+
+BACKENDS = ("auto", "flash", "torch_varlen", "sdpa")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class VarlenSeqs:
+    """Sequence boundaries of a packed q/k/v.
+
+    Attributes:
+        seq_lens: ``m`` lengths, summing to ``L``.
+        cu_seqlens: ``[m + 1]`` int32 cumulative lengths on the tensors' device.
+        max_seqlen: the largest length (0 when ``m == 0``).
+    """
+
+    seq_lens: tuple[int, ...]
+    cu_seqlens: Tensor
+    max_seqlen: int
+
+
+@functools.cache
+def _flash_varlen() -> Callable | None:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.cache
+def _torch_varlen() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, scale: float | None) -> Tensor:
+    """Per-sequence ``scaled_dot_product_attention``: runs everywhere, the reference and CPU path."""
+    outs = [
+        F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), scale=scale)
+        for qi, ki, vi in zip(*(torch.split(t, list(seqs.seq_lens)) for t in (q, k, v)), strict=True)
+    ]
+    return torch.cat([o.transpose(0, 1) for o in outs]) if outs else q + k + v
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, scale: float | None) -> Tensor:
+    cu, n = seqs.cu_seqlens, seqs.max_seqlen
+    return _flash_varlen()(q, k, v, cu, cu, n, n, softmax_scale=scale)
+
+
+def _torch_varlen_attn(q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, scale: float | None) -> Tensor:
+    cu, n = seqs.cu_seqlens, seqs.max_seqlen
+    return _torch_varlen()(q, k, v, cu, cu, n, n, scale=scale)
+
+
+_KERNELS = {"flash": _flash, "torch_varlen": _torch_varlen_attn, "sdpa": _sdpa}
+
+
+def _unusable(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``backend`` cannot run on these tensors, or ``None``."""
+    if backend == "flash" and _flash_varlen() is None:
+        return "flash-attn is not installed (pip install flash-attn)"
+    if backend == "torch_varlen" and _torch_varlen() is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if backend in ("flash", "torch_varlen") and (device.type != "cuda" or dtype not in _HALF):
+        return f"it needs CUDA tensors in float16 or bfloat16, got {dtype} on {device}"
+    return None
+
+
+class VarlenAttention(nn.Module):
+    """Local attention over packed variable-length sequences with a choice of kernel.
+
+    Args:
+        backend: ``"flash"`` (flash-attn's ``flash_attn_varlen_func``), ``"torch_varlen"`` (torch's
+            ``varlen_attn``), ``"sdpa"`` (``scaled_dot_product_attention`` per sequence, any device and
+            dtype) or ``"auto"``: the first of those that can run on the tensors it is given, logged
+            once per device and dtype.
+        softmax_scale: scale of ``q @ k^T``; default ``1 / sqrt(Dh)``.
+
+    Raises:
+        ValueError: an unknown backend, or flash/torch_varlen when not installed.
+    """
+
+    def __init__(self, backend: str = "auto", softmax_scale: float | None = None) -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if backend in ("flash", "torch_varlen"):
+            problem = _unusable(backend, torch.device("cuda"), torch.bfloat16)
+            if problem:
+                raise ValueError(f"attention backend {backend!r} is unavailable: {problem}; use 'auto' or 'sdpa'")
+        self.backend = backend
+        self.softmax_scale = softmax_scale
+        self._resolved: dict[tuple[str, torch.dtype], str] = {}
+
+    def resolve(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The kernel this module runs for tensors on ``device`` of ``dtype``."""
+        key = (device.type, dtype)
+        if key not in self._resolved:
+            if self.backend == "auto":
+                choice = next(b for b in ("flash", "torch_varlen", "sdpa") if _unusable(b, device, dtype) is None)
+                logger.info(f"deepspeed_knap attention backend 'auto' runs {choice!r} for {dtype} on {device.type}")
+            else:
+                problem = _unusable(self.backend, device, dtype)
+                if problem:
+                    raise ValueError(f"attention backend {self.backend!r} cannot run here: {problem}")
+                choice = self.backend
+            self._resolved[key] = choice
+        return self._resolved[key]
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs) -> Tensor:
+        """``q, k, v``: ``[L, h, Dh]`` whole sequences back to back. Returns ``[L, h, Dh]``."""
+        kernel = _KERNELS[self.resolve(q.device, q.dtype)]
+        return kernel(q.contiguous(), k.contiguous(), v.contiguous(), seqs, self.softmax_scale)
+
+
+def head_splits(num_heads: int, group_size: int) -> list[int]:
+    """Heads each member of a group of ``group_size`` runs: near-equal, the first ones one more."""
+    base, extra = divmod(num_heads, group_size)
+    return [base + (i < extra) for i in range(group_size)]
+
+
+class KnapDistributedAttention(DistributedAttention):
+    """DeepSpeed-Ulysses attention inside compute bags, over uneven chunks of whole sequences.
+
+    Unlike its parent, which assumes every rank of one fixed group holds an equal slice of one
+    batch, this module takes its groups and split sizes from the step's routing: ``forward`` gets the
+    :class:`~deepspeed_knap.routing.RoutedBatch` the tokens came from. Heads need not divide the bag
+    size (members run ``ceil`` or ``floor`` of ``H / G`` heads), but every bag needs at least one head
+    per GPU.
+
+    Args:
+        num_heads: ``H``, the attention heads of q, k and v.
+        backend: local kernel, see :class:`VarlenAttention`.
+        softmax_scale: default ``1 / sqrt(Dh)``.
+        topology: when given, checked at construction: every bag must have at most ``num_heads`` GPUs.
+
+    Raises:
+        ValueError: at construction, for a bad backend or a bag with more GPUs than heads.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        backend: str = "auto",
+        softmax_scale: float | None = None,
+        topology: Topology | None = None,
+    ) -> None:
+        # The parent's single process group does not apply: groups come with each step's routing.
+        super().__init__(VarlenAttention(backend, softmax_scale), sequence_process_group=None)
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be a positive integer; got {num_heads!r}")
+        if topology is not None and max(topology.bag_sizes) > num_heads:
+            raise ValueError(
+                f"topology {topology.spec!r} has bags of {max(topology.bag_sizes)} GPUs but attention has only "
+                f"{num_heads} heads; Ulysses needs at least one head per GPU of a bag. Use bags of at most "
+                f"{num_heads} GPUs"
+            )
+        self.num_heads = num_heads
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, routed: RoutedBatch) -> Tensor:
+        """Attention of every routed token over its whole sequence.
+
+        Args:
+            query, key, value: ``[T, H, Dh]`` for this GPU's routed tokens, in ``routed.batch`` order.
+            routed: what :func:`~deepspeed_knap.routing.route` (or ``local_batch``) returned this step.
+
+        Returns:
+            ``[T, H, Dh]`` attention output, same order.
+        """
+        expected = (routed.batch.num_tokens, self.num_heads)
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dim() != 3 or tuple(t.shape[:2]) != expected or t.shape != query.shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}; expected [T, H, Dh] = [{expected[0]}, {expected[1]}, Dh] "
+                    "(the routed batch's token count, this module's num_heads) and the same shape for q, k and v"
+                )
+        groups = routed.layout.attention_groups
+        if not groups:  # no tokens here: an empty result that still depends on q, k and v for autograd
+            return query + key + value
+        outputs = [self._group_attention(query, key, value, routed, index) for index in range(len(groups))]
+        if len(groups) == 1 and groups[0].rows is None:
+            return outputs[0]
+        rows = np.concatenate([group.rows for group in groups])
+        return torch.cat(outputs).index_select(0, routed.device_array("attention_rows", np.argsort(rows)))
+
+    def _group_attention(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int) -> Tensor:
+        group = routed.layout.attention_groups[index]
+        if group.rows is not None:
+            rows = routed.device_array(("rows", index), group.rows)
+            q, k, v = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
+        seqs = self._varlen_seqs(routed, index, group)
+        if group.size == 1:
+            return self.local_attn(q, k, v, seqs)
+        return self._ulysses(q, k, v, routed, index, group, seqs)
+
+    @staticmethod
+    def _varlen_seqs(routed: RoutedBatch, index: int, group: AttentionGroup) -> VarlenSeqs:
+        cu_seqlens = np.concatenate([[0], np.cumsum(group.seq_lens)])
+        return VarlenSeqs(
+            tuple(group.seq_lens.tolist()),
+            routed.device_array(("cu_seqlens", index), cu_seqlens, torch.int32),
+            int(group.seq_lens.max(initial=0)),
+        )
+
+    def _ulysses(
+        self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int, group: AttentionGroup, seqs: VarlenSeqs
+    ) -> Tensor:
+        if group.size > self.num_heads:
+            raise ValueError(
+                f"a group of {group.size} GPUs cannot split {self.num_heads} heads; use bags of at most "
+                f"{self.num_heads} GPUs"
+            )
+        process_group = routed.groups.attention_group(group.start, group.size)
+        head_dim = q.shape[-1]
+        heads = head_splits(self.num_heads, group.size)
+        bounds = np.cumsum([0, *heads])
+        my_heads = heads[group.member]
+        member_tokens = group.chunk_lens.sum(axis=1).tolist()  # [G]
+        my_tokens = member_tokens[group.member]
+
+        # Scatter heads, gather sequence: member d gets heads bounds[d]:bounds[d+1] of q, k and v.
+        send = torch.cat([t[:, bounds[d] : bounds[d + 1]].reshape(-1) for d in range(group.size) for t in (q, k, v)])
+        send_counts = [3 * my_tokens * h * head_dim for h in heads]
+        recv_counts = [3 * n * my_heads * head_dim for n in member_tokens]
+        arrived = exchange(send, send_counts, recv_counts, process_group, "ulysses")
+        qkv = torch.cat(
+            [
+                piece.view(3, n, my_heads * head_dim)
+                for piece, n in zip(arrived.split(recv_counts), member_tokens, strict=True)
+            ],
+            dim=1,
+        )  # [3, L, h * Dh] member by member
+        if group.seq_major is not None:
+            qkv = qkv.index_select(1, routed.device_array(("seq_major", index), group.seq_major))
+        q_seq, k_seq, v_seq = (t.view(int(group.seq_lens.sum()), my_heads, head_dim) for t in qkv.unbind(0))
+
+        out = self.local_attn(q_seq, k_seq, v_seq, seqs)  # [L, h, Dh]
+
+        # Scatter sequence, gather heads: back to member by member, each member's tokens to it.
+        if group.seq_major is not None:
+            out = out.index_select(0, routed.device_array(("member_major", index), np.argsort(group.seq_major)))
+        back = exchange(
+            out.reshape(-1),
+            [n * my_heads * head_dim for n in member_tokens],
+            [my_tokens * h * head_dim for h in heads],
+            process_group,
+            "ulysses",
+        )
+        pieces = back.split([my_tokens * h * head_dim for h in heads])
+        return torch.cat([p.view(my_tokens, h, head_dim) for p, h in zip(pieces, heads, strict=True)], dim=1)

@@ -1,0 +1,71 @@
+"""The balancer: plan -> route -> blocks -> reverse route, the glue a model's block stack runs in.
+
+    balancer = KnapBalancer(groups, workload)
+    out = balanced_forward(batch, blocks, balancer)  # blocks(routed: RoutedBatch) -> [T_routed, D]
+
+``blocks`` sees the tokens this GPU runs (``routed.batch``) and passes ``routed`` to every
+:class:`~deepspeed_knap.attention.KnapDistributedAttention`; the result comes back in the home
+rank's token order, so the loss is computed exactly as without balancing. Collectives happen only in
+:mod:`~deepspeed_knap.routing` and :mod:`~deepspeed_knap.attention`; this module only sequences them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from deepspeed_knap.packing import PackedBatch
+from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_routing
+from deepspeed_knap.routing import RoutedBatch, gather_seq_lens, local_batch, reverse_route, route
+from deepspeed_knap.topology import ProcessGroups
+from deepspeed_knap.workload import WorkloadModel
+
+
+class KnapBalancer:
+    """Balances one step's packed batches over a topology's bags.
+
+    Args:
+        groups: from :func:`~deepspeed_knap.topology.create_process_groups`.
+        workload: the cost model the planner balances.
+        solver: planner solver (see :data:`~deepspeed_knap.planner.SOLVERS`).
+        max_tokens_per_gpu: memory cap for the planner, or ``None``.
+    """
+
+    def __init__(
+        self,
+        groups: ProcessGroups,
+        workload: WorkloadModel,
+        solver: str = DEFAULT_SOLVER,
+        max_tokens_per_gpu: int | None = None,
+    ) -> None:
+        self.groups = groups
+        self.workload = workload
+        self.solver = solver
+        self.max_tokens_per_gpu = max_tokens_per_gpu
+
+    def plan(self, batch: PackedBatch) -> RoutingPlan:
+        """Gather every rank's lengths and solve; every rank gets the same plan. Collective."""
+        seq_lens_per_rank = gather_seq_lens(batch, self.groups)
+        return plan_routing(
+            seq_lens_per_rank, self.groups.topology, self.workload, self.solver, self.max_tokens_per_gpu
+        )
+
+    def route(self, batch: PackedBatch, plan: RoutingPlan) -> RoutedBatch:
+        return route(batch, plan, self.groups)
+
+    def forward(self, batch: PackedBatch, blocks: Callable[[RoutedBatch], Tensor]) -> Tensor:
+        """Run ``blocks`` on the balanced tokens and return its ``[T_routed, ...]`` output as
+        ``[T, ...]`` rows in ``batch``'s order."""
+        routed = self.route(batch, self.plan(batch))
+        return reverse_route(blocks(routed), routed)
+
+
+def balanced_forward(
+    batch: PackedBatch, blocks: Callable[[RoutedBatch], Tensor], balancer: KnapBalancer | None = None
+) -> Tensor:
+    """``balancer.forward(batch, blocks)``, or with ``balancer=None`` ``blocks`` on this rank's own
+    sequences: the same model without balancing and without communication."""
+    if balancer is None:
+        return blocks(local_batch(batch))
+    return balancer.forward(batch, blocks)
