@@ -89,11 +89,16 @@ class PackedBatch:
                 return f"sample_data[{name!r}] is on {column.device}, tokens on {self.tokens.device}"
         return None
 
-    def with_tokens(self, tokens: Tensor) -> PackedBatch:
-        """The same sequences and side data around new token states ``[T, D']``."""
-        if tokens.shape[0] != self.num_tokens:
-            raise ValueError(f"new tokens have {tokens.shape[0]} rows; this batch has {self.num_tokens}")
-        return PackedBatch(tokens, self.seq_lens, self.token_data, self.sample_data)
+    def signature(self) -> str:
+        """Dtype, trailing shape and gradient flag of the tokens and every column. Ranks must agree
+        on it: each column is exchanged, and one missing on one rank would stall the others."""
+
+        def describe(t: Tensor) -> str:
+            return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape[1:])}{'+grad' if t.requires_grad else ''}"
+
+        token_cols = ", ".join(f"{k}: {describe(v)}" for k, v in self.token_data.items())
+        sample_cols = ", ".join(f"{k}: {describe(v)}" for k, v in self.sample_data.items())
+        return f"tokens {describe(self.tokens)}; token_data {{{token_cols}}}; sample_data {{{sample_cols}}}"
 
 
 def pack_samples(

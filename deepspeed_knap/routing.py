@@ -18,6 +18,7 @@ exchange. Dimension names: ``T`` tokens, ``D`` model width, ``S`` GPUs of the ba
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -183,18 +184,28 @@ def route(batch: PackedBatch, plan: RoutingPlan, groups: ProcessGroups) -> Route
             or ranks hold different plans (e.g. one reused last step's).
     """
     problem = _route_problem(batch, plan, groups)
-    checks = _all_gather_ints([problem is not None, plan.fingerprint], batch.tokens.device, groups.balance_group)
-    bad_ranks = [r for r, (bad, _) in enumerate(checks) if bad]
+    signature = batch.signature()
+    checks = _all_gather_ints(
+        [problem is not None, plan.fingerprint, _digest(signature)], batch.tokens.device, groups.balance_group
+    )
+    bad_ranks = [r for r, (bad, _, _) in enumerate(checks) if bad]
     if bad_ranks:
         raise ValueError(
             f"cannot route: the batch on balance-group rank(s) {bad_ranks} does not match the plan"
             + (f"; here (rank {groups.group_rank}): {problem}" if problem else "; see those ranks' errors")
         )
-    if len({fingerprint for _, fingerprint in checks}) > 1:
+    if len({fingerprint for _, fingerprint, _ in checks}) > 1:
         raise ValueError(
             "cannot route: ranks hold different plans (fingerprints by rank: "
-            f"{[f for _, f in checks]}); every rank must route this step with the plan made from this "
+            f"{[f for _, f, _ in checks]}); every rank must route this step with the plan made from this "
             "step's gathered lengths"
+        )
+    if len({digest for _, _, digest in checks}) > 1:
+        odd = [r for r, (_, _, digest) in enumerate(checks) if digest != checks[0][2]]
+        raise ValueError(
+            f"cannot route: the batches of balance-group ranks 0 and {odd} carry different tokens or columns "
+            f"(here, rank {groups.group_rank}: {signature}); every rank must pack the same columns with the same "
+            "dtypes, trailing shapes and requires_grad, even a rank with no samples"
         )
     layout = gpu_layout(plan, groups.group_rank)
     group, send, recv = groups.balance_group, layout.send_counts, layout.recv_counts
@@ -209,6 +220,10 @@ def route(batch: PackedBatch, plan: RoutingPlan, groups: ProcessGroups) -> Route
         ),
     )
     return RoutedBatch(routed, layout, plan, groups)
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def _route_problem(batch: PackedBatch, plan: RoutingPlan, groups: ProcessGroups) -> str | None:

@@ -102,12 +102,26 @@ def _equivalence(rank: int, world: int, spec: str) -> dict:
     """TinyDiT with balancing on vs off: outputs per rank, parameter gradients summed over ranks."""
     import deepspeed.comm as dist
 
+    from deepspeed_knap.balancer import KnapBalancer
+    from tests.test_layout import mixed_plan
     from tests.tiny_dit import TinyDiT
 
-    topology, _, balancer = _setup(rank, world, spec, "refine")
+    class MixedPlans(KnapBalancer):
+        """Plans no solver makes: GPUs in several attention groups at once (home and bag)."""
+
+        def plan(self, batch):
+            plan = super().plan(batch)
+            lens = [plan.seq_lens[plan.seq_src_rank == g].tolist() for g in range(topology.group_size)]
+            return mixed_plan(lens, topology, self.workload, seed=7)
+
+    topology, groups, balancer = _setup(rank, world, spec, "refine")
+    mixed = MixedPlans(groups, balancer.workload)
     result = {}
-    for dtype, solver in ((torch.float64, "refine"), (torch.float32, "knapformer")):
-        balancer.solver = solver
+    for dtype, solver in ((torch.float64, "refine"), (torch.float32, "knapformer"), (torch.float64, "mixed")):
+        if solver == "mixed":
+            balancer = mixed
+        else:
+            balancer.solver = solver
         torch.manual_seed(0)
         model = TinyDiT(DIM, HEADS, COND, topology=topology).to(dtype)
         batch = _batch(rank, dtype)
@@ -121,7 +135,7 @@ def _equivalence(rank: int, world: int, spec: str) -> dict:
             dist.all_reduce(grads)
             runs.append((out.detach(), grads))
         (out_ref, grads_ref), (out, grads) = runs
-        result[str(dtype)] = {
+        result[f"{dtype}-{solver}"] = {
             # relative to the largest output (position ids up to 64 make outputs ~30)
             "out_err": float((out - out_ref).abs().amax() / out_ref.abs().amax().clamp(min=1)) if out.numel() else 0.0,
             "grad_err": float((grads - grads_ref).abs().max() / grads_ref.abs().max()),
@@ -145,9 +159,114 @@ def test_routing_is_exact_and_balanced_model_equals_unbalanced(spec, world):
     for rank, result in enumerate(results):
         conservation, equivalence = result["conservation"], result["equivalence"]
         assert conservation["max_group"] == largest_bag, "the solvers must really use the bags"
-        assert equivalence["torch.float64"]["out_err"] <= 1e-10, (rank, equivalence)
-        assert equivalence["torch.float64"]["grad_err"] <= 1e-10, (rank, equivalence)
-        assert equivalence["torch.float32"]["out_err"] <= 1e-5, (rank, equivalence)
-        assert equivalence["torch.float32"]["grad_err"] <= 1e-5, (rank, equivalence)
-        assert equivalence["torch.float32"]["max_group"] == largest_bag
+        for case, tolerance in (("torch.float64-refine", 1e-10), ("torch.float32-knapformer", 1e-5),
+                                ("torch.float64-mixed", 1e-10)):  # fmt: skip
+            assert equivalence[case]["out_err"] <= tolerance, (rank, case, equivalence)
+            assert equivalence[case]["grad_err"] <= tolerance, (rank, case, equivalence)
+        assert equivalence["torch.float32-knapformer"]["max_group"] == largest_bag
     assert sum(r["conservation"]["chunks"] for r in results) > 0
+
+
+def _errors_worker(rank: int, world: int) -> dict:
+    """Bad input on some or all ranks: every rank must raise (and stay in step for the next case)."""
+    from deepspeed_knap.attention import KnapDistributedAttention
+    from deepspeed_knap.packing import PackedBatch
+    from deepspeed_knap.planner import plan_routing
+    from deepspeed_knap.routing import route
+    from deepspeed_knap.topology import build_topology
+
+    topology, groups, balancer = _setup(rank, world, "g2n2", "refine")
+    batch = _batch(rank, torch.float64)
+    plan = balancer.plan(batch)
+    errors = {}
+
+    def record(case, fn):
+        try:
+            fn()
+        except ValueError as error:
+            errors[case] = str(error)
+
+    # Rank 2's lengths do not add up to its tokens: caught after the gather, on every rank.
+    bad = (
+        PackedBatch(batch.tokens, (*batch.seq_lens[:-1], batch.seq_lens[-1] + 1), batch.token_data)
+        if rank == 2
+        else batch
+    )
+    record("lengths", lambda: balancer.plan(bad))
+    # Rank 0 routes a later step's batch with this step's plan.
+    later = _batch(rank, torch.float64)
+    if rank == 0:
+        later = PackedBatch(later.tokens[:-1], (*later.seq_lens[:-1], later.seq_lens[-1] - 1), {}, {})
+    record("stale_plan", lambda: route(later, plan, groups))
+    # Rank 3 plans with another solver: same lengths, different plan.
+    other = plan_routing(plan_lens(plan, topology), topology, balancer.workload, "none") if rank == 3 else plan
+    record("different_plans", lambda: route(batch, other, groups))
+    # Every rank passes a plan made for another topology.
+    foreign = plan_routing(plan_lens(plan, topology), build_topology("g4n1", world), balancer.workload)
+    record("topology", lambda: route(batch, foreign, groups))
+    # Rank 1 packs one column fewer (e.g. a rank without samples built its empty batch differently).
+    fewer = {k: v for k, v in batch.token_data.items() if k != "is_text"}
+    odd = PackedBatch(batch.tokens, batch.seq_lens, fewer, batch.sample_data) if rank == 1 else batch
+    record("columns", lambda: route(odd, plan, groups))
+    # q/k/v with the wrong head count, on every rank.
+    routed = route(batch, plan, groups)
+    attention = KnapDistributedAttention(HEADS)
+    qkv = torch.zeros(routed.batch.num_tokens, HEADS + 1, 4, dtype=torch.float64)
+    record("heads", lambda: attention(qkv, qkv, qkv, routed))
+    record("construct", lambda: KnapDistributedAttention(1, topology=topology))
+    record("backend", lambda: KnapDistributedAttention(HEADS, backend="flash3"))
+    return errors
+
+
+def plan_lens(plan, topology) -> list[list[int]]:
+    return [plan.seq_lens[plan.seq_src_rank == g].tolist() for g in range(topology.group_size)]
+
+
+def test_bad_input_raises_on_every_rank_with_a_clear_message():
+    results = run_distributed(_errors_worker, 4, timeout=120)
+    for errors in results:
+        assert set(errors) == {"lengths", "stale_plan", "different_plans", "topology", "columns", "heads", "construct",
+                               "backend"}  # fmt: skip
+        assert "ranks 0 and [1] carry different tokens or columns" in errors["columns"]
+        assert "rank(s) [2]" in errors["lengths"]
+        assert "rank(s) [0]" in errors["stale_plan"]
+        assert "different plans" in errors["different_plans"]
+        assert "'g4n1'" in errors["topology"] and "'g2n2'" in errors["topology"]
+        assert "[T, H, Dh]" in errors["heads"] and str(HEADS) in errors["heads"]
+        assert "bags of 2 GPUs" in errors["construct"] and "1 heads" in errors["construct"]
+        assert "'flash3'" in errors["backend"]
+    assert "seq_lens sum to" in results[2]["lengths"]  # the bad rank says what is wrong
+    assert "plan has sequence lengths" in results[0]["stale_plan"]
+
+
+def _traffic_worker(rank: int, world: int, spec: str) -> dict:
+    """Bytes the real exchanges send, summed over ranks, for a route + reverse route and one attention
+    forward, to check the benchmark's formulas."""
+    import deepspeed.comm as dist
+
+    from deepspeed_knap.attention import KnapDistributedAttention
+    from deepspeed_knap.bench.routing import step_traffic
+    from deepspeed_knap.packing import PackedBatch
+    from deepspeed_knap.routing import record_traffic, reverse_route, route
+
+    _, groups, balancer = _setup(rank, world, spec, "knapformer")
+    full = _batch(rank, torch.float64)
+    batch = PackedBatch(full.tokens, full.seq_lens)
+    plan = balancer.plan(batch)
+    head_dim = DIM // HEADS
+    with record_traffic() as sent:
+        routed = route(batch, plan, groups)
+        reverse_route(routed.batch.tokens, routed)
+        q = routed.batch.tokens.reshape(-1, HEADS, head_dim)
+        KnapDistributedAttention(HEADS)(q, q, q, routed)
+    measured = torch.tensor([sent["route"] + sent["reverse_route"], sent["ulysses"]], dtype=torch.int64)
+    dist.all_reduce(measured)
+    expected = step_traffic(plan, DIM, HEADS, num_layers=1, bytes_per_element=8)
+    return {"measured": measured.tolist(), "expected": [expected.route_bytes, expected.ulysses_bytes]}
+
+
+@pytest.mark.parametrize("spec", ["g4n1", "g1n2+g2n1"])
+def test_benchmark_traffic_formulas_match_bytes_really_sent(spec):
+    results = run_distributed(_traffic_worker, 4, args=(spec,))
+    assert results[0]["measured"] == results[0]["expected"]
+    assert results[0]["measured"][1] > 0
