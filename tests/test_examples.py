@@ -1,5 +1,6 @@
 """Examples run as documented."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,3 +12,13 @@ def test_plan_step_example_runs():
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_step.py")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "imbalance" in result.stdout and "-> GPUs" in result.stdout
+
+
+def test_balanced_blocks_example_under_the_deepspeed_launcher():
+    launcher = Path(sys.executable).parent / "deepspeed"
+    command = [str(launcher), "--num_gpus", "4", str(ROOT / "examples" / "balanced_blocks.py"), "--steps", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    errors = re.findall(r"max \|balanced - unbalanced\| = (\S+)", result.stdout)
+    assert len(errors) == 2 and all(float(e) < 1e-10 for e in errors), result.stdout
+    assert re.search(r"modeled imbalance \d\.\d\d -> 1\.\d\d", result.stdout)

@@ -38,10 +38,10 @@ def _setup(rank: int, world: int, spec: str, solver: str):
 
 
 def _batch(rank: int, dtype: torch.dtype):
+    from deepspeed_knap.models.tiny_dit import random_samples
     from deepspeed_knap.packing import pack_samples
-    from tests.tiny_dit import make_samples
 
-    samples = make_samples(SEQ_LENS[rank], rank, DIM, COND, dtype)
+    samples = random_samples(SEQ_LENS[rank], 1000 + rank, DIM, COND, dtype)
     for s in samples:
         s["is_text"] = s["modality"] == 0  # a bool column
         s["sample_id"] = torch.tensor(1000 * rank + len(s["tokens"]))  # an int64 per-sample tensor
@@ -103,8 +103,8 @@ def _equivalence(rank: int, world: int, spec: str) -> dict:
     import deepspeed.comm as dist
 
     from deepspeed_knap.balancer import KnapBalancer
+    from deepspeed_knap.models.tiny_dit import TinyDiT
     from tests.test_layout import mixed_plan
-    from tests.tiny_dit import TinyDiT
 
     class MixedPlans(KnapBalancer):
         """Plans no solver makes: GPUs in several attention groups at once (home and bag)."""

@@ -1,8 +1,10 @@
-"""A two-block DiT-like model for routing and equivalence tests (not shipped: FLUX lives in the package).
+"""TinyDiT: the smallest model that uses everything balancing touches, for tests, examples and CPU demos.
 
 Every block uses what a real DiT uses across the routing boundary: per-sample conditioning looked up
 per token by sequence (AdaLN-style shift and scale), per-token integer side columns (3-axis position
-ids and a modality id), and attention over whole sequences through ``KnapDistributedAttention``.
+ids and a modality id), and attention over whole sequences through ``KnapDistributedAttention``. It
+is also a template: a model runs balanced when its block stack takes a ``RoutedBatch`` and passes it
+to its attention modules.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from torch import Tensor, nn
 
 from deepspeed_knap.attention import KnapDistributedAttention
 from deepspeed_knap.balancer import KnapBalancer, balanced_forward
-from deepspeed_knap.packing import PackedBatch
+from deepspeed_knap.packing import PackedBatch, pack_samples
 from deepspeed_knap.routing import RoutedBatch
 
 
@@ -64,9 +66,11 @@ class TinyDiT(nn.Module):
         return balanced_forward(batch, blocks, balancer)
 
 
-def make_samples(seq_lens: list[int], rank: int, dim: int, cond_dim: int, dtype: torch.dtype) -> list[dict]:
-    """Deterministic samples for ``rank`` (every rank can rebuild every other rank's samples)."""
-    generator = torch.Generator().manual_seed(1000 + rank)
+def random_samples(seq_lens: list[int], seed: int, dim: int, cond_dim: int, dtype: torch.dtype) -> list[dict]:
+    """Samples for :class:`TinyDiT` with the given lengths, a function of ``seed`` only (so any rank
+    can rebuild any other rank's samples). Keys: ``tokens [L, D]``, ``position_ids [L, 3]``,
+    ``modality [L]`` (a few text tokens, then image tokens), ``cond [C]``."""
+    generator = torch.Generator().manual_seed(seed)
     samples = []
     for length in seq_lens:
         text = min(length, int(torch.randint(0, 4, (1,), generator=generator)))
@@ -77,3 +81,13 @@ def make_samples(seq_lens: list[int], rank: int, dim: int, cond_dim: int, dtype:
             "cond": torch.randn(cond_dim, generator=generator, dtype=torch.float64).to(dtype),
         })  # fmt: skip
     return samples
+
+
+def pack_tiny_samples(samples: list[dict], dim: int, cond_dim: int, dtype: torch.dtype) -> PackedBatch:
+    """Pack :func:`random_samples` output for :class:`TinyDiT`; with no samples, an empty batch with the
+    same columns (every rank must carry the same columns, even one without samples this step)."""
+    if samples:
+        return pack_samples(samples, ("position_ids", "modality"), ("cond",))
+    return PackedBatch(torch.zeros(0, dim, dtype=dtype), (),
+                       {"position_ids": torch.zeros(0, 3, dtype=torch.int64), "modality": torch.zeros(0, dtype=torch.int8)},
+                       {"cond": torch.zeros(0, cond_dim, dtype=dtype)})  # fmt: skip
