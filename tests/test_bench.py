@@ -18,3 +18,14 @@ def test_scale_smoke():
     assert bench.scale_topologies(64) == topologies
     assert [row["topology"] for row in rows] == [t for t in topologies for _ in range(3)]
     assert "| g8n8 | refine |" in bench.format_scale(rows)
+
+
+def test_routing_traffic_smoke():
+    from deepspeed_knap.bench import routing
+
+    rows = routing.bench_traffic(["kf_image_video"], "g8n4", "knapformer", "flux-dev", steps=1)
+    (row,) = rows
+    # Bags of 8 always used by knapformer: q, k, v and output each send 7/8 of the activations per layer.
+    assert row["ulysses_ratio"] == 57 * 4 * 7 / 8
+    assert 0 < row["route_ratio"] <= 2
+    assert "kf_image_video" in routing.format_traffic(rows)
