@@ -211,6 +211,15 @@ class KnapDistributedAttention(DistributedAttention):
                     f"{name} has shape {tuple(t.shape)}; expected [T, H, Dh] = [{expected[0]}, {expected[1]}, Dh] "
                     "(the routed batch's token count, this module's num_heads) and the same shape for q, k and v"
                 )
+        # Checked on what every rank shares (the plan, the backend), so all ranks raise, not only the
+        # members of one bag while the others wait for them in an all-to-all.
+        largest_group = int(routed.plan.seq_group_size.max(initial=1)) if routed.plan is not None else 1
+        if largest_group > self.num_heads:
+            raise ValueError(
+                f"the plan runs sequences on {largest_group} GPUs but attention has only {self.num_heads} heads; "
+                f"Ulysses needs at least one head per GPU. Use bags of at most {self.num_heads} GPUs"
+            )
+        self.local_attn.resolve(query.device, query.dtype)
         groups = routed.layout.attention_groups
         if not groups:  # no tokens here: an empty result that still depends on q, k and v for autograd
             return query + key + value
@@ -242,11 +251,6 @@ class KnapDistributedAttention(DistributedAttention):
     def _ulysses(
         self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int, group: AttentionGroup, seqs: VarlenSeqs
     ) -> Tensor:
-        if group.size > self.num_heads:
-            raise ValueError(
-                f"a group of {group.size} GPUs cannot split {self.num_heads} heads; use bags of at most "
-                f"{self.num_heads} GPUs"
-            )
         process_group = routed.groups.attention_group(group.start, group.size)
         head_dim = q.shape[-1]
         heads = head_splits(self.num_heads, group.size)

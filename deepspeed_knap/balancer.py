@@ -65,7 +65,14 @@ def balanced_forward(
     batch: PackedBatch, blocks: Callable[[RoutedBatch], Tensor], balancer: KnapBalancer | None = None
 ) -> Tensor:
     """``balancer.forward(batch, blocks)``, or with ``balancer=None`` ``blocks`` on this rank's own
-    sequences: the same model without balancing and without communication."""
+    sequences: the same model without balancing and without communication.
+
+    The backward pass runs the route's all-to-alls in reverse, so every rank must backpropagate
+    through its output, even a rank with no tokens: ``blocks`` must return a tensor computed by the
+    layers (not a fresh ``zeros``), and the loss must depend on it (``(out * w).sum()`` of an empty
+    ``out`` is 0 and still on the graph; a ``0 * sum(params)`` stand-in would leave the other ranks
+    waiting in the backward all-to-all).
+    """
     if balancer is None:
         return blocks(local_batch(batch))
     return balancer.forward(batch, blocks)

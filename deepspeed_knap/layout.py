@@ -46,7 +46,7 @@ class AttentionGroup:
         seq_lens: ``[m]`` int64 their full lengths.
         chunk_lens: ``[G, m]`` int64 tokens of sequence ``j`` held by member ``g`` (may be 0).
         rows: ``[sum(chunk_lens[member])]`` int64 rows of this GPU's routed tokens that belong to the
-            group, or ``None`` when that is all of them, in order.
+            group, or ``None`` when this is the GPU's only group (then it is all of them, in order).
         seq_major: ``[sum(seq_lens)]`` int64 permutation that turns the tokens gathered from the members
             (member by member, each member's chunks in sequence order) into whole sequences, or
             ``None`` when that order already is whole sequences (``G == 1`` or ``m == 1``).
@@ -160,12 +160,14 @@ def gpu_layout(plan: RoutingPlan, gpu: int) -> GpuLayout:
     member_chunks = np.flatnonzero(plan.chunk_gpu == gpu)  # empty chunks too: members still exchange
     member_seqs = seq_of_chunk[member_chunks]
     keys = np.stack([plan.seq_group_start[member_seqs], plan.seq_group_size[member_seqs]], axis=1)
-    for start, size in sorted({(int(a), int(b)) for a, b in keys}):
+    group_keys = sorted({(int(a), int(b)) for a, b in keys})
+    for start, size in group_keys:
         seq_ids = member_seqs[(keys[:, 0] == start) & (keys[:, 1] == size)]
         chunk_index = plan.chunk_offsets[seq_ids][None, :] + np.arange(size)[:, None]
         chunk_lens = plan.chunk_len[chunk_index]  # [G, m]
         in_group = np.isin(held_seq, seq_ids)
-        rows = None if in_group.all() else _ranges(held_rows_start[in_group], plan.chunk_len[incoming][in_group])
+        # With several groups every one lists its rows, even none (a member holding only empty chunks).
+        rows = None if len(group_keys) == 1 else _ranges(held_rows_start[in_group], plan.chunk_len[incoming][in_group])
         groups.append(AttentionGroup.build(start, gpu - start, seq_ids, chunk_lens, rows))
 
     return GpuLayout(

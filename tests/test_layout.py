@@ -60,6 +60,7 @@ def simulate_step(plan):
             pieces = []
             for member in members:
                 mine = next(a for a in member.attention_groups if (a.start, a.size) == (group.start, group.size))
+                assert (mine.rows is None) == (len(member.attention_groups) == 1)
                 rows = mine.rows if mine.rows is not None else np.arange(member.num_routed_tokens)
                 assert len(rows) == mine.num_local_tokens
                 pieces.append(routed[member.gpu][rows])
@@ -107,6 +108,15 @@ def test_mixed_plans_put_gpus_in_several_groups():
     topology = build_topology("g1n2+g2n1+g4n1")
     plan = mixed_plan([[9, 8, 7, 6]] * 8, topology, WORKLOAD, seed=3)
     assert max(len(gpu_layout(plan, g).attention_groups) for g in range(8)) >= 2
+    simulate_step(plan)
+
+
+def test_a_gpu_holding_only_empty_chunks_of_one_of_its_groups_lists_no_rows_for_it():
+    # GPU 1 holds an empty chunk of the 1-token sequence (group of 2) and its own sequence alone.
+    problem = _Problem.build([[1], [5]], build_topology("g2n1"), WORKLOAD, None)
+    plan = problem.make_plan("mixed", np.array([0, 1]), np.array([2, 1]))
+    groups = gpu_layout(plan, 1).attention_groups
+    assert [(g.start, g.size, g.rows.tolist()) for g in groups] == [(0, 2, []), (1, 1, [0, 1, 2, 3, 4])]
     simulate_step(plan)
 
 

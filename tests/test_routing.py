@@ -144,6 +144,40 @@ def _equivalence(rank: int, world: int, spec: str) -> dict:
     return result
 
 
+def _empty_chunk_worker(rank: int, world: int) -> float:
+    """GPU 1 holds only an empty chunk of its one bag sequence and runs its own sequence alone: it is
+    in two attention groups, one with no rows."""
+    import numpy as np
+
+    from deepspeed_knap.balancer import KnapBalancer
+    from deepspeed_knap.models.tiny_dit import TinyDiT, pack_tiny_samples, random_samples
+    from deepspeed_knap.planner import _Problem
+
+    topology, groups, _ = _setup(rank, world, "g2n1", "refine")
+
+    class EdgePlan(KnapBalancer):
+        def plan(self, batch):
+            problem = _Problem.build([[1], [5]], topology, self.workload, None)
+            return problem.make_plan("edge", np.array([0, 1]), np.array([2, 1]))
+
+    torch.manual_seed(0)
+    model = TinyDiT(DIM, HEADS, COND).double()
+    batch = pack_tiny_samples(random_samples([[1], [5]][rank], rank, DIM, COND, torch.float64), DIM, COND,
+                              torch.float64)  # fmt: skip
+    balanced = model(batch, EdgePlan(groups, _workload()))
+    return float((balanced - model(batch)).abs().max())
+
+
+def _workload():
+    from deepspeed_knap.workload import WorkloadModel
+
+    return WorkloadModel(**WORKLOAD)
+
+
+def test_gpu_in_two_attention_groups_one_with_only_an_empty_chunk():
+    assert max(run_distributed(_empty_chunk_worker, 2)) <= 1e-12
+
+
 def _topology_worker(rank: int, world: int, spec: str) -> dict:
     return {"conservation": _conservation(rank, world, spec), "equivalence": _equivalence(rank, world, spec)}
 
@@ -213,6 +247,8 @@ def _errors_worker(rank: int, world: int) -> dict:
     attention = KnapDistributedAttention(HEADS)
     qkv = torch.zeros(routed.batch.num_tokens, HEADS + 1, 4, dtype=torch.float64)
     record("heads", lambda: attention(qkv, qkv, qkv, routed))
+    # Too few heads for the bags, without the topology check at construction: caught on every rank.
+    record("heads_vs_plan", lambda: KnapDistributedAttention(1)(qkv[:, :1], qkv[:, :1], qkv[:, :1], routed))
     record("construct", lambda: KnapDistributedAttention(1, topology=topology))
     record("backend", lambda: KnapDistributedAttention(HEADS, backend="flash3"))
     return errors
@@ -225,8 +261,9 @@ def plan_lens(plan, topology) -> list[list[int]]:
 def test_bad_input_raises_on_every_rank_with_a_clear_message():
     results = run_distributed(_errors_worker, 4, timeout=120)
     for errors in results:
-        assert set(errors) == {"lengths", "stale_plan", "different_plans", "topology", "columns", "heads", "construct",
-                               "backend"}  # fmt: skip
+        assert set(errors) == {"lengths", "stale_plan", "different_plans", "topology", "columns", "heads",
+                               "heads_vs_plan", "construct", "backend"}  # fmt: skip
+        assert "runs sequences on 2 GPUs but attention has only 1 heads" in errors["heads_vs_plan"]
         assert "ranks 0 and [1] carry different tokens or columns" in errors["columns"]
         assert "rank(s) [2]" in errors["lengths"]
         assert "rank(s) [0]" in errors["stale_plan"]

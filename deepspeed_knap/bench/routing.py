@@ -4,8 +4,10 @@
 
 Computed exactly from the plans (the same split sizes the all-to-alls use; ``tests/test_routing.py``
 checks them against the bytes the real exchanges send), for the bundled workloads. Bytes are what
-GPUs send to *other* GPUs in one forward pass; backward sends the same again. The activation size
-is one copy of the step's token states, ``tokens * D * bytes``.
+GPUs send to *other* GPUs in one forward pass, for the token states and q/k/v/output only: the side
+columns (position ids, modality: ~25 bytes a token against ``2 * D`` for the states) and the
+per-sample rows are left out. In training the backward pass sends the same again (the gradients).
+The activation size is one copy of the step's token states, ``tokens * D * bytes``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class StepTraffic:
 
     Attributes:
         activation_bytes: ``tokens * D * bytes``.
-        route_bytes: token states sent to other GPUs by the route and the reverse route together.
+        route_bytes: token states sent to other GPUs by the route and the reverse route together
+            (side columns and per-sample rows not included).
         ulysses_bytes: q, k, v out and attention output back inside the bags, over all layers.
     """
 
@@ -118,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
     rows = bench_traffic(args.workloads, args.topology, args.solver, args.model, args.steps)
-    print(f"{args.topology}, solver {args.solver}, {args.model} (bf16, forward; backward moves the same again), "
+    print(f"{args.topology}, solver {args.solver}, {args.model} (bf16, forward; training's backward moves the same again), "
           f"median of {args.steps} steps")  # fmt: skip
     print(format_traffic(rows))
 
