@@ -18,6 +18,10 @@ from deepspeed_knap.workloads import WORKLOADS, sample_workload
 __version__ = "0.1.0"
 
 _LAZY = {
+    "initialize": "deepspeed_knap.engine",
+    "token_mean_loss": "deepspeed_knap.engine",
+    "KnapFormerConfig": "deepspeed_knap.config",
+    "get_knapformer_config": "deepspeed_knap.config",
     "KnapBalancer": "deepspeed_knap.balancer",
     "balanced_forward": "deepspeed_knap.balancer",
     "KnapDistributedAttention": "deepspeed_knap.attention",

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from deepspeed.sequence.layer import DistributedAttention
 from deepspeed.utils import logger
-from torch import Tensor, nn
+from torch import Tensor
 
 from deepspeed_knap.layout import AttentionGroup
 from deepspeed_knap.routing import RoutedBatch, exchange
@@ -103,8 +103,11 @@ def _unusable(backend: str, device: torch.device, dtype: torch.dtype) -> str | N
     return None
 
 
-class VarlenAttention(nn.Module):
+class VarlenAttention:
     """Local attention over packed variable-length sequences with a choice of kernel.
+
+    A plain callable, not an ``nn.Module``: a GPU calls it once per attention group it is in, which
+    differs between ranks, and ZeRO-3 requires every rank to call every submodule equally often.
 
     Args:
         backend: ``"flash"`` (flash-attn's ``flash_attn_varlen_func``), ``"torch_varlen"`` (torch's
@@ -118,7 +121,6 @@ class VarlenAttention(nn.Module):
     """
 
     def __init__(self, backend: str = "auto", softmax_scale: float | None = None) -> None:
-        super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if backend in ("flash", "torch_varlen"):
@@ -144,7 +146,7 @@ class VarlenAttention(nn.Module):
             self._resolved[key] = choice
         return self._resolved[key]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs) -> Tensor:
         """``q, k, v``: ``[L, h, Dh]`` whole sequences back to back. Returns ``[L, h, Dh]``."""
         kernel = _KERNELS[self.resolve(q.device, q.dtype)]
         return kernel(q.contiguous(), k.contiguous(), v.contiguous(), seqs, self.softmax_scale)
@@ -186,13 +188,24 @@ class KnapDistributedAttention(DistributedAttention):
         super().__init__(VarlenAttention(backend, softmax_scale), sequence_process_group=None)
         if num_heads < 1:
             raise ValueError(f"num_heads must be a positive integer; got {num_heads!r}")
-        if topology is not None and max(topology.bag_sizes) > num_heads:
+        self.num_heads = num_heads
+        if topology is not None:
+            self.configure(topology)
+
+    def configure(self, topology: Topology, backend: str | None = None) -> None:
+        """Check the heads against ``topology``'s bags and, if given, switch the local kernel.
+
+        Raises:
+            ValueError: a bag with more GPUs than heads, or an unavailable backend.
+        """
+        if max(topology.bag_sizes) > self.num_heads:
             raise ValueError(
                 f"topology {topology.spec!r} has bags of {max(topology.bag_sizes)} GPUs but attention has only "
-                f"{num_heads} heads; Ulysses needs at least one head per GPU of a bag. Use bags of at most "
-                f"{num_heads} GPUs"
+                f"{self.num_heads} heads; Ulysses needs at least one head per GPU of a bag. Use bags of at most "
+                f"{self.num_heads} GPUs"
             )
-        self.num_heads = num_heads
+        if backend is not None and backend != self.local_attn.backend:
+            self.local_attn = VarlenAttention(backend, self.local_attn.softmax_scale)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, routed: RoutedBatch) -> Tensor:
         """Attention of every routed token over its whole sequence.

@@ -11,8 +11,11 @@ rank's token order, so the loss is computed exactly as without balancing. Collec
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
+from deepspeed.utils import logger
 from torch import Tensor
 
 from deepspeed_knap.packing import PackedBatch
@@ -30,6 +33,9 @@ class KnapBalancer:
         workload: the cost model the planner balances.
         solver: planner solver (see :data:`~deepspeed_knap.planner.SOLVERS`).
         max_tokens_per_gpu: memory cap for the planner, or ``None``.
+        log_interval: every this many plans, global rank 0 logs the modeled imbalance before and after,
+            the solve time and the share of tokens moved (of its balance group); 0 never.
+        monitor: a DeepSpeed ``MonitorMaster`` (``engine.monitor``) that gets the same numbers.
     """
 
     def __init__(
@@ -38,18 +44,43 @@ class KnapBalancer:
         workload: WorkloadModel,
         solver: str = DEFAULT_SOLVER,
         max_tokens_per_gpu: int | None = None,
+        log_interval: int = 0,
+        monitor: Any = None,
     ) -> None:
         self.groups = groups
         self.workload = workload
         self.solver = solver
         self.max_tokens_per_gpu = max_tokens_per_gpu
+        self.log_interval = log_interval
+        self.monitor = monitor
+        self.steps = 0
 
     def plan(self, batch: PackedBatch) -> RoutingPlan:
         """Gather every rank's lengths and solve; every rank gets the same plan. Collective."""
         seq_lens_per_rank = gather_seq_lens(batch, self.groups)
-        return plan_routing(
+        start = time.perf_counter()
+        plan = plan_routing(
             seq_lens_per_rank, self.groups.topology, self.workload, self.solver, self.max_tokens_per_gpu
         )
+        solve_s = time.perf_counter() - start
+        self.steps += 1
+        if self.log_interval and self.steps % self.log_interval == 0 and self.groups.rank == 0:
+            self._log(plan, plan_routing(seq_lens_per_rank, self.groups.topology, self.workload, "none"), solve_s)
+        return plan
+
+    def _log(self, plan: RoutingPlan, unbalanced: RoutingPlan, solve_s: float) -> None:
+        metrics = {
+            "knapformer/imbalance_before": unbalanced.imbalance,
+            "knapformer/imbalance_after": plan.imbalance,
+            "knapformer/solve_ms": solve_s * 1e3,
+            "knapformer/tokens_moved": plan.tokens_moved_fraction,
+        }
+        logger.info(
+            f"knapformer step {self.steps}: modeled imbalance {unbalanced.imbalance:.3f} -> {plan.imbalance:.3f}, "
+            f"solve {solve_s * 1e3:.1f} ms, tokens moved {plan.tokens_moved_fraction:.1%}"
+        )
+        if self.monitor is not None and self.monitor.enabled:
+            self.monitor.write_events([(name, value, self.steps) for name, value in metrics.items()])
 
     def route(self, batch: PackedBatch, plan: RoutingPlan) -> RoutedBatch:
         return route(batch, plan, self.groups)

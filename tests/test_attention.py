@@ -134,3 +134,24 @@ def test_gpu_varlen_kernels_match_sdpa_forward_and_backward(backend):
 def test_auto_prefers_a_varlen_kernel_on_cuda():
     choice = VarlenAttention("auto").resolve(torch.device("cuda"), torch.bfloat16)
     assert choice in ("flash", "torch_varlen") and choice in BACKENDS
+
+
+def test_every_module_runs_equally_often_with_or_without_tokens():
+    """ZeRO-3 traces module calls and requires the same order on every rank, so a rank with no
+    tokens must call every submodule as often as one with many, forward and backward."""
+    from deepspeed_knap.models.tiny_dit import TinyDiT, pack_tiny_samples, random_samples
+
+    torch.manual_seed(0)
+    model = TinyDiT(24, 6, 5)
+    calls = {}
+    for lengths in ([], [3, 9]):
+        fired = calls.setdefault(len(lengths), [])
+        hooks = [m.register_forward_pre_hook(lambda m, a, n=n, f=fired: f.append(("fwd", n)))
+                 for n, m in model.named_modules()]  # fmt: skip
+        hooks += [m.register_full_backward_pre_hook(lambda m, g, n=n, f=fired: f.append(("bwd", n)))
+                  for n, m in model.named_modules() if n != "blocks"]  # fmt: skip
+        batch = pack_tiny_samples(random_samples(lengths, 0, 24, 5, torch.float32), 24, 5, torch.float32)
+        model(batch).square().sum().backward()
+        for hook in hooks:
+            hook.remove()
+    assert calls[0] == calls[2] and len(calls[0]) > 20

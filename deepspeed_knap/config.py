@@ -1,0 +1,166 @@
+"""The ``"knapformer"`` block of a DeepSpeed JSON config.
+
+    "knapformer": {
+        "enabled": true,
+        "topology": "g8n4",
+        "workload": {"model": "flux-dev"},
+        "solver": "refine",
+        "attention_backend": "auto",
+        "log_interval": 10
+    }
+
+Validated before any process group exists; an unknown key or bad value raises ``ValueError``
+naming it. Every field is documented in the README with its default.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from deepspeed_knap.planner import DEFAULT_SOLVER
+from deepspeed_knap.topology import parse_topology_spec
+from deepspeed_knap.workload import MODEL_PRESETS, WorkloadModel, default_workload
+
+KNAPFORMER = "knapformer"
+
+
+class KnapWorkloadConfig(DeepSpeedConfigModel):
+    """Where the planner's cost model comes from: exactly one of a model preset (FLOP-derived),
+    measured coefficients, or a calibration file written by ``deepspeed-knap calibrate``."""
+
+    model: str | None = None
+    """Preset name (``flux-dev``, ``flux-schnell``, ``flux-tiny``); the default when nothing else is given."""
+    hidden: int | None = Field(None, gt=0)
+    """Override the preset's model width."""
+    double_blocks: int | None = Field(None, ge=0)
+    """Override the preset's double-stream block count."""
+    single_blocks: int | None = Field(None, ge=0)
+    """Override the preset's single-stream block count."""
+    mlp_ratio: int | None = Field(None, gt=0)
+    """Override the preset's MLP ratio."""
+    tflops: float = Field(400.0, gt=0)
+    """Sustained TFLOP/s per GPU assumed by the preset model."""
+    alltoall_gbps: float = Field(150.0, gt=0)
+    """All-to-all bandwidth per GPU (GB/s) assumed by the preset model."""
+    linear_coef: float | None = Field(None, ge=0)
+    """Measured ``a`` (seconds per token on one GPU); give with ``quadratic_coef``."""
+    quadratic_coef: float | None = Field(None, ge=0)
+    """Measured ``b`` (seconds per token squared); give with ``linear_coef``."""
+    alltoall_coef: float | None = Field(None, ge=0)
+    """Measured ``c`` (seconds per token of Ulysses traffic); optional with coefficients."""
+    calibration_file: str | None = None
+    """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef``."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KnapWorkloadConfig:
+        dims = [k for k in ("hidden", "double_blocks", "single_blocks", "mlp_ratio") if getattr(self, k) is not None]
+        coefs = [k for k in ("linear_coef", "quadratic_coef", "alltoall_coef") if getattr(self, k) is not None]
+        sources = [name for name, used in (("model/dims", self.model is not None or dims),
+                                           ("coefficients", coefs), ("calibration_file", self.calibration_file))
+                   if used]  # fmt: skip
+        if len(sources) > 1:
+            raise ValueError(f"give one workload source, not {' and '.join(sources)}")
+        if coefs and (self.linear_coef is None or self.quadratic_coef is None):
+            raise ValueError("coefficients need both linear_coef and quadratic_coef")
+        if self.model is not None and self.model not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {self.model!r}; choose one of {sorted(MODEL_PRESETS)}")
+        return self
+
+    def build(self) -> WorkloadModel:
+        """The :class:`~deepspeed_knap.workload.WorkloadModel` this section describes."""
+        if self.linear_coef is not None:
+            return WorkloadModel(self.linear_coef, self.quadratic_coef, self.alltoall_coef or 0.0)
+        if self.calibration_file is not None:
+            return _read_calibration(self.calibration_file)
+        dims = {k: getattr(self, k) for k in ("hidden", "double_blocks", "single_blocks", "mlp_ratio")}
+        overrides = {k: v for k, v in dims.items() if v is not None}
+        return default_workload(self.model or "flux-dev", tflops=self.tflops, alltoall_gbps=self.alltoall_gbps,
+                                **overrides)  # fmt: skip
+
+
+def _read_calibration(path: str) -> WorkloadModel:
+    try:
+        data = json.loads(Path(path).read_text())
+        return WorkloadModel(float(data["linear_coef"]), float(data["quadratic_coef"]),
+                             float(data.get("alltoall_coef", 0.0)))  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"knapformer.workload.calibration_file {path!r} is unreadable ({error}); it must be a JSON object with "
+            "linear_coef, quadratic_coef and optionally alltoall_coef, as deepspeed-knap calibrate writes"
+        ) from None
+
+
+class KnapFormerConfig(DeepSpeedConfigModel):
+    """The ``"knapformer"`` block. With ``enabled: false`` (the default) nothing is balanced and nothing
+    extra communicates."""
+
+    enabled: bool = False
+    """Turn balancing on."""
+    topology: str | None = None
+    """Bag layout of one balance group, e.g. ``"g8n4"`` or ``"g1n8+g2n4"``; required when enabled."""
+    gpus_per_node: int | None = Field(None, gt=0)
+    """GPUs per node for node-aligned bags; default: the launcher's ``LOCAL_WORLD_SIZE``."""
+    solver: Literal["none", "knapformer", "refine"] = DEFAULT_SOLVER
+    """Planner solver."""
+    workload: KnapWorkloadConfig = Field(default_factory=KnapWorkloadConfig)
+    """Cost model source."""
+    max_tokens_per_gpu: int | None = Field(None, gt=0)
+    """Memory cap: most tokens one GPU may hold after routing."""
+    attention_backend: Literal["auto", "flash", "torch_varlen", "sdpa"] = "auto"
+    """Local attention kernel of every ``KnapDistributedAttention`` in the model."""
+    log_interval: int = Field(10, ge=0)
+    """Log balancing metrics every this many steps (0: never)."""
+
+    @field_validator("topology")
+    @classmethod
+    def _topology_grammar(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_topology_spec(value)
+        return value
+
+    @model_validator(mode="after")
+    def _topology_when_enabled(self) -> KnapFormerConfig:
+        if self.enabled and self.topology is None:
+            raise ValueError('"enabled": true needs a "topology", e.g. "g8n4" (4 bags of 8 GPUs)')
+        return self
+
+
+def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config given as a dict or a JSON file path, as a dict."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    return json.loads(Path(config).read_text())
+
+
+def get_knapformer_config(param_dict: Mapping[str, Any]) -> KnapFormerConfig:
+    """Parse the ``"knapformer"`` block of a DeepSpeed config dict (absent: disabled).
+
+    Raises:
+        ValueError: naming every bad key or value, with the valid keys for unknown ones.
+    """
+    block = param_dict.get(KNAPFORMER, {})
+    if not isinstance(block, Mapping):
+        raise ValueError(f'the "knapformer" block must be a JSON object; got {block!r}')
+    try:
+        return KnapFormerConfig(strict=True, **block)
+    except ValidationError as error:
+        raise ValueError(_explain(error)) from None
+
+
+def _explain(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in (KNAPFORMER, *item["loc"]))
+        if item["type"] == "extra_forbidden":
+            model = KnapWorkloadConfig if len(item["loc"]) > 1 and item["loc"][0] == "workload" else KnapFormerConfig
+            lines.append(f"unknown key {where!r}; valid keys: {', '.join(model.model_fields)}")
+        else:
+            message = item["msg"].removeprefix("Value error, ")
+            lines.append(f"{where} = {item.get('input')!r}: {message}" if item["loc"] else f"{KNAPFORMER}: {message}")
+    return 'invalid "knapformer" block in the DeepSpeed config:\n  ' + "\n  ".join(lines)
