@@ -48,9 +48,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
     knap = get_knapformer_config(ds_config)
     plain_config = {key: value for key, value in ds_config.items() if key != KNAPFORMER}
 
+    # Under mpirun, DeepSpeed discovers ranks through mpi4py and would take port 29500 unless told.
+    deepspeed.init_distributed(distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     topology = None
     if knap.enabled:
-        deepspeed.init_distributed()
         topology = _build_topology(knap, dist.get_world_size())
         for module in model.modules() if model is not None else ():
             if isinstance(module, KnapDistributedAttention):

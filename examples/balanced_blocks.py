@@ -30,7 +30,7 @@ parser.add_argument("--topology", default="g1n2+g2n1")
 parser.add_argument("--workload", default="kf_image_video")
 parser.add_argument("--token-scale", type=float, default=1 / 64, help="shrink lengths so CPU ranks keep up")
 parser.add_argument("--steps", type=int, default=3)
-parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
+parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
 args = parser.parse_args()
 
 deepspeed.init_distributed()

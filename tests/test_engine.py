@@ -32,20 +32,26 @@ def step_lengths(step: int, rank: int) -> list[int]:
     return table[step % len(table)][rank]
 
 
-def train(rank: int, config: dict) -> tuple[list[float], torch.Tensor]:
-    """Three steps of TinyDiT; returns the global mean losses and the final parameters."""
-    import deepspeed
-    import deepspeed.comm as dist
-
+def make_engine(config: dict, seed: int = 0):
     import deepspeed_knap
-    from deepspeed_knap.models.tiny_dit import TinyDiT, pack_tiny_samples, random_samples
+    from deepspeed_knap.models.tiny_dit import TinyDiT
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = TinyDiT(DIM, HEADS, COND)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     engine, _, _, _, balancer = deepspeed_knap.initialize(model=model, optimizer=optimizer, config=config)
+    return engine, balancer
+
+
+def run_steps(engine, balancer, rank: int, steps: range) -> list[float]:
+    """Train ``steps`` of TinyDiT; returns the global mean loss of each."""
+    import deepspeed.comm as dist
+
+    import deepspeed_knap
+    from deepspeed_knap.models.tiny_dit import pack_tiny_samples, random_samples
+
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         samples = random_samples(step_lengths(step, rank), 100 * step + rank, DIM, COND, torch.float32)
         batch = pack_tiny_samples(samples, DIM, COND, torch.float32)
         target = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(7 * step + rank))
@@ -56,15 +62,32 @@ def train(rank: int, config: dict) -> tuple[list[float], torch.Tensor]:
         reported = loss.detach().clone()
         dist.all_reduce(reported)
         losses.append(reported.item() / dist.get_world_size())
+    return losses
+
+
+def parameters(engine) -> torch.Tensor:
+    import deepspeed
+
     params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=config["zero_optimization"]["stage"] == 3):
-        flat = torch.cat([p.detach().reshape(-1).clone() for p in params])
-    return losses, flat
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        return torch.cat([p.detach().reshape(-1).clone() for p in params])
 
 
-def _zero_worker(rank: int, world: int, stage: int) -> dict:
-    off_losses, off_params = train(rank, ds_config(stage, None))
-    on_losses, on_params = train(rank, ds_config(stage, KNAP_ON))
+def train(rank: int, config: dict) -> tuple[list[float], torch.Tensor]:
+    engine, balancer = make_engine(config)
+    losses = run_steps(engine, balancer, rank, range(STEPS))
+    return losses, parameters(engine)
+
+
+def _zero_worker(rank: int, world: int, stage: int, monitor_dir: str) -> dict:
+    off_config = ds_config(stage, {"enabled": False, "topology": "g4n1"})
+    engine, balancer = make_engine(off_config)
+    assert balancer is None  # disabled: plain DeepSpeed, no balancer, no extra groups or collectives
+    off_losses = run_steps(engine, balancer, rank, range(STEPS))
+    off_params = parameters(engine)
+    on_config = ds_config(stage, KNAP_ON)
+    on_config["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": f"zero{stage}"}
+    on_losses, on_params = train(rank, on_config)
     return {"off": off_losses, "on": on_losses, "param_err": float((on_params - off_params).abs().max()),
             "param_change": float((on_params - _initial_params()).abs().max())}  # fmt: skip
 
@@ -77,10 +100,67 @@ def _initial_params() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_training_with_balancing_equals_without(stage):
-    results = run_distributed(_zero_worker, 4, args=(stage,), timeout=300)
+def test_zero_training_with_balancing_equals_without(stage, tmp_path):
+    results = run_distributed(_zero_worker, 4, args=(stage, str(tmp_path)), timeout=300)
     for result in results:
         assert result["on"] == pytest.approx(result["off"], rel=1e-5, abs=1e-6)
         assert result["param_err"] <= 1e-5
         assert result["param_change"] > 1e-3  # training really moved the weights
     assert results[0]["off"] == results[1]["off"]  # a global mean: the same on every rank
+    # log_interval 1: every step's balancing metrics reached DeepSpeed's CSV monitor.
+    written = sorted(p.name for p in (tmp_path / f"zero{stage}").rglob("knapformer_*.csv"))
+    assert written == [f"knapformer_{name}.csv" for name in ("imbalance_after", "imbalance_before", "solve_ms",
+                                                             "tokens_moved")], written  # fmt: skip
+    rows = (tmp_path / f"zero{stage}" / "knapformer_imbalance_after.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + STEPS  # header and one row per step
+
+
+def _checkpoint_worker(rank: int, world: int, save_dir: str) -> dict:
+    """ZeRO-3 with balancing: stop after 2 steps, save, reload into a differently initialised engine,
+    and the third step must match an uninterrupted run (itself equal to balancing off)."""
+    config = ds_config(3, KNAP_ON)
+    engine, balancer = make_engine(config)
+    run_steps(engine, balancer, rank, range(2))
+    engine.save_checkpoint(save_dir, tag="step2")
+    uninterrupted = run_steps(engine, balancer, rank, range(2, 3)), parameters(engine)
+    engine, balancer = make_engine(config, seed=123)
+    engine.load_checkpoint(save_dir, tag="step2")
+    resumed = run_steps(engine, balancer, rank, range(2, 3)), parameters(engine)
+    return {"loss": (uninterrupted[0], resumed[0]), "param_err": float((uninterrupted[1] - resumed[1]).abs().max())}
+
+
+def test_zero3_checkpoint_round_trip_with_balancing(tmp_path):
+    for result in run_distributed(_checkpoint_worker, 4, args=(str(tmp_path),), timeout=300):
+        uninterrupted, resumed = result["loss"]
+        assert resumed == uninterrupted
+        assert result["param_err"] == 0.0
+
+
+def _config_error_worker(rank: int, world: int) -> dict:
+    import deepspeed_knap
+    from deepspeed_knap.models.tiny_dit import TinyDiT
+
+    cases = {
+        "world": ({"topology": "g8n1"}, 6),
+        "node": ({"topology": "g3n1+g1n1", "gpus_per_node": 2}, 6),
+        "heads": ({"topology": "g4n1"}, 2),
+        "typo": ({"topology": "g4n1", "sovler": "refine"}, 6),
+    }
+    errors = {}
+    for name, (block, heads) in cases.items():
+        model = TinyDiT(DIM, heads, COND)
+        try:
+            deepspeed_knap.initialize(model=model, config=ds_config(1, {"enabled": True, **block}))
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+def test_config_errors_before_the_first_step_on_every_rank():
+    results = run_distributed(_config_error_worker, 4)
+    assert all(errors == results[0] for errors in results)  # identical on every rank
+    errors = results[0]
+    assert "needs a world size that is a multiple of its 8 GPUs" in errors["world"]
+    assert "cannot be laid out over nodes of 2 GPUs" in errors["node"]
+    assert "bags of 4 GPUs but attention has only 2 heads" in errors["heads"]
+    assert "unknown key 'knapformer.sovler'" in errors["typo"]

@@ -1,0 +1,31 @@
+"""Train TinyDiT balanced; rank 2 raises in the middle of step 1. The job must exit non-zero with
+that error instead of hanging (tests/test_launch.py)."""
+
+import argparse
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+
+import deepspeed_knap
+from deepspeed_knap.models.tiny_dit import TinyDiT, pack_tiny_samples, random_samples
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=-1)
+parser = deepspeed.add_config_arguments(parser)
+args = parser.parse_args()
+
+torch.manual_seed(0)
+model = TinyDiT()
+engine, _, _, _, balancer = deepspeed_knap.initialize(
+    args=args, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+)
+for step in range(3):
+    batch = pack_tiny_samples(
+        random_samples([5, 9], 10 * step + dist.get_rank(), 24, 5, torch.float32), 24, 5, torch.float32
+    )
+    out = engine(batch, balancer)
+    if step == 1 and dist.get_rank() == 2:
+        raise RuntimeError("injected failure on rank 2 at step 1")
+    engine.backward(deepspeed_knap.token_mean_loss(out.square().mean(dim=-1)))
+    engine.step()

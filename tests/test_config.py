@@ -1,0 +1,75 @@
+"""The "knapformer" config block: defaults, every workload source, and errors that name the key."""
+
+import json
+
+import pytest
+
+from deepspeed_knap.config import KnapFormerConfig, get_knapformer_config
+from deepspeed_knap.workload import WorkloadModel, default_workload
+
+
+def block(**fields):
+    return get_knapformer_config({"train_batch_size": 8, "knapformer": fields})
+
+
+def test_absent_block_is_disabled_with_documented_defaults():
+    config = get_knapformer_config({"train_batch_size": 8})
+    assert not config.enabled and config.topology is None and config.solver == "refine"
+    assert config.attention_backend == "auto" and config.log_interval == 10 and config.max_tokens_per_gpu is None
+    assert config.workload.build() == default_workload("flux-dev")
+
+
+def test_workload_sources():
+    assert block(workload={"model": "flux-tiny"}).workload.build() == default_workload("flux-tiny")
+    assert block(workload={"hidden": 64, "tflops": 100}).workload.build() == default_workload(
+        "flux-dev", hidden=64, tflops=100
+    )
+    assert block(workload={"linear_coef": 1e-6, "quadratic_coef": 1e-9}).workload.build() == WorkloadModel(1e-6, 1e-9)
+
+
+def test_calibration_file(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"linear_coef": 2e-6, "quadratic_coef": 3e-10, "alltoall_coef": 1e-7, "r2": 0.99}))
+    assert block(workload={"calibration_file": str(path)}).workload.build() == WorkloadModel(2e-6, 3e-10, 1e-7)
+    path.write_text("{}")
+    with pytest.raises(ValueError, match=r"calibration_file .* is unreadable"):
+        block(workload={"calibration_file": str(path)}).workload.build()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"toplogy": "g8n4"}, "unknown key 'knapformer.toplogy'; valid keys: enabled, topology"),
+        ({"enabled": True}, '"enabled": true needs a "topology"'),
+        ({"topology": "g8x4"}, "knapformer.topology = 'g8x4': malformed topology term"),
+        ({"solver": "greedy"}, "knapformer.solver = 'greedy': Input should be 'none', 'knapformer' or 'refine'"),
+        ({"attention_backend": "xformers"}, "knapformer.attention_backend = 'xformers'"),
+        ({"max_tokens_per_gpu": 0}, "knapformer.max_tokens_per_gpu = 0: Input should be greater than 0"),
+        ({"log_interval": -1}, "knapformer.log_interval = -1"),
+        ({"workload": {"foo": 1}}, "unknown key 'knapformer.workload.foo'; valid keys: model, hidden"),
+        ({"workload": {"model": "flux-xl"}}, "unknown model preset 'flux-xl'"),
+        ({"workload": {"linear_coef": 1.0}}, "coefficients need both linear_coef and quadratic_coef"),
+        ({"workload": {"model": "flux-dev", "linear_coef": 1, "quadratic_coef": 1}}, "give one workload source"),
+    ],
+)
+def test_bad_blocks_name_the_key_and_value(fields, message):
+    with pytest.raises(ValueError, match='invalid "knapformer" block') as error:
+        block(**fields)
+    assert message in str(error.value)
+
+
+def test_block_must_be_an_object():
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        get_knapformer_config({"knapformer": "g8n4"})
+
+
+def test_every_field_is_documented_in_the_readme():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for name in KnapFormerConfig.model_fields:
+        assert f"| `{name}` |" in readme, name
+    from deepspeed_knap.config import KnapWorkloadConfig
+
+    for name in KnapWorkloadConfig.model_fields:
+        assert f"| `workload.{name}` |" in readme, name

@@ -1,0 +1,60 @@
+"""Launchers: the deepspeed launcher and mpirun run the same script to the same losses, and a rank that
+raises mid-step ends the job with its error instead of a hang."""
+
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CONFIG = ROOT / "ds_configs" / "tiny_cpu_zero3.json"
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun", path=str(BIN)) is None, reason="needs the mpi extra")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_launch(script: Path, *args: str) -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()), str(script), *args]
+
+
+def mpirun_launch(script: Path, *args: str) -> list[str]:
+    # `-m mpi4py`: an uncaught exception on one rank aborts every rank (MPI_Abort) instead of a hang.
+    return [str(BIN / "mpirun"), "-n", "4", "-env", "MASTER_PORT", str(free_port()),
+            sys.executable, "-m", "mpi4py", str(script), *args]  # fmt: skip
+
+
+def run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@needs_mpirun
+def test_deepspeed_launcher_and_mpirun_give_the_same_losses():
+    script, args = ROOT / "examples" / "train_tiny.py", ("--deepspeed_config", str(CONFIG))
+    losses = {}
+    for name, command in (("deepspeed", deepspeed_launch(script, *args)), ("mpirun", mpirun_launch(script, *args))):
+        result = run(command)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        losses[name] = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", result.stdout, re.MULTILINE)]
+    assert len(losses["deepspeed"]) == 3
+    assert losses["mpirun"] == pytest.approx(losses["deepspeed"], rel=1e-6)
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", pytest.param("mpirun", marks=needs_mpirun)])
+def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error(launcher):
+    script, args = ROOT / "tests" / "scripts" / "failing_rank.py", ("--deepspeed_config", str(CONFIG))
+    command = deepspeed_launch(script, *args) if launcher == "deepspeed" else mpirun_launch(script, *args)
+    start = time.monotonic()
+    result = run(command)
+    assert result.returncode != 0
+    assert "injected failure on rank 2 at step 1" in result.stdout + result.stderr
+    assert time.monotonic() - start < 120
