@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "initialize": "deepspeed_knap.engine",
     "token_mean_loss": "deepspeed_knap.engine",
+    "global_mean_loss": "deepspeed_knap.engine",
     "KnapFormerConfig": "deepspeed_knap.config",
     "get_knapformer_config": "deepspeed_knap.config",
     "KnapBalancer": "deepspeed_knap.balancer",

@@ -76,8 +76,9 @@ class KnapBalancer:
             "knapformer/tokens_moved": plan.tokens_moved_fraction,
         }
         logger.info(
-            f"knapformer step {self.steps}: modeled imbalance {unbalanced.imbalance:.3f} -> {plan.imbalance:.3f}, "
-            f"solve {solve_s * 1e3:.1f} ms, tokens moved {plan.tokens_moved_fraction:.1%}"
+            f"knapformer step {self.steps}: modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
+            f"{metrics['knapformer/imbalance_after']:.3f}, solve {metrics['knapformer/solve_ms']:.1f} ms, "
+            f"tokens moved {metrics['knapformer/tokens_moved']:.1%}"
         )
         if self.monitor is not None and self.monitor.enabled:
             self.monitor.write_events([(name, value, self.steps) for name, value in metrics.items()])

@@ -99,7 +99,7 @@ def token_mean_loss(per_token_loss: Tensor) -> Tensor:
 
     Returns:
         A scalar to pass to ``engine.backward``. Its value is not the global mean; that is
-        ``all_reduce(loss.detach()) / world_size``.
+        :func:`global_mean_loss` of it.
     """
     import torch
 
@@ -108,3 +108,11 @@ def token_mean_loss(per_token_loss: Tensor) -> Tensor:
     if count.item() == 0:
         return per_token_loss.sum()
     return per_token_loss.sum() * (dist.get_world_size() / count.item())
+
+
+def global_mean_loss(loss: Tensor) -> float:
+    """The global token mean behind :func:`token_mean_loss`'s per-rank result, for logging.
+    Collective (one all-reduce); the same value on every rank."""
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()

@@ -128,13 +128,16 @@ class RoutingPlan:
         return np.bincount(self.chunk_gpu, weights=self.chunk_len, minlength=self.num_gpus).astype(np.int64)
 
     @property
+    def tokens_moved(self) -> int:
+        """Tokens that leave their home rank (each comes back in the reverse route)."""
+        home = np.repeat(self.seq_src_rank, np.diff(self.chunk_offsets))
+        return int(self.chunk_len[self.chunk_gpu != home].sum())
+
+    @property
     def tokens_moved_fraction(self) -> float:
         """Fraction of all tokens that leave their home rank."""
         total = int(self.seq_lens.sum())
-        if total == 0:
-            return 0.0
-        home = np.repeat(self.seq_src_rank, np.diff(self.chunk_offsets))
-        return float(self.chunk_len[self.chunk_gpu != home].sum()) / total
+        return self.tokens_moved / total if total else 0.0
 
     @functools.cached_property
     def fingerprint(self) -> int:

@@ -23,7 +23,7 @@ from deepspeed_knap import (
     plan_routing,
     sample_workload,
 )
-from deepspeed_knap.models.tiny_dit import TinyDiT, pack_tiny_samples, random_samples
+from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--topology", default="g1n2+g2n1")
@@ -39,13 +39,11 @@ topology = build_topology(args.topology, world)
 balancer = KnapBalancer(create_process_groups(topology), default_workload("flux-dev"))
 torch.manual_seed(0)  # the same weights on every rank
 model = TinyDiT(topology=topology).double()
-dim, cond_dim = model.position.out_features, model.cond_embed.in_features
 
 for step in range(args.steps):
     all_lens = sample_workload(args.workload, world, seed=step)  # every rank draws the same, keeps its own
     my_lens = [max(1, round(n * args.token_scale)) for n in all_lens[rank]]
-    batch = pack_tiny_samples(random_samples(my_lens, seed=1000 * step + rank, dim=dim, cond_dim=cond_dim,
-                                             dtype=torch.float64), dim, cond_dim, torch.float64)  # fmt: skip
+    batch = random_batch(my_lens, seed=1000 * step + rank, dtype=torch.float64)
     start = time.perf_counter()
     balanced = model(batch, balancer)
     seconds = time.perf_counter() - start

@@ -139,7 +139,7 @@ def test_auto_prefers_a_varlen_kernel_on_cuda():
 def test_every_module_runs_equally_often_with_or_without_tokens():
     """ZeRO-3 traces module calls and requires the same order on every rank, so a rank with no
     tokens must call every submodule as often as one with many, forward and backward."""
-    from deepspeed_knap.models.tiny_dit import TinyDiT, pack_tiny_samples, random_samples
+    from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
 
     torch.manual_seed(0)
     model = TinyDiT(24, 6, 5)
@@ -150,7 +150,7 @@ def test_every_module_runs_equally_often_with_or_without_tokens():
                  for n, m in model.named_modules()]  # fmt: skip
         hooks += [m.register_full_backward_pre_hook(lambda m, g, n=n, f=fired: f.append(("bwd", n)))
                   for n, m in model.named_modules() if n != "blocks"]  # fmt: skip
-        batch = pack_tiny_samples(random_samples(lengths, 0, 24, 5, torch.float32), 24, 5, torch.float32)
+        batch = random_batch(lengths, 0)
         model(batch).square().sum().backward()
         for hook in hooks:
             hook.remove()

@@ -45,23 +45,18 @@ def make_engine(config: dict, seed: int = 0):
 
 def run_steps(engine, balancer, rank: int, steps: range) -> list[float]:
     """Train ``steps`` of TinyDiT; returns the global mean loss of each."""
-    import deepspeed.comm as dist
-
     import deepspeed_knap
-    from deepspeed_knap.models.tiny_dit import pack_tiny_samples, random_samples
+    from deepspeed_knap.models.tiny_dit import random_batch
 
     losses = []
     for step in steps:
-        samples = random_samples(step_lengths(step, rank), 100 * step + rank, DIM, COND, torch.float32)
-        batch = pack_tiny_samples(samples, DIM, COND, torch.float32)
+        batch = random_batch(step_lengths(step, rank), 100 * step + rank, DIM, COND)
         target = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(7 * step + rank))
         out = engine(batch, balancer)
         loss = deepspeed_knap.token_mean_loss((out - target).square().mean(dim=-1))
         engine.backward(loss)
         engine.step()
-        reported = loss.detach().clone()
-        dist.all_reduce(reported)
-        losses.append(reported.item() / dist.get_world_size())
+        losses.append(deepspeed_knap.global_mean_loss(loss))
     return losses
 
 

@@ -150,7 +150,7 @@ def _empty_chunk_worker(rank: int, world: int) -> float:
     import numpy as np
 
     from deepspeed_knap.balancer import KnapBalancer
-    from deepspeed_knap.models.tiny_dit import TinyDiT, pack_tiny_samples, random_samples
+    from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
     from deepspeed_knap.planner import _Problem
 
     topology, groups, _ = _setup(rank, world, "g2n1", "refine")
@@ -162,8 +162,7 @@ def _empty_chunk_worker(rank: int, world: int) -> float:
 
     torch.manual_seed(0)
     model = TinyDiT(DIM, HEADS, COND).double()
-    batch = pack_tiny_samples(random_samples([[1], [5]][rank], rank, DIM, COND, torch.float64), DIM, COND,
-                              torch.float64)  # fmt: skip
+    batch = random_batch([[1], [5]][rank], rank, DIM, COND, torch.float64)
     balanced = model(batch, EdgePlan(groups, _workload()))
     return float((balanced - model(batch)).abs().max())
 

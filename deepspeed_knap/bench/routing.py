@@ -41,12 +41,6 @@ class StepTraffic:
     ulysses_bytes: int
 
 
-def route_tokens_moved(plan: RoutingPlan) -> int:
-    """Tokens that leave their home GPU (each comes back in the reverse route)."""
-    home = np.repeat(plan.seq_src_rank, np.diff(plan.chunk_offsets))
-    return int(plan.chunk_len[plan.chunk_gpu != home].sum())
-
-
 def ulysses_elements_per_layer(plan: RoutingPlan, num_heads: int, head_dim: int) -> int:
     """Elements the attention all-to-alls of one layer send to other GPUs, summed over GPUs.
 
@@ -71,7 +65,7 @@ def step_traffic(plan: RoutingPlan, dim: int, num_heads: int, num_layers: int, b
     tokens = int(plan.seq_lens.sum())
     return StepTraffic(
         activation_bytes=tokens * dim * bytes_per_element,
-        route_bytes=2 * route_tokens_moved(plan) * dim * bytes_per_element,
+        route_bytes=2 * plan.tokens_moved * dim * bytes_per_element,
         ulysses_bytes=num_layers * ulysses_elements_per_layer(plan, num_heads, dim // num_heads) * bytes_per_element,
     )
 

@@ -83,6 +83,13 @@ def random_samples(seq_lens: list[int], seed: int, dim: int, cond_dim: int, dtyp
     return samples
 
 
+def random_batch(
+    seq_lens: list[int], seed: int, dim: int = 24, cond_dim: int = 5, dtype: torch.dtype = torch.float32
+) -> PackedBatch:
+    """:func:`random_samples` packed for :class:`TinyDiT` (defaults: its default dims)."""
+    return pack_tiny_samples(random_samples(seq_lens, seed, dim, cond_dim, dtype), dim, cond_dim, dtype)
+
+
 def pack_tiny_samples(samples: list[dict], dim: int, cond_dim: int, dtype: torch.dtype) -> PackedBatch:
     """Pack :func:`random_samples` output for :class:`TinyDiT`; with no samples, an empty batch with the
     same columns (every rank must carry the same columns, even one without samples this step)."""

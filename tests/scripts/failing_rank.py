@@ -8,7 +8,7 @@ import deepspeed.comm as dist
 import torch
 
 import deepspeed_knap
-from deepspeed_knap.models.tiny_dit import TinyDiT, pack_tiny_samples, random_samples
+from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
@@ -21,9 +21,7 @@ engine, _, _, _, balancer = deepspeed_knap.initialize(
     args=args, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
 )
 for step in range(3):
-    batch = pack_tiny_samples(
-        random_samples([5, 9], 10 * step + dist.get_rank(), 24, 5, torch.float32), 24, 5, torch.float32
-    )
+    batch = random_batch([5, 9], 10 * step + dist.get_rank())
     out = engine(batch, balancer)
     if step == 1 and dist.get_rank() == 2:
         raise RuntimeError("injected failure on rank 2 at step 1")
