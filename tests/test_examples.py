@@ -15,10 +15,9 @@ def test_plan_step_example_runs():
 
 
 def test_balanced_blocks_example_under_the_deepspeed_launcher():
-    from tests.test_launch import deepspeed_launch
+    from tests.test_launch import deepspeed_launch, run
 
-    command = deepspeed_launch(ROOT / "examples" / "balanced_blocks.py", "--steps", "2")
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    result = run(deepspeed_launch(ROOT / "examples" / "balanced_blocks.py", "--steps", "2"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     errors = re.findall(r"max \|balanced - unbalanced\| = (\S+)", result.stdout)
     assert len(errors) == 2 and all(float(e) < 1e-10 for e in errors), result.stdout

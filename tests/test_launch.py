@@ -34,7 +34,15 @@ def mpirun_launch(script: Path, *args: str) -> list[str]:
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    try:
+        return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    finally:
+        # DeepSpeed's CPU shared-memory all-reduce leaves a 69 MB /dev/shm buffer per rank, named by
+        # master port, behind even on a clean exit; dozens of runs fill the machine's memory.
+        flag = "--master_port" if "--master_port" in command else "MASTER_PORT"
+        port = command[command.index(flag) + 1]
+        for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            buffer.unlink(missing_ok=True)
 
 
 @needs_mpirun
