@@ -54,6 +54,7 @@ class KnapBalancer:
         self.log_interval = log_interval
         self.monitor = monitor
         self.steps = 0
+        self._last: tuple[list[list[int]], RoutingPlan, float] | None = None
 
     def plan(self, batch: PackedBatch) -> RoutingPlan:
         """Gather every rank's lengths and solve; every rank gets the same plan. Collective."""
@@ -62,19 +63,27 @@ class KnapBalancer:
         plan = plan_routing(
             seq_lens_per_rank, self.groups.topology, self.workload, self.solver, self.max_tokens_per_gpu
         )
-        solve_s = time.perf_counter() - start
+        self._last = (seq_lens_per_rank, plan, time.perf_counter() - start)
         self.steps += 1
         if self.log_interval and self.steps % self.log_interval == 0 and self.groups.rank == 0:
-            self._log(plan, plan_routing(seq_lens_per_rank, self.groups.topology, self.workload, "none"), solve_s)
+            self._log(self.metrics())
         return plan
 
-    def _log(self, plan: RoutingPlan, unbalanced: RoutingPlan, solve_s: float) -> None:
-        metrics = {
+    def metrics(self) -> dict[str, float]:
+        """The last plan's numbers (of this rank's balance group): modeled imbalance (max/mean GPU
+        load) without and with balancing, solve time, share of tokens moved. Local: no collective."""
+        if self._last is None:
+            raise RuntimeError("no step has been planned yet; call metrics() after the model's forward")
+        seq_lens_per_rank, plan, solve_s = self._last
+        unbalanced = plan_routing(seq_lens_per_rank, self.groups.topology, self.workload, "none")
+        return {
             "knapformer/imbalance_before": unbalanced.imbalance,
             "knapformer/imbalance_after": plan.imbalance,
             "knapformer/solve_ms": solve_s * 1e3,
             "knapformer/tokens_moved": plan.tokens_moved_fraction,
         }
+
+    def _log(self, metrics: dict[str, float]) -> None:
         logger.info(
             f"knapformer step {self.steps}: modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
             f"{metrics['knapformer/imbalance_after']:.3f}, solve {metrics['knapformer/solve_ms']:.1f} ms, "

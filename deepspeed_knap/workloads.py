@@ -33,6 +33,20 @@ PAPER_GPUS = 32
 
 
 @dataclass(frozen=True)
+class SampleShape:
+    """One sample's tokens: ``text`` text tokens and ``visual`` image/video latent tokens over
+    ``frames`` latent frames (1 for an image)."""
+
+    text: int
+    visual: int
+    frames: int
+
+    @property
+    def length(self) -> int:
+        return self.text + self.visual
+
+
+@dataclass(frozen=True)
 class _DataCode:
     gpus: int
     batch: int
@@ -64,16 +78,17 @@ _PAPER_MIXES = {
 }
 
 
-def _paper_mix(codes: list[_DataCode]) -> Callable[[int, np.random.Generator], list[list[int]]]:
+def _paper_mix(codes: list[_DataCode]) -> Callable[[int, np.random.Generator], list[list[SampleShape]]]:
     code_of_paper_rank = [code for code in codes for _ in range(code.gpus)]
 
-    def sample(num_gpus: int, rng: np.random.Generator) -> list[list[int]]:
-        lengths = []
+    def sample(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape]]:
+        shapes = []
         for rank in range(num_gpus):
             code = code_of_paper_rank[rank * PAPER_GPUS // num_gpus]
             visual = int(code.visual_tokens * rng.uniform(0.96, 1.04))
-            lengths.append((visual + rng.integers(0, 393, size=code.batch)).tolist())
-        return lengths
+            frames = max(int(code.frames / 3.4), 1) if code.video else code.frames
+            shapes.append([SampleShape(int(text), visual, frames) for text in rng.integers(0, 393, size=code.batch)])
+        return shapes
 
     return sample
 
@@ -81,8 +96,8 @@ def _paper_mix(codes: list[_DataCode]) -> Callable[[int, np.random.Generator], l
 _ASPECTS = [(1, 1), (9, 7), (7, 9), (19, 13), (13, 19), (7, 4), (4, 7), (12, 5), (5, 12)]
 
 
-def _flux_buckets(num_gpus: int, rng: np.random.Generator) -> list[list[int]]:
-    lengths = []
+def _flux_buckets(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape]]:
+    shapes = []
     for _ in range(num_gpus):
         base = rng.choice([512, 768, 1024], p=[0.3, 0.3, 0.4])
         wide, tall = _ASPECTS[rng.integers(len(_ASPECTS))]
@@ -90,21 +105,21 @@ def _flux_buckets(num_gpus: int, rng: np.random.Generator) -> list[list[int]]:
         width, height = (max(64, round(side * scale / 64) * 64) for side in (wide, tall))
         visual = (width // 16) * (height // 16)
         batch = max(1, 16384 // visual)
-        lengths.append((visual + rng.integers(64, 513, size=batch)).tolist())
-    return lengths
+        shapes.append([SampleShape(int(text), visual, 1) for text in rng.integers(64, 513, size=batch)])
+    return shapes
 
 
-def _long_video(num_gpus: int, rng: np.random.Generator) -> list[list[int]]:
-    lengths = []
+def _long_video(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape]]:
+    shapes = []
     for _ in range(num_gpus):
         per_latent_frame = 1560 if rng.random() < 0.6 else 3600
         frames = int(rng.choice(np.arange(33, 130, 16)))
-        visual = per_latent_frame * ((frames - 1) // 4 + 1)
-        lengths.append([visual + int(rng.integers(1, 513))])
-    return lengths
+        latent_frames = (frames - 1) // 4 + 1
+        shapes.append([SampleShape(int(rng.integers(1, 513)), per_latent_frame * latent_frames, latent_frames)])
+    return shapes
 
 
-WORKLOADS: dict[str, Callable[[int, np.random.Generator], list[list[int]]]] = {
+WORKLOADS: dict[str, Callable[[int, np.random.Generator], list[list[SampleShape]]]] = {
     **{name: _paper_mix(codes) for name, codes in _PAPER_MIXES.items()},
     "flux_buckets": _flux_buckets,
     "long_video": _long_video,
@@ -119,6 +134,12 @@ def sample_workload(name: str, num_gpus: int, seed: int | np.random.Generator = 
         num_gpus: ranks in the balance group.
         seed: seed or generator; the same seed gives the same lengths.
     """
+    return [[shape.length for shape in rank] for rank in sample_shapes(name, num_gpus, seed)]
+
+
+def sample_shapes(name: str, num_gpus: int, seed: int | np.random.Generator = 0) -> list[list[SampleShape]]:
+    """:func:`sample_workload`'s samples with their text / visual split and latent frames (for
+    generating synthetic data of the same sizes). Same arguments, same lengths."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)} or give --lengths FILE.json")
     if num_gpus <= 0:

@@ -12,6 +12,7 @@ step's compute bags after the embedders and routed back before the loss.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -79,6 +80,11 @@ class FluxInputs:
         txt_rows = np.repeat(starts, txt_lens) + _ranks_within(txt_lens)
         img_rows = np.repeat(starts + txt_lens, img_lens) + _ranks_within(img_lens)
         return txt_rows, img_rows
+
+    def to(self, device: torch.device | str) -> FluxInputs:
+        """The same inputs on ``device``."""
+        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return FluxInputs(**{name: t.to(device) if isinstance(t, Tensor) else t for name, t in tensors.items()})
 
     def split(self, image_rows: Tensor) -> list[Tensor]:
         """``[Ti, ...]`` rows (the model's output) -> one ``[L_i, ...]`` tensor per sample."""
