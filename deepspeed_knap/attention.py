@@ -72,9 +72,11 @@ def _torch_varlen() -> Callable | None:
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, scale: float | None) -> Tensor:
     """Per-sequence ``scaled_dot_product_attention``: runs everywhere, the reference and CPU path."""
+    # [1, H, L, Dh]: PyTorch's fused CPU kernel needs a batch dimension; 3-d inputs take the math
+    # path, which keeps the [H, L, L] probabilities for backward.
     outs = [
-        F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), scale=scale)
-        for qi, ki, vi in zip(*(torch.split(t, list(seqs.seq_lens)) for t in (q, k, v)), strict=True)
+        F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv), scale=scale)[0]
+        for qkv in zip(*(torch.split(t, list(seqs.seq_lens)) for t in (q, k, v)), strict=True)
     ]
     return torch.cat([o.transpose(0, 1) for o in outs]) if outs else q + k + v
 
