@@ -168,7 +168,67 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
     plan.add_argument("--plot", metavar="OUT.png", help="write per-GPU loads before and after")
     plan.set_defaults(func=cmd_plan)
+
+    calibrate = commands.add_parser("calibrate", help="fit the workload model to timed blocks on this device",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    calibrate.add_argument("--out", required=True, metavar="FILE.json", help="where to write the fitted model")
+    calibrate.add_argument("--seq-lens", default="256,512,1024,2048,4096", help="comma-separated lengths to time")
+    calibrate.add_argument("--repeats", type=int, default=3, help="timed runs per length (median)")
+    calibrate.add_argument("--callable", metavar="MODULE:FN", help="time FN(seq_len) instead of FLUX blocks")
+    calibrate.add_argument("--heads", type=int, default=4, help="FLUX blocks: attention heads")
+    calibrate.add_argument("--head-dim", type=int, default=32, help="FLUX blocks: channels per head")
+    calibrate.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
+    calibrate.add_argument("--double-blocks", type=int, default=19, help="double-stream blocks of the model")
+    calibrate.add_argument("--single-blocks", type=int, default=38, help="single-stream blocks of the model")
+    calibrate.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    calibrate.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
+    calibrate.add_argument("--plot", metavar="OUT.png", help="plot measured and fitted seconds")
+    calibrate.set_defaults(func=cmd_calibrate)
     return parser
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from deepspeed_knap.bench.calibrate import calibrate, flux_blocks_step, load_callable, write_calibration
+
+    seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    if len(seq_lens) < 3 or min(seq_lens) < 1:
+        raise ValueError(f"--seq-lens {args.seq_lens!r}: give at least 3 positive lengths to fit two coefficients")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    heads, head_dim = (24, 128) if args.flux_dims else (args.heads, args.head_dim)
+    if args.callable:
+        step, about = load_callable(args.callable), {"callable": args.callable}
+    else:
+        step = flux_blocks_step(heads, head_dim, args.double_blocks, args.single_blocks, device,
+                                getattr(torch, args.dtype), args.backend)  # fmt: skip
+        about = {"blocks": f"FLUX {args.double_blocks}+{args.single_blocks} blocks, {heads}x{head_dim} heads"}
+    about.update(device=torch.cuda.get_device_name() if device.startswith("cuda") else device, dtype=args.dtype)
+    model, times, fit = calibrate(step, seq_lens, args.repeats)
+    write_calibration(args.out, model, seq_lens, times, fit, about)
+
+    print(f"{'seq_len':>8}{'measured s':>13}{'model s':>13}{'rel err':>9}")
+    for s, t in zip(seq_lens, times, strict=True):
+        fitted = model.linear_coef * s + model.quadratic_coef * s * s
+        print(f"{s:>8}{t:>13.5g}{fitted:>13.5g}{(fitted - t) / t:>9.1%}")
+    print(f"a = {model.linear_coef:.4g} s/token, b = {model.quadratic_coef:.4g} s/token^2; "
+          f"R^2 = {fit['r2']:.4f}, max rel error {fit['max_rel_error']:.1%}; written to {args.out}")  # fmt: skip
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        grid = np.linspace(0, max(seq_lens), 200)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(seq_lens, times, "o", label="measured")
+        ax.plot(grid, model.linear_coef * grid + model.quadratic_coef * grid**2, label="a*s + b*s^2")
+        ax.set(xlabel="sequence length (tokens)", ylabel="seconds (forward + backward)", title=about.get("blocks", ""))
+        ax.legend()
+        fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+        print(f"plot written to {args.plot}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
