@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 import deepspeed_knap
+from deepspeed_knap.config import load_ds_config
 from deepspeed_knap.models.flux import PackedFluxTransformer
 from deepspeed_knap.models.flux_data import LatentDirectory, SyntheticLatents, rectified_flow
 
@@ -54,8 +55,11 @@ if args.model_path:
     model = PackedFluxTransformer.from_pretrained(args.model_path, **options)
 else:
     model = PackedFluxTransformer(**TINY_FLUX, **options)
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-engine, _, _, _, balancer = deepspeed_knap.initialize(args=args, model=model, optimizer=optimizer)
+if "optimizer" in load_ds_config(args.deepspeed_config):  # DeepSpeed's own (fused on GPU)
+    engine, _, _, _, balancer = deepspeed_knap.initialize(args=args, model=model, model_parameters=model.parameters())
+else:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    engine, _, _, _, balancer = deepspeed_knap.initialize(args=args, model=model, optimizer=optimizer)
 rank, world = dist.get_rank(), dist.get_world_size()
 flux = engine.module
 dtype = next(flux.parameters()).dtype  # bf16 under a "bf16" config: inputs must match

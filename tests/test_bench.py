@@ -1,5 +1,7 @@
 """The planner benchmark runs end to end (small) and its tables hold what they claim."""
 
+import pytest
+
 from deepspeed_knap.bench import planner as bench
 
 
@@ -29,3 +31,16 @@ def test_routing_traffic_smoke():
     assert row["ulysses_ratio"] == 57 * 4 * 7 / 8
     assert 0 < row["route_ratio"] <= 2
     assert "kf_image_video" in routing.format_traffic(rows)
+
+
+def test_flux_bench_smoke(capsys):
+    pytest.importorskip("diffusers")
+    from deepspeed_knap.bench import flux
+
+    flux.main(["--workload", "kf_mixed_res", "--ranks", "2", "--token-scale", "0.01", "--layers", "1",
+               "--single-layers", "1", "--head-dim", "16", "--repeats", "1"])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:3]] for line in lines[2:]}
+    assert set(rows) == {"diffusers", "packed"}
+    # The same tokens through the same layers: activation memory within 10% of each other.
+    assert rows["packed"][1] == pytest.approx(rows["diffusers"][1], rel=0.1)

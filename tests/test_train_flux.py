@@ -60,3 +60,15 @@ def test_training_reads_the_latent_files_prepare_writes(tmp_path):
     losses = train(tmp_path, "files", True, "--data-dir", str(tmp_path / "data"), "--samples-per-rank", "2",
                    "--steps", "2")  # fmt: skip
     assert len(losses) == 2 and all(loss > 0 for loss in losses)
+
+
+def test_readme_main_job_trains_and_prints_loss_and_imbalance():
+    from tests.test_readme import COMMANDS
+
+    launch = COMMANDS[0].split(" && ")[-1].split()
+    assert launch[:3] == [".venv/bin/deepspeed", "--num_gpus", "4"]
+    result = run(deepspeed_launch(ROOT / launch[3], *launch[4:]))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = re.findall(r"^step \d+ loss \S+ time \S+ tokens/s \S+ imbalance (\S+) -> (\S+)$", result.stdout, re.M)
+    assert len(steps) == 5
+    assert all(float(after) < float(before) for before, after in steps)

@@ -96,6 +96,14 @@ def _ranks_within(lens: np.ndarray) -> np.ndarray:
     return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
 
 
+def rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """FLUX's split of a head's channels over the ``(t, h, w)`` axes, for any even ``head_dim``:
+    ``(16, 56, 56)`` for 128, about 1/8 for time and the rest halved, every part even."""
+    time_dim = max(2, head_dim // 16 * 2)
+    height_dim = (head_dim - time_dim) // 4 * 2
+    return time_dim, height_dim, head_dim - time_dim - height_dim
+
+
 def latent_ids(frames: int, height: int, width: int) -> Tensor:
     """``[frames * height * width, 3]`` float positions ``(t, h, w)`` of a latent token grid, frame by
     frame, row by row; with ``frames=1`` exactly diffusers' FLUX image ids ``(0, h, w)``."""
@@ -135,6 +143,10 @@ class PackedFluxTransformer(nn.Module):
         gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
+        if any(dim <= 0 or dim % 2 for dim in axes_dims_rope):
+            raise ValueError(
+                f"axes_dims_rope {list(axes_dims_rope)} must be positive and even: RoPE rotates channel pairs"
+            )
         if sum(axes_dims_rope) != attention_head_dim:
             raise ValueError(
                 f"axes_dims_rope {list(axes_dims_rope)} sum to {sum(axes_dims_rope)}, but RoPE rotates every channel "
@@ -370,7 +382,9 @@ def _read_weights(directory: Path) -> dict[str, Tensor]:
     try:
         from safetensors.torch import load_file
     except ImportError as error:
-        raise ImportError("loading diffusers weights needs safetensors: pip install 'deepspeed_knap[diffusers]'") from error
+        raise ImportError(
+            "loading diffusers weights needs safetensors: pip install 'deepspeed_knap[diffusers]'"
+        ) from error
     single = directory / WEIGHTS_NAME
     if single.is_file():
         return load_file(single)

@@ -76,7 +76,9 @@ class SyntheticLatents:
 
     def step_samples(self, step: int, rank: int, world_size: int, dtype=torch.float32) -> list[dict[str, Tensor]]:
         shapes = sample_shapes(self.workload, world_size, seed=self.seed * 100_003 + step)[rank]
-        return synthetic_samples(shapes, self.config, (self.seed * 100_003 + step) * 4099 + rank, self.token_scale, dtype)
+        return synthetic_samples(
+            shapes, self.config, (self.seed * 100_003 + step) * 4099 + rank, self.token_scale, dtype
+        )
 
 
 class LatentDirectory:
@@ -86,7 +88,9 @@ class LatentDirectory:
     def __init__(self, path: str | Path, samples_per_rank: int = 1) -> None:
         self.files = sorted(Path(path).glob("*.safetensors"))
         if not self.files:
-            raise FileNotFoundError(f"no .safetensors files in {path}; write some with examples/prepare_flux_latents.py")
+            raise FileNotFoundError(
+                f"no .safetensors files in {path}; write some with examples/prepare_flux_latents.py"
+            )
         if samples_per_rank < 1:
             raise ValueError(f"samples_per_rank must be at least 1; got {samples_per_rank}")
         self.samples_per_rank = samples_per_rank

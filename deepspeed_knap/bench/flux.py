@@ -1,0 +1,145 @@
+"""Packed FLUX against diffusers run sample by sample: time and memory of forward + backward.
+
+    python -m deepspeed_knap.bench.flux --workload kf_mixed_res --token-scale 0.0625
+
+One rank's samples of a bundled workload go through both models with the same weights: diffusers'
+``FluxTransformer2DModel`` once per sample (different sizes cannot share its batch), and
+``PackedFluxTransformer`` once on the packed batch. Reported per model: median wall time of forward +
+backward, activation bytes autograd keeps for backward (parameters excluded; any device), and on
+CUDA the peak allocated memory. Needs the ``diffusers`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from deepspeed_knap.workloads import WORKLOADS, sample_shapes
+
+
+def saved_activation_bytes(run: Callable[[], Tensor], model: nn.Module) -> int:
+    """Bytes of the distinct tensors autograd saves while ``run()`` builds its graph, parameters
+    excluded (what training keeps in memory between forward and backward)."""
+    parameters = {p.data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        pointer = t.untyped_storage().data_ptr()
+        if pointer not in parameters:
+            storages[pointer] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    del out
+    return sum(storages.values())
+
+
+def measure(run: Callable[[], Tensor], model: nn.Module, device: torch.device, repeats: int) -> dict[str, float]:
+    """Median seconds of ``run().backward()``, saved activation bytes, and CUDA peak bytes."""
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        run().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else float("nan")
+    return {"seconds": statistics.median(times[1:]), "saved_mb": saved_activation_bytes(run, model) / 2**20,
+            "peak_mb": peak / 2**20}  # fmt: skip
+
+
+def bench_flux(
+    config: dict,
+    workload: str,
+    ranks: int,
+    token_scale: float,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    repeats: int,
+) -> dict[str, dict[str, float]]:
+    """Both models on every sample ``ranks`` ranks of ``workload`` hold in one step (a mix of sizes)."""
+    from diffusers import FluxTransformer2DModel
+
+    from deepspeed_knap.models.flux import PackedFluxTransformer
+    from deepspeed_knap.models.flux_data import rectified_flow, synthetic_samples
+
+    torch.manual_seed(seed)
+    reference = FluxTransformer2DModel(**config).to(device, dtype)
+    packed = PackedFluxTransformer.from_diffusers(reference)
+    shapes = [shape for rank in sample_shapes(workload, ranks, seed) for shape in rank]
+    latents = synthetic_samples(shapes, config, seed, token_scale, dtype)
+    samples, _ = rectified_flow(
+        latents, torch.Generator().manual_seed(seed), 1.0 if config["guidance_embeds"] else None
+    )
+    samples = [{key: t.to(device) for key, t in s.items()} for s in samples]
+
+    def run_diffusers() -> Tensor:
+        total = 0
+        for s in samples:
+            out = reference(
+                hidden_states=s["hidden_states"][None], encoder_hidden_states=s["encoder_hidden_states"][None],
+                pooled_projections=s["pooled_projections"][None], timestep=s["timestep"].reshape(1),
+                guidance=s["guidance"].reshape(1) if "guidance" in s else None, img_ids=s["img_ids"],
+                txt_ids=s["txt_ids"],
+            ).sample  # fmt: skip
+            total = total + out.float().square().mean()
+        return total
+
+    def run_packed() -> Tensor:
+        return sum(out.float().square().mean() for out in packed.forward_samples(samples))
+
+    tokens = sum(s["hidden_states"].shape[0] + s["encoder_hidden_states"].shape[0] for s in samples)
+    return {
+        "diffusers": measure(run_diffusers, reference, device, repeats),
+        "packed": measure(run_packed, packed, device, repeats),
+        "workload": {"samples": len(samples), "tokens": tokens},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="kf_mixed_res", choices=sorted(WORKLOADS))
+    parser.add_argument("--ranks", type=int, default=8, help="pool the samples of this many ranks' step")
+    parser.add_argument("--token-scale", type=float, default=1 / 16)
+    parser.add_argument("--layers", type=int, default=2, help="double-stream blocks")
+    parser.add_argument("--single-layers", type=int, default=4, help="single-stream blocks")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=32, help="FLUX.1: 24 heads of 128 (use --flux-dims)")
+    parser.add_argument("--flux-dims", action="store_true", help="FLUX.1-dev's width, 19 + 38 blocks (GPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args(argv)
+    from deepspeed_knap.models.flux import rope_axes
+
+    if args.flux_dims:
+        args.layers, args.single_layers, args.heads, args.head_dim = 19, 38, 24, 128
+    config = dict(patch_size=1, in_channels=64, num_layers=args.layers, num_single_layers=args.single_layers,
+                  attention_head_dim=args.head_dim, num_attention_heads=args.heads,
+                  joint_attention_dim=4096 if args.flux_dims else 256, pooled_projection_dim=768 if args.flux_dims else 64,
+                  guidance_embeds=True, axes_dims_rope=rope_axes(args.head_dim))  # fmt: skip
+    result = bench_flux(config, args.workload, args.ranks, args.token_scale, args.seed, torch.device(args.device),
+                        getattr(torch, args.dtype), args.repeats)  # fmt: skip
+    work = result["workload"]
+    print(f"{args.workload} x{args.token_scale:g}: {work['samples']} samples, {work['tokens']} tokens; "
+          f"{args.layers}+{args.single_layers} blocks, {args.heads}x{args.head_dim} heads, {args.dtype} on {args.device}")  # fmt: skip
+    print(f"{'model':<10} {'fwd+bwd s':>10} {'saved MB':>10} {'peak MB':>10}")
+    for name in ("diffusers", "packed"):
+        r = result[name]
+        print(f"{name:<10} {r['seconds']:>10.3f} {r['saved_mb']:>10.2f} {r['peak_mb']:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
