@@ -281,7 +281,7 @@ class PackedFluxTransformer(nn.Module):
         temb = self.time_text_embed(timestep, guidance, inputs.pooled_projections)  # [N, D]
 
         txt_rows, img_rows = (torch.as_tensor(rows, device=img.device) for rows in inputs._joint_rows)
-        joint_order = torch.argsort(torch.cat([txt_rows, img_rows]))
+        joint_order = torch.argsort(torch.cat([txt_rows, img_rows]))  # inverse of the stream order
         is_text = torch.zeros(len(joint_order), dtype=torch.bool, device=img.device).index_fill_(0, txt_rows, True)
         batch = PackedBatch(
             tokens=torch.cat([txt, img]).index_select(0, joint_order),

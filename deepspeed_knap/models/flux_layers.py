@@ -134,10 +134,7 @@ class FluxStep:
         is_text = batch.token_data["is_text"]
         txt_rows = is_text.nonzero().squeeze(1)
         img_rows = (~is_text).nonzero().squeeze(1)
-        stream_rows = torch.cat([txt_rows, img_rows])
-        joint_order = torch.empty_like(stream_rows).index_copy_(
-            0, stream_rows, torch.arange(len(stream_rows), device=stream_rows.device)
-        )
+        joint_order = torch.argsort(torch.cat([txt_rows, img_rows]))  # inverse of the stream order
         cos, sin = rotary_cos_sin(batch.token_data["ids"], axes_dims)
         seq = batch.seq_index
         return cls(routed, attention, batch.sample_data["temb"], txt_rows, img_rows,
