@@ -44,6 +44,16 @@ def time_step(step: Step, seq_len: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def backward_seconds(run: Callable[[], torch.Tensor], device: torch.device | str) -> float:
+    """Wall seconds of ``run().backward()``, the device synchronised before and after."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    run().backward()
+    sync()
+    return time.perf_counter() - start
+
+
 def flux_blocks_step(
     dim_heads: int = 4,
     head_dim: int = 32,
@@ -58,6 +68,7 @@ def flux_blocks_step(
     seconds, ``double_blocks * t_double + single_blocks * t_single``."""
     from deepspeed_knap.attention import KnapDistributedAttention
     from deepspeed_knap.models.flux import rope_axes
+    from deepspeed_knap.models.flux_data import grid_ids
     from deepspeed_knap.models.flux_layers import FluxDoubleBlock, FluxSingleBlock, FluxStep
     from deepspeed_knap.packing import PackedBatch
     from deepspeed_knap.routing import local_batch
@@ -67,26 +78,18 @@ def flux_blocks_step(
     double = FluxDoubleBlock(dim, dim_heads, head_dim).to(device, dtype)
     single = FluxSingleBlock(dim, dim_heads, head_dim).to(device, dtype)
     attention = KnapDistributedAttention(dim_heads, backend)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
     def step_fn(seq_len: int) -> float:
         text = seq_len // 8
         is_text = torch.arange(seq_len, device=device) < text
-        ids = torch.zeros(seq_len, 3, device=device)
-        ids[text:, 2] = torch.arange(seq_len - text, device=device, dtype=torch.float32)
+        ids = torch.cat([torch.zeros(text, 3), grid_ids(seq_len - text, 1)]).to(device)
         tokens = torch.randn(seq_len, dim, device=device, dtype=dtype, requires_grad=True)
         temb = torch.randn(1, dim, device=device, dtype=dtype)
         routed = local_batch(PackedBatch(tokens, (seq_len,), {"ids": ids, "is_text": is_text}, {"temb": temb}))
         step = FluxStep.build(routed, attention, rope)
-        times = []
-        for run in (lambda: sum(t.sum() for t in double(tokens[:text], tokens[text:], step)),
-                    lambda: single(tokens, step).sum()):  # fmt: skip
-            sync()
-            start = time.perf_counter()
-            run().backward()
-            sync()
-            times.append(time.perf_counter() - start)
-        return double_blocks * times[0] + single_blocks * times[1]
+        t_double = backward_seconds(lambda: sum(t.sum() for t in double(tokens[:text], tokens[text:], step)), device)
+        t_single = backward_seconds(lambda: single(tokens, step).sum(), device)
+        return double_blocks * t_double + single_blocks * t_single
 
     return step_fn
 

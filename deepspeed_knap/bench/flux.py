@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
+from deepspeed_knap.bench.calibrate import backward_seconds
 from deepspeed_knap.workloads import WORKLOADS, sample_shapes
 
 
@@ -46,13 +46,8 @@ def measure(run: Callable[[], Tensor], model: nn.Module, device: torch.device, r
     for _ in range(repeats + 1):  # the first is a warm-up
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
-            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        run().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(backward_seconds(run, device))
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else float("nan")
     return {"seconds": statistics.median(times[1:]), "saved_mb": saved_activation_bytes(run, model) / 2**20,
             "peak_mb": peak / 2**20}  # fmt: skip
