@@ -221,6 +221,36 @@ def plan_routing(
     return plan
 
 
+def plan_loads(plan: RoutingPlan, workload: WorkloadModel) -> np.ndarray:
+    """``[S]`` modeled seconds per GPU of running ``plan`` under ``workload``, which may differ from
+    the model the plan was solved with: what a plan made with a wrong model really costs.
+
+    Raises:
+        ValueError: ``workload.gpu_speed`` does not list one speed per GPU of the plan.
+    """
+    if workload.gpu_speed is not None and len(workload.gpu_speed) != plan.num_gpus:
+        raise ValueError(
+            f"gpu_speed has {len(workload.gpu_speed)} entries but the plan has {plan.num_gpus} GPUs; give one per GPU"
+        )
+    return _group_loads(workload, plan.seq_lens, plan.seq_group_start, plan.seq_group_size, plan.num_gpus)
+
+
+def _group_loads(
+    workload: WorkloadModel, seq_lens: np.ndarray, group_start: np.ndarray, group_size: np.ndarray, num_gpus: int
+) -> np.ndarray:
+    """``[S]`` modeled seconds: every GPU of a sequence's group spends the sequence's per-GPU time."""
+    speeds: np.ndarray | float = 1.0
+    if workload.gpu_speed is not None:  # a group runs at its slowest GPU's speed
+        gpu_speed = np.asarray(workload.gpu_speed, dtype=np.float64)
+        pairs, inverse = np.unique(np.stack([group_start, group_size]), axis=1, return_inverse=True)
+        speeds = np.array([gpu_speed[s : s + g].min() for s, g in pairs.T])[inverse.ravel()]
+    per_gpu_s = workload.per_gpu_time(seq_lens, group_size, speeds)
+    gpu_of_member = np.repeat(group_start, group_size) + (
+        np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)
+    )
+    return np.bincount(gpu_of_member, weights=np.repeat(per_gpu_s, group_size), minlength=num_gpus)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The problem: flattened lengths, bag classes, quantised costs.
 
@@ -380,12 +410,7 @@ class _Problem:
         return self.make_plan(solver, self.src, np.ones_like(self.src))
 
     def _gpu_loads(self, group_start: np.ndarray, group_size: np.ndarray) -> np.ndarray:
-        """``[S]`` modeled seconds: every GPU of a group spends the sequence's per-GPU time."""
-        per_gpu_s = self.workload.per_gpu_time(self.seq_lens, group_size, self._group_speeds(group_start, group_size))
-        gpu_of_member = np.repeat(group_start, group_size) + (
-            np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)
-        )
-        return np.bincount(gpu_of_member, weights=np.repeat(per_gpu_s, group_size), minlength=self.topology.group_size)
+        return _group_loads(self.workload, self.seq_lens, group_start, group_size, self.topology.group_size)
 
     @functools.cached_property
     def home_max_load_s(self) -> float:
@@ -400,13 +425,6 @@ class _Problem:
     def fits_cap_at_home(self) -> bool:
         home_tokens = np.bincount(self.src, weights=self.seq_lens, minlength=self.topology.group_size)
         return self.cap is None or bool(home_tokens.max(initial=0) <= self.cap)
-
-    def _group_speeds(self, group_start: np.ndarray, group_size: np.ndarray) -> np.ndarray | float:
-        if self.workload.gpu_speed is None:
-            return 1.0
-        speeds = np.asarray(self.workload.gpu_speed, dtype=np.float64)
-        pairs, inverse = np.unique(np.stack([group_start, group_size]), axis=1, return_inverse=True)
-        return np.array([speeds[s : s + g].min() for s, g in pairs.T])[inverse.ravel()]
 
 
 def _pigeonhole_bound(costs: np.ndarray, bags: int) -> int:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepspeed_knap.planner import SOLVERS, plan_routing
+from deepspeed_knap.planner import SOLVERS, plan_loads, plan_routing
 from deepspeed_knap.topology import build_topology
 from deepspeed_knap.workload import WorkloadModel, default_workload
 from deepspeed_knap.workloads import WORKLOADS, sample_workload
@@ -233,6 +233,25 @@ def test_slow_gpu_gets_less_work():
     per_gpu_sequences = np.bincount(plan.seq_group_start, minlength=4)
     assert per_gpu_sequences[3] < per_gpu_sequences[:3].min()
     assert plan.max_load < plan_routing(lengths, topology, slow, "none").max_load
+
+
+def test_plan_loads_reprices_a_plan_under_another_model():
+    """Against a per-sequence loop over the module docstring's formula, with a slow GPU."""
+    topology = build_topology("g1n2+g2n1")
+    solved_with = WorkloadModel(FLUX.linear_coef, FLUX.quadratic_coef, FLUX.alltoall_coef, gpu_speed=(1, 1, 0.5, 1))
+    other = WorkloadModel(2 * FLUX.linear_coef, 0.8 * FLUX.quadratic_coef, 3 * FLUX.alltoall_coef, (1, 0.7, 1, 1))
+    lengths = [[9_000, 300], [40_000], [], [2_000, 2_000, 60_000]]
+    for solver in SOLVERS:
+        plan = plan_routing(lengths, topology, solved_with, solver)
+        np.testing.assert_allclose(plan_loads(plan, solved_with), plan.gpu_loads, rtol=1e-12)
+        expected = np.zeros(4)
+        for s, start, g in zip(plan.seq_lens, plan.seq_group_start, plan.seq_group_size, strict=True):
+            speed = min(other.gpu_speed[start : start + g])
+            a, b, c = other.linear_coef, other.quadratic_coef, other.alltoall_coef
+            expected[start : start + g] += (a * s + b * s * s) / (g * speed) + c * s * (g - 1) / g**2
+        np.testing.assert_allclose(plan_loads(plan, other), expected, rtol=1e-12)
+    with pytest.raises(ValueError, match="gpu_speed has 3 entries but the plan has 4 GPUs"):
+        plan_loads(plan, WorkloadModel(1.0, 0.0, gpu_speed=(1, 1, 1)))
 
 
 def test_empty_ranks_and_empty_steps_are_normal_input():
