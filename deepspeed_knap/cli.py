@@ -8,6 +8,7 @@ moved, memory, solve time.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -74,28 +75,6 @@ def _summary(plan: RoutingPlan, baseline: RoutingPlan, solve_ms: float) -> dict:
     }
 
 
-def plot_loads(plans: dict[str, RoutingPlan], path: str, title: str) -> None:
-    """Bar chart of modeled per-GPU load, one panel per solver, lower bound dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(plans), 1, figsize=(10, 2.2 * len(plans) + 0.6), sharex=True, sharey=True)
-    axes = np.atleast_1d(axes)
-    for ax, (name, plan) in zip(axes, plans.items(), strict=True):
-        ax.bar(np.arange(plan.num_gpus), plan.gpu_loads, width=0.85, color="tab:gray" if name == "none" else "tab:blue")
-        ax.axhline(plan.lower_bound, color="tab:red", linestyle="--", linewidth=1, label="lower bound")
-        ax.set_ylabel("modeled s")
-        ax.set_title(f"{name}: step {plan.max_load:.3g} s, imbalance {plan.imbalance:.3f}", fontsize=10, loc="left")
-    axes[0].legend(loc="upper right", fontsize=8)
-    axes[-1].set_xlabel("GPU (rank in balance group)")
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     topology = build_topology(args.topology, gpus_per_node=args.gpus_per_node)
     if args.lengths:
@@ -123,6 +102,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "solvers": {name: _summary(plan, baseline, timings[name]) for name, plan in plans.items()},
     }
     if args.plot:
+        from deepspeed_knap.bench.plots import plot_loads
+
         plot_loads(plans, args.plot, f"{topology.spec}, {source}")
     if args.json:
         json.dump(report, sys.stdout, indent=1)
@@ -185,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
     calibrate.add_argument("--plot", metavar="OUT.png", help="plot measured and fitted seconds")
     calibrate.set_defaults(func=cmd_calibrate)
+
+    bench = commands.add_parser("bench", help="benchmarks: the planner suite, measured step emulation")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    for name, module, summary in (
+        ("planner", "deepspeed_knap.bench.planner", "plan quality and solve time over workloads, topologies, GPUs"),
+        ("step", "deepspeed_knap.bench.step", "measured step time of emulated ranks, balanced vs not"),
+    ):
+        sub = benches.add_parser(name, help=summary, description=importlib.import_module(module).__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        importlib.import_module(module).add_arguments(sub)
+        sub.set_defaults(func=importlib.import_module(module).run)
     return parser
 
 

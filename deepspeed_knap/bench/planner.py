@@ -1,139 +1,280 @@
-"""Planner benchmark: plan quality and solve time per workload, topology and solver.
+"""Planner benchmark suite: plan quality, modeled speedup and solve time over balance-group sizes,
+workloads, topologies and solvers.
 
-    python -m deepspeed_knap.bench.planner [--steps 20] [--markdown]
+    deepspeed-knap bench planner [--gpus 32 256 1024] [--steps 20] [--csv OUT.csv] [--plot-dir DIR]
+                                 [--sensitivity 0.2]
 
-Part 1, the 32-GPU table: every bundled workload on g1n32, g2n16, g4n8, g8n4 and the mixed
-g1n8+g2n4+g4n2+g8n1, over ``--steps`` sampled steps (seeds 0..steps-1). Reported per solver: median
-imbalance (max/mean modeled GPU load), median ratio of the step time to the lower bound, median
-speedup of the modeled step over ``none``, median solve time.
+For every GPU count ``N`` (a multiple of 32), bundled workload and topology (``g1nN``, ``g2n{N/2}``,
+``g4n{N/4}``, ``g8n{N/8}`` and the mix ``g1n{N/4}+g2n{N/8}+g4n{N/16}+g8n{N/32}``, a quarter of the
+GPUs in bags of each size), the steps of seeds ``0 .. steps-1`` are solved by every solver. Per
+(``N``, workload, topology, solver), over the steps:
 
-Part 2, scale: 1,024 GPUs with 16 sequences each, drawn from the pooled lengths of
-``kf_image_video`` (the paper's joint image + video mix), on g1n1024, g8n128 and the four-size mix
-g1n512+g2n128+g4n32+g8n16; median and p95 solve time.
+* imbalance: max / mean modeled GPU load, median and p95;
+* step / bound: modeled step time over the lower bound, median;
+* speedup: modeled step time of ``none`` over the solver's on the same step, median;
+* moved: fraction of tokens leaving their home GPU, median;
+* solve ms: wall-clock of one solve on this machine, median and p95.
 
-Solve times are wall-clock medians of single solves on this machine; quality figures are modeled (the
-FLUX.1-dev FLOP model with default throughput and bandwidth).
+Sensitivity (``--sensitivity F``): every step is solved again with the workload model's quadratic
+coefficient scaled by ``1 - F`` and ``1 + F``; those plans are priced under the true model
+(:func:`~deepspeed_knap.planner.plan_loads`) and the loss is their step time over the true-model
+plan's, minus one (median and max over steps). Modeled figures use the FLUX.1-dev FLOP model.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import dataclasses
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from deepspeed_knap.planner import SOLVERS, plan_routing
+from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_loads, plan_routing
 from deepspeed_knap.topology import build_topology
-from deepspeed_knap.workload import default_workload
+from deepspeed_knap.workload import WorkloadModel, default_workload
 from deepspeed_knap.workloads import WORKLOADS, sample_workload
 
-TOPOLOGIES_32 = ["g1n32", "g2n16", "g4n8", "g8n4", "g1n8+g2n4+g4n2+g8n1"]
+GPUS_PER_NODE = 8
+SHORT = {"none": "none", "knapformer": "kf", "refine": "refine"}
 
 
-def scale_topologies(num_gpus: int) -> list[str]:
-    """Flat, 8-GPU bags, and a four-size mix (half the GPUs alone, the rest in bags of 2, 4, 8)."""
-    if num_gpus % 64:
-        raise ValueError(f"the scale benchmark needs a multiple of 64 GPUs; got {num_gpus}")
-    mixed = f"g1n{num_gpus // 2}+g2n{num_gpus // 8}+g4n{num_gpus // 32}+g8n{num_gpus // 64}"
-    return [f"g1n{num_gpus}", f"g8n{num_gpus // 8}", mixed]
+def suite_topologies(num_gpus: int) -> list[str]:
+    """Flat, bags of 2, 4 and 8, and a mix with a quarter of the GPUs in bags of each size."""
+    if num_gpus <= 0 or num_gpus % 32:
+        raise ValueError(f"the planner suite needs a positive multiple of 32 GPUs (for its mixed topology); got {num_gpus}")
+    mixed = f"g1n{num_gpus // 4}+g2n{num_gpus // 8}+g4n{num_gpus // 16}+g8n{num_gpus // 32}"
+    return [f"g1n{num_gpus}", f"g2n{num_gpus // 2}", f"g4n{num_gpus // 4}", f"g8n{num_gpus // 8}", mixed]
 
 
-def _solve(lengths, topology, workload, solver):
+def timed_plan(seq_lens: list[list[int]], topology, workload: WorkloadModel, solver: str) -> tuple[RoutingPlan, float]:
+    """The plan and its solve time in milliseconds."""
     start = time.perf_counter()
-    plan = plan_routing(lengths, topology, workload, solver)
+    plan = plan_routing(seq_lens, topology, workload, solver)
     return plan, (time.perf_counter() - start) * 1e3
 
 
-def bench_32(steps: int, workload_names: list[str]) -> list[dict]:
-    """One row per (workload, topology, solver), medians over ``steps`` sampled steps."""
-    model = default_workload()
+def run_case(
+    num_gpus: int,
+    workload_name: str,
+    topology_spec: str,
+    steps: int,
+    solvers: Sequence[str],
+    model: WorkloadModel,
+    sensitivity: float | None = None,
+) -> list[dict]:
+    """One row per solver for one (GPU count, workload, topology): statistics over ``steps`` steps."""
+    topology = build_topology(topology_spec, gpus_per_node=GPUS_PER_NODE)
+    wrong_models = {}
+    if sensitivity:
+        for sign, label in ((-1, "minus"), (1, "plus")):
+            wrong_models[label] = dataclasses.replace(model, quadratic_coef=model.quadratic_coef * (1 + sign * sensitivity))
+    samples: dict[str, dict[str, list[float]]] = {solver: {} for solver in solvers}
+    for seed in range(steps):
+        seq_lens = sample_workload(workload_name, num_gpus, seed)
+        timed = {solver: timed_plan(seq_lens, topology, model, solver) for solver in solvers}
+        baseline = timed["none"][0]
+        for solver, (plan, ms) in timed.items():
+            values = {
+                "imbalance": plan.imbalance,
+                "bound_ratio": plan.max_load / plan.lower_bound if plan.lower_bound > 0 else 1.0,
+                "speedup": baseline.max_load / plan.max_load if plan.max_load > 0 else 1.0,
+                "moved": plan.tokens_moved_fraction,
+                "solve_ms": ms,
+            }
+            if solver != "none":
+                for label, wrong in wrong_models.items():
+                    misled = plan_routing(seq_lens, topology, wrong, solver)
+                    values[f"loss_{label}"] = plan_loads(misled, model).max() / plan.max_load - 1
+            for key, value in values.items():
+                samples[solver].setdefault(key, []).append(value)
     rows = []
-    cases = [(w, t) for w in workload_names for t in TOPOLOGIES_32]
-    for name, spec in tqdm(cases, desc="32-GPU table", unit="case"):
-        topology = build_topology(spec, gpus_per_node=8)
-        samples = {solver: [] for solver in SOLVERS}
-        for seed in range(steps):
-            lengths = sample_workload(name, topology.group_size, seed)
-            baseline = None
-            for solver in SOLVERS:
-                plan, ms = _solve(lengths, topology, model, solver)
-                baseline = baseline or plan
-                samples[solver].append(
-                    (plan.imbalance, plan.max_load / plan.lower_bound, baseline.max_load / plan.max_load, ms)
-                )
-        for solver, values in samples.items():
-            imbalance, ratio, speedup, ms = np.median(np.asarray(values), axis=0)
-            rows.append({"workload": name, "topology": spec, "solver": solver, "imbalance": imbalance,
-                         "ratio_to_bound": ratio, "speedup": speedup, "solve_ms": ms})  # fmt: skip
+    for solver, values in samples.items():
+        row = {"gpus": num_gpus, "workload": workload_name, "topology": topology_spec, "solver": solver, "steps": steps,
+               "imbalance_median": np.median(values["imbalance"]),
+               "imbalance_p95": np.percentile(values["imbalance"], 95),
+               "bound_ratio_median": np.median(values["bound_ratio"]),
+               "speedup_median": np.median(values["speedup"]),
+               "moved_median": np.median(values["moved"]),
+               "solve_ms_median": np.median(values["solve_ms"]),
+               "solve_ms_p95": np.percentile(values["solve_ms"], 95)}  # fmt: skip
+        for label in wrong_models:
+            losses = values.get(f"loss_{label}")
+            row[f"loss_{label}_median"] = np.median(losses) if losses else None
+            row[f"loss_{label}_max"] = np.max(losses) if losses else None
+        rows.append({key: float(v) if isinstance(v, np.floating) else v for key, v in row.items()})
     return rows
 
 
-def bench_scale(steps: int, num_gpus: int = 1024, per_rank: int = 16) -> list[dict]:
-    """Solve time at ``num_gpus`` GPUs with ``per_rank`` sequences each."""
-    model = default_workload()
-    pool = np.concatenate([np.asarray(r) for r in sample_workload("kf_image_video", 32, 0) if r])
+def run_suite(
+    gpu_counts: Sequence[int],
+    workload_names: Sequence[str],
+    steps: int,
+    solvers: Sequence[str] = SOLVERS,
+    model: WorkloadModel | None = None,
+    sensitivity: float | None = None,
+) -> list[dict]:
+    """:func:`run_case` over every GPU count, workload and topology of :func:`suite_topologies`."""
+    if steps < 1:
+        raise ValueError(f"--steps must be at least 1; got {steps}")
+    if "none" not in solvers:
+        raise ValueError(f"the suite needs the 'none' solver as the speedup baseline; got solvers {list(solvers)}")
+    if sensitivity is not None and not 0 < sensitivity < 1:
+        raise ValueError(f"--sensitivity is a fraction in (0, 1), e.g. 0.2 for +-20%; got {sensitivity}")
+    model = model or default_workload()
+    solvers = sorted(set(solvers), key=SOLVERS.index)
+    cases = [(n, w, t) for n in gpu_counts for w in workload_names for t in suite_topologies(n)]
     rows = []
-    for spec in tqdm(scale_topologies(num_gpus), desc=f"{num_gpus}-GPU scale", unit="topology"):
-        topology = build_topology(spec, gpus_per_node=8)
-        samples = {solver: [] for solver in SOLVERS}
-        for seed in range(steps):
-            rng = np.random.default_rng(seed)
-            lengths = rng.choice(pool, size=(num_gpus, per_rank)).tolist()
-            for solver in SOLVERS:
-                plan, ms = _solve(lengths, topology, model, solver)
-                samples[solver].append((plan.imbalance, plan.max_load / plan.lower_bound, ms))
-        for solver, values in samples.items():
-            values = np.asarray(values)
-            rows.append({"topology": spec, "solver": solver, "imbalance": np.median(values[:, 0]),
-                         "ratio_to_bound": np.median(values[:, 1]), "solve_ms": np.median(values[:, 2]),
-                         "solve_ms_p95": np.percentile(values[:, 2], 95)})  # fmt: skip
+    for num_gpus, name, spec in tqdm(cases, desc="planner suite", unit="case"):
+        rows += run_case(num_gpus, name, spec, steps, solvers, model, sensitivity)
     return rows
 
 
-def format_32(rows: list[dict]) -> str:
-    """Markdown table: a row per workload and topology, the solvers side by side."""
-    lines = [
-        "| workload | topology | imbalance none / kf / refine | step / bound kf / refine | speedup kf / refine | solve ms kf / refine |",
-        "|---|---|---|---|---|---|",
-    ]
-    by_case: dict[tuple[str, str], dict[str, dict]] = {}
+def write_csv(rows: list[dict], path: str | Path) -> None:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in columns})
+
+
+def _by_case(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    cases: dict[tuple, dict[str, dict]] = {}
     for row in rows:
-        by_case.setdefault((row["workload"], row["topology"]), {})[row["solver"]] = row
-    for (name, spec), solvers in by_case.items():
-        none, kf, ours = solvers["none"], solvers["knapformer"], solvers["refine"]
+        cases.setdefault((row["gpus"], row["workload"], row["topology"]), {})[row["solver"]] = row
+    return cases
+
+
+def format_table(rows: list[dict], num_gpus: int) -> str:
+    """Markdown table for one GPU count: a row per workload and topology, the solvers side by side."""
+    cases = {k: v for k, v in _by_case(rows).items() if k[0] == num_gpus}
+    solvers = list(next(iter(cases.values())))
+    balancing = [s for s in solvers if s != "none"]
+    names = lambda group: " / ".join(SHORT.get(s, s) for s in group)  # noqa: E731
+    lines = [
+        f"| workload | topology | imbalance {names(solvers)} | p95 imbalance {names(balancing)} "
+        f"| step / bound {names(balancing)} | speedup {names(balancing)} | moved {names(balancing)} "
+        f"| solve ms {names(balancing)} | p95 solve ms {names(balancing)} |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cells(per_solver: dict, key: str, group: list[str], fmt: str) -> str:
+        return " / ".join(format(per_solver[s][key], fmt) for s in group)
+
+    for (_, name, spec), per_solver in cases.items():
         lines.append(
-            f"| {name} | {spec} | {none['imbalance']:.3f} / {kf['imbalance']:.3f} / {ours['imbalance']:.3f} "
-            f"| {kf['ratio_to_bound']:.4f} / {ours['ratio_to_bound']:.4f} "
-            f"| {kf['speedup']:.2f}x / {ours['speedup']:.2f}x | {kf['solve_ms']:.2f} / {ours['solve_ms']:.2f} |"
+            f"| {name} | {spec} | {cells(per_solver, 'imbalance_median', solvers, '.3f')} "
+            f"| {cells(per_solver, 'imbalance_p95', balancing, '.3f')} "
+            f"| {cells(per_solver, 'bound_ratio_median', balancing, '.4f')} "
+            f"| {cells(per_solver, 'speedup_median', balancing, '.2f')} "
+            f"| {cells(per_solver, 'moved_median', balancing, '.0%')} "
+            f"| {cells(per_solver, 'solve_ms_median', balancing, '.2f')} "
+            f"| {cells(per_solver, 'solve_ms_p95', balancing, '.2f')} |"
         )
     return "\n".join(lines)
 
 
-def format_scale(rows: list[dict]) -> str:
+def format_sensitivity(rows: list[dict], num_gpus: int) -> str:
+    """Markdown table of the sensitivity losses for one GPU count (only rows that have them)."""
+    rows = [r for r in rows if r["gpus"] == num_gpus and r.get("loss_minus_median") is not None]
     lines = [
-        "| topology | solver | imbalance | step / bound | solve ms median | solve ms p95 |",
-        "|---|---|---|---|---|---|",
+        "| workload | topology | solver | loss, b -F: median / max | loss, b +F: median / max |",
+        "|---|---|---|---|---|",
     ]
-    for row in rows:
+    for r in rows:
         lines.append(
-            f"| {row['topology']} | {row['solver']} | {row['imbalance']:.4f} | {row['ratio_to_bound']:.4f} "
-            f"| {row['solve_ms']:.1f} | {row['solve_ms_p95']:.1f} |"
+            f"| {r['workload']} | {r['topology']} | {SHORT.get(r['solver'], r['solver'])} "
+            f"| {r['loss_minus_median']:+.2%} / {r['loss_minus_max']:+.2%} "
+            f"| {r['loss_plus_median']:+.2%} / {r['loss_plus_max']:+.2%} |"
         )
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="sampled steps per case")
+def plot_speedup(rows: list[dict], path: str | Path, solver: str = DEFAULT_SOLVER) -> None:
+    """Median modeled speedup over ``none``: a panel per GPU count, bars by topology and workload
+    for ``solver``, black ticks for ``knapformer`` when it ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = _by_case(rows)
+    gpu_counts = list(dict.fromkeys(k[0] for k in cases))
+    workloads = list(dict.fromkeys(k[1] for k in cases))
+    fig, axes = plt.subplots(len(gpu_counts), 1, figsize=(11, 3.2 * len(gpu_counts)), squeeze=False)
+    width = 0.8 / len(workloads)
+    for ax, num_gpus in zip(axes[:, 0], gpu_counts, strict=True):
+        topologies = list(dict.fromkeys(k[2] for k in cases if k[0] == num_gpus))
+        for i, name in enumerate(workloads):
+            x = np.arange(len(topologies)) + (i - (len(workloads) - 1) / 2) * width
+            ours = [cases[(num_gpus, name, t)][solver]["speedup_median"] for t in topologies]
+            ax.bar(x, ours, width, label=name)
+            if "knapformer" in cases[(num_gpus, name, topologies[0])] and solver != "knapformer":
+                kf = [cases[(num_gpus, name, t)]["knapformer"]["speedup_median"] for t in topologies]
+                ax.plot(x, kf, "k_", markersize=8, label="knapformer" if i == 0 else None)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xticks(np.arange(len(topologies)), topologies, fontsize=8)
+        ax.set_ylabel("speedup over none")
+        ax.set_title(f"{num_gpus} GPUs: median modeled speedup of {solver}", fontsize=10, loc="left")
+    axes[0, 0].legend(fontsize=7, ncol=3, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_step_loads(num_gpus: int, workload_name: str, topology_spec: str, path: str | Path,
+                    solvers: Sequence[str] = SOLVERS, seed: int = 0) -> None:  # fmt: skip
+    """Per-GPU modeled load of one step (seed ``seed``), one panel per solver."""
+    from deepspeed_knap.bench.plots import plot_loads
+
+    topology = build_topology(topology_spec, gpus_per_node=GPUS_PER_NODE)
+    seq_lens = sample_workload(workload_name, num_gpus, seed)
+    model = default_workload()
+    plans = {solver: plan_routing(seq_lens, topology, model, solver) for solver in solvers}
+    plot_loads(plans, path, f"{topology_spec}, {workload_name} (seed {seed})")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", type=int, nargs="+", default=[32, 256, 1024], help="balance-group sizes")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--skip-scale", action="store_true", help="skip the 1,024-GPU solve-time part")
-    args = parser.parse_args(argv)
-    print(format_32(bench_32(args.steps, args.workloads)))
-    if not args.skip_scale:
-        print()
-        print(format_scale(bench_scale(args.steps)))
+    parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=list(SOLVERS))
+    parser.add_argument("--steps", type=int, default=20, help="sampled steps per case (seeds 0..steps-1)")
+    parser.add_argument("--sensitivity", type=float, default=None, metavar="F",
+                        help="also solve with the quadratic term scaled by 1-F and 1+F (e.g. 0.2)")  # fmt: skip
+    parser.add_argument("--csv", metavar="OUT.csv", help="write every row")
+    parser.add_argument("--plot-dir", metavar="DIR", help="write speedup.png and loads.png here")
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = run_suite(args.gpus, args.workloads, args.steps, args.solvers, sensitivity=args.sensitivity)
+    for num_gpus in args.gpus:
+        print(f"\n{num_gpus} GPUs, median over {args.steps} steps (p95 where marked):\n")
+        print(format_table(rows, num_gpus))
+        if args.sensitivity:
+            print(f"\n{num_gpus} GPUs, quadratic term off by -+{args.sensitivity:.0%}: step-time loss under the true model:\n")
+            print(format_sensitivity(rows, num_gpus))
+    if args.csv:
+        write_csv(rows, args.csv)
+        print(f"\nrows written to {args.csv}")
+    if args.plot_dir:
+        out = Path(args.plot_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        plot_speedup(rows, out / "speedup.png")
+        workload = "kf_image_video" if "kf_image_video" in args.workloads else args.workloads[0]
+        plot_step_loads(args.gpus[0], workload, suite_topologies(args.gpus[0])[-1], out / "loads.png", args.solvers)
+        print(f"plots written to {out / 'speedup.png'} and {out / 'loads.png'}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,383 @@
+"""Measured step time, balanced against unbalanced, emulating the ranks of a balance group on one device.
+
+    deepspeed-knap bench step --topology g4n2 --workload kf_image_video              # CPU, small dims
+    deepspeed-knap bench step --topology g8n1 --flux-dims --dtype bfloat16 --token-scale 1   # one GPU
+
+Each step samples the group's sequence lengths (scaled by ``--token-scale``) and plans them twice:
+``none`` and ``--solver``, under a workload model whose ``a, b`` are calibrated on this device
+(``--calibration FILE``, else measured first on the same blocks over lengths spanning the step's)
+and whose all-to-all term ``c`` comes from the bandwidth model (``--alltoall-gbps``). Then, for every
+emulated rank, it builds exactly the tokens that plan gives the rank and times forward + backward of
+one FLUX double-stream and one single-stream block on them (median of ``--repeats``), weighted by
+the model's block counts. The measured step time is the max over ranks.
+
+A bag is emulated without communication: a member runs its projections, modulation and MLP on its
+own chunks, and attention over its bags' whole sequences on its share of the heads (its own q, k, v
+repeated to the full length: the kernel gets the shapes a real all-to-all would deliver). So the
+measured times are compute only. Communication is reported separately, *from the bandwidth model,
+not measured*: the Ulysses all-to-alls (the model's ``c`` term) and the route + reverse route of the
+moved token states, forward and backward, at ``--alltoall-gbps`` per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from deepspeed_knap.attention import KnapDistributedAttention, VarlenAttention, head_splits
+from deepspeed_knap.bench.calibrate import backward_seconds, calibrate, flux_blocks_step
+from deepspeed_knap.layout import gpu_layout
+from deepspeed_knap.packing import PackedBatch
+from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_loads, plan_routing
+from deepspeed_knap.routing import RoutedBatch
+from deepspeed_knap.topology import build_topology
+from deepspeed_knap.workload import WorkloadModel
+from deepspeed_knap.workloads import WORKLOADS, sample_shapes
+
+
+class EmulatedUlyssesAttention:
+    """Stands in for :class:`~deepspeed_knap.attention.KnapDistributedAttention` in one process: the
+    same kernel work per GPU, no all-to-all.
+
+    For a bag of ``G > 1`` a member holding ``n`` of the ``L`` tokens of its bag's sequences runs the
+    kernel on ``[L, h, Dh]`` (``h`` its head share), filled by repeating its own ``n`` tokens, and
+    returns its ``n`` rows with the ``h`` heads tiled back to ``H``. Values are meaningless; shapes,
+    and so the work forward and backward, are a real member's.
+    """
+
+    def __init__(self, num_heads: int, backend: str = "auto") -> None:
+        self.num_heads = num_heads
+        self.local_attn = VarlenAttention(backend)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch) -> Tensor:
+        """``q, k, v``: ``[T, H, Dh]`` this GPU's routed tokens. Returns ``[T, H, Dh]``."""
+        groups = routed.layout.attention_groups
+        if not groups:
+            return q + k + v
+        outputs = []
+        for index, group in enumerate(groups):
+            q_g, k_g, v_g = q, k, v
+            if group.rows is not None:
+                rows = routed.device_array(("rows", index), group.rows)
+                q_g, k_g, v_g = (t.index_select(0, rows) for t in (q, k, v))
+            seqs = KnapDistributedAttention._varlen_seqs(routed, index, group)
+            if group.size == 1:
+                outputs.append(self.local_attn(q_g, k_g, v_g, seqs))
+                continue
+            heads = head_splits(self.num_heads, group.size)[group.member]
+            local, total = group.num_local_tokens, int(group.seq_lens.sum())
+            if local:
+                fill = routed.device_array(("fill", index), np.arange(total) % local)
+                q_full, k_full, v_full = (t[:, :heads].index_select(0, fill) for t in (q_g, k_g, v_g))
+            else:  # a member holding only empty chunks still runs its heads of the bag's sequences
+                zeros = q.new_zeros(total, heads, q.shape[-1])
+                q_full, k_full, v_full = (zeros + t.sum() for t in (q_g, k_g, v_g))
+            out = self.local_attn(q_full, k_full, v_full, seqs)  # [L, h, Dh]
+            tiled = out[:local].repeat(1, -(-self.num_heads // heads), 1)[:, : self.num_heads]
+            outputs.append(tiled if local else tiled + 0 * out.sum())
+        if len(groups) == 1 and groups[0].rows is None:
+            return outputs[0]
+        order = np.argsort(np.concatenate([group.rows for group in groups]))
+        return torch.cat(outputs).index_select(0, routed.device_array("attention_rows", order))
+
+
+def emulated_rank_batch(
+    plan: RoutingPlan, gpu: int, text_lens: np.ndarray, dim: int, device: torch.device, dtype: torch.dtype
+) -> RoutedBatch:
+    """What GPU ``gpu`` holds after routing by ``plan``, with random token states.
+
+    Args:
+        text_lens: ``[N]`` text tokens of each sequence of the plan (they come first in a sequence).
+    """
+    layout = gpu_layout(plan, gpu)
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(layout.chunk_starts, layout.chunk_lens)] or [[]])
+    is_text = positions < np.repeat(text_lens[layout.seq_ids], layout.chunk_lens)
+    tokens = torch.randn(layout.num_routed_tokens, dim, device=device, dtype=dtype, requires_grad=True)
+    batch = PackedBatch(
+        tokens,
+        tuple(layout.chunk_lens.tolist()),
+        {"ids": torch.zeros(len(positions), 3, device=device), "is_text": torch.as_tensor(is_text, device=device)},
+        {"temb": torch.randn(len(layout.seq_ids), dim, device=device, dtype=dtype)},
+    )
+    return RoutedBatch(batch, layout, plan, None)
+
+
+@dataclasses.dataclass
+class FluxBlockTimer:
+    """Times one FLUX double- and one single-stream block, forward + backward, on a routed batch and
+    returns the modeled whole-transformer seconds ``double_blocks * t_double + single_blocks * t_single``."""
+
+    heads: int
+    head_dim: int
+    double_blocks: int
+    single_blocks: int
+    device: torch.device
+    dtype: torch.dtype
+    backend: str = "auto"
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        from deepspeed_knap.models.flux_layers import FluxDoubleBlock, FluxSingleBlock
+
+        dim = self.heads * self.head_dim
+        self.double = FluxDoubleBlock(dim, self.heads, self.head_dim).to(self.device, self.dtype)
+        self.single = FluxSingleBlock(dim, self.heads, self.head_dim).to(self.device, self.dtype)
+        self.attention = EmulatedUlyssesAttention(self.heads, self.backend)
+
+    @property
+    def dim(self) -> int:
+        return self.heads * self.head_dim
+
+    def __call__(self, routed: RoutedBatch) -> float:
+        from deepspeed_knap.models.flux import rope_axes
+        from deepspeed_knap.models.flux_layers import FluxStep
+
+        if routed.batch.num_tokens == 0:
+            return 0.0
+        step = FluxStep.build(routed, self.attention, rope_axes(self.head_dim))
+        x = routed.batch.tokens
+
+        def double() -> Tensor:
+            txt, img = x.index_select(0, step.txt_rows), x.index_select(0, step.img_rows)
+            out_txt, out_img = self.double(txt, img, step)
+            return out_txt.sum() + out_img.sum()
+
+        times = []
+        for _ in range(self.repeats + 1):  # the first run warms up
+            t_double = backward_seconds(double, self.device)
+            t_single = backward_seconds(lambda: self.single(x, step).sum(), self.device)
+            times.append(self.double_blocks * t_double + self.single_blocks * t_single)
+        return statistics.median(times[1:])
+
+
+def scaled_lengths(workload: str, num_gpus: int, seed: int, token_scale: float) -> tuple[list[list[int]], np.ndarray]:
+    """Per-rank sequence lengths of one step scaled by ``token_scale`` (at least one visual token per
+    sample, as :func:`~deepspeed_knap.models.flux_data.synthetic_samples`), and ``[N]`` text tokens
+    of each sequence in plan order."""
+    shapes = sample_shapes(workload, num_gpus, seed)
+    text = [[round(s.text * token_scale) for s in rank] for rank in shapes]
+    visual = [[max(1, round(s.visual * token_scale)) for s in rank] for rank in shapes]
+    lengths = [[t + v for t, v in zip(ts, vs, strict=True)] for ts, vs in zip(text, visual, strict=True)]
+    return lengths, np.array([t for rank in text for t in rank], dtype=np.int64)
+
+
+def route_seconds(plan: RoutingPlan, dim: int, bytes_per_element: int, gbps: float) -> float:
+    """Bandwidth-model seconds of the route and reverse route, forward and backward: four exchanges
+    of the moved token states, each as slow as the GPU that sends or receives the most."""
+    home = np.repeat(plan.seq_src_rank, np.diff(plan.chunk_offsets))
+    moved = plan.chunk_gpu != home
+    sent = np.bincount(home[moved], weights=plan.chunk_len[moved], minlength=plan.num_gpus)
+    received = np.bincount(plan.chunk_gpu[moved], weights=plan.chunk_len[moved], minlength=plan.num_gpus)
+    busiest = max(sent.max(initial=0), received.max(initial=0))
+    return 4 * busiest * dim * bytes_per_element / (gbps * 1e9)
+
+
+def measure_plan(plan: RoutingPlan, text_lens: np.ndarray, timer: FluxBlockTimer, compute: WorkloadModel,
+                 comm: WorkloadModel, bytes_per_element: int, gbps: float) -> dict:  # fmt: skip
+    """Measured and modeled per-rank seconds of one plan.
+
+    Args:
+        compute: the calibrated model without the all-to-all term (what the emulation measures).
+        comm: the same with the bandwidth model's all-to-all term (its difference to ``compute`` is
+            the modeled Ulysses time).
+    """
+    measured = np.array([
+        timer(emulated_rank_batch(plan, gpu, text_lens, timer.dim, timer.device, timer.dtype))
+        for gpu in range(plan.num_gpus)
+    ])  # fmt: skip
+    modeled = plan_loads(plan, compute)
+    ulysses = plan_loads(plan, comm) - modeled
+    busy = measured > 0
+    error = (modeled[busy] - measured[busy]) / measured[busy]
+    return {
+        "solver": plan.solver,
+        "tokens": plan.gpu_tokens.tolist(),
+        "measured_s": measured.tolist(),
+        "modeled_s": modeled.tolist(),
+        "measured_step_s": float(measured.max()),
+        "measured_imbalance": float(measured.max() / measured.mean()) if measured.mean() > 0 else 1.0,
+        "modeled_step_s": float(modeled.max()),
+        "modeled_imbalance": float(modeled.max() / modeled.mean()) if modeled.mean() > 0 else 1.0,
+        "median_abs_error": float(np.median(np.abs(error))) if error.size else 0.0,
+        "max_abs_error": float(np.abs(error).max(initial=0.0)),
+        "ulysses_comm_s": float(ulysses.max(initial=0.0)),
+        "route_comm_s": route_seconds(plan, timer.dim, bytes_per_element, gbps),
+    }
+
+
+def calibrate_here(timer: FluxBlockTimer, seq_lens: Sequence[int], repeats: int) -> tuple[WorkloadModel, dict]:
+    """Fit ``a, b`` on this device: one sequence at a time, geometric lengths spanning ``seq_lens``."""
+    lo, hi = max(16, min(seq_lens)), max(max(seq_lens), 32)
+    grid = sorted({int(round(x)) for x in np.geomspace(lo, hi, 6)})
+    step = flux_blocks_step(timer.heads, timer.head_dim, timer.double_blocks, timer.single_blocks,
+                            str(timer.device), timer.dtype, timer.backend)  # fmt: skip
+    model, _, fit = calibrate(step, grid, repeats)
+    return model, {"seq_lens": grid, **fit}
+
+
+def bench_step(
+    topology_spec: str,
+    workload: str,
+    steps: int,
+    timer: FluxBlockTimer,
+    token_scale: float,
+    solver: str = DEFAULT_SOLVER,
+    compute: WorkloadModel | None = None,
+    alltoall_gbps: float = 150.0,
+) -> dict:
+    """Measure ``steps`` steps under ``none`` and ``solver``; see the module docstring.
+
+    Args:
+        compute: calibrated ``a, b`` (its ``c`` is ignored); ``None`` calibrates on the first step's lengths.
+
+    Returns:
+        ``{"calibration": ..., "steps": [{"seed", "none": measure_plan(...), solver: ...}, ...]}``.
+    """
+    if solver == "none":
+        raise ValueError("--solver none would compare no balancing with itself; choose knapformer or refine")
+    topology = build_topology(topology_spec)
+    if max(topology.bag_sizes) > timer.heads:
+        raise ValueError(f"topology {topology_spec!r} has bags of {max(topology.bag_sizes)} GPUs but the blocks have "
+                         f"{timer.heads} heads; give --heads >= the largest bag")  # fmt: skip
+    bytes_per_element = torch.finfo(timer.dtype).bits // 8
+    alltoall_coef = WorkloadModel.from_model_dims(timer.dim, timer.double_blocks, timer.single_blocks,
+                                                  alltoall_gbps=alltoall_gbps,
+                                                  bytes_per_element=bytes_per_element).alltoall_coef  # fmt: skip
+    calibration = {"source": "given"}
+    results = []
+    for seed in tqdm(range(steps), desc="bench step", unit="step"):
+        seq_lens, text_lens = scaled_lengths(workload, topology.group_size, seed, token_scale)
+        if compute is None:
+            compute, calibration = calibrate_here(timer, [s for rank in seq_lens for s in rank], timer.repeats)
+            calibration["source"] = "measured here"
+        compute = WorkloadModel(compute.linear_coef, compute.quadratic_coef)
+        comm = dataclasses.replace(compute, alltoall_coef=alltoall_coef)
+        row = {"seed": seed, "tokens": int(sum(map(sum, seq_lens)))}
+        for name in ("none", solver):
+            plan = plan_routing(seq_lens, topology, comm, name)
+            row[name] = measure_plan(plan, text_lens, timer, compute, comm, bytes_per_element, alltoall_gbps)
+        results.append(row)
+    calibration.update(linear_coef=compute.linear_coef, quadratic_coef=compute.quadratic_coef)
+    return {"topology": topology_spec, "workload": workload, "solver": solver, "token_scale": token_scale,
+            "calibration": calibration, "steps": results}  # fmt: skip
+
+
+def format_report(report: dict) -> str:
+    solver = report["solver"]
+    lines = [
+        f"{report['topology']}, {report['workload']} x{report['token_scale']:g} tokens; model a = "
+        f"{report['calibration']['linear_coef']:.3g} s/token, b = {report['calibration']['quadratic_coef']:.3g} "
+        f"s/token^2 ({report['calibration']['source']})",
+        "",
+        f"{'step':>4} {'plan':<11}{'measured s':>11}{'imbalance':>10}{'modeled s':>10}{'imbalance':>10}"
+        f"{'err med':>8}{'err max':>8}{'ulysses s*':>11}{'route s*':>9}",
+    ]
+    speedups = []
+    for row in report["steps"]:
+        for name in ("none", solver):
+            m = row[name]
+            lines.append(
+                f"{row['seed']:>4} {name:<11}{m['measured_step_s']:>11.4g}{m['measured_imbalance']:>10.3f}"
+                f"{m['modeled_step_s']:>10.4g}{m['modeled_imbalance']:>10.3f}{m['median_abs_error']:>8.1%}"
+                f"{m['max_abs_error']:>8.1%}{m['ulysses_comm_s']:>11.3g}{m['route_comm_s']:>9.3g}"
+            )
+        none, ours = row["none"], row[solver]
+        speedups.append((none["measured_step_s"] / ours["measured_step_s"], none["modeled_step_s"] / ours["modeled_step_s"]))
+        lines.append(f"     measured speedup {speedups[-1][0]:.2f}x (modeled {speedups[-1][1]:.2f}x)")
+    measured, modeled = np.median(np.array(speedups), axis=0)
+    lines += ["", f"median over {len(speedups)} steps: measured speedup {measured:.2f}x, modeled {modeled:.2f}x",
+              "* modeled from bandwidth, not measured: compute times above exclude all communication"]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: str | Path) -> None:
+    """Per-rank measured and modeled seconds of the last step, a panel per plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    row = report["steps"][-1]
+    names = ("none", report["solver"])
+    fig, axes = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, sharey=True)
+    for ax, name in zip(axes, names, strict=True):
+        m = row[name]
+        ranks = np.arange(len(m["measured_s"]))
+        ax.bar(ranks - 0.2, m["measured_s"], 0.4, label="measured (compute)")
+        ax.bar(ranks + 0.2, m["modeled_s"], 0.4, label="modeled a*s + b*s^2")
+        ax.set_title(f"{name}: measured step {m['measured_step_s']:.3g} s, imbalance {m['measured_imbalance']:.3f}",
+                     fontsize=10, loc="left")  # fmt: skip
+        ax.set_ylabel("seconds")
+    axes[0].legend(fontsize=8)
+    axes[-1].set_xlabel("emulated rank")
+    fig.suptitle(f"{report['topology']}, {report['workload']} (seed {row['seed']})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--topology", default="g4n2", help="bags of the emulated balance group")
+    parser.add_argument("--workload", default="kf_image_video", choices=list(WORKLOADS))
+    parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=[s for s in SOLVERS if s != "none"])
+    parser.add_argument("--steps", type=int, default=3, help="sampled steps (seeds 0..steps-1)")
+    parser.add_argument("--token-scale", type=float, default=1 / 16, help="scale the workload's lengths (CPU: small)")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads (at least the largest bag)")
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
+    parser.add_argument("--double-blocks", type=int, default=19, help="double-stream blocks of the model")
+    parser.add_argument("--single-blocks", type=int, default=38, help="single-stream blocks of the model")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per rank (median)")
+    parser.add_argument("--calibration", metavar="FILE.json", help="a, b from deepspeed-knap calibrate")
+    parser.add_argument("--alltoall-gbps", type=float, default=150.0, help="bandwidth model, per GPU, GB/s")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
+    parser.add_argument("--json", metavar="OUT.json", help="write every per-rank figure")
+    parser.add_argument("--plot", metavar="OUT.png", help="per-rank measured vs modeled seconds, last step")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.repeats < 1 or args.token_scale <= 0:
+        raise ValueError(f"--steps and --repeats must be >= 1 and --token-scale > 0; got {args.steps}, "
+                         f"{args.repeats}, {args.token_scale}")  # fmt: skip
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    heads, head_dim = (24, 128) if args.flux_dims else (args.heads, args.head_dim)
+    timer = FluxBlockTimer(heads, head_dim, args.double_blocks, args.single_blocks, device,
+                           getattr(torch, args.dtype), args.backend, args.repeats)  # fmt: skip
+    compute = None
+    if args.calibration:
+        data = json.loads(Path(args.calibration).read_text())
+        compute = WorkloadModel(data["linear_coef"], data["quadratic_coef"])
+    report = bench_step(args.topology, args.workload, args.steps, timer, args.token_scale, args.solver, compute,
+                        args.alltoall_gbps)  # fmt: skip
+    report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report["dims"] = f"{heads}x{head_dim} heads, {args.double_blocks}+{args.single_blocks} blocks, {args.dtype}"
+    print(f"{report['device']}, {report['dims']}")
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"per-rank figures written to {args.json}")
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
