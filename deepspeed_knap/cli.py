@@ -8,6 +8,7 @@ moved, memory, solve time.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import json
 import statistics
@@ -169,15 +170,53 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks: the planner suite, measured step emulation")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for name, module, summary in (
-        ("planner", "deepspeed_knap.bench.planner", "plan quality and solve time over workloads, topologies, GPUs"),
-        ("step", "deepspeed_knap.bench.step", "measured step time of emulated ranks, balanced vs not"),
-    ):
-        sub = benches.add_parser(name, help=summary, description=importlib.import_module(module).__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-        importlib.import_module(module).add_arguments(sub)
-        sub.set_defaults(func=importlib.import_module(module).run)
+    suite = benches.add_parser("planner", help="plan quality and solve time over workloads, topologies, GPU counts",
+                               description=_module_doc("planner"), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    suite.add_argument("--gpus", type=int, nargs="+", default=[32, 256, 1024], help="balance-group sizes")
+    suite.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    suite.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=list(SOLVERS))
+    suite.add_argument("--steps", type=int, default=20, help="sampled steps per case (seeds 0..steps-1)")
+    suite.add_argument("--sensitivity", type=float, default=None, metavar="F",
+                       help="also solve with the quadratic term scaled by 1-F and 1+F (e.g. 0.2)")  # fmt: skip
+    suite.add_argument("--csv", metavar="OUT.csv", help="write every row")
+    suite.add_argument("--plot-dir", metavar="DIR", help="write speedup.png and loads.png here")
+    suite.set_defaults(func=_bench_runner("planner"))
+
+    step = benches.add_parser("step", help="measured step time of emulated ranks, balanced against not",
+                              description=_module_doc("step"), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    step.add_argument("--topology", default="g4n2", help="bags of the emulated balance group")
+    step.add_argument("--workload", default="kf_image_video", choices=list(WORKLOADS))
+    step.add_argument("--solver", default=DEFAULT_SOLVER, choices=[s for s in SOLVERS if s != "none"])
+    step.add_argument("--steps", type=int, default=3, help="sampled steps (seeds 0..steps-1)")
+    step.add_argument("--token-scale", type=float, default=1 / 16, help="scale the workload's lengths (CPU: small)")
+    step.add_argument("--heads", type=int, default=8, help="attention heads (at least the largest bag)")
+    step.add_argument("--head-dim", type=int, default=32, help="channels per head")
+    step.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
+    step.add_argument("--double-blocks", type=int, default=19, help="double-stream blocks of the model")
+    step.add_argument("--single-blocks", type=int, default=38, help="single-stream blocks of the model")
+    step.add_argument("--repeats", type=int, default=3, help="timed runs per rank (median)")
+    step.add_argument("--calibration", metavar="FILE.json", help="a, b from deepspeed-knap calibrate")
+    step.add_argument("--alltoall-gbps", type=float, default=150.0, help="bandwidth model, per GPU, GB/s")
+    step.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    step.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    step.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
+    step.add_argument("--json", metavar="OUT.json", help="write every per-rank figure")
+    step.add_argument("--plot", metavar="OUT.png", help="per-rank measured vs modeled seconds, last step")
+    step.set_defaults(func=_bench_runner("step"))
     return parser
+
+
+def _module_doc(bench: str) -> str:
+    """A benchmark module's docstring, read without importing it (``bench step`` imports torch)."""
+    source = Path(__file__).with_name("bench").joinpath(f"{bench}.py").read_text()
+    return ast.get_docstring(ast.parse(source)) or ""
+
+
+def _bench_runner(bench: str):
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(f"deepspeed_knap.bench.{bench}").run(args)
+
+    return run
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -31,7 +31,9 @@ Solvers (``SOLVERS``):
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import heapq
 import math
@@ -199,6 +201,27 @@ def plan_routing(
         raise ValueError(f"max_tokens_per_gpu must be a positive integer or None; got {max_tokens_per_gpu!r}")
     if refine_steps < 0:
         raise ValueError(f"refine_steps must be >= 0; got {refine_steps}")
+    with _gc_paused():
+        return _solve(seq_lens_per_rank, topology, workload, solver, max_tokens_per_gpu, refine_steps)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector during a solve. The solver allocates many small objects,
+    which trigger full collections; in a process that has torch and DeepSpeed loaded each one walks
+    millions of objects, and measured at 1,024 GPUs x 32 sequences that nearly tripled the solve time
+    (44 -> 122 ms median). The solver builds no reference cycles, so nothing is left for it to free."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _solve(seq_lens_per_rank, topology: Topology, workload: WorkloadModel, solver: str,
+           max_tokens_per_gpu: int | None, refine_steps: int) -> RoutingPlan:  # fmt: skip
     problem = _Problem.build(seq_lens_per_rank, topology, workload, max_tokens_per_gpu)
     if solver == "none":
         return problem.make_home_plan(solver)

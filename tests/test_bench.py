@@ -2,7 +2,6 @@
 
 import csv
 
-import numpy as np
 import pytest
 
 from deepspeed_knap.bench import planner as bench
@@ -17,7 +16,7 @@ def test_suite_topologies_cover_every_bag_size_and_the_mix():
     assert bench.suite_topologies(256) == ["g1n256", "g2n128", "g4n64", "g8n32", "g1n64+g2n32+g4n16+g8n8"]
     for n in (32, 256, 1024):
         assert all(build_topology(spec).group_size == n for spec in bench.suite_topologies(n))
-    with pytest.raises(ValueError, match="multiple of 32 GPUs.*got 48"):
+    with pytest.raises(ValueError, match=r"multiple of 32 GPUs.*got 48"):
         bench.suite_topologies(48)
 
 
@@ -31,14 +30,18 @@ def test_planner_suite_cli_writes_table_csv_and_plots(tmp_path, capsys):
     assert len(rows) == 5 * 3
     assert (plots / "speedup.png").stat().st_size > 10_000 and (plots / "loads.png").stat().st_size > 10_000
     for row in rows:
-        assert float(row["bound_ratio_median"]) >= 1 - 1e-9 and float(row["solve_ms_p95"]) >= float(row["solve_ms_median"])
+        assert float(row["bound_ratio_median"]) >= 1 - 1e-9 and float(row["solve_ms_p95"]) >= float(
+            row["solve_ms_median"]
+        )
         assert float(row["imbalance_p95"]) >= float(row["imbalance_median"]) >= 1 - 1e-9
         assert (row["loss_plus_median"] == "") == (row["solver"] == "none")
     by_key = {(r["topology"], r["solver"]): r for r in rows}
     for spec in bench.suite_topologies(32):
         assert float(by_key[(spec, "none")]["speedup_median"]) == 1.0
         # refine is never slower than knapformer on any step, so not in the median either
-        assert float(by_key[(spec, "refine")]["speedup_median"]) >= float(by_key[(spec, "knapformer")]["speedup_median"])
+        assert float(by_key[(spec, "refine")]["speedup_median"]) >= float(
+            by_key[(spec, "knapformer")]["speedup_median"]
+        )
 
 
 def test_sensitivity_loss_prices_the_misled_plan_under_the_true_model():
@@ -58,7 +61,7 @@ def test_sensitivity_loss_prices_the_misled_plan_under_the_true_model():
 def test_planner_suite_rejects_bad_options():
     with pytest.raises(ValueError, match="'none' solver as the speedup baseline"):
         bench.run_suite([32], ["kf_lowres"], 1, ["refine"])
-    with pytest.raises(ValueError, match="fraction in \\(0, 1\\).*got 20"):
+    with pytest.raises(ValueError, match=r"fraction in \(0, 1\).*got 20"):
         bench.run_suite([32], ["kf_lowres"], 1, sensitivity=20)
 
 

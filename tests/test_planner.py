@@ -254,6 +254,23 @@ def test_plan_loads_reprices_a_plan_under_another_model():
         plan_loads(plan, WorkloadModel(1.0, 0.0, gpu_speed=(1, 1, 1)))
 
 
+def test_garbage_collector_is_paused_only_during_the_solve():
+    import gc
+
+    topology = build_topology("g2n2")
+    plan_routing([[5_000], [], [300], [9]], topology, FLUX)
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        plan_routing([[5_000], [], [300], [-9]], topology, FLUX)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan_routing([[5_000], [], [300], [9]], topology, FLUX)
+        assert not gc.isenabled(), "a caller's disabled collector must stay disabled"
+    finally:
+        gc.enable()
+
+
 def test_empty_ranks_and_empty_steps_are_normal_input():
     topology = build_topology("g2n2")
     plan = plan_routing([[], [], [5_000], []], topology, FLUX)

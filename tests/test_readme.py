@@ -21,11 +21,36 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert COMMANDS[1] in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def _plan_options() -> list[str]:
-    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
-    return [o for action in plan._actions for o in action.option_strings if o.startswith("--") and o != "--help"]
+def _subcommands(parser, prefix=()):
+    """(command path, parser) for every leaf subcommand, e.g. (("bench", "step"), parser)."""
+    actions = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    if not actions:
+        yield prefix, parser
+        return
+    for name, sub in actions[0].choices.items():
+        yield from _subcommands(sub, (*prefix, name))
 
 
-@pytest.mark.parametrize("option", _plan_options())
-def test_every_cli_option_is_documented(option):
-    assert f"`{option}" in (ROOT / "README.md").read_text()
+def _cli_options() -> list[tuple[str, str]]:
+    return [
+        (" ".join(path), option)
+        for path, parser in _subcommands(build_parser())
+        for action in parser._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    ]
+
+
+def test_every_subcommand_is_found():
+    assert {path for path, _ in _cli_options()} == {"plan", "calibrate", "bench planner", "bench step"}
+
+
+@pytest.mark.parametrize(("command", "option"), _cli_options())
+def test_every_cli_option_is_documented(command, option):
+    """Each subcommand's options are named in the README section whose heading names it."""
+    readme = (ROOT / "README.md").read_text()
+    heading = re.search(rf"^#+ .*`deepspeed-knap {command}`.*$", readme, re.MULTILINE)
+    assert heading, f"no README heading names `deepspeed-knap {command}`"
+    section = readme[heading.end() :]
+    section = section[: section.find("\n#")]
+    assert f"`{option}" in section, f"README section on deepspeed-knap {command} does not document {option}"

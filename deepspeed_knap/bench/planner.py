@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +37,7 @@ from tqdm import tqdm
 from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_loads, plan_routing
 from deepspeed_knap.topology import build_topology
 from deepspeed_knap.workload import WorkloadModel, default_workload
-from deepspeed_knap.workloads import WORKLOADS, sample_workload
+from deepspeed_knap.workloads import sample_workload
 
 GPUS_PER_NODE = 8
 SHORT = {"none": "none", "knapformer": "kf", "refine": "refine"}
@@ -45,7 +46,9 @@ SHORT = {"none": "none", "knapformer": "kf", "refine": "refine"}
 def suite_topologies(num_gpus: int) -> list[str]:
     """Flat, bags of 2, 4 and 8, and a mix with a quarter of the GPUs in bags of each size."""
     if num_gpus <= 0 or num_gpus % 32:
-        raise ValueError(f"the planner suite needs a positive multiple of 32 GPUs (for its mixed topology); got {num_gpus}")
+        raise ValueError(
+            f"the planner suite needs a positive multiple of 32 GPUs (for its mixed topology); got {num_gpus}"
+        )
     mixed = f"g1n{num_gpus // 4}+g2n{num_gpus // 8}+g4n{num_gpus // 16}+g8n{num_gpus // 32}"
     return [f"g1n{num_gpus}", f"g2n{num_gpus // 2}", f"g4n{num_gpus // 4}", f"g8n{num_gpus // 8}", mixed]
 
@@ -71,7 +74,9 @@ def run_case(
     wrong_models = {}
     if sensitivity:
         for sign, label in ((-1, "minus"), (1, "plus")):
-            wrong_models[label] = dataclasses.replace(model, quadratic_coef=model.quadratic_coef * (1 + sign * sensitivity))
+            wrong_models[label] = dataclasses.replace(
+                model, quadratic_coef=model.quadratic_coef * (1 + sign * sensitivity)
+            )
     samples: dict[str, dict[str, list[float]]] = {solver: {} for solver in solvers}
     for seed in range(steps):
         seq_lens = sample_workload(workload_name, num_gpus, seed)
@@ -238,24 +243,15 @@ def plot_step_loads(num_gpus: int, workload_name: str, topology_spec: str, path:
     plot_loads(plans, path, f"{topology_spec}, {workload_name} (seed {seed})")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", type=int, nargs="+", default=[32, 256, 1024], help="balance-group sizes")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=list(SOLVERS))
-    parser.add_argument("--steps", type=int, default=20, help="sampled steps per case (seeds 0..steps-1)")
-    parser.add_argument("--sensitivity", type=float, default=None, metavar="F",
-                        help="also solve with the quadratic term scaled by 1-F and 1+F (e.g. 0.2)")  # fmt: skip
-    parser.add_argument("--csv", metavar="OUT.csv", help="write every row")
-    parser.add_argument("--plot-dir", metavar="DIR", help="write speedup.png and loads.png here")
-
-
 def run(args: argparse.Namespace) -> int:
     rows = run_suite(args.gpus, args.workloads, args.steps, args.solvers, sensitivity=args.sensitivity)
     for num_gpus in args.gpus:
         print(f"\n{num_gpus} GPUs, median over {args.steps} steps (p95 where marked):\n")
         print(format_table(rows, num_gpus))
         if args.sensitivity:
-            print(f"\n{num_gpus} GPUs, quadratic term off by -+{args.sensitivity:.0%}: step-time loss under the true model:\n")
+            print(
+                f"\n{num_gpus} GPUs, quadratic term off by -+{args.sensitivity:.0%}: step-time loss under the true model:\n"
+            )
             print(format_sensitivity(rows, num_gpus))
     if args.csv:
         write_csv(rows, args.csv)
@@ -271,10 +267,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``python -m deepspeed_knap.bench.planner`` is ``deepspeed-knap bench planner``."""
+    from deepspeed_knap.cli import main as cli_main
+
+    return cli_main(["bench", "planner", *(argv or [])])
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,11 +38,11 @@ from deepspeed_knap.attention import KnapDistributedAttention, VarlenAttention, 
 from deepspeed_knap.bench.calibrate import backward_seconds, calibrate, flux_blocks_step
 from deepspeed_knap.layout import gpu_layout
 from deepspeed_knap.packing import PackedBatch
-from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_loads, plan_routing
+from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_loads, plan_routing
 from deepspeed_knap.routing import RoutedBatch
 from deepspeed_knap.topology import build_topology
 from deepspeed_knap.workload import WorkloadModel
-from deepspeed_knap.workloads import WORKLOADS, sample_shapes
+from deepspeed_knap.workloads import sample_shapes
 
 
 class EmulatedUlyssesAttention:
@@ -99,7 +100,9 @@ def emulated_rank_batch(
         text_lens: ``[N]`` text tokens of each sequence of the plan (they come first in a sequence).
     """
     layout = gpu_layout(plan, gpu)
-    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(layout.chunk_starts, layout.chunk_lens)] or [[]])
+    positions = np.concatenate(
+        [np.arange(s, s + n) for s, n in zip(layout.chunk_starts, layout.chunk_lens, strict=True)] or [[]]
+    )
     is_text = positions < np.repeat(text_lens[layout.seq_ids], layout.chunk_lens)
     tokens = torch.randn(layout.num_routed_tokens, dim, device=device, dtype=dtype, requires_grad=True)
     batch = PackedBatch(
@@ -217,7 +220,7 @@ def measure_plan(plan: RoutingPlan, text_lens: np.ndarray, timer: FluxBlockTimer
 def calibrate_here(timer: FluxBlockTimer, seq_lens: Sequence[int], repeats: int) -> tuple[WorkloadModel, dict]:
     """Fit ``a, b`` on this device: one sequence at a time, geometric lengths spanning ``seq_lens``."""
     lo, hi = max(16, min(seq_lens)), max(max(seq_lens), 32)
-    grid = sorted({int(round(x)) for x in np.geomspace(lo, hi, 6)})
+    grid = sorted({round(x) for x in np.geomspace(lo, hi, 6)})
     step = flux_blocks_step(timer.heads, timer.head_dim, timer.double_blocks, timer.single_blocks,
                             str(timer.device), timer.dtype, timer.backend)  # fmt: skip
     model, _, fit = calibrate(step, grid, repeats)
@@ -291,7 +294,9 @@ def format_report(report: dict) -> str:
                 f"{m['max_abs_error']:>8.1%}{m['ulysses_comm_s']:>11.3g}{m['route_comm_s']:>9.3g}"
             )
         none, ours = row["none"], row[solver]
-        speedups.append((none["measured_step_s"] / ours["measured_step_s"], none["modeled_step_s"] / ours["modeled_step_s"]))
+        speedups.append(
+            (none["measured_step_s"] / ours["measured_step_s"], none["modeled_step_s"] / ours["modeled_step_s"])
+        )
         lines.append(f"     measured speedup {speedups[-1][0]:.2f}x (modeled {speedups[-1][1]:.2f}x)")
     measured, modeled = np.median(np.array(speedups), axis=0)
     lines += ["", f"median over {len(speedups)} steps: measured speedup {measured:.2f}x, modeled {modeled:.2f}x",
@@ -325,27 +330,6 @@ def plot_report(report: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--topology", default="g4n2", help="bags of the emulated balance group")
-    parser.add_argument("--workload", default="kf_image_video", choices=list(WORKLOADS))
-    parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=[s for s in SOLVERS if s != "none"])
-    parser.add_argument("--steps", type=int, default=3, help="sampled steps (seeds 0..steps-1)")
-    parser.add_argument("--token-scale", type=float, default=1 / 16, help="scale the workload's lengths (CPU: small)")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (at least the largest bag)")
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
-    parser.add_argument("--double-blocks", type=int, default=19, help="double-stream blocks of the model")
-    parser.add_argument("--single-blocks", type=int, default=38, help="single-stream blocks of the model")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per rank (median)")
-    parser.add_argument("--calibration", metavar="FILE.json", help="a, b from deepspeed-knap calibrate")
-    parser.add_argument("--alltoall-gbps", type=float, default=150.0, help="bandwidth model, per GPU, GB/s")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
-    parser.add_argument("--json", metavar="OUT.json", help="write every per-rank figure")
-    parser.add_argument("--plot", metavar="OUT.png", help="per-rank measured vs modeled seconds, last step")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.repeats < 1 or args.token_scale <= 0:
         raise ValueError(f"--steps and --repeats must be >= 1 and --token-scale > 0; got {args.steps}, "
@@ -374,10 +358,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``python -m deepspeed_knap.bench.step`` is ``deepspeed-knap bench step``."""
+    from deepspeed_knap.cli import main as cli_main
+
+    return cli_main(["bench", "step", *(argv or [])])
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
