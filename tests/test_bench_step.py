@@ -116,6 +116,8 @@ def test_bench_step_runs_end_to_end_and_reports_against_the_given_model(tmp_path
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "measured speedup" in printed and "modeled from bandwidth, not measured" in printed
+    per_rank = printed.split("per rank, step 0:")[1].strip().splitlines()
+    assert [line.split()[0] for line in per_rank[1:5]] == ["0", "1", "2", "3"] and "written to" in per_rank[5]
     report = json.loads(out.read_text())
     (row,) = report["steps"]
     seq_lens, _ = bench_step.scaled_lengths("kf_image_video", 4, 0, 0.01)
@@ -137,3 +139,16 @@ def test_bench_step_errors_name_the_fix():
         bench_step.bench_step("g4n1", "kf_lowres", 1, timer, 0.01)
     with pytest.raises(ValueError, match="--solver none would compare"):
         bench_step.bench_step("g2n2", "kf_lowres", 1, timer, 0.01, solver="none")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
+def test_bench_step_on_gpu_with_a_varlen_kernel(tmp_path):
+    from deepspeed_knap.cli import main
+
+    out = tmp_path / "step.json"
+    argv = ["bench", "step", "--topology", "g2n2", "--token-scale", "0.25", "--heads", "4", "--head-dim", "64",
+            "--steps", "1", "--repeats", "2", "--dtype", "bfloat16", "--device", "cuda", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())["steps"]
+    assert row["refine"]["measured_imbalance"] < row["none"]["measured_imbalance"]

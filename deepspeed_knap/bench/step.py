@@ -34,9 +34,9 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from deepspeed_knap.attention import KnapDistributedAttention, VarlenAttention, head_splits
+from deepspeed_knap.attention import KnapDistributedAttention, VarlenSeqs, head_splits
 from deepspeed_knap.bench.calibrate import backward_seconds, calibrate, flux_blocks_step
-from deepspeed_knap.layout import gpu_layout
+from deepspeed_knap.layout import AttentionGroup, gpu_layout
 from deepspeed_knap.packing import PackedBatch
 from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_loads, plan_routing
 from deepspeed_knap.routing import RoutedBatch
@@ -45,50 +45,29 @@ from deepspeed_knap.workload import WorkloadModel
 from deepspeed_knap.workloads import sample_shapes
 
 
-class EmulatedUlyssesAttention:
-    """Stands in for :class:`~deepspeed_knap.attention.KnapDistributedAttention` in one process: the
-    same kernel work per GPU, no all-to-all.
+class EmulatedUlyssesAttention(KnapDistributedAttention):
+    """:class:`~deepspeed_knap.attention.KnapDistributedAttention` in one process: the same kernel
+    work per GPU, no all-to-all.
 
     For a bag of ``G > 1`` a member holding ``n`` of the ``L`` tokens of its bag's sequences runs the
     kernel on ``[L, h, Dh]`` (``h`` its head share), filled by repeating its own ``n`` tokens, and
     returns its ``n`` rows with the ``h`` heads tiled back to ``H``. Values are meaningless; shapes,
-    and so the work forward and backward, are a real member's.
+    and so the work forward and backward, are a real member's. Groups of one GPU run as in training.
     """
 
-    def __init__(self, num_heads: int, backend: str = "auto") -> None:
-        self.num_heads = num_heads
-        self.local_attn = VarlenAttention(backend)
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch) -> Tensor:
-        """``q, k, v``: ``[T, H, Dh]`` this GPU's routed tokens. Returns ``[T, H, Dh]``."""
-        groups = routed.layout.attention_groups
-        if not groups:
-            return q + k + v
-        outputs = []
-        for index, group in enumerate(groups):
-            q_g, k_g, v_g = q, k, v
-            if group.rows is not None:
-                rows = routed.device_array(("rows", index), group.rows)
-                q_g, k_g, v_g = (t.index_select(0, rows) for t in (q, k, v))
-            seqs = KnapDistributedAttention._varlen_seqs(routed, index, group)
-            if group.size == 1:
-                outputs.append(self.local_attn(q_g, k_g, v_g, seqs))
-                continue
-            heads = head_splits(self.num_heads, group.size)[group.member]
-            local, total = group.num_local_tokens, int(group.seq_lens.sum())
-            if local:
-                fill = routed.device_array(("fill", index), np.arange(total) % local)
-                q_full, k_full, v_full = (t[:, :heads].index_select(0, fill) for t in (q_g, k_g, v_g))
-            else:  # a member holding only empty chunks still runs its heads of the bag's sequences
-                zeros = q.new_zeros(total, heads, q.shape[-1])
-                q_full, k_full, v_full = (zeros + t.sum() for t in (q_g, k_g, v_g))
-            out = self.local_attn(q_full, k_full, v_full, seqs)  # [L, h, Dh]
-            tiled = out[:local].repeat(1, -(-self.num_heads // heads), 1)[:, : self.num_heads]
-            outputs.append(tiled if local else tiled + 0 * out.sum())
-        if len(groups) == 1 and groups[0].rows is None:
-            return outputs[0]
-        order = np.argsort(np.concatenate([group.rows for group in groups]))
-        return torch.cat(outputs).index_select(0, routed.device_array("attention_rows", order))
+    def _ulysses(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int, group: AttentionGroup,
+                 seqs: VarlenSeqs) -> Tensor:  # fmt: skip
+        heads = head_splits(self.num_heads, group.size)[group.member]
+        local, total = group.num_local_tokens, int(group.seq_lens.sum())
+        if local:
+            fill = routed.device_array(("fill", index), np.arange(total) % local)
+            q_full, k_full, v_full = (t[:, :heads].index_select(0, fill) for t in (q, k, v))
+        else:  # a member holding only empty chunks still runs its heads of the bag's sequences
+            zeros = q.new_zeros(total, heads, q.shape[-1])
+            q_full, k_full, v_full = (zeros + t.sum() for t in (q, k, v))
+        out = self.local_attn(q_full, k_full, v_full, seqs)  # [L, h, Dh]
+        tiled = out[:local].repeat(1, -(-self.num_heads // heads), 1)[:, : self.num_heads]
+        return tiled if local else tiled + 0 * out.sum()  # keeps the kernel's backward in the graph
 
 
 def emulated_rank_batch(
@@ -300,8 +279,24 @@ def format_report(report: dict) -> str:
         lines.append(f"     measured speedup {speedups[-1][0]:.2f}x (modeled {speedups[-1][1]:.2f}x)")
     measured, modeled = np.median(np.array(speedups), axis=0)
     lines += ["", f"median over {len(speedups)} steps: measured speedup {measured:.2f}x, modeled {modeled:.2f}x",
-              "* modeled from bandwidth, not measured: compute times above exclude all communication"]  # fmt: skip
+              "* modeled from bandwidth, not measured: compute times above exclude all communication", ""]  # fmt: skip
+    lines += _per_rank_lines(report["steps"][-1], ("none", solver))
     return "\n".join(lines)
+
+
+def _per_rank_lines(row: dict, names: tuple[str, str]) -> list[str]:
+    """Tokens, measured and modeled seconds and the model's error of every rank, one step."""
+    lines = [f"per rank, step {row['seed']}:", f"{'rank':>4}" + "".join(
+        f"{name + ' tokens':>16}{'measured s':>11}{'modeled s':>10}{'error':>8}" for name in names)]  # fmt: skip
+    for rank in range(len(row["none"]["tokens"])):
+        cells = []
+        for name in names:
+            m = row[name]
+            measured, modeled = m["measured_s"][rank], m["modeled_s"][rank]
+            error = f"{(modeled - measured) / measured:+8.1%}" if measured > 0 else f"{'-':>8}"
+            cells.append(f"{m['tokens'][rank]:>16,}{measured:>11.4g}{modeled:>10.4g}{error}")
+        lines.append(f"{rank:>4}" + "".join(cells))
+    return lines
 
 
 def plot_report(report: dict, path: str | Path) -> None:
