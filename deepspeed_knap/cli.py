@@ -225,8 +225,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from deepspeed_knap.bench.calibrate import calibrate, flux_blocks_step, load_callable, write_calibration
 
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
-    if len(seq_lens) < 3 or min(seq_lens) < 1:
-        raise ValueError(f"--seq-lens {args.seq_lens!r}: give at least 3 positive lengths to fit two coefficients")
+    if len(set(seq_lens)) < 4 or min(seq_lens) < 1:
+        raise ValueError(
+            f"--seq-lens {args.seq_lens!r}: give at least 4 positive lengths to fit overhead, a and b with one to spare"
+        )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     heads, head_dim = (24, 128) if args.flux_dims else (args.heads, args.head_dim)
     if args.callable:
@@ -241,10 +243,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     print(f"{'seq_len':>8}{'measured s':>13}{'model s':>13}{'rel err':>9}")
     for s, t in zip(seq_lens, times, strict=True):
-        fitted = model.linear_coef * s + model.quadratic_coef * s * s
+        fitted = fit["overhead_s"] + model.linear_coef * s + model.quadratic_coef * s * s
         print(f"{s:>8}{t:>13.5g}{fitted:>13.5g}{(fitted - t) / t:>9.1%}")
-    print(f"a = {model.linear_coef:.4g} s/token, b = {model.quadratic_coef:.4g} s/token^2; "
-          f"R^2 = {fit['r2']:.4f}, max rel error {fit['max_rel_error']:.1%}; written to {args.out}")  # fmt: skip
+    print(f"a = {model.linear_coef:.4g} s/token, b = {model.quadratic_coef:.4g} s/token^2, per-step overhead "
+          f"{fit['overhead_s']:.4g} s (not used in planning); R^2 = {fit['r2']:.4f}, max rel error "
+          f"{fit['max_rel_error']:.1%}; written to {args.out}")  # fmt: skip
     if args.plot:
         import matplotlib
 
@@ -254,7 +257,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         grid = np.linspace(0, max(seq_lens), 200)
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot(seq_lens, times, "o", label="measured")
-        ax.plot(grid, model.linear_coef * grid + model.quadratic_coef * grid**2, label="a*s + b*s^2")
+        fitted = fit["overhead_s"] + model.linear_coef * grid + model.quadratic_coef * grid**2
+        ax.plot(grid, fitted, label="overhead + a*s + b*s^2")
         ax.set(xlabel="sequence length (tokens)", ylabel="seconds (forward + backward)", title=about.get("blocks", ""))
         ax.legend()
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")

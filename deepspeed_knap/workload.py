@@ -159,9 +159,7 @@ def fit_workload(
 ) -> WorkloadModel:
     """Fit ``a, b, c`` >= 0 to measured per-GPU times by non-negative least squares.
 
-    With at most three unknowns the NNLS optimum is the unconstrained least-squares solution on one of
-    the 2**3 subsets of columns (its support), so trying every subset and keeping the best non-negative
-    one is exact. Columns are scaled to unit norm first: ``s`` and ``s**2`` differ by ~10 orders.
+    Exact (:func:`nonnegative_least_squares` over the three columns).
 
     Args:
         seq_lens: ``[M]`` sequence lengths of the measurements.
@@ -181,21 +179,40 @@ def fit_workload(
             f"need >= 2 measurements with positive lengths, bag sizes >= 1 and finite times >= 0; got {s.size} "
             f"measurements, min length {s.min() if s.size else None}, min time {t.min() if t.size else None}"
         )
-    columns = np.stack([s / g, s * s / g, s * (g - 1) / (g * g)], axis=1)
-    usable = [j for j in range(3) if np.any(columns[:, j] > 0)]
+    coef = nonnegative_least_squares(np.stack([s / g, s * s / g, s * (g - 1) / (g * g)], axis=1), t)
+    if coef[0] == 0 and coef[1] == 0:
+        raise ValueError("the measurements give no positive compute coefficient; are the times all zero?")
+    return WorkloadModel(float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+def nonnegative_least_squares(columns: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """``argmin ||columns @ x - targets||`` over ``x >= 0``, exactly, for a handful of columns.
+
+    The optimum is the unconstrained least-squares solution on one subset of the columns (its
+    support), so trying every subset and keeping the best non-negative one is exact: ``2**K`` small
+    solves for ``K`` columns. Columns are scaled to unit norm first (``s`` and ``s**2`` differ by
+    ~10 orders). All-zero columns get 0.
+
+    Args:
+        columns: ``[M, K]`` regressors, ``K`` small (at most ~6).
+        targets: ``[M]``.
+
+    Returns:
+        ``[K]`` float64 coefficients, all >= 0 (all 0 when no subset fits with non-negative ones).
+    """
+    num_columns = columns.shape[1]
+    usable = [j for j in range(num_columns) if np.any(columns[:, j] != 0)]
     norms = np.linalg.norm(columns, axis=0)
-    best_coef, best_residual = None, np.inf
+    best_coef, best_residual = np.zeros(num_columns), float(np.sum(targets**2))
     for k in range(1, len(usable) + 1):
         for support in itertools.combinations(usable, k):
             scaled = columns[:, support] / norms[list(support)]
-            solution, *_ = np.linalg.lstsq(scaled, t, rcond=None)
+            solution, *_ = np.linalg.lstsq(scaled, targets, rcond=None)
             if np.any(solution < 0):
                 continue
-            residual = float(np.sum((scaled @ solution - t) ** 2))
+            residual = float(np.sum((scaled @ solution - targets) ** 2))
             if residual < best_residual:
                 best_residual = residual
-                best_coef = np.zeros(3)
+                best_coef = np.zeros(num_columns)
                 best_coef[list(support)] = solution / norms[list(support)]
-    if best_coef is None or (best_coef[0] == 0 and best_coef[1] == 0):
-        raise ValueError("the measurements give no positive compute coefficient; are the times all zero?")
-    return WorkloadModel(float(best_coef[0]), float(best_coef[1]), float(best_coef[2]))
+    return best_coef

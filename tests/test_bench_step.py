@@ -106,7 +106,7 @@ def test_route_seconds_from_the_layouts_send_and_receive_counts():
 
 def test_bench_step_runs_end_to_end_and_reports_against_the_given_model(tmp_path, capsys):
     calibration = tmp_path / "cal.json"
-    calibration.write_text(json.dumps({"linear_coef": 1e-4, "quadratic_coef": 1e-7}))
+    calibration.write_text(json.dumps({"linear_coef": 1e-4, "quadratic_coef": 1e-7, "overhead_s": 0.5}))
     out = tmp_path / "step.json"
     argv = ["bench", "step", "--topology", "g2n2", "--workload", "kf_image_video", "--token-scale", "0.01",
             "--heads", "2", "--head-dim", "8", "--double-blocks", "2", "--single-blocks", "3", "--steps", "1",
@@ -122,8 +122,8 @@ def test_bench_step_runs_end_to_end_and_reports_against_the_given_model(tmp_path
     (row,) = report["steps"]
     seq_lens, _ = bench_step.scaled_lengths("kf_image_video", 4, 0, 0.01)
     assert row["tokens"] == sum(map(sum, seq_lens))
-    # Without balancing a rank's modeled seconds are a*s + b*s^2 over its own sequences.
-    own = [sum(1e-4 * s + 1e-7 * s * s for s in rank) for rank in seq_lens]
+    # Without balancing a busy rank's modeled seconds are the overhead + a*s + b*s^2 over its sequences.
+    own = [(0.5 if rank else 0.0) + sum(1e-4 * s + 1e-7 * s * s for s in rank) for rank in seq_lens]
     np.testing.assert_allclose(row["none"]["modeled_s"], own, rtol=1e-12)
     for name in ("none", "refine"):
         measured, tokens = np.array(row[name]["measured_s"]), np.array(row[name]["tokens"])

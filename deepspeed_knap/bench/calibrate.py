@@ -7,8 +7,13 @@
 For each sequence length ``s`` it times forward + backward of one FLUX double-stream block and one
 single-stream block on one sequence of ``s`` tokens, and models the whole transformer as
 ``double_blocks * t_double(s) + single_blocks * t_single(s)``. A user callable ``step(s)`` must run
-one forward + backward of whatever it models on ``s`` tokens (synchronising the device). The fit
-(non-negative least squares) is written as JSON that ``"workload": {"calibration_file": ...}`` reads.
+one forward + backward of whatever it models on ``s`` tokens (synchronising the device).
+
+The fit is ``t(s) = overhead + a*s + b*s^2`` by non-negative least squares. The overhead (kernel
+launches, Python: seconds a GPU spends per step whatever its tokens) is fitted so that it does not
+bias ``a`` and ``b`` at short lengths; every busy GPU pays it, so it changes no plan and the
+planner's model leaves it out. The JSON written is what ``"workload": {"calibration_file": ...}``
+reads; it records the overhead too.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.workload import WorkloadModel, fit_workload
+from deepspeed_knap.workload import WorkloadModel, nonnegative_least_squares
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096)
 
@@ -97,17 +102,22 @@ def flux_blocks_step(
 def calibrate(
     step: Step, seq_lens: Sequence[int], repeats: int = 3
 ) -> tuple[WorkloadModel, np.ndarray, dict[str, float]]:
-    """Time ``step`` at ``seq_lens`` and fit the workload model.
+    """Time ``step`` at ``seq_lens`` and fit ``overhead + a*s + b*s^2``.
 
     Returns:
-        ``(model, times, fit)``: the fitted model, ``[M]`` measured seconds, and the fit quality
-        (``r2``, ``max_rel_error`` of the model against the measurements).
+        ``(model, times, fit)``: the model (``a``, ``b``), ``[M]`` measured seconds, and the fit:
+        ``overhead_s``, and its quality (``r2``, ``max_rel_error``) with the overhead included.
     """
+    step(max(seq_lens))  # the first run at the largest size grows the allocator and thread pools
     times = np.array([time_step(step, s, repeats) for s in tqdm(seq_lens, desc="calibrate", leave=False)])
-    model = fit_workload(np.array(seq_lens), times)
-    predicted = model.linear_coef * np.array(seq_lens) + model.quadratic_coef * np.array(seq_lens) ** 2
+    s = np.asarray(seq_lens, dtype=np.float64)
+    overhead, a, b = nonnegative_least_squares(np.stack([np.ones_like(s), s, s * s], axis=1), times)
+    if a == 0 and b == 0:
+        raise ValueError(f"the times {times.tolist()} do not grow with the length; is the step doing any work?")
+    predicted = overhead + a * s + b * s * s
     r2 = 1 - float(np.sum((times - predicted) ** 2) / np.sum((times - times.mean()) ** 2))
-    return model, times, {"r2": r2, "max_rel_error": float(np.max(np.abs(predicted - times) / times))}
+    fit = {"overhead_s": float(overhead), "r2": r2, "max_rel_error": float(np.max(np.abs(predicted - times) / times))}
+    return WorkloadModel(float(a), float(b)), times, fit
 
 
 def load_callable(spec: str) -> Step:

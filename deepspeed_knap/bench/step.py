@@ -164,20 +164,22 @@ def route_seconds(plan: RoutingPlan, dim: int, bytes_per_element: int, gbps: flo
 
 
 def measure_plan(plan: RoutingPlan, text_lens: np.ndarray, timer: FluxBlockTimer, compute: WorkloadModel,
-                 comm: WorkloadModel, bytes_per_element: int, gbps: float) -> dict:  # fmt: skip
+                 overhead_s: float, comm: WorkloadModel, bytes_per_element: int, gbps: float) -> dict:  # fmt: skip
     """Measured and modeled per-rank seconds of one plan.
 
     Args:
         compute: the calibrated model without the all-to-all term (what the emulation measures).
-        comm: the same with the bandwidth model's all-to-all term (its difference to ``compute`` is
-            the modeled Ulysses time).
+        overhead_s: the calibrated per-step overhead, modeled on every rank that holds tokens.
+        comm: ``compute`` with the bandwidth model's all-to-all term (their difference is the
+            modeled Ulysses time).
     """
     measured = np.array([
         timer(emulated_rank_batch(plan, gpu, text_lens, timer.dim, timer.device, timer.dtype))
         for gpu in range(plan.num_gpus)
     ])  # fmt: skip
-    modeled = plan_loads(plan, compute)
-    ulysses = plan_loads(plan, comm) - modeled
+    compute_s = plan_loads(plan, compute)
+    ulysses = plan_loads(plan, comm) - compute_s
+    modeled = compute_s + overhead_s * (plan.gpu_tokens > 0)
     busy = measured > 0
     error = (modeled[busy] - measured[busy]) / measured[busy]
     return {
@@ -196,14 +198,16 @@ def measure_plan(plan: RoutingPlan, text_lens: np.ndarray, timer: FluxBlockTimer
     }
 
 
-def calibrate_here(timer: FluxBlockTimer, seq_lens: Sequence[int], repeats: int) -> tuple[WorkloadModel, dict]:
-    """Fit ``a, b`` on this device: one sequence at a time, geometric lengths spanning ``seq_lens``."""
+def calibrate_here(timer: FluxBlockTimer, seq_lens: Sequence[int], repeats: int) -> dict:
+    """Fit ``overhead + a*s + b*s^2`` on this device, one sequence at a time, at geometric lengths
+    spanning ``seq_lens``. Returns the calibration (``linear_coef``, ``quadratic_coef``,
+    ``overhead_s``, fit quality)."""
     lo, hi = max(16, min(seq_lens)), max(max(seq_lens), 32)
     grid = sorted({round(x) for x in np.geomspace(lo, hi, 6)})
     step = flux_blocks_step(timer.heads, timer.head_dim, timer.double_blocks, timer.single_blocks,
                             str(timer.device), timer.dtype, timer.backend)  # fmt: skip
     model, _, fit = calibrate(step, grid, repeats)
-    return model, {"seq_lens": grid, **fit}
+    return {"linear_coef": model.linear_coef, "quadratic_coef": model.quadratic_coef, "seq_lens": grid, **fit}
 
 
 def bench_step(
@@ -213,13 +217,14 @@ def bench_step(
     timer: FluxBlockTimer,
     token_scale: float,
     solver: str = DEFAULT_SOLVER,
-    compute: WorkloadModel | None = None,
+    calibration: dict | None = None,
     alltoall_gbps: float = 150.0,
 ) -> dict:
     """Measure ``steps`` steps under ``none`` and ``solver``; see the module docstring.
 
     Args:
-        compute: calibrated ``a, b`` (its ``c`` is ignored); ``None`` calibrates on the first step's lengths.
+        calibration: ``linear_coef``, ``quadratic_coef`` and optionally ``overhead_s``, as
+            ``deepspeed-knap calibrate`` writes them; ``None`` calibrates on the first step's lengths.
 
     Returns:
         ``{"calibration": ..., "steps": [{"seed", "none": measure_plan(...), solver: ...}, ...]}``.
@@ -234,21 +239,22 @@ def bench_step(
     alltoall_coef = WorkloadModel.from_model_dims(timer.dim, timer.double_blocks, timer.single_blocks,
                                                   alltoall_gbps=alltoall_gbps,
                                                   bytes_per_element=bytes_per_element).alltoall_coef  # fmt: skip
-    calibration = {"source": "given"}
+    calibration = None if calibration is None else {"source": "given", **calibration}
     results = []
     for seed in tqdm(range(steps), desc="bench step", unit="step"):
         seq_lens, text_lens = scaled_lengths(workload, topology.group_size, seed, token_scale)
-        if compute is None:
-            compute, calibration = calibrate_here(timer, [s for rank in seq_lens for s in rank], timer.repeats)
+        if calibration is None:
+            calibration = calibrate_here(timer, [s for rank in seq_lens for s in rank], timer.repeats)
             calibration["source"] = "measured here"
-        compute = WorkloadModel(compute.linear_coef, compute.quadratic_coef)
+        compute = WorkloadModel(calibration["linear_coef"], calibration["quadratic_coef"])
         comm = dataclasses.replace(compute, alltoall_coef=alltoall_coef)
+        overhead_s = calibration.get("overhead_s", 0.0)
         row = {"seed": seed, "tokens": int(sum(map(sum, seq_lens)))}
         for name in ("none", solver):
             plan = plan_routing(seq_lens, topology, comm, name)
-            row[name] = measure_plan(plan, text_lens, timer, compute, comm, bytes_per_element, alltoall_gbps)
+            row[name] = measure_plan(plan, text_lens, timer, compute, overhead_s, comm, bytes_per_element,
+                                     alltoall_gbps)  # fmt: skip
         results.append(row)
-    calibration.update(linear_coef=compute.linear_coef, quadratic_coef=compute.quadratic_coef)
     return {"topology": topology_spec, "workload": workload, "solver": solver, "token_scale": token_scale,
             "calibration": calibration, "steps": results}  # fmt: skip
 
@@ -258,7 +264,7 @@ def format_report(report: dict) -> str:
     lines = [
         f"{report['topology']}, {report['workload']} x{report['token_scale']:g} tokens; model a = "
         f"{report['calibration']['linear_coef']:.3g} s/token, b = {report['calibration']['quadratic_coef']:.3g} "
-        f"s/token^2 ({report['calibration']['source']})",
+        f"s/token^2, overhead {report['calibration'].get('overhead_s', 0.0):.3g} s ({report['calibration']['source']})",
         "",
         f"{'step':>4} {'plan':<11}{'measured s':>11}{'imbalance':>10}{'modeled s':>10}{'imbalance':>10}"
         f"{'err med':>8}{'err max':>8}{'ulysses s*':>11}{'route s*':>9}",
@@ -313,7 +319,7 @@ def plot_report(report: dict, path: str | Path) -> None:
         m = row[name]
         ranks = np.arange(len(m["measured_s"]))
         ax.bar(ranks - 0.2, m["measured_s"], 0.4, label="measured (compute)")
-        ax.bar(ranks + 0.2, m["modeled_s"], 0.4, label="modeled a*s + b*s^2")
+        ax.bar(ranks + 0.2, m["modeled_s"], 0.4, label="modeled overhead + a*s + b*s^2")
         ax.set_title(f"{name}: measured step {m['measured_step_s']:.3g} s, imbalance {m['measured_imbalance']:.3f}",
                      fontsize=10, loc="left")  # fmt: skip
         ax.set_ylabel("seconds")
@@ -333,12 +339,12 @@ def run(args: argparse.Namespace) -> int:
     heads, head_dim = (24, 128) if args.flux_dims else (args.heads, args.head_dim)
     timer = FluxBlockTimer(heads, head_dim, args.double_blocks, args.single_blocks, device,
                            getattr(torch, args.dtype), args.backend, args.repeats)  # fmt: skip
-    compute = None
+    calibration = None
     if args.calibration:
         data = json.loads(Path(args.calibration).read_text())
-        compute = WorkloadModel(data["linear_coef"], data["quadratic_coef"])
-    report = bench_step(args.topology, args.workload, args.steps, timer, args.token_scale, args.solver, compute,
-                        args.alltoall_gbps)  # fmt: skip
+        calibration = {key: data[key] for key in ("linear_coef", "quadratic_coef", "overhead_s") if key in data}
+    report = bench_step(args.topology, args.workload, args.steps, timer, args.token_scale, args.solver,
+                        calibration, args.alltoall_gbps)  # fmt: skip
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report["dims"] = f"{heads}x{head_dim} heads, {args.double_blocks}+{args.single_blocks} blocks, {args.dtype}"
     print(f"{report['device']}, {report['dims']}")
