@@ -2,7 +2,10 @@
 
 ``deepspeed-knap plan`` solves one step of a bundled workload (or lengths from a JSON file) with
 every solver and compares them: modeled step time, imbalance, distance to the lower bound, tokens
-moved, memory, solve time.
+moved, memory, solve time. ``deepspeed-knap calibrate`` fits the workload model to blocks timed on
+this device (:mod:`deepspeed_knap.bench.calibrate`). ``deepspeed-knap bench planner`` and ``bench step``
+run the benchmarks of :mod:`deepspeed_knap.bench.planner` and :mod:`deepspeed_knap.bench.step`; their
+modules import on use, so the planner commands never import torch.
 """
 
 from __future__ import annotations
@@ -195,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--double-blocks", type=int, default=19, help="double-stream blocks of the model")
     step.add_argument("--single-blocks", type=int, default=38, help="single-stream blocks of the model")
     step.add_argument("--repeats", type=int, default=3, help="timed runs per rank (median)")
-    step.add_argument("--calibration", metavar="FILE.json", help="a, b from deepspeed-knap calibrate")
+    step.add_argument("--calibration", metavar="FILE.json", help="a, b and overhead from deepspeed-knap calibrate")
     step.add_argument("--alltoall-gbps", type=float, default=150.0, help="bandwidth model, per GPU, GB/s")
     step.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     step.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
