@@ -45,6 +45,11 @@ class SampleShape:
     def length(self) -> int:
         return self.text + self.visual
 
+    def scaled(self, token_scale: float) -> SampleShape:
+        """Text and visual tokens times ``token_scale``, rounded, keeping at least one visual token
+        (small stand-ins for CPU runs of the same mix)."""
+        return SampleShape(round(self.text * token_scale), max(1, round(self.visual * token_scale)), self.frames)
+
 
 @dataclass(frozen=True)
 class _DataCode:

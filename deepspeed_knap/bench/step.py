@@ -143,13 +143,11 @@ class FluxBlockTimer:
 
 def scaled_lengths(workload: str, num_gpus: int, seed: int, token_scale: float) -> tuple[list[list[int]], np.ndarray]:
     """Per-rank sequence lengths of one step scaled by ``token_scale`` (at least one visual token per
-    sample, as :func:`~deepspeed_knap.models.flux_data.synthetic_samples`), and ``[N]`` text tokens
+    sample: :meth:`~deepspeed_knap.workloads.SampleShape.scaled`), and ``[N]`` text tokens
     of each sequence in plan order."""
-    shapes = sample_shapes(workload, num_gpus, seed)
-    text = [[round(s.text * token_scale) for s in rank] for rank in shapes]
-    visual = [[max(1, round(s.visual * token_scale)) for s in rank] for rank in shapes]
-    lengths = [[t + v for t, v in zip(ts, vs, strict=True)] for ts, vs in zip(text, visual, strict=True)]
-    return lengths, np.array([t for rank in text for t in rank], dtype=np.int64)
+    shapes = [[shape.scaled(token_scale) for shape in rank] for rank in sample_shapes(workload, num_gpus, seed)]
+    lengths = [[shape.length for shape in rank] for rank in shapes]
+    return lengths, np.array([shape.text for rank in shapes for shape in rank], dtype=np.int64)
 
 
 def route_seconds(plan: RoutingPlan, dim: int, bytes_per_element: int, gbps: float) -> float:

@@ -54,8 +54,8 @@ def synthetic_samples(
 
     samples = []
     for shape in shapes:
-        visual = max(1, round(shape.visual * token_scale))
-        text = round(shape.text * token_scale)
+        scaled = shape.scaled(token_scale)
+        text, visual = scaled.text, scaled.visual
         samples.append({
             "latents": randn(visual, config["in_channels"]),
             "img_ids": grid_ids(visual, min(shape.frames, visual)),
