@@ -14,16 +14,15 @@ import argparse
 import ast
 import importlib
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_routing
+from deepspeed_knap.bench.planner import timed_plan
+from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan
 from deepspeed_knap.topology import build_topology
-from deepspeed_knap.workload import MODEL_PRESETS, WorkloadModel, default_workload
+from deepspeed_knap.workload import MODEL_PRESETS, default_workload
 from deepspeed_knap.workloads import WORKLOADS, sample_workload
 
 _MODEL_KEYS = ("hidden", "double_blocks", "single_blocks", "mlp_ratio")
@@ -56,15 +55,6 @@ def load_lengths(path: str) -> list[list[int]]:
     return data
 
 
-def _timed_plan(lengths, topology, workload: WorkloadModel, solver: str, cap: int | None, repeat: int):
-    times, plan = [], None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        plan = plan_routing(lengths, topology, workload, solver, max_tokens_per_gpu=cap)
-        times.append((time.perf_counter() - start) * 1e3)
-    return plan, statistics.median(times)
-
-
 def _summary(plan: RoutingPlan, baseline: RoutingPlan, solve_ms: float) -> dict:
     return {
         "max_load_s": plan.max_load,
@@ -92,7 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     solvers = list(SOLVERS) if args.solver == "all" else sorted({"none", args.solver}, key=SOLVERS.index)
     plans, timings = {}, {}
     for solver in solvers:
-        plans[solver], timings[solver] = _timed_plan(
+        plans[solver], timings[solver] = timed_plan(
             lengths, topology, workload, solver, args.max_tokens_per_gpu, args.repeat
         )
     baseline = plans["none"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -35,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_loads, plan_routing
-from deepspeed_knap.topology import build_topology
+from deepspeed_knap.topology import Topology, build_topology
 from deepspeed_knap.workload import WorkloadModel, default_workload
 from deepspeed_knap.workloads import sample_workload
 
@@ -53,11 +54,21 @@ def suite_topologies(num_gpus: int) -> list[str]:
     return [f"g1n{num_gpus}", f"g2n{num_gpus // 2}", f"g4n{num_gpus // 4}", f"g8n{num_gpus // 8}", mixed]
 
 
-def timed_plan(seq_lens: list[list[int]], topology, workload: WorkloadModel, solver: str) -> tuple[RoutingPlan, float]:
-    """The plan and its solve time in milliseconds."""
-    start = time.perf_counter()
-    plan = plan_routing(seq_lens, topology, workload, solver)
-    return plan, (time.perf_counter() - start) * 1e3
+def timed_plan(
+    seq_lens: list[list[int]],
+    topology: Topology,
+    workload: WorkloadModel,
+    solver: str,
+    max_tokens_per_gpu: int | None = None,
+    repeat: int = 1,
+) -> tuple[RoutingPlan, float]:
+    """The plan and the median wall-clock milliseconds of ``repeat`` solves."""
+    times, plan = [], None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        plan = plan_routing(seq_lens, topology, workload, solver, max_tokens_per_gpu)
+        times.append((time.perf_counter() - start) * 1e3)
+    return plan, statistics.median(times)
 
 
 def run_case(
