@@ -6,7 +6,8 @@
     python examples/prepare_flux_latents.py --out /tmp/latents --synthetic kf_mixed_res --count 64
 
 The file format is documented in deepspeed_knap/models/flux_data.py. Encoding needs diffusers,
-transformers and the pipeline's weights, and runs once, before training, on one GPU.
+transformers and the pipeline's weights, and runs once, before training, on one GPU. Images keep
+their own sizes and aspect ratios: packing trains every size as it is, with no aspect-ratio buckets.
 """
 
 import argparse
@@ -25,12 +26,14 @@ source.add_argument("--images", help="a directory of images, each with a .txt ca
 source.add_argument("--synthetic", metavar="WORKLOAD", help="random latents of a bundled workload's sizes")
 parser.add_argument("--pipeline", help="with --images: a diffusers FLUX pipeline directory")
 parser.add_argument("--resolution", type=int, default=1024, help="with --images: resize the longer side to this")
+parser.add_argument("--max-sequence-length", type=int, default=512, help="with --images: T5 tokens per caption")
 parser.add_argument("--count", type=int, default=64, help="with --synthetic: how many samples")
 parser.add_argument("--token-scale", type=float, default=1.0, help="with --synthetic: shrink sizes")
 parser.add_argument("--in-channels", type=int, default=64, help="with --synthetic: the model's dims")
 parser.add_argument("--joint-attention-dim", type=int, default=4096)
 parser.add_argument("--pooled-projection-dim", type=int, default=768)
 args = parser.parse_args()
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
 
@@ -44,28 +47,47 @@ def write_synthetic() -> None:
         save_latent_sample(out / f"{index:08d}.safetensors", sample)
 
 
+def images_with_captions(directory: Path) -> list[tuple[Path, str]]:
+    """Every image of ``directory`` (name order) with the caption in its ``.txt`` twin; all missing
+    captions are reported at once, before any encoding."""
+    images = sorted(p for p in directory.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not images:
+        raise SystemExit(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {directory}")
+    missing = [str(p.with_suffix(".txt")) for p in images if not p.with_suffix(".txt").is_file()]
+    if missing:
+        raise SystemExit(
+            f"{len(missing)} images have no caption file: {', '.join(missing[:10])}; write one .txt per image"
+        )
+    return [(p, p.with_suffix(".txt").read_text().strip()) for p in images]
+
+
 @torch.no_grad()
 def encode_images() -> None:
+    import numpy as np
     from diffusers import FluxPipeline
     from PIL import Image
-    from torchvision.transforms.functional import pil_to_tensor
 
     if not args.pipeline:
         parser.error("--images needs --pipeline, the FLUX pipeline whose VAE and text encoders encode them")
+    captioned = images_with_captions(Path(args.images))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    pipe = FluxPipeline.from_pretrained(args.pipeline, transformer=None, torch_dtype=torch.bfloat16).to(device)
-    multiple = pipe.vae_scale_factor * 2  # the VAE's 8x, then 2x2 packing
-    images = sorted(p for p in Path(args.images).iterdir() if p.suffix.lower() in {".jpg", ".jpeg", ".png", ".webp"})
-    for index, path in enumerate(tqdm(images)):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pipe = FluxPipeline.from_pretrained(args.pipeline, transformer=None, torch_dtype=dtype).to(device)
+    multiple = pipe.vae_scale_factor * 2  # the VAE's downsampling, then 2x2 packing
+    for index, (path, caption) in enumerate(tqdm(captioned, desc="encode")):
+        # Every image keeps its own size and aspect ratio (longer side at --resolution, each side a
+        # multiple of the patch): packing trains them as they are, no buckets, nothing dropped.
         image = Image.open(path).convert("RGB")
         scale = args.resolution / max(image.size)
         width, height = (max(multiple, round(side * scale / multiple) * multiple) for side in image.size)
-        pixels = pil_to_tensor(image.resize((width, height), Image.BICUBIC)).to(device, torch.bfloat16)
-        latents = pipe.vae.encode(pixels[None] / 127.5 - 1).latent_dist.sample()
+        pixels = torch.from_numpy(np.asarray(image.resize((width, height), Image.BICUBIC))).permute(2, 0, 1)
+        pixels = pixels.to(device, dtype)[None] / 127.5 - 1  # [1, 3, H, W] in [-1, 1]
+        latents = pipe.vae.encode(pixels).latent_dist.sample()
         latents = (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
         channels, lat_h, lat_w = latents.shape[1:]
-        caption = path.with_suffix(".txt").read_text().strip()
-        prompt_embeds, pooled, text_ids = pipe.encode_prompt(caption, device=device)
+        prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+            caption, device=device, max_sequence_length=args.max_sequence_length
+        )
         save_latent_sample(out / f"{index:08d}.safetensors", {
             "latents": FluxPipeline._pack_latents(latents, 1, channels, lat_h, lat_w)[0],
             "img_ids": FluxPipeline._prepare_latent_image_ids(1, lat_h // 2, lat_w // 2, device, torch.float32),

@@ -2,29 +2,45 @@
 
     deepspeed --num_gpus 4 examples/train_flux.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny
     deepspeed --hostfile hosts examples/train_flux.py --deepspeed_config ds_configs/flux_zero3_knap.json \\
-        --model-path /models/FLUX.1-dev --data-dir /data/flux_latents --export-dir out/flux-finetuned
+        --model-path /models/FLUX.1-dev --data-dir /data/flux_latents --export-dir out/flux-finetuned \\
+        --lora-rank 16 --save-dir out/ckpt --checkpoint-every 500 --validation-every 500 --validation-prompts p.txt
 
 Each step every rank takes its samples (synthetic latents of a bundled workload, or ``--data-dir``
 files written by ``examples/prepare_flux_latents.py``), draws the rectified-flow noise level per
 sample, runs the packed model (balanced when the config's ``"knapformer"`` block is enabled) and
 steps on the global token-mean loss. Rank 0 shows a progress bar and prints, per step, the loss,
 the step time, tokens per second and the modeled imbalance before and after balancing.
+
+``--lora-rank`` trains LoRA adapters (peft) instead of every weight; ``--resume`` continues a run
+from its last checkpoint with the same losses it would have had; ``--validation-every`` renders
+images with diffusers' ``FluxPipeline`` from the current weights.
 """
 
 import argparse
 import os
 import sys
 import time
+import warnings
+from pathlib import Path
 
-import deepspeed
-import deepspeed.comm as dist
-import torch
-from tqdm import tqdm
+# ZeRO-3 calls two torch.distributed functions that torch deprecated, on every rank, every step.
+warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
-import deepspeed_knap
-from deepspeed_knap.config import load_ds_config
-from deepspeed_knap.models.flux import PackedFluxTransformer
-from deepspeed_knap.models.flux_data import LatentDirectory, SyntheticLatents, rectified_flow
+import deepspeed  # noqa: E402
+import deepspeed.comm as dist  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import deepspeed_knap  # noqa: E402
+from deepspeed_knap.config import load_ds_config  # noqa: E402
+from deepspeed_knap.models.flux import PackedFluxTransformer  # noqa: E402
+from deepspeed_knap.models.flux_data import (  # noqa: E402
+    LatentDirectory,
+    SyntheticLatents,
+    latent_directory_error,
+    rectified_flow,
+)
+from deepspeed_knap.shm_buffers import unlink_own_shm_buffer  # noqa: E402
 
 # A FLUX small enough for CPU ranks: every kind of block and guidance, 4 heads for bags of up to 4.
 TINY_FLUX = dict(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
@@ -36,75 +52,257 @@ model_source.add_argument("--model-path", help="diffusers FLUX checkpoint: a pip
 model_source.add_argument("--tiny", action="store_true", help="a small random FLUX for CPU runs")
 parser.add_argument("--data-dir", help="latent samples (.safetensors); default: synthetic latents of --workload")
 parser.add_argument("--samples-per-rank", type=int, default=1, help="with --data-dir: files per rank per step")
+parser.add_argument("--repeat-data", action="store_true", help="with --data-dir: allow fewer files than one step needs")
 parser.add_argument("--workload", default="kf_image_video", help="synthetic data: a deepspeed-knap workload name")
 parser.add_argument("--token-scale", type=float, default=1.0, help="synthetic data: shrink sample sizes (CPU: 1/64)")
-parser.add_argument("--steps", type=int, default=10)
+parser.add_argument("--steps", type=int, default=10, help="train until this many steps are done (resumed ones count)")
 parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (unless the config has an optimizer)")
 parser.add_argument("--guidance", type=float, default=1.0, help="guidance scale fed to guidance-distilled models")
 parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--save-dir", help="save a DeepSpeed (ZeRO) checkpoint here at the end")
-parser.add_argument("--export-dir", help="write the trained weights here in diffusers format at the end")
+parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of every weight")
+parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale is alpha / rank (default alpha = rank)")
+parser.add_argument("--lora-targets", default=None, help="comma-separated layer names as diffusers names them "
+                    "(default: every attention projection and the double blocks' feed-forwards)")  # fmt: skip
+parser.add_argument(
+    "--save-dir", help="save DeepSpeed checkpoints here (tag stepN), at the end and every --checkpoint-every"
+)
+parser.add_argument("--checkpoint-every", type=int, default=0, help="with --save-dir: also every this many steps")
+parser.add_argument(
+    "--resume", metavar="DIR", help="continue from a --save-dir (its latest checkpoint) or one stepN in it"
+)
+parser.add_argument("--export-dir", help="write the trained weights (or the LoRA adapter) here in diffusers format")
+parser.add_argument("--validation-every", type=int, default=0, help="render validation images every this many steps")
+parser.add_argument("--validation-prompts", metavar="FILE", help="validation prompts, one per line")
+parser.add_argument("--validation-dir", default="validation_images", help="where validation PNGs are written")
+parser.add_argument("--validation-resolution", type=int, default=None, help="image side in pixels (1024; --tiny: 32)")
+parser.add_argument("--validation-inference-steps", type=int, default=None, help="denoising steps (28; --tiny: 2)")
+parser.add_argument("--validation-guidance", type=float, default=3.5, help="guidance scale of validation images")
 parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
+if args.validation_every and not args.validation_prompts:
+    parser.error("--validation-every needs --validation-prompts FILE")
 
-torch.manual_seed(args.seed)  # the same initial weights on every rank
+torch.manual_seed(args.seed)  # the same initial weights (and LoRA A matrices) on every rank
 options = dict(gradient_checkpointing=args.gradient_checkpointing)
 if args.model_path:
     model = PackedFluxTransformer.from_pretrained(args.model_path, **options)
 else:
     model = PackedFluxTransformer(**TINY_FLUX, **options)
+if args.lora_rank:
+    from deepspeed_knap.models.flux_finetune import LORA_TARGETS, add_lora
+
+    targets = args.lora_targets.split(",") if args.lora_targets else LORA_TARGETS
+    add_lora(model, args.lora_rank, args.lora_alpha, targets)
+trainable = [p for p in model.parameters() if p.requires_grad]
 if "optimizer" in load_ds_config(args.deepspeed_config):  # DeepSpeed's own (fused on GPU)
-    engine, _, _, _, balancer = deepspeed_knap.initialize(args=args, model=model, model_parameters=model.parameters())
+    engine, _, _, _, balancer = deepspeed_knap.initialize(args=args, model=model, model_parameters=trainable)
 else:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     engine, _, _, _, balancer = deepspeed_knap.initialize(args=args, model=model, optimizer=optimizer)
 rank, world = dist.get_rank(), dist.get_world_size()
+dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the files can go
+unlink_own_shm_buffer(rank)
 flux = engine.module
 dtype = next(flux.parameters()).dtype  # bf16 under a "bf16" config: inputs must match
-data = (
-    LatentDirectory(args.data_dir, args.samples_per_rank)
-    if args.data_dir
-    else SyntheticLatents(args.workload, flux.config, args.token_scale, args.seed)
-)
 guidance = args.guidance if flux.config["guidance_embeds"] else None
 
-progress = tqdm(range(args.steps), desc="train_flux", disable=rank != 0, file=sys.stdout)
+
+def gather_objects(obj) -> list:
+    """``obj`` of every rank, in rank order (collective)."""
+    objects = [None] * world
+    dist.all_gather_object(objects, obj)
+    return objects
+
+
+def raise_together(problem: str | None) -> None:
+    """Raise the same error on every rank when any rank found a problem. For checks whose outcome
+    can differ between ranks (files, paths, data): a rank raising alone would leave the others
+    waiting in their next collective."""
+    found = {r: p for r, p in enumerate(gather_objects(problem)) if p}
+    if len(found) == world and len(set(found.values())) == 1:
+        raise SystemExit(f"train_flux: error on every rank: {problem}")
+    if found:
+        raise SystemExit("train_flux: error:\n" + "\n".join(f"rank {r}: {p}" for r, p in found.items()))
+
+
+def checkpoint_to_load(path: str) -> tuple[str, str | None, str | None]:
+    """``(load_dir, tag, problem)`` for ``--resume``: a save dir (its ``latest``) or one tag in it."""
+    directory = Path(path)
+    if (directory / "latest").is_file():
+        return str(directory), None, None
+    if (directory.parent / "latest").is_file():
+        return str(directory.parent), directory.name, None
+    return str(directory), None, f"--resume {path} is neither a --save-dir with a 'latest' file nor a checkpoint in one"
+
+
+# ---- data: every rank checks its share of the files' headers; all ranks agree before training ----
+if args.data_dir:
+    data = LatentDirectory(args.data_dir, args.samples_per_rank, repeat=args.repeat_data)
+    problem = latent_directory_error(gather_objects(data.check(rank, world, flux.config)))
+    if problem:
+        raise SystemExit(f"train_flux: error on every rank: {problem}")
+else:
+    data = SyntheticLatents(args.workload, flux.config, args.token_scale, args.seed)
+
+
+def step_samples(step: int, position: int) -> tuple[list[str], list[dict]]:
+    """This rank's ``(sample names, latent samples)`` of a step; ``position`` is the step's first
+    file (global, over all ranks) with ``--data-dir``."""
+    if args.data_dir:
+        return data.read(position + rank * args.samples_per_rank, args.samples_per_rank, dtype)
+    samples = data.step_samples(step, rank, world, dtype)
+    return [f"synthetic sample {i} of rank {rank} at step {step}" for i in range(len(samples))], samples
+
+
+# ---- resume: DeepSpeed's checkpoint plus where the loop and the data were ----
+start_step, position = 0, 0  # steps done; files consumed by all ranks together
+if args.resume:
+    load_dir, tag, problem = checkpoint_to_load(args.resume)
+    raise_together(problem)
+    _, client_state = engine.load_checkpoint(load_dir, tag)
+    raise_together(None if client_state else f"DeepSpeed found no checkpoint to load in {args.resume}")
+    start_step, position = client_state["step"], client_state["data_position"]
+
+
+def save_checkpoint(steps_done: int) -> None:
+    client_state = {"step": steps_done, "data_position": position, "world_size": world}
+    engine.save_checkpoint(args.save_dir, tag=f"step{steps_done}", client_state=client_state)
+
+
+# ---- validation images: diffusers' FluxPipeline on rank 0 with the current weights ----
+if args.validation_every:
+    from deepspeed_knap.models.flux_finetune import read_prompts
+
+    try:
+        prompts, problem = read_prompts(args.validation_prompts), None
+    except (OSError, ValueError) as error:
+        prompts, problem = [], f"--validation-prompts: {error}"
+    if args.model_path and not problem and not (Path(args.model_path) / "model_index.json").is_file():
+        problem = f"--validation-every needs --model-path to be a FLUX pipeline directory (with model_index.json); {args.model_path} is not"
+    raise_together(problem)
+    resolution = args.validation_resolution or (32 if args.tiny else 1024)
+    inference_steps = args.validation_inference_steps or (2 if args.tiny else 28)
+    pipeline_parts = None  # VAE, text encoders, tokenizers, scheduler: loaded once, on rank 0, kept on the CPU
+
+
+def current_state_dict() -> dict | None:
+    """The full current weights on rank 0 (ZeRO-3: gathered layer by layer; collective), else ``None``."""
+    if engine.zero_optimization_stage() == 3:
+        return engine._zero3_consolidated_16bit_state_dict()
+    return {name: t.detach().cpu() for name, t in flux.state_dict().items()} if rank == 0 else None
+
+
+@torch.no_grad()
+def render_validation_images(steps_done: int, state: dict) -> None:
+    """Rank 0: one PNG per prompt through diffusers' own pipeline, with the trained LoRA adapter
+    loaded the way a user would load the exported one."""
+    global pipeline_parts
+    # Quiet transformers' notes on optional packages (read when it is first imported, just below)
+    # and diffusers' on the text encoders having no LoRA weights (we train none).
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import diffusers
+    from diffusers import FluxPipeline
+
+    diffusers.utils.logging.set_verbosity_error()
+
+    from deepspeed_knap.models.flux_finetune import (
+        adapter_state_dict,
+        base_state_dict,
+        diffusers_transformer,
+        lora_config,
+        save_adapter,
+        tiny_pipeline_components,
+    )
+
+    if pipeline_parts is None:
+        if args.tiny:
+            pipeline_parts = tiny_pipeline_components(flux.config, args.seed)
+        else:
+            pipeline_parts = FluxPipeline.from_pretrained(
+                args.model_path, transformer=None, torch_dtype=dtype
+            ).components
+            pipeline_parts.pop("transformer")
+    out = Path(args.validation_dir)
+    lora = lora_config(flux)
+    transformer = diffusers_transformer(flux.config, base_state_dict(state) if lora else state)
+    pipe = FluxPipeline(**pipeline_parts, transformer=transformer).to(engine.device)
+    pipe.set_progress_bar_config(disable=True)  # one line per image instead
+    if lora:
+        adapter_dir = save_adapter(out / f"step{steps_done:06d}_adapter", adapter_state_dict(flux, state), lora).parent
+        pipe.load_lora_weights(adapter_dir)
+    for index, prompt in enumerate(prompts):
+        image = pipe(prompt, height=resolution, width=resolution, num_inference_steps=inference_steps,
+                     guidance_scale=args.validation_guidance, max_sequence_length=32 if args.tiny else 512,
+                     generator=torch.Generator().manual_seed(args.seed + index)).images[0]  # fmt: skip
+        path = out / f"step{steps_done:06d}_prompt{index:02d}.png"
+        image.save(path)
+        progress.write(f"validation image {path} after step {steps_done - 1}: {prompt!r}")
+    pipe.to("cpu")  # the text encoders and VAE wait on the CPU, off the training GPU
+
+
+# ---- training ----
+progress = tqdm(range(start_step, args.steps), desc="train_flux", disable=rank != 0, file=sys.stdout,
+                initial=start_step, total=args.steps)  # fmt: skip
 for step in progress:
     start = time.perf_counter()
+    names, latents = step_samples(step, position)
+    position += world * args.samples_per_rank
     samples, targets = rectified_flow(
-        data.step_samples(step, rank, world, dtype),
-        torch.Generator().manual_seed((args.seed * 7919 + step) * 4099 + rank),
-        guidance,
+        latents, torch.Generator().manual_seed((args.seed * 7919 + step) * 4099 + rank), guidance
     )
     inputs = flux.pack(samples).to(engine.device)
     prediction = engine(inputs, balancer)  # [tokens, C] for this rank's image/video tokens
     target = torch.cat(targets).to(prediction.device) if targets else torch.zeros_like(prediction)
-    loss = deepspeed_knap.token_mean_loss((prediction.float() - target.float()).square().mean(dim=-1))
+    per_token = (prediction.float() - target.float()).square().mean(dim=-1)  # [tokens]
+    nonfinite = [name for name, rows in zip(names, inputs.split(per_token), strict=True) if not rows.isfinite().all()]
+    # Collectives take tensors on the engine's device: NCCL refuses CPU tensors.
+    totals = torch.tensor([sum(inputs.img_lens) + sum(inputs.txt_lens), len(nonfinite)], dtype=torch.float64,
+                          device=engine.device)  # fmt: skip
+    dist.all_reduce(totals)
+    if totals[1].item() > 0:  # every rank sees the count, so every rank raises, naming the samples
+        raise_together(f"non-finite loss at step {step} in {nonfinite}" if nonfinite else None)
+    loss = deepspeed_knap.token_mean_loss(per_token)
     engine.backward(loss)
     engine.step()
     mean_loss = deepspeed_knap.global_mean_loss(loss)  # also a barrier: the step is over everywhere
     seconds = time.perf_counter() - start
-    tokens = torch.tensor([float(sum(inputs.img_lens) + sum(inputs.txt_lens))])
-    dist.all_reduce(tokens)
     if rank == 0:
-        line = f"step {step} loss {mean_loss:.6f} time {seconds:.2f}s tokens/s {tokens.item() / seconds:,.0f}"
+        line = f"step {step} loss {mean_loss:.6f} time {seconds:.2f}s tokens/s {totals[0].item() / seconds:,.0f}"
         if balancer is not None:
             metrics = balancer.metrics()
             line += (
-                f" imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
+                f" modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
                 f"{metrics['knapformer/imbalance_after']:.3f}"
             )
         progress.write(line)
+    steps_done = step + 1
+    if args.save_dir and (
+        steps_done == args.steps or (args.checkpoint_every and steps_done % args.checkpoint_every == 0)
+    ):
+        save_checkpoint(steps_done)
+    if args.validation_every and steps_done % args.validation_every == 0:
+        state = current_state_dict()
+        if rank == 0:
+            render_validation_images(steps_done, state)
+        dist.barrier()
 
-if args.save_dir:
-    engine.save_checkpoint(args.save_dir)
 if args.export_dir:
-    state_dict = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_stage() == 3 else None
-    if rank == 0:
-        flux.save_pretrained(args.export_dir, state_dict)
-        print(f"exported diffusers weights to {args.export_dir}", flush=True)
+    if args.lora_rank:
+        from deepspeed_knap.models.flux_finetune import adapter_state_dict, lora_config, save_adapter
+
+        lora_parameters = [p for p in flux.parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters(lora_parameters):  # ZeRO-3 partitions them; no-op otherwise
+            if rank == 0:
+                state = {name: p.detach().cpu().clone() for name, p in flux.named_parameters() if p.requires_grad}
+                path = save_adapter(args.export_dir, adapter_state_dict(flux, state), lora_config(flux))
+                print(f"exported the LoRA adapter to {path}", flush=True)
+    else:
+        state = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_stage() == 3 else None
+        if rank == 0:
+            flux.save_pretrained(args.export_dir, state)
+            print(f"exported diffusers weights to {args.export_dir}", flush=True)
 
 # DeepSpeed 0.19's ZeRO-3 on gloo CPU ranks aborts in C++ teardown at exit in about one run in five
 # (see examples/train_tiny.py); leave without it once every rank is done.

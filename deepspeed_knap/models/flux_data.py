@@ -19,6 +19,7 @@ On disk, one sample is one ``.safetensors`` file holding exactly these keys (see
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -82,36 +83,143 @@ class SyntheticLatents:
 
 
 class LatentDirectory:
-    """A directory of latent samples, one ``.safetensors`` file each (sorted by name). Step ``s``
-    gives rank ``r`` of ``W`` files ``(s * W + r) * k`` to ``+ k`` (wrapping), ``k = samples_per_rank``."""
+    """A directory of latent samples, one ``.safetensors`` file each, read in name order.
 
-    def __init__(self, path: str | Path, samples_per_rank: int = 1) -> None:
-        self.files = sorted(Path(path).glob("*.safetensors"))
-        if not self.files:
-            raise FileNotFoundError(
-                f"no .safetensors files in {path}; write some with examples/prepare_flux_latents.py"
-            )
+    Samples are addressed by a global *position* that runs on across epochs: ``read(position, k)``
+    gives files ``position`` to ``position + k - 1``, wrapping. A training loop gives rank ``r`` of
+    ``W`` the files at ``position + r * k`` each step and advances ``position`` by ``W * k``, so a
+    resumed run continues with the next unseen file even on a different number of ranks.
+
+    Start-up checks are split so that ranks can share the work and agree (see :meth:`check` and
+    :func:`latent_directory_error`); the class itself never communicates.
+
+    Args:
+        path: the directory.
+        samples_per_rank: ``k``, files each rank reads per step.
+        repeat: allow fewer files than one step needs (``world_size * k``), repeating files within
+            a step; without it that is an error, because it silently trains duplicates.
+    """
+
+    def __init__(self, path: str | Path, samples_per_rank: int = 1, repeat: bool = False) -> None:
         if samples_per_rank < 1:
             raise ValueError(f"samples_per_rank must be at least 1; got {samples_per_rank}")
+        self.path = Path(path)
+        self.files = sorted(self.path.glob("*.safetensors"))
         self.samples_per_rank = samples_per_rank
+        self.repeat = repeat
 
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        from safetensors.torch import load_file
+    def check(self, rank: int, world_size: int, config: Mapping) -> dict:
+        """This rank's share of the start-up checks: every file ``rank::world_size`` is opened and its
+        header (keys, shapes, dtypes) checked against the model ``config`` without reading the
+        tensors. Returns a report for :func:`latent_directory_error`: the file listing as this rank
+        sees it (count and digest of the names) and one problem per bad file, each naming it."""
+        listing = "\n".join(file.name for file in self.files)
+        problems = [problem for file in self.files[rank::world_size] if (problem := check_latent_file(file, config))]
+        return {
+            "rank": rank,
+            "path": str(self.path),
+            "count": len(self.files),
+            "digest": hashlib.sha256(listing.encode()).hexdigest(),
+            "needed": world_size * self.samples_per_rank,
+            "repeat": self.repeat,
+            "problems": problems,
+        }
 
-        sample = load_file(self.files[index])
-        missing = [key for key in LATENT_KEYS if key not in sample]
-        if missing:
-            raise ValueError(f"{self.files[index]} has no {missing}; a latent sample holds {list(LATENT_KEYS)}")
-        return sample
+    def read(self, position: int, count: int, dtype=torch.float32) -> tuple[list[str], list[dict[str, Tensor]]]:
+        """The ``count`` samples from global position ``position`` on (wrapping), floating tensors
+        other than the ids in ``dtype``. Returns ``(file names, samples)``."""
+        files = [self.files[(position + i) % len(self.files)] for i in range(count)]
+        samples = []
+        for file in files:
+            try:
+                sample = _load(file)
+            except Exception as error:  # the safetensors error alone does not say which file
+                raise ValueError(f"cannot read latent sample {file}: {error}") from error
+            samples.append({key: t.to(dtype) if t.is_floating_point() and "ids" not in key else t
+                            for key, t in sample.items()})  # fmt: skip
+        return [str(file) for file in files], samples
 
-    def step_samples(self, step: int, rank: int, world_size: int, dtype=torch.float32) -> list[dict[str, Tensor]]:
-        first = (step * world_size + rank) * self.samples_per_rank
-        samples = [self[(first + k) % len(self)] for k in range(self.samples_per_rank)]
-        return [{key: t.to(dtype) if t.is_floating_point() and "ids" not in key else t for key, t in s.items()}
-                for s in samples]  # fmt: skip
+
+def _load(file: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(file)
+
+
+def latent_sample_shapes(config: Mapping, latent_len: int, text_len: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of one latent sample's tensors for a model ``config`` (:data:`LATENT_KEYS` order)."""
+    return {
+        "latents": (latent_len, config["in_channels"]),
+        "img_ids": (latent_len, 3),
+        "encoder_hidden_states": (text_len, config["joint_attention_dim"]),
+        "txt_ids": (text_len, 3),
+        "pooled_projections": (config["pooled_projection_dim"],),
+    }
+
+
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_latent_file(file: str | Path, config: Mapping) -> str | None:
+    """What is wrong with one latent sample file for a model ``config``, or ``None``. Reads only the
+    header: a truncated or garbage file, missing or extra keys, non-float tensors, shapes that do
+    not fit each other or the model."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = "rewrite it with examples/prepare_flux_latents.py or remove it"
+    try:
+        with safe_open(str(file), "pt") as handle:
+            slices = {key: handle.get_slice(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
+            headers = {key: (tuple(piece.get_shape()), piece.get_dtype()) for key, piece in slices.items()}
+    except (SafetensorError, OSError) as error:
+        return f"{file}: not a readable .safetensors file ({error}); {fix}"
+    missing = [key for key in LATENT_KEYS if key not in headers]
+    extra = sorted(set(headers) - set(LATENT_KEYS))
+    if missing or extra:
+        return f"{file}: has keys {sorted(headers)}, missing {missing}, unexpected {extra}; a latent sample holds exactly {list(LATENT_KEYS)}; {fix}"
+    not_float = {key: dtype for key, (_, dtype) in headers.items() if dtype not in _FLOAT_DTYPES}
+    if not_float:
+        return f"{file}: tensors {not_float} are not floating point ({'/'.join(_FLOAT_DTYPES)}); {fix}"
+    latents, text = headers["latents"][0], headers["encoder_hidden_states"][0]
+    if len(latents) != 2 or len(text) != 2 or latents[0] < 1:
+        return f"{file}: latents {list(latents)} and encoder_hidden_states {list(text)} must be [L, C] and [Tt, Dj] with L >= 1; {fix}"
+    expected = latent_sample_shapes(config, latents[0], text[0])
+    wrong = {key: f"{list(headers[key][0])} (expected {list(shape)})" for key, shape in expected.items()
+             if headers[key][0] != shape}  # fmt: skip
+    if wrong:
+        dims = ", ".join(
+            f"{key}={config[key]}" for key in ("in_channels", "joint_attention_dim", "pooled_projection_dim")
+        )
+        return f"{file}: shapes {wrong} do not fit the model ({dims}); {fix}"
+    return None
+
+
+def latent_directory_error(reports: Sequence[Mapping], limit: int = 10) -> str | None:
+    """One message for every rank from every rank's :meth:`LatentDirectory.check` report, or
+    ``None`` when all is well: ranks that list different files, too few files for one step, and
+    the bad files (the first ``limit``, with a count of the rest)."""
+    first = reports[0]
+    views = {}
+    for report in reports:
+        views.setdefault((report["count"], report["digest"]), []).append(report["rank"])
+    if len(views) > 1:
+        seen = "; ".join(f"ranks {ranks} see {count} files" for (count, _), ranks in views.items())
+        return (f"the ranks see different files in {first['path']}: {seen}; every rank must read the same directory "
+                "(a shared file system, or identical copies on every node)")  # fmt: skip
+    if first["count"] == 0:
+        return f"no .safetensors files in {first['path']}; write some with examples/prepare_flux_latents.py"
+    if first["count"] < first["needed"] and not first["repeat"]:
+        return (f"{first['path']} has {first['count']} latent files but one step needs {first['needed']} "
+                "(ranks x samples per rank), so files would repeat within a step; add files, lower "
+                "--samples-per-rank, or pass --repeat-data to allow it")  # fmt: skip
+    problems = [problem for report in reports for problem in report["problems"]]
+    if not problems:
+        return None
+    more = f"\n... and {len(problems) - limit} more" if len(problems) > limit else ""
+    return f"{len(problems)} bad latent files in {first['path']}:\n" + "\n".join(problems[:limit]) + more
 
 
 def save_latent_sample(path: str | Path, sample: Mapping[str, Tensor]) -> None:

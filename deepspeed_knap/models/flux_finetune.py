@@ -1,0 +1,156 @@
+"""FLUX fine-tuning around :class:`~deepspeed_knap.models.flux.PackedFluxTransformer`: LoRA through
+``peft``, the adapter in the file format diffusers' ``load_lora_weights`` reads, and diffusers'
+own ``FluxPipeline`` over trained weights (validation images), with tiny random pipeline
+components for runs without downloaded weights.
+
+LoRA targets are module names as diffusers names them (``"attn.to_q"``, ``"ff.net.2"``, ...): the
+packed model has diffusers' module tree, so the same names match the same layers in both, and an
+adapter trained here loads into diffusers' ``FluxTransformer2DModel`` unchanged. No function here
+communicates: under ZeRO-3 the training script gathers the weights and passes them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+# The layers diffusers' FLUX LoRA training targets by default: every attention projection of both
+# streams and the double-stream blocks' feed-forwards.
+LORA_TARGETS = (
+    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+)  # fmt: skip
+ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: Sequence[str] = LORA_TARGETS):
+    """Freeze ``model`` and add LoRA adapters of ``rank`` (scale ``alpha / rank``; ``alpha``
+    defaults to ``rank``) to the linear layers whose names end in one of ``targets``. The adapters'
+    ``A`` is random (seed torch first, identically on every rank), ``B`` zero, so the model's
+    output is unchanged until training moves ``B``. Returns the ``peft.LoraConfig``.
+
+    Raises:
+        ValueError: a rank below 1, or a target that names no layer of the model.
+    """
+    from peft import LoraConfig, inject_adapter_in_model
+
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be at least 1; got {rank}")
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
+    if unmatched:
+        raise ValueError(
+            f"LoRA targets {unmatched} name no layer of the model; use diffusers' FLUX module names such as "
+            f"{', '.join(LORA_TARGETS[:4])}, ..."
+        )
+    config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=list(targets), init_lora_weights=True)
+    model.requires_grad_(False)
+    inject_adapter_in_model(config, model)
+    return config
+
+
+def lora_config(model: nn.Module):
+    """The ``peft.LoraConfig`` :func:`add_lora` put on ``model``, or ``None`` for a model without LoRA."""
+    return getattr(model, "peft_config", {}).get("default")
+
+
+def adapter_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The LoRA weights of ``model``'s full ``state_dict`` (peft's names, e.g.
+    ``transformer_blocks.0.attn.to_q.lora_A.weight``): what diffusers' FLUX LoRA files hold, less
+    the ``transformer.`` prefix."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, state_dict=dict(state_dict))
+
+
+def base_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A LoRA model's ``state_dict`` without the adapters, under the base model's names."""
+    return {name.replace(".base_layer.", "."): t for name, t in state_dict.items() if ".lora_" not in name}
+
+
+def save_adapter(directory: str | Path, adapter: Mapping[str, Tensor], config) -> Path:
+    """Write ``adapter`` (:func:`adapter_state_dict`) and its ``LoraConfig`` as diffusers'
+    ``FluxPipeline.save_lora_weights`` does: ``directory/pytorch_lora_weights.safetensors``, which
+    ``FluxPipeline.load_lora_weights(directory)`` reads (alpha included, in the file's metadata)."""
+    from diffusers import FluxPipeline
+
+    FluxPipeline.save_lora_weights(
+        directory,
+        transformer_lora_layers={name: t.detach().contiguous().cpu() for name, t in adapter.items()},
+        transformer_lora_adapter_metadata=config.to_dict(),
+    )
+    return Path(directory) / ADAPTER_FILE
+
+
+def diffusers_transformer(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> nn.Module:
+    """diffusers' ``FluxTransformer2DModel`` of ``config`` (the packed model's) holding ``state_dict``
+    (the packed model's names, which are diffusers'), in the state dict's dtype."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**config)
+    model.load_state_dict(dict(state_dict), strict=True, assign=True)
+    return model.eval()
+
+
+def tiny_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Small random VAE, CLIP and T5 text encoders, tokenizers and scheduler that fit a packed FLUX
+    ``config`` (``in_channels`` = 4 x the VAE's latent channels, ``pooled_projection_dim`` = CLIP's
+    width, ``joint_attention_dim`` = T5's), built locally with no download: with a transformer they
+    make a ``FluxPipeline`` for CPU tests and demos. Tokenizers split text into characters."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    if config["in_channels"] % 4:
+        raise ValueError(f"in_channels={config['in_channels']} must be 4 x the VAE's latent channels (2x2 patches)")
+    vocab = {
+        "<pad>": 0,
+        "<unk>": 1,
+        "</s>": 2,
+        **{c: i + 3 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz0123456789")},
+    }
+
+    def tokenizer(max_length: int) -> PreTrainedTokenizerFast:
+        characters = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        characters.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+        return PreTrainedTokenizerFast(tokenizer_object=characters, pad_token="<pad>", unk_token="<unk>",
+                                       eos_token="</s>", model_max_length=max_length)  # fmt: skip
+
+    torch.manual_seed(seed)
+    clip = CLIPTextConfig(vocab_size=len(vocab), hidden_size=config["pooled_projection_dim"], intermediate_size=32,
+                          num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77,
+                          bos_token_id=2, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    t5 = T5Config(vocab_size=len(vocab), d_model=config["joint_attention_dim"], d_kv=8, d_ff=32, num_layers=1,
+                  num_heads=2)  # fmt: skip
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                        latent_channels=config["in_channels"] // 4, norm_num_groups=8, shift_factor=0.0609,
+                        scaling_factor=1.5035, use_quant_conv=False, use_post_quant_conv=False)  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)  # fmt: skip
+    return {
+        "scheduler": scheduler,
+        "vae": vae.eval(),
+        "text_encoder": CLIPTextModel(clip).eval(),
+        "tokenizer": tokenizer(77),
+        "text_encoder_2": T5EncoderModel(t5).eval(),
+        "tokenizer_2": tokenizer(512),
+    }
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Validation prompts: one per non-empty line of a text file.
+
+    Raises:
+        ValueError: a file without prompts.
+    """
+    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts; write one prompt per line")
+    return prompts
