@@ -1,9 +1,10 @@
-"""FLUX building blocks on packed tokens: per-sequence modulation, 3-axis RoPE, and the two block kinds.
+"""FLUX building blocks on packed tokens: per-sequence modulation, RoPE from position ids, and FLUX.1's blocks.
 
 Every module here has the parameter names and shapes of its diffusers counterpart, so
 ``PackedFluxTransformer`` loads a ``FluxTransformer2DModel`` state dict as is. The arithmetic follows
 diffusers operation by operation, including where it drops to fp32 (timestep features, RoPE), so the
-two agree to rounding in any dtype.
+two agree to rounding in any dtype. The per-sample modulation, RoPE, the step's stream selection
+(:class:`FluxStep`) and the embedders are shared with FLUX.2 (:mod:`~deepspeed_knap.models.flux2`).
 
 Shapes: ``T`` tokens on this GPU (``Tt`` text, ``Ti`` image/video), ``n`` sequences (chunks) held,
 ``D`` model width, ``H`` heads of ``Dh`` channels.
@@ -66,8 +67,9 @@ def gate(x: Tensor, seq: Tensor, gates: Tensor) -> Tensor:
     return _SeqAffine.apply(x, seq, gates, None, 0.0)
 
 
-def layer_norm(x: Tensor) -> Tensor:
-    return F.layer_norm(x, (x.shape[-1],), eps=_NORM_EPS)
+def layer_norm(x: Tensor, eps: float = _NORM_EPS) -> Tensor:
+    """LayerNorm over the last dim without weights (every FLUX norm before a modulation)."""
+    return F.layer_norm(x, (x.shape[-1],), eps=eps)
 
 
 def timestep_features(timestep: Tensor, channels: int = 256) -> Tensor:
@@ -98,7 +100,7 @@ def rotary_cos_sin(ids: Tensor, axes_dims: Sequence[int], theta: float = 10000.0
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate channel pairs of ``x [T, H, Dh]`` by ``cos, sin [T, Dh]`` (in fp32, back to x's dtype)."""
-    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)  # unflatten, unlike reshape(-1), works on 0 tokens
     rotated = torch.stack([-imag, real], dim=-1).flatten(2)
     return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
 
@@ -129,15 +131,25 @@ class FluxStep:
     sin: Tensor
 
     @classmethod
-    def build(cls, routed: RoutedBatch, attention: KnapDistributedAttention, axes_dims: Sequence[int]) -> FluxStep:
+    def build(
+        cls,
+        routed: RoutedBatch,
+        attention: KnapDistributedAttention,
+        axes_dims: Sequence[int],
+        temb: Tensor | None = None,
+        theta: float = 10000.0,
+    ) -> FluxStep:
+        """From the routed batch's ``ids`` and ``is_text`` columns; ``temb`` defaults to its
+        ``sample_data["temb"]``; ``theta`` is the RoPE base (FLUX.1 10000, FLUX.2 2000)."""
         batch = routed.batch
         is_text = batch.token_data["is_text"]
         txt_rows = is_text.nonzero().squeeze(1)
         img_rows = (~is_text).nonzero().squeeze(1)
         joint_order = torch.argsort(torch.cat([txt_rows, img_rows]))  # inverse of the stream order
-        cos, sin = rotary_cos_sin(batch.token_data["ids"], axes_dims)
+        cos, sin = rotary_cos_sin(batch.token_data["ids"], axes_dims, theta)
         seq = batch.seq_index
-        return cls(routed, attention, batch.sample_data["temb"], txt_rows, img_rows,
+        temb = batch.sample_data["temb"] if temb is None else temb
+        return cls(routed, attention, temb, txt_rows, img_rows,
                    seq.index_select(0, txt_rows), seq.index_select(0, img_rows), joint_order, cos, sin)  # fmt: skip
 
     def joint(self, txt: Tensor, img: Tensor) -> Tensor:
@@ -186,23 +198,26 @@ class FeedForward(nn.Module):
 
 
 class FluxAttentionWeights(nn.Module):
-    """The projections and q/k norms of diffusers' ``FluxAttention`` (the attention itself is the
-    step's shared :class:`KnapDistributedAttention`). ``joint=True`` adds the text stream's own
-    projections (``add_*_proj``, ``norm_added_*``, ``to_add_out``) and the image output ``to_out``."""
+    """The projections and q/k norms of diffusers' ``FluxAttention`` (FLUX.2's ``Flux2Attention``
+    has the same names, without biases: ``bias=False``); the attention itself is the step's shared
+    :class:`KnapDistributedAttention`. ``joint=True`` adds the text stream's own projections
+    (``add_*_proj``, ``norm_added_*``, ``to_add_out``) and the image output ``to_out``."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, joint: bool) -> None:
+    def __init__(
+        self, dim: int, num_heads: int, head_dim: int, joint: bool, bias: bool = True, eps: float = _NORM_EPS
+    ) -> None:
         super().__init__()
         self.heads, self.head_dim = num_heads, head_dim
         inner = num_heads * head_dim
-        self.norm_q = nn.RMSNorm(head_dim, eps=_NORM_EPS)
-        self.norm_k = nn.RMSNorm(head_dim, eps=_NORM_EPS)
-        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner) for _ in range(3))
+        self.norm_q = nn.RMSNorm(head_dim, eps=eps)
+        self.norm_k = nn.RMSNorm(head_dim, eps=eps)
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner, bias=bias) for _ in range(3))
         if joint:
-            self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
-            self.norm_added_q = nn.RMSNorm(head_dim, eps=_NORM_EPS)
-            self.norm_added_k = nn.RMSNorm(head_dim, eps=_NORM_EPS)
-            self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, inner) for _ in range(3))
-            self.to_add_out = nn.Linear(inner, dim)
+            self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=bias), nn.Dropout(0.0)])
+            self.norm_added_q = nn.RMSNorm(head_dim, eps=eps)
+            self.norm_added_k = nn.RMSNorm(head_dim, eps=eps)
+            self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, inner, bias=bias) for _ in range(3))
+            self.to_add_out = nn.Linear(inner, dim, bias=bias)
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``[T, D]`` -> q, k, v ``[T, H, Dh]`` (q and k normed)."""
@@ -229,25 +244,51 @@ class FluxDoubleBlock(nn.Module):
         self.ff_context = FeedForward(dim)
 
     def forward(self, txt: Tensor, img: Tensor, step: FluxStep) -> tuple[Tensor, Tensor]:
-        shift, scale, gate_attn, shift_mlp, scale_mlp, gate_mlp = self.norm1(step.temb)
-        c_shift, c_scale, c_gate_attn, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(step.temb)
+        return double_stream(self, txt, img, self.norm1_context(step.temb), self.norm1(step.temb), step)
 
-        img_q, img_k, img_v = self.attn.qkv(modulate(layer_norm(img), step.img_seq, shift, scale))
-        txt_q, txt_k, txt_v = self.attn.added_qkv(modulate(layer_norm(txt), step.txt_seq, c_shift, c_scale))
-        attended = step.attend(step.joint(txt_q, img_q), step.joint(txt_k, img_k), step.joint(txt_v, img_v))
-        img_attn = self.attn.to_out[1](self.attn.to_out[0](attended.index_select(0, step.img_rows)))
-        txt_attn = self.attn.to_add_out(attended.index_select(0, step.txt_rows))
 
-        img = img + gate(img_attn, step.img_seq, gate_attn)
-        mlp_in = modulate(layer_norm(img), step.img_seq, shift_mlp, scale_mlp)
-        img = img + gate(self.ff(mlp_in), step.img_seq, gate_mlp)
+def double_stream(
+    block: nn.Module,
+    txt: Tensor,
+    img: Tensor,
+    txt_mods: Sequence[Tensor],
+    img_mods: Sequence[Tensor],
+    step: FluxStep,
+    eps: float = _NORM_EPS,
+) -> tuple[Tensor, Tensor]:
+    """A double-stream block of either FLUX family (their arithmetic is the same; FLUX.2 computes the
+    modulation once per step instead of per block, and its MLPs differ inside ``ff``).
 
-        txt = txt + gate(txt_attn, step.txt_seq, c_gate_attn)
-        mlp_in = modulate(layer_norm(txt), step.txt_seq, c_shift_mlp, c_scale_mlp)
-        txt = txt + gate(self.ff_context(mlp_in), step.txt_seq, c_gate_mlp)
-        if txt.dtype == torch.float16:
-            txt = txt.clip(-65504, 65504)
-        return txt, img
+    Args:
+        block: has ``attn`` (:class:`FluxAttentionWeights`, joint), ``ff`` and ``ff_context``.
+        txt, img: ``[Tt, D]``, ``[Ti, D]`` the two streams.
+        txt_mods, img_mods: six ``[n, D]`` rows each: shift, scale, gate of attention, then of the MLP.
+        step: this step's routed tokens.
+        eps: of the weightless LayerNorms.
+
+    Returns:
+        ``(txt, img)`` after the block.
+    """
+    shift, scale, gate_attn, shift_mlp, scale_mlp, gate_mlp = img_mods
+    c_shift, c_scale, c_gate_attn, c_shift_mlp, c_scale_mlp, c_gate_mlp = txt_mods
+    attn = block.attn
+
+    img_q, img_k, img_v = attn.qkv(modulate(layer_norm(img, eps), step.img_seq, shift, scale))
+    txt_q, txt_k, txt_v = attn.added_qkv(modulate(layer_norm(txt, eps), step.txt_seq, c_shift, c_scale))
+    attended = step.attend(step.joint(txt_q, img_q), step.joint(txt_k, img_k), step.joint(txt_v, img_v))
+    img_attn = attn.to_out[1](attn.to_out[0](attended.index_select(0, step.img_rows)))
+    txt_attn = attn.to_add_out(attended.index_select(0, step.txt_rows))
+
+    img = img + gate(img_attn, step.img_seq, gate_attn)
+    mlp_in = modulate(layer_norm(img, eps), step.img_seq, shift_mlp, scale_mlp)
+    img = img + gate(block.ff(mlp_in), step.img_seq, gate_mlp)
+
+    txt = txt + gate(txt_attn, step.txt_seq, c_gate_attn)
+    mlp_in = modulate(layer_norm(txt, eps), step.txt_seq, c_shift_mlp, c_scale_mlp)
+    txt = txt + gate(block.ff_context(mlp_in), step.txt_seq, c_gate_mlp)
+    if txt.dtype == torch.float16:
+        txt = txt.clip(-65504, 65504)
+    return txt, img
 
 
 class FluxSingleBlock(nn.Module):
@@ -277,10 +318,10 @@ class MLPEmbedder(nn.Module):
     """``linear_2(silu(linear_1(x)))``: diffusers' ``TimestepEmbedding`` and (with ``act_1``)
     ``PixArtAlphaTextProjection`` have these parameter names."""
 
-    def __init__(self, in_dim: int, dim: int) -> None:
+    def __init__(self, in_dim: int, dim: int, bias: bool = True) -> None:
         super().__init__()
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
+        self.linear_1 = nn.Linear(in_dim, dim, bias=bias)
+        self.linear_2 = nn.Linear(dim, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear_2(F.silu(self.linear_1(x)))
@@ -308,10 +349,11 @@ class AdaNormOut(nn.Module):
     """diffusers' ``AdaLayerNormContinuous`` at the output: ``norm(x) * (1 + scale) + shift`` with
     ``scale, shift = linear(silu(temb))`` (scale first)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, bias: bool = True, eps: float = _NORM_EPS) -> None:
         super().__init__()
-        self.linear = nn.Linear(dim, 2 * dim)
+        self.linear = nn.Linear(dim, 2 * dim, bias=bias)
+        self.eps = eps
 
     def forward(self, x: Tensor, seq: Tensor, temb: Tensor) -> Tensor:
         scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)
-        return modulate(layer_norm(x), seq, shift, scale)
+        return modulate(layer_norm(x, self.eps), seq, shift, scale)

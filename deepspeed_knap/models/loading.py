@@ -1,0 +1,488 @@
+"""diffusers checkpoints in and out: lazy, checked, and under ZeRO-3 partitioned as they are read.
+
+    model, report = load_checkpoint(PackedFlux2Transformer, "/models/FLUX.2-dev", ds_config=ds_config)
+
+A checkpoint directory holds ``config.json`` and ``diffusion_pytorch_model.safetensors``, or shards of
+it with ``diffusion_pytorch_model.safetensors.index.json`` (a pipeline directory has them under
+``transformer/``). Before any tensor is read, the config is checked against the family and every
+shard's header against the model's parameter names and shapes; errors name the file and the key.
+
+Under ZeRO-3 (``ds_config`` with ``zero_optimization.stage == 3``) the model is built inside
+``deepspeed.zero.Init``, so each parameter is partitioned as its module is constructed, and then each
+rank fills only its own partition: for each parameter it reads the rows of the stored tensor that
+cover its flat slice ``[rank * p, (rank + 1) * p)`` (``p`` the partition size DeepSpeed chose), from
+a memory-mapped shard. No rank ever holds the whole model, and each rank reads about ``1 / world`` of
+the bytes. Without ZeRO-3 the model is built on the meta device and every tensor is assigned as read.
+
+With a ``ds_config`` loading is collective: every rank checks what it sees (files may differ between
+nodes), the ranks agree in one all-gather, and all raise the same error naming the ranks and files.
+Peak host memory per rank while loading is measured (Linux ``VmHWM``) and logged by rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
+CONFIG_NAME = "config.json"
+T = TypeVar("T")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the model; the message names the file and the key."""
+
+
+# ---- finding and checking a checkpoint ----
+
+
+def transformer_dir(path: str | Path) -> Path:
+    """``path`` itself when it holds ``config.json``, else its ``transformer/`` (a pipeline)."""
+    path = Path(path)
+    for directory in (path, path / "transformer"):
+        if (directory / CONFIG_NAME).is_file():
+            return directory
+    raise FileNotFoundError(
+        f"no {CONFIG_NAME} in {path} or {path / 'transformer'}; pass the directory of a diffusers transformer "
+        f"checkpoint ({CONFIG_NAME} + {WEIGHTS_NAME} or its shards) or of a pipeline"
+    )
+
+
+def read_config(path: Path, diffusers_class: str, config_keys: tuple[str, ...]) -> dict:
+    """The constructor arguments in a ``config.json`` of ``diffusers_class``.
+
+    Raises:
+        CheckpointError: another ``_class_name``, or config keys the family does not implement.
+    """
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from error
+    class_name = config.get("_class_name", diffusers_class)
+    if class_name != diffusers_class:
+        raise CheckpointError(
+            f"{path} has _class_name {class_name!r}, not {diffusers_class!r}; load it with the class of its family "
+            "(deepspeed_knap.models.registry.from_pretrained picks it from _class_name)"
+        )
+    unknown = sorted(key for key in config if not key.startswith("_") and key not in config_keys)
+    if unknown:
+        raise CheckpointError(
+            f"{path} has config keys {unknown} that this {diffusers_class} implementation does not know (it knows "
+            f"{sorted(config_keys)}); this checkpoint is a variant it cannot run faithfully"
+        )
+    return {key: value for key, value in config.items() if key in config_keys}
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the ``.safetensors`` file holding it (the single file, or the index's shards).
+
+    Raises:
+        FileNotFoundError: no weights, or a shard the index lists that is not there (named with a
+            key it should hold).
+    """
+    single = directory / WEIGHTS_NAME
+    if single.is_file():
+        return {name: single for name in _header_shapes(single)}
+    index = directory / INDEX_NAME
+    if not index.is_file():
+        raise FileNotFoundError(f"{directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{index} is not a safetensors index with a 'weight_map': {error!r}") from error
+    files = {name: directory / shard for name, shard in weight_map.items()}
+    for name, file in files.items():
+        if not file.is_file():
+            raise FileNotFoundError(f"{index} maps {name!r} to {file.name}, which is missing from {directory}")
+    return files
+
+
+def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), "pt") as handle:
+            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file} is not a readable .safetensors file: {error}") from error
+
+
+def checkpoint_problems(files: Mapping[str, Path], expected: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """What stops ``files`` (from :func:`weight_files`) loading into parameters of ``expected``
+    shapes: tensors missing, unexpected, absent from the shard the index names, or of another shape.
+    Reads only the shards' headers."""
+    problems = []
+    headers: dict[Path, dict[str, tuple[int, ...]]] = {}
+    for file in sorted(set(files.values())):
+        try:
+            headers[file] = _header_shapes(file)
+        except CheckpointError as error:
+            problems.append(str(error))
+    for name in sorted(set(expected) - set(files)):
+        problems.append(f"{name!r} (shape {list(expected[name])}) is in no file of the checkpoint")
+    for name in sorted(set(files) - set(expected)):
+        problems.append(f"{files[name]} holds {name!r}, which the model does not have")
+    for name in sorted(set(files) & set(expected)):
+        header = headers.get(files[name])
+        if header is None:
+            continue  # unreadable file, reported above
+        if name not in header:
+            problems.append(f"{files[name]} lacks {name!r}, which the index says it holds")
+        elif header[name] != expected[name]:
+            problems.append(
+                f"{files[name]}: {name!r} has shape {list(header[name])}, the model's is {list(expected[name])}"
+            )
+    return problems
+
+
+# ---- agreeing between ranks ----
+
+
+def _device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def _all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's ``data``, by rank (two all-gathers on the accelerator: lengths, then bytes)."""
+    import deepspeed.comm as dist
+
+    device = _device()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, length)
+    sizes = [int(t.item()) for t in lengths]
+    padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else padded[:0]
+    padded = padded.to(device)
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [bytes(t[:size].cpu().tolist()) for t, size in zip(gathered, sizes, strict=True)]
+
+
+def agree(problem: str | None, what: str) -> None:
+    """Raise the same :class:`CheckpointError` on every rank when any rank has a ``problem``.
+    Collective: every rank calls it, with ``None`` when all is well here."""
+    messages = [m.decode() for m in _all_gather_bytes((problem or "").encode())]
+    by_message: dict[str, list[int]] = {}
+    for rank, message in enumerate(messages):
+        if message:
+            by_message.setdefault(message, []).append(rank)
+    if by_message:
+        details = "\n".join(f"rank(s) {ranks}: {message}" for message, ranks in by_message.items())
+        raise CheckpointError(f"{what} failed:\n{details}")
+
+
+# ---- host memory ----
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+@dataclass
+class HostMemory:
+    """Resident host memory of this process over a block: ``start`` and ``peak`` bytes. Linux's
+    ``VmHWM`` (the peak) is reset on entry through ``/proc/self/clear_refs``; where that is not
+    allowed, ``peak`` is the peak since the process started (``since_start``)."""
+
+    start: int = 0
+    peak: int = 0
+    since_start: bool = False
+
+    @property
+    def increase(self) -> int:
+        """Bytes the peak rose above the resident memory at the start."""
+        return self.peak - self.start
+
+    @classmethod
+    @contextlib.contextmanager
+    def measure(cls) -> Iterator[HostMemory]:
+        memory = cls()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            memory.since_start = True
+        memory.start = 1024 * (_status_kib("VmRSS") or 0)
+        yield memory
+        peak_kib = _status_kib("VmHWM")
+        if peak_kib is None:  # not Linux: the process-lifetime peak
+            peak_kib, memory.since_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, True
+        memory.peak = 1024 * peak_kib
+
+
+# ---- loading ----
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading one checkpoint took on this rank.
+
+    Attributes:
+        model_bytes: every parameter at its loaded dtype (the whole model).
+        kept_bytes: the parameter bytes this rank keeps (its partitions under ZeRO-3).
+        read_bytes: bytes read from the checkpoint files.
+        host: this rank's resident host memory while loading (includes the memory-mapped pages read).
+        partitioned: ZeRO-3 partitioned loading.
+    """
+
+    model_bytes: int
+    kept_bytes: int
+    read_bytes: int
+    host: HostMemory
+    partitioned: bool
+
+
+def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
+    """``fn()``; with a ``ds_config`` (a collective load), on every rank and agreed: any rank's
+    error is raised on every rank (:func:`agree`), so none is left waiting for the others."""
+    if ds_config is None:
+        return fn()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed(distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # as zero.Init does; NCCL needs it
+    result, problem = None, None
+    try:
+        result = fn()
+    except (CheckpointError, FileNotFoundError, ValueError) as error:
+        problem = f"{type(error).__name__}: {error}"
+    agree(problem, what)
+    return result
+
+
+def plain_ds_config(ds_config: Any) -> dict:
+    """The DeepSpeed config (dict or JSON path) without the ``"knapformer"`` block, which
+    DeepSpeed's own config parsing does not know."""
+    from deepspeed_knap.config import KNAPFORMER, load_ds_config
+
+    return {key: value for key, value in load_ds_config(ds_config).items() if key != KNAPFORMER}
+
+
+def _bag_problem(ds_config: Any, config_path: Path, heads: int) -> str | None:
+    """Why the config's knapformer bags cannot run a model of ``heads`` heads, or ``None``."""
+    from deepspeed_knap.config import get_knapformer_config, load_ds_config
+    from deepspeed_knap.topology import parse_topology_spec
+
+    knap = get_knapformer_config(load_ds_config(ds_config))
+    bags = [size for size, _ in parse_topology_spec(knap.topology)] if knap.enabled else []
+    if bags and max(bags) > heads:
+        return (
+            f"{config_path}: num_attention_heads={heads}, but knapformer.topology {knap.topology!r} has bags of "
+            f"{max(bags)} GPUs and Ulysses needs a head per GPU; use bags of at most {heads} GPUs"
+        )
+    return None
+
+
+def _unsupported_zero3(zero: Mapping) -> str | None:
+    """Why partitioned loading cannot fill this ZeRO-3 layout, or ``None``."""
+    if zero.get("zero_hpz_partition_size", 1) > 1:
+        return "zero_optimization.zero_hpz_partition_size > 1 (hpZ keeps a second partition it fills at creation)"
+    if (zero.get("offload_param") or {}).get("device") == "nvme":
+        return "zero_optimization.offload_param.device 'nvme' (partitions live on NVMe, not in memory)"
+    if zero.get("zero_quantized_weights") or zero.get("zero_quantized_nontrainable_weights"):
+        return "zero_optimization.zero_quantized_weights (partitions are stored quantized)"
+    return None
+
+
+def load_checkpoint(
+    cls: type, path: str | Path, torch_dtype: torch.dtype | None = None, ds_config: Any = None, **kwargs: Any
+) -> tuple[nn.Module, LoadReport]:
+    """Build ``cls`` (a :class:`~deepspeed_knap.models.flux_base.PackedFluxBase` family) from a
+    diffusers checkpoint directory; see the module docstring. Collective when ``ds_config`` is given.
+
+    Returns:
+        ``(model, report)``.
+
+    Raises:
+        CheckpointError, FileNotFoundError, ValueError: without ``ds_config``, this rank's problem;
+            with it, the problems of every rank, raised on every rank as a :class:`CheckpointError`.
+    """
+    import deepspeed
+
+    plain = None if ds_config is None else plain_ds_config(ds_config)
+    zero = (plain or {}).get("zero_optimization", {})
+    partitioned = zero.get("stage", 0) == 3
+
+    def prepare() -> tuple[dict, nn.Module, dict[str, Path]]:
+        directory = transformer_dir(path)
+        config = read_config(directory / CONFIG_NAME, cls.diffusers_class, cls.config_keys())
+        with torch.device("meta"):  # checks the config (RoPE axes, heads against a topology) at no cost
+            meta = cls(**config, **kwargs)
+        files = weight_files(directory)
+        problems = checkpoint_problems(files, {name: tuple(p.shape) for name, p in meta.named_parameters()})
+        if ds_config is not None and (
+            bags := _bag_problem(ds_config, directory / CONFIG_NAME, meta.attention.num_heads)
+        ):
+            problems.insert(0, bags)
+        if partitioned and (reason := _unsupported_zero3(zero)):
+            problems.insert(0, f"partitioned loading cannot fill {reason}; turn it off for loading")
+        if problems:
+            raise CheckpointError(f"checkpoint {directory} does not fit {cls.__name__}:\n" + "\n".join(problems))
+        return config, meta, files
+
+    config, meta, files = checked(plain, f"loading {path}", prepare)
+    with HostMemory.measure() as host:
+        if partitioned:
+            with deepspeed.zero.Init(config_dict_or_path=plain, dtype=torch_dtype):
+                model = cls(**config, **kwargs)
+            read = _fill_partitions(model, files)
+        else:
+            model = meta
+            read = _assign_tensors(model, files, torch_dtype)
+    report = LoadReport(
+        model_bytes=sum(_numel(p) * p.element_size() for p in model.parameters()),
+        kept_bytes=sum(_kept(p).numel() * p.element_size() for p in model.parameters()),
+        read_bytes=read,
+        host=host,
+        partitioned=partitioned,
+    )
+    if plain is not None:
+        _log_reports(path, report)
+    return model, report
+
+
+def _numel(param: Tensor) -> int:
+    return param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+
+
+def _kept(param: Tensor) -> Tensor:
+    return param.ds_tensor if hasattr(param, "ds_tensor") else param
+
+
+def _assign_tensors(model: nn.Module, files: Mapping[str, Path], dtype: torch.dtype | None) -> int:
+    """Read every tensor, shard by shard, into the meta-built ``model``; returns bytes read."""
+    from safetensors import safe_open
+
+    read = 0
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), "pt") as handle:
+            tensors = {}
+            for name in handle.keys():  # noqa: SIM118
+                tensor = handle.get_tensor(name)
+                read += tensor.numel() * tensor.element_size()
+                tensors[name] = tensor if dtype is None else tensor.to(dtype)
+        model.load_state_dict(tensors, strict=False, assign=True)
+    return read
+
+
+def _fill_partitions(model: nn.Module, files: Mapping[str, Path]) -> int:
+    """Copy into every ZeRO-3 parameter's partition (``ds_tensor``) its slice of the stored tensor;
+    returns bytes read."""
+    import deepspeed.comm as dist
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[tuple[str, Tensor]]] = {}
+    for name, param in model.named_parameters():
+        by_file.setdefault(files[name], []).append((name, param))
+    read = 0
+    for file, params in sorted(by_file.items()):
+        with safe_open(str(file), "pt") as handle:
+            for name, param in params:
+                size = param.ds_tensor.ds_numel
+                start = dist.get_rank(group=param.ds_process_group) * size
+                count = min(size, param.ds_numel - start)  # the last partitions are padded
+                if count <= 0:
+                    continue
+                flat = _read_flat(handle, name, start, count)
+                read += flat.numel() * flat.element_size()
+                with torch.no_grad():
+                    param.ds_tensor[:count].copy_(flat)
+    return read
+
+
+def _read_flat(handle: Any, name: str, start: int, count: int) -> Tensor:
+    """Elements ``start .. start + count`` of the flattened tensor ``name``, reading only the rows
+    (first-dim slices) that hold them."""
+    stored = handle.get_slice(name)
+    shape = stored.get_shape()
+    row = math.prod(shape[1:])
+    first, end = start // row, -(-(start + count) // row)
+    rows = stored[first:end].reshape(-1)
+    return rows[start - first * row : start - first * row + count]
+
+
+def _log_reports(path: str | Path, report: LoadReport) -> None:
+    """Rank 0 logs every rank's peak host memory while loading (one all-gather)."""
+    import deepspeed.comm as dist
+    from deepspeed.utils import logger
+
+    mine = f"{report.host.increase},{report.host.peak},{report.kept_bytes},{report.read_bytes}".encode()
+    rows = [[int(x) for x in raw.decode().split(",")] for raw in _all_gather_bytes(mine)]
+    if dist.get_rank() != 0:
+        return
+    mb = 2**20
+    peaks = ", ".join(f"{increase / mb:.0f}" for increase, *_ in rows)
+    how = "ZeRO-3 partitioned" if report.partitioned else "full copy per rank"
+    logger.info(
+        f"loaded {path} ({how}): model {report.model_bytes / mb:,.0f} MB; per rank, kept "
+        f"{max(r[2] for r in rows) / mb:,.0f} MB, read {max(r[3] for r in rows) / mb:,.0f} MB at most; "
+        f"peak host memory while loading, MB above the start, by rank: [{peaks}] (peak RSS up to "
+        f"{max(r[1] for r in rows) / mb:,.0f} MB{', since process start' if report.host.since_start else ''})"
+    )
+
+
+# ---- saving ----
+
+
+def save_checkpoint(directory: Path, config: Mapping, state_dict: Mapping[str, Tensor], max_shard_size: int) -> Path:
+    """Write ``config.json`` and ``state_dict`` as diffusers does: one ``.safetensors`` file, or
+    shards of at most ``max_shard_size`` bytes (a larger tensor gets a shard of its own) with an
+    index. Weight files of an earlier save in ``directory`` are replaced."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in [*directory.glob("diffusion_pytorch_model*.safetensors"), directory / INDEX_NAME]:
+        stale.unlink(missing_ok=True)
+    (directory / CONFIG_NAME).write_text(
+        json.dumps({**config, "_diffusers_version": _diffusers_version()}, indent=2) + "\n"
+    )
+    shards: list[dict[str, Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in state_dict.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_size:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor.detach().contiguous().cpu()
+        shard_bytes += size
+    if len(shards) == 1:
+        save_file(shards[0], directory / WEIGHTS_NAME)
+        return directory
+    weight_map, total = {}, 0
+    for number, shard in enumerate(shards, start=1):
+        file = f"diffusion_pytorch_model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / file)
+        weight_map.update(dict.fromkeys(shard, file))
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return directory
+
+
+def _diffusers_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("diffusers")
+    except Exception:  # diffusers is optional; any recent version reads the files
+        return "0.36.0"
