@@ -222,10 +222,22 @@ def _gc_paused():
 
 def _solve(seq_lens_per_rank, topology: Topology, workload: WorkloadModel, solver: str,
            max_tokens_per_gpu: int | None, refine_steps: int) -> RoutingPlan:  # fmt: skip
+    if topology.elastic and solver == "knapformer":
+        raise ValueError(
+            "solver 'knapformer' needs a fixed topology (it assigns sequences to bags of one size each); "
+            "topology 'auto' is planned by 'refine' (or 'none')"
+        )
     problem = _Problem.build(seq_lens_per_rank, topology, workload, max_tokens_per_gpu)
     if solver == "none":
         return problem.make_home_plan(solver)
-    bag_of_seq = _knapformer_greedy(problem) if solver == "knapformer" else _refine(problem, refine_steps)
+    if topology.elastic:
+        from deepspeed_knap.elastic import solve_elastic  # builds on this module's refine
+
+        bag_of_seq = solve_elastic(problem, refine_steps)
+    elif solver == "knapformer":
+        bag_of_seq = _knapformer_greedy(problem)
+    else:
+        bag_of_seq = _refine(problem, refine_steps)
     home_fits = solver == "refine" and problem.fits_cap_at_home()
     if bag_of_seq is None and not home_fits:
         total, gpus = int(problem.seq_lens.sum()), topology.group_size
@@ -294,13 +306,18 @@ class _Problem:
     tokens: np.ndarray  # [N, C] int64 tokens on the busiest GPU of the bag: ceil(s / G)
     allowed: np.ndarray  # [N, C] bool: the sequence fits a bag of the class under the cap
     seconds_per_unit: float  # modeled seconds of one quantised cost unit
+    # Load and tokens every GPU of a bag holds before any sequence of this problem (work placed
+    # elsewhere; the elastic planner's wide sequences); zero for a plain problem.
+    base_load: np.ndarray | None = None  # [B] int64
+    base_tokens: np.ndarray | None = None  # [B] int64
 
     @classmethod
     def build(cls, seq_lens_per_rank, topology: Topology, workload: WorkloadModel, cap: int | None) -> _Problem:
         seq_lens, src = _flatten_lengths(seq_lens_per_rank, topology)
-        bag_size = np.asarray(topology.bag_sizes, dtype=np.int64)
-        bag_first = np.asarray(topology.bag_first_rank, dtype=np.int64)
-        bag_speed = workload.bag_speeds(topology.bag_first_rank, topology.bag_sizes)
+        # Bags of a fixed topology; with ``auto``, every group a sequence may run in (they overlap).
+        groups = np.asarray(topology.groups, dtype=np.int64).reshape(-1, 2)
+        bag_first, bag_size = groups[:, 0].copy(), groups[:, 1].copy()
+        bag_speed = workload.group_speeds(bag_first, bag_size, topology.group_size)
         keys = sorted(set(zip(bag_size.tolist(), bag_speed.tolist(), strict=True)))
         bag_class = np.array(
             [keys.index(k) for k in zip(bag_size.tolist(), bag_speed.tolist(), strict=True)], dtype=np.int64
@@ -331,10 +348,21 @@ class _Problem:
     def num_bags(self) -> int:
         return len(self.bag_size)
 
+    @property
+    def num_gpus(self) -> int:
+        """``S``, GPUs of the balance group."""
+        return self.topology.group_size
+
     @functools.cached_property
     def home_bag(self) -> np.ndarray:
-        """``[N]`` the bag holding each sequence's home rank."""
-        return np.asarray(self.topology.bag_of_gpu, dtype=np.int64)[self.src]
+        """``[N]`` the bag holding each sequence's home rank (bags are in rank order; a stage of the
+        elastic planner may cover only some GPUs, and a home outside them gets the bag before it)."""
+        return np.maximum(np.searchsorted(self.bag_first, self.src, side="right") - 1, 0)
+
+    @functools.cached_property
+    def home_covered(self) -> np.ndarray:
+        """``[N]`` bool: the home rank lies in ``home_bag`` (always, unless the bags leave GPUs out)."""
+        return self.src < self.bag_first[self.home_bag] + self.bag_size[self.home_bag]
 
     @functools.cached_property
     def gpu_seconds(self) -> np.ndarray:
@@ -347,13 +375,30 @@ class _Problem:
     def bag_loads(self, bag_of_seq: np.ndarray) -> np.ndarray:
         """``[B]`` int64 quantised per-GPU load of each bag (exact: the sums stay below 2**53)."""
         cost = self.cost[np.arange(len(bag_of_seq)), self.bag_class[bag_of_seq]]
-        return np.bincount(bag_of_seq, weights=cost, minlength=self.num_bags).astype(np.int64)
+        return np.bincount(bag_of_seq, weights=cost, minlength=self.num_bags).astype(np.int64) + self.start_load
 
     def bag_tokens(self, bag_of_seq: np.ndarray) -> np.ndarray:
         """``[B]`` int64 tokens on each bag's busiest GPU (its first: near-equal chunks put the extra
         token of every sequence there)."""
         tokens = self.tokens[np.arange(len(bag_of_seq)), self.bag_class[bag_of_seq]]
-        return np.bincount(bag_of_seq, weights=tokens, minlength=self.num_bags).astype(np.int64)
+        return np.bincount(bag_of_seq, weights=tokens, minlength=self.num_bags).astype(np.int64) + self.start_tokens
+
+    @functools.cached_property
+    def start_load(self) -> np.ndarray:
+        """``[B]`` int64 ``base_load``, or zeros."""
+        return np.zeros(self.num_bags, dtype=np.int64) if self.base_load is None else self.base_load
+
+    @functools.cached_property
+    def start_tokens(self) -> np.ndarray:
+        """``[B]`` int64 ``base_tokens``, or zeros."""
+        return np.zeros(self.num_bags, dtype=np.int64) if self.base_tokens is None else self.base_tokens
+
+    @functools.cached_property
+    def interchangeable(self) -> np.ndarray:
+        """``[B]`` int64 ids: bags with equal ids (same class, base load and base tokens) can trade
+        their whole contents without changing any load."""
+        keys = np.stack([self.bag_class, self.start_load, self.start_tokens], axis=1)
+        return np.unique(keys, axis=0, return_inverse=True)[1].ravel().astype(np.int64)
 
     def fits_cap(self, bag_of_seq: np.ndarray) -> bool:
         return self.cap is None or bool(np.all(self.bag_tokens(bag_of_seq) <= self.cap))
@@ -373,12 +418,14 @@ class _Problem:
         """
         if not self.seq_lens.size:
             return 0
-        group_size = int(self.bag_size.sum())
+        group_size = self.num_gpus
         masked = np.iinfo(np.int64).max
         gpu_time = np.where(self.allowed, self.gpu_seconds, masked)
-        # No T below these passes: some sequence fits nowhere, or even the cheapest choices overflow.
-        floor = max(int(np.where(self.allowed, self.cost, masked).min(axis=1).max()),
-                    -(-int(gpu_time.min(axis=1).sum()) // group_size))  # fmt: skip
+        base = int((self.start_load * self.bag_size).sum())  # GPU-seconds already placed
+        # No T below these passes: some sequence fits nowhere, a bag is already over, or even the
+        # cheapest choices overflow.
+        floor = max(int(np.where(self.allowed, self.cost, masked).min(axis=1).max()), int(self.start_load.max()),
+                    -(-(base + int(gpu_time.min(axis=1).sum())) // group_size))  # fmt: skip
         breakpoints = np.concatenate([[floor], np.unique(self.cost[self.allowed & (self.cost > floor)])])
 
         def smallest_within(t: int) -> float:
@@ -386,7 +433,7 @@ class _Problem:
             usable = self.allowed & (self.cost <= t)
             if not usable.any(axis=1).all():
                 return np.inf
-            need = max(t, -(-int(np.where(usable, gpu_time, masked).min(axis=1).sum()) // group_size))
+            need = max(t, -(-(base + int(np.where(usable, gpu_time, masked).min(axis=1).sum())) // group_size))
             single = usable.sum(axis=1) == 1
             if single.any():
                 only_class = usable[single].argmax(axis=1)
@@ -427,6 +474,22 @@ class _Problem:
         for array in arrays:
             array.setflags(write=False)
         return RoutingPlan(self.topology.spec, solver, *arrays, self.lower_bound_s, self.cap)
+
+    def tiling_problem(self, seqs: np.ndarray, bags: np.ndarray, base_load: np.ndarray,
+                       base_tokens: np.ndarray) -> _Problem:  # fmt: skip
+        """The sequences ``seqs`` over the disjoint groups ``bags`` (ids of this problem's groups) as
+        the bags of a fixed topology, every GPU of bag ``k`` already holding ``base_load[k]`` and
+        ``base_tokens[k]``: a stage of the elastic planner. Bag ``k`` of the result is group
+        ``bags[k]``."""
+        classes, bag_class = np.unique(self.bag_class[bags], return_inverse=True)
+        bag_size, bag_first = self.bag_size[bags], self.bag_first[bags]
+        topology = Topology(f"tiling of {self.topology.spec}", tuple(bag_size.tolist()), tuple(bag_first.tolist()),
+                            self.num_gpus, None, True)  # fmt: skip
+        return _Problem(topology, self.workload, self.cap, self.seq_lens[seqs], self.src[seqs], bag_size, bag_first,
+                        bag_class.ravel().astype(np.int64), self.class_size[classes],
+                        np.bincount(bag_class.ravel(), minlength=len(classes)).astype(np.int64),
+                        self.cost[seqs][:, classes], self.tokens[seqs][:, classes], self.allowed[seqs][:, classes],
+                        self.seconds_per_unit, base_load, base_tokens)  # fmt: skip
 
     def make_home_plan(self, solver: str) -> RoutingPlan:
         """Every sequence alone on its home GPU (Ulysses degree 1, no bag)."""
@@ -504,10 +567,12 @@ class _BagHeaps:
     bags back.
     """
 
-    def __init__(self, bags_by_class: list[list[int]], cap: int | None = None):
-        self.heaps = [[(0, bag) for bag in bags] for bags in bags_by_class]  # sorted, so valid heaps
+    def __init__(self, bags_by_class: list[list[int]], cap: int | None = None,
+                 start_load: np.ndarray | None = None, start_tokens: np.ndarray | None = None):  # fmt: skip
+        loads = [0] * sum(len(bags) for bags in bags_by_class) if start_load is None else start_load.tolist()
+        self.heaps = [sorted((loads[bag], bag) for bag in bags) for bags in bags_by_class]  # sorted: valid heaps
         self.cap = cap
-        self.bag_tokens = [0] * sum(len(bags) for bags in bags_by_class)
+        self.bag_tokens = [0] * len(loads) if start_tokens is None else start_tokens.tolist()
         self.set_aside: list[tuple[int, tuple[int, int]]] = []
 
     def lightest(self, c: int, need: int = 0) -> tuple[int, int] | None:
@@ -536,7 +601,7 @@ def _finish_time_greedy(problem: _Problem) -> np.ndarray | None:
     """
     n = len(problem.seq_lens)
     order = np.lexsort((np.arange(n), -problem.cost.min(axis=1)))
-    heaps = _BagHeaps(problem.bags_by_class(), problem.cap)
+    heaps = _BagHeaps(problem.bags_by_class(), problem.cap, problem.start_load, problem.start_tokens)
     placed = []
     cost_rows = problem.cost[order].tolist()
     gpu_seconds = problem.gpu_seconds[order].tolist()
@@ -637,7 +702,7 @@ def _first_fit_decreasing(problem: _Problem) -> np.ndarray | None:
     share) descending, each to the lowest-id bag with room. Load balance is left to local search.
     Used only when the cap defeats every load-driven start.
     """
-    room = np.full(problem.num_bags, problem.cap, dtype=np.int64)
+    room = problem.cap - problem.start_tokens
     need = problem.tokens[:, problem.bag_class]  # [N, B] tokens on the busiest GPU of each bag
     bag_of_seq = np.empty(len(problem.seq_lens), dtype=np.int64)
     for i in np.lexsort((np.arange(len(problem.seq_lens)), -problem.tokens.min(axis=1))).tolist():
@@ -657,7 +722,9 @@ def _refine(problem: _Problem, steps: int) -> np.ndarray | None:
     """``[N]`` bag of each sequence (see the module docstring), or ``None`` if none found fits the cap."""
     if len(problem.seq_lens) == 0:
         return np.zeros(0, dtype=np.int64)
-    starts = [problem.home_bag, _finish_time_greedy(problem), _knapformer_greedy(problem)]
+    starts = [problem.home_bag, _finish_time_greedy(problem)]
+    if problem.base_load is None:  # the published greedy knows nothing of work placed beforehand
+        starts.append(_knapformer_greedy(problem))
     feasible = [s for s in starts if s is not None and problem.fits_cap(s)]
     if not feasible:  # only under a tight cap: fall back to bin packing, then to the exact search
         packed = _first_fit_decreasing(problem)
@@ -691,8 +758,10 @@ def _exact_search(problem: _Problem, incumbent: np.ndarray | None, node_budget: 
     cheapest = np.where(problem.allowed, problem.gpu_seconds, np.iinfo(np.int64).max).min(axis=1)[order]
     cheapest_rest = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()  # of sequences k..N-1
     bag_class, class_size = problem.bag_class.tolist(), problem.class_size.tolist()
-    group_size, cap = int(problem.bag_size.sum()), problem.cap
-    loads, tokens, counts, assign = [0] * num_bags, [0] * num_bags, [0] * num_bags, [0] * n
+    group_size, cap = problem.num_gpus, problem.cap
+    loads, tokens = problem.start_load.tolist(), problem.start_tokens.tolist()
+    counts, assign = [0] * num_bags, [0] * n
+    interchangeable = problem.interchangeable.tolist()
     no_incumbent = np.iinfo(np.int64).max
     best_max = no_incumbent if incumbent is None else int(problem.bag_loads(incumbent).max())
     best_assign, nodes = None, 0
@@ -709,10 +778,10 @@ def _exact_search(problem: _Problem, incumbent: np.ndarray | None, node_budget: 
         empty_classes_tried = set()
         for b in range(num_bags):
             c = bag_class[b]
-            if counts[b] == 0:
-                if c in empty_classes_tried:
+            if counts[b] == 0:  # empty bags that are interchangeable: trying one is enough
+                if interchangeable[b] in empty_classes_tried:
                     continue
-                empty_classes_tried.add(c)
+                empty_classes_tried.add(interchangeable[b])
             new_load = loads[b] + cost[k][c]
             if not allowed[k][c] or new_load >= best_max or (cap is not None and tokens[b] + need[k][c] > cap):
                 continue
@@ -721,7 +790,7 @@ def _exact_search(problem: _Problem, incumbent: np.ndarray | None, node_budget: 
             search(k + 1, max(current_max, new_load), used + class_size[c] * cost[k][c])
             loads[b], tokens[b], counts[b] = loads[b] - cost[k][c], tokens[b] - need[k][c], counts[b] - 1
 
-    search(0, 0, 0)
+    search(0, max(loads), int((problem.start_load * problem.bag_size).sum()))
     if best_assign is None:
         return incumbent
     bag_of_seq = np.empty(n, dtype=np.int64)
@@ -884,7 +953,8 @@ class _Assignment:
 
 
 def _keep_tokens_home(problem: _Problem, bag_of_seq: np.ndarray) -> np.ndarray:
-    """Permute whole bag contents among identical bags (same size and speed) to keep tokens home.
+    """Permute whole bag contents among identical bags (same size, speed, base load and base tokens)
+    to keep tokens home.
 
     Loads are unchanged, so the max load is too. A sequence whose contents land in the bag holding its
     home rank keeps the chunk that rank gets. Matching contents to bags is an assignment problem;
@@ -894,8 +964,8 @@ def _keep_tokens_home(problem: _Problem, bag_of_seq: np.ndarray) -> np.ndarray:
     num_bags, home_bag = problem.num_bags, problem.home_bag
     size = problem.bag_size[home_bag]
     position = problem.src - problem.bag_first[home_bag]
-    kept = problem.seq_lens // size + (position < problem.seq_lens % size)
-    same_class = problem.bag_class[home_bag] == problem.bag_class[bag_of_seq]
+    kept = np.where(problem.home_covered, problem.seq_lens // size + (position < problem.seq_lens % size), 0)
+    same_class = problem.interchangeable[home_bag] == problem.interchangeable[bag_of_seq]
     pair_key, inverse = np.unique(bag_of_seq[same_class] * num_bags + home_bag[same_class], return_inverse=True)
     pair_kept = np.bincount(inverse.ravel(), weights=kept[same_class]).astype(np.int64)
 
@@ -916,7 +986,7 @@ def _keep_tokens_home(problem: _Problem, bag_of_seq: np.ndarray) -> np.ndarray:
     if matched <= kept_identity:
         return bag_of_seq
     content_to_bag, bag_taken = np.asarray(content_to_bag), np.asarray(bag_taken)
-    for c in range(len(problem.class_size)):
-        in_class = problem.bag_class == c
+    for key in np.unique(problem.interchangeable).tolist():
+        in_class = problem.interchangeable == key
         content_to_bag[np.flatnonzero(in_class & (content_to_bag < 0))] = np.flatnonzero(in_class & ~bag_taken)
     return content_to_bag[bag_of_seq]

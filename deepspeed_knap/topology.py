@@ -1,9 +1,15 @@
-"""Compute-bag topology: the ``g{G}n{N}(+g{G}n{N})*`` grammar and the rank <-> bag maps.
+"""Compute-bag topology: the ``g{G}n{N}(+g{G}n{N})*`` grammar, ``auto``, and the rank <-> bag maps.
 
 A *balance group* of ``S = sum(G * N)`` consecutive ranks is cut into *compute bags*: ``N`` bags of
 ``G`` GPUs for every ``g{G}n{N}`` term. A bag runs DeepSpeed-Ulysses sequence parallelism of degree
 ``G`` over the sequences the planner gives it. A world of ``k * S`` ranks holds ``k`` replicas of the
 balance group; each replica balances on its own.
+
+``auto`` (the elastic topology) has no fixed bags: the whole world is one balance group, and every
+step each sequence runs in a group of its own size ``1, 2, 4, ...`` up to ``max_degree``. A group of
+``G`` GPUs starts at a multiple of ``G`` and never crosses a node, so any two groups are nested or
+disjoint (a buddy system). The topology's "bags" are then the largest such groups, which tile the
+world; :attr:`Topology.groups` lists every group a plan may use.
 
 Ranks of a bag are contiguous. Given ``gpus_per_node``, bags are ordered so that none crosses a node
 boundary whenever such an order exists (bags larger than a node must then start on a node boundary and
@@ -16,23 +22,29 @@ else here is pure Python.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any
 
-GRAMMAR = "g{G}n{N}(+g{G}n{N})*, e.g. 'g8n4' (4 bags of 8 GPUs) or 'g1n8+g2n4'"
+AUTO = "auto"
+GRAMMAR = "g{G}n{N}(+g{G}n{N})*, e.g. 'g8n4' (4 bags of 8 GPUs) or 'g1n8+g2n4', or 'auto'"
 _TERM = re.compile(r"g([1-9][0-9]*)n([1-9][0-9]*)")
+DEFAULT_MAX_DEGREE = 8
 
 
 def parse_topology_spec(spec: str) -> list[tuple[int, int]]:
-    """Parse ``spec`` into ``[(bag_size G, bag_count N), ...]`` in the order written.
+    """Parse ``spec`` into ``[(bag_size G, bag_count N), ...]`` in the order written (``[]`` for ``auto``).
 
     Raises:
         ValueError: naming the malformed term and showing the grammar.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"topology must be a non-empty string of the form {GRAMMAR}; got {spec!r}")
+    if spec.strip() == AUTO:
+        return []
     terms = []
     for term in spec.strip().split("+"):
         match = _TERM.fullmatch(term.strip())
@@ -51,12 +63,14 @@ class Topology:
 
     Attributes:
         spec: the topology string as given (whitespace stripped).
-        bag_sizes: ``[B]`` GPUs per bag, in rank order inside the balance group.
+        bag_sizes: ``[B]`` GPUs per bag, in rank order inside the balance group (``auto``: the largest
+            groups, which tile the world).
         bag_first_rank: ``[B]`` first rank (inside the balance group) of each bag.
         world_size: total ranks; a multiple of ``group_size``.
         gpus_per_node: GPUs per node, or ``None`` when unknown.
         node_aligned: whether every bag of every replica avoids crossing a node boundary
-            (``True`` when ``gpus_per_node`` is ``None``).
+            (``True`` when ``gpus_per_node`` is ``None``, and always for ``auto``).
+        max_degree: ``auto`` only: the largest group; ``None`` for a fixed topology.
     """
 
     spec: str
@@ -65,6 +79,28 @@ class Topology:
     world_size: int
     gpus_per_node: int | None
     node_aligned: bool
+    max_degree: int | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """Whether each sequence gets its own group every step (``auto``)."""
+        return self.max_degree is not None
+
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[int, int], ...]:
+        """``(start, size)`` of every group a plan may run a sequence's attention in, positions inside
+        the balance group, larger groups first, then by start: the bags of a fixed topology; for
+        ``auto`` every aligned sub-group (halving down to single GPUs) of every bag. Every rank
+        creates the process groups in this order."""
+        if not self.elastic:
+            return tuple(zip(self.bag_first_rank, self.bag_sizes, strict=True))
+        found = [
+            (start, size)
+            for first, top in zip(self.bag_first_rank, self.bag_sizes, strict=True)
+            for size in _halvings(top)
+            for start in range(first, first + top, size)
+        ]
+        return tuple(sorted(found, key=lambda group: (-group[1], group[0])))
 
     @property
     def group_size(self) -> int:
@@ -99,30 +135,43 @@ class Topology:
         return replica, bag, group_rank - self.bag_first_rank[bag]
 
 
-def build_topology(spec: str, world_size: int | None = None, gpus_per_node: int | None = None) -> Topology:
+def build_topology(
+    spec: str, world_size: int | None = None, gpus_per_node: int | None = None, max_degree: int | None = None
+) -> Topology:
     """Parse ``spec`` and lay its bags out over ``world_size`` ranks.
 
     Args:
         spec: topology string, see :data:`GRAMMAR`.
-        world_size: ranks in the job; defaults to one balance group. Must be a multiple of the group
-            size ``S = sum(G * N)``.
-        gpus_per_node: when given, bags are ordered so none crosses a node boundary if any order allows.
+        world_size: ranks in the job; defaults to one balance group (required for ``auto``). Must be a
+            multiple of the group size ``S = sum(G * N)``.
+        gpus_per_node: when given, bags are ordered so none crosses a node boundary if any order allows;
+            ``auto`` groups never cross one.
+        max_degree: ``auto`` only: the largest group, a power of two no larger than the node. Default:
+            the smallest of 8, the node and the world, rounded down to a power of two (the model's
+            heads bound it too: :func:`deepspeed_knap.initialize` passes them).
 
     Raises:
-        ValueError: malformed spec, world size that is not a multiple of ``S``, bad ``gpus_per_node``.
+        ValueError: malformed spec, world size that is not a multiple of ``S``, bad ``gpus_per_node``
+            or ``max_degree``.
     """
     terms = parse_topology_spec(spec)
+    if gpus_per_node is not None and (not _positive_int(gpus_per_node)):
+        raise ValueError(f"gpus_per_node must be a positive integer or None; got {gpus_per_node!r}")
+    if not terms:
+        return _build_auto(world_size, gpus_per_node, max_degree)
+    if max_degree is not None:
+        raise ValueError(
+            f"max_degree={max_degree!r} applies to topology 'auto' only; topology {spec!r} fixes its bag sizes"
+        )
     group_size = sum(g * n for g, n in terms)
     if world_size is None:
         world_size = group_size
-    if not isinstance(world_size, int) or world_size <= 0 or world_size % group_size:
+    if not _positive_int(world_size) or world_size % group_size:
         raise ValueError(
             f"topology {spec!r} needs a world size that is a multiple of its {group_size} GPUs "
             f"(sum of G*N over its terms); the world has {world_size} ranks. Change the topology so "
             f"that sum(G*N) divides {world_size}, or launch a multiple of {group_size} ranks"
         )
-    if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node <= 0):
-        raise ValueError(f"gpus_per_node must be a positive integer or None; got {gpus_per_node!r}")
 
     sizes = sorted((g for g, n in terms for _ in range(n)), reverse=True)
     bag_sizes = sizes
@@ -130,11 +179,58 @@ def build_topology(spec: str, world_size: int | None = None, gpus_per_node: int 
     if gpus_per_node is not None:
         bag_sizes = _node_aligned_order(sizes, gpus_per_node) or sizes
         node_aligned = _all_aligned(bag_sizes * (world_size // group_size), gpus_per_node)
-    firsts, start = [], 0
-    for size in bag_sizes:
-        firsts.append(start)
-        start += size
-    return Topology(spec.strip(), tuple(bag_sizes), tuple(firsts), world_size, gpus_per_node, node_aligned)
+    return Topology(spec.strip(), tuple(bag_sizes), _firsts(bag_sizes), world_size, gpus_per_node, node_aligned)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _firsts(sizes: list[int]) -> tuple[int, ...]:
+    """First rank of each of consecutive bags of ``sizes``."""
+    return tuple(itertools.accumulate(sizes[:-1], initial=0)) if sizes else ()
+
+
+def _halvings(size: int) -> list[int]:
+    """``size, size / 2, ..., 1`` for a power of two."""
+    return [size >> k for k in range(size.bit_length())]
+
+
+def default_max_degree(world_size: int, gpus_per_node: int | None = None, num_heads: int | None = None) -> int:
+    """The ``auto`` default: the smallest of :data:`DEFAULT_MAX_DEGREE`, the node, the world and the
+    heads, rounded down to a power of two."""
+    limit = min(DEFAULT_MAX_DEGREE, world_size, gpus_per_node or world_size, num_heads or world_size)
+    return 1 << (max(limit, 1).bit_length() - 1)
+
+
+def _build_auto(world_size: int | None, gpus_per_node: int | None, max_degree: int | None) -> Topology:
+    if not _positive_int(world_size):
+        raise ValueError(f"topology 'auto' needs the world size (a positive integer); got {world_size!r}")
+    if max_degree is None:
+        max_degree = default_max_degree(world_size, gpus_per_node)
+    elif not _positive_int(max_degree) or max_degree & (max_degree - 1):
+        raise ValueError(
+            f"max_degree must be a power of two (1, 2, 4, 8, ...); got {max_degree!r}. Ulysses groups of 'auto' "
+            "halve down to single GPUs"
+        )
+    if gpus_per_node is not None and max_degree > gpus_per_node:
+        raise ValueError(
+            f"max_degree={max_degree} is larger than a node of {gpus_per_node} GPUs; 'auto' groups stay inside a "
+            f"node: use max_degree <= {1 << (gpus_per_node.bit_length() - 1)}"
+        )
+    # Tile every node (or the world) with the largest aligned groups: a group of G starts at a
+    # multiple of G, so all groups of all sizes are nested or disjoint.
+    node = gpus_per_node or world_size
+    sizes = []
+    for node_start in range(0, world_size, node):
+        start, end = node_start, min(node_start + node, world_size)
+        while start < end:
+            size = max_degree
+            while start % size or start + size > end:
+                size //= 2
+            sizes.append(size)
+            start += size
+    return Topology(AUTO, tuple(sizes), _firsts(sizes), world_size, gpus_per_node, True, max_degree)
 
 
 def _fits_node(start: int, size: int, gpus_per_node: int) -> bool:
@@ -200,8 +296,9 @@ class ProcessGroups:
         group_rank: its position inside the balance group, the GPU index plans use.
         balance_group: the process group of the balance group (lengths gather, routing), or ``None``
             for the whole world when there is one replica.
-        attention_groups: ``{(start, size): process group}`` for every bag of size > 1 this rank is in,
-            keyed by positions inside the balance group as plans give them.
+        attention_groups: ``{(start, size): process group}`` for every group of size > 1 this rank is
+            in (a bag, or with ``auto`` one group per size), keyed by positions inside the balance
+            group as plans give them.
     """
 
     topology: Topology
@@ -220,22 +317,33 @@ class ProcessGroups:
         except KeyError:
             raise ValueError(
                 f"no process group for GPUs {start}..{start + size - 1} of the balance group on rank {self.rank}: "
-                f"the plan does not use the bags of topology {self.topology.spec!r} (bags here: "
+                f"the plan does not use the groups of topology {self.topology.spec!r} (groups here: "
                 f"{sorted(self.attention_groups)})"
             ) from None
 
 
-def create_process_groups(topology: Topology) -> ProcessGroups:
-    """Create the balance-group and bag process groups through ``deepspeed.comm``.
+def create_process_groups(topology: Topology, timeout: datetime.timedelta | None = None) -> ProcessGroups:
+    """Create the balance-group and attention-group process groups.
 
-    Every rank creates every group, in the same order (replica by replica, bags in rank order):
-    ``new_group`` is collective, and creating them in different orders hangs.
+    Every rank creates every group, in the same order (replica by replica, then
+    :attr:`Topology.groups` in order): ``new_group`` is collective, and creating them in different
+    orders hangs. Groups go through ``torch.distributed.new_group`` (what ``deepspeed.comm`` calls,
+    minus its lack of a timeout) so that a rank stuck inside a group raises after ``timeout``
+    instead of blocking its partners for the backend's default (30 min on gloo).
+
+    Args:
+        topology: the layout.
+        timeout: collective timeout of every group; default DeepSpeed's (``DEEPSPEED_TIMEOUT``
+            minutes, 10 unless set).
 
     Raises:
         ValueError: the world size differs from the topology's (identical on every rank).
     """
     import deepspeed.comm as dist
+    import torch.distributed
+    from deepspeed.constants import default_pg_timeout
 
+    timeout = default_pg_timeout if timeout is None else timeout
     world_size = dist.get_world_size()
     if world_size != topology.world_size:
         raise ValueError(
@@ -243,18 +351,19 @@ def create_process_groups(topology: Topology) -> ProcessGroups:
             f"build it with build_topology(spec, world_size={world_size})"
         )
     rank = dist.get_rank()
-    replica, bag, _ = topology.locate(rank)
+    replica, group_rank = divmod(rank, topology.group_size)
     balance_group = None
     attention_groups = {}
     for r in range(topology.num_replicas):
+        first = r * topology.group_size
         if topology.num_replicas > 1:
-            group = dist.new_group(list(range(r * topology.group_size, (r + 1) * topology.group_size)))
+            group = torch.distributed.new_group(list(range(first, first + topology.group_size)), timeout=timeout)
             if r == replica:
                 balance_group = group
-        for b, size in enumerate(topology.bag_sizes):
+        for start, size in topology.groups:
             if size == 1:
                 continue
-            group = dist.new_group(list(topology.bag_ranks(b, r)))
-            if r == replica and b == bag:
-                attention_groups[(topology.bag_first_rank[b], size)] = group
-    return ProcessGroups(topology, rank, replica, rank - replica * topology.group_size, balance_group, attention_groups)
+            group = torch.distributed.new_group(list(range(first + start, first + start + size)), timeout=timeout)
+            if r == replica and start <= group_rank < start + size:
+                attention_groups[(start, size)] = group
+    return ProcessGroups(topology, rank, replica, group_rank, balance_group, attention_groups)

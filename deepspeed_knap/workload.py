@@ -124,19 +124,23 @@ class WorkloadModel:
         compute = (self.linear_coef * s + self.quadratic_coef * s * s) / (g * bag_speed)
         return compute + self.alltoall_coef * s * (g - 1.0) / (g * g)
 
-    def bag_speeds(self, bag_first_rank: tuple[int, ...], bag_sizes: tuple[int, ...]) -> np.ndarray:
-        """``[B]`` speed of each bag: the slowest of its GPUs (1.0 everywhere without ``gpu_speed``)."""
+    def group_speeds(self, group_first: np.ndarray, group_sizes: np.ndarray, num_gpus: int) -> np.ndarray:
+        """``[B]`` speed of each group of GPUs: the slowest of its GPUs (1.0 everywhere without
+        ``gpu_speed``).
+
+        Raises:
+            ValueError: ``gpu_speed`` does not list one speed per GPU of the balance group.
+        """
         if self.gpu_speed is None:
-            return np.ones(len(bag_sizes))
-        group_size = sum(bag_sizes)
-        if len(self.gpu_speed) != group_size:
+            return np.ones(len(group_sizes))
+        if len(self.gpu_speed) != num_gpus:
             raise ValueError(
-                f"gpu_speed has {len(self.gpu_speed)} entries but the balance group has {group_size} ranks; "
+                f"gpu_speed has {len(self.gpu_speed)} entries but the balance group has {num_gpus} ranks; "
                 "give one speed per rank of the balance group"
             )
         speeds = np.asarray(self.gpu_speed, dtype=np.float64)
         return np.array(
-            [speeds[first : first + size].min() for first, size in zip(bag_first_rank, bag_sizes, strict=True)]
+            [speeds[first : first + size].min() for first, size in zip(group_first, group_sizes, strict=True)]
         )
 
 

@@ -28,11 +28,11 @@ def test_flux_dev_defaults_follow_the_flop_count():
     assert 4 * d < crossover < 6 * d
 
 
-def test_bag_speeds_take_the_slowest_gpu_and_check_the_length():
+def test_group_speeds_take_the_slowest_gpu_and_check_the_length():
     model = WorkloadModel(1.0, 0.0, gpu_speed=(1.0, 0.5, 2.0, 2.0))
-    assert model.bag_speeds((0, 2), (2, 2)).tolist() == [0.5, 2.0]
+    assert model.group_speeds((0, 2, 0, 3), (2, 2, 4, 1), 4).tolist() == [0.5, 2.0, 0.5, 2.0]  # groups may overlap
     with pytest.raises(ValueError, match=r"gpu_speed has 4 entries but the balance group has 8 ranks"):
-        model.bag_speeds((0,), (8,))
+        model.group_speeds((0,), (8,), 8)
 
 
 @pytest.mark.parametrize("bad", [{"linear_coef": -1.0, "quadratic_coef": 1.0}, {"linear_coef": float("nan"), "quadratic_coef": 1.0},
