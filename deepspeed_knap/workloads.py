@@ -19,6 +19,13 @@ frame, ``(frames - 1) / 4 + 1``. A sequence is its text tokens plus its image/vi
 * ``long_video``: one video per rank per step: 480p (480x832, 1,560 tokens per latent frame) with
   probability 0.6, else 720p (720x1280, 3,600); 33 to 129 frames in steps of 16 (9 to 33 latent
   frames); text U{1..512}. From 14,040 to 118,800 visual tokens.
+* ``flux2_buckets``: ``flux_buckets`` for FLUX.2, whose image tokens are the same (its VAE is 8x
+  and latents are patched 2x2) but whose text is always 512 tokens: the pipeline pads the Mistral
+  prompt to 512 and the transformer attends to the padding too.
+* ``flux2_edit``: FLUX.2 multi-reference editing. A sample is a target image (a bucket as above),
+  1 to 4 reference images (each a bucket, at most 1024x1024 px as the pipeline resizes them:
+  4,096 tokens) and 512 text tokens; ``frames`` counts the images. Each rank holds samples until
+  its image tokens reach 16,384.
 """
 
 from __future__ import annotations
@@ -101,16 +108,44 @@ def _paper_mix(codes: list[_DataCode]) -> Callable[[int, np.random.Generator], l
 _ASPECTS = [(1, 1), (9, 7), (7, 9), (19, 13), (13, 19), (7, 4), (4, 7), (12, 5), (5, 12)]
 
 
+def _bucket_tokens(rng: np.random.Generator) -> int:
+    """Image tokens of one aspect-ratio bucket: base 512 / 768 / 1024 px (0.3 / 0.3 / 0.4) times
+    one of nine aspect ratios, sides rounded to 64 px."""
+    base = rng.choice([512, 768, 1024], p=[0.3, 0.3, 0.4])
+    wide, tall = _ASPECTS[rng.integers(len(_ASPECTS))]
+    scale = base / np.sqrt(wide * tall)
+    width, height = (max(64, round(side * scale / 64) * 64) for side in (wide, tall))
+    return (width // 16) * (height // 16)
+
+
 def _flux_buckets(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape]]:
     shapes = []
     for _ in range(num_gpus):
-        base = rng.choice([512, 768, 1024], p=[0.3, 0.3, 0.4])
-        wide, tall = _ASPECTS[rng.integers(len(_ASPECTS))]
-        scale = base / np.sqrt(wide * tall)
-        width, height = (max(64, round(side * scale / 64) * 64) for side in (wide, tall))
-        visual = (width // 16) * (height // 16)
+        visual = _bucket_tokens(rng)
         batch = max(1, 16384 // visual)
         shapes.append([SampleShape(int(text), visual, 1) for text in rng.integers(64, 513, size=batch)])
+    return shapes
+
+
+# FLUX.2's text encoder output is padded to 512 tokens, and its transformer attends to all of them.
+FLUX2_TEXT_TOKENS = 512
+
+
+def _flux2_buckets(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape]]:
+    return [[SampleShape(FLUX2_TEXT_TOKENS, visual, 1) for _ in range(max(1, 16384 // visual))]
+            for visual in (_bucket_tokens(rng) for _ in range(num_gpus))]  # fmt: skip
+
+
+def _flux2_edit(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape]]:
+    shapes = []
+    for _ in range(num_gpus):
+        samples, visual_total = [], 0
+        while not samples or visual_total < 16384:
+            references = int(rng.integers(1, 5))
+            visual = _bucket_tokens(rng) + sum(min(4096, _bucket_tokens(rng)) for _ in range(references))
+            samples.append(SampleShape(FLUX2_TEXT_TOKENS, visual, 1 + references))
+            visual_total += visual
+        shapes.append(samples)
     return shapes
 
 
@@ -128,6 +163,8 @@ WORKLOADS: dict[str, Callable[[int, np.random.Generator], list[list[SampleShape]
     **{name: _paper_mix(codes) for name, codes in _PAPER_MIXES.items()},
     "flux_buckets": _flux_buckets,
     "long_video": _long_video,
+    "flux2_buckets": _flux2_buckets,
+    "flux2_edit": _flux2_edit,
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,9 +64,13 @@ def test_packed_outputs_and_gradients_equal_diffusers_per_sample(family, dtype, 
         assert relative_error(output, expected) <= TOLERANCE[dtype]
         (expected * weight.to(dtype)).sum().backward()  # gradients accumulate over samples, like ours
     ours, theirs = grads(packed), grads(ref)
-    gradient_error = relative_error if dtype == torch.float64 else norm_relative_error
-    for name in theirs:
-        assert gradient_error(ours[name], theirs[name]) <= TOLERANCE[dtype], name
+    if dtype == torch.float64:
+        for name in theirs:
+            assert relative_error(ours[name], theirs[name]) <= TOLERANCE[dtype], name
+    else:  # fp32: summing packed tokens in another order than diffusers leaves ~1e-5 of rounding
+        assert norm_relative_error(*(torch.cat([g[n].flatten() for n in theirs]) for g in (ours, theirs))) <= 1e-5
+        for name in theirs:
+            assert norm_relative_error(ours[name], theirs[name]) <= 2e-5, name
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -213,11 +218,12 @@ def test_bad_checkpoints_name_the_file_and_the_key(tmp_path):
         from_pretrained(sharded)
     (sharded / "moved.safetensors").rename(sharded / shard)
 
-    wider = packed_class("flux2")(**{**CONFIGS["flux2"], "joint_attention_dim": 24})
+    wider = packed_class("flux2")(**{**CONFIGS["flux2"], "joint_attention_dim": 104})
     wider.save_pretrained(tmp_path / "wider")
     (tmp_path / "wider" / "config.json").write_text((sharded / "config.json").read_text())
     with pytest.raises(
-        CheckpointError, match=r"safetensors: 'context_embedder.weight' has shape \[48, 24\], the model's is \[48, 20\]"
+        CheckpointError,
+        match=r"safetensors: 'context_embedder.weight' has shape \[48, 104\], the model's is \[48, 100\]",
     ):
         from_pretrained(tmp_path / "wider")
 
@@ -231,6 +237,8 @@ def _balanced_worker(rank: int, world: int) -> dict:
     import deepspeed.comm as dist
 
     from deepspeed_knap.balancer import KnapBalancer
+    from deepspeed_knap.bench.routing import flux_route_bytes
+    from deepspeed_knap.routing import record_traffic
     from deepspeed_knap.topology import build_topology, create_process_groups
     from deepspeed_knap.workload import WorkloadModel
 
@@ -266,8 +274,9 @@ def _balanced_worker(rank: int, world: int) -> dict:
                 balancer = RecordingBalancer(groups, WorkloadModel(1.0, 0.05, 0.0), solver=solver)
             model = packed_class(family).from_diffusers(ref, attention_backend="sdpa", topology=topology)
             inputs = model.pack(samples)
-            out = model(inputs, balancer)  # [Ti, C]; the empty rank still backpropagates its [0, C]
-            (out * (torch.cat(weights) if weights else torch.zeros_like(out))).sum().backward()
+            with record_traffic() as sent:
+                out = model(inputs, balancer)  # [Ti, C]; the empty rank still backpropagates its [0, C]
+                (out * (torch.cat(weights) if weights else torch.zeros_like(out))).sum().backward()
             outputs = inputs.split(out)
             out_err = max((relative_error(o, e) for o, e in zip(outputs, expected, strict=True)), default=0.0)
             grad_err = 0.0
@@ -276,17 +285,37 @@ def _balanced_worker(rank: int, world: int) -> dict:
                 dist.all_reduce(ours)
                 dist.all_reduce(theirs)
                 grad_err = max(grad_err, relative_error(ours, theirs))
-            held = None if balancer is None else int(balancer.plans[0].gpu_tokens[rank])
-            largest = 1 if balancer is None else int(balancer.plans[0].seq_group_size.max())
-            results[(family, spec, solver)] = {"out_err": out_err, "grad_err": grad_err, "held": held,
-                                               "largest_group": largest}  # fmt: skip
+            result = {"out_err": out_err, "grad_err": grad_err}
+            if balancer is not None:
+                plan = balancer.plans[0]
+                routed_bytes = torch.tensor([sent["route"] + sent["reverse_route"]])
+                dist.all_reduce(routed_bytes)
+                text_lens = np.array([shape[3] for shapes in RANK_SHAPES for shape in shapes])
+                expected_bytes = flux_route_bytes(plan, text_lens, tiny_dims(family), bytes_per_element=8).after
+                result.update(held=int(plan.gpu_tokens[rank]), largest_group=int(plan.seq_group_size.max()),
+                              routed_bytes=int(routed_bytes.item()), expected_bytes=expected_bytes)  # fmt: skip
+            results[(family, spec, solver)] = result
     return results
+
+
+def tiny_dims(family: str):
+    """The bench's description of what routing a tiny test model moves."""
+    from deepspeed_knap.bench.routing import FluxDims
+
+    config = CONFIGS[family]
+    conditioning = 2 + config.get("pooled_projection_dim", 0)  # timestep, guidance, pooled text
+    axes = len(config["axes_dims_rope"])
+    layers = config["num_layers"] + config["num_single_layers"]
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    return FluxDims(dim, config["num_attention_heads"], layers, config["in_channels"],
+                    config["joint_attention_dim"], axes, conditioning, {})  # fmt: skip
 
 
 def test_balanced_on_four_ranks_equals_diffusers_per_sample():
     """Both families over g1n4, g2n2 and g4n1 (a rank with no samples among them), and with that rank
     holding no token at all (solver none, and no balancer): outputs and rank-summed gradients equal
-    diffusers' per sample."""
+    diffusers' per sample. The bytes the route and reverse route send, forward and backward, are
+    what ``deepspeed-knap bench routing`` computes (FLUX.1 routes text raw, this FLUX.2 embedded)."""
     results = run_distributed(_balanced_worker, 4, timeout=400)
     for rank, result in enumerate(results):
         for case, measured in result.items():
@@ -296,3 +325,6 @@ def test_balanced_on_four_ranks_equals_diffusers_per_sample():
         for spec, bag in (("g1n4", 1), ("g2n2", 2), ("g4n1", 4)):
             assert results[0][(family, spec, "refine")]["largest_group"] == bag, "the plan must split sequences"
         assert results[1][(family, "g1n4", "none")]["held"] == 0, "rank 1 must run no token under solver none"
+        for spec in ("g1n4", "g2n2", "g4n1"):  # the bench's route formula is what the model really sends
+            measured = results[0][(family, spec, "refine")]
+            assert measured["routed_bytes"] == measured["expected_bytes"] > 0, (family, spec)

@@ -1,12 +1,23 @@
 """Communication volume of balancing: bytes moved by routing and by the Ulysses all-to-alls.
 
-    python -m deepspeed_knap.bench.routing --topology g8n4 --steps 20
+    python -m deepspeed_knap.bench.routing --model flux2-dev --topology g8n4 --steps 20
 
-Computed exactly from the plans (the same split sizes the all-to-alls use; ``tests/test_routing.py``
-checks them against the bytes the real exchanges send), for the bundled workloads. Bytes are what
-GPUs send to *other* GPUs in one forward pass, for the token states and q/k/v/output only: the side
-columns (position ids, modality: ~25 bytes a token against ``2 * D`` for the states) and the
-per-sample rows are left out. In training the backward pass sends the same again (the gradients).
+Computed exactly from the plans (the same split sizes the all-to-alls use), for the bundled
+workloads. Bytes are what GPUs send to *other* GPUs.
+
+* Ulysses: q, k, v out and the attention output back inside the bags, over all layers, forward.
+  ``tests/test_routing.py`` checks :func:`step_traffic` against the bytes real exchanges send.
+* Route, for the packed FLUX models, before and after routing less (``tests/test_flux.py`` checks
+  :func:`flux_route_bytes` against the bytes the models really send, forward and backward):
+
+  - *before*: the route carried each token's ``D``-wide hidden state (the embedders ran at home), and
+    its gradient came back in backward;
+  - *after*: the route carries raw inputs with no gradient (the latent rows, ``C`` wide; text as
+    the text-encoder rows, ``Dj`` wide, or, where that is more bytes in training, as their ``D``-wide
+    embedding, whose gradient then comes back), and the embedders run after routing;
+  - both: the position ids and stream flag of every token, the per-sample conditioning rows, and
+    the ``C_out``-wide predictions routed back (with their gradient in backward).
+
 The activation size is one copy of the step's token states, ``tokens * D * bytes``.
 """
 
@@ -21,8 +32,8 @@ import numpy as np
 from deepspeed_knap.attention import head_splits
 from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_routing
 from deepspeed_knap.topology import build_topology
-from deepspeed_knap.workload import MODEL_PRESETS, default_workload
-from deepspeed_knap.workloads import WORKLOADS, sample_workload
+from deepspeed_knap.workload import default_workload
+from deepspeed_knap.workloads import WORKLOADS, sample_shapes
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,88 @@ class StepTraffic:
     activation_bytes: int
     route_bytes: int
     ulysses_bytes: int
+
+
+@dataclass(frozen=True)
+class FluxDims:
+    """What routing a packed FLUX model moves per token and per sample.
+
+    Attributes:
+        dim: model width ``D``; heads: attention heads; layers: attention layers (blocks).
+        latent_channels: ``C`` (in and out); text_dim: ``Dj``; id_axes: position id axes.
+        conditioning: elements of a sample's conditioning row (timestep, guidance, pooled text).
+        planner: model dims of the planner's FLOP model (:func:`~deepspeed_knap.workload.default_workload`).
+    """
+
+    dim: int
+    heads: int
+    layers: int
+    latent_channels: int
+    text_dim: int
+    id_axes: int
+    conditioning: int
+    planner: dict
+
+    @property
+    def text_embedded(self) -> bool:
+        """Text travels embedded (``D`` wide, with a gradient) rather than raw: the models' rule."""
+        from deepspeed_knap.models.flux_base import route_text_embedded
+
+        return route_text_embedded(self.text_dim, self.dim)
+
+
+# FLUX.1 [dev] and FLUX.2 [dev]. FLUX.2's SwiGLU MLPs do 9 d^2 multiply-adds per token where the
+# planner's formula has 2 * mlp_ratio d^2: an mlp_ratio of 4.5 prices them.
+FLUX_MODELS = {
+    "flux-dev": FluxDims(3072, 24, 57, 64, 4096, 3, 1 + 1 + 768,
+                         {"hidden": 3072, "double_blocks": 19, "single_blocks": 38, "mlp_ratio": 4}),
+    "flux2-dev": FluxDims(6144, 48, 56, 128, 15360, 4, 1 + 1,
+                          {"hidden": 6144, "double_blocks": 8, "single_blocks": 48, "mlp_ratio": 4.5}),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RouteBytes:
+    """Bytes one step's routing of a packed FLUX model sends to other GPUs (see the module docstring)."""
+
+    before_forward: int
+    before_backward: int
+    after_forward: int
+    after_backward: int
+
+    @property
+    def before(self) -> int:
+        return self.before_forward + self.before_backward
+
+    @property
+    def after(self) -> int:
+        return self.after_forward + self.after_backward
+
+
+def moved_tokens(plan: RoutingPlan, text_lens: np.ndarray) -> tuple[int, int, int]:
+    """``(tokens, text tokens, per-sample rows)`` that leave their home GPU under ``plan``; a
+    sequence's tokens are its ``text_lens[s]`` text tokens, then its image tokens."""
+    chunks_per_seq = np.diff(plan.chunk_offsets)
+    seq = np.repeat(np.arange(len(plan.seq_lens)), chunks_per_seq)
+    away = (plan.chunk_gpu != plan.seq_src_rank[seq]) & (plan.chunk_len > 0)
+    start, end = plan.chunk_start[away], plan.chunk_start[away] + plan.chunk_len[away]
+    text = np.clip(np.minimum(end, text_lens[seq[away]]) - start, 0, None)
+    return int(plan.chunk_len[away].sum()), int(text.sum()), int(away.sum())
+
+
+def flux_route_bytes(plan: RoutingPlan, text_lens: np.ndarray, dims: FluxDims, bytes_per_element: int) -> RouteBytes:
+    """Route bytes of one training step (forward and backward), before and after routing less."""
+    b = bytes_per_element
+    moved, moved_text, sample_rows = moved_tokens(plan, text_lens)
+    side = moved * (4 * dims.id_axes + 1) + sample_rows * dims.conditioning * b  # fp32 ids, bool flag; samples
+    predictions = moved * dims.latent_channels * b
+    text_width = dims.dim if dims.text_embedded else dims.text_dim
+    return RouteBytes(
+        before_forward=moved * dims.dim * b + side + predictions,
+        before_backward=moved * dims.dim * b + predictions,
+        after_forward=moved * dims.latent_channels * b + moved_text * text_width * b + side + predictions,
+        after_backward=predictions + (moved_text * dims.dim * b if dims.text_embedded else 0),
+    )
 
 
 def ulysses_elements_per_layer(plan: RoutingPlan, num_heads: int, head_dim: int) -> int:
@@ -73,35 +166,41 @@ def step_traffic(plan: RoutingPlan, dim: int, num_heads: int, num_layers: int, b
 def bench_traffic(
     workloads: Sequence[str], topology_spec: str, solver: str, model: str, steps: int, seed: int = 0
 ) -> list[dict]:
-    """Median per-step traffic of ``steps`` sampled steps per workload."""
-    dims = MODEL_PRESETS[model]
-    num_layers = dims["double_blocks"] + dims["single_blocks"]
-    num_heads = max(1, dims["hidden"] // 128)  # FLUX heads are 128 wide
+    """Median per-step traffic of ``steps`` sampled steps per workload, for a model of
+    :data:`FLUX_MODELS` in bf16."""
+    dims = FLUX_MODELS[model]
     topology = build_topology(topology_spec)
-    workload = default_workload(model)
+    workload = default_workload(dims.planner)
     rows = []
     for name in workloads:
-        traffic = []
+        traffic, route = [], []
         for step in range(steps):
-            seq_lens = sample_workload(name, topology.group_size, seed + step)
-            plan = plan_routing(seq_lens, topology, workload, solver)
-            traffic.append(step_traffic(plan, dims["hidden"], num_heads, num_layers, 2))
+            per_rank = sample_shapes(name, topology.group_size, seed + step)
+            plan = plan_routing([[s.length for s in rank] for rank in per_rank], topology, workload, solver)
+            text_lens = np.array([s.text for rank in per_rank for s in rank], dtype=np.int64)
+            traffic.append(step_traffic(plan, dims.dim, dims.heads, dims.layers, 2))
+            route.append(flux_route_bytes(plan, text_lens, dims, 2))
         activation = np.median([t.activation_bytes for t in traffic])
-        route = np.median([t.route_bytes for t in traffic])
         ulysses = np.median([t.ulysses_bytes for t in traffic])
-        rows.append({"workload": name, "activation_MB": activation / 1e6, "route_MB": route / 1e6,
-                     "ulysses_MB": ulysses / 1e6, "route_ratio": route / activation,
-                     "ulysses_ratio": ulysses / activation})  # fmt: skip
+        before_forward = np.median([r.before_forward for r in route])
+        before, after = np.median([r.before for r in route]), np.median([r.after for r in route])
+        rows.append({"workload": name, "activation_MB": activation / 1e6, "ulysses_MB": ulysses / 1e6,
+                     "ulysses_ratio": ulysses / activation, "route_MB": before_forward / 1e6,
+                     "route_ratio": before_forward / activation, "route_before_MB": before / 1e6,
+                     "route_after_MB": after / 1e6, "route_after_forward_MB": np.median([r.after_forward for r in route]) / 1e6,
+                     "route_cut": before / after if after else float("nan")})  # fmt: skip
     return rows
 
 
 def format_traffic(rows: list[dict]) -> str:
-    header = f"{'workload':<16}{'activ. MB':>11}{'route MB':>11}{'route/act':>11}{'ulysses MB':>12}{'ulys/act':>10}"
+    header = (f"{'workload':<16}{'activ. MB':>11}{'ulysses MB':>12}{'ulys/act':>10}{'route fwd MB':>14}"
+              f"{'route MB before':>17}{'after':>10}{'after fwd':>11}{'before/after':>14}")  # fmt: skip
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
-            f"{row['workload']:<16}{row['activation_MB']:>11.1f}{row['route_MB']:>11.1f}{row['route_ratio']:>11.2f}"
-            f"{row['ulysses_MB']:>12.1f}{row['ulysses_ratio']:>10.2f}"
+            f"{row['workload']:<16}{row['activation_MB']:>11.1f}{row['ulysses_MB']:>12.1f}{row['ulysses_ratio']:>10.2f}"
+            f"{row['route_MB']:>14.1f}{row['route_before_MB']:>17.1f}{row['route_after_MB']:>10.1f}"
+            f"{row['route_after_forward_MB']:>11.1f}{row['route_cut']:>14.1f}"
         )
     return "\n".join(lines)
 
@@ -111,12 +210,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--topology", default="g1n8+g2n4+g4n2+g8n1")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=SOLVERS)
-    parser.add_argument("--model", default="flux-dev", choices=sorted(MODEL_PRESETS))
+    parser.add_argument("--model", default="flux-dev", choices=sorted(FLUX_MODELS))
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
     rows = bench_traffic(args.workloads, args.topology, args.solver, args.model, args.steps)
-    print(f"{args.topology}, solver {args.solver}, {args.model} (bf16, forward; training's backward moves the same again), "
-          f"median of {args.steps} steps")  # fmt: skip
+    dims = FLUX_MODELS[args.model]
+    print(f"{args.topology}, solver {args.solver}, {args.model} in bf16, median of {args.steps} steps. Ulysses: forward "
+          "(training's backward moves the same again). Route: 'route fwd' is the old route's forward (hidden states); "
+          f"'before' / 'after' are training steps (forward + backward) without and with routing less (text "
+          f"{'embedded' if dims.text_embedded else 'raw'})")  # fmt: skip
     print(format_traffic(rows))
 
 

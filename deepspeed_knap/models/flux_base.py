@@ -105,6 +105,13 @@ def _ranks_within(lens: np.ndarray) -> np.ndarray:
     return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
 
 
+def route_text_embedded(text_dim: int, dim: int) -> bool:
+    """Route text tokens as their ``dim``-wide embedding (sent forward, its gradient sent back)
+    rather than the ``text_dim``-wide text-encoder rows (sent forward only) when that is fewer bytes
+    in training: FLUX.2 [dev] (15360 > 2 * 6144) yes, FLUX.1 (4096 < 2 * 3072) no."""
+    return text_dim > 2 * dim
+
+
 def route_subset_rows(rows: Tensor, home_selected: np.ndarray, routed: RoutedBatch, routed_selected: Tensor) -> Tensor:
     """Rows that only some tokens have, sent to wherever the route sent those tokens. Collective
     over the balance group when ``routed`` was routed (every rank calls it); local otherwise.
@@ -178,9 +185,8 @@ class PackedFluxBase(nn.Module):
 
     @property
     def embed_text_before_routing(self) -> bool:
-        """Route text as its ``D``-wide embedding (forward, and the gradient back) rather than the
-        ``Dj``-wide text-encoder rows (forward only) when that is fewer bytes."""
-        return self.config["joint_attention_dim"] > 2 * self.inner_dim
+        """Whether text tokens travel embedded (:func:`route_text_embedded`)."""
+        return route_text_embedded(self.config["joint_attention_dim"], self.inner_dim)
 
     # ---- what a family defines ----
 
