@@ -98,7 +98,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         from deepspeed_knap.bench.plots import plot_loads
 
-        plot_loads(plans, args.plot, f"{topology.spec}, {source}")
+        plot_loads(plans, args.plot, f"{topology.spec}, {source}", topology)
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         print()
@@ -196,6 +196,28 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--json", metavar="OUT.json", help="write every per-rank figure")
     step.add_argument("--plot", metavar="OUT.png", help="per-rank measured vs modeled seconds, last step")
     step.set_defaults(func=_bench_runner("step"))
+
+    doctor_doc = ast.get_docstring(ast.parse(Path(__file__).with_name("doctor.py").read_text()))  # torch-free
+    doctor = commands.add_parser("doctor", help="versions, attention kernels, a kernel check and a calibration here",
+                                 description=doctor_doc, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    doctor.add_argument(
+        "--out", default="doctor", metavar="DIR", help="writes doctor.json, doctor.txt, calibration.json"
+    )
+    doctor.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    doctor.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="default: bfloat16 on CUDA, float32 on CPU")  # fmt: skip
+    doctor.add_argument("--heads", type=int, default=None, help="attention heads (default: 24 on CUDA, 4 on CPU)")
+    doctor.add_argument(
+        "--head-dim", type=int, default=None, help="channels per head (default: 128 on CUDA, 32 on CPU)"
+    )
+    doctor.add_argument("--double-blocks", type=int, default=19, help="double-stream blocks of the model")
+    doctor.add_argument("--single-blocks", type=int, default=38, help="single-stream blocks of the model")
+    doctor.add_argument("--seq-lens", default=None, help="calibration lengths (default: 1k-16k on CUDA, 64-512 on CPU)")
+    doctor.add_argument(
+        "--compare-lens", default=None, help="lengths to compare kernels at (default: 4096,32768 on CUDA)"
+    )
+    doctor.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
+    doctor.set_defaults(func=cmd_doctor)
     return parser
 
 
@@ -257,6 +279,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
         print(f"plot written to {args.plot}")
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import torch
+
+    from deepspeed_knap.doctor import run_doctor
+
+    def lengths(text: str | None) -> list[int] | None:
+        return [int(s) for s in text.split(",")] if text else None
+
+    report = run_doctor(args.out, args.device, getattr(torch, args.dtype) if args.dtype else None, args.heads,
+                        args.head_dim, args.double_blocks, args.single_blocks, lengths(args.seq_lens),
+                        lengths(args.compare_lens), args.repeats)  # fmt: skip
+    print((Path(args.out) / "doctor.txt").read_text(), end="")
+    print(f"report written to {Path(args.out) / 'doctor.json'} and doctor.txt")
+    return 0 if report["ok"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,33 +23,49 @@ import time
 import warnings
 from pathlib import Path
 
-# ZeRO-3 calls two torch.distributed functions that torch deprecated, on every rank, every step.
-warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+# transformers (under peft and the validation pipeline) notes optional packages it does not need
+# here; it reads this when first imported.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import deepspeed  # noqa: E402
-import deepspeed.comm as dist  # noqa: E402
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import deepspeed
+import deepspeed.comm as dist
+import torch
+from tqdm import tqdm
 
-import deepspeed_knap  # noqa: E402
-from deepspeed_knap.config import load_ds_config  # noqa: E402
-from deepspeed_knap.models.flux import PackedFluxTransformer  # noqa: E402
-from deepspeed_knap.models.flux_data import (  # noqa: E402
+import deepspeed_knap
+from deepspeed_knap.config import load_ds_config
+from deepspeed_knap.models.flux2 import TINY_FLUX2
+from deepspeed_knap.models.flux_data import (
     LatentDirectory,
     SyntheticLatents,
     latent_directory_error,
     rectified_flow,
 )
-from deepspeed_knap.shm_buffers import unlink_own_shm_buffer  # noqa: E402
+from deepspeed_knap.models.flux_finetune import (
+    LORA_TARGETS,
+    TINY_FLUX,
+    adapter_state_dict,
+    add_lora,
+    base_state_dict,
+    diffusers_transformer,
+    lora_config,
+    read_prompts,
+    save_adapter,
+    tiny_pipeline_components,
+)
+from deepspeed_knap.models.registry import family_class, from_pretrained
+from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
 
-# A FLUX small enough for CPU ranks: every kind of block and guidance, 4 heads for bags of up to 4.
-TINY_FLUX = dict(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
-                 joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))  # fmt: skip
+# ZeRO-3 calls two torch.distributed functions that torch deprecated, on every rank, every step.
+warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 model_source = parser.add_mutually_exclusive_group(required=True)
 model_source.add_argument("--model-path", help="diffusers FLUX checkpoint: a pipeline or transformer directory")
 model_source.add_argument("--tiny", action="store_true", help="a small random FLUX for CPU runs")
+parser.add_argument("--family", default="flux", choices=["flux", "flux2"],
+                    help="with --tiny: FLUX.1 or FLUX.2 (a checkpoint's family comes from its config.json)")  # fmt: skip
 parser.add_argument("--data-dir", help="latent samples (.safetensors); default: synthetic latents of --workload")
 parser.add_argument("--samples-per-rank", type=int, default=1, help="with --data-dir: files per rank per step")
 parser.add_argument("--repeat-data", action="store_true", help="with --data-dir: allow fewer files than one step needs")
@@ -86,13 +102,11 @@ if args.validation_every and not args.validation_prompts:
 
 torch.manual_seed(args.seed)  # the same initial weights (and LoRA A matrices) on every rank
 options = dict(gradient_checkpointing=args.gradient_checkpointing)
-if args.model_path:
-    model = PackedFluxTransformer.from_pretrained(args.model_path, **options)
+if args.model_path:  # the family from config.json; under ZeRO-3 each rank reads only the partitions it keeps
+    model = from_pretrained(args.model_path, ds_config=args.deepspeed_config, **options)
 else:
-    model = PackedFluxTransformer(**TINY_FLUX, **options)
+    model = family_class(args.family)(**{"flux": TINY_FLUX, "flux2": TINY_FLUX2}[args.family], **options)
 if args.lora_rank:
-    from deepspeed_knap.models.flux_finetune import LORA_TARGETS, add_lora
-
     targets = args.lora_targets.split(",") if args.lora_targets else LORA_TARGETS
     add_lora(model, args.lora_rank, args.lora_alpha, targets)
 trainable = [p for p in model.parameters() if p.requires_grad]
@@ -167,18 +181,18 @@ if args.resume:
 
 
 def save_checkpoint(steps_done: int) -> None:
-    client_state = {"step": steps_done, "data_position": position, "world_size": world}
+    client_state = {"step": steps_done, "data_position": position}
     engine.save_checkpoint(args.save_dir, tag=f"step{steps_done}", client_state=client_state)
 
 
 # ---- validation images: diffusers' FluxPipeline on rank 0 with the current weights ----
 if args.validation_every:
-    from deepspeed_knap.models.flux_finetune import read_prompts
-
     try:
         prompts, problem = read_prompts(args.validation_prompts), None
     except (OSError, ValueError) as error:
         prompts, problem = [], f"--validation-prompts: {error}"
+    if flux.family != "flux":  # FLUX.2's pipeline (Mistral text encoder, another VAE) is not wired up yet
+        problem = f"--validation-every renders with diffusers' FluxPipeline, FLUX.1 only; this model is {flux.family!r}"
     if args.model_path and not problem and not (Path(args.model_path) / "model_index.json").is_file():
         problem = f"--validation-every needs --model-path to be a FLUX pipeline directory (with model_index.json); {args.model_path} is not"
     raise_together(problem)
@@ -199,22 +213,11 @@ def render_validation_images(steps_done: int, state: dict) -> None:
     """Rank 0: one PNG per prompt through diffusers' own pipeline, with the trained LoRA adapter
     loaded the way a user would load the exported one."""
     global pipeline_parts
-    # Quiet transformers' notes on optional packages (read when it is first imported, just below)
-    # and diffusers' on the text encoders having no LoRA weights (we train none).
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # Quiet diffusers' note that the text encoders get no LoRA weights (we train none).
     import diffusers
     from diffusers import FluxPipeline
 
     diffusers.utils.logging.set_verbosity_error()
-
-    from deepspeed_knap.models.flux_finetune import (
-        adapter_state_dict,
-        base_state_dict,
-        diffusers_transformer,
-        lora_config,
-        save_adapter,
-        tiny_pipeline_components,
-    )
 
     if pipeline_parts is None:
         if args.tiny:
@@ -290,8 +293,6 @@ for step in progress:
 
 if args.export_dir:
     if args.lora_rank:
-        from deepspeed_knap.models.flux_finetune import adapter_state_dict, lora_config, save_adapter
-
         lora_parameters = [p for p in flux.parameters() if p.requires_grad]
         with deepspeed.zero.GatheredParameters(lora_parameters):  # ZeRO-3 partitions them; no-op otherwise
             if rank == 0:

@@ -73,7 +73,7 @@ class HostTensorTracker(TorchFunctionMode):
             _mark(result, True)
         elif func is torch.Tensor.cuda or (func is torch.Tensor.to and _names_device(args, kwargs)):
             _mark(result, False)
-        elif isinstance(result, torch.Tensor) or isinstance(result, (tuple, list)):
+        elif isinstance(result, (torch.Tensor, tuple, list)):
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if inputs and all(is_host_tensor(t) for t in inputs):
                 _mark(result, True)

@@ -42,7 +42,7 @@ def _cli_options() -> list[tuple[str, str]]:
 
 
 def test_every_subcommand_is_found():
-    assert {path for path, _ in _cli_options()} == {"plan", "calibrate", "bench planner", "bench step"}
+    assert {path for path, _ in _cli_options()} == {"plan", "calibrate", "bench planner", "bench step", "doctor"}
 
 
 @pytest.mark.parametrize(("command", "option"), _cli_options())

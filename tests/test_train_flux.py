@@ -1,6 +1,13 @@
-"""examples/train_flux.py on 4 CPU ranks under the deepspeed launcher: ZeRO-3 with balancing on gives
-the losses of balancing off, the exported weights load into diffusers, and the latent files that
-examples/prepare_flux_latents.py writes train."""
+"""examples/train_flux.py on 4 CPU ranks under the deepspeed launcher.
+
+Full fine-tuning: ZeRO-3 with balancing on gives the losses of balancing off, the exported weights
+load into diffusers, and a run resumed from a mid-run checkpoint continues with the uninterrupted
+run's losses and ends with its weights. LoRA: ZeRO-3 balanced equals ZeRO-2 unbalanced, the exported
+adapter loads into diffusers' FluxPipeline with load_lora_weights and gives what peft's LoRA on our
+model gives, and validation images are written. Real-image data: examples/prepare_flux_latents.py
+encodes a folder of mixed-size captioned images with tiny local encoders, the files train, and a
+file holding a NaN is named by every rank. The launcher runs are shared by module-scoped fixtures.
+"""
 
 import json
 import re
@@ -13,35 +20,72 @@ import torch
 from tests.test_launch import ROOT, deepspeed_launch, run
 
 diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
 
 SCRIPT = ROOT / "examples" / "train_flux.py"
 DEMO_CONFIG = json.loads((ROOT / "ds_configs" / "flux_cpu_demo.json").read_text())
+COMMON = ("--tiny", "--token-scale", "0.015625", "--steps", "3", "--lr", "1e-3")
+LORA = ("--lora-rank", "4", "--lora-alpha", "8")
+STEP_LINE = re.compile(r"^step (\d+) loss (\S+) time \S+ tokens/s \S+(?: modeled imbalance (\S+) -> (\S+))?$", re.M)
 
 
-def train(tmp_path, name: str, knapformer_enabled: bool, *args: str) -> list[float]:
-    config = {**DEMO_CONFIG, "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": knapformer_enabled}}
-    config_path = tmp_path / f"{name}.json"
+def train(directory, name: str, balanced: bool, *args: str, stage: int = 3, module: str | None = None):
+    """Run the script with the demo config (balancing on or off, a ZeRO stage); returns the
+    completed process and ``{step: loss}``. ``module`` runs the script under that module."""
+    config = {**DEMO_CONFIG, "zero_optimization": {"stage": stage},
+              "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": balanced}}  # fmt: skip
+    config_path = directory / f"{name}.json"
     config_path.write_text(json.dumps(config))
-    result = run(deepspeed_launch(SCRIPT, "--deepspeed_config", str(config_path), "--tiny", *args))
+    command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(config_path), *args)
+    if module:
+        command[command.index(str(SCRIPT)) : command.index(str(SCRIPT))] = ["--module", module]
+    result = run(command)
+    steps = STEP_LINE.findall(result.stdout)
+    if balanced:
+        assert steps and all(before for _, _, before, _ in steps), result.stdout[-2000:]
+    return result, {int(step): float(loss) for step, loss, _, _ in steps}
+
+
+def check(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = re.findall(r"^step \d+ loss (\S+) .*$", result.stdout, re.MULTILINE)
-    if knapformer_enabled:
-        assert all(" imbalance " in line for line in re.findall(r"^step .*$", result.stdout, re.MULTILINE))
-    return [float(x) for x in lines]
 
 
-def test_zero3_balanced_training_matches_unbalanced_and_exports_to_diffusers(tmp_path):
-    common = ("--token-scale", "0.015625", "--steps", "3", "--lr", "1e-3", "--gradient-checkpointing")
-    off = train(tmp_path, "off", False, *common)
-    on = train(tmp_path, "on", True, *common, "--export-dir", str(tmp_path / "export"))
-    assert len(on) == 3
-    assert on == pytest.approx(off, rel=1e-5)
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory):
+    """Full fine-tuning, balancing off, and on with a checkpoint after every step and an export."""
+    d = tmp_path_factory.mktemp("full")
+    off = train(d, "off", False, *COMMON, "--gradient-checkpointing")
+    on = train(d, "on", True, *COMMON, "--gradient-checkpointing", "--save-dir", str(d / "ckpt"),
+               "--checkpoint-every", "1", "--export-dir", str(d / "export"))  # fmt: skip
+    return d, off, on
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """LoRA: ZeRO-3 balanced (under the host-tensor check, writing validation images) and ZeRO-2
+    unbalanced, both exporting the adapter."""
+    d = tmp_path_factory.mktemp("lora")
+    (d / "prompts.txt").write_text("a red cat\n\na blue dog on grass\n")
+    on = train(d, "on", True, *COMMON, *LORA, "--export-dir", str(d / "on"), "--validation-every", "3",
+               "--validation-prompts", str(d / "prompts.txt"), "--validation-dir", str(d / "images"),
+               module="tests.host_tensors")  # fmt: skip
+    off = train(d, "off", False, *COMMON, *LORA, "--export-dir", str(d / "off"), stage=2)
+    return d, on, off
+
+
+def test_zero3_balanced_training_matches_unbalanced_and_exports_to_diffusers(full_runs):
+    d, (off_run, off), (on_run, on) = full_runs
+    check(off_run)
+    check(on_run)
+    assert sorted(on) == [0, 1, 2]
+    assert list(on.values()) == pytest.approx(list(off.values()), rel=1e-5)
 
     from deepspeed_knap.models.flux import PackedFluxTransformer
 
-    exported = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "export")
-    ours = PackedFluxTransformer.from_pretrained(tmp_path / "export", attention_backend="sdpa")
-    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    exported = diffusers.FluxTransformer2DModel.from_pretrained(d / "export")
+    ours = PackedFluxTransformer.from_pretrained(d / "export", attention_backend="sdpa")
+    config = json.loads((d / "export" / "config.json").read_text())
     torch.manual_seed(0)  # the script's initial weights: training must have changed them
     initial = PackedFluxTransformer(**{key: value for key, value in config.items() if not key.startswith("_")})
     moved = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), initial.parameters(), strict=True))
@@ -50,25 +94,150 @@ def test_zero3_balanced_training_matches_unbalanced_and_exports_to_diffusers(tmp
     assert all(torch.equal(tensor, theirs[name]) for name, tensor in ours.state_dict().items())
 
 
-def test_training_reads_the_latent_files_prepare_writes(tmp_path):
-    prepare = [sys.executable, str(ROOT / "examples" / "prepare_flux_latents.py"), "--out", str(tmp_path / "data"),
-               "--synthetic", "kf_mixed_res", "--count", "6", "--token-scale", "0.015625", "--in-channels", "16",
-               "--joint-attention-dim", "32", "--pooled-projection-dim", "16"]  # fmt: skip
-    written = subprocess.run(prepare, capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert written.returncode == 0, written.stderr[-3000:]
-    assert len(list((tmp_path / "data").glob("*.safetensors"))) == 6
-    losses = train(tmp_path, "files", True, "--data-dir", str(tmp_path / "data"), "--samples-per-rank", "2",
-                   "--steps", "2")  # fmt: skip
-    assert len(losses) == 2 and all(loss > 0 for loss in losses)
+def test_resumed_run_continues_with_the_uninterrupted_losses_and_weights(full_runs):
+    """The balanced ZeRO-3 run saved a checkpoint after every step; one resumed after step 0 (as if
+    killed there) must print the same later losses and end with the same weights."""
+    d, _, (on_run, on) = full_runs
+    check(on_run)
+    assert sorted(p.name for p in (d / "ckpt").glob("step*")) == ["step1", "step2", "step3"]
+    resumed_run, resumed = train(d, "resumed", True, *COMMON, "--gradient-checkpointing",
+                                 "--resume", str(d / "ckpt" / "step1"), "--export-dir", str(d / "resumed"))  # fmt: skip
+    check(resumed_run)
+    assert resumed == {step: on[step] for step in (1, 2)}
+
+    from safetensors.torch import load_file
+
+    uninterrupted, continued = (
+        load_file(d / name / "diffusion_pytorch_model.safetensors") for name in ("export", "resumed")
+    )
+    assert uninterrupted.keys() == continued.keys()
+    assert all(torch.equal(continued[name], tensor) for name, tensor in uninterrupted.items())
 
 
-def test_readme_main_job_trains_and_prints_loss_and_imbalance():
+def test_lora_balanced_on_zero3_equals_unbalanced_on_zero2_and_writes_validation_images(lora_runs):
+    d, (on_run, on), (off_run, off) = lora_runs
+    check(on_run)
+    check(off_run)
+    assert sorted(on) == [0, 1, 2]
+    assert list(on.values()) == pytest.approx(list(off.values()), rel=1e-5)
+
+    from safetensors.torch import load_file
+
+    from deepspeed_knap.models.flux_finetune import ADAPTER_FILE
+    from tests.flux_cases import relative_error
+
+    balanced, unbalanced = load_file(d / "on" / ADAPTER_FILE), load_file(d / "off" / ADAPTER_FILE)
+    assert (
+        balanced.keys() == unbalanced.keys() and len(balanced) == (2 * 12 + 2 * 3) * 2
+    )  # A, B of 12 layers per double block, 3 per single
+    # Adam divides each gradient by its own running scale, so fp32 rounding in the small gradients
+    # of the adapters (summed in another order when balanced) shows at ~1e-3 of the weights here.
+    assert max(relative_error(balanced[k], unbalanced[k]) for k in balanced) < 3e-3
+
+    from PIL import Image
+
+    images = sorted((d / "images").glob("*.png"))
+    assert [p.name for p in images] == ["step000003_prompt00.png", "step000003_prompt01.png"]
+    assert all(Image.open(p).size == (32, 32) for p in images)
+    assert f"validation image {images[1]} after step 2: 'a blue dog on grass'" in on_run.stdout
+
+
+def test_exported_adapter_loads_into_diffusers_pipeline_as_peft_lora_on_our_model(lora_runs):
+    """diffusers' FluxPipeline.load_lora_weights reads the adapter; its transformer then computes
+    what our packed model computes with peft's LoRA holding the same weights, and not the base."""
+    d, (on_run, _), _ = lora_runs
+    check(on_run)
+    from diffusers import FluxPipeline
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from deepspeed_knap.models.flux import PackedFluxTransformer
+    from deepspeed_knap.models.flux_data import rectified_flow, synthetic_samples
+    from deepspeed_knap.models.flux_finetune import (
+        ADAPTER_FILE,
+        TINY_FLUX,
+        add_lora,
+        diffusers_transformer,
+        tiny_pipeline_components,
+    )
+    from deepspeed_knap.workloads import SampleShape
+    from tests.flux_cases import diffusers_output, relative_error
+
+    torch.manual_seed(0)  # the script's base weights, which LoRA training leaves frozen
+    base = PackedFluxTransformer(**TINY_FLUX, attention_backend="sdpa")
+    pipe = FluxPipeline(
+        **tiny_pipeline_components(TINY_FLUX), transformer=diffusers_transformer(TINY_FLUX, base.state_dict())
+    )
+    latents = synthetic_samples([SampleShape(text=5, visual=12, frames=1)], TINY_FLUX, seed=3)
+    (sample,), _ = rectified_flow(latents, torch.Generator().manual_seed(0), guidance=2.0)
+    with torch.no_grad():
+        before = diffusers_output(pipe.transformer, sample)
+        pipe.load_lora_weights(d / "on")
+        after = diffusers_output(pipe.transformer, sample)
+
+        ours = PackedFluxTransformer(**TINY_FLUX, attention_backend="sdpa")
+        ours.load_state_dict(base.state_dict())
+        add_lora(ours, rank=4, alpha=8)
+        adapter = {name.removeprefix("transformer."): t for name, t in load_file(d / "on" / ADAPTER_FILE).items()}
+        assert not set_peft_model_state_dict(ours, adapter).unexpected_keys
+        expected = ours.forward_samples([sample])[0]
+    assert relative_error(after, expected) < 1e-5
+    assert relative_error(after, before) > 1e-4
+
+
+def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_path):
+    from diffusers import FluxPipeline
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from deepspeed_knap.models.flux_data import save_latent_sample
+    from deepspeed_knap.models.flux_finetune import TINY_FLUX, tiny_pipeline_components
+
+    FluxPipeline(**tiny_pipeline_components(TINY_FLUX), transformer=None).save_pretrained(tmp_path / "pipeline")
+    sizes = {"wide": (40, 24), "tall": (24, 36), "square": (32, 32), "panorama": (64, 16)}  # width, height
+    generator = torch.Generator().manual_seed(0)
+    for name, (width, height) in sizes.items():
+        pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
+        Image.fromarray(pixels.numpy()).save(tmp_path / f"{name}.png")
+        (tmp_path / f"{name}.txt").write_text(f"a {name} photo\n")
+    prepare = [sys.executable, str(ROOT / "examples" / "prepare_flux_latents.py")]
+    images = subprocess.run([*prepare, "--images", str(tmp_path), "--pipeline", str(tmp_path / "pipeline"),
+                             "--out", str(tmp_path / "data"), "--resolution", "32", "--max-sequence-length", "8"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert images.returncode == 0, images.stderr[-3000:]
+    # Longer side to 32 px, each side a multiple of 4 px (the VAE's 2x, then 2x2 patches): every
+    # image keeps its aspect ratio, one latent token per 4x4 px.
+    expected = {"panorama": (32, 8), "square": (32, 32), "tall": (20, 32), "wide": (32, 20)}
+    files = sorted((tmp_path / "data").glob("*.safetensors"))
+    for file, (width, height) in zip(files, (expected[name] for name in sorted(sizes)), strict=True):
+        sample = load_file(file)
+        assert sample["latents"].shape == (width // 4 * (height // 4), 16)
+        assert sample["img_ids"][:, 1].max() == height // 4 - 1 and sample["img_ids"][:, 2].max() == width // 4 - 1
+        assert sample["encoder_hidden_states"].shape == (8, 32) and sample["pooled_projections"].shape == (16,)
+
+    synthetic = subprocess.run([*prepare, "--synthetic", "kf_mixed_res", "--count", "1", "--token-scale", "0.015625",
+                                "--in-channels", "16", "--joint-attention-dim", "32", "--pooled-projection-dim", "16",
+                                "--out", str(tmp_path / "synthetic")], capture_output=True, text=True, cwd=ROOT,
+                               timeout=120)  # fmt: skip
+    assert synthetic.returncode == 0, synthetic.stderr[-3000:]
+    poisoned = load_file(tmp_path / "synthetic" / "00000000.safetensors")
+    poisoned["latents"][0, 0] = float("nan")
+    save_latent_sample(tmp_path / "data" / "00000004.safetensors", poisoned)  # read by rank 0 at step 1
+
+    result, losses = train(tmp_path, "images", True, "--tiny", "--data-dir", str(tmp_path / "data"), "--steps", "2")
+    assert result.returncode != 0 and list(losses) == [0] and losses[0] > 0
+    message = f"rank 0: non-finite loss at step 1 in ['{tmp_path / 'data' / '00000004.safetensors'}']"
+    assert (result.stdout + result.stderr).count(message) == 4, result.stderr[-3000:]
+
+
+def test_readme_main_job_trains_and_prints_loss_and_modeled_imbalance():
     from tests.test_readme import COMMANDS
 
     launch = COMMANDS[0].split(" && ")[-1].split()
     assert launch[:3] == [".venv/bin/deepspeed", "--num_gpus", "4"]
     result = run(deepspeed_launch(ROOT / launch[3], *launch[4:]))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    steps = re.findall(r"^step \d+ loss \S+ time \S+ tokens/s \S+ imbalance (\S+) -> (\S+)$", result.stdout, re.M)
+    check(result)
+    steps = STEP_LINE.findall(result.stdout)
     assert len(steps) == 5
-    assert all(float(after) < float(before) for before, after in steps)
+    assert all(float(after) < float(before) for _, _, before, after in steps)
+    assert "is deprecated" not in result.stderr  # ZeRO-3's torch deprecation warnings are filtered

@@ -251,7 +251,7 @@ def plot_step_loads(num_gpus: int, workload_name: str, topology_spec: str, path:
     seq_lens = sample_workload(workload_name, num_gpus, seed)
     model = default_workload()
     plans = {solver: plan_routing(seq_lens, topology, model, solver) for solver in solvers}
-    plot_loads(plans, path, f"{topology_spec}, {workload_name} (seed {seed})")
+    plot_loads(plans, path, f"{topology_spec}, {workload_name} (seed {seed})", topology)
 
 
 def run(args: argparse.Namespace) -> int:

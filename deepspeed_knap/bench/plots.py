@@ -7,25 +7,52 @@ from pathlib import Path
 import numpy as np
 
 from deepspeed_knap.planner import RoutingPlan
+from deepspeed_knap.topology import Topology
 
 
-def plot_loads(plans: dict[str, RoutingPlan], path: str | Path, title: str) -> None:
-    """Bar chart of modeled per-GPU load, one panel per solver, lower bound dashed."""
+def plot_loads(plans: dict[str, RoutingPlan], path: str | Path, title: str, topology: Topology | None = None) -> None:
+    """Write :func:`loads_figure` to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = loads_figure(plans, title, topology)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def loads_figure(plans: dict[str, RoutingPlan], title: str, topology: Topology | None = None):
+    """Bar chart of modeled per-GPU load, one panel per solver, lower bound dashed. With ``topology``,
+    bags are shaded in alternation and their boundaries drawn, so a reader sees which GPUs share
+    sequences. The legend sits beside the panels, never over a bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(len(plans), 1, figsize=(10, 2.2 * len(plans) + 0.6), sharex=True, sharey=True)
+    fig, axes = plt.subplots(len(plans), 1, figsize=(11, 2.2 * len(plans) + 0.6), sharex=True, sharey=True)
     axes = np.atleast_1d(axes)
+    bags = list(zip(topology.bag_first_rank, topology.bag_sizes, strict=True)) if topology else []
     for ax, (name, plan) in zip(axes, plans.items(), strict=True):
-        ax.bar(np.arange(plan.num_gpus), plan.gpu_loads, width=0.85, color="tab:gray" if name == "none" else "tab:blue")
-        ax.axhline(plan.lower_bound, color="tab:red", linestyle="--", linewidth=1, label="lower bound")
+        for index, (first, size) in enumerate(bags):
+            if index % 2:
+                ax.axvspan(first - 0.5, first + size - 0.5, color="0.92", zorder=0)
+            if first:
+                ax.axvline(first - 0.5, color="0.55", linewidth=0.8, zorder=1)
+        ax.bar(np.arange(plan.num_gpus), plan.gpu_loads, width=0.85, zorder=2,
+               color="tab:gray" if name == "none" else "tab:blue")  # fmt: skip
+        ax.axhline(plan.lower_bound, color="tab:red", linestyle="--", linewidth=1, zorder=3)
         ax.set_ylabel("modeled s")
+        ax.set_xlim(-0.5, plan.num_gpus - 0.5)
         ax.set_title(f"{name}: step {plan.max_load:.3g} s, imbalance {plan.imbalance:.3f}", fontsize=10, loc="left")
-    axes[0].legend(loc="upper right", fontsize=8)
+    handles = [
+        Patch(color="tab:gray", label="GPU load, no balancing"),
+        Patch(color="tab:blue", label="GPU load, balanced"),
+        plt.Line2D([], [], color="tab:red", linestyle="--", label="lower bound"),
+    ]
+    if bags:
+        handles.append(Patch(facecolor="0.92", edgecolor="0.55", label="bags (alternate shading)"))
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=8, frameon=False)
     axes[-1].set_xlabel("GPU (rank in balance group)")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
