@@ -239,6 +239,7 @@ def _balanced_worker(rank: int, world: int) -> dict:
     from deepspeed_knap.balancer import KnapBalancer
     from deepspeed_knap.bench.routing import flux_route_bytes
     from deepspeed_knap.routing import record_traffic
+    from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
     from deepspeed_knap.topology import build_topology, create_process_groups
     from deepspeed_knap.workload import WorkloadModel
 
@@ -248,6 +249,8 @@ def _balanced_worker(rank: int, world: int) -> dict:
             return self.plans[-1]
 
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    dist.barrier()  # every rank has mapped DeepSpeed's CPU all-reduce buffers: drop ours
+    unlink_own_shm_buffer(rank)
     results = {}
     for family in FAMILIES:
         ref = reference_model(family, torch.float64)

@@ -340,7 +340,7 @@ def load_checkpoint(
             raise CheckpointError(f"checkpoint {directory} does not fit {cls.__name__}:\n" + "\n".join(problems))
         return config, meta, files
 
-    config, meta, files = checked(plain, f"loading {path}", prepare)
+    config, meta, files = checked(plain, f"loading a {cls.__name__} checkpoint", prepare)
     with HostMemory.measure() as host:
         if partitioned:
             with deepspeed.zero.Init(config_dict_or_path=plain, dtype=torch_dtype):

@@ -51,5 +51,5 @@ def from_pretrained(path: str | Path, ds_config: Any = None, **kwargs: Any) -> P
     :meth:`~deepspeed_knap.models.flux_base.PackedFluxBase.from_pretrained`'s. With ``ds_config``,
     collective: every rank raises the same error when any rank cannot tell the family."""
     plain = None if ds_config is None else plain_ds_config(ds_config)
-    family = checked(plain, f"reading the model family of {path}", lambda: checkpoint_family(path))
+    family = checked(plain, "reading a checkpoint's model family", lambda: checkpoint_family(path))
     return family_class(family).from_pretrained(path, ds_config=ds_config, **kwargs)
