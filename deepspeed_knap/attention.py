@@ -96,12 +96,20 @@ _KERNELS = {"flash": _flash, "torch_varlen": _torch_varlen_attn, "sdpa": _sdpa}
 
 def _unusable(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why ``backend`` cannot run on these tensors, or ``None``."""
+    if backend_problem(backend):
+        return backend_problem(backend)
+    if backend in ("flash", "torch_varlen") and (device.type != "cuda" or dtype not in _HALF):
+        return f"it needs CUDA tensors in float16 or bfloat16, got {dtype} on {device}"
+    return None
+
+
+def backend_problem(backend: str) -> str | None:
+    """Why ``backend`` cannot be used on this machine at all (not installed), or ``None``. Differs
+    between nodes when packages do, so :func:`deepspeed_knap.initialize` agrees on it first."""
     if backend == "flash" and _flash_varlen() is None:
         return "flash-attn is not installed (pip install flash-attn)"
     if backend == "torch_varlen" and _torch_varlen() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-    if backend in ("flash", "torch_varlen") and (device.type != "cuda" or dtype not in _HALF):
-        return f"it needs CUDA tensors in float16 or bfloat16, got {dtype} on {device}"
     return None
 
 
@@ -238,6 +246,7 @@ class KnapDistributedAttention(DistributedAttention):
         groups = routed.layout.attention_groups
         if not groups:  # no tokens here: an empty result that still depends on q, k and v for autograd
             return query + key + value
+        # In the layout's global (start, size) order: deadlock-free however groups nest (GpuLayout).
         outputs = [self._group_attention(query, key, value, routed, index) for index in range(len(groups))]
         if len(groups) == 1 and groups[0].rows is None:
             return outputs[0]

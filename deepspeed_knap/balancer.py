@@ -97,9 +97,18 @@ class KnapBalancer:
 
     def forward(self, batch: PackedBatch, blocks: Callable[[RoutedBatch], Tensor]) -> Tensor:
         """Run ``blocks`` on the balanced tokens and return its ``[T_routed, ...]`` output as
-        ``[T, ...]`` rows in ``batch``'s order."""
-        routed = self.route(batch, self.plan(batch))
-        return reverse_route(blocks(routed), routed)
+        ``[T, ...]`` rows in ``batch``'s order.
+
+        Raises:
+            RuntimeError: naming the step and this rank, when a collective fails (a rank died, or one
+                stuck past the groups' timeout) or the blocks raise.
+        """
+        step = self.steps + 1
+        try:
+            routed = self.route(batch, self.plan(batch))
+            return reverse_route(blocks(routed), routed)
+        except RuntimeError as error:
+            raise RuntimeError(f"knapformer step {step} failed on rank {self.groups.rank}: {error}") from error
 
 
 def balanced_forward(

@@ -2,7 +2,7 @@
 
     "knapformer": {
         "enabled": true,
-        "topology": "g8n4",
+        "topology": "auto",
         "workload": {"model": "flux-dev"},
         "solver": "refine",
         "attention_backend": "auto",
@@ -24,7 +24,7 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from deepspeed_knap.planner import DEFAULT_SOLVER
-from deepspeed_knap.topology import parse_topology_spec
+from deepspeed_knap.topology import AUTO, parse_topology_spec
 from deepspeed_knap.workload import MODEL_PRESETS, WorkloadModel, default_workload
 
 KNAPFORMER = "knapformer"
@@ -103,9 +103,15 @@ class KnapFormerConfig(DeepSpeedConfigModel):
     enabled: bool = False
     """Turn balancing on."""
     topology: str | None = None
-    """Bag layout of one balance group, e.g. ``"g8n4"`` or ``"g1n8+g2n4"``; required when enabled."""
+    """``"auto"`` (every sequence gets its own Ulysses degree each step), or the bag layout of one
+    balance group, e.g. ``"g8n4"`` or ``"g1n8+g2n4"``; required when enabled."""
+    max_degree: int | None = Field(None, gt=0)
+    """``auto`` only: the largest Ulysses group, a power of two; default: the smallest of 8, the node
+    and the model's attention heads."""
     gpus_per_node: int | None = Field(None, gt=0)
-    """GPUs per node for node-aligned bags; default: the launcher's ``LOCAL_WORLD_SIZE``."""
+    """GPUs per node: bags and groups stay inside nodes; default: what the launcher reports
+    (``LOCAL_SIZE`` from deepspeed, ``LOCAL_WORLD_SIZE`` from torchrun, ``OMPI_COMM_WORLD_LOCAL_SIZE``
+    or ``MPI_LOCALNRANKS`` from mpirun, ``SLURM_NTASKS_PER_NODE``)."""
     solver: Literal["none", "knapformer", "refine"] = DEFAULT_SOLVER
     """Planner solver."""
     workload: KnapWorkloadConfig = Field(default_factory=KnapWorkloadConfig)
@@ -116,6 +122,9 @@ class KnapFormerConfig(DeepSpeedConfigModel):
     """Local attention kernel of every ``KnapDistributedAttention`` in the model."""
     log_interval: int = Field(10, ge=0)
     """Log balancing metrics every this many steps (0: never)."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Seconds a collective of ours (the lengths gather, the routes, the Ulysses all-to-alls) waits
+    for a stuck or dead rank before the job fails; DeepSpeed's own default is 10 minutes."""
 
     @field_validator("topology")
     @classmethod
@@ -127,7 +136,15 @@ class KnapFormerConfig(DeepSpeedConfigModel):
     @model_validator(mode="after")
     def _topology_when_enabled(self) -> KnapFormerConfig:
         if self.enabled and self.topology is None:
-            raise ValueError('"enabled": true needs a "topology", e.g. "g8n4" (4 bags of 8 GPUs)')
+            raise ValueError('"enabled": true needs a "topology": "auto", or bags such as "g8n4" (4 bags of 8 GPUs)')
+        if self.max_degree is not None:
+            if self.topology is None or self.topology.strip() != AUTO:
+                raise ValueError(
+                    f'"max_degree": {self.max_degree} applies to "topology": "auto" only; a fixed topology '
+                    f"({self.topology!r}) sets its bag sizes itself"
+                )
+            if self.max_degree & (self.max_degree - 1):
+                raise ValueError(f'"max_degree": {self.max_degree} must be a power of two (1, 2, 4, 8, ...)')
         return self
 
 

@@ -12,6 +12,8 @@ exactly right, because every rank's loss is over its own original samples.
 from __future__ import annotations
 
 import copy
+import datetime
+import json
 import os
 from typing import Any
 
@@ -19,10 +21,18 @@ import deepspeed
 import deepspeed.comm as dist
 from torch import Tensor, nn
 
-from deepspeed_knap.attention import KnapDistributedAttention
+from deepspeed_knap.attention import KnapDistributedAttention, backend_problem
 from deepspeed_knap.balancer import KnapBalancer
 from deepspeed_knap.config import KNAPFORMER, KnapFormerConfig, get_knapformer_config, load_ds_config
-from deepspeed_knap.topology import Topology, build_topology, create_process_groups
+from deepspeed_knap.topology import (
+    AUTO,
+    Topology,
+    build_topology,
+    check_same_on_every_rank,
+    create_process_groups,
+    default_max_degree,
+)
+from deepspeed_knap.workload import WorkloadModel
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, config: Any = None, **kwargs: Any):
@@ -31,8 +41,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
     Takes the same arguments as ``deepspeed.initialize`` (the config as ``config=`` or as
     ``args.deepspeed_config``). The block is validated, and the topology checked against the world
     size, node size and the model's attention heads, before DeepSpeed builds the engine; a bad block
-    raises the same ``ValueError`` on every rank. Every ``KnapDistributedAttention`` in ``model``
-    gets the block's ``attention_backend``.
+    raises the same ``ValueError`` on every rank. So does a setting that differs between ranks (the
+    block itself, the node size the launcher reports, the calibration file, whether the attention
+    kernel is installed, the model's parameters): one collective compares them first. Every
+    ``KnapDistributedAttention`` in ``model`` gets the block's ``attention_backend``.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler, balancer)``: DeepSpeed's four results, and a
@@ -50,20 +62,25 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
 
     # Under mpirun, DeepSpeed discovers ranks through mpi4py and would take port 29500 unless told.
     deepspeed.init_distributed(distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
-    topology = None
+    topology = workload = None
     if knap.enabled:
-        topology = _build_topology(knap, dist.get_world_size())
-        for module in model.modules() if model is not None else ():
-            if isinstance(module, KnapDistributedAttention):
-                module.configure(topology, knap.attention_backend)
+        attention = [m for m in model.modules() if isinstance(m, KnapDistributedAttention)] if model is not None else []
+        workload, views = _rank_views(knap, ds_config, model, attention)
+        check_same_on_every_rank(views)
+        if isinstance(workload, Exception):  # the same on every rank, as just checked
+            raise workload
+        heads = min((m.num_heads for m in attention), default=None)
+        topology = _build_topology(knap, dist.get_world_size(), heads)
+        for module in attention:
+            module.configure(topology, knap.attention_backend)
     engine, optimizer, dataloader, lr_scheduler = deepspeed.initialize(
         args=args, model=model, config=plain_config, **kwargs
     )
     if topology is None:
         return engine, optimizer, dataloader, lr_scheduler, None
     balancer = KnapBalancer(
-        create_process_groups(topology),
-        knap.workload.build(),
+        create_process_groups(topology, datetime.timedelta(seconds=knap.timeout_s)),
+        workload,
         knap.solver,
         knap.max_tokens_per_gpu,
         knap.log_interval,
@@ -72,10 +89,61 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
     return engine, optimizer, dataloader, lr_scheduler, balancer
 
 
-def _build_topology(knap: KnapFormerConfig, world_size: int) -> Topology:
-    gpus_per_node = knap.gpus_per_node
-    if gpus_per_node is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
-        gpus_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+def _rank_views(knap: KnapFormerConfig, ds_config: dict, model: nn.Module | None,
+                attention: list[KnapDistributedAttention]) -> tuple[WorkloadModel | Exception, dict[str, str]]:  # fmt: skip
+    """This rank's workload model (or the error building it) and what it sees of every setting that
+    can differ between nodes, for :func:`~deepspeed_knap.topology.check_same_on_every_rank`."""
+    try:
+        workload: WorkloadModel | Exception = knap.workload.build()  # may read a calibration file
+    except ValueError as error:
+        workload = error
+    parameters = [] if model is None else [
+        (name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype)) for name, p in model.named_parameters()
+    ]  # fmt: skip
+    views = {
+        '"knapformer" block': json.dumps(ds_config.get(KNAPFORMER), sort_keys=True),
+        "gpus per node from the launcher": str(launcher_gpus_per_node()),
+        "workload model (calibration_file)": repr(workload),
+        f"attention backend {knap.attention_backend!r}": str(backend_problem(knap.attention_backend)),
+        "model parameters (names, shapes, dtypes)": repr(parameters),
+        "attention heads": repr(sorted({m.num_heads for m in attention})),
+    }
+    return workload, views
+
+
+# Environment variables holding the number of ranks on this node, by launcher.
+NODE_SIZE_VARIABLES = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                       "SLURM_NTASKS_PER_NODE")  # fmt: skip
+
+
+def launcher_gpus_per_node() -> int | None:
+    """Ranks on this node as the launcher reports them: ``LOCAL_SIZE`` (deepspeed), ``LOCAL_WORLD_SIZE``
+    (torchrun), ``OMPI_COMM_WORLD_LOCAL_SIZE`` (Open MPI), ``MPI_LOCALNRANKS`` (MPICH), or
+    ``SLURM_NTASKS_PER_NODE`` (``"8"`` or ``"8(x4)"``); ``None`` if none is set."""
+    for name in NODE_SIZE_VARIABLES:
+        value = os.environ.get(name, "").split("(")[0].strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def _build_topology(knap: KnapFormerConfig, world_size: int, heads: int | None) -> Topology:
+    reported = launcher_gpus_per_node()
+    if knap.gpus_per_node is not None and reported is not None and knap.gpus_per_node != reported:
+        raise ValueError(
+            f'"gpus_per_node": {knap.gpus_per_node} in the "knapformer" block, but the launcher reports {reported} '
+            f"ranks on this node ({', '.join(NODE_SIZE_VARIABLES)}); bags would be laid out for the wrong nodes. "
+            "Fix the block or the launch (e.g. --num_gpus)"
+        )
+    gpus_per_node = knap.gpus_per_node or reported
+    if knap.topology.strip() == AUTO:
+        max_degree = knap.max_degree or default_max_degree(world_size, gpus_per_node, heads)
+        if heads is not None and max_degree > heads:
+            raise ValueError(
+                f'"max_degree": {max_degree} but the model\'s attention has only {heads} heads; Ulysses needs at '
+                f"least one head per GPU of a group. Use max_degree <= {1 << (heads.bit_length() - 1)}"
+            )
+        return build_topology(AUTO, world_size, gpus_per_node, max_degree)
     topology = build_topology(knap.topology, world_size, gpus_per_node)
     if not topology.node_aligned:
         raise ValueError(

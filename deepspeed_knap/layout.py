@@ -93,8 +93,16 @@ class GpuLayout:
         seq_ids: ``[n]`` int64 sequences this GPU holds a non-empty chunk of after routing, ascending.
         chunk_starts: ``[n]`` int64 where each chunk starts inside its sequence.
         chunk_lens: ``[n]`` int64 chunk lengths (the routed batch's ``seq_lens``).
-        attention_groups: the groups this GPU is a member of, ordered by ``(start, size)`` so every
-            GPU runs their collectives in the same order.
+        attention_groups: the groups this GPU is a member of, ordered by ``(start, size)``.
+
+    Why that order cannot deadlock, however groups nest (``auto`` puts a GPU in a group of each size):
+    ``(start, size)`` is one total order on all groups of the step, and every GPU runs its groups'
+    all-to-alls in increasing order. Take the smallest group, in that order, whose exchange has not
+    completed: each of its members has already completed every group it runs before this one (they
+    are all smaller), so every member reaches this exchange and it completes. By induction all do;
+    no two GPUs can wait on each other in opposite orders. Backward runs each GPU's exchanges in
+    reverse (autograd processes the later-created branch of the attention output first), which is the
+    reverse of the same total order, so the argument holds there too.
     """
 
     gpu: int
@@ -160,6 +168,7 @@ def gpu_layout(plan: RoutingPlan, gpu: int) -> GpuLayout:
     member_chunks = np.flatnonzero(plan.chunk_gpu == gpu)  # empty chunks too: members still exchange
     member_seqs = seq_of_chunk[member_chunks]
     keys = np.stack([plan.seq_group_start[member_seqs], plan.seq_group_size[member_seqs]], axis=1)
+    # One global order, (start, size), for the collectives of every GPU: see attention_groups.
     group_keys = sorted({(int(a), int(b)) for a, b in keys})
     for start, size in group_keys:
         seq_ids = member_seqs[(keys[:, 0] == start) & (keys[:, 1] == size)]

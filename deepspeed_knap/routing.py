@@ -18,7 +18,6 @@ exchange. Dimension names: ``T`` tokens, ``D`` model width, ``S`` GPUs of the ba
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,7 +31,7 @@ from torch import Tensor
 from deepspeed_knap.layout import GpuLayout, gpu_layout, local_layout
 from deepspeed_knap.packing import PackedBatch
 from deepspeed_knap.planner import RoutingPlan
-from deepspeed_knap.topology import ProcessGroups
+from deepspeed_knap.topology import ProcessGroups, text_digest
 
 # Bytes each kind of exchange sent to other ranks, while record_traffic() is active.
 _traffic: dict[str, int] | None = None
@@ -186,7 +185,7 @@ def route(batch: PackedBatch, plan: RoutingPlan, groups: ProcessGroups) -> Route
     problem = _route_problem(batch, plan, groups)
     signature = batch.signature()
     checks = _all_gather_ints(
-        [problem is not None, plan.fingerprint, _digest(signature)], batch.tokens.device, groups.balance_group
+        [problem is not None, plan.fingerprint, text_digest(signature)], batch.tokens.device, groups.balance_group
     )
     bad_ranks = [r for r, (bad, _, _) in enumerate(checks) if bad]
     if bad_ranks:
@@ -220,10 +219,6 @@ def route(batch: PackedBatch, plan: RoutingPlan, groups: ProcessGroups) -> Route
         ),
     )
     return RoutedBatch(routed, layout, plan, groups)
-
-
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def _route_problem(batch: PackedBatch, plan: RoutingPlan, groups: ProcessGroups) -> str | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import itertools
 import re
 from dataclasses import dataclass
@@ -294,8 +295,7 @@ class ProcessGroups:
         rank: this process's global rank.
         replica: which balance group it belongs to.
         group_rank: its position inside the balance group, the GPU index plans use.
-        balance_group: the process group of the balance group (lengths gather, routing), or ``None``
-            for the whole world when there is one replica.
+        balance_group: the process group of the balance group (lengths gather, routing).
         attention_groups: ``{(start, size): process group}`` for every group of size > 1 this rank is
             in (a bag, or with ``auto`` one group per size), keyed by positions inside the balance
             group as plans give them.
@@ -356,10 +356,10 @@ def create_process_groups(topology: Topology, timeout: datetime.timedelta | None
     attention_groups = {}
     for r in range(topology.num_replicas):
         first = r * topology.group_size
-        if topology.num_replicas > 1:
-            group = torch.distributed.new_group(list(range(first, first + topology.group_size)), timeout=timeout)
-            if r == replica:
-                balance_group = group
+        # Made even when it is the whole world, so that the lengths gather and the routes time out too.
+        group = torch.distributed.new_group(list(range(first, first + topology.group_size)), timeout=timeout)
+        if r == replica:
+            balance_group = group
         for start, size in topology.groups:
             if size == 1:
                 continue
@@ -367,3 +367,45 @@ def create_process_groups(topology: Topology, timeout: datetime.timedelta | None
             if r == replica and start <= group_rank < start + size:
                 attention_groups[(start, size)] = group
     return ProcessGroups(topology, rank, replica, group_rank, balance_group, attention_groups)
+
+
+def check_same_on_every_rank(views: dict[str, str]) -> None:
+    """Raise the same ``ValueError`` on every rank when ranks see a setting differently.
+
+    ``views`` maps a setting's name to what this rank sees (a config block, a node size read from
+    the launcher, a file's contents, whether a kernel is installed): anything that can differ between
+    nodes. One all-gather of a digest per setting, on the accelerator device, over the world; every
+    rank then knows which ranks differ and raises the same message, instead of some raising and the
+    others waiting in their next collective. Every rank must call it with the same setting names.
+
+    Raises:
+        ValueError: naming each setting that differs and the ranks that see it otherwise than rank 0.
+    """
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    names = sorted(views)
+    mine = torch.tensor(
+        [text_digest(name + "\0" + views[name]) for name in names], dtype=torch.int64,
+        device=get_accelerator().current_device_name(),
+    )  # fmt: skip
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    table = torch.stack(gathered).cpu()  # [world, settings]
+    differing = []
+    for column, name in enumerate(names):
+        odd = torch.nonzero(table[:, column] != table[0, column]).flatten().tolist()
+        if odd:
+            differing.append(f"{name} (ranks {odd} differ from rank 0)")
+    if differing:
+        raise ValueError(
+            "ranks see different settings, so they would act differently and the job would hang: "
+            + "; ".join(differing)
+            + ". Make the nodes' files, installed packages, environment and configs identical"
+        )
+
+
+def text_digest(text: str) -> int:
+    """A 63-bit digest of ``text`` (fits an int64 tensor), equal for equal texts on every machine."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1

@@ -15,6 +15,7 @@ def block(**fields):
 def test_absent_block_is_disabled_with_documented_defaults():
     config = get_knapformer_config({"train_batch_size": 8})
     assert not config.enabled and config.topology is None and config.solver == "refine"
+    assert config.max_degree is None and config.timeout_s == 300.0
     assert config.attention_backend == "auto" and config.log_interval == 10 and config.max_tokens_per_gpu is None
     assert config.workload.build() == default_workload("flux-dev")
 
@@ -50,6 +51,10 @@ def test_calibration_file(tmp_path):
         ({"workload": {"model": "flux-xl"}}, "unknown model preset 'flux-xl'"),
         ({"workload": {"linear_coef": 1.0}}, "coefficients need both linear_coef and quadratic_coef"),
         ({"workload": {"model": "flux-dev", "linear_coef": 1, "quadratic_coef": 1}}, "give one workload source"),
+        ({"topology": "g8n4", "max_degree": 8}, '"max_degree": 8 applies to "topology": "auto" only'),
+        ({"topology": "auto", "max_degree": 6}, '"max_degree": 6 must be a power of two'),
+        ({"topology": "auto", "max_degree": 0}, "knapformer.max_degree = 0: Input should be greater than 0"),
+        ({"timeout_s": 0}, "knapformer.timeout_s = 0: Input should be greater than 0"),
     ],
 )
 def test_bad_blocks_name_the_key_and_value(fields, message):

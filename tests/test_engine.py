@@ -25,6 +25,9 @@ def ds_config(stage: int, knapformer: dict | None) -> dict:
 
 KNAP_ON = {"enabled": True, "topology": "g1n2+g2n1", "solver": "knapformer", "attention_backend": "sdpa",
            "workload": {"linear_coef": 1.0, "quadratic_coef": 0.05}, "log_interval": 1}  # fmt: skip
+# Elastic: a priced all-to-all keeps short sequences whole while long ones are split.
+KNAP_AUTO = {**KNAP_ON, "topology": "auto", "solver": "refine",
+             "workload": {"linear_coef": 1.0, "quadratic_coef": 0.05, "alltoall_coef": 0.5}}  # fmt: skip
 
 
 def step_lengths(step: int, rank: int) -> list[int]:
@@ -83,8 +86,12 @@ def _zero_worker(rank: int, world: int, stage: int, monitor_dir: str) -> dict:
     on_config = ds_config(stage, KNAP_ON)
     on_config["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": f"zero{stage}"}
     on_losses, on_params = train(rank, on_config)
-    return {"off": off_losses, "on": on_losses, "param_err": float((on_params - off_params).abs().max()),
-            "param_change": float((on_params - _initial_params()).abs().max())}  # fmt: skip
+    result = {"off": off_losses, "on": on_losses, "param_err": float((on_params - off_params).abs().max()),
+              "param_change": float((on_params - _initial_params()).abs().max())}  # fmt: skip
+    if stage == 3:
+        auto_losses, auto_params = train(rank, ds_config(stage, KNAP_AUTO))
+        result.update(auto=auto_losses, auto_param_err=float((auto_params - off_params).abs().max()))
+    return result
 
 
 def _initial_params() -> torch.Tensor:
@@ -101,6 +108,9 @@ def test_zero_training_with_balancing_equals_without(stage, tmp_path):
         assert result["on"] == pytest.approx(result["off"], rel=1e-5, abs=1e-6)
         assert result["param_err"] <= 1e-5
         assert result["param_change"] > 1e-3  # training really moved the weights
+        if stage == 3:  # and with topology auto
+            assert result["auto"] == pytest.approx(result["off"], rel=1e-5, abs=1e-6)
+            assert result["auto_param_err"] <= 1e-5
     assert results[0]["off"] == results[1]["off"]  # a global mean: the same on every rank
     # log_interval 1: every step's balancing metrics reached DeepSpeed's CSV monitor.
     written = sorted(p.name for p in (tmp_path / f"zero{stage}").rglob("knapformer_*.csv"))
@@ -131,31 +141,58 @@ def test_zero3_checkpoint_round_trip_with_balancing(tmp_path):
         assert result["param_err"] == 0.0
 
 
-def _config_error_worker(rank: int, world: int) -> dict:
+def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
+    import os
+
     import deepspeed_knap
     from deepspeed_knap.models.tiny_dit import TinyDiT
 
+    # The harness's launcher reports every rank on one node (LOCAL_SIZE); "node" and "auto_node"
+    # launch as if on nodes of 2, "node_mismatch" keeps the report of 4.
+    two_per_node = {"LOCAL_SIZE": "2"}
     cases = {
-        "world": ({"topology": "g8n1"}, 6),
-        "node": ({"topology": "g3n1+g1n1", "gpus_per_node": 2}, 6),
-        "heads": ({"topology": "g4n1"}, 2),
-        "typo": ({"topology": "g4n1", "sovler": "refine"}, 6),
+        "world": ({"topology": "g8n1"}, 6, {}),
+        "node": ({"topology": "g3n1+g1n1", "gpus_per_node": 2}, 6, two_per_node),
+        "node_mismatch": ({"topology": "g2n2", "gpus_per_node": 2}, 6, {}),
+        "heads": ({"topology": "g4n1"}, 2, {}),
+        "typo": ({"topology": "g4n1", "sovler": "refine"}, 6, {}),
+        "auto_heads": ({"topology": "auto", "max_degree": 4}, 2, {}),
+        "auto_node": ({"topology": "auto", "max_degree": 4}, 6, two_per_node),
+        "auto_not_a_power_of_two": ({"topology": "auto", "max_degree": 3}, 6, {}),
+        # A calibration file only ranks 0 and 1 have: every rank must raise, naming 2 and 3.
+        "file_on_some_nodes": ({"topology": "g2n2", "workload": {"calibration_file": calibration}}, 6, {}),
     }
     errors = {}
-    for name, (block, heads) in cases.items():
+    for name, (block, heads, env) in cases.items():
         model = TinyDiT(DIM, heads, COND)
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        if name == "file_on_some_nodes" and rank >= 2:
+            block = {**block, "workload": {"calibration_file": calibration + ".missing-on-this-node"}}
         try:
             deepspeed_knap.initialize(model=model, config=ds_config(1, {"enabled": True, **block}))
         except ValueError as error:
             errors[name] = str(error)
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
     return errors
 
 
-def test_config_errors_before_the_first_step_on_every_rank():
-    results = run_distributed(_config_error_worker, 4)
+def test_config_errors_before_the_first_step_on_every_rank(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text('{"linear_coef": 1.0, "quadratic_coef": 0.01}')
+    results = run_distributed(_config_error_worker, 4, args=(str(calibration),))
     assert all(errors == results[0] for errors in results)  # identical on every rank
     errors = results[0]
     assert "needs a world size that is a multiple of its 8 GPUs" in errors["world"]
     assert "cannot be laid out over nodes of 2 GPUs" in errors["node"]
+    assert '"gpus_per_node": 2 in the "knapformer" block, but the launcher reports 4' in errors["node_mismatch"]
     assert "bags of 4 GPUs but attention has only 2 heads" in errors["heads"]
     assert "unknown key 'knapformer.sovler'" in errors["typo"]
+    assert '"max_degree": 4 but the model\'s attention has only 2 heads' in errors["auto_heads"]
+    assert "max_degree=4 is larger than a node of 2 GPUs" in errors["auto_node"]
+    assert '"max_degree": 3 must be a power of two' in errors["auto_not_a_power_of_two"]
+    assert "ranks see different settings" in errors["file_on_some_nodes"]
+    assert '"knapformer" block (ranks [2, 3] differ from rank 0)' in errors["file_on_some_nodes"]
+    assert "workload model (calibration_file) (ranks [2, 3] differ from rank 0)" in errors["file_on_some_nodes"]

@@ -306,3 +306,80 @@ def test_benchmark_traffic_formulas_match_bytes_really_sent(spec):
     results = run_distributed(_traffic_worker, 4, args=(spec,))
     assert results[0]["measured"] == results[0]["expected"]
     assert results[0]["measured"][1] > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Topology "auto": every sequence in its own aligned group; GPUs in several nested groups per layer.
+
+AUTO_DIM, AUTO_HEADS = 32, 8  # 8 heads: groups of up to 8 GPUs
+# A priced all-to-all keeps short sequences whole, so the planner mixes group sizes 1, 2, 4 (and 8).
+AUTO_WORKLOAD = dict(linear_coef=1.0, quadratic_coef=0.05, alltoall_coef=0.5)
+
+
+def _auto_worker(rank: int, world: int) -> dict:
+    """Conservation and equivalence with auto plans: the planner's, and random nested ones (every
+    sequence in a random aligned group of a random size)."""
+    import deepspeed.comm as dist
+    import numpy as np
+
+    from deepspeed_knap.balancer import KnapBalancer
+    from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
+    from deepspeed_knap.planner import _Problem
+    from deepspeed_knap.routing import reverse_route, route
+    from deepspeed_knap.topology import build_topology, create_process_groups
+    from deepspeed_knap.workload import WorkloadModel
+
+    _init()
+    topology = build_topology("auto", world, max_degree=world)
+    groups = create_process_groups(topology)
+    workload = WorkloadModel(**AUTO_WORKLOAD)
+
+    class RandomGroups(KnapBalancer):
+        def plan(self, batch):
+            plan = super().plan(batch)
+            problem = _Problem.build(plan_lens(plan, topology), topology, workload, None)
+            rng = np.random.default_rng(11)
+            sizes = rng.choice(np.unique(problem.bag_size), len(problem.seq_lens))  # a size, then a group of it
+            pick = [rng.choice(np.flatnonzero(problem.bag_size == size)) for size in sizes]
+            return problem.make_plan("random", problem.bag_first[pick], problem.bag_size[pick])
+
+    result = {}
+    for name, balancer, dtype in (("refine", KnapBalancer(groups, workload), torch.float64),
+                                  ("refine32", KnapBalancer(groups, workload), torch.float32),
+                                  ("random", RandomGroups(groups, workload), torch.float64)):  # fmt: skip
+        torch.manual_seed(0)
+        model = TinyDiT(AUTO_DIM, AUTO_HEADS, COND, topology=topology).to(dtype)
+        batch = random_batch(SEQ_LENS[rank], 1000 + rank, AUTO_DIM, COND, dtype)
+        plan = balancer.plan(batch)
+        routed = route(batch, plan, groups)
+        assert torch.equal(reverse_route(routed.batch.tokens, routed), batch.tokens)
+        weights = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(rank), dtype=dtype)
+        runs = []
+        for bal in (None, balancer):
+            model.zero_grad(set_to_none=False)
+            out = model(batch, bal)
+            (out * weights).sum().backward()
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            dist.all_reduce(grads)
+            runs.append((out.detach(), grads))
+        (out_ref, grads_ref), (out, grads) = runs
+        result[name] = {
+            "out_err": float((out - out_ref).abs().amax() / out_ref.abs().amax().clamp(min=1)) if out.numel() else 0.0,
+            "grad_err": float((grads - grads_ref).abs().max() / grads_ref.abs().max()),
+            "sizes": sorted(set(plan.seq_group_size.tolist())),
+            "groups_here": len(routed.layout.attention_groups),
+        }
+    return result
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_auto_plans_mix_group_sizes_and_balanced_model_equals_unbalanced(world):
+    results = run_distributed(_auto_worker, world, timeout=300)
+    expected_sizes = [1, 2, 4, 8] if world == 8 else [1, 2, 4]
+    assert results[0]["refine"]["sizes"] == expected_sizes, "the planner must mix group sizes on one step"
+    assert max(r["refine"]["groups_here"] for r in results) >= 2, "some GPU must run attention in several groups"
+    assert max(r["random"]["groups_here"] for r in results) >= 3
+    for rank, result in enumerate(results):
+        for case, tolerance in (("refine", 1e-10), ("refine32", 1e-5), ("random", 1e-10)):
+            assert result[case]["out_err"] <= tolerance, (rank, case, result)
+            assert result[case]["grad_err"] <= tolerance, (rank, case, result)
