@@ -10,7 +10,7 @@ on first use, so ``deepspeed-knap plan`` and planner-only users do not pay for t
 
 import importlib
 
-from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_loads, plan_routing
+from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, lower_bound, plan_loads, plan_routing
 from deepspeed_knap.topology import Topology, build_topology, parse_topology_spec
 from deepspeed_knap.workload import WorkloadModel, default_workload, fit_workload
 from deepspeed_knap.workloads import WORKLOADS, sample_workload
@@ -56,6 +56,7 @@ __all__ = [
     "build_topology",
     "default_workload",
     "fit_workload",
+    "lower_bound",
     "parse_topology_spec",
     "plan_loads",
     "plan_routing",

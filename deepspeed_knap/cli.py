@@ -14,14 +14,15 @@ import argparse
 import ast
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from deepspeed_knap.bench.planner import timed_plan
-from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan
-from deepspeed_knap.topology import build_topology
+from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, lower_bound
+from deepspeed_knap.topology import AUTO, build_topology
 from deepspeed_knap.workload import MODEL_PRESETS, default_workload
 from deepspeed_knap.workloads import WORKLOADS, sample_workload
 
@@ -45,14 +46,25 @@ def parse_model(text: str) -> dict[str, int]:
 
 
 def load_lengths(path: str) -> list[list[int]]:
-    """A JSON list with one list of sequence lengths per rank."""
+    """A JSON list with one list of sequence lengths per rank.
+
+    Raises:
+        ValueError: an unreadable file or another shape (the CLI exits 2 with the message).
+    """
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise SystemExit(f"cannot read --lengths {path}: {error}") from error
+        raise ValueError(f"cannot read --lengths {path}: {error}") from None
     if not isinstance(data, list) or not all(isinstance(rank, list) for rank in data):
-        raise SystemExit(f"--lengths {path} must hold a JSON list with one list of lengths per rank")
+        raise ValueError(
+            f"--lengths {path} must hold a JSON list with one list of lengths per rank, e.g. [[4096, 256], [], "
+            f"[16384]]; got {json.dumps(data)[:80]}"
+        )
     return data
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
 def _summary(plan: RoutingPlan, baseline: RoutingPlan, solve_ms: float) -> dict:
@@ -70,29 +82,37 @@ def _summary(plan: RoutingPlan, baseline: RoutingPlan, solve_ms: float) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    topology = build_topology(args.topology, gpus_per_node=args.gpus_per_node)
-    if args.lengths:
-        lengths, source = load_lengths(args.lengths), args.lengths
+    lengths = load_lengths(args.lengths) if args.lengths else None
+    auto = args.topology.strip() == AUTO
+    if args.max_degree is not None and not auto:
+        raise ValueError(f"--max-degree {args.max_degree} applies to --topology auto only")
+    num_gpus = len(lengths) if lengths is not None else args.gpus
+    topology = build_topology(args.topology, num_gpus if auto else None, args.gpus_per_node, args.max_degree)
+    if lengths is not None:
+        source = args.lengths
     else:
         lengths, source = (
             sample_workload(args.workload, topology.group_size, args.seed),
             f"{args.workload} (seed {args.seed})",
         )
     workload = default_workload(args.model, tflops=args.tflops, alltoall_gbps=args.alltoall_gbps)
-    solvers = list(SOLVERS) if args.solver == "all" else sorted({"none", args.solver}, key=SOLVERS.index)
+    available = [s for s in SOLVERS if not (auto and s == "knapformer")]  # knapformer needs fixed bags
+    solvers = available if args.solver == "all" else sorted({"none", args.solver}, key=SOLVERS.index)
     plans, timings = {}, {}
     for solver in solvers:
-        plans[solver], timings[solver] = timed_plan(
-            lengths, topology, workload, solver, args.max_tokens_per_gpu, args.repeat
-        )
+        # The baselines cannot honour a cap: they are shown without it, to compare against.
+        cap = args.max_tokens_per_gpu if solver == "refine" else None
+        plans[solver], timings[solver] = timed_plan(lengths, topology, workload, solver, cap, args.repeat)
     baseline = plans["none"]
     report = {
         "topology": topology.spec,
         "num_gpus": topology.group_size,
+        "max_degree": topology.max_degree,
         "lengths": source,
         "num_sequences": int(baseline.seq_lens.size),
         "num_tokens": int(baseline.seq_lens.sum()),
         "max_tokens_per_gpu": args.max_tokens_per_gpu,
+        "flexible_lower_bound": _flexible_bound(lengths, topology, workload, args.max_tokens_per_gpu),
         "solvers": {name: _summary(plan, baseline, timings[name]) for name, plan in plans.items()},
     }
     if args.plot:
@@ -103,11 +123,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=1)
         print()
         return 0
+    layout = f"groups of 1 to {topology.max_degree} GPUs" if auto else _plural(topology.num_bags, "bag")
     print(
-        f"topology {topology.spec}: {topology.num_bags} bags over {topology.group_size} GPUs; lengths {source}: "
-        f"{report['num_sequences']} sequences, {report['num_tokens']:,} tokens"
+        f"topology {topology.spec}: {layout} over {topology.group_size} GPUs; lengths {source}: "
+        f"{_plural(report['num_sequences'], 'sequence')}, {_plural(report['num_tokens'], 'token')}"
     )
-    print(f"lower bound on the modeled step: {baseline.lower_bound:.4g} s")
+    print(f"lower bound on the modeled step: {baseline.lower_bound:.4g} s; with every sequence free to pick its "
+          f"Ulysses degree (auto): {report['flexible_lower_bound']:.4g} s")  # fmt: skip
+    if args.max_tokens_per_gpu is not None and len(solvers) > 1:
+        print(f"max_tokens_per_gpu={args.max_tokens_per_gpu} applies to refine; the baselines cannot honour it")
     header = f"{'solver':<11}{'step s':>9}{'imbalance':>11}{'vs bound':>10}{'speedup':>9}{'moved':>8}{'max tok/GPU':>13}{'solve ms':>10}"
     print(header)
     print("-" * len(header))
@@ -121,18 +145,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flexible_bound(lengths, topology, workload, cap) -> float:
+    """The modeled step time no plan can beat when every sequence may pick its own group of 1, 2, 4, ...
+    GPUs up to the largest bag (the lower bound of topology ``auto`` on the same GPUs)."""
+    largest = max(topology.bag_sizes)
+    elastic = build_topology(AUTO, topology.group_size, topology.gpus_per_node, 1 << (largest.bit_length() - 1))
+    return lower_bound(lengths, elastic, workload, cap)
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+PLAN_DESCRIPTION = """Solve one step of a bundled workload (or lengths from a JSON file) with every solver and
+compare them: modeled step time, imbalance, distance to the lower bound, speedup over no balancing,
+tokens moved, the most tokens on one GPU, and solve time. --topology auto gives every sequence its
+own Ulysses degree; a fixed topology such as g8n4 puts every sequence in one bag of its bags."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepspeed-knap", description="KnapFormer-style balancing for DeepSpeed.")
     commands = parser.add_subparsers(dest="command", required=True)
-    plan = commands.add_parser("plan", help="solve one step and compare solvers", description=__doc__,
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    plan.add_argument("--topology", default="g8n4", help="bags, e.g. g8n4 or g1n8+g2n4")
+    plan = commands.add_parser("plan", help="solve one step and compare solvers", description=PLAN_DESCRIPTION,
+                               formatter_class=_DefaultsHelp)  # fmt: skip
+    plan.add_argument("--topology", default="g8n4", help="auto, or bags such as g8n4 or g1n8+g2n4")
+    plan.add_argument("--gpus", type=int, default=32, help="GPUs of topology auto (with --workload)")
+    plan.add_argument("--max-degree", type=int, default=None,
+                      help="topology auto: the largest group (8, or the node if smaller, when not given)")  # fmt: skip
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--workload", default="kf_image_video", choices=list(WORKLOADS), help="bundled workload")
     source.add_argument("--lengths", metavar="FILE.json", help="JSON list of per-rank lists of sequence lengths")
     plan.add_argument("--seed", type=int, default=0, help="seed of the bundled workload")
     plan.add_argument("--solver", default="all", choices=["all", *SOLVERS],
-                      help=f"solver to run next to 'none' (default solver: {DEFAULT_SOLVER})")  # fmt: skip
+                      help=f"'all', or one solver to run next to 'none' ('{DEFAULT_SOLVER}' is the one training uses)")  # fmt: skip
     plan.add_argument("--model", type=parse_model, default="flux-dev",
                       help="preset or dims: hidden=3072,double_blocks=19,single_blocks=38,mlp_ratio=4")  # fmt: skip
     plan.add_argument("--tflops", type=float, default=400.0, help="sustained TFLOP/s per GPU")
@@ -177,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     step = benches.add_parser("step", help="measured step time of emulated ranks, balanced against not",
                               description=_module_doc("step"), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    step.add_argument("--topology", default="g4n2", help="bags of the emulated balance group")
+    step.add_argument("--topology", default="g4n2", help="auto, or bags of the emulated balance group")
+    step.add_argument("--gpus", type=int, default=8, help="emulated GPUs of topology auto")
     step.add_argument("--workload", default="kf_image_video", choices=list(WORKLOADS))
     step.add_argument("--solver", default=DEFAULT_SOLVER, choices=[s for s in SOLVERS if s != "none"])
     step.add_argument("--steps", type=int, default=3, help="sampled steps (seeds 0..steps-1)")
@@ -304,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"deepspeed-knap {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -137,6 +137,13 @@ class KnapFormerConfig(DeepSpeedConfigModel):
     def _topology_when_enabled(self) -> KnapFormerConfig:
         if self.enabled and self.topology is None:
             raise ValueError('"enabled": true needs a "topology": "auto", or bags such as "g8n4" (4 bags of 8 GPUs)')
+        if self.solver == "knapformer" and self.max_tokens_per_gpu is not None:
+            raise ValueError(
+                f'"solver": "knapformer" cannot honour "max_tokens_per_gpu": {self.max_tokens_per_gpu} (the published '
+                'greedy knows no memory); use "solver": "refine", or drop the cap'
+            )
+        if self.topology is not None and self.topology.strip() == AUTO and self.solver == "knapformer":
+            raise ValueError('"solver": "knapformer" needs a fixed topology; "topology": "auto" is planned by "refine"')
         if self.max_degree is not None:
             if self.topology is None or self.topology.strip() != AUTO:
                 raise ValueError(

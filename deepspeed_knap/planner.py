@@ -182,8 +182,9 @@ def plan_routing(
         topology: bag layout; only its balance group (``topology.group_size`` ranks) is planned.
         workload: cost model.
         solver: one of :data:`SOLVERS`.
-        max_tokens_per_gpu: hard cap on tokens a GPU may hold after routing. ``refine`` honours it; the
-            baselines ignore it (compare ``plan.gpu_tokens`` to see by how much).
+        max_tokens_per_gpu: hard cap on tokens a GPU may hold after routing. ``refine`` honours it;
+            ``none`` raises when a rank's own tokens exceed it; ``knapformer`` cannot honour it and
+            raises when given one.
         refine_steps: local-search step budget of ``refine`` (a count, not a time, so plans stay
             deterministic).
 
@@ -227,8 +228,20 @@ def _solve(seq_lens_per_rank, topology: Topology, workload: WorkloadModel, solve
             "solver 'knapformer' needs a fixed topology (it assigns sequences to bags of one size each); "
             "topology 'auto' is planned by 'refine' (or 'none')"
         )
+    if solver == "knapformer" and max_tokens_per_gpu is not None:
+        raise ValueError(
+            f"solver 'knapformer' cannot honour max_tokens_per_gpu={max_tokens_per_gpu} (the published greedy knows "
+            "no memory); use solver 'refine', or drop the cap"
+        )
     problem = _Problem.build(seq_lens_per_rank, topology, workload, max_tokens_per_gpu)
     if solver == "none":
+        if not problem.fits_cap_at_home():  # nothing moves: the cap holds or it is an error, never an OOM
+            home_tokens = np.bincount(problem.src, weights=problem.seq_lens, minlength=problem.num_gpus)
+            rank = int(np.argmax(home_tokens))
+            raise ValueError(
+                f"solver 'none' keeps every sequence home, and rank {rank} holds {int(home_tokens[rank])} tokens, over "
+                f"max_tokens_per_gpu={max_tokens_per_gpu}; balance with solver 'refine', or raise the cap"
+            )
         return problem.make_home_plan(solver)
     if topology.elastic:
         from deepspeed_knap.elastic import solve_elastic  # builds on this module's refine
@@ -254,6 +267,23 @@ def _solve(seq_lens_per_rank, topology: Topology, workload: WorkloadModel, solve
     if home_fits and problem.home_max_load_s <= plan.max_load:
         return problem.make_home_plan(solver)
     return plan
+
+
+def lower_bound(
+    seq_lens_per_rank: Sequence[Sequence[int]],
+    topology: Topology,
+    workload: WorkloadModel,
+    max_tokens_per_gpu: int | None = None,
+) -> float:
+    """Modeled seconds no plan over ``topology``'s groups (or keeping every sequence home) can beat:
+    the ``lower_bound`` every plan of these lengths carries, without solving. With topology ``auto``
+    it is the bound for giving every sequence its own Ulysses degree.
+
+    Raises:
+        ValueError: as :func:`plan_routing`, for bad lengths or a sequence no group holds under the cap.
+    """
+    with _gc_paused():
+        return _Problem.build(seq_lens_per_rank, topology, workload, max_tokens_per_gpu).lower_bound_s
 
 
 def plan_loads(plan: RoutingPlan, workload: WorkloadModel) -> np.ndarray:
@@ -537,12 +567,22 @@ def _flatten_lengths(seq_lens_per_rank, topology: Topology) -> tuple[np.ndarray,
         )
     per_rank = []
     for rank, lengths in enumerate(seq_lens_per_rank):
-        array = np.asarray(lengths)
-        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-            if array.ndim == 1 and array.dtype.kind == "f" and np.all(array == np.round(array)):
-                array = array.astype(np.int64)
-            else:
-                raise ValueError(f"rank {rank}: sequence lengths must be a flat list of integers; got {lengths!r}")
+        try:
+            array = np.asarray(lengths)
+        except ValueError:  # ragged nesting
+            array = np.asarray(lengths, dtype=object)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iuf"):
+            raise ValueError(
+                f"rank {rank}: sequence lengths must be a flat list of token counts, one per sequence; got {lengths!r}"
+            )
+        if array.size and array.dtype.kind == "f":
+            fractional = np.flatnonzero(array != np.round(array))
+            if fractional.size:
+                index = int(fractional[0])
+                raise ValueError(
+                    f"rank {rank}: sequence {index} has length {lengths[index]!r}; lengths are whole token counts"
+                )
+            array = array.astype(np.int64)
         if array.size and array.min() <= 0:
             index = int(np.argmin(array))
             raise ValueError(

@@ -12,10 +12,10 @@ from deepspeed_knap.workload import default_workload
 from deepspeed_knap.workloads import sample_workload
 
 
-def test_suite_topologies_cover_every_bag_size_and_the_mix():
-    assert bench.suite_topologies(256) == ["g1n256", "g2n128", "g4n64", "g8n32", "g1n64+g2n32+g4n16+g8n8"]
+def test_suite_topologies_cover_every_bag_size_the_mix_and_auto():
+    assert bench.suite_topologies(256) == ["g1n256", "g2n128", "g4n64", "g8n32", "g1n64+g2n32+g4n16+g8n8", "auto"]
     for n in (32, 256, 1024):
-        assert all(build_topology(spec).group_size == n for spec in bench.suite_topologies(n))
+        assert all(build_topology(spec).group_size == n for spec in bench.suite_topologies(n)[:-1])
     with pytest.raises(ValueError, match=r"multiple of 32 GPUs.*got 48"):
         bench.suite_topologies(48)
 
@@ -25,10 +25,12 @@ def test_planner_suite_cli_writes_table_csv_and_plots(tmp_path, capsys):
     assert cli_main(["bench", "planner", "--gpus", "32", "--steps", "2", "--workloads", "kf_mixed_res",
                      "--sensitivity", "0.2", "--csv", str(out_csv), "--plot-dir", str(plots)]) == 0  # fmt: skip
     printed = capsys.readouterr().out
-    assert printed.count("\n| kf_mixed_res |") == 5 + 5 * 2  # suite rows, sensitivity rows for kf and refine
+    # suite rows (6 topologies), the auto comparison, sensitivity rows for kf and refine (none on auto)
+    assert printed.count("\n| kf_mixed_res |") == 6 + 1 + 5 * 2 + 1
     rows = list(csv.DictReader(out_csv.open()))
-    assert len(rows) == 5 * 3
-    assert (plots / "speedup.png").stat().st_size > 10_000 and (plots / "loads.png").stat().st_size > 10_000
+    assert len(rows) == 5 * 3 + 2  # knapformer does not run on auto
+    for name in ("speedup.png", "loads.png", "loads_auto.png"):
+        assert (plots / name).stat().st_size > 10_000
     for row in rows:
         assert float(row["bound_ratio_median"]) >= 1 - 1e-9 and float(row["solve_ms_p95"]) >= float(
             row["solve_ms_median"]
@@ -36,7 +38,7 @@ def test_planner_suite_cli_writes_table_csv_and_plots(tmp_path, capsys):
         assert float(row["imbalance_p95"]) >= float(row["imbalance_median"]) >= 1 - 1e-9
         assert (row["loss_plus_median"] == "") == (row["solver"] == "none")
     by_key = {(r["topology"], r["solver"]): r for r in rows}
-    for spec in bench.suite_topologies(32):
+    for spec in bench.suite_topologies(32)[:-1]:
         assert float(by_key[(spec, "none")]["speedup_median"]) == 1.0
         # refine is never slower than knapformer on any step, so not in the median either
         assert float(by_key[(spec, "refine")]["speedup_median"]) >= float(
@@ -87,3 +89,23 @@ def test_flux_bench_smoke(capsys):
     assert set(rows) == {"diffusers", "packed"}
     # The same tokens through the same layers: activation memory within 10% of each other.
     assert rows["packed"][1] == pytest.approx(rows["diffusers"][1], rel=0.1)
+
+
+def test_auto_comparison_is_computed_step_by_step_from_the_plans():
+    model = default_workload()
+    rows = []
+    for spec in bench.suite_topologies(32):
+        rows += bench.run_case(32, "kf_image_video", spec, 2, ["none", "knapformer", "refine"], model)
+    (row,) = bench.auto_comparison(rows, 32)
+    ratios = []
+    for seed in range(2):
+        lengths = sample_workload("kf_image_video", 32, seed)
+        auto = plan_routing(lengths, build_topology("auto", 32, gpus_per_node=8), model)
+        knapformer = plan_routing(lengths, build_topology("g8n4"), model, "knapformer")
+        best = min(plan_routing(lengths, build_topology(s, gpus_per_node=8), model).max_load
+                   for s in bench.suite_topologies(32)[:-1])  # fmt: skip
+        ratios.append((auto.max_load / auto.lower_bound, knapformer.max_load / auto.max_load, auto.max_load / best))
+    medians = [sum(pair) / 2 for pair in zip(*ratios, strict=True)]
+    assert row["vs_bound"] == pytest.approx(medians[0]) and row["vs_bound"] >= 1 - 1e-9
+    assert row["speedup_vs_knapformer_g8"] == pytest.approx(medians[1])
+    assert row["vs_best_fixed"] == pytest.approx(medians[2])

@@ -55,6 +55,8 @@ def test_calibration_file(tmp_path):
         ({"topology": "auto", "max_degree": 6}, '"max_degree": 6 must be a power of two'),
         ({"topology": "auto", "max_degree": 0}, "knapformer.max_degree = 0: Input should be greater than 0"),
         ({"timeout_s": 0}, "knapformer.timeout_s = 0: Input should be greater than 0"),
+        ({"solver": "knapformer", "max_tokens_per_gpu": 8192}, '"solver": "knapformer" cannot honour'),
+        ({"topology": "auto", "solver": "knapformer"}, '"solver": "knapformer" needs a fixed topology'),
     ],
 )
 def test_bad_blocks_name_the_key_and_value(fields, message):

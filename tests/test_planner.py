@@ -286,8 +286,17 @@ def test_bad_input_errors_name_the_problem():
         plan_routing([[1], [2], [3]], topology, FLUX)
     with pytest.raises(ValueError, match=r"rank 2: sequence 1 has length 0"):
         plan_routing([[5], [6], [7, 0], []], topology, FLUX)
-    with pytest.raises(ValueError, match=r"rank 1: sequence lengths must be a flat list of integers"):
+    with pytest.raises(ValueError, match=r"rank 1: sequence 0 has length 6.5; lengths are whole token counts"):
         plan_routing([[5], [6.5], [], []], topology, FLUX)
+    with pytest.raises(ValueError, match=r"rank 2: sequence lengths must be a flat list of token counts"):
+        plan_routing([[5], [6], [[7, 8]], []], topology, FLUX)
+    assert plan_routing([[5], [6.0], [], []], topology, FLUX).seq_lens.tolist() == [5, 6]  # whole floats are fine
+    # A cap the solver cannot honour is an error, never silently ignored (an out-of-memory on a GPU).
+    with pytest.raises(ValueError, match=r"'knapformer' cannot honour max_tokens_per_gpu=100"):
+        plan_routing([[5], [], [], []], topology, FLUX, "knapformer", max_tokens_per_gpu=100)
+    with pytest.raises(ValueError, match=r"'none' keeps every sequence home, and rank 2 holds 180 tokens"):
+        plan_routing([[5], [], [90, 90], []], topology, FLUX, "none", max_tokens_per_gpu=100)
+    assert plan_routing([[5], [], [30], []], topology, FLUX, "none", max_tokens_per_gpu=100).max_tokens_per_gpu == 100
     with pytest.raises(ValueError, match=r"unknown solver 'greedy'; choose one of none, knapformer, refine"):
         plan_routing([[5], [], [], []], topology, FLUX, "greedy")
     with pytest.raises(ValueError, match=r"max_tokens_per_gpu must be a positive integer"):

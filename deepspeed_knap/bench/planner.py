@@ -5,8 +5,9 @@ workloads, topologies and solvers.
                                  [--sensitivity 0.2]
 
 For every GPU count ``N`` (a multiple of 32), bundled workload and topology (``g1nN``, ``g2n{N/2}``,
-``g4n{N/4}``, ``g8n{N/8}`` and the mix ``g1n{N/4}+g2n{N/8}+g4n{N/16}+g8n{N/32}``, a quarter of the
-GPUs in bags of each size), the steps of seeds ``0 .. steps-1`` are solved by every solver. Per
+``g4n{N/4}``, ``g8n{N/8}``, the mix ``g1n{N/4}+g2n{N/8}+g4n{N/16}+g8n{N/32}`` with a quarter of the
+GPUs in bags of each size, and ``auto`` with groups of 1 to 8 inside nodes of 8), the steps of seeds
+``0 .. steps-1`` are solved by every solver (``knapformer`` needs fixed bags: not on ``auto``). Per
 (``N``, workload, topology, solver), over the steps:
 
 * imbalance: max / mean modeled GPU load, median and p95;
@@ -14,6 +15,10 @@ GPUs in bags of each size), the steps of seeds ``0 .. steps-1`` are solved by ev
 * speedup: modeled step time of ``none`` over the solver's on the same step, median;
 * moved: fraction of tokens leaving their home GPU, median;
 * solve ms: wall-clock of one solve on this machine, median and p95.
+
+A second table per GPU count puts ``auto`` against ``knapformer`` on bags of 8 and against the best
+fixed topology of the suite on each step (the smallest ``refine`` step time over the five), and
+against the flexible lower bound: what no plan giving every sequence its own group can beat.
 
 Sensitivity (``--sensitivity F``): every step is solved again with the workload model's quadratic
 coefficient scaled by ``1 - F`` and ``1 + F``; those plans are priced under the true model
@@ -36,7 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_loads, plan_routing
-from deepspeed_knap.topology import Topology, build_topology
+from deepspeed_knap.topology import AUTO, Topology, build_topology
 from deepspeed_knap.workload import WorkloadModel, default_workload
 from deepspeed_knap.workloads import sample_workload
 
@@ -45,13 +50,13 @@ SHORT = {"none": "none", "knapformer": "kf", "refine": "refine"}
 
 
 def suite_topologies(num_gpus: int) -> list[str]:
-    """Flat, bags of 2, 4 and 8, and a mix with a quarter of the GPUs in bags of each size."""
+    """Flat, bags of 2, 4 and 8, a mix with a quarter of the GPUs in bags of each size, and auto."""
     if num_gpus <= 0 or num_gpus % 32:
         raise ValueError(
             f"the planner suite needs a positive multiple of 32 GPUs (for its mixed topology); got {num_gpus}"
         )
     mixed = f"g1n{num_gpus // 4}+g2n{num_gpus // 8}+g4n{num_gpus // 16}+g8n{num_gpus // 32}"
-    return [f"g1n{num_gpus}", f"g2n{num_gpus // 2}", f"g4n{num_gpus // 4}", f"g8n{num_gpus // 8}", mixed]
+    return [f"g1n{num_gpus}", f"g2n{num_gpus // 2}", f"g4n{num_gpus // 4}", f"g8n{num_gpus // 8}", mixed, AUTO]
 
 
 def timed_plan(
@@ -80,8 +85,11 @@ def run_case(
     model: WorkloadModel,
     sensitivity: float | None = None,
 ) -> list[dict]:
-    """One row per solver for one (GPU count, workload, topology): statistics over ``steps`` steps."""
-    topology = build_topology(topology_spec, gpus_per_node=GPUS_PER_NODE)
+    """One row per solver for one (GPU count, workload, topology): statistics over ``steps`` steps, and
+    the step time and lower bound of every step (``step_max_load``, ``step_lower_bound``)."""
+    auto = topology_spec == AUTO
+    topology = build_topology(topology_spec, num_gpus if auto else None, gpus_per_node=GPUS_PER_NODE)
+    solvers = [s for s in solvers if not (auto and s == "knapformer")]  # knapformer needs fixed bags
     wrong_models = {}
     if sensitivity:
         for sign, label in ((-1, "minus"), (1, "plus")):
@@ -95,6 +103,8 @@ def run_case(
         baseline = timed["none"][0]
         for solver, (plan, ms) in timed.items():
             values = {
+                "step_max_load": plan.max_load,
+                "step_lower_bound": plan.lower_bound,
                 "imbalance": plan.imbalance,
                 "bound_ratio": plan.max_load / plan.lower_bound if plan.lower_bound > 0 else 1.0,
                 "speedup": baseline.max_load / plan.max_load if plan.max_load > 0 else 1.0,
@@ -116,7 +126,8 @@ def run_case(
                "speedup_median": np.median(values["speedup"]),
                "moved_median": np.median(values["moved"]),
                "solve_ms_median": np.median(values["solve_ms"]),
-               "solve_ms_p95": np.percentile(values["solve_ms"], 95)}  # fmt: skip
+               "solve_ms_p95": np.percentile(values["solve_ms"], 95),
+               "step_max_load": values["step_max_load"], "step_lower_bound": values["step_lower_bound"]}  # fmt: skip
         for label in wrong_models:
             losses = values.get(f"loss_{label}")
             row[f"loss_{label}_median"] = np.median(losses) if losses else None
@@ -150,7 +161,8 @@ def run_suite(
 
 
 def write_csv(rows: list[dict], path: str | Path) -> None:
-    columns = list(dict.fromkeys(key for row in rows for key in row))
+    """The scalar columns of ``rows`` (the per-step lists stay out)."""
+    columns = list(dict.fromkeys(key for row in rows for key, value in row.items() if not isinstance(value, list)))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
@@ -179,7 +191,7 @@ def format_table(rows: list[dict], num_gpus: int) -> str:
     ]
 
     def cells(per_solver: dict, key: str, group: list[str], fmt: str) -> str:
-        return " / ".join(format(per_solver[s][key], fmt) for s in group)
+        return " / ".join(format(per_solver[s][key], fmt) if s in per_solver else "-" for s in group)
 
     for (_, name, spec), per_solver in cases.items():
         lines.append(
@@ -190,6 +202,45 @@ def format_table(rows: list[dict], num_gpus: int) -> str:
             f"| {cells(per_solver, 'moved_median', balancing, '.0%')} "
             f"| {cells(per_solver, 'solve_ms_median', balancing, '.2f')} "
             f"| {cells(per_solver, 'solve_ms_p95', balancing, '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def auto_comparison(rows: list[dict], num_gpus: int) -> list[dict]:
+    """Per workload with an ``auto`` row: medians over steps of auto's step time over the flexible
+    lower bound, knapformer's on bags of 8 over auto's, and auto's over the best fixed topology's
+    (with the max), plus auto's tokens moved and solve time."""
+    cases = _by_case(rows)
+    found = []
+    for (gpus, name, spec), per_solver in cases.items():
+        if gpus != num_gpus or spec != AUTO:
+            continue
+        auto = per_solver[DEFAULT_SOLVER]
+        fixed = [cases[(gpus, name, s)]["refine"]["step_max_load"] for s in suite_topologies(gpus) if s != AUTO]
+        best_fixed = np.min(np.array(fixed), axis=0)  # [steps]
+        ours, bound = np.array(auto["step_max_load"]), np.array(auto["step_lower_bound"])
+        knapformer = np.array(cases[(gpus, name, f"g8n{gpus // 8}")]["knapformer"]["step_max_load"])
+        found.append({
+            "workload": name, "vs_bound": float(np.median(ours / bound)), "vs_bound_max": float(np.max(ours / bound)),
+            "speedup_vs_knapformer_g8": float(np.median(knapformer / ours)),
+            "vs_best_fixed": float(np.median(ours / best_fixed)), "vs_best_fixed_max": float(np.max(ours / best_fixed)),
+            "moved": auto["moved_median"], "solve_ms": auto["solve_ms_median"], "solve_ms_p95": auto["solve_ms_p95"],
+        })  # fmt: skip
+    return found
+
+
+def format_auto_table(rows: list[dict], num_gpus: int) -> str:
+    """Markdown table of :func:`auto_comparison`."""
+    lines = [
+        "| workload | auto / flexible bound: median (max) | speedup over knapformer on g8 | auto / best fixed: "
+        "median (max) | moved | solve ms: median (p95) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in auto_comparison(rows, num_gpus):
+        lines.append(
+            f"| {r['workload']} | {r['vs_bound']:.4f} ({r['vs_bound_max']:.4f}) | {r['speedup_vs_knapformer_g8']:.3f}x "
+            f"| {r['vs_best_fixed']:.4f} ({r['vs_best_fixed_max']:.4f}) | {r['moved']:.0%} "
+            f"| {r['solve_ms']:.1f} ({r['solve_ms_p95']:.1f}) |"
         )
     return "\n".join(lines)
 
@@ -229,9 +280,10 @@ def plot_speedup(rows: list[dict], path: str | Path, solver: str = DEFAULT_SOLVE
             x = np.arange(len(topologies)) + (i - (len(workloads) - 1) / 2) * width
             ours = [cases[(num_gpus, name, t)][solver]["speedup_median"] for t in topologies]
             ax.bar(x, ours, width, label=name)
-            if "knapformer" in cases[(num_gpus, name, topologies[0])] and solver != "knapformer":
-                kf = [cases[(num_gpus, name, t)]["knapformer"]["speedup_median"] for t in topologies]
-                ax.plot(x, kf, "k_", markersize=8, label="knapformer" if i == 0 else None)
+            with_kf = [k for k, t in enumerate(topologies) if "knapformer" in cases[(num_gpus, name, t)]]
+            if with_kf and solver != "knapformer":
+                kf = [cases[(num_gpus, name, topologies[k])]["knapformer"]["speedup_median"] for k in with_kf]
+                ax.plot(x[with_kf], kf, "k_", markersize=8, label="knapformer" if i == 0 else None)
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_xticks(np.arange(len(topologies)), topologies, fontsize=8)
         ax.set_ylabel("speedup over none")
@@ -247,9 +299,11 @@ def plot_step_loads(num_gpus: int, workload_name: str, topology_spec: str, path:
     """Per-GPU modeled load of one step (seed ``seed``), one panel per solver."""
     from deepspeed_knap.bench.plots import plot_loads
 
-    topology = build_topology(topology_spec, gpus_per_node=GPUS_PER_NODE)
+    auto = topology_spec == AUTO
+    topology = build_topology(topology_spec, num_gpus if auto else None, gpus_per_node=GPUS_PER_NODE)
     seq_lens = sample_workload(workload_name, num_gpus, seed)
     model = default_workload()
+    solvers = [s for s in solvers if not (auto and s == "knapformer")]
     plans = {solver: plan_routing(seq_lens, topology, model, solver) for solver in solvers}
     plot_loads(plans, path, f"{topology_spec}, {workload_name} (seed {seed})", topology)
 
@@ -259,6 +313,9 @@ def run(args: argparse.Namespace) -> int:
     for num_gpus in args.gpus:
         print(f"\n{num_gpus} GPUs, median over {args.steps} steps (p95 where marked):\n")
         print(format_table(rows, num_gpus))
+        if any(r["topology"] == AUTO and r["gpus"] == num_gpus for r in rows):
+            print(f"\n{num_gpus} GPUs, topology auto per step, median over {args.steps} steps:\n")
+            print(format_auto_table(rows, num_gpus))
         if args.sensitivity:
             print(
                 f"\n{num_gpus} GPUs, quadratic term off by -+{args.sensitivity:.0%}: step-time loss under the true model:\n"
@@ -272,8 +329,10 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         plot_speedup(rows, out / "speedup.png")
         workload = "kf_image_video" if "kf_image_video" in args.workloads else args.workloads[0]
-        plot_step_loads(args.gpus[0], workload, suite_topologies(args.gpus[0])[-1], out / "loads.png", args.solvers)
-        print(f"plots written to {out / 'speedup.png'} and {out / 'loads.png'}")
+        mixed, auto = suite_topologies(args.gpus[0])[-2:]
+        plot_step_loads(args.gpus[0], workload, mixed, out / "loads.png", args.solvers)
+        plot_step_loads(args.gpus[0], workload, auto, out / "loads_auto.png", args.solvers)
+        print(f"plots written to {out / 'speedup.png'}, {out / 'loads.png'} and {out / 'loads_auto.png'}")
     return 0
 
 

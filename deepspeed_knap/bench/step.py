@@ -40,7 +40,7 @@ from deepspeed_knap.layout import AttentionGroup, gpu_layout
 from deepspeed_knap.packing import PackedBatch
 from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_loads, plan_routing
 from deepspeed_knap.routing import RoutedBatch
-from deepspeed_knap.topology import build_topology
+from deepspeed_knap.topology import AUTO, build_topology
 from deepspeed_knap.workload import WorkloadModel
 from deepspeed_knap.workloads import sample_shapes
 
@@ -217,10 +217,12 @@ def bench_step(
     solver: str = DEFAULT_SOLVER,
     calibration: dict | None = None,
     alltoall_gbps: float = 150.0,
+    num_gpus: int = 8,
 ) -> dict:
     """Measure ``steps`` steps under ``none`` and ``solver``; see the module docstring.
 
     Args:
+        num_gpus: emulated GPUs of topology ``auto`` (a fixed topology has its own count).
         calibration: ``linear_coef``, ``quadratic_coef`` and optionally ``overhead_s``, as
             ``deepspeed-knap calibrate`` writes them; ``None`` calibrates on the first step's lengths.
 
@@ -229,7 +231,7 @@ def bench_step(
     """
     if solver == "none":
         raise ValueError("--solver none would compare no balancing with itself; choose knapformer or refine")
-    topology = build_topology(topology_spec)
+    topology = build_topology(topology_spec, num_gpus if topology_spec.strip() == AUTO else None)
     if max(topology.bag_sizes) > timer.heads:
         raise ValueError(f"topology {topology_spec!r} has bags of {max(topology.bag_sizes)} GPUs but the blocks have "
                          f"{timer.heads} heads; give --heads >= the largest bag")  # fmt: skip
@@ -342,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         data = json.loads(Path(args.calibration).read_text())
         calibration = {key: data[key] for key in ("linear_coef", "quadratic_coef", "overhead_s") if key in data}
     report = bench_step(args.topology, args.workload, args.steps, timer, args.token_scale, args.solver,
-                        calibration, args.alltoall_gbps)  # fmt: skip
+                        calibration, args.alltoall_gbps, args.gpus)  # fmt: skip
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report["dims"] = f"{heads}x{head_dim} heads, {args.double_blocks}+{args.single_blocks} blocks, {args.dtype}"
     print(f"{report['device']}, {report['dims']}")
