@@ -24,6 +24,7 @@ from deepspeed_knap import (
     sample_workload,
 )
 from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
+from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--topology", default="g1n2+g2n1")
@@ -35,6 +36,8 @@ args = parser.parse_args()
 
 deepspeed.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
+dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the files can go
+unlink_own_shm_buffer(rank)
 topology = build_topology(args.topology, world)
 balancer = KnapBalancer(create_process_groups(topology), default_workload("flux-dev"))
 torch.manual_seed(0)  # the same weights on every rank

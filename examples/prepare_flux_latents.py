@@ -39,8 +39,9 @@ out.mkdir(parents=True, exist_ok=True)
 
 
 def write_synthetic() -> None:
+    # FLUX.1's sample layout (3 position axes, pooled text) at the given widths.
     dims = {"in_channels": args.in_channels, "joint_attention_dim": args.joint_attention_dim,
-            "pooled_projection_dim": args.pooled_projection_dim}  # fmt: skip
+            "pooled_projection_dim": args.pooled_projection_dim, "axes_dims_rope": (16, 56, 56)}  # fmt: skip
     shapes = [shape for step in range(args.count) for rank in sample_shapes(args.synthetic, 1, seed=step)
               for shape in rank][: args.count]  # fmt: skip
     for index, sample in enumerate(tqdm(synthetic_samples(shapes, dims, seed=0, token_scale=args.token_scale))):

@@ -12,6 +12,7 @@ block says "enabled": false.
 import argparse
 import os
 import sys
+import warnings
 
 import deepspeed
 import deepspeed.comm as dist
@@ -20,6 +21,10 @@ import torch
 import deepspeed_knap
 from deepspeed_knap import sample_workload
 from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
+from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
+
+# ZeRO-3 calls two torch.distributed functions that torch deprecated, on every rank, every step.
+warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--workload", default="kf_mixed_res")
@@ -35,6 +40,8 @@ model = TinyDiT()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 engine, _, _, _, balancer = deepspeed_knap.initialize(args=args, model=model, optimizer=optimizer)
 rank, world = dist.get_rank(), dist.get_world_size()
+dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the files can go
+unlink_own_shm_buffer(rank)
 
 for step in range(args.steps):
     lengths = [max(1, round(n * args.token_scale)) for n in sample_workload(args.workload, world, seed=step)[rank]]

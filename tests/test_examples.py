@@ -22,3 +22,4 @@ def test_balanced_blocks_example_under_the_deepspeed_launcher():
     errors = re.findall(r"max \|balanced - unbalanced\| = (\S+)", result.stdout)
     assert len(errors) == 2 and all(float(e) < 1e-10 for e in errors), result.stdout
     assert re.search(r"modeled imbalance \d\.\d\d -> 1\.\d\d", result.stdout)
+    assert result.leftover_shm == []  # every rank unlinked its /dev/shm all-reduce buffer

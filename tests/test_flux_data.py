@@ -12,7 +12,7 @@ from deepspeed_knap.models.flux_data import (
 )
 from deepspeed_knap.workloads import SampleShape
 
-CONFIG = {"in_channels": 16, "joint_attention_dim": 32, "pooled_projection_dim": 16}
+CONFIG = {"in_channels": 16, "joint_attention_dim": 32, "pooled_projection_dim": 16, "axes_dims_rope": (4, 6, 6)}
 
 
 def write_samples(directory, count: int) -> list:

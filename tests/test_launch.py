@@ -34,15 +34,21 @@ def mpirun_launch(script: Path, *args: str) -> list[str]:
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:
+    """Run a launcher command. DeepSpeed's CPU shared-memory all-reduce leaves a 69 MB /dev/shm buffer
+    per rank, named by master port, behind even on a clean exit; the examples unlink their own, and
+    whatever a run left (a script that does not, a rank killed early) is removed here, because dozens
+    of runs fill the machine's memory. ``result.leftover_shm`` names what was left."""
+    flag = "--master_port" if "--master_port" in command else "MASTER_PORT"
+    port = command[command.index(flag) + 1]
+    leftover = []
     try:
-        return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
     finally:
-        # DeepSpeed's CPU shared-memory all-reduce leaves a 69 MB /dev/shm buffer per rank, named by
-        # master port, behind even on a clean exit; dozens of runs fill the machine's memory.
-        flag = "--master_port" if "--master_port" in command else "MASTER_PORT"
-        port = command[command.index(flag) + 1]
         for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            leftover.append(buffer.name)
             buffer.unlink(missing_ok=True)
+    result.leftover_shm = leftover
+    return result
 
 
 @needs_mpirun
@@ -52,6 +58,7 @@ def test_deepspeed_launcher_and_mpirun_give_the_same_losses():
     for name, command in (("deepspeed", deepspeed_launch(script, *args)), ("mpirun", mpirun_launch(script, *args))):
         result = run(command)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert result.leftover_shm == []  # every rank unlinked its /dev/shm all-reduce buffer
         losses[name] = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", result.stdout, re.MULTILINE)]
     assert len(losses["deepspeed"]) == 3
     assert losses["mpirun"] == pytest.approx(losses["deepspeed"], rel=1e-6)

@@ -241,3 +241,24 @@ def test_readme_main_job_trains_and_prints_loss_and_modeled_imbalance():
     assert len(steps) == 5
     assert all(float(after) < float(before) for _, _, before, after in steps)
     assert "is deprecated" not in result.stderr  # ZeRO-3's torch deprecation warnings are filtered
+    assert result.leftover_shm == []  # every rank unlinked its /dev/shm all-reduce buffer
+
+
+@pytest.mark.gpu
+def test_tiny_lora_run_with_validation_on_one_cuda_gpu_over_nccl(tmp_path):
+    """World size 1 on CUDA: NCCL refuses a CPU tensor in any collective of the loop, the balancer,
+    ZeRO-3, the LoRA export and the validation gather."""
+    config = {
+        **DEMO_CONFIG,
+        "knapformer": {**DEMO_CONFIG["knapformer"], "topology": "g1n1", "attention_backend": "auto"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "prompts.txt").write_text("a red cat\n")
+    command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(tmp_path / "config.json"), *COMMON, *LORA,
+                               "--validation-every", "3", "--validation-prompts", str(tmp_path / "prompts.txt"),
+                               "--validation-dir", str(tmp_path / "images"), "--export-dir", str(tmp_path / "lora"))  # fmt: skip
+    command[command.index("--num_gpus") + 1] = "1"
+    result = run(command)
+    check(result)
+    assert len(STEP_LINE.findall(result.stdout)) == 3 and (tmp_path / "images" / "step000003_prompt00.png").is_file()
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()

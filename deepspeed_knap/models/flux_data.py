@@ -87,8 +87,8 @@ class LatentDirectory:
 
     Samples are addressed by a global *position* that runs on across epochs: ``read(position, k)``
     gives files ``position`` to ``position + k - 1``, wrapping. A training loop gives rank ``r`` of
-    ``W`` the files at ``position + r * k`` each step and advances ``position`` by ``W * k``, so a
-    resumed run continues with the next unseen file even on a different number of ranks.
+    ``W`` the files at ``position + r * k`` each step and advances ``position`` by ``W * k``; a
+    checkpoint that records ``position`` lets a resumed run continue with the next unseen file.
 
     Start-up checks are split so that ranks can share the work and agree (see :meth:`check` and
     :func:`latent_directory_error`); the class itself never communicates.
@@ -150,14 +150,18 @@ def _load(file: Path) -> dict[str, Tensor]:
 
 
 def latent_sample_shapes(config: Mapping, latent_len: int, text_len: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of one latent sample's tensors for a model ``config`` (:data:`LATENT_KEYS` order)."""
-    return {
+    """Shapes of one latent sample's tensors for a model ``config`` (:data:`LATENT_KEYS` order): ids
+    of one position axis per RoPE axis, and pooled text only for a family that has it (FLUX.1)."""
+    axes = len(config["axes_dims_rope"])
+    shapes = {
         "latents": (latent_len, config["in_channels"]),
-        "img_ids": (latent_len, 3),
+        "img_ids": (latent_len, axes),
         "encoder_hidden_states": (text_len, config["joint_attention_dim"]),
-        "txt_ids": (text_len, 3),
-        "pooled_projections": (config["pooled_projection_dim"],),
+        "txt_ids": (text_len, axes),
     }
+    if "pooled_projection_dim" in config:
+        shapes["pooled_projections"] = (config["pooled_projection_dim"],)
+    return shapes
 
 
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -176,10 +180,11 @@ def check_latent_file(file: str | Path, config: Mapping) -> str | None:
             headers = {key: (tuple(piece.get_shape()), piece.get_dtype()) for key, piece in slices.items()}
     except (SafetensorError, OSError) as error:
         return f"{file}: not a readable .safetensors file ({error}); {fix}"
-    missing = [key for key in LATENT_KEYS if key not in headers]
-    extra = sorted(set(headers) - set(LATENT_KEYS))
+    keys = list(latent_sample_shapes(config, 0, 0))
+    missing = [key for key in keys if key not in headers]
+    extra = sorted(set(headers) - set(keys))
     if missing or extra:
-        return f"{file}: has keys {sorted(headers)}, missing {missing}, unexpected {extra}; a latent sample holds exactly {list(LATENT_KEYS)}; {fix}"
+        return f"{file}: has keys {sorted(headers)}, missing {missing}, unexpected {extra}; a latent sample for this model holds exactly {keys}; {fix}"
     not_float = {key: dtype for key, (_, dtype) in headers.items() if dtype not in _FLOAT_DTYPES}
     if not_float:
         return f"{file}: tensors {not_float} are not floating point ({'/'.join(_FLOAT_DTYPES)}); {fix}"
@@ -190,9 +195,8 @@ def check_latent_file(file: str | Path, config: Mapping) -> str | None:
     wrong = {key: f"{list(headers[key][0])} (expected {list(shape)})" for key, shape in expected.items()
              if headers[key][0] != shape}  # fmt: skip
     if wrong:
-        dims = ", ".join(
-            f"{key}={config[key]}" for key in ("in_channels", "joint_attention_dim", "pooled_projection_dim")
-        )
+        dims = ", ".join(f"{key}={config[key]}" for key in ("in_channels", "joint_attention_dim", "pooled_projection_dim",
+                                                             "axes_dims_rope") if key in config)  # fmt: skip
         return f"{file}: shapes {wrong} do not fit the model ({dims}); {fix}"
     return None
 
