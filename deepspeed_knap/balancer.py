@@ -11,6 +11,8 @@ rank's token order, so the loss is computed exactly as without balancing. Collec
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +20,11 @@ from typing import Any
 from deepspeed.utils import logger
 from torch import Tensor
 
+from deepspeed_knap.online import OnlineSettings, OnlineWorkload
 from deepspeed_knap.packing import PackedBatch
-from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_routing
-from deepspeed_knap.routing import RoutedBatch, gather_seq_lens, local_batch, reverse_route, route
+from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_loads, plan_routing
+from deepspeed_knap.routing import RoutedBatch, gather_step, local_batch, reverse_route, route, time_exchanges
+from deepspeed_knap.timing import StepTimes, stamp
 from deepspeed_knap.topology import ProcessGroups
 from deepspeed_knap.workload import WorkloadModel
 
@@ -28,14 +32,21 @@ from deepspeed_knap.workload import WorkloadModel
 class KnapBalancer:
     """Balances one step's packed batches over a topology's bags.
 
+    Every step it also times this rank's share (plan, route, compute, Ulysses all-to-alls, reverse
+    route; :mod:`~deepspeed_knap.timing`) and ships the compute and Ulysses microseconds with the next
+    step's lengths, in the same all-gather: every rank then knows every rank's measured times of the
+    last step. With ``online`` settings the cost model is refit from them every step
+    (:mod:`~deepspeed_knap.online`), identically on every rank.
+
     Args:
         groups: from :func:`~deepspeed_knap.topology.create_process_groups`.
-        workload: the cost model the planner balances.
+        workload: the cost model the planner balances (the prior, with ``online``).
         solver: planner solver (see :data:`~deepspeed_knap.planner.SOLVERS`).
         max_tokens_per_gpu: memory cap for the planner, or ``None``.
-        log_interval: every this many plans, global rank 0 logs the modeled imbalance before and after,
-            the solve time and the share of tokens moved (of its balance group); 0 never.
+        log_interval: every this many plans, global rank 0 logs the metrics of its balance group
+            (:meth:`metrics`); 0 never.
         monitor: a DeepSpeed ``MonitorMaster`` (``engine.monitor``) that gets the same numbers.
+        online: refit the cost model from measured times with these settings; ``None``: never.
     """
 
     def __init__(
@@ -46,6 +57,7 @@ class KnapBalancer:
         max_tokens_per_gpu: int | None = None,
         log_interval: int = 0,
         monitor: Any = None,
+        online: OnlineSettings | None = None,
     ) -> None:
         self.groups = groups
         self.workload = workload
@@ -53,42 +65,110 @@ class KnapBalancer:
         self.max_tokens_per_gpu = max_tokens_per_gpu
         self.log_interval = log_interval
         self.monitor = monitor
+        self.online = None if online is None else OnlineWorkload(workload, groups.topology.group_size, online)
         self.steps = 0
+        self.last_times: dict[str, float] | None = None  # this rank's breakdown of the last finished step
         self._last: tuple[list[list[int]], RoutingPlan, float] | None = None
+        self._in_flight: tuple[StepTimes, RoutingPlan, WorkloadModel] | None = None
+        self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
+
+    @property
+    def model(self) -> WorkloadModel:
+        """The cost model the next step is planned with."""
+        return self.online.model() if self.online is not None else self.workload
 
     def plan(self, batch: PackedBatch) -> RoutingPlan:
-        """Gather every rank's lengths and solve; every rank gets the same plan. Collective."""
-        seq_lens_per_rank = gather_seq_lens(batch, self.groups)
+        """Gather every rank's lengths (and last step's times) and solve; every rank gets the same
+        plan. Collective."""
+        report = self._finish_step()
+        times = StepTimes(batch.tokens.device)
+        times.mark("plan_start")
+        seq_lens_per_rank, reports = gather_step(batch, self.groups, report)
+        if self._in_flight is not None:
+            self._record(*self._in_flight[1:], reports)
+        model = self.model
         start = time.perf_counter()
-        plan = plan_routing(
-            seq_lens_per_rank, self.groups.topology, self.workload, self.solver, self.max_tokens_per_gpu
-        )
+        plan = plan_routing(seq_lens_per_rank, self.groups.topology, model, self.solver, self.max_tokens_per_gpu)
         self._last = (seq_lens_per_rank, plan, time.perf_counter() - start)
+        times.mark("plan_end")
+        self._in_flight = (times, plan, model)
+        time_exchanges(times)
         self.steps += 1
         if self.log_interval and self.steps % self.log_interval == 0 and self.groups.rank == 0:
             self._log(self.metrics())
         return plan
 
+    def _finish_step(self) -> list[int]:
+        """Close the record of the step in flight: ``[compute, ulysses]`` microseconds of this rank
+        (``[-1, -1]`` when unknown: no step yet, no backward, or a timer that failed)."""
+        if self._in_flight is None:
+            return [-1, -1]
+        time_exchanges(None)
+        try:
+            seconds = self._in_flight[0].seconds()
+        except RuntimeError as error:  # a CUDA event that never recorded
+            logger.warning(f"knapformer rank {self.groups.rank}: step timer failed ({error}); step not measured")
+            seconds = None
+        self.last_times = seconds
+        if seconds is None:
+            return [-1, -1]
+        compute, ulysses = seconds["compute"], seconds["ulysses"]
+        if not (math.isfinite(compute) and math.isfinite(ulysses) and compute >= 0 and ulysses >= 0):
+            logger.warning(f"knapformer rank {self.groups.rank}: step timer read {seconds}; step not measured")
+            return [-1, -1]
+        return [round(compute * 1e6), round(ulysses * 1e6)]
+
+    def _record(self, plan: RoutingPlan, model: WorkloadModel, reports: list[list[int]]) -> None:
+        """Every rank's measured times of the step planned by ``plan`` (with ``model``)."""
+        compute_us = [report[0] for report in reports]
+        if self.online is not None:
+            predicted = self.online.predicted_s(plan)
+            self.online.observe(plan, compute_us, [report[1] for report in reports])
+        else:
+            predicted = plan_loads(plan, dataclasses.replace(model, alltoall_coef=0.0)).tolist()
+        self._measured = (compute_us, predicted)
+
     def metrics(self) -> dict[str, float]:
         """The last plan's numbers (of this rank's balance group): modeled imbalance (max/mean GPU
-        load) without and with balancing, solve time, share of tokens moved. Local: no collective."""
+        load) without and with balancing, solve time, share of tokens moved; once a step has been
+        measured, that step's measured imbalance (max/mean of the ranks' compute seconds), the model's
+        median relative error over ranks, and with online refit the smallest and largest rank speed.
+        Local: no collective."""
         if self._last is None:
             raise RuntimeError("no step has been planned yet; call metrics() after the model's forward")
         seq_lens_per_rank, plan, solve_s = self._last
-        unbalanced = plan_routing(seq_lens_per_rank, self.groups.topology, self.workload, "none")
-        return {
+        unbalanced = plan_routing(seq_lens_per_rank, self.groups.topology, self.model, "none")
+        metrics = {
             "knapformer/imbalance_before": unbalanced.imbalance,
             "knapformer/imbalance_after": plan.imbalance,
             "knapformer/solve_ms": solve_s * 1e3,
             "knapformer/tokens_moved": plan.tokens_moved_fraction,
         }
+        if self._measured is not None:
+            measured = [t / 1e6 for t in self._measured[0] if t >= 0]
+            errors = sorted(abs(p - t / 1e6) / (t / 1e6) for t, p in zip(*self._measured, strict=True) if t > 0)
+            if measured and sum(measured) > 0:
+                metrics["knapformer/measured_imbalance"] = max(measured) / (sum(measured) / len(measured))
+            if errors:
+                metrics["knapformer/prediction_error"] = errors[len(errors) // 2]
+        if self.online is not None:
+            metrics["knapformer/speed_min"] = min(self.online.speeds)
+            metrics["knapformer/speed_max"] = max(self.online.speeds)
+        return metrics
 
     def _log(self, metrics: dict[str, float]) -> None:
-        logger.info(
+        line = (
             f"knapformer step {self.steps}: modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
             f"{metrics['knapformer/imbalance_after']:.3f}, solve {metrics['knapformer/solve_ms']:.1f} ms, "
             f"tokens moved {metrics['knapformer/tokens_moved']:.1%}"
         )
+        if "knapformer/measured_imbalance" in metrics:
+            line += f"; last step measured imbalance {metrics['knapformer/measured_imbalance']:.3f}"
+        if "knapformer/prediction_error" in metrics:
+            line += f", model error {metrics['knapformer/prediction_error']:.1%}"
+        if "knapformer/speed_min" in metrics:
+            line += f", rank speeds {metrics['knapformer/speed_min']:.2f}..{metrics['knapformer/speed_max']:.2f}"
+        logger.info(line)
         if self.monitor is not None and self.monitor.enabled:
             self.monitor.write_events([(name, value, self.steps) for name, value in metrics.items()])
 
@@ -97,7 +177,8 @@ class KnapBalancer:
 
     def forward(self, batch: PackedBatch, blocks: Callable[[RoutedBatch], Tensor]) -> Tensor:
         """Run ``blocks`` on the balanced tokens and return its ``[T_routed, ...]`` output as
-        ``[T, ...]`` rows in ``batch``'s order.
+        ``[T, ...]`` rows in ``batch``'s order. The block stack is stamped at both ends, forward and
+        backward, for the step's measured compute time.
 
         Raises:
             RuntimeError: naming the step and this rank, when a collective fails (a rank died, or one
@@ -106,7 +187,10 @@ class KnapBalancer:
         step = self.steps + 1
         try:
             routed = self.route(batch, self.plan(batch))
-            return reverse_route(blocks(routed), routed)
+            times = self._in_flight[0]
+            routed = routed.with_tokens(stamp(routed.batch.tokens, times, "blocks_start", "blocks_grad_end"))
+            out = stamp(blocks(routed), times, "blocks_end", "blocks_grad_start")
+            return reverse_route(out, routed)
         except RuntimeError as error:
             raise RuntimeError(f"knapformer step {step} failed on rank {self.groups.rank}: {error}") from error
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from deepspeed_knap.online import OnlineSettings
 from deepspeed_knap.planner import DEFAULT_SOLVER
 from deepspeed_knap.topology import AUTO, parse_topology_spec
 from deepspeed_knap.workload import MODEL_PRESETS, WorkloadModel, default_workload
@@ -55,7 +56,22 @@ class KnapWorkloadConfig(DeepSpeedConfigModel):
     alltoall_coef: float | None = Field(None, ge=0)
     """Measured ``c`` (seconds per token of Ulysses traffic); optional with coefficients."""
     calibration_file: str | None = None
-    """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef``."""
+    """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef`` and
+    ``degree_efficiency``, as ``deepspeed-knap calibrate`` writes it."""
+    frozen_base: bool = False
+    """Preset model: the base weights are frozen (LoRA), so linear layers' backward skips the
+    weight gradient (2 forwards' worth instead of 3)."""
+    online: bool = False
+    """Refit ``a``, ``b``, ``c`` and a speed factor per rank from the measured step times, every step,
+    identically on every rank; the source above is the prior."""
+    warmup_steps: int = Field(5, ge=1)
+    """Online: steps measured before the first refit."""
+    forgetting: float = Field(0.9, gt=0, le=1)
+    """Online: weight of a step relative to the next newer one."""
+    refit_interval: int = Field(1, ge=1)
+    """Online: refit every this many steps."""
+    max_speed_ratio: float = Field(4.0, gt=1)
+    """Online: a rank's speed factor stays within this factor of the median rank's."""
 
     @model_validator(mode="after")
     def _one_source(self) -> KnapWorkloadConfig:
@@ -70,7 +86,15 @@ class KnapWorkloadConfig(DeepSpeedConfigModel):
             raise ValueError("coefficients need both linear_coef and quadratic_coef")
         if self.model is not None and self.model not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {self.model!r}; choose one of {sorted(MODEL_PRESETS)}")
+        if self.frozen_base and (coefs or self.calibration_file):
+            raise ValueError("frozen_base adjusts a preset; measured coefficients already say what they measured")
         return self
+
+    def online_settings(self) -> OnlineSettings | None:
+        """The online refit's settings, or ``None`` when ``online`` is off."""
+        if not self.online:
+            return None
+        return OnlineSettings(self.warmup_steps, self.forgetting, self.refit_interval, self.max_speed_ratio)
 
     def build(self) -> WorkloadModel:
         """The :class:`~deepspeed_knap.workload.WorkloadModel` this section describes."""
@@ -81,18 +105,21 @@ class KnapWorkloadConfig(DeepSpeedConfigModel):
         dims = {k: getattr(self, k) for k in ("hidden", "double_blocks", "single_blocks", "mlp_ratio")}
         overrides = {k: v for k, v in dims.items() if v is not None}
         return default_workload(self.model or "flux-dev", tflops=self.tflops, alltoall_gbps=self.alltoall_gbps,
-                                **overrides)  # fmt: skip
+                                frozen_base=self.frozen_base, **overrides)  # fmt: skip
 
 
 def _read_calibration(path: str) -> WorkloadModel:
     try:
         data = json.loads(Path(path).read_text())
+        efficiency = data.get("degree_efficiency")
         return WorkloadModel(float(data["linear_coef"]), float(data["quadratic_coef"]),
-                             float(data.get("alltoall_coef", 0.0)))  # fmt: skip
+                             float(data.get("alltoall_coef", 0.0)), None,
+                             tuple((int(g), float(e)) for g, e in efficiency) if efficiency else None)  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"knapformer.workload.calibration_file {path!r} is unreadable ({error}); it must be a JSON object with "
-            "linear_coef, quadratic_coef and optionally alltoall_coef, as deepspeed-knap calibrate writes"
+            "linear_coef, quadratic_coef and optionally alltoall_coef and degree_efficiency, as deepspeed-knap "
+            "calibrate writes"
         ) from None
 
 

@@ -85,6 +85,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
         knap.max_tokens_per_gpu,
         knap.log_interval,
         engine.monitor,
+        knap.workload.online_settings(),
     )
     return engine, optimizer, dataloader, lr_scheduler, balancer
 

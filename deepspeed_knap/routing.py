@@ -18,6 +18,7 @@ exchange. Dimension names: ``T`` tokens, ``D`` model width, ``S`` GPUs of the ba
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,10 +32,20 @@ from torch import Tensor
 from deepspeed_knap.layout import GpuLayout, gpu_layout, local_layout
 from deepspeed_knap.packing import PackedBatch
 from deepspeed_knap.planner import RoutingPlan
+from deepspeed_knap.timing import StepTimes
 from deepspeed_knap.topology import ProcessGroups, text_digest
 
 # Bytes each kind of exchange sent to other ranks, while record_traffic() is active.
 _traffic: dict[str, int] | None = None
+# Where the exchanges of the step in flight are timed (forward and backward), set by the balancer.
+_times: StepTimes | None = None
+
+
+def time_exchanges(times: StepTimes | None) -> None:
+    """Stamp both ends of every exchange into ``times`` from now on (``None``: stop). The balancer
+    keeps one record active from a step's plan until the next step's, across its backward."""
+    global _times
+    _times = times
 
 
 @contextlib.contextmanager
@@ -75,7 +86,11 @@ def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group
         me = dist.get_rank(group)
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
         _traffic[kind] += row_bytes * (sum(send_counts) - send_counts[me])
+    times = _times
+    start = times.begin_exchange() if times is not None else None
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    if times is not None:
+        times.end_exchange(kind, start)
     return out
 
 
@@ -123,6 +138,10 @@ class RoutedBatch:
         """``[n]`` global sequence id of every chunk held."""
         return self.layout.seq_ids
 
+    def with_tokens(self, tokens: Tensor) -> RoutedBatch:
+        """The same routed batch holding ``tokens`` (``[T_routed, ...]``, e.g. a stamped view)."""
+        return dataclasses.replace(self, batch=dataclasses.replace(self.batch, tokens=tokens))
+
     def device_array(self, key: Any, array: np.ndarray, dtype: torch.dtype = torch.int64) -> Tensor:
         """``array`` as a tensor on the batch's device, made once per step (attention layers reuse it)."""
         if key not in self._device_arrays:
@@ -145,18 +164,32 @@ def gather_seq_lens(batch: PackedBatch, groups: ProcessGroups) -> list[list[int]
     Raises:
         ValueError: on every rank, when any rank's batch is inconsistent (:meth:`PackedBatch.problem`).
     """
+    return gather_step(batch, groups, ())[0]
+
+
+def gather_step(
+    batch: PackedBatch, groups: ProcessGroups, report: Sequence[int]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """:func:`gather_seq_lens`, with ``report`` (a few integers every rank gives, e.g. the last
+    step's measured microseconds) riding in the same collective.
+
+    Returns:
+        ``(lengths, reports)``: ``S`` lists of lengths and ``S`` reports, by rank of the balance group.
+    """
     problem = batch.problem()
-    header = _all_gather_ints([len(batch.seq_lens), problem is not None], batch.tokens.device, groups.balance_group)
-    bad_ranks = [r for r, (_, bad) in enumerate(header) if bad]
+    header = _all_gather_ints([len(batch.seq_lens), problem is not None, *report], batch.tokens.device,
+                              groups.balance_group)  # fmt: skip
+    bad_ranks = [r for r, (_, bad, *_) in enumerate(header) if bad]
     if bad_ranks:
         raise ValueError(
             f"invalid packed batch on balance-group rank(s) {bad_ranks}"
             + (f"; here (rank {groups.group_rank}): {problem}" if problem else "; see those ranks' errors")
         )
-    width = max(count for count, _ in header)
+    width = max(count for count, *_ in header)
     padded = list(batch.seq_lens) + [0] * (width - len(batch.seq_lens))
     rows = _all_gather_ints(padded, batch.tokens.device, groups.balance_group) if width else [[] for _ in header]
-    return [row[:count] for row, (count, _) in zip(rows, header, strict=True)]
+    lengths = [row[:count] for row, (count, *_) in zip(rows, header, strict=True)]
+    return lengths, [list(rest) for _, _, *rest in header]
 
 
 def _all_gather_ints(values: list[int], device: torch.device, group: Any) -> list[list[int]]:

@@ -3,13 +3,16 @@
 For a sequence of ``s`` tokens run with Ulysses degree ``G`` (a bag of ``G`` GPUs), every GPU of the
 bag spends::
 
-    time(s, G) = (a * s + b * s**2) / (G * speed)  +  c * s * (G - 1) / G**2
+    time(s, G) = (a * s + b * s**2) / (G * speed * efficiency(G))  +  c * s * (G - 1) / G**2
 
 * ``a * s``: token-wise work (projections, MLP); ``b * s**2``: attention. Both split evenly over the
   bag: Ulysses gives each GPU ``s / G`` tokens for the linear layers and ``H / G`` heads of attention.
 * ``c * s * (G-1) / G**2``: the Ulysses all-to-alls. Each GPU holds ``s / G`` tokens and sends the
   fraction ``(G-1)/G`` of them away, for q, k, v and the output, forward and backward. Zero at G=1.
 * ``speed``: relative speed of the bag, the slowest of its GPUs (a bag moves in lockstep).
+* ``efficiency(G)``: how much of the ideal ``1/G`` share a member of a bag of ``G`` achieves (1 at
+  ``G = 1``; below 1 where small chunks and narrow head slices run slower), calibrated per degree by
+  ``deepspeed-knap calibrate --degrees``; 1 unless given.
 
 Defaults come from FLOP counts of the model's dimensions (:meth:`WorkloadModel.from_model_dims`);
 :func:`fit_workload` fits ``a, b, c`` to measured (length, bag size, time) triples by non-negative
@@ -19,6 +22,7 @@ least squares.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +37,7 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 # Forward + backward over forward FLOPs. Linear layers: backward is two matmuls per forward matmul.
 # Flash attention's backward also recomputes the scores: ~2.5 forward's worth.
 _LINEAR_TRAIN_FACTOR = 3.0
+_LINEAR_FROZEN_FACTOR = 2.0  # frozen weights: no weight-gradient matmul
 _ATTENTION_TRAIN_FACTOR = 3.5
 
 
@@ -46,12 +51,15 @@ class WorkloadModel:
         alltoall_coef: ``c``, seconds per token of Ulysses all-to-all traffic (0 disables the term).
         gpu_speed: relative speed of each rank of the balance group (``None``: all equal). A bag runs
             at the speed of its slowest GPU.
+        degree_efficiency: ``((G, efficiency), ...)``: the fraction of the ideal ``1/G`` of the work
+            a member of a bag of ``G`` GPUs achieves; degrees not listed (and ``G = 1``) have 1.
     """
 
     linear_coef: float
     quadratic_coef: float
     alltoall_coef: float = 0.0
     gpu_speed: tuple[float, ...] | None = None
+    degree_efficiency: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("linear_coef", "quadratic_coef", "alltoall_coef"):
@@ -64,6 +72,11 @@ class WorkloadModel:
             speeds = np.asarray(self.gpu_speed, dtype=np.float64)
             if speeds.ndim != 1 or not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
                 raise ValueError(f"gpu_speed must be a list of positive numbers, one per rank; got {self.gpu_speed!r}")
+        for degree, efficiency in self.degree_efficiency or ():
+            if not (isinstance(degree, int) and degree >= 1 and np.isfinite(efficiency) and 0 < efficiency <= 2):
+                raise ValueError(
+                    f"degree_efficiency holds (bag size >= 1, efficiency in (0, 2]) pairs; got ({degree!r}, {efficiency!r})"
+                )
 
     @classmethod
     def from_model_dims(
@@ -76,12 +89,16 @@ class WorkloadModel:
         alltoall_gbps: float = 150.0,
         bytes_per_element: int = 2,
         gpu_speed: tuple[float, ...] | None = None,
+        frozen_base: bool = False,
     ) -> WorkloadModel:
         """FLOP-based defaults for a FLUX-style DiT (defaults: FLUX.1-dev on an H100 in bf16).
 
         Per block and token (forward), a FLUX double- or single-stream block does
         ``(4 + 2 * mlp_ratio) * hidden**2`` multiply-adds in its linear layers (q, k, v, output, MLP;
         the single-stream block fuses the same matrices) and ``2 * s * hidden`` in attention.
+        With ``frozen_base`` (LoRA: the base weights take no gradient) a linear layer's backward
+        skips its weight-gradient matmul: forward + backward is 2 forwards' worth instead of 3 (on
+        the CPU the LoRA calibration measured ``a`` at 0.64 of full fine-tuning's).
 
         Args:
             hidden: model width ``d``.
@@ -91,6 +108,7 @@ class WorkloadModel:
             alltoall_gbps: per-GPU all-to-all bandwidth inside a bag, in 10**9 bytes/s.
             bytes_per_element: activation dtype size moved by the all-to-alls.
             gpu_speed: see the class attributes.
+            frozen_base: the base weights are frozen (LoRA, adapters).
         """
         if min(hidden, double_blocks + single_blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element) <= 0:
             raise ValueError(
@@ -100,7 +118,8 @@ class WorkloadModel:
             )
         blocks = double_blocks + single_blocks
         flops_per_s = tflops * 1e12
-        linear = _LINEAR_TRAIN_FACTOR * 2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s
+        train_factor = _LINEAR_FROZEN_FACTOR if frozen_base else _LINEAR_TRAIN_FACTOR
+        linear = train_factor * 2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s
         quadratic = _ATTENTION_TRAIN_FACTOR * 2 * 2 * hidden * blocks / flops_per_s
         # q, k, v in and the output back, forward and backward: 8 all-to-alls of hidden-wide tokens.
         alltoall = 8 * hidden * bytes_per_element * blocks / (alltoall_gbps * 1e9)
@@ -121,8 +140,16 @@ class WorkloadModel:
         """
         s = np.asarray(seq_lens, dtype=np.float64)
         g = np.asarray(bag_size, dtype=np.float64)
-        compute = (self.linear_coef * s + self.quadratic_coef * s * s) / (g * bag_speed)
+        compute = (self.linear_coef * s + self.quadratic_coef * s * s) / (g * bag_speed * self.efficiency(bag_size))
         return compute + self.alltoall_coef * s * (g - 1.0) / (g * g)
+
+    def efficiency(self, bag_size: np.ndarray | int) -> np.ndarray:
+        """``[...]`` :attr:`degree_efficiency` of each bag size (1 where not listed)."""
+        g = np.asarray(bag_size)
+        result = np.ones(g.shape, dtype=np.float64)
+        for degree, efficiency in self.degree_efficiency or ():
+            result = np.where(g == degree, efficiency, result)
+        return result
 
     def group_speeds(self, group_first: np.ndarray, group_sizes: np.ndarray, num_gpus: int) -> np.ndarray:
         """``[B]`` speed of each group of GPUs: the slowest of its GPUs (1.0 everywhere without
@@ -189,34 +216,69 @@ def fit_workload(
     return WorkloadModel(float(coef[0]), float(coef[1]), float(coef[2]))
 
 
-def nonnegative_least_squares(columns: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """``argmin ||columns @ x - targets||`` over ``x >= 0``, exactly, for a handful of columns.
+def nonnegative_least_squares(
+    columns: np.ndarray, targets: np.ndarray, weights: np.ndarray | None = None
+) -> np.ndarray:
+    """``argmin sum(weights * (columns @ x - targets)**2)`` over ``x >= 0``, exactly, for a handful
+    of columns, and bit-identically on every machine.
 
     The optimum is the unconstrained least-squares solution on one subset of the columns (its
     support), so trying every subset and keeping the best non-negative one is exact: ``2**K`` small
     solves for ``K`` columns. Columns are scaled to unit norm first (``s`` and ``s**2`` differ by
-    ~10 orders). All-zero columns get 0.
+    ~10 orders). All-zero columns get 0. The arithmetic is plain Python floats in a fixed order,
+    no BLAS (whose reduction order differs between CPUs): the online refit runs this on every rank
+    and the ranks must agree to the last bit.
 
     Args:
         columns: ``[M, K]`` regressors, ``K`` small (at most ~6).
         targets: ``[M]``.
+        weights: ``[M]`` non-negative row weights; default all 1.
 
     Returns:
         ``[K]`` float64 coefficients, all >= 0 (all 0 when no subset fits with non-negative ones).
     """
-    num_columns = columns.shape[1]
-    usable = [j for j in range(num_columns) if np.any(columns[:, j] != 0)]
-    norms = np.linalg.norm(columns, axis=0)
-    best_coef, best_residual = np.zeros(num_columns), float(np.sum(targets**2))
-    for k in range(1, len(usable) + 1):
-        for support in itertools.combinations(usable, k):
-            scaled = columns[:, support] / norms[list(support)]
-            solution, *_ = np.linalg.lstsq(scaled, targets, rcond=None)
-            if np.any(solution < 0):
+    rows = np.asarray(columns, dtype=np.float64).tolist()
+    ys = np.asarray(targets, dtype=np.float64).tolist()
+    ws = [1.0] * len(ys) if weights is None else np.asarray(weights, dtype=np.float64).tolist()
+    num_columns = len(rows[0]) if rows else np.asarray(columns).shape[1]
+    norms = [math.sqrt(sum(w * row[k] * row[k] for w, row in zip(ws, rows, strict=True))) for k in range(num_columns)]
+    usable = [k for k in range(num_columns) if norms[k] > 0]
+    scaled = [[row[k] / norms[k] if norms[k] > 0 else 0.0 for k in range(num_columns)] for row in rows]
+    best_coef, best_residual = [0.0] * num_columns, sum(w * y * y for w, y in zip(ws, ys, strict=True))
+    for size in range(1, len(usable) + 1):
+        for support in itertools.combinations(usable, size):
+            gram = [[sum(w * row[i] * row[j] for w, row in zip(ws, scaled, strict=True)) for j in support]
+                    for i in support]  # fmt: skip
+            rhs = [sum(w * row[i] * y for w, row, y in zip(ws, scaled, ys, strict=True)) for i in support]
+            solution = _solve_linear(gram, rhs)
+            if solution is None or any(v < 0 for v in solution):
                 continue
-            residual = float(np.sum((scaled @ solution - targets) ** 2))
+            residual = sum(
+                w * (sum(v * row[k] for v, k in zip(solution, support, strict=True)) - y) ** 2
+                for w, row, y in zip(ws, scaled, ys, strict=True)
+            )
             if residual < best_residual:
-                best_residual = residual
-                best_coef = np.zeros(num_columns)
-                best_coef[list(support)] = solution / norms[list(support)]
-    return best_coef
+                best_residual, best_coef = residual, [0.0] * num_columns
+                for v, k in zip(solution, support, strict=True):
+                    best_coef[k] = v / norms[k]
+    return np.array(best_coef)
+
+
+def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """``matrix^-1 @ rhs`` by Gaussian elimination with partial pivoting; ``None`` when (nearly) singular."""
+    n = len(rhs)
+    a = [[*row, rhs[i]] for i, row in enumerate(matrix)]
+    scale = max((abs(v) for row in matrix for v in row), default=0.0)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            factor = a[r][col] / a[col][col]
+            for k in range(col, n + 1):
+                a[r][k] -= factor * a[col][k]
+    solution = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        solution[r] = (a[r][n] - sum(a[r][k] * solution[k] for k in range(r + 1, n))) / a[r][r]
+    return solution

@@ -28,10 +28,27 @@ def test_workload_sources():
     assert block(workload={"linear_coef": 1e-6, "quadratic_coef": 1e-9}).workload.build() == WorkloadModel(1e-6, 1e-9)
 
 
+def test_online_refit_and_frozen_base_settings():
+    from deepspeed_knap.online import OnlineSettings
+
+    assert block(workload={"model": "flux-dev"}).workload.online_settings() is None
+    online = block(workload={"online": True, "warmup_steps": 2, "forgetting": 0.8}).workload.online_settings()
+    assert online == OnlineSettings(warmup_steps=2, forgetting=0.8, refit_interval=1, max_speed_ratio=4.0)
+    lora = block(workload={"model": "flux-dev", "frozen_base": True}).workload.build()
+    assert lora.linear_coef == pytest.approx(default_workload("flux-dev").linear_coef * 2 / 3)
+    assert lora.quadratic_coef == default_workload("flux-dev").quadratic_coef
+
+
 def test_calibration_file(tmp_path):
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"linear_coef": 2e-6, "quadratic_coef": 3e-10, "alltoall_coef": 1e-7, "r2": 0.99}))
     assert block(workload={"calibration_file": str(path)}).workload.build() == WorkloadModel(2e-6, 3e-10, 1e-7)
+    path.write_text(
+        json.dumps({"linear_coef": 2e-6, "quadratic_coef": 3e-10, "degree_efficiency": [[2, 0.9], [4, 0.8]]})
+    )
+    model = block(workload={"calibration_file": str(path)}).workload.build()
+    assert model.degree_efficiency == ((2, 0.9), (4, 0.8))
+    assert model.per_gpu_time(1000, 4) == pytest.approx((2e-6 * 1000 + 3e-10 * 1e6) / (4 * 0.8))
     path.write_text("{}")
     with pytest.raises(ValueError, match=r"calibration_file .* is unreadable"):
         block(workload={"calibration_file": str(path)}).workload.build()
@@ -57,6 +74,9 @@ def test_calibration_file(tmp_path):
         ({"timeout_s": 0}, "knapformer.timeout_s = 0: Input should be greater than 0"),
         ({"solver": "knapformer", "max_tokens_per_gpu": 8192}, '"solver": "knapformer" cannot honour'),
         ({"topology": "auto", "solver": "knapformer"}, '"solver": "knapformer" needs a fixed topology'),
+        ({"workload": {"linear_coef": 1, "quadratic_coef": 1, "frozen_base": True}}, "frozen_base adjusts a preset"),
+        ({"workload": {"online": True, "forgetting": 1.5}}, "knapformer.workload.forgetting = 1.5"),
+        ({"workload": {"online": True, "max_speed_ratio": 1}}, "knapformer.workload.max_speed_ratio = 1"),
     ],
 )
 def test_bad_blocks_name_the_key_and_value(fields, message):
