@@ -70,6 +70,8 @@ class KnapBalancer:
         self.last_times: dict[str, float] | None = None  # this rank's breakdown of the last finished step
         self._last: tuple[list[list[int]], RoutingPlan, float] | None = None
         self._in_flight: tuple[StepTimes, RoutingPlan, WorkloadModel] | None = None
+        self._closed: tuple[RoutingPlan, WorkloadModel] | None = None  # the step close_step() ended
+        self._report = [-1, -1]  # this rank's [compute, ulysses] microseconds, shipped with the next lengths
         self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
 
     @property
@@ -80,12 +82,14 @@ class KnapBalancer:
     def plan(self, batch: PackedBatch) -> RoutingPlan:
         """Gather every rank's lengths (and last step's times) and solve; every rank gets the same
         plan. Collective."""
-        report = self._finish_step()
+        self.close_step()
+        previous, report = self._closed, self._report
+        self._closed, self._report = None, [-1, -1]
         times = StepTimes(batch.tokens.device)
         times.mark("plan_start")
         seq_lens_per_rank, reports = gather_step(batch, self.groups, report)
-        if self._in_flight is not None:
-            self._record(*self._in_flight[1:], reports)
+        if previous is not None:
+            self._record(*previous, reports)
         model = self.model
         start = time.perf_counter()
         plan = plan_routing(seq_lens_per_rank, self.groups.topology, model, self.solver, self.max_tokens_per_gpu)
@@ -98,25 +102,29 @@ class KnapBalancer:
             self._log(self.metrics())
         return plan
 
-    def _finish_step(self) -> list[int]:
-        """Close the record of the step in flight: ``[compute, ulysses]`` microseconds of this rank
-        (``[-1, -1]`` when unknown: no step yet, no backward, or a timer that failed)."""
+    def close_step(self) -> dict[str, float] | None:
+        """End the timing of the step in flight (once its backward is done) and return this rank's
+        breakdown of it (:meth:`~deepspeed_knap.timing.StepTimes.seconds`), also kept as
+        :attr:`last_times`; ``None`` when unknown (no step, no backward, a timer that failed). The next
+        :meth:`plan` calls it if the training loop did not, and ships the result to every rank."""
         if self._in_flight is None:
-            return [-1, -1]
+            return self.last_times
+        times, plan, model = self._in_flight
+        self._in_flight, self._closed = None, (plan, model)
         time_exchanges(None)
         try:
-            seconds = self._in_flight[0].seconds()
+            seconds = times.seconds()
         except RuntimeError as error:  # a CUDA event that never recorded
             logger.warning(f"knapformer rank {self.groups.rank}: step timer failed ({error}); step not measured")
             seconds = None
         self.last_times = seconds
-        if seconds is None:
-            return [-1, -1]
-        compute, ulysses = seconds["compute"], seconds["ulysses"]
-        if not (math.isfinite(compute) and math.isfinite(ulysses) and compute >= 0 and ulysses >= 0):
-            logger.warning(f"knapformer rank {self.groups.rank}: step timer read {seconds}; step not measured")
-            return [-1, -1]
-        return [round(compute * 1e6), round(ulysses * 1e6)]
+        if seconds is not None:
+            compute, ulysses = seconds["compute"], seconds["ulysses"]
+            if math.isfinite(compute) and math.isfinite(ulysses) and compute >= 0 and ulysses >= 0:
+                self._report = [round(compute * 1e6), round(ulysses * 1e6)]
+            else:
+                logger.warning(f"knapformer rank {self.groups.rank}: step timer read {seconds}; step not measured")
+        return seconds
 
     def _record(self, plan: RoutingPlan, model: WorkloadModel, reports: list[list[int]]) -> None:
         """Every rank's measured times of the step planned by ``plan`` (with ``model``)."""

@@ -207,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     calibrate.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
     calibrate.add_argument("--plot", metavar="OUT.png", help="plot measured and fitted seconds")
+    calibrate.add_argument("--degrees", default=None, metavar="2,4,8",
+                           help="also time emulated members of bags of these sizes and fit their efficiency")  # fmt: skip
     calibrate.set_defaults(func=cmd_calibrate)
 
     bench = commands.add_parser("bench", help="benchmarks: the planner suite, measured step emulation")
@@ -246,6 +248,25 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--plot", metavar="OUT.png", help="per-rank measured vs modeled seconds, last step")
     step.set_defaults(func=_bench_runner("step"))
 
+    train = benches.add_parser("train", help="measured training steps on local ranks: off, knapformer, refine, auto",
+                               description=_module_doc("train"), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    train.add_argument("--ranks", type=int, default=2, help="local processes (one GPU each on CUDA)")
+    train.add_argument("--workload", default="long_video", choices=list(WORKLOADS))
+    train.add_argument("--token-scale", type=float, default=1 / 16, help="scale the workload's lengths (CPU: small)")
+    train.add_argument("--steps", type=int, default=6, help="training steps per mode (the first is not summarised)")
+    train.add_argument("--modes", default="off,knapformer,refine,auto", help="comma-separated, from " + ", ".join(
+        ["off", "knapformer", "refine", "auto"]))  # fmt: skip
+    train.add_argument("--topology", default=None, help="bags of knapformer and refine (default: one bag of all ranks)")
+    train.add_argument("--slow-rank", type=_parse_slow_rank, default=None, metavar="R:F",
+                       help="rank R computes F times slower (CPU ranks)")  # fmt: skip
+    train.add_argument("--online", action="store_true", help="refit the cost model online (not knapformer)")
+    train.add_argument("--calibration", metavar="FILE.json", help="cost model from deepspeed-knap calibrate")
+    train.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPUs)")
+    train.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    train.add_argument("--json", metavar="OUT.json", help="write every per-step, per-rank figure")
+    train.add_argument("--plot", metavar="OUT.png", help="step times and the last step's phases per rank")
+    train.set_defaults(func=_bench_runner("train"))
+
     doctor_doc = ast.get_docstring(ast.parse(Path(__file__).with_name("doctor.py").read_text()))  # torch-free
     doctor = commands.add_parser("doctor", help="versions, attention kernels, a kernel check and a calibration here",
                                  description=doctor_doc, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -268,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
     doctor.set_defaults(func=cmd_doctor)
     return parser
+
+
+def _parse_slow_rank(text: str):
+    from deepspeed_knap.bench.train import parse_slow_rank  # torch-free module-level: imports on use
+
+    return parse_slow_rank(text)
 
 
 def _module_doc(bench: str) -> str:
@@ -303,6 +330,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         about = {"blocks": f"FLUX {args.double_blocks}+{args.single_blocks} blocks, {heads}x{head_dim} heads"}
     about.update(device=torch.cuda.get_device_name() if device.startswith("cuda") else device, dtype=args.dtype)
     model, times, fit = calibrate(step, seq_lens, args.repeats)
+    degrees = [int(g) for g in args.degrees.split(",")] if args.degrees else []
+    if degrees:
+        if args.callable:
+            raise ValueError("--degrees times emulated bag members of FLUX blocks; it cannot time a --callable")
+        from deepspeed_knap.bench.step import FluxBlockTimer, calibrate_degrees
+
+        timer = FluxBlockTimer(heads, head_dim, args.double_blocks, args.single_blocks, torch.device(device),
+                               getattr(torch, args.dtype), args.backend, args.repeats)  # fmt: skip
+        efficiency, by_degree = calibrate_degrees(timer, seq_lens, degrees, model, fit["overhead_s"])
+        about["degree_efficiency"] = [[g, e] for g, e in efficiency.items()]
+        about["degree_seconds"] = {str(g): t for g, t in by_degree.items()}
     write_calibration(args.out, model, seq_lens, times, fit, about)
 
     print(f"{'seq_len':>8}{'measured s':>13}{'model s':>13}{'rel err':>9}")
@@ -312,6 +350,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"a = {model.linear_coef:.4g} s/token, b = {model.quadratic_coef:.4g} s/token^2, per-step overhead "
           f"{fit['overhead_s']:.4g} s (not used in planning); R^2 = {fit['r2']:.4f}, max rel error "
           f"{fit['max_rel_error']:.1%}; written to {args.out}")  # fmt: skip
+    for degree, efficiency in about.get("degree_efficiency", []):
+        print(f"bag of {degree}: a member does {efficiency:.0%} of the ideal 1/{degree} share's speed "
+              f"(measured {', '.join(f'{t:.4g}' for t in about['degree_seconds'][str(degree)])} s)")  # fmt: skip
     if args.plot:
         import matplotlib
 

@@ -42,7 +42,14 @@ def _cli_options() -> list[tuple[str, str]]:
 
 
 def test_every_subcommand_is_found():
-    assert {path for path, _ in _cli_options()} == {"plan", "calibrate", "bench planner", "bench step", "doctor"}
+    assert {path for path, _ in _cli_options()} == {
+        "plan",
+        "calibrate",
+        "bench planner",
+        "bench step",
+        "bench train",
+        "doctor",
+    }
 
 
 @pytest.mark.parametrize(("command", "option"), _cli_options())

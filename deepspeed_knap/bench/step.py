@@ -141,6 +141,46 @@ class FluxBlockTimer:
         return statistics.median(times[1:])
 
 
+def calibrate_degrees(timer: FluxBlockTimer, seq_lens: Sequence[int], degrees: Sequence[int], model: WorkloadModel,
+                      overhead_s: float) -> tuple[dict[int, float], dict[int, list[float]]]:  # fmt: skip
+    """How much of the ideal ``1/G`` share of the work a member of a bag of ``G`` achieves.
+
+    For each degree ``G`` and length ``s``, times what member 0 of a bag of ``G`` GPUs computes of one
+    sequence of ``s`` tokens (its ``s / G`` tokens' projections and MLP, attention over the whole
+    sequence on its ``H / G`` heads: :class:`EmulatedUlyssesAttention`), and compares it with
+    ``model``'s ideal ``(a*s + b*s^2) / G`` (``model`` fitted at ``G = 1`` on the same blocks).
+
+    Returns:
+        ``({G: efficiency}, {G: measured seconds per length})``, efficiency = ideal seconds over
+        measured seconds less the overhead, summed over the lengths.
+
+    Raises:
+        ValueError: a degree below 2 or above the blocks' heads.
+    """
+    from deepspeed_knap.planner import _Problem
+
+    bad = [g for g in degrees if not 2 <= g <= timer.heads]
+    if bad:
+        raise ValueError(
+            f"--degrees {list(degrees)}: bag sizes must be between 2 and the heads ({timer.heads}); got {bad}"
+        )
+    efficiency, measured = {}, {}
+    for degree in degrees:
+        topology = build_topology(f"g{degree}n1")
+        times = []
+        for seq_len in tqdm(seq_lens, desc=f"calibrate G={degree}", leave=False):
+            lengths = [[seq_len]] + [[] for _ in range(degree - 1)]
+            plan = _Problem.build(lengths, topology, model, None).make_plan(
+                "calibrate", np.array([0]), np.array([degree])
+            )
+            routed = emulated_rank_batch(plan, 0, np.array([seq_len // 8]), timer.dim, timer.device, timer.dtype)
+            times.append(timer(routed))
+        ideal = sum((model.linear_coef * s + model.quadratic_coef * s * s) / degree for s in seq_lens)
+        spent = sum(max(t - overhead_s, 1e-12) for t in times)
+        efficiency[degree], measured[degree] = min(max(ideal / spent, 0.05), 2.0), times
+    return efficiency, measured
+
+
 def scaled_lengths(workload: str, num_gpus: int, seed: int, token_scale: float) -> tuple[list[list[int]], np.ndarray]:
     """Per-rank sequence lengths of one step scaled by ``token_scale`` (at least one visual token per
     sample: :meth:`~deepspeed_knap.workloads.SampleShape.scaled`), and ``[N]`` text tokens

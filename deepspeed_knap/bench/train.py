@@ -1,0 +1,324 @@
+"""Measured training steps on real ranks: balancing off against knapformer, refine and auto.
+
+    deepspeed-knap bench train --ranks 2 --workload long_video --token-scale 0.0625 --steps 8
+    deepspeed-knap bench train --ranks 2 --workload kf_image_video --token-scale 0.03 --slow-rank 1:3 --online
+
+Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA) that train a tiny
+packed FLUX (``TINY_FLUX``; ``--flux-dims`` for FLUX.1's width on GPUs) with DeepSpeed, the real
+routes and Ulysses all-to-alls, on the same synthetic samples of ``--workload`` in every mode:
+``off`` (no balancing: every sequence stays home), ``knapformer`` and ``refine`` on ``--topology``
+(default: one bag of all ranks), and ``auto``. Per mode and step it reports the measured step time
+(slowest rank, synchronised), the speedup over ``off`` on the same step, the measured max/mean of the
+ranks' compute seconds, the cost model's error per rank, and each rank's time by phase (plan, route,
+Ulysses all-to-alls, compute, reverse route) as the balancer measured it.
+
+``--slow-rank R:F`` makes rank ``R``'s compute ``F`` times slower (it sleeps ``F - 1`` times each
+block's forward and backward; CPU ranks only). ``--online`` turns on the cost model's online refit,
+which learns that rank's speed. The cost model's prior is the FLOP model of the tiny dims, whose
+absolute scale is far from a CPU's: its error is large until the refit has run (or give
+``--calibration FILE`` from ``deepspeed-knap calibrate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from tqdm import tqdm
+
+from deepspeed_knap.planner import plan_loads
+
+MODES = ("off", "knapformer", "refine", "auto")
+PHASES = ("plan", "route", "ulysses", "compute", "reverse_route")
+
+
+def parse_slow_rank(text: str) -> tuple[int, float]:
+    """``R:F`` -> ``(R, F)`` with ``F >= 1``."""
+    try:
+        rank, factor = text.split(":")
+        parsed = int(rank), float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--slow-rank {text!r}: give RANK:FACTOR, e.g. 1:3") from None
+    if parsed[0] < 0 or not parsed[1] >= 1:
+        raise argparse.ArgumentTypeError(f"--slow-rank {text!r}: the rank must be >= 0 and the factor >= 1")
+    return parsed
+
+
+def ds_config(mode: str, topology: str, world: int, workload: dict, online: bool) -> dict:
+    """The DeepSpeed config of one mode (ZeRO-1, the ``"knapformer"`` block per mode). ``off`` runs
+    the balancer with solver ``none`` on single GPUs: every sequence stays home, as without the
+    block, but its compute is timed the same way (its step pays a lengths gather and two all-to-alls
+    that send nothing)."""
+    topology = {"off": f"g1n{world}", "auto": "auto"}.get(mode, topology)
+    solver = {"off": "none", "knapformer": "knapformer"}.get(mode, "refine")
+    refit = {"online": True, "warmup_steps": 2} if online and mode in ("refine", "auto") else {}
+    knap = {"enabled": True, "topology": topology, "solver": solver, "attention_backend": "auto",
+            "workload": {**workload, **refit}, "log_interval": 0}  # fmt: skip
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
+            "zero_allow_untested_optimizer": True, "knapformer": knap}  # fmt: skip
+
+
+class _SlowDown:
+    """Makes a model's blocks ``factor`` times slower: each block sleeps ``factor - 1`` times what its
+    forward took, and the same after its backward."""
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], factor: float) -> None:
+        self.factor = factor
+        self.handles = []
+        for block in blocks:
+            self.handles += [
+                block.register_forward_pre_hook(self._start),
+                block.register_forward_hook(self._stop),
+                block.register_full_backward_pre_hook(self._start_backward),
+                block.register_full_backward_hook(self._stop_backward),
+            ]
+
+    def _start(self, module, *_):
+        module._slow_clock = time.perf_counter()
+
+    def _stop(self, module, *_):
+        time.sleep((self.factor - 1) * (time.perf_counter() - module._slow_clock))
+
+    def _start_backward(self, module, *_):
+        module._slow_clock_backward = time.perf_counter()
+
+    def _stop_backward(self, module, *_):
+        time.sleep((self.factor - 1) * (time.perf_counter() - module._slow_clock_backward))
+
+
+def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(max(1, options["threads"]))
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    import deepspeed_knap
+    from deepspeed_knap.models.flux import PackedFluxTransformer
+    from deepspeed_knap.models.flux_data import SyntheticLatents, rectified_flow
+    from deepspeed_knap.models.flux_finetune import TINY_FLUX
+    from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
+
+    deepspeed.init_distributed(verbose=False)
+    dims = dict(TINY_FLUX)
+    if options["flux_dims"]:
+        dims.update(num_attention_heads=24, attention_head_dim=128, axes_dims_rope=(16, 56, 56))
+    device = torch.device(get_accelerator().current_device_name())
+    records = []
+    for mode in options["modes"]:
+        torch.manual_seed(0)  # every mode trains the same initial weights
+        model = PackedFluxTransformer(**dims)
+        config = ds_config(mode, options["topology"], world, options["workload_model"], options["online"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine, _, _, _, balancer = deepspeed_knap.initialize(model=model, optimizer=optimizer, config=config)
+        unlink_own_shm_buffer(rank)
+        flux = engine.module
+        slow = None
+        if options["slow_rank"] is not None and options["slow_rank"][0] == rank:
+            slow = _SlowDown([*flux.transformer_blocks, *flux.single_transformer_blocks], options["slow_rank"][1])
+        data = SyntheticLatents(options["workload"], flux.config, options["token_scale"], seed=0)
+        guidance = 1.0 if flux.config.get("guidance_embeds") else None
+        steps = range(options["steps"])
+        for step in tqdm(steps, desc=f"bench train {mode}", disable=rank != 0, leave=False):
+            samples, targets = rectified_flow(
+                data.step_samples(step, rank, world), torch.Generator().manual_seed(step * 4099 + rank), guidance
+            )
+            inputs = flux.pack(samples).to(device)
+            get_accelerator().synchronize()
+            dist.barrier()  # every rank starts the step together: the step time is the slowest rank's
+            start = time.perf_counter()
+            prediction = engine(inputs, balancer)
+            forward_end = time.perf_counter()
+            target = torch.cat(targets).to(device) if targets else torch.zeros_like(prediction)
+            loss = deepspeed_knap.token_mean_loss((prediction.float() - target.float()).square().mean(dim=-1))
+            engine.backward(loss)
+            get_accelerator().synchronize()
+            backward_end = time.perf_counter()
+            engine.step()
+            dist.barrier()
+            step_s = time.perf_counter() - start
+            phases = balancer.close_step() or {}
+            plan = balancer._last[1]
+            records.append({"mode": mode, "step": step, "rank": rank, "step_s": step_s,
+                            "forward_s": forward_end - start, "backward_s": backward_end - forward_end,
+                            "phases": phases, "predicted_s": predicted_compute_s(balancer),
+                            "speeds": list(balancer.model.gpu_speed or ()),
+                            "tokens": int(plan.gpu_tokens[balancer.groups.group_rank])})  # fmt: skip
+        if slow is not None:
+            for handle in slow.handles:
+                handle.remove()
+        del engine, balancer
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(records))
+    dist.barrier()
+
+
+def predicted_compute_s(balancer) -> float:
+    """The cost model's compute seconds for this rank under the balancer's last plan (the model it
+    planned with, all-to-all term left out: the measured compute excludes the exchanges)."""
+    plan, rank = balancer._last[1], balancer.groups.group_rank
+    if balancer.online is not None:
+        return balancer.online.predicted_s(plan)[rank]
+    return float(plan_loads(plan, dataclasses.replace(balancer.workload, alltoall_coef=0.0))[rank])
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_train(options: dict) -> dict:
+    """Run the ranks and assemble their records: per mode, per step, per rank."""
+    with tempfile.TemporaryDirectory(prefix="knap-bench-train-") as out_dir:
+        mp.start_processes(_worker, args=(options["ranks"], _free_port(), options, out_dir), nprocs=options["ranks"],
+                           start_method="spawn")  # fmt: skip
+        records = [
+            r for rank in range(options["ranks"]) for r in json.loads(Path(out_dir, f"rank{rank}.json").read_text())
+        ]
+    steps = []
+    for mode in options["modes"]:
+        for step in range(options["steps"]):
+            ranks = sorted((r for r in records if r["mode"] == mode and r["step"] == step), key=lambda r: r["rank"])
+            compute = [r["phases"].get("compute", float("nan")) for r in ranks]
+            errors = [(r["predicted_s"] - c) / c if r["predicted_s"] is not None and c > 0 else None
+                      for r, c in zip(ranks, compute, strict=True)]  # fmt: skip
+            steps.append({"mode": mode, "step": step, "step_s": max(r["step_s"] for r in ranks),
+                          "compute_s": compute, "compute_imbalance": max(compute) / (sum(compute) / len(compute)),
+                          "model_error": errors, "phases": [r["phases"] for r in ranks], "speeds": ranks[0]["speeds"],
+                          "tokens": [r["tokens"] for r in ranks]})  # fmt: skip
+    return {"options": {k: v for k, v in options.items() if k != "workload_model"}, "steps": steps}
+
+
+def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
+    """Per mode, medians over steps ``skip..`` (the first steps warm up and, online, learn): step
+    seconds, speedup over ``off`` on the same step, compute max/mean, median |model error|."""
+    by_mode: dict[str, list[dict]] = {}
+    for row in report["steps"]:
+        by_mode.setdefault(row["mode"], []).append(row)
+    off = {row["step"]: row["step_s"] for row in by_mode.get("off", [])}
+    summary = {}
+    for mode, rows in by_mode.items():
+        rows = [row for row in rows if row["step"] >= skip] or rows
+        errors = [abs(e) for row in rows for e in row["model_error"] if e is not None]
+        summary[mode] = {
+            "step_s": statistics.median(row["step_s"] for row in rows),
+            "speedup": statistics.median(off[row["step"]] / row["step_s"] for row in rows) if off else float("nan"),
+            "compute_imbalance": statistics.median(row["compute_imbalance"] for row in rows),
+            "model_error": statistics.median(errors) if errors else float("nan"),
+        }
+    return summary
+
+
+def format_report(report: dict) -> str:
+    options = report["options"]
+    lines = [f"{options['ranks']} ranks, {options['workload']} x{options['token_scale']:g} tokens, topology "
+             f"{options['topology']} (knapformer, refine) and auto; off keeps every sequence home"
+             + (f", rank {options['slow_rank'][0]} {options['slow_rank'][1]:g}x slower" if options["slow_rank"] else "")
+             + (", online refit" if options["online"] else ""), "",
+             f"{'mode':<11}{'step':>5}{'step s':>9}{'speedup':>9}{'compute max/mean':>18}  tokens per rank (routed)"]  # fmt: skip
+    off = {row["step"]: row["step_s"] for row in report["steps"] if row["mode"] == "off"}
+    for row in report["steps"]:
+        speedup = f"{off[row['step']] / row['step_s']:>8.2f}x" if row["step"] in off else f"{'-':>9}"
+        lines.append(f"{row['mode']:<11}{row['step']:>5}{row['step_s']:>9.3f}{speedup}{row['compute_imbalance']:>18.3f}"
+                     f"  {row['tokens']}")  # fmt: skip
+    lines += ["", f"medians over steps 1..{options['steps'] - 1}:",
+              f"{'mode':<11}{'step s':>9}{'speedup':>9}{'compute max/mean':>18}{'|model error|':>15}"]  # fmt: skip
+    for mode, s in summarize(report).items():
+        lines.append(f"{mode:<11}{s['step_s']:>9.3f}{s['speedup']:>8.2f}x{s['compute_imbalance']:>18.3f}"
+                     f"{s['model_error']:>15.1%}")  # fmt: skip
+    last = [row for row in report["steps"] if row["step"] == options["steps"] - 1]
+    lines += ["", f"seconds by phase, last step ({options['steps'] - 1}):",
+              f"{'mode':<11}{'rank':>5}" + "".join(f"{p:>14}" for p in PHASES)]  # fmt: skip
+    for row in last:
+        for rank, phases in enumerate(row["phases"]):
+            lines.append(
+                f"{row['mode']:<11}{rank:>5}" + "".join(f"{phases.get(p, float('nan')):>14.4f}" for p in PHASES)
+            )
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: str | Path) -> None:
+    """Step time per step by mode, and the last step's time by phase per rank and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(row["mode"] for row in report["steps"]))
+    fig, (steps_ax, phases_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    for mode in modes:
+        rows = [row for row in report["steps"] if row["mode"] == mode]
+        steps_ax.plot([row["step"] for row in rows], [row["step_s"] for row in rows], "o-", label=mode)
+    steps_ax.set(xlabel="step", ylabel="measured step s (slowest rank)", title="step time")
+    steps_ax.legend(fontsize=8)
+    last = [row for row in report["steps"] if row["step"] == report["options"]["steps"] - 1]
+    ranks = report["options"]["ranks"]
+    width = 0.8 / ranks
+    colors = dict(zip(PHASES, ("0.6", "tab:orange", "tab:red", "tab:blue", "tab:green"), strict=True))
+    for m, row in enumerate(last):
+        for rank, phases in enumerate(row["phases"]):
+            bottom = 0.0
+            for phase in PHASES:
+                value = phases.get(phase, 0.0)
+                phases_ax.bar(m + (rank - (ranks - 1) / 2) * width, value, width * 0.9, bottom=bottom,
+                              color=colors[phase], label=phase if (m, rank) == (0, 0) else None)  # fmt: skip
+                bottom += value
+    phases_ax.set_xticks(range(len(last)), [row["mode"] for row in last])
+    phases_ax.set(ylabel="seconds (bars: ranks)", title="last step by phase and rank")
+    phases_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "off" not in modes:
+        raise ValueError(f"--modes {args.modes!r}: choose among {', '.join(MODES)}, including off (the baseline)")
+    if args.ranks < 1 or args.steps < 2 or args.token_scale <= 0:
+        raise ValueError(f"need --ranks >= 1, --steps >= 2, --token-scale > 0; got {args.ranks}, {args.steps}, "
+                         f"{args.token_scale}")  # fmt: skip
+    if args.slow_rank is not None and (args.slow_rank[0] >= args.ranks or torch.cuda.is_available()):
+        raise ValueError(f"--slow-rank {args.slow_rank[0]}:{args.slow_rank[1]:g} needs a rank below --ranks "
+                         f"{args.ranks}, on CPU ranks (it sleeps on the host)")  # fmt: skip
+    workload = {"model": "flux-tiny"}
+    if args.calibration:
+        workload = {"calibration_file": str(Path(args.calibration).resolve())}
+    options = {"ranks": args.ranks, "workload": args.workload, "token_scale": args.token_scale, "steps": args.steps,
+               "modes": modes, "topology": args.topology or f"g{args.ranks}n1", "slow_rank": args.slow_rank,
+               "online": args.online, "flux_dims": args.flux_dims, "threads": args.threads,
+               "workload_model": workload}  # fmt: skip
+    report = bench_train(options)
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"per-step, per-rank figures written to {args.json}")
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m deepspeed_knap.bench.train`` is ``deepspeed-knap bench train``."""
+    from deepspeed_knap.cli import main as cli_main
+
+    return cli_main(["bench", "train", *(argv or [])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
