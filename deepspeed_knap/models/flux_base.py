@@ -105,6 +105,21 @@ def _ranks_within(lens: np.ndarray) -> np.ndarray:
     return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
 
 
+def position_ids(config: Mapping[str, Any], grid: Tensor, text_tokens: int) -> tuple[Tensor, Tensor]:
+    """``(img_ids [L, A], txt_ids [Tt, A])`` as each family's diffusers pipeline makes them, for a
+    model ``config`` and latent positions ``grid [L, 3]`` ``(t, h, w)``. FLUX.1 (3 axes): the grid,
+    and text at 0. FLUX.2 (4 axes, the last the text position ``l``): latents at ``(t, h, w, 0)``,
+    text at ``(0, 0, 0, l)``."""
+    axes = len(config["axes_dims_rope"])
+    if axes == 3:
+        return grid.float(), torch.zeros(text_tokens, 3)
+    if axes == 4:
+        from deepspeed_knap.models.flux2 import text_ids
+
+        return torch.cat([grid.float(), torch.zeros(len(grid), 1)], dim=1), text_ids(text_tokens)
+    raise ValueError(f"no FLUX family has {axes} position axes (axes_dims_rope {config['axes_dims_rope']})")
+
+
 def route_text_embedded(text_dim: int, dim: int) -> bool:
     """Route text tokens as their ``dim``-wide embedding (sent forward, its gradient sent back)
     rather than the ``text_dim``-wide text-encoder rows (sent forward only) when that is fewer bytes
@@ -175,7 +190,9 @@ class PackedFluxBase(nn.Module):
         self.out_channels = config["out_channels"] or config["in_channels"]
         self.gradient_checkpointing = gradient_checkpointing
         # One parameterless module shared by every block: the balancer's routing decides its groups.
-        self.attention = KnapDistributedAttention(config["num_attention_heads"], attention_backend, topology=topology)
+        self.attention = KnapDistributedAttention(
+            config["num_attention_heads"], backend=attention_backend, topology=topology
+        )
 
     @classmethod
     def config_keys(cls) -> tuple[str, ...]:

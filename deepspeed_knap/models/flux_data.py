@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from deepspeed_knap.models.flux_base import position_ids
 from deepspeed_knap.workloads import SampleShape, sample_shapes
 
 LATENT_KEYS = ("latents", "img_ids", "encoder_hidden_states", "txt_ids", "pooled_projections")
@@ -57,13 +58,12 @@ def synthetic_samples(
     for shape in shapes:
         scaled = shape.scaled(token_scale)
         text, visual = scaled.text, scaled.visual
-        samples.append({
-            "latents": randn(visual, config["in_channels"]),
-            "img_ids": grid_ids(visual, min(shape.frames, visual)),
-            "encoder_hidden_states": randn(text, config["joint_attention_dim"]),
-            "txt_ids": torch.zeros(text, 3),
-            "pooled_projections": randn(config["pooled_projection_dim"]),
-        })  # fmt: skip
+        img_ids, txt_ids = position_ids(config, grid_ids(visual, min(shape.frames, visual)), text)
+        sample = {"latents": randn(visual, config["in_channels"]), "img_ids": img_ids,
+                  "encoder_hidden_states": randn(text, config["joint_attention_dim"]), "txt_ids": txt_ids}  # fmt: skip
+        if "pooled_projection_dim" in config:  # FLUX.1; FLUX.2 has no pooled text
+            sample["pooled_projections"] = randn(config["pooled_projection_dim"])
+        samples.append(sample)
     return samples
 
 
@@ -256,7 +256,7 @@ def rectified_flow(
         model_sample = {
             "hidden_states": (1 - sigma) * x0 + sigma * noise,
             "timestep": sigma,
-            **{key: sample[key] for key in ("img_ids", "encoder_hidden_states", "txt_ids", "pooled_projections")},
+            **{key: sample[key] for key in LATENT_KEYS[1:] if key in sample},  # FLUX.2 has no pooled text
         }
         if guidance is not None:
             model_sample["guidance"] = torch.tensor(guidance, dtype=x0.dtype)
