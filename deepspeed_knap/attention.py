@@ -18,9 +18,11 @@ A group of one GPU runs step 3 alone, with no communication.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,66 +170,134 @@ def head_splits(num_heads: int, group_size: int) -> list[int]:
     return [base + (i < extra) for i in range(group_size)]
 
 
+_balanced_step: RoutedBatch | None = None
+
+
+@contextlib.contextmanager
+def balanced_step(routed: RoutedBatch) -> Iterator[None]:
+    """While active, every :class:`KnapDistributedAttention` built with DeepSpeed's constructor and
+    called with DeepSpeed's signature balances: its tokens are ``routed``'s. The balancer opens it
+    around the block stack; outside it, those modules behave exactly like DeepSpeed's."""
+    global _balanced_step
+    outer, _balanced_step = _balanced_step, routed
+    try:
+        yield
+    finally:
+        _balanced_step = outer
+
+
 class KnapDistributedAttention(DistributedAttention):
     """DeepSpeed-Ulysses attention inside compute bags, over uneven chunks of whole sequences.
 
     Unlike its parent, which assumes every rank of one fixed group holds an equal slice of one
-    batch, this module takes its groups and split sizes from the step's routing: ``forward`` gets the
+    batch, this module takes its groups and split sizes from the step's routing: the
     :class:`~deepspeed_knap.routing.RoutedBatch` the tokens came from. Heads need not divide the bag
     size (members run ``ceil`` or ``floor`` of ``H / G`` heads), but every bag needs at least one head
     per GPU.
 
+    Two ways to build and call it:
+
+    * **Drop-in for DeepSpeed-Ulysses**: ``KnapDistributedAttention(local_attention,
+      sequence_process_group, scatter_idx, gather_idx)`` and ``forward(query, key, value,
+      batch_dim_idx, ...)``, DeepSpeed's constructor and call. Outside a balanced step it *is*
+      DeepSpeed's ``DistributedAttention`` (its own forward runs). Inside one (the balancer opens
+      :func:`balanced_step` around the blocks) the step's tokens are the routed ones, ``[1, T, H, Dh]``
+      (``batch_dim_idx=0``) or ``[T, 1, H, Dh]`` (``batch_dim_idx=1``), and attention runs over each
+      whole sequence with this package's kernel (``backend``): ``local_attention`` does not know
+      sequence boundaries inside a packed batch, so it is not used there.
+    * **Packed**: ``KnapDistributedAttention(num_heads, backend=..., topology=...)`` and
+      ``forward(query, key, value, routed)`` with ``[T, H, Dh]`` tensors, for models written for packed
+      batches (``TinyDiT``, ``PackedFluxTransformer``).
+
     Args:
-        num_heads: ``H``, the attention heads of q, k and v.
-        backend: local kernel, see :class:`VarlenAttention`.
+        local_attention: DeepSpeed's local attention (drop-in), or ``H``, the attention heads (packed).
+        sequence_process_group, scatter_idx, gather_idx, sp_stream, num_kv_heads: DeepSpeed's, for the
+            unbalanced drop-in path.
+        backend: the kernel of balanced steps, see :class:`VarlenAttention`.
         softmax_scale: default ``1 / sqrt(Dh)``.
-        topology: when given, checked at construction: every bag must have at most ``num_heads`` GPUs.
+        topology: when given, checked at construction: every bag must have at most ``H`` GPUs.
 
     Raises:
-        ValueError: at construction, for a bad backend or a bag with more GPUs than heads.
+        ValueError: at construction, for a bad backend, a non-positive head count or a bag with more
+            GPUs than heads.
     """
 
     def __init__(
         self,
-        num_heads: int,
+        local_attention: Callable[..., Tensor] | int,
+        sequence_process_group: Any = None,
+        scatter_idx: int = 2,
+        gather_idx: int = 0,
+        sp_stream: Any = None,
+        num_kv_heads: int | None = None,
+        *,
         backend: str = "auto",
         softmax_scale: float | None = None,
         topology: Topology | None = None,
     ) -> None:
-        # The parent's single process group does not apply: groups come with each step's routing.
-        super().__init__(VarlenAttention(backend, softmax_scale), sequence_process_group=None)
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be a positive integer; got {num_heads!r}")
-        self.num_heads = num_heads
+        varlen = VarlenAttention(backend, softmax_scale)
+        if isinstance(local_attention, int):
+            if local_attention < 1:
+                raise ValueError(f"num_heads must be a positive integer; got {local_attention!r}")
+            # Packed: no fixed group; groups come with each step's routing.
+            super().__init__(varlen, sequence_process_group=None)
+            self.num_heads: int | None = local_attention
+        else:
+            super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, sp_stream,
+                             num_kv_heads)  # fmt: skip
+            self.num_heads = None  # read off the tensors of each call
+        self.varlen_attn = varlen  # the kernel of balanced steps (also local_attn when packed)
         if topology is not None:
             self.configure(topology)
 
     def configure(self, topology: Topology, backend: str | None = None) -> None:
-        """Check the heads against ``topology``'s bags and, if given, switch the local kernel.
+        """Check the heads against ``topology``'s bags and, if given, switch the balanced kernel.
 
         Raises:
             ValueError: a bag with more GPUs than heads, or an unavailable backend.
         """
-        if max(topology.bag_sizes) > self.num_heads:
+        if self.num_heads is not None and max(topology.bag_sizes) > self.num_heads:
             raise ValueError(
                 f"topology {topology.spec!r} has bags of {max(topology.bag_sizes)} GPUs but attention has only "
                 f"{self.num_heads} heads; Ulysses needs at least one head per GPU of a bag. Use bags of at most "
                 f"{self.num_heads} GPUs"
             )
-        if backend is not None and backend != self.local_attn.backend:
-            self.local_attn = VarlenAttention(backend, self.local_attn.softmax_scale)
+        if backend is not None and backend != self.varlen_attn.backend:
+            replacement = VarlenAttention(backend, self.varlen_attn.softmax_scale)
+            if self.local_attn is self.varlen_attn:
+                self.local_attn = replacement
+            self.varlen_attn = replacement
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, routed: RoutedBatch) -> Tensor:
-        """Attention of every routed token over its whole sequence.
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, routed: RoutedBatch | int, *args: Any,
+                **kwargs: Any) -> Tensor:  # fmt: skip
+        """Attention of every token over its whole sequence.
 
         Args:
-            query, key, value: ``[T, H, Dh]`` for this GPU's routed tokens, in ``routed.batch`` order.
-            routed: what :func:`~deepspeed_knap.routing.route` (or ``local_batch``) returned this step.
+            query, key, value: packed: ``[T, H, Dh]`` for this GPU's routed tokens, in ``routed.batch``
+                order; drop-in: DeepSpeed's layout (see the class docstring).
+            routed: packed: what :func:`~deepspeed_knap.routing.route` (or ``local_batch``) returned
+                this step; drop-in: DeepSpeed's ``batch_dim_idx``, with ``args``/``kwargs`` its rest.
 
         Returns:
-            ``[T, H, Dh]`` attention output, same order.
+            Attention output, shaped like ``query``.
         """
-        expected = (routed.batch.num_tokens, self.num_heads)
+        if isinstance(routed, RoutedBatch):
+            return self._packed(query, key, value, routed, self.num_heads)
+        batch_dim_idx = routed
+        if _balanced_step is None:
+            return super().forward(query, key, value, batch_dim_idx, *args, **kwargs)
+        if batch_dim_idx not in (0, 1) or query.dim() != 4 or query.shape[batch_dim_idx] != 1:
+            raise ValueError(
+                f"in a balanced step query must be [1, T, H, Dh] (batch_dim_idx=0) or [T, 1, H, Dh] "
+                f"(batch_dim_idx=1): one packed sequence of the routed tokens; got {tuple(query.shape)} with "
+                f"batch_dim_idx={batch_dim_idx}"
+            )
+        q, k, v = (t.squeeze(batch_dim_idx) for t in (query, key, value))
+        return self._packed(q, k, v, _balanced_step, q.shape[1]).unsqueeze(batch_dim_idx)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, routed: RoutedBatch, num_heads: int) -> Tensor:
+        """``[T, H, Dh]`` attention over the routed batch's whole sequences."""
+        expected = (routed.batch.num_tokens, num_heads)
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != 3 or tuple(t.shape[:2]) != expected or t.shape != query.shape:
                 raise ValueError(
@@ -237,31 +307,32 @@ class KnapDistributedAttention(DistributedAttention):
         # Checked on what every rank shares (the plan, the backend), so all ranks raise, not only the
         # members of one bag while the others wait for them in an all-to-all.
         largest_group = int(routed.plan.seq_group_size.max(initial=1)) if routed.plan is not None else 1
-        if largest_group > self.num_heads:
+        if largest_group > num_heads:
             raise ValueError(
-                f"the plan runs sequences on {largest_group} GPUs but attention has only {self.num_heads} heads; "
-                f"Ulysses needs at least one head per GPU. Use bags of at most {self.num_heads} GPUs"
+                f"the plan runs sequences on {largest_group} GPUs but attention has only {num_heads} heads; "
+                f"Ulysses needs at least one head per GPU. Use bags of at most {num_heads} GPUs"
             )
-        self.local_attn.resolve(query.device, query.dtype)
+        self.varlen_attn.resolve(query.device, query.dtype)
         groups = routed.layout.attention_groups
         if not groups:  # no tokens here: an empty result that still depends on q, k and v for autograd
             return query + key + value
         # In the layout's global (start, size) order: deadlock-free however groups nest (GpuLayout).
-        outputs = [self._group_attention(query, key, value, routed, index) for index in range(len(groups))]
+        outputs = [self._group_attention(query, key, value, routed, index, num_heads) for index in range(len(groups))]
         if len(groups) == 1 and groups[0].rows is None:
             return outputs[0]
         rows = np.concatenate([group.rows for group in groups])
         return torch.cat(outputs).index_select(0, routed.device_array("attention_rows", np.argsort(rows)))
 
-    def _group_attention(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int) -> Tensor:
+    def _group_attention(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int,
+                         num_heads: int) -> Tensor:  # fmt: skip
         group = routed.layout.attention_groups[index]
         if group.rows is not None:
             rows = routed.device_array(("rows", index), group.rows)
             q, k, v = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
         seqs = self._varlen_seqs(routed, index, group)
         if group.size == 1:
-            return self.local_attn(q, k, v, seqs)
-        return self._ulysses(q, k, v, routed, index, group, seqs)
+            return self.varlen_attn(q, k, v, seqs)
+        return self._ulysses(q, k, v, routed, index, group, seqs, num_heads)
 
     @staticmethod
     def _varlen_seqs(routed: RoutedBatch, index: int, group: AttentionGroup) -> VarlenSeqs:
@@ -272,12 +343,11 @@ class KnapDistributedAttention(DistributedAttention):
             int(group.seq_lens.max(initial=0)),
         )
 
-    def _ulysses(
-        self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int, group: AttentionGroup, seqs: VarlenSeqs
-    ) -> Tensor:
+    def _ulysses(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int, group: AttentionGroup,
+                 seqs: VarlenSeqs, num_heads: int) -> Tensor:  # fmt: skip
         process_group = routed.groups.attention_group(group.start, group.size)
         head_dim = q.shape[-1]
-        heads = head_splits(self.num_heads, group.size)
+        heads = head_splits(num_heads, group.size)
         bounds = np.cumsum([0, *heads])
         my_heads = heads[group.member]
         member_tokens = group.chunk_lens.sum(axis=1).tolist()  # [G]
@@ -299,7 +369,7 @@ class KnapDistributedAttention(DistributedAttention):
             qkv = qkv.index_select(1, routed.device_array(("seq_major", index), group.seq_major))
         q_seq, k_seq, v_seq = (t.view(int(group.seq_lens.sum()), my_heads, head_dim) for t in qkv.unbind(0))
 
-        out = self.local_attn(q_seq, k_seq, v_seq, seqs)  # [L, h, Dh]
+        out = self.varlen_attn(q_seq, k_seq, v_seq, seqs)  # [L, h, Dh]
 
         # Scatter sequence, gather heads: back to member by member, each member's tokens to it.
         if group.seq_major is not None:

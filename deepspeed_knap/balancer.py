@@ -20,6 +20,7 @@ from typing import Any
 from deepspeed.utils import logger
 from torch import Tensor
 
+from deepspeed_knap.attention import balanced_step
 from deepspeed_knap.online import OnlineSettings, OnlineWorkload
 from deepspeed_knap.packing import PackedBatch
 from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_loads, plan_routing
@@ -197,7 +198,8 @@ class KnapBalancer:
             routed = self.route(batch, self.plan(batch))
             times = self._in_flight[0]
             routed = routed.with_tokens(stamp(routed.batch.tokens, times, "blocks_start", "blocks_grad_end"))
-            out = stamp(blocks(routed), times, "blocks_end", "blocks_grad_start")
+            with balanced_step(routed):  # drop-in DistributedAttention modules balance inside it
+                out = stamp(blocks(routed), times, "blocks_end", "blocks_grad_start")
             return reverse_route(out, routed)
         except RuntimeError as error:
             raise RuntimeError(f"knapformer step {step} failed on rank {self.groups.rank}: {error}") from error

@@ -69,7 +69,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
         check_same_on_every_rank(views)
         if isinstance(workload, Exception):  # the same on every rank, as just checked
             raise workload
-        heads = min((m.num_heads for m in attention), default=None)
+        heads = min((m.num_heads for m in attention if m.num_heads is not None), default=None)
         topology = _build_topology(knap, dist.get_world_size(), heads)
         for module in attention:
             module.configure(topology, knap.attention_backend)
@@ -107,7 +107,7 @@ def _rank_views(knap: KnapFormerConfig, ds_config: dict, model: nn.Module | None
         "workload model (calibration_file)": repr(workload),
         f"attention backend {knap.attention_backend!r}": str(backend_problem(knap.attention_backend)),
         "model parameters (names, shapes, dtypes)": repr(parameters),
-        "attention heads": repr(sorted({m.num_heads for m in attention})),
+        "attention heads": repr(sorted({m.num_heads or 0 for m in attention})),
     }
     return workload, views
 

@@ -78,7 +78,7 @@ def test_head_splits_are_near_equal_and_cover_all_heads():
 
 
 def test_knap_attention_on_one_gpu_is_attention_over_whole_sequences():
-    attention = KnapDistributedAttention(num_heads=3, backend="sdpa")
+    attention = KnapDistributedAttention(3, backend="sdpa")
     assert isinstance(attention, DistributedAttention)
     q, k, v, _ = varlen_inputs(SEQ_LENS)
     routed = local_batch(PackedBatch(torch.zeros(sum(SEQ_LENS), 1), SEQ_LENS))
@@ -91,14 +91,14 @@ def test_knap_attention_on_one_gpu_is_attention_over_whole_sequences():
 
 
 def test_knap_attention_checks_heads_against_the_topology_at_construction():
-    KnapDistributedAttention(num_heads=24, topology=build_topology("g8n2"))
-    KnapDistributedAttention(num_heads=6, topology=build_topology("g4n1"))  # uneven heads are fine
+    KnapDistributedAttention(24, topology=build_topology("g8n2"))
+    KnapDistributedAttention(6, topology=build_topology("g4n1"))  # uneven heads are fine
     with pytest.raises(ValueError, match="bags of 16 GPUs but attention has only 12 heads"):
-        KnapDistributedAttention(num_heads=12, topology=build_topology("g16n1+g4n1"))
+        KnapDistributedAttention(12, topology=build_topology("g16n1+g4n1"))
 
 
 def test_knap_attention_rejects_qkv_that_disagree_with_the_routed_batch():
-    attention = KnapDistributedAttention(num_heads=3, backend="sdpa")
+    attention = KnapDistributedAttention(3, backend="sdpa")
     q, k, v, _ = varlen_inputs(SEQ_LENS)
     routed = local_batch(PackedBatch(torch.zeros(sum(SEQ_LENS) + 1, 1), [*SEQ_LENS[:-1], SEQ_LENS[-1] + 1]))
     with pytest.raises(ValueError, match=r"query has shape \(61, 3, 8\); expected \[T, H, Dh\] = \[62, 3, Dh\]"):

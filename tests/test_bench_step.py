@@ -50,11 +50,11 @@ def _kernel_calls_worker(rank: int, world: int) -> dict:
         routed = bench_step.emulated_rank_batch(plan, rank, TEXT_LENS, HEADS * HEAD_DIM, torch.device("cpu"),
                                                 torch.float64)  # fmt: skip
         real, emulated = KnapDistributedAttention(HEADS), bench_step.EmulatedUlyssesAttention(HEADS)
-        real.local_attn, emulated.local_attn = Recorder(real.local_attn), Recorder(emulated.local_attn)
+        real.varlen_attn, emulated.varlen_attn = Recorder(real.varlen_attn), Recorder(emulated.varlen_attn)
         qkv = [torch.randn(routed.batch.num_tokens, HEADS, HEAD_DIM, dtype=torch.float64) for _ in range(3)]
         real_routed = dataclasses.replace(routed, groups=create_process_groups(topology))
         shapes = [tuple(real(*qkv, real_routed).shape), tuple(emulated(*qkv, routed).shape)]
-        calls[spec] = {"real": real.local_attn.calls, "emulated": emulated.local_attn.calls, "shapes": shapes,
+        calls[spec] = {"real": real.varlen_attn.calls, "emulated": emulated.varlen_attn.calls, "shapes": shapes,
                        "max_group": int(plan.seq_group_size.max())}  # fmt: skip
     return calls
 

@@ -82,7 +82,7 @@ def flux_blocks_step(
     rope = rope_axes(head_dim)
     double = FluxDoubleBlock(dim, dim_heads, head_dim).to(device, dtype)
     single = FluxSingleBlock(dim, dim_heads, head_dim).to(device, dtype)
-    attention = KnapDistributedAttention(dim_heads, backend)
+    attention = KnapDistributedAttention(dim_heads, backend=backend)
 
     def step_fn(seq_len: int) -> float:
         text = seq_len // 8

@@ -56,8 +56,8 @@ class EmulatedUlyssesAttention(KnapDistributedAttention):
     """
 
     def _ulysses(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int, group: AttentionGroup,
-                 seqs: VarlenSeqs) -> Tensor:  # fmt: skip
-        heads = head_splits(self.num_heads, group.size)[group.member]
+                 seqs: VarlenSeqs, num_heads: int) -> Tensor:  # fmt: skip
+        heads = head_splits(num_heads, group.size)[group.member]
         local, total = group.num_local_tokens, int(group.seq_lens.sum())
         if local:
             fill = routed.device_array(("fill", index), np.arange(total) % local)
@@ -65,8 +65,8 @@ class EmulatedUlyssesAttention(KnapDistributedAttention):
         else:  # a member holding only empty chunks still runs its heads of the bag's sequences
             zeros = q.new_zeros(total, heads, q.shape[-1])
             q_full, k_full, v_full = (zeros + t.sum() for t in (q, k, v))
-        out = self.local_attn(q_full, k_full, v_full, seqs)  # [L, h, Dh]
-        tiled = out[:local].repeat(1, -(-self.num_heads // heads), 1)[:, : self.num_heads]
+        out = self.varlen_attn(q_full, k_full, v_full, seqs)  # [L, h, Dh]
+        tiled = out[:local].repeat(1, -(-num_heads // heads), 1)[:, :num_heads]
         return tiled if local else tiled + 0 * out.sum()  # keeps the kernel's backward in the graph
 
 
@@ -113,7 +113,7 @@ class FluxBlockTimer:
         dim = self.heads * self.head_dim
         self.double = FluxDoubleBlock(dim, self.heads, self.head_dim).to(self.device, self.dtype)
         self.single = FluxSingleBlock(dim, self.heads, self.head_dim).to(self.device, self.dtype)
-        self.attention = EmulatedUlyssesAttention(self.heads, self.backend)
+        self.attention = EmulatedUlyssesAttention(self.heads, backend=self.backend)
 
     @property
     def dim(self) -> int:

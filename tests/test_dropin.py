@@ -1,0 +1,129 @@
+"""KnapDistributedAttention as a drop-in for DeepSpeed's DistributedAttention: DeepSpeed's constructor
+and call give DeepSpeed's outputs and gradients outside a balanced step (both layouts, even and uneven
+heads, 2 and 4 gloo ranks), and balance exactly inside one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed import run_distributed
+
+HEAD_DIM, LOCAL_SEQ, BATCH = 4, 5, 2
+
+
+def _sdpa_layout(batch_dim_idx: int):
+    """A local attention over whole (gathered) sequences in DeepSpeed's layout: [b, s, h, d] for
+    ``batch_dim_idx`` 0, [s, b, h, d] for 1."""
+
+    def local_attention(q, k, v, *args, **kwargs):
+        to_bhsd = (lambda t: t.permute(0, 2, 1, 3)) if batch_dim_idx == 0 else (lambda t: t.permute(1, 2, 0, 3))
+        out = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v))  # [b, h, s, d]
+        return out.permute(0, 2, 1, 3) if batch_dim_idx == 0 else out.permute(2, 0, 1, 3)
+
+    return local_attention
+
+
+class _SequenceParallelWorld:
+    """DeepSpeed's uneven-heads path reads the rank from the global mpu: make it the world's."""
+
+    def get_sequence_parallel_rank(self):
+        return torch.distributed.get_rank()
+
+    def get_sequence_parallel_world_size(self):
+        return torch.distributed.get_world_size()
+
+
+def _full(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _unbalanced_worker(rank: int, world: int) -> dict:
+    import deepspeed.comm as dist
+    from deepspeed.sequence.layer import DistributedAttention
+    from deepspeed.utils import groups
+
+    from deepspeed_knap.attention import KnapDistributedAttention
+
+    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    groups.mpu = _SequenceParallelWorld()
+    group = torch.distributed.new_group(list(range(world)))
+    errors = {}
+    for batch_dim_idx in (0, 1):
+        for heads in (world * 2, world * 2 - 1):  # even, and uneven (DeepSpeed's other path)
+            seq = LOCAL_SEQ * world
+            shape = (BATCH, seq, heads, HEAD_DIM) if batch_dim_idx == 0 else (seq, BATCH, heads, HEAD_DIM)
+            full = [_full(shape, seed) for seed in (1, 2, 3)]
+            mine = slice(rank * LOCAL_SEQ, (rank + 1) * LOCAL_SEQ)
+            local = [(t[:, mine] if batch_dim_idx == 0 else t[mine]).clone().requires_grad_() for t in full]
+            gather_idx = 1 if batch_dim_idx == 0 else 0
+            runs = {}
+            for name, cls in (("deepspeed", DistributedAttention), ("ours", KnapDistributedAttention)):
+                module = cls(_sdpa_layout(batch_dim_idx), group, scatter_idx=2, gather_idx=gather_idx)
+                inputs = [t.detach().clone().requires_grad_() for t in local]
+                out = module(*inputs, batch_dim_idx)
+                (out * _full(out.shape, 7 + rank)).sum().backward()
+                runs[name] = (out.detach(), [t.grad for t in inputs])
+            reference = _sdpa_layout(batch_dim_idx)(*full)
+            reference = reference[:, mine] if batch_dim_idx == 0 else reference[mine]
+            (out_ds, grads_ds), (out_ours, grads_ours) = runs["deepspeed"], runs["ours"]
+            errors[(batch_dim_idx, heads)] = {
+                "vs_deepspeed": max(float((out_ours - out_ds).abs().max()),
+                                    *(float((a - b).abs().max()) for a, b in zip(grads_ours, grads_ds, strict=True))),
+                "vs_reference": float((out_ours - reference).abs().max()),
+            }  # fmt: skip
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_outside_a_balanced_step_it_is_deepspeeds_distributed_attention(world):
+    for errors in run_distributed(_unbalanced_worker, world, timeout=180):
+        for case, error in errors.items():
+            assert error["vs_deepspeed"] == 0.0, case  # the same code path: bit-identical
+            assert error["vs_reference"] <= 1e-12, case  # and right: attention over the whole sequence
+
+
+def _balanced_worker(rank: int, world: int) -> dict:
+    """A DeepSpeed-Ulysses style block ([1, T, H, Dh] q/k/v, batch_dim_idx 0) run by the balancer:
+    equal to the same block without balancing, sequence by sequence."""
+    import deepspeed.comm as dist
+
+    from deepspeed_knap.attention import KnapDistributedAttention
+    from deepspeed_knap.balancer import KnapBalancer
+    from deepspeed_knap.models.tiny_dit import random_batch
+    from deepspeed_knap.topology import build_topology, create_process_groups
+    from deepspeed_knap.workload import WorkloadModel
+
+    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    heads, dim = 6, 24
+    groups = create_process_groups(build_topology("auto", world))
+    balancer = KnapBalancer(groups, WorkloadModel(1.0, 0.05, 0.5))
+    torch.manual_seed(0)
+    qkv_layer = torch.nn.Linear(dim, 3 * dim).double()
+    never_called = _sdpa_layout(0)  # the user's kernel cannot see packed sequence boundaries
+    attention = KnapDistributedAttention(never_called, torch.distributed.group.WORLD, 2, 1, backend="sdpa")
+
+    def blocks(routed):
+        q, k, v = qkv_layer(routed.batch.tokens).view(1, -1, 3, heads, dim // heads).unbind(2)  # [1, T, H, Dh]
+        return attention(q, k, v, 0).reshape(-1, dim)
+
+    seq_lens = [[37, 5, 1], [64, 3], [2, 11, 19, 7], [23, 23]][rank]
+    batch = random_batch(seq_lens, 100 + rank, dim, 5, torch.float64)
+    balanced = balancer.forward(batch, blocks)
+    # Reference: each sequence alone, with plain attention.
+    reference = []
+    for sequence in torch.split(batch.tokens, seq_lens):
+        q, k, v = qkv_layer(sequence).view(-1, 3, heads, dim // heads).unbind(1)
+        out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0]
+        reference.append(out.transpose(0, 1).reshape(-1, dim))
+    plan = balancer._last[1]
+    return {"error": float((balanced - torch.cat(reference)).abs().max()),
+            "sizes": sorted(set(plan.seq_group_size.tolist()))}  # fmt: skip
+
+
+def test_inside_a_balanced_step_the_drop_in_balances_exactly():
+    results = run_distributed(_balanced_worker, 4, timeout=180)
+    assert results[0]["sizes"] != [1], "the plan must put sequences in groups"
+    for result in results:
+        assert result["error"] <= 1e-12
