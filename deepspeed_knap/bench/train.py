@@ -203,8 +203,9 @@ def bench_train(options: dict) -> dict:
 
 
 def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
-    """Per mode, medians over steps ``skip..`` (the first steps warm up and, online, learn): step
-    seconds, speedup over ``off`` on the same step, compute max/mean, median |model error|."""
+    """Per mode, over steps ``skip..`` (the first warms up and, online, learns): the median step
+    seconds, speedup over ``off`` on the same step and compute max/mean, the median |model error|, and
+    the speedup of the summed step times (what a training run of these steps gains)."""
     by_mode: dict[str, list[dict]] = {}
     for row in report["steps"]:
         by_mode.setdefault(row["mode"], []).append(row)
@@ -216,6 +217,9 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
         summary[mode] = {
             "step_s": statistics.median(row["step_s"] for row in rows),
             "speedup": statistics.median(off[row["step"]] / row["step_s"] for row in rows) if off else float("nan"),
+            "total_speedup": (
+                sum(off[row["step"]] for row in rows) / sum(row["step_s"] for row in rows) if off else float("nan")
+            ),  # fmt: skip
             "compute_imbalance": statistics.median(row["compute_imbalance"] for row in rows),
             "model_error": statistics.median(errors) if errors else float("nan"),
         }
@@ -234,11 +238,11 @@ def format_report(report: dict) -> str:
         speedup = f"{off[row['step']] / row['step_s']:>8.2f}x" if row["step"] in off else f"{'-':>9}"
         lines.append(f"{row['mode']:<11}{row['step']:>5}{row['step_s']:>9.3f}{speedup}{row['compute_imbalance']:>18.3f}"
                      f"  {row['tokens']}")  # fmt: skip
-    lines += ["", f"medians over steps 1..{options['steps'] - 1}:",
-              f"{'mode':<11}{'step s':>9}{'speedup':>9}{'compute max/mean':>18}{'|model error|':>15}"]  # fmt: skip
+    lines += ["", f"medians over steps 1..{options['steps'] - 1} (total: the summed step times):",
+              f"{'mode':<11}{'step s':>9}{'speedup':>9}{'total':>8}{'compute max/mean':>18}{'|model error|':>15}"]  # fmt: skip
     for mode, s in summarize(report).items():
-        lines.append(f"{mode:<11}{s['step_s']:>9.3f}{s['speedup']:>8.2f}x{s['compute_imbalance']:>18.3f}"
-                     f"{s['model_error']:>15.1%}")  # fmt: skip
+        lines.append(f"{mode:<11}{s['step_s']:>9.3f}{s['speedup']:>8.2f}x{s['total_speedup']:>7.2f}x"
+                     f"{s['compute_imbalance']:>18.3f}{s['model_error']:>15.1%}")  # fmt: skip
     last = [row for row in report["steps"] if row["step"] == options["steps"] - 1]
     lines += ["", f"seconds by phase, last step ({options['steps'] - 1}):",
               f"{'mode':<11}{'rank':>5}" + "".join(f"{p:>14}" for p in PHASES)]  # fmt: skip
