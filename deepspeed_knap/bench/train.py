@@ -219,7 +219,7 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
             "speedup": statistics.median(off[row["step"]] / row["step_s"] for row in rows) if off else float("nan"),
             "total_speedup": (
                 sum(off[row["step"]] for row in rows) / sum(row["step_s"] for row in rows) if off else float("nan")
-            ),  # fmt: skip
+            ),
             "compute_imbalance": statistics.median(row["compute_imbalance"] for row in rows),
             "model_error": statistics.median(errors) if errors else float("nan"),
         }
