@@ -244,7 +244,7 @@ class PackedFluxBase(nn.Module):
                 loading is collective (every rank calls it): ranks agree on the checkpoint's checks
                 and raise the same error, and under ZeRO-3 the model is built inside
                 ``deepspeed.zero.Init`` and each rank reads only the slices of the tensors it keeps,
-                so no rank ever holds the whole model. Peak host memory per rank is logged.
+                so no rank ever holds the whole model. Rank 0 prints every rank's peak host memory.
             kwargs: :data:`EXTRA_ARGS`.
         """
         from deepspeed_knap.models.loading import load_checkpoint

@@ -16,7 +16,7 @@ the bytes. Without ZeRO-3 the model is built on the meta device and every tensor
 
 With a ``ds_config`` loading is collective: every rank checks what it sees (files may differ between
 nodes), the ranks agree in one all-gather, and all raise the same error naming the ranks and files.
-Peak host memory per rank while loading is measured (Linux ``VmHWM``) and logged by rank 0.
+Peak host memory per rank while loading is measured (Linux ``VmHWM``) and printed by rank 0.
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ def load_checkpoint(
         partitioned=partitioned,
     )
     if plain is not None:
-        _log_reports(path, report)
+        _print_reports(path, report)
     return model, report
 
 
@@ -421,10 +421,9 @@ def _read_flat(handle: Any, name: str, start: int, count: int) -> Tensor:
     return rows[start - first * row : start - first * row + count]
 
 
-def _log_reports(path: str | Path, report: LoadReport) -> None:
-    """Rank 0 logs every rank's peak host memory while loading (one all-gather)."""
+def _print_reports(path: str | Path, report: LoadReport) -> None:
+    """Rank 0 prints every rank's peak host memory while loading (one all-gather)."""
     import deepspeed.comm as dist
-    from deepspeed.utils import logger
 
     mine = f"{report.host.increase},{report.host.peak},{report.kept_bytes},{report.read_bytes}".encode()
     rows = [[int(x) for x in raw.decode().split(",")] for raw in _all_gather_bytes(mine)]
@@ -433,11 +432,12 @@ def _log_reports(path: str | Path, report: LoadReport) -> None:
     mb = 2**20
     peaks = ", ".join(f"{increase / mb:.0f}" for increase, *_ in rows)
     how = "ZeRO-3 partitioned" if report.partitioned else "full copy per rank"
-    logger.info(
+    print(
         f"loaded {path} ({how}): model {report.model_bytes / mb:,.0f} MB; per rank, kept "
         f"{max(r[2] for r in rows) / mb:,.0f} MB, read {max(r[3] for r in rows) / mb:,.0f} MB at most; "
         f"peak host memory while loading, MB above the start, by rank: [{peaks}] (peak RSS up to "
-        f"{max(r[1] for r in rows) / mb:,.0f} MB{', since process start' if report.host.since_start else ''})"
+        f"{max(r[1] for r in rows) / mb:,.0f} MB{', since process start' if report.host.since_start else ''})",
+        flush=True,
     )
 
 
