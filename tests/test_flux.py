@@ -28,6 +28,7 @@ from tests.flux_cases import (
     reference_model,
     relative_error,
 )
+from tests.test_launch import ROOT
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -331,3 +332,21 @@ def test_balanced_on_four_ranks_equals_diffusers_per_sample():
         for spec in ("g1n4", "g2n2", "g4n1"):  # the bench's route formula is what the model really sends
             measured = results[0][(family, spec, "refine")]
             assert measured["routed_bytes"] == measured["expected_bytes"] > 0, (family, spec)
+
+
+def test_flux2_dev_config_prices_and_fits_flux2_dev():
+    """ds_configs/flux2_dev_zero3_4x8.json: its workload is FLUX.2 [dev]'s FLOP model (the one the
+    routing bench uses), its bags fit FLUX.2 [dev]'s heads, and the README's P is the model's."""
+    from deepspeed_knap.bench.routing import FLUX_MODELS
+    from deepspeed_knap.config import get_knapformer_config, load_ds_config
+    from deepspeed_knap.models.flux2 import PackedFlux2Transformer
+    from deepspeed_knap.topology import build_topology
+    from deepspeed_knap.workload import default_workload
+
+    knap = get_knapformer_config(load_ds_config(str(ROOT / "ds_configs" / "flux2_dev_zero3_4x8.json")))
+    ours, flops = knap.workload.build(), default_workload(FLUX_MODELS["flux2-dev"].planner)
+    for coef in ("linear_coef", "quadratic_coef", "alltoall_coef"):
+        assert getattr(ours, coef) == pytest.approx(getattr(flops, coef), rel=1e-9)
+    with torch.device("meta"):
+        model = PackedFlux2Transformer(topology=build_topology(knap.topology, 32, knap.gpus_per_node))
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(32.2e9, rel=1e-3)

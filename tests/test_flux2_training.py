@@ -51,6 +51,10 @@ def test_zero3_flux2_balanced_equals_unbalanced_loaded_and_exports_to_diffusers(
     assert all(torch.equal(tensor, exported[name]) for name, tensor in trained.items())
     moved = max((trained[name] - tensor).abs().max().item() for name, tensor in initial.state_dict().items())
     assert moved > 1e-4, "training must have changed the weights"
-    masters = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"))
-    assert masters.keys() == trained.keys()
-    assert all(torch.equal(masters[name], tensor) for name, tensor in trained.items())
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"))  # the README's fp32 export
+    with torch.device("meta"):
+        shell = PackedFlux2Transformer(**TINY_FLUX2)
+    shell.save_pretrained(tmp_path / "fp32", state_dict=masters)
+    from_masters = diffusers.Flux2Transformer2DModel.from_pretrained(tmp_path / "fp32").state_dict()
+    assert from_masters.keys() == trained.keys()
+    assert all(torch.equal(from_masters[name], tensor) for name, tensor in trained.items())
