@@ -3,8 +3,8 @@
     python -m deepspeed_knap.bench.flux --workload kf_mixed_res --token-scale 0.0625
 
 One rank's samples of a bundled workload go through both models with the same weights: diffusers'
-``FluxTransformer2DModel`` once per sample (different sizes cannot share its batch), and
-``PackedFluxTransformer`` once on the packed batch. Reported per model: median wall time of forward +
+``FluxTransformer2DModel`` (``--family flux2``: ``Flux2Transformer2DModel``) once per sample
+(different sizes cannot share its batch), and the packed model once on the packed batch. Reported per model: median wall time of forward +
 backward, activation bytes autograd keeps for backward (parameters excluded; any device), and on
 CUDA the peak allocated memory. Needs the ``diffusers`` extra.
 """
@@ -54,6 +54,7 @@ def measure(run: Callable[[], Tensor], model: nn.Module, device: torch.device, r
 
 
 def bench_flux(
+    family: str,
     config: dict,
     workload: str,
     ranks: int,
@@ -63,15 +64,17 @@ def bench_flux(
     dtype: torch.dtype,
     repeats: int,
 ) -> dict[str, dict[str, float]]:
-    """Both models on every sample ``ranks`` ranks of ``workload`` hold in one step (a mix of sizes)."""
-    from diffusers import FluxTransformer2DModel
+    """Both models of ``family`` (``flux``, ``flux2``) on every sample ``ranks`` ranks of ``workload``
+    hold in one step (a mix of sizes)."""
+    import diffusers
 
-    from deepspeed_knap.models.flux import PackedFluxTransformer
     from deepspeed_knap.models.flux_data import rectified_flow, synthetic_samples
+    from deepspeed_knap.models.registry import family_class
 
     torch.manual_seed(seed)
-    reference = FluxTransformer2DModel(**config).to(device, dtype)
-    packed = PackedFluxTransformer.from_diffusers(reference)
+    reference_class = {"flux": diffusers.FluxTransformer2DModel, "flux2": diffusers.Flux2Transformer2DModel}[family]
+    reference = reference_class(**config).to(device, dtype)
+    packed = family_class(family).from_diffusers(reference)
     shapes = [shape for rank in sample_shapes(workload, ranks, seed) for shape in rank]
     latents = synthetic_samples(shapes, config, seed, token_scale, dtype)
     samples, _ = rectified_flow(
@@ -82,11 +85,11 @@ def bench_flux(
     def run_diffusers() -> Tensor:
         total = 0
         for s in samples:
+            pooled = {"pooled_projections": s["pooled_projections"][None]} if "pooled_projections" in s else {}
             out = reference(
                 hidden_states=s["hidden_states"][None], encoder_hidden_states=s["encoder_hidden_states"][None],
-                pooled_projections=s["pooled_projections"][None], timestep=s["timestep"].reshape(1),
-                guidance=s["guidance"].reshape(1) if "guidance" in s else None, img_ids=s["img_ids"],
-                txt_ids=s["txt_ids"],
+                timestep=s["timestep"].reshape(1), guidance=s["guidance"].reshape(1) if "guidance" in s else None,
+                img_ids=s["img_ids"], txt_ids=s["txt_ids"], **pooled,
             ).sample  # fmt: skip
             total = total + out.float().square().mean()
         return total
@@ -104,6 +107,7 @@ def bench_flux(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="flux", choices=["flux", "flux2"], help="FLUX.1 or FLUX.2")
     parser.add_argument("--workload", default="kf_mixed_res", choices=sorted(WORKLOADS))
     parser.add_argument("--ranks", type=int, default=8, help="pool the samples of this many ranks' step")
     parser.add_argument("--token-scale", type=float, default=1 / 16)
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--single-layers", type=int, default=4, help="single-stream blocks")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=32, help="FLUX.1: 24 heads of 128 (use --flux-dims)")
-    parser.add_argument("--flux-dims", action="store_true", help="FLUX.1-dev's width, 19 + 38 blocks (GPU)")
+    parser.add_argument("--flux-dims", action="store_true",
+                        help="[dev]'s width and blocks: FLUX.1 24 x 128, 19 + 38; FLUX.2 48 x 128, 8 + 48 (GPU)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -119,16 +124,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from deepspeed_knap.models.flux import rope_axes
 
+    flux2 = args.family == "flux2"
     if args.flux_dims:
-        args.layers, args.single_layers, args.heads, args.head_dim = 19, 38, 24, 128
-    config = dict(patch_size=1, in_channels=64, num_layers=args.layers, num_single_layers=args.single_layers,
-                  attention_head_dim=args.head_dim, num_attention_heads=args.heads,
-                  joint_attention_dim=4096 if args.flux_dims else 256, pooled_projection_dim=768 if args.flux_dims else 64,
-                  guidance_embeds=True, axes_dims_rope=rope_axes(args.head_dim))  # fmt: skip
-    result = bench_flux(config, args.workload, args.ranks, args.token_scale, args.seed, torch.device(args.device),
+        args.layers, args.single_layers, args.heads, args.head_dim = (8, 48, 48, 128) if flux2 else (19, 38, 24, 128)
+    config = dict(patch_size=1, num_layers=args.layers, num_single_layers=args.single_layers,
+                  attention_head_dim=args.head_dim, num_attention_heads=args.heads, guidance_embeds=True)  # fmt: skip
+    if flux2:  # four RoPE axes (t, h, w, l) of equal size, as FLUX.2 [dev]'s (32, 32, 32, 32)
+        config.update(in_channels=128, joint_attention_dim=15360 if args.flux_dims else 256,
+                      axes_dims_rope=(args.head_dim // 4,) * 4)  # fmt: skip
+    else:
+        config.update(in_channels=64, joint_attention_dim=4096 if args.flux_dims else 256,
+                      pooled_projection_dim=768 if args.flux_dims else 64, axes_dims_rope=rope_axes(args.head_dim))  # fmt: skip
+    result = bench_flux(args.family, config, args.workload, args.ranks, args.token_scale, args.seed, torch.device(args.device),
                         getattr(torch, args.dtype), args.repeats)  # fmt: skip
     work = result["workload"]
-    print(f"{args.workload} x{args.token_scale:g}: {work['samples']} samples, {work['tokens']} tokens; "
+    print(f"{args.family} {args.workload} x{args.token_scale:g}: {work['samples']} samples, {work['tokens']} tokens; "
           f"{args.layers}+{args.single_layers} blocks, {args.heads}x{args.head_dim} heads, {args.dtype} on {args.device}")  # fmt: skip
     print(f"{'model':<10} {'fwd+bwd s':>10} {'saved MB':>10} {'peak MB':>10}")
     for name in ("diffusers", "packed"):
