@@ -262,20 +262,22 @@ def _balanced_worker(rank: int, world: int) -> dict:
             sum((e * w).sum() for e, w in zip(expected, weights, strict=True)).backward()
         expected_grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in ref.named_parameters()}
 
-        # (topology, solver): the three bag sizes, and "none", under which the empty rank runs no token;
-        # None: no balancer at all (each rank alone; the empty rank runs the model on nothing).
+        # (topology, solver): the three bag sizes; "auto" (a group of its own size per sequence: a priced
+        # all-to-all keeps short ones whole, so group sizes mix); "none", under which the empty rank runs
+        # no token; None: no balancer at all (each rank alone; the empty rank runs the model on nothing).
         for spec, solver in (
             ("g1n4", "refine"),
             ("g2n2", "refine"),
             ("g4n1", "refine"),
+            ("auto", "refine"),
             ("g1n4", "none"),
             (None, None),
         ):
-            topology = None if spec is None else build_topology(spec, world)
+            topology = None if spec is None else build_topology(spec, world, max_degree=4 if spec == "auto" else None)
             balancer = None
             if topology is not None:
-                groups = create_process_groups(topology)
-                balancer = RecordingBalancer(groups, WorkloadModel(1.0, 0.05, 0.0), solver=solver)
+                workload = WorkloadModel(1.0, 0.05, 0.5 if spec == "auto" else 0.0)
+                balancer = RecordingBalancer(create_process_groups(topology), workload, solver=solver)
             model = packed_class(family).from_diffusers(ref, attention_backend="sdpa", topology=topology)
             inputs = model.pack(samples)
             with record_traffic() as sent:
@@ -297,6 +299,7 @@ def _balanced_worker(rank: int, world: int) -> dict:
                 text_lens = np.array([shape[3] for shapes in RANK_SHAPES for shape in shapes])
                 expected_bytes = flux_route_bytes(plan, text_lens, tiny_dims(family), bytes_per_element=8).after
                 result.update(held=int(plan.gpu_tokens[rank]), largest_group=int(plan.seq_group_size.max()),
+                              group_sizes=sorted(set(plan.seq_group_size.tolist())),
                               routed_bytes=int(routed_bytes.item()), expected_bytes=expected_bytes)  # fmt: skip
             results[(family, spec, solver)] = result
     return results
@@ -316,7 +319,7 @@ def tiny_dims(family: str):
 
 
 def test_balanced_on_four_ranks_equals_diffusers_per_sample():
-    """Both families over g1n4, g2n2 and g4n1 (a rank with no samples among them), and with that rank
+    """Both families over g1n4, g2n2, g4n1 and auto (a rank with no samples among them), and with that rank
     holding no token at all (solver none, and no balancer): outputs and rank-summed gradients equal
     diffusers' per sample. The bytes the route and reverse route send, forward and backward, are
     what ``deepspeed-knap bench routing`` computes (FLUX.1 routes text raw, this FLUX.2 embedded)."""
@@ -329,7 +332,8 @@ def test_balanced_on_four_ranks_equals_diffusers_per_sample():
         for spec, bag in (("g1n4", 1), ("g2n2", 2), ("g4n1", 4)):
             assert results[0][(family, spec, "refine")]["largest_group"] == bag, "the plan must split sequences"
         assert results[1][(family, "g1n4", "none")]["held"] == 0, "rank 1 must run no token under solver none"
-        for spec in ("g1n4", "g2n2", "g4n1"):  # the bench's route formula is what the model really sends
+        assert len(results[0][(family, "auto", "refine")]["group_sizes"]) > 1, "auto must mix group sizes"
+        for spec in ("g1n4", "g2n2", "g4n1", "auto"):  # the bench's route formula is what the model really sends
             measured = results[0][(family, spec, "refine")]
             assert measured["routed_bytes"] == measured["expected_bytes"] > 0, (family, spec)
 
