@@ -86,8 +86,6 @@ class KnapBalancer:
         self.close_step()
         previous, report = self._closed, self._report
         self._closed, self._report = None, [-1, -1]
-        times = StepTimes(batch.tokens.device)
-        times.mark("plan_start")
         seq_lens_per_rank, reports = gather_step(batch, self.groups, report)
         if previous is not None:
             self._record(*previous, reports)
@@ -95,9 +93,6 @@ class KnapBalancer:
         start = time.perf_counter()
         plan = plan_routing(seq_lens_per_rank, self.groups.topology, model, self.solver, self.max_tokens_per_gpu)
         self._last = (seq_lens_per_rank, plan, time.perf_counter() - start)
-        times.mark("plan_end")
-        self._in_flight = (times, plan, model)
-        time_exchanges(times)
         self.steps += 1
         if self.log_interval and self.steps % self.log_interval == 0 and self.groups.rank == 0:
             self._log(self.metrics())
@@ -195,8 +190,15 @@ class KnapBalancer:
         """
         step = self.steps + 1
         try:
-            routed = self.route(batch, self.plan(batch))
-            times = self._in_flight[0]
+            self.close_step()  # the last step's record, before this one's starts
+            times = StepTimes(batch.tokens.device)
+            time_exchanges(times)
+            times.mark("plan_start")
+            model = self.model
+            plan = self.plan(batch)  # a subclass may plan otherwise: the plan routed is the one timed
+            times.mark("plan_end")
+            self._in_flight = (times, plan, model)
+            routed = self.route(batch, plan)
             routed = routed.with_tokens(stamp(routed.batch.tokens, times, "blocks_start", "blocks_grad_end"))
             with balanced_step(routed):  # drop-in DistributedAttention modules balance inside it
                 out = stamp(blocks(routed), times, "blocks_end", "blocks_grad_start")
