@@ -248,6 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--plot", metavar="OUT.png", help="per-rank measured vs modeled seconds, last step")
     step.set_defaults(func=_bench_runner("step"))
 
+    routing = benches.add_parser("routing", help="bytes moved by routing and Ulysses, before and after routing less",
+                                 description=_module_doc("routing"), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    routing.add_argument("--topology", default="g1n8+g2n4+g4n2+g8n1", help="bags, or auto (on --gpus GPUs)")
+    routing.add_argument("--gpus", type=int, default=32, help="GPUs of topology auto")
+    routing.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    routing.add_argument("--solver", default=DEFAULT_SOLVER, choices=list(SOLVERS))
+    routing.add_argument("--model", default="flux-dev", choices=["flux-dev", "flux2-dev"], help="FLUX dims")
+    routing.add_argument("--steps", type=int, default=20, help="sampled steps per workload (median)")
+    routing.set_defaults(func=_bench_runner("routing"))
+
     train = benches.add_parser("train", help="measured training steps on local ranks: off, knapformer, refine, auto",
                                description=_module_doc("train"), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     train.add_argument("--ranks", type=int, default=2, help="local processes (one GPU each on CUDA)")

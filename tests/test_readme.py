@@ -47,6 +47,7 @@ def test_every_subcommand_is_found():
         "calibrate",
         "bench planner",
         "bench step",
+        "bench routing",
         "bench train",
         "doctor",
     }

@@ -1,6 +1,6 @@
 """Communication volume of balancing: bytes moved by routing and by the Ulysses all-to-alls.
 
-    python -m deepspeed_knap.bench.routing --model flux2-dev --topology g8n4 --steps 20
+    deepspeed-knap bench routing --model flux2-dev --topology g8n4 --steps 20
 
 Computed exactly from the plans (the same split sizes the all-to-alls use), for the bundled
 workloads. Bytes are what GPUs send to *other* GPUs.
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepspeed_knap.attention import head_splits
-from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_routing
+from deepspeed_knap.planner import RoutingPlan, plan_routing
 from deepspeed_knap.topology import build_topology
 from deepspeed_knap.workload import default_workload
-from deepspeed_knap.workloads import WORKLOADS, sample_shapes
+from deepspeed_knap.workloads import sample_shapes
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,8 @@ def bench_traffic(
     """Median per-step traffic of ``steps`` sampled steps per workload, for a model of
     :data:`FLUX_MODELS` in bf16."""
     dims = FLUX_MODELS[model]
-    topology = build_topology(topology_spec)
+    spec, _, gpus = topology_spec.partition(":")  # "auto:32": topology auto on 32 GPUs
+    topology = build_topology(spec, int(gpus) if gpus else None)
     workload = default_workload(dims.planner)
     rows = []
     for name in workloads:
@@ -205,22 +206,28 @@ def format_traffic(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--topology", default="g1n8+g2n4+g4n2+g8n1")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=SOLVERS)
-    parser.add_argument("--model", default="flux-dev", choices=sorted(FLUX_MODELS))
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args(argv)
-    rows = bench_traffic(args.workloads, args.topology, args.solver, args.model, args.steps)
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1; got {args.steps}")
+    topology = args.topology if args.topology.strip() != "auto" else f"auto:{args.gpus}"
+    rows = bench_traffic(args.workloads, topology, args.solver, args.model, args.steps)
     dims = FLUX_MODELS[args.model]
     print(f"{args.topology}, solver {args.solver}, {args.model} in bf16, median of {args.steps} steps. Ulysses: forward "
           "(training's backward moves the same again). Route: 'route fwd' is the old route's forward (hidden states); "
           f"'before' / 'after' are training steps (forward + backward) without and with routing less (text "
           f"{'embedded' if dims.text_embedded else 'raw'})")  # fmt: skip
     print(format_traffic(rows))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m deepspeed_knap.bench.routing`` is ``deepspeed-knap bench routing``."""
+    from deepspeed_knap.cli import main as cli_main
+
+    return cli_main(["bench", "routing", *(argv or [])])
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
