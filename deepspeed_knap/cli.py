@@ -36,12 +36,14 @@ def parse_model(text: str) -> dict[str, int]:
     dims = dict(MODEL_PRESETS["flux-dev"])
     for item in text.split(","):
         key, sep, value = item.partition("=")
-        if not sep or key.strip() not in _MODEL_KEYS or not value.strip().isdigit():
+        number = value.strip()
+        valid = number.isdigit() or (key.strip() == "mlp_ratio" and number.replace(".", "", 1).isdigit())
+        if not sep or key.strip() not in _MODEL_KEYS or not valid:
             raise argparse.ArgumentTypeError(
                 f"bad --model part {item!r}: give a preset ({', '.join(MODEL_PRESETS)}) or "
-                f"key=int pairs with keys {', '.join(_MODEL_KEYS)}"
+                f"key=int pairs with keys {', '.join(_MODEL_KEYS)} (mlp_ratio may be fractional)"
             )
-        dims[key.strip()] = int(value)
+        dims[key.strip()] = float(number) if key.strip() == "mlp_ratio" else int(number)
     return dims
 
 

@@ -36,14 +36,15 @@ class KnapWorkloadConfig(DeepSpeedConfigModel):
     measured coefficients, or a calibration file written by ``deepspeed-knap calibrate``."""
 
     model: str | None = None
-    """Preset name (``flux-dev``, ``flux-schnell``, ``flux-tiny``); the default when nothing else is given."""
+    """Preset name (``flux-dev``, ``flux-schnell``, ``flux-tiny``, ``flux2-dev``); the default when nothing
+    else is given."""
     hidden: int | None = Field(None, gt=0)
     """Override the preset's model width."""
     double_blocks: int | None = Field(None, ge=0)
     """Override the preset's double-stream block count."""
     single_blocks: int | None = Field(None, ge=0)
     """Override the preset's single-stream block count."""
-    mlp_ratio: int | None = Field(None, gt=0)
+    mlp_ratio: float | None = Field(None, gt=0)
     """Override the preset's MLP ratio."""
     tflops: float = Field(400.0, gt=0)
     """Sustained TFLOP/s per GPU assumed by the preset model."""

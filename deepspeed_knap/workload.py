@@ -28,10 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 
 # Model dimensions by name. FLUX.1-dev and -schnell share the transformer shape.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
+MODEL_PRESETS: dict[str, dict[str, float]] = {
     "flux-dev": {"hidden": 3072, "double_blocks": 19, "single_blocks": 38, "mlp_ratio": 4},
     "flux-schnell": {"hidden": 3072, "double_blocks": 19, "single_blocks": 38, "mlp_ratio": 4},
     "flux-tiny": {"hidden": 64, "double_blocks": 2, "single_blocks": 2, "mlp_ratio": 4},
+    # FLUX.2 [dev]: a SwiGLU MLP 3x wide has 2 * 3 + 3 = 9 d^2 matrices, what mlp_ratio 4.5 counts.
+    "flux2-dev": {"hidden": 6144, "double_blocks": 8, "single_blocks": 48, "mlp_ratio": 4.5},
 }
 
 # Forward + backward over forward FLOPs. Linear layers: backward is two matmuls per forward matmul.
@@ -84,7 +86,7 @@ class WorkloadModel:
         hidden: int = 3072,
         double_blocks: int = 19,
         single_blocks: int = 38,
-        mlp_ratio: int = 4,
+        mlp_ratio: float = 4,
         tflops: float = 400.0,
         alltoall_gbps: float = 150.0,
         bytes_per_element: int = 2,
@@ -103,7 +105,7 @@ class WorkloadModel:
         Args:
             hidden: model width ``d``.
             double_blocks, single_blocks: number of each block type; all attend over the whole sequence.
-            mlp_ratio: MLP hidden size over ``d``.
+            mlp_ratio: MLP hidden size over ``d`` (a gated MLP counts its gate: SwiGLU 3x wide is 4.5).
             tflops: sustained training throughput of one GPU, in 10**12 FLOP/s (H100 bf16 ~ 400).
             alltoall_gbps: per-GPU all-to-all bandwidth inside a bag, in 10**9 bytes/s.
             bytes_per_element: activation dtype size moved by the all-to-alls.

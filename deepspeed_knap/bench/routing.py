@@ -32,7 +32,7 @@ import numpy as np
 from deepspeed_knap.attention import head_splits
 from deepspeed_knap.planner import RoutingPlan, plan_routing
 from deepspeed_knap.topology import build_topology
-from deepspeed_knap.workload import default_workload
+from deepspeed_knap.workload import MODEL_PRESETS, default_workload
 from deepspeed_knap.workloads import sample_shapes
 
 
@@ -80,14 +80,11 @@ class FluxDims:
         return route_text_embedded(self.text_dim, self.dim)
 
 
-# FLUX.1 [dev] and FLUX.2 [dev]. FLUX.2's SwiGLU MLPs do 9 d^2 multiply-adds per token where the
-# planner's formula has 2 * mlp_ratio d^2: an mlp_ratio of 4.5 prices them.
+# FLUX.1 [dev] and FLUX.2 [dev], priced by the planner's presets (FLUX.2's SwiGLU MLPs as mlp_ratio 4.5).
 FLUX_MODELS = {
-    "flux-dev": FluxDims(3072, 24, 57, 64, 4096, 3, 1 + 1 + 768,
-                         {"hidden": 3072, "double_blocks": 19, "single_blocks": 38, "mlp_ratio": 4}),
-    "flux2-dev": FluxDims(6144, 48, 56, 128, 15360, 4, 1 + 1,
-                          {"hidden": 6144, "double_blocks": 8, "single_blocks": 48, "mlp_ratio": 4.5}),
-}  # fmt: skip
+    "flux-dev": FluxDims(3072, 24, 57, 64, 4096, 3, 1 + 1 + 768, MODEL_PRESETS["flux-dev"]),
+    "flux2-dev": FluxDims(6144, 48, 56, 128, 15360, 4, 1 + 1, MODEL_PRESETS["flux2-dev"]),
+}
 
 
 @dataclass(frozen=True)
