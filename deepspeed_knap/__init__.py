@@ -37,6 +37,7 @@ _LAZY = {
     "route": "deepspeed_knap.routing",
     "ProcessGroups": "deepspeed_knap.topology",
     "create_process_groups": "deepspeed_knap.topology",
+    "raise_together": "deepspeed_knap.topology",
 }
 
 

@@ -1,6 +1,6 @@
 """Token routing: gather lengths, move every sequence's chunks to its group, and move them back.
 
-Three entry points, all collective over the balance group (every rank must call them, in the same
+The entry points, all collective over the balance group (every rank must call them, in the same
 order):
 
 * :func:`gather_seq_lens` all-gathers each rank's sequence lengths, the planner's input, and checks
@@ -9,7 +9,9 @@ order):
   variable-split all-to-all for the token states (differentiable), one for the per-token side
   columns (as raw bytes, so integers are never rounded), one per differentiable per-sample tensor
   and one for the rest.
-* :func:`reverse_route` moves routed rows ``[T_routed, ...]`` back to their home rank and order.
+* :func:`reverse_route` moves routed rows ``[T_routed, ...]`` back to their home rank and order;
+  :func:`route_subset_rows` sends rows that only some tokens have (e.g. text states) the way the
+  route sent those tokens.
 
 All of them run on :func:`exchange`, the one all-to-all primitive, whose backward is the reverse
 exchange. Dimension names: ``T`` tokens, ``D`` model width, ``S`` GPUs of the balance group.
@@ -332,3 +334,35 @@ def _from_row_bytes(raw: Tensor, like: Tensor) -> Tensor:
     # which view() to a wider dtype rejects.
     values = raw.clone(memory_format=torch.contiguous_format).view(dtype).reshape(raw.shape[0], *like.shape[1:])
     return values.bool() if like.dtype == torch.bool else values
+
+
+def route_subset_rows(rows: Tensor, home_selected: np.ndarray, routed: RoutedBatch, routed_selected: Tensor) -> Tensor:
+    """Rows that only some tokens have, sent to wherever the route sent those tokens. Collective
+    over the balance group when ``routed`` was routed (every rank calls it); local otherwise.
+
+    The route sends home rows destination by destination (``layout.send_rows``) and a GPU receives
+    them source by source, in that order; the selected tokens keep their relative order on both
+    sides, so one all-to-all with the selected rows' counts delivers them in routed order.
+
+    Args:
+        rows: ``[R, W]`` one row per selected home token, in home token order (differentiable).
+        home_selected: ``[T_home]`` bool, which home tokens have a row.
+        routed: the step's routed batch.
+        routed_selected: ``[R_routed]`` int64 routed token rows that are selected, ascending.
+
+    Returns:
+        ``[R_routed, W]`` rows in the order of ``routed_selected``.
+    """
+    if routed.groups is None:
+        return rows
+    layout = routed.layout
+    gpus = np.arange(layout.num_gpus)
+    row_of_token = np.full(len(home_selected), -1, dtype=np.int64)
+    row_of_token[home_selected] = np.arange(int(home_selected.sum()))
+    sent = row_of_token[layout.send_rows]  # [T_home] in send order; -1 where not selected
+    keep = sent >= 0
+    send_counts = np.bincount(np.repeat(gpus, layout.send_counts)[keep], minlength=layout.num_gpus)
+    source_of_routed = np.repeat(gpus, layout.recv_counts)
+    recv_counts = np.bincount(source_of_routed[routed_selected.cpu().numpy()], minlength=layout.num_gpus)
+    send = rows.index_select(0, torch.as_tensor(sent[keep], device=rows.device))
+    return exchange(send, send_counts, recv_counts, routed.groups.balance_group, "route")

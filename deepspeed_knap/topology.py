@@ -409,3 +409,44 @@ def check_same_on_every_rank(views: dict[str, str]) -> None:
 def text_digest(text: str) -> int:
     """A 63-bit digest of ``text`` (fits an int64 tensor), equal for equal texts on every machine."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def raise_together(problem: str | None, what: str, error: type[Exception] = ValueError) -> None:
+    """Raise the same ``error`` on every rank when any rank found a ``problem``.
+
+    For checks whose outcome can differ between ranks (a file, a path, a sample, a loss): a rank
+    raising alone would leave the others waiting in their next collective. Collective over the world
+    (two all-gathers on the accelerator device: lengths, then the messages' bytes): every rank calls
+    it, with ``None`` when all is well here.
+
+    Raises:
+        error: ``"{what} failed:"`` and each distinct problem with the ranks that found it.
+    """
+    messages = [m.decode() for m in all_gather_bytes((problem or "").encode())]
+    by_message: dict[str, list[int]] = {}
+    for rank, message in enumerate(messages):
+        if message:
+            by_message.setdefault(message, []).append(rank)
+    if by_message:
+        details = "\n".join(f"rank(s) {ranks}: {message}" for message, ranks in by_message.items())
+        raise error(f"{what} failed:\n{details}")
+
+
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's ``data``, by rank (two all-gathers on the accelerator device: lengths, then bytes)."""
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, length)
+    sizes = [int(t.item()) for t in lengths]
+    padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    padded = padded.to(device)
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [bytes(t[:size].cpu().tolist()) for t, size in zip(gathered, sizes, strict=True)]

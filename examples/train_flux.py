@@ -131,14 +131,12 @@ def gather_objects(obj) -> list:
 
 
 def raise_together(problem: str | None) -> None:
-    """Raise the same error on every rank when any rank found a problem. For checks whose outcome
-    can differ between ranks (files, paths, data): a rank raising alone would leave the others
-    waiting in their next collective."""
-    found = {r: p for r, p in enumerate(gather_objects(problem)) if p}
-    if len(found) == world and len(set(found.values())) == 1:
-        raise SystemExit(f"train_flux: error on every rank: {problem}")
-    if found:
-        raise SystemExit("train_flux: error:\n" + "\n".join(f"rank {r}: {p}" for r, p in found.items()))
+    """Raise the same error on every rank when any rank found a problem (files, paths, data): a rank
+    raising alone would leave the others waiting in their next collective."""
+    try:
+        deepspeed_knap.raise_together(problem, "train_flux")
+    except ValueError as error:
+        raise SystemExit(f"train_flux: error: {error}") from None
 
 
 def checkpoint_to_load(path: str) -> tuple[str, str | None, str | None]:

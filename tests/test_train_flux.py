@@ -226,7 +226,7 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
 
     result, losses = train(tmp_path, "images", True, "--tiny", "--data-dir", str(tmp_path / "data"), "--steps", "2")
     assert result.returncode != 0 and list(losses) == [0] and losses[0] > 0
-    message = f"rank 0: non-finite loss at step 1 in ['{tmp_path / 'data' / '00000004.safetensors'}']"
+    message = f"rank(s) [0]: non-finite loss at step 1 in ['{tmp_path / 'data' / '00000004.safetensors'}']"
     assert (result.stdout + result.stderr).count(message) == 4, result.stderr[-3000:]
 
 

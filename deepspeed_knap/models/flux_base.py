@@ -39,7 +39,7 @@ from deepspeed_knap.attention import KnapDistributedAttention
 from deepspeed_knap.balancer import KnapBalancer, balanced_forward
 from deepspeed_knap.models.flux_layers import FluxStep
 from deepspeed_knap.packing import PackedBatch
-from deepspeed_knap.routing import RoutedBatch, exchange
+from deepspeed_knap.routing import RoutedBatch, route_subset_rows
 from deepspeed_knap.topology import Topology
 
 # Constructor arguments that are ours, not diffusers' config.
@@ -125,38 +125,6 @@ def route_text_embedded(text_dim: int, dim: int) -> bool:
     rather than the ``text_dim``-wide text-encoder rows (sent forward only) when that is fewer bytes
     in training: FLUX.2 [dev] (15360 > 2 * 6144) yes, FLUX.1 (4096 < 2 * 3072) no."""
     return text_dim > 2 * dim
-
-
-def route_subset_rows(rows: Tensor, home_selected: np.ndarray, routed: RoutedBatch, routed_selected: Tensor) -> Tensor:
-    """Rows that only some tokens have, sent to wherever the route sent those tokens. Collective
-    over the balance group when ``routed`` was routed (every rank calls it); local otherwise.
-
-    The route sends home rows destination by destination (``layout.send_rows``) and a GPU receives
-    them source by source, in that order; the selected tokens keep their relative order on both
-    sides, so one all-to-all with the selected rows' counts delivers them in routed order.
-
-    Args:
-        rows: ``[R, W]`` one row per selected home token, in home token order (differentiable).
-        home_selected: ``[T_home]`` bool, which home tokens have a row.
-        routed: the step's routed batch.
-        routed_selected: ``[R_routed]`` int64 routed token rows that are selected, ascending.
-
-    Returns:
-        ``[R_routed, W]`` rows in the order of ``routed_selected``.
-    """
-    if routed.groups is None:
-        return rows
-    layout = routed.layout
-    gpus = np.arange(layout.num_gpus)
-    row_of_token = np.full(len(home_selected), -1, dtype=np.int64)
-    row_of_token[home_selected] = np.arange(int(home_selected.sum()))
-    sent = row_of_token[layout.send_rows]  # [T_home] in send order; -1 where not selected
-    keep = sent >= 0
-    send_counts = np.bincount(np.repeat(gpus, layout.send_counts)[keep], minlength=layout.num_gpus)
-    source_of_routed = np.repeat(gpus, layout.recv_counts)
-    recv_counts = np.bincount(source_of_routed[routed_selected.cpu().numpy()], minlength=layout.num_gpus)
-    send = rows.index_select(0, torch.as_tensor(sent[keep], device=rows.device))
-    return exchange(send, send_counts, recv_counts, routed.groups.balance_group, "route")
 
 
 class PackedFluxBase(nn.Module):

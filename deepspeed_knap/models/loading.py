@@ -34,6 +34,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from deepspeed_knap.topology import all_gather_bytes, raise_together
+
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
 CONFIG_NAME = "config.json"
@@ -146,45 +148,6 @@ def checkpoint_problems(files: Mapping[str, Path], expected: Mapping[str, tuple[
     return problems
 
 
-# ---- agreeing between ranks ----
-
-
-def _device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
-
-
-def _all_gather_bytes(data: bytes) -> list[bytes]:
-    """Every rank's ``data``, by rank (two all-gathers on the accelerator: lengths, then bytes)."""
-    import deepspeed.comm as dist
-
-    device = _device()
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size())]
-    dist.all_gather(lengths, length)
-    sizes = [int(t.item()) for t in lengths]
-    padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
-    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else padded[:0]
-    padded = padded.to(device)
-    gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded)
-    return [bytes(t[:size].cpu().tolist()) for t, size in zip(gathered, sizes, strict=True)]
-
-
-def agree(problem: str | None, what: str) -> None:
-    """Raise the same :class:`CheckpointError` on every rank when any rank has a ``problem``.
-    Collective: every rank calls it, with ``None`` when all is well here."""
-    messages = [m.decode() for m in _all_gather_bytes((problem or "").encode())]
-    by_message: dict[str, list[int]] = {}
-    for rank, message in enumerate(messages):
-        if message:
-            by_message.setdefault(message, []).append(rank)
-    if by_message:
-        details = "\n".join(f"rank(s) {ranks}: {message}" for message, ranks in by_message.items())
-        raise CheckpointError(f"{what} failed:\n{details}")
-
-
 # ---- host memory ----
 
 
@@ -253,7 +216,8 @@ class LoadReport:
 
 def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
     """``fn()``; with a ``ds_config`` (a collective load), on every rank and agreed: any rank's
-    error is raised on every rank (:func:`agree`), so none is left waiting for the others."""
+    error is raised on every rank (:func:`~deepspeed_knap.topology.raise_together`), so none is left
+    waiting for the others."""
     if ds_config is None:
         return fn()
     import deepspeed
@@ -266,7 +230,7 @@ def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
         result = fn()
     except (CheckpointError, FileNotFoundError, ValueError) as error:
         problem = f"{type(error).__name__}: {error}"
-    agree(problem, what)
+    raise_together(problem, what, CheckpointError)
     return result
 
 
@@ -426,7 +390,7 @@ def _print_reports(path: str | Path, report: LoadReport) -> None:
     import deepspeed.comm as dist
 
     mine = f"{report.host.increase},{report.host.peak},{report.kept_bytes},{report.read_bytes}".encode()
-    rows = [[int(x) for x in raw.decode().split(",")] for raw in _all_gather_bytes(mine)]
+    rows = [[int(x) for x in raw.decode().split(",")] for raw in all_gather_bytes(mine)]
     if dist.get_rank() != 0:
         return
     mb = 2**20
