@@ -65,6 +65,15 @@ class PackedBatch:
         counts = torch.tensor(self.seq_lens, dtype=torch.int64, device=self.tokens.device)
         return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.tokens.device), counts)
 
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The same batch with every tensor on ``device`` (the accelerator: collectives need it there)."""
+        return PackedBatch(
+            self.tokens.to(device),
+            self.seq_lens,
+            {name: column.to(device) for name, column in self.token_data.items()},
+            {name: column.to(device) for name, column in self.sample_data.items()},
+        )
+
     def problem(self) -> str | None:
         """Why this batch is inconsistent, or ``None``. Checked by the balancer after the lengths
         gather, so that every rank raises instead of one raising and the others hanging."""

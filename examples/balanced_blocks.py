@@ -14,6 +14,7 @@ import time
 import deepspeed
 import deepspeed.comm as dist
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from deepspeed_knap import (
     KnapBalancer,
@@ -36,22 +37,23 @@ args = parser.parse_args()
 
 deepspeed.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
+device = torch.device(get_accelerator().current_device_name())  # collectives take tensors there
 dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the files can go
 unlink_own_shm_buffer(rank)
 topology = build_topology(args.topology, world)
 balancer = KnapBalancer(create_process_groups(topology), default_workload("flux-dev"))
 torch.manual_seed(0)  # the same weights on every rank
-model = TinyDiT(topology=topology).double()
+model = TinyDiT(topology=topology).double().to(device)
 
 for step in range(args.steps):
     all_lens = sample_workload(args.workload, world, seed=step)  # every rank draws the same, keeps its own
     my_lens = [max(1, round(n * args.token_scale)) for n in all_lens[rank]]
-    batch = random_batch(my_lens, seed=1000 * step + rank, dtype=torch.float64)
+    batch = random_batch(my_lens, seed=1000 * step + rank, dtype=torch.float64).to(device)
     start = time.perf_counter()
     balanced = model(batch, balancer)
     seconds = time.perf_counter() - start
     unbalanced = model(batch)
-    error = torch.tensor([(balanced - unbalanced).abs().max().item() if batch.num_tokens else 0.0])
+    error = torch.tensor([(balanced - unbalanced).abs().max().item() if batch.num_tokens else 0.0], device=device)
     dist.all_reduce(error, op=dist.ReduceOp.MAX)
     if rank == 0:
         gathered = [[max(1, round(n * args.token_scale)) for n in lens] for lens in all_lens]

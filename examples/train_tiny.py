@@ -45,8 +45,8 @@ unlink_own_shm_buffer(rank)
 
 for step in range(args.steps):
     lengths = [max(1, round(n * args.token_scale)) for n in sample_workload(args.workload, world, seed=step)[rank]]
-    batch = random_batch(lengths, seed=1000 * step + rank)
-    target = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(7 * step + rank))
+    batch = random_batch(lengths, seed=1000 * step + rank).to(engine.device)  # collectives need it there
+    target = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(7 * step + rank)).to(engine.device)
     out = engine(batch, balancer)
     loss = deepspeed_knap.token_mean_loss((out - target).square().mean(dim=-1))
     engine.backward(loss)

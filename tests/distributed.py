@@ -18,6 +18,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import socket
 import tempfile
 import time
 import traceback
@@ -33,8 +34,11 @@ class DistributedTestError(AssertionError):
     """A rank raised, or did not finish in time. The message names the rank and shows its stack."""
 
 
-def _worker(fn, rank: int, world_size: int, args: tuple, store_path: str, stack_path: str, timeout: float, results):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
+def _worker(fn, rank: int, world_size: int, args: tuple, store_path: str, stack_path: str, timeout: float, results,
+            port: int):  # fmt: skip
+    # A port of its own names DeepSpeed's CPU all-reduce buffers in /dev/shm apart from a parallel run's.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     # One CPU thread per rank: N ranks on 2 cores would otherwise thrash.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with open(stack_path, "w") as stack_file:
@@ -51,6 +55,10 @@ def _worker(fn, rank: int, world_size: int, args: tuple, store_path: str, stack_
             finally:
                 # Cancel before tearing down: a slow teardown is not a hang of fn.
                 faulthandler.cancel_dump_traceback_later()
+                # Every rank mapped every buffer while the group started: this rank's file can go.
+                from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
+
+                unlink_own_shm_buffer(rank)
             results.put((rank, "ok", value))
             dist.destroy_process_group()
         except BaseException:
@@ -66,13 +74,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
     """
     context = mp.get_context("spawn")
     results = context.Queue()
+    with socket.socket() as probe:  # a free port, only to name this run's /dev/shm buffers
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="knap-dist-") as tmp:
         store_path = str(Path(tmp) / "store")
         stack_paths = [str(Path(tmp) / f"stack-{rank}.txt") for rank in range(world_size)]
         processes = [
             context.Process(
                 target=_worker,
-                args=(fn, rank, world_size, args, store_path, stack_paths[rank], timeout, results),
+                args=(fn, rank, world_size, args, store_path, stack_paths[rank], timeout, results, port),
                 daemon=True,
             )
             for rank in range(world_size)
