@@ -15,25 +15,36 @@ The solver:
    (``G * t(s, G)`` grows with ``G`` once the all-to-all costs anything), it only shortens the
    sequence. So for the lower bound ``T`` each sequence takes the size of its cheapest group class
    (in GPU-seconds) whose per-GPU cost fits ``T``: short sequences stay whole, long ones are split
-   just enough.
+   just enough. Further starts split down to ``T/2``, ``T/4``, ``T/8`` (with few sequences per GPU,
+   smaller pieces pack tighter), and one more is the fixed-topology solver on the largest groups.
 2. **Packing, largest groups first.** Every group placed before a level is at least as large and
    aligned, so it covers whole groups of the level: within a level every group has one load, and
    packing the level is scheduling on identical machines (related ones with ``gpu_speed``). First
    each sequence stays in the group of its home GPU if that finishes within ``T`` (largest first, so
-   the most tokens stay home); the rest go largest first to the group that finishes earliest.
-3. **Local search** on GPU loads: move one sequence touching the busiest GPU to the group of any size
+   the most tokens stay home); the rest go largest first to the group that finishes earliest. The
+   single-GPU level goes to the fixed-topology solver (``refine``) over the loads already there.
+3. **Only starts that can win.** A start's degrees bound its step time (its costliest sequence, its
+   GPU-seconds spread over all GPUs), and splitting further only raises the bound: starts are packed
+   in order of bound until the bound reaches the best packed step time, then searched best packed
+   first, skipping those whose bound reaches the best searched step time or whose packed one is
+   ``SEARCH_SLACK`` above it.
+4. **Local search** on GPU loads: move one sequence touching the busiest GPU to the group of any size
    that finishes earliest, or swap it with a sequence of a light group, while every load it touches
    ends below the current maximum (so the sorted load vector falls lexicographically: no cycles, and
-   the step time never rises).
-4. **Exact search** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences: branch and bound over
+   the step time never rises). The best start, and those close behind it, then also try two-step
+   chains when stuck.
+5. **Exact search** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences: branch and bound over
    every group, within a node budget.
+6. **Locality:** single-GPU sequences go back to their home GPU, or trade places with a guest there,
+   wherever that keeps the step time.
 
 All arithmetic is on the problem's int64 costs, and ties break by ids, so plans are bit-identical on
-every rank.
+every rank. The effort is a deterministic count of steps, never a clock.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,7 +56,7 @@ if TYPE_CHECKING:
 
 # Packing starts: split sequences until their per-GPU cost is at most this fraction of the bound.
 PIECE_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
-EXACT_MAX_SEQUENCES = 12
+EXACT_MAX_SEQUENCES = 16
 EXACT_NODE_BUDGET = 20_000
 # Local search: stop within this fraction of the bound, or when a window of steps cut the max by
 # less than it (the step budget is plan_routing's refine_steps).
@@ -54,62 +65,87 @@ SEARCH_TOLERANCE = 1e-3
 # Starts whose packed step time is this much above the best searched one are not searched.
 SEARCH_SLACK = 0.08
 STALL_WINDOW = 32
-# Per local-search step: destinations tried per class (its lightest groups), groups per level whose
-# sequences are swap partners, and swaps checked against the cap.
-TARGETS_PER_CLASS = 4
+# Per local-search step: groups per level outside the busiest GPU's block that are move targets and
+# whose sequences are swap partners, how many of those partners and of the busiest GPU's sequences
+# are paired, and how many of the best swaps are checked against the cap.
 SWAP_GROUPS_PER_LEVEL = 16
 SWAP_ITEMS = 64
 SWAP_TRIES = 32
-# Two-step chains start from this many of the busiest GPU's costliest sequences.
+# Two-step chains start from this many of the busiest GPU's costliest sequences; they are tried on
+# the best searched start and on those whose step time is at most this much above it.
 CHAIN_STARTS = 4
+CHAIN_SLACK = 0.02
+# Passes of bringing single-GPU sequences home: a later pass finds room that the first one made.
+KEEP_HOME_PASSES = 2
 
 _BIG = np.iinfo(np.int64).max
+# The cost of a sequence in a class the cap bars: a load plus it is never below the step time, and
+# never overflows (loads stay below 2**62, see _local_search).
+_BARRED = 2**61
 
 
 @dataclass(frozen=True, eq=False)
 class _Levels:
-    """The groups of the problem by size.
+    """The groups of the problem by size, and the tables the search reads.
 
     Attributes:
         sizes: ``[V]`` group sizes, descending.
         group_ids: per level, ``[n_v]`` ids (into the problem's groups) ascending by first GPU.
-        gpus: per level, ``[n_v, G_v]`` the GPUs of each group.
         group_at: per level, ``[S]`` the id of the level's group holding each GPU (-1: none).
+        groups_of_gpu: per GPU, the ids of the groups holding it, largest first.
         level_of_class: ``[C]`` level of each class.
-        level_of_group, position_of_group: ``[B]`` each group's level and index in the level's arrays.
+        level_table: ``[V, n]`` the group ids of each level, padded with ``B``.
         block_of_gpu: ``[S]`` the top-level group (bag of the topology) holding each GPU.
         groups_in_block: per group id of a top-level group, ``[K]`` the ids of the groups inside it, ascending.
+        inside_position: ``[B]`` each group's index in ``groups_in_block`` of its block.
+        block_member: per block size ``b``, ``[K, b]`` whether the block's ``k``-th group (in id order)
+            holds its ``g``-th GPU (the same for every block of that size).
+        padded_gpus: ``[B, max_degree]`` the GPUs of every group, repeated to fill the row: a row's max
+            is the group's busiest GPU.
+        first, size, group_class, block_of_group: ``[B]`` as Python ints, and ``cost`` ``[N][C]``: the
+            search reads them one entry at a time, where NumPy's per-call overhead dominates.
+        key_scale: ``B + 1``; group_index: ``[B]`` ``0 .. B-1``.
+        step_cost: ``[N + 1, C]`` the problem's costs, ``_BARRED`` where the cap bars the class, and a
+            last row of zeros: a partner that holds nothing.
     """
 
     sizes: list[int]
     group_ids: list[np.ndarray]
-    gpus: list[np.ndarray]
     group_at: list[np.ndarray]
+    groups_of_gpu: list[list[int]]
     level_of_class: np.ndarray
-    level_of_group: np.ndarray
-    position_of_group: np.ndarray
-    block_of_gpu: np.ndarray
+    level_table: np.ndarray
+    block_of_gpu: list[int]
     groups_in_block: dict[int, np.ndarray]
+    inside_position: np.ndarray
+    block_member: dict[int, np.ndarray]
+    padded_gpus: np.ndarray
+    first: list[int]
+    size: list[int]
+    group_class: list[int]
+    block_of_group: list[int]
+    cost: list[list[int]]
+    key_scale: int
+    group_index: np.ndarray
+    step_cost: np.ndarray
 
     @classmethod
     def build(cls, problem: _Problem) -> _Levels:
         sizes = sorted(set(problem.bag_size.tolist()), reverse=True)
-        group_ids, gpus, group_at = [], [], []
+        group_ids, group_at = [], []
         for size in sizes:
             ids = np.flatnonzero(problem.bag_size == size)
             ids = ids[np.argsort(problem.bag_first[ids], kind="stable")]
-            members = problem.bag_first[ids][:, None] + np.arange(size)[None, :]
             at = np.full(problem.num_gpus, -1, dtype=np.int64)
-            at[members.ravel()] = np.repeat(ids, size)
+            at[(problem.bag_first[ids][:, None] + np.arange(size)[None, :]).ravel()] = np.repeat(ids, size)
             group_ids.append(ids)
-            gpus.append(members)
             group_at.append(at)
+        at = np.stack(group_at, axis=1)  # [S, V]
+        groups_of_gpu = [[g for g in row if g >= 0] for row in at.tolist()]
         level_of_class = np.array([sizes.index(int(g)) for g in problem.class_size], dtype=np.int64)
-        level_of_group = np.empty(problem.num_bags, dtype=np.int64)
-        position_of_group = np.empty(problem.num_bags, dtype=np.int64)
+        level_table = np.full((len(sizes), max(len(ids) for ids in group_ids)), problem.num_bags, dtype=np.int64)
         for level, ids in enumerate(group_ids):
-            level_of_group[ids] = level
-            position_of_group[ids] = np.arange(len(ids))
+            level_table[level, : len(ids)] = ids
         block_of_gpu = np.empty(problem.num_gpus, dtype=np.int64)
         groups_in_block = {}
         index = {(int(f), int(g)): b for b, (f, g) in enumerate(zip(problem.bag_first, problem.bag_size, strict=True))}
@@ -119,8 +155,22 @@ class _Levels:
             groups_in_block[block] = np.flatnonzero(
                 (problem.bag_first >= first) & (problem.bag_first + problem.bag_size <= first + size)
             )
-        return cls(sizes, group_ids, gpus, group_at, level_of_class, level_of_group, position_of_group,
-                   block_of_gpu, groups_in_block)  # fmt: skip
+        inside_position = np.empty(problem.num_bags, dtype=np.int64)
+        block_member = {}
+        for block, inside in groups_in_block.items():
+            inside_position[inside] = np.arange(len(inside))
+            size = int(problem.bag_size[block])
+            offset = np.arange(size)[None, :] + int(problem.bag_first[block])
+            block_member[size] = (offset >= problem.bag_first[inside][:, None]) & (
+                offset < (problem.bag_first[inside] + problem.bag_size[inside])[:, None]
+            )
+        widest = int(problem.bag_size.max())
+        padded_gpus = problem.bag_first[:, None] + np.arange(widest)[None, :] % problem.bag_size[:, None]
+        step_cost = np.vstack([np.where(problem.allowed, problem.cost, _BARRED), np.zeros_like(problem.cost[:1])])
+        return cls(sizes, group_ids, group_at, groups_of_gpu, level_of_class, level_table, block_of_gpu.tolist(),
+                   groups_in_block, inside_position, block_member, padded_gpus, problem.bag_first.tolist(),
+                   problem.bag_size.tolist(), problem.bag_class.tolist(), block_of_gpu[problem.bag_first].tolist(),
+                   problem.cost.tolist(), problem.num_bags + 1, np.arange(problem.num_bags), step_cost)  # fmt: skip
 
 
 def chunk_tokens(seq_len: int, size: int) -> np.ndarray:
@@ -130,62 +180,87 @@ def chunk_tokens(seq_len: int, size: int) -> np.ndarray:
 
 
 class _State:
-    """GPU loads and tokens of a (partial) assignment of sequences to groups."""
+    """GPU loads (and, under a token cap, tokens) of a (partial) assignment of sequences to groups."""
 
     def __init__(self, problem: _Problem, levels: _Levels):
         self.problem, self.levels = problem, levels
         self.loads = np.zeros(problem.num_gpus, dtype=np.int64)
-        self.tokens = np.zeros(problem.num_gpus, dtype=np.int64)
+        self.tokens = np.zeros(problem.num_gpus, dtype=np.int64) if problem.cap is not None else None
         self.group_of_seq = np.full(len(problem.seq_lens), -1, dtype=np.int64)
         self.members: list[list[int]] = [[] for _ in range(problem.num_bags)]
+        # [B] every group's busiest GPU, kept by apply() once the local search starts it.
+        self.group_max: np.ndarray | None = None
 
     def cost(self, i: int, group: int) -> int:
-        return int(self.problem.cost[i, self.problem.bag_class[group]])
+        return self.levels.cost[i][self.levels.group_class[group]]
 
     def span(self, group: int) -> slice:
-        first = int(self.problem.bag_first[group])
-        return slice(first, first + int(self.problem.bag_size[group]))
+        first = self.levels.first[group]
+        return slice(first, first + self.levels.size[group])
 
     def place(self, i: int, group: int) -> None:
-        span = self.span(group)
-        self.loads[span] += self.cost(i, group)
-        self.tokens[span] += chunk_tokens(int(self.problem.seq_lens[i]), int(self.problem.bag_size[group]))
+        self._add(i, group, 1)
         self.group_of_seq[i] = group
         self.members[group].append(i)
 
     def remove(self, i: int) -> None:
         group = int(self.group_of_seq[i])
-        span = self.span(group)
-        self.loads[span] -= self.cost(i, group)
-        self.tokens[span] -= chunk_tokens(int(self.problem.seq_lens[i]), int(self.problem.bag_size[group]))
+        self._add(i, group, -1)
         self.group_of_seq[i] = -1
         self.members[group].remove(i)
 
+    def _add(self, i: int, group: int, sign: int) -> None:
+        first, size = self.levels.first[group], self.levels.size[group]
+        cost = self.levels.cost[i][self.levels.group_class[group]]
+        if size == 1:  # a scalar update costs a fifth of a slice's
+            self.loads[first] += sign * cost
+        else:
+            self.loads[first : first + size] += sign * cost
+        if self.tokens is not None:
+            self.tokens[first : first + size] += sign * chunk_tokens(int(self.problem.seq_lens[i]), size)
+
+    def place_all(self, seqs: np.ndarray, groups: np.ndarray) -> None:
+        """:meth:`place` every ``seqs[k]`` in ``groups[k]``, in that order, vectorised."""
+        problem = self.problem
+        size = problem.bag_size[groups]
+        gpu = np.repeat(problem.bag_first[groups], size) + (
+            np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size, size)
+        )
+        np.add.at(self.loads, gpu, np.repeat(problem.cost[seqs, problem.bag_class[groups]], size))
+        if self.tokens is not None:
+            rank = gpu - np.repeat(problem.bag_first[groups], size)
+            np.add.at(self.tokens, gpu, _chunks(np.repeat(problem.seq_lens[seqs], size), np.repeat(size, size), rank))
+        self.group_of_seq[seqs] = groups
+        members = self.members
+        for i, group in zip(seqs.tolist(), groups.tolist(), strict=True):
+            members[group].append(i)
+
     def apply(self, moves: list[tuple[int, int]]) -> None:
         """Move each ``(sequence, group)`` of ``moves`` (all removed first, then all placed)."""
+        blocks = {self.levels.block_of_group[int(self.group_of_seq[i])] for i, _ in moves}
         for i, _ in moves:
             self.remove(i)
         for i, group in moves:
             self.place(i, group)
+        if self.group_max is not None:  # only the groups of the blocks touched change
+            blocks.update(self.levels.block_of_group[group] for _, group in moves)
+            for block in blocks:
+                inside = self.levels.groups_in_block[block]
+                self.group_max[inside] = self.loads[self.levels.padded_gpus[inside]].max(axis=1)
 
     def fits(self, i: int, group: int) -> bool:
         """Whether ``i`` in ``group`` keeps every GPU under the token cap (given the current tokens)."""
         problem = self.problem
-        if not problem.allowed[i, problem.bag_class[group]]:
+        if not problem.allowed[i, self.levels.group_class[group]]:
             return False
         if problem.cap is None:
             return True
-        chunks = chunk_tokens(int(problem.seq_lens[i]), int(problem.bag_size[group]))
+        chunks = chunk_tokens(int(problem.seq_lens[i]), self.levels.size[group])
         return bool(np.all(self.tokens[self.span(group)] + chunks <= problem.cap))
 
     def touching(self, gpu: int) -> list[int]:
         """Sequences whose group holds ``gpu``."""
-        found = []
-        for at in self.levels.group_at:
-            group = int(at[gpu])
-            if group >= 0:
-                found.extend(self.members[group])
-        return found
+        return [i for group in self.levels.groups_of_gpu[gpu] for i in self.members[group]]
 
 
 def solve_elastic(problem: _Problem, steps: int = SEARCH_STEPS) -> np.ndarray | None:
@@ -195,70 +270,163 @@ def solve_elastic(problem: _Problem, steps: int = SEARCH_STEPS) -> np.ndarray | 
     if n == 0:
         return np.zeros(0, dtype=np.int64)
     levels = _Levels.build(problem)
-    candidates, tried = [], set()
+    best = _best_start(problem, levels, steps)
+    if best is None:
+        return None
+    if n <= EXACT_MAX_SEQUENCES:
+        exact = _exact_search(problem, levels, best.group_of_seq, EXACT_NODE_BUDGET)
+        best = _State(problem, levels)
+        best.place_all(np.arange(n), exact)
+    return _keep_home(best)
+
+
+def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None:
+    """The best start after local search, of those that can win (see the module docstring), or
+    ``None`` if the cap defeats every one."""
+    n = len(problem.seq_lens)
+    # [N, V] per level, the cheapest cost and GPU-seconds of each sequence among its allowed classes.
+    level_cost = np.full((n, len(levels.sizes)), _BIG, dtype=np.int64)
+    level_gpu_seconds = level_cost.copy()
+    for c, level in enumerate(levels.level_of_class.tolist()):
+        ok = problem.allowed[:, c]
+        level_cost[ok, level] = np.minimum(level_cost[ok, level], problem.cost[ok, c])
+        level_gpu_seconds[ok, level] = np.minimum(level_gpu_seconds[ok, level], problem.gpu_seconds[ok, c])
+
+    def bound(cost: np.ndarray, gpu_seconds: np.ndarray) -> int:
+        """Step time no plan with these ``[N]`` least costs and GPU-seconds beats: the costliest
+        sequence, the mean GPU."""
+        return max(int(cost.max()), -(-int(gpu_seconds.sum()) // problem.num_gpus)) if cost.max() < _BIG else _BIG
+
+    starts, tried = [], set()
     for piece in PIECE_FRACTIONS:
         level_of_seq = _degrees(problem, levels, piece)
         if level_of_seq.tobytes() not in tried:  # the same split as a larger piece gives the same plan
             tried.add(level_of_seq.tobytes())
-            candidates.append(_pack_by_level(problem, levels, level_of_seq, steps))
+            rows = np.arange(n)
+            starts.append((bound(level_cost[rows, level_of_seq], level_gpu_seconds[rows, level_of_seq]), level_of_seq))
     # The topology's own bags (the largest groups) as a fixed topology: auto is never worse than it.
-    candidates.append(_pack_stage(problem, levels, _State(problem, levels), np.arange(n),
-                                  np.asarray(sorted(levels.groups_in_block)), steps))  # fmt: skip
-    candidates = [state for state in candidates if state is not None]
-    if not candidates:
-        return None
-    # Across sizes: a sequence may change its group size, or trade places with one of another size.
-    # Local search rarely gains more than a few percent, so a start that far behind is not searched.
-    best = None
-    for state in sorted(candidates, key=lambda state: int(state.loads.max())):  # stable: the first of equals
-        if best is not None and int(state.loads.max()) > int(best.loads.max()) * (1 + SEARCH_SLACK):
-            break
-        _local_search(state, steps)
+    blocks = np.asarray(sorted(levels.groups_in_block))
+    block_classes = np.unique(problem.bag_class[blocks])
+    barred = ~problem.allowed[:, block_classes]
+    starts.append((bound(np.where(barred, _BIG, problem.cost[:, block_classes]).min(axis=1),
+                         np.where(barred, _BIG, problem.gpu_seconds[:, block_classes]).min(axis=1)), None))  # fmt: skip
+    packed = []
+    for start_bound, level_of_seq in sorted(starts, key=lambda start: start[0]):  # stable: the larger piece first
+        if packed and start_bound >= min(int(state.loads.max()) for _, state in packed):
+            break  # bounds only grow from here
+        if level_of_seq is None:
+            state = _pack_stage(problem, levels, _State(problem, levels), np.arange(n), blocks, steps)
+        else:
+            state = _pack_by_level(problem, levels, level_of_seq, steps)
+        if state is not None:
+            packed.append((start_bound, state))
+    best, searched = None, []
+    for start_bound, state in sorted(packed, key=lambda start: int(start[1].loads.max())):
+        if best is not None and (start_bound >= int(best.loads.max())
+                                 or int(state.loads.max()) > int(best.loads.max()) * (1 + SEARCH_SLACK)):  # fmt: skip
+            continue
+        _local_search(state, steps, chains=False)
+        searched.append(state)
         if best is None or int(state.loads.max()) < int(best.loads.max()):
             best = state
-    if n <= EXACT_MAX_SEQUENCES:
-        exact = _exact_search(problem, levels, best.group_of_seq, EXACT_NODE_BUDGET)
-        best = _State(problem, levels)
-        for i, g in enumerate(exact.tolist()):
-            best.place(i, g)
-    _keep_home(best)
-    return best.group_of_seq
+    # Chains, for the best and those close behind it (stable sort: the best stays first among equals).
+    for state in sorted(searched, key=lambda state: int(state.loads.max())):
+        if state is not best and int(state.loads.max()) > int(best.loads.max()) * (1 + CHAIN_SLACK):
+            break
+        _local_search(state, steps)
+        if int(state.loads.max()) < int(best.loads.max()):
+            best = state
+    return best
 
 
-def _keep_home(state: _State) -> None:
-    """Bring single-GPU sequences back to their home GPU where that keeps the step time ``M`` (the
-    busiest GPU's load), in place, largest first: move one home if it fits under ``M`` there, else
-    swap it with a sequence on its home GPU that is not from there, if both GPUs stay under ``M``.
-    Every step keeps more tokens home and no load above ``M``."""
+def _keep_home(state: _State) -> np.ndarray:
+    """``[N]`` the groups of ``state`` with single-GPU sequences brought back to their home GPU where
+    that keeps the step time ``M`` (the busiest GPU's load), largest first: move one home if it fits
+    under ``M`` there, else swap it with a guest of its home GPU (a sequence from elsewhere) if both
+    GPUs stay under ``M``: a guest from the GPU it leaves first (both come home), else the costliest
+    guest that fits. Every move keeps more tokens home and no load above ``M``; ``KEEP_HOME_PASSES``
+    passes, as one move makes room for another. ``state`` is left as it was.
+
+    Guests are kept per GPU sorted by their cost there, so the ones that fit are a bisection away:
+    with thousands of sequences a scan of every guest per sequence would dominate the solve."""
     problem, levels = state.problem, state.levels
-    top = int(state.loads.max())
     single_group = levels.group_at[-1]  # the single-GPU group of every GPU (sizes are descending)
     gpu_class = problem.bag_class[single_group]  # [S]
-    cap = problem.cap
-    away = [i for i in np.argsort(-problem.seq_lens, kind="stable").tolist()
-            if problem.bag_size[state.group_of_seq[i]] == 1 and state.group_of_seq[i] != single_group[problem.src[i]]]  # fmt: skip
-    for i in away:
-        home, here = int(problem.src[i]), int(problem.bag_first[state.group_of_seq[i]])
-        cost_home, cost_here = int(problem.cost[i, gpu_class[home]]), int(problem.cost[i, gpu_class[here]])
-        if int(state.loads[home]) + cost_home <= top and state.fits(i, int(single_group[home])):
-            state.apply([(i, int(single_group[home]))])
-            continue
-        guests = np.asarray(
-            [j for j in state.members[int(single_group[home])] if problem.src[j] != home], dtype=np.int64
-        )
-        if guests.size == 0:
-            continue
-        load_home = int(state.loads[home]) - problem.cost[guests, gpu_class[home]] + cost_home
-        load_here = int(state.loads[here]) - cost_here + problem.cost[guests, gpu_class[here]]
-        ok = (load_home <= top) & (load_here <= top) & problem.allowed[guests, gpu_class[here]]
+    on = problem.bag_first[state.group_of_seq]
+    away = np.flatnonzero((problem.bag_size[state.group_of_seq] == 1) & (on != problem.src))
+    group_of_seq = state.group_of_seq.copy()
+    if away.size == 0:
+        return group_of_seq
+    top, cap = int(state.loads.max()), problem.cap
+    cost_on = problem.cost[away, gpu_class[on[away]]]
+    by_gpu = np.lexsort((away, cost_on, on[away]))
+    guests: dict[int, list[tuple[int, int]]] = {}  # GPU -> [(cost there, sequence)] ascending
+    guests_from: dict[tuple[int, int], list[int]] = {}  # (GPU, home) -> its guests from there, ascending
+    for gpu, c, j, home in zip(on[away][by_gpu].tolist(), cost_on[by_gpu].tolist(), away[by_gpu].tolist(),
+                               problem.src[away][by_gpu].tolist(), strict=True):  # fmt: skip
+        guests.setdefault(gpu, []).append((c, j))
+        guests_from.setdefault((gpu, home), []).append(j)
+    cost, gpu_class, src, on = levels.cost, gpu_class.tolist(), problem.src.tolist(), on.tolist()
+    allowed = problem.allowed if cap is not None else None
+    seq_lens = problem.seq_lens.tolist() if cap is not None else None
+    loads = state.loads.tolist()
+    tokens = state.tokens.tolist() if cap is not None else None
+
+    def fits_swap(i: int, j: int, home: int, here: int) -> bool:
+        """Whether ``i`` (on ``here``) and its home's guest ``j`` can trade places."""
+        class_home, class_here = gpu_class[home], gpu_class[here]
+        if (loads[home] - cost[j][class_home] + cost[i][class_home] > top
+                or loads[here] - cost[i][class_here] + cost[j][class_here] > top):  # fmt: skip
+            return False
+        return cap is None or (bool(allowed[j, class_here]) and tokens[home] - seq_lens[j] + seq_lens[i] <= cap
+                               and tokens[here] - seq_lens[i] + seq_lens[j] <= cap)  # fmt: skip
+
+    def relocate(j: int, gpu: int) -> None:
+        old, home = on[j], src[j]
+        loads[old] -= cost[j][gpu_class[old]]
+        loads[gpu] += cost[j][gpu_class[gpu]]
         if cap is not None:
-            ok &= int(state.tokens[home]) - problem.seq_lens[guests] + problem.seq_lens[i] <= cap
-            ok &= int(state.tokens[here]) - problem.seq_lens[i] + problem.seq_lens[guests] <= cap
-        if ok.any():
-            # A guest whose home is here comes home too; else the first that fits.
-            back = ok & (problem.src[guests] == here)
-            j = int(guests[int(np.argmax(back if back.any() else ok))])
-            state.apply([(i, int(single_group[home])), (j, int(single_group[here]))])
+            tokens[old] -= seq_lens[j]
+            tokens[gpu] += seq_lens[j]
+        if old != home:
+            guests[old].remove((cost[j][gpu_class[old]], j))
+            guests_from[(old, home)].remove(j)
+        if gpu != home:
+            bisect.insort(guests.setdefault(gpu, []), (cost[j][gpu_class[gpu]], j))
+            bisect.insort(guests_from.setdefault((gpu, home), []), j)
+        on[j] = gpu
+
+    def bring_home(i: int) -> None:
+        """Move ``i`` home, or trade places with a guest there, if both GPUs stay under ``M``."""
+        home, here = src[i], on[i]
+        class_home = gpu_class[home]
+        if loads[home] + cost[i][class_home] <= top and (
+            cap is None or (allowed[i, class_home] and tokens[home] + seq_lens[i] <= cap)
+        ):
+            relocate(i, home)
+            return
+        partner = next((j for j in guests_from.get((home, here), ()) if fits_swap(i, j, home, here)), None)
+        if partner is None:
+            # The costliest guest that fits: its cost at home covers what home lacks, and (with one
+            # class on both GPUs) stays within what here can take.
+            at_home = guests.get(home, [])
+            lo = bisect.bisect_left(at_home, (loads[home] + cost[i][class_home] - top, -1))
+            hi = len(at_home)
+            if class_home == gpu_class[here]:
+                hi = bisect.bisect_right(at_home, (top - loads[here] + cost[i][class_home], len(src)))
+            partner = next((j for _, j in reversed(at_home[lo:hi]) if fits_swap(i, j, home, here)), None)
+        if partner is not None:
+            relocate(partner, here)
+            relocate(i, home)
+
+    waiting = away[np.argsort(-problem.seq_lens[away], kind="stable")].tolist()
+    for _ in range(KEEP_HOME_PASSES):
+        for i in waiting:
+            if on[i] != src[i]:  # else it came home as a guest of an earlier swap
+                bring_home(i)
+        waiting = [i for i in waiting if on[i] != src[i]]
+    group_of_seq[away] = single_group[np.asarray(on)[away]]
+    return group_of_seq
 
 
 def _pack_by_level(problem: _Problem, levels: _Levels, level_of_seq: np.ndarray, steps: int) -> _State | None:
@@ -276,8 +444,8 @@ def _pack_by_level(problem: _Problem, levels: _Levels, level_of_seq: np.ndarray,
         classes = np.flatnonzero(levels.level_of_class == level)
         seqs = seqs[np.lexsort((seqs, -cost[seqs][:, classes].min(axis=1)))]
         # Every group placed so far is larger and aligned: the level's groups have uniform loads.
-        group_load = dict(zip(levels.group_ids[level].tolist(), state.loads[levels.gpus[level]].max(axis=1).tolist(),
-                              strict=True))  # fmt: skip
+        ids = levels.group_ids[level]
+        group_load = dict(zip(ids.tolist(), state.loads[levels.padded_gpus[ids]].max(axis=1).tolist(), strict=True))
         spilled = []
         for i, home in zip(seqs.tolist(), levels.group_at[level][problem.src[seqs]].tolist(), strict=True):
             # Home first: a sequence stays in its home GPU's group when it finishes within T there.
@@ -323,14 +491,14 @@ def _pack_stage(problem: _Problem, levels: _Levels, state: _State, seqs: np.ndar
     defeats it."""
     from deepspeed_knap.planner import _refine  # the elastic planner builds on the fixed one
 
-    gpus = [state.span(g) for g in bags.tolist()]
-    base_load = np.array([int(state.loads[span].max()) for span in gpus], dtype=np.int64)
-    base_tokens = np.array([int(state.tokens[span].max()) for span in gpus], dtype=np.int64)
+    padded = state.levels.padded_gpus[bags]
+    base_load = state.loads[padded].max(axis=1)
+    # Without a cap tokens do not matter: bags of one load are then interchangeable for refine.
+    base_tokens = state.tokens[padded].max(axis=1) if state.tokens is not None else np.zeros_like(base_load)
     bag_of_seq = _refine(problem.tiling_problem(seqs, bags, base_load, base_tokens), steps)
     if bag_of_seq is None:
         return None
-    for i, bag in zip(seqs.tolist(), bag_of_seq.tolist(), strict=True):
-        state.place(i, int(bags[bag]))
+    state.place_all(seqs, bags[bag_of_seq])
     return state
 
 
@@ -350,7 +518,7 @@ def _degrees(problem: _Problem, levels: _Levels, piece: float) -> np.ndarray:
 # Local search.
 
 
-def _local_search(state: _State, steps: int = SEARCH_STEPS) -> None:
+def _local_search(state: _State, steps: int = SEARCH_STEPS, chains: bool = True) -> None:
     """Lower the busiest GPU by moves and swaps, in place (see the module docstring).
 
     A step takes the busiest GPU (lowest id among equals) and applies the best move or swap of a
@@ -358,10 +526,17 @@ def _local_search(state: _State, steps: int = SEARCH_STEPS) -> None:
     applied only if that is below the current maximum. Stops within ``SEARCH_TOLERANCE`` of the lower
     bound, when no step improves, or when ``STALL_WINDOW`` steps in a row cut the max by less than
     that tolerance.
+
+    Steps rank groups by keys ``load * (B + 1) + id`` (:func:`_lightest_outside`); loads only fall, and
+    a chain raises one group by at most the largest cost, so the keys fit int64 unless the busiest GPU
+    starts above ``2**63 / (B + 1)`` minus that cost: millions of sequences per GPU, then not searched.
     """
     problem = state.problem
     good_enough = problem.lower_bound + int(problem.lower_bound * SEARCH_TOLERANCE)
     window_start_max = int(state.loads.max())
+    if (window_start_max + int(problem.cost.max())) * (problem.num_bags + 1) >= _BIG:
+        return
+    state.group_max = state.loads[state.levels.padded_gpus].max(axis=1)
     for step in range(steps):
         gpu = int(np.argmax(state.loads))
         top = int(state.loads[gpu])
@@ -371,7 +546,7 @@ def _local_search(state: _State, steps: int = SEARCH_STEPS) -> None:
             if window_start_max - top <= int(window_start_max * SEARCH_TOLERANCE):
                 return
             window_start_max = top
-        moves = _best_step(state, gpu, top) or _best_chain(state, gpu, top)
+        moves = _best_step(state, gpu, top) or (_best_chain(state, gpu, top) if chains else None)
         if moves is None:
             return
         state.apply(moves)
@@ -381,27 +556,33 @@ def _best_chain(state: _State, gpu: int, top: int) -> list[tuple[int, int]] | No
     """First two-step chain out of ``gpu`` that leaves every load it touches below ``top``: move one of
     its ``CHAIN_STARTS`` costliest sequences to the lightest group of a class elsewhere, even if that
     overloads the group, then the best step out of that group's busiest GPU."""
-    problem, levels = state.problem, state.levels
+    levels = state.levels
     items = [i for i in state.touching(gpu) if state.cost(i, int(state.group_of_seq[i])) > 0]
     items.sort(key=lambda i: (-state.cost(i, int(state.group_of_seq[i])), i))
-    block = levels.block_of_gpu[gpu]
-    lo, hi = int(problem.bag_first[block]), int(problem.bag_first[block] + problem.bag_size[block])
-    lightest = []  # the lightest group outside the block, of every class
-    for c in range(len(problem.class_size)):
-        level = int(levels.level_of_class[c])
-        gpus, ids = levels.gpus[level], levels.group_ids[level]
-        usable = ((gpus[:, 0] >= hi) | (gpus[:, -1] < lo)) & (problem.bag_class[ids] == c)
-        if usable.any():
-            maxima = np.where(usable, state.loads[gpus].max(axis=1), _BIG)
-            lightest.append(int(ids[int(np.argmin(maxima))]))
+    light = _lightest_outside(state, levels.block_of_gpu[gpu]).tolist()
+    classes = [levels.group_class[g] for g in light]
+    # The lightest group outside the block, of every class (light is lightest first within a level).
+    lightest = [light[classes.index(c)] for c in sorted(set(classes))]
     for i in items[:CHAIN_STARTS]:
         home = int(state.group_of_seq[i])
+        if int(state.loads[gpu]) - state.cost(i, home) >= top:
+            continue
         for b in lightest:
             if not state.fits(i, b):
                 continue
+            # A follow-up takes at most one sequence's cost off b's busiest GPU: skip the search
+            # when even the costliest one there could not bring it below top.
+            span = state.span(b)
+            gpu_b = span.start + int(state.loads[span].argmax())
+            if (
+                int(state.group_max[b])
+                + state.cost(i, b)
+                - max((state.cost(j, int(state.group_of_seq[j])) for j in state.touching(gpu_b)), default=0)
+                >= top
+            ):
+                continue
             state.apply([(i, b)])
-            gpu_b = state.span(b).start + int(np.argmax(state.loads[state.span(b)]))
-            follow = _best_step(state, gpu_b, top) if int(state.loads[gpu]) < top else None
+            follow = _best_step(state, gpu_b, top)
             chain = None
             if follow is not None and all(j != i for j, _ in follow):
                 # The follow-up lowers b's busiest GPU; every other GPU b or the follow-up touched
@@ -430,43 +611,55 @@ def _best_step(state: _State, gpu: int, limit: int) -> list[tuple[int, int]] | N
     uniformly.
     """
     problem, levels = state.problem, state.levels
-    items = np.asarray(state.touching(gpu), dtype=np.int64)
-    if items.size == 0:
+    items, group_a = [], []
+    for group in levels.groups_of_gpu[gpu]:
+        items += state.members[group]
+        group_a += [group] * len(state.members[group])
+    if not items:
         return None
-    group_a = state.group_of_seq[items]
-    class_a = problem.bag_class[group_a]
-    cost_a = problem.cost[items, class_a]
-    keep = cost_a > 0  # moving a sequence that costs nothing (quantised) cannot lower the max
-    items, group_a, class_a, cost_a = items[keep], group_a[keep], class_a[keep], cost_a[keep]
-    if items.size == 0:
-        return None
+    items, group_a = np.asarray(items), np.asarray(group_a)
+    cost_items = levels.step_cost[items]  # [I, C]
+    cost_a = cost_items[np.arange(len(items)), problem.bag_class[group_a]]
+    if not cost_a.all():  # moving a sequence that costs nothing (quantised) cannot lower the max
+        keep = cost_a > 0
+        items, group_a, cost_items, cost_a = items[keep], group_a[keep], cost_items[keep], cost_a[keep]
+        if items.size == 0:
+            return None
     block = levels.block_of_gpu[gpu]
-    candidates = [
-        _moves_inside(state, block, items, group_a, cost_a),
-        *_moves_and_swaps_outside(state, block, limit, items, group_a, class_a, cost_a),
-    ]
-    best = min((c for c in candidates if c is not None), key=lambda c: c[0], default=None)
+    found = [_move_inside(state, block, items, group_a, cost_items, cost_a),
+             _trade_outside(state, block, limit, items, group_a, cost_a)]  # fmt: skip
+    best = min((f for f in found if f is not None), key=lambda f: f[0], default=None)
     return best[1] if best is not None and best[0] < limit else None
 
 
-def _moves_inside(state: _State, block: int, items: np.ndarray, group_a: np.ndarray,
-                  cost_a: np.ndarray) -> tuple[int, list[tuple[int, int]]] | None:  # fmt: skip
+def _lightest_outside(state: _State, block: int) -> np.ndarray:
+    """``[D]`` ids of the ``SWAP_GROUPS_PER_LEVEL`` lightest groups of every level outside ``block``,
+    level by level, lightest first (ties by id): one partition over keys that pack a group's busiest
+    GPU's load and its id into one int64 (see :func:`_local_search` for why they cannot overflow)."""
+    levels = state.levels
+    keys = state.group_max * levels.key_scale + levels.group_index
+    keys[levels.groups_in_block[block]] = _BIG
+    table = np.append(keys, _BIG)[levels.level_table]  # [V, n], padded with _BIG
+    if table.shape[1] > SWAP_GROUPS_PER_LEVEL:
+        table = np.partition(table, SWAP_GROUPS_PER_LEVEL - 1, axis=1)[:, :SWAP_GROUPS_PER_LEVEL]
+    table.sort(axis=1)
+    return table[table < _BIG] % levels.key_scale
+
+
+def _move_inside(state: _State, block: int, items: np.ndarray, group_a: np.ndarray, cost_items: np.ndarray,
+                 cost_a: np.ndarray) -> tuple[int, list[tuple[int, int]]] | None:  # fmt: skip
     """Best move of an item to another group of its block, priced on the block's GPUs ``[I, K, b]``."""
     problem, levels = state.problem, state.levels
-    first, size = int(problem.bag_first[block]), int(problem.bag_size[block])
+    first, size = levels.first[block], levels.size[block]
     inside = levels.groups_in_block[block]  # [K] groups of the block
-    gpus = np.arange(first, first + size)
-    member = (gpus[None, :] >= problem.bag_first[inside][:, None]) & (
-        gpus[None, :] < (problem.bag_first[inside] + problem.bag_size[inside])[:, None]
-    )  # [K, b]
-    in_a = member[np.searchsorted(inside, group_a)]  # [I, b] (groups of the block are sorted ids)
-    cost_to = problem.cost[items[:, None], problem.bag_class[inside][None, :]]  # [I, K]
-    loads = state.loads[first : first + size]
-    new = loads[None, None, :] - (cost_a[:, None] * in_a)[:, None, :] + cost_to[:, :, None] * member[None, :, :]
-    score = new.max(axis=2)  # [I, K]
-    valid = problem.allowed[items[:, None], problem.bag_class[inside][None, :]] & (inside[None, :] != group_a[:, None])
+    member = levels.block_member[size]  # [K, b]
+    in_a = member[levels.inside_position[group_a]]  # [I, b]
+    left = state.loads[first : first + size] - cost_a[:, None] * in_a  # [I, b] once the item leaves
+    score = (left[:, None, :] + cost_items[:, problem.bag_class[inside]][:, :, None] * member).max(axis=2)  # [I, K]
+    score[inside[None, :] == group_a[:, None]] = _BIG
     if problem.cap is not None:
         seq_lens = problem.seq_lens[items]
+        gpus = np.arange(first, first + size)
         rank_in_a = gpus[None, :] - problem.bag_first[group_a][:, None]
         rank_in_k = gpus[None, :] - problem.bag_first[inside][:, None]
         chunks_a = _chunks(seq_lens[:, None], problem.bag_size[group_a][:, None], rank_in_a) * in_a  # [I, b]
@@ -474,10 +667,9 @@ def _moves_inside(state: _State, block: int, items: np.ndarray, group_a: np.ndar
             _chunks(seq_lens[:, None, None], problem.bag_size[inside][None, :, None], rank_in_k[None]) * member[None]
         )
         tokens = state.tokens[first : first + size][None, None, :] - chunks_a[:, None, :] + chunks_k
-        valid &= tokens.max(axis=2) <= problem.cap
-    score = np.where(valid, score, _BIG)
+        score[tokens.max(axis=2) > problem.cap] = _BIG
     k, g = divmod(int(np.argmin(score)), len(inside))
-    return (int(score[k, g]), [(int(items[k]), int(inside[g]))]) if score[k, g] < _BIG else None
+    return int(score[k, g]), [(int(items[k]), int(inside[g]))]
 
 
 def _chunks(seq_len: np.ndarray, size: np.ndarray, rank: np.ndarray) -> np.ndarray:
@@ -486,88 +678,55 @@ def _chunks(seq_len: np.ndarray, size: np.ndarray, rank: np.ndarray) -> np.ndarr
     return np.where(on, seq_len // size + (rank < seq_len % size), 0)
 
 
-def _moves_and_swaps_outside(state: _State, block: int, limit: int, items: np.ndarray, group_a: np.ndarray,
-                             class_a: np.ndarray, cost_a: np.ndarray) -> list:  # fmt: skip
-    """Best move of an item to the lightest group of a class outside the block, and best swap with a
-    sequence of one of the lightest groups outside it (the item takes its group, it takes the item's).
-    A group's loads shift uniformly, so its busiest GPU stays its busiest."""
+def _trade_outside(state: _State, block: int, limit: int, items: np.ndarray, group_a: np.ndarray,
+                   cost_a: np.ndarray) -> tuple[int, list[tuple[int, int]]] | None:  # fmt: skip
+    """Best move of an item into one of the lightest groups outside its block, or swap with one of their
+    sequences (the item takes its group, it takes the item's), ``[I, J]``. A move is a swap with
+    nothing: every such group also offers a partner ``N`` that costs nothing. A group's loads shift
+    uniformly, so its busiest GPU stays its busiest."""
     problem, levels = state.problem, state.levels
-    cost, allowed, cap = problem.cost, problem.allowed, problem.cap
-    max_a = np.array([int(state.loads[state.span(a)].max()) for a in group_a.tolist()])
-    lo = int(problem.bag_first[block])
-    hi = lo + int(problem.bag_size[block])
-    best_move = None
-    partner_groups = []
-    # [V, max groups per level] the busiest GPU's load of every group (padded), for partner lookups.
-    level_maxima = np.zeros((len(levels.sizes), max(len(ids) for ids in levels.group_ids)), dtype=np.int64)
-    for level, gpus in enumerate(levels.gpus):
-        ids = levels.group_ids[level]
-        outside = (gpus[:, 0] >= hi) | (gpus[:, -1] < lo)
-        level_maxima[level, : len(ids)] = state.loads[gpus].max(axis=1)
-        maxima = np.where(outside, level_maxima[level, : len(ids)], _BIG)
-        lightest = np.argsort(maxima, kind="stable")[:SWAP_GROUPS_PER_LEVEL]
-        lightest = lightest[maxima[lightest] < _BIG]
-        partner_groups += ids[lightest].tolist()
-        token_max = state.tokens[gpus[lightest]].max(axis=1) if cap is not None else None
-        for c in np.flatnonzero(levels.level_of_class == level).tolist():
-            of_class = problem.bag_class[ids[lightest]] == c
-            if not of_class.any():
-                continue
-            dest = lightest[of_class][:TARGETS_PER_CLASS]  # [M] lightest first
-            score = np.maximum((max_a - cost_a)[:, None], maxima[dest][None, :] + cost[items, c][:, None])  # [I, M]
-            valid = np.broadcast_to(allowed[items, c][:, None], score.shape).copy()
-            if cap is not None:
-                need = -(-problem.seq_lens[items] // levels.sizes[level])
-                valid &= token_max[of_class][:TARGETS_PER_CLASS][None, :] + need[:, None] <= cap
-            score = np.where(valid, score, _BIG)
-            k, m = divmod(int(np.argmin(score)), score.shape[1])
-            if score[k, m] < _BIG and (best_move is None or score[k, m] < best_move[0]):
-                best_move = (int(score[k, m]), [(int(items[k]), int(ids[dest[m]]))])
-
-    partners = [j for g in sorted(set(partner_groups)) for j in state.members[g]]
-    if not partners:
-        return [best_move]
-    js = _spread_by_cost(
-        np.asarray(partners, dtype=np.int64), cost[partners, problem.bag_class[state.group_of_seq[partners]]]
-    )
-    if len(items) > SWAP_ITEMS:  # a useful swap trades costs that differ by about half a gap: a spread will do
-        keep = _spread_by_cost(np.arange(len(items)), cost_a)
-        items, group_a, class_a, cost_a, max_a = items[keep], group_a[keep], class_a[keep], cost_a[keep], max_a[keep]
-    group_b = state.group_of_seq[js]
-    class_b = problem.bag_class[group_b]
-    max_b = level_maxima[levels.level_of_group[group_b], levels.position_of_group[group_b]]
-    new_a = (max_a - cost_a)[:, None] + cost[js[None, :], class_a[:, None]]  # [I, J]
-    new_b = (max_b - cost[js, class_b])[None, :] + cost[items[:, None], class_b[None, :]]
+    light = _lightest_outside(state, block)
+    if light.size == 0:
+        return None
+    partners = [j for g in np.sort(light).tolist() for j in state.members[g]]
+    js, group_b = np.asarray(partners, dtype=np.int64), state.group_of_seq[partners]
+    if len(js) > SWAP_ITEMS:  # a useful swap trades costs that differ by about half a gap: a spread will do
+        keep = _spread_by_cost(levels.step_cost[js, problem.bag_class[group_b]])
+        js, group_b = js[keep], group_b[keep]
+    if len(items) > SWAP_ITEMS:
+        keep = _spread_by_cost(cost_a)
+        items, group_a, cost_a = items[keep], group_a[keep], cost_a[keep]
+    js = np.concatenate([js, np.full(len(light), len(problem.seq_lens))])
+    group_b = np.concatenate([group_b, light])
+    class_a, class_b = problem.bag_class[group_a], problem.bag_class[group_b]
+    step_cost = levels.step_cost  # its row N is the partner that costs nothing
+    new_a = (state.group_max[group_a] - cost_a)[:, None] + step_cost[js[None, :], class_a[:, None]]  # [I, J]
+    new_b = (state.group_max[group_b] - step_cost[js, class_b])[None, :] + step_cost[items[:, None], class_b[None, :]]
     score = np.maximum(new_a, new_b)
-    valid = allowed[items[:, None], class_b[None, :]] & allowed[js[None, :], class_a[:, None]]
-    score = np.where(valid, score, _BIG)
-    best_swap = None
-    flat_score = score.ravel()
-    tries = min(SWAP_TRIES, flat_score.size)
-    shortlist = np.argpartition(flat_score, tries - 1)[:tries]
-    for flat in shortlist[np.lexsort((shortlist, flat_score[shortlist]))].tolist():
-        k, jj = divmod(flat, len(js))
+    # Under a cap the best few may lack room: try them in order of score, then of (item, partner).
+    for _ in range(SWAP_TRIES if problem.cap is not None else 1):
+        k, jj = divmod(int(np.argmin(score)), len(js))
         if score[k, jj] >= limit:
-            break
+            return None
         i, j, a, b = int(items[k]), int(js[jj]), int(group_a[k]), int(group_b[jj])
-        if cap is None or _swap_fits(state, i, a, j, b):
-            best_swap = (int(score[k, jj]), [(i, b), (j, a)])
-            break
-    return [best_move, best_swap]
+        if problem.cap is None or _swap_fits(state, i, a, j, b):
+            return int(score[k, jj]), [(i, b)] if j == len(problem.seq_lens) else [(i, b), (j, a)]
+        score[k, jj] = _BIG
+    return None
 
 
-def _spread_by_cost(ids: np.ndarray, costs: np.ndarray) -> np.ndarray:
-    """At most ``SWAP_ITEMS`` of ``ids``, spread evenly over their costs (all of them if fewer)."""
-    if len(ids) <= SWAP_ITEMS:
-        return ids
+def _spread_by_cost(costs: np.ndarray) -> np.ndarray:
+    """Positions of at most ``SWAP_ITEMS`` of ``costs``, spread evenly over their sorted values."""
     by_cost = np.argsort(costs, kind="stable")
-    return ids[by_cost[np.linspace(0, len(ids) - 1, SWAP_ITEMS).astype(np.int64)]]
+    return by_cost[np.linspace(0, len(costs) - 1, SWAP_ITEMS).astype(np.int64)]
 
 
 def _swap_fits(state: _State, i: int, a: int, j: int, b: int) -> bool:
-    """Whether ``i`` in group ``b`` and ``j`` in group ``a`` (disjoint groups) keep the token cap."""
+    """Whether ``i`` in group ``b`` and ``j`` in group ``a`` (disjoint groups) keep the token cap; ``j``
+    may be ``N``, the partner that holds nothing."""
     problem = state.problem
-    len_i, len_j = int(problem.seq_lens[i]), int(problem.seq_lens[j])
+    len_i = int(problem.seq_lens[i])
+    len_j = int(problem.seq_lens[j]) if j < len(problem.seq_lens) else 0  # the partner N holds nothing
     size_a, size_b = int(problem.bag_size[a]), int(problem.bag_size[b])
     tokens_a = state.tokens[state.span(a)] - chunk_tokens(len_i, size_a) + chunk_tokens(len_j, size_a)
     tokens_b = state.tokens[state.span(b)] - chunk_tokens(len_j, size_b) + chunk_tokens(len_i, size_b)
@@ -586,8 +745,11 @@ def _exact_search(problem: _Problem, levels: _Levels, incumbent: np.ndarray, nod
     GPU-seconds of the remaining sequences cannot fit under it on ``S`` GPUs. Groups are tried once
     per symmetry class: two groups whose placement leads to mirror-image states (same place inside
     top-level groups with identical loads, tokens and speeds, or inside sibling halves whose contents
-    are identical) give the same best completion. Exact when the budget suffices; only run for small
-    balance groups (``S <= 64``), where a state is cheap to compare.
+    are identical) give the same best completion. When all the remaining sequences fit on one GPU
+    without raising the branch's step time, that completes the branch: no completion does better, and
+    short sequences (which cost next to nothing anywhere) would otherwise multiply the branches. Exact
+    when the budget suffices; only run for small balance groups (``S <= 64``), where a state is cheap
+    to compare.
     """
     n, num_gpus, cap = len(problem.seq_lens), problem.num_gpus, problem.cap
     if num_gpus > 64:
@@ -600,6 +762,16 @@ def _exact_search(problem: _Problem, levels: _Levels, incumbent: np.ndarray, nod
     order = np.lexsort((np.arange(n), -masked_cost.min(axis=1))).tolist()
     cheapest = np.where(problem.allowed, problem.gpu_seconds, _BIG).min(axis=1)[order]
     rest = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()
+    # Per class, what the sequences from the k-th on cost together in it (None: the cap bars one).
+    single_class = problem.bag_class[levels.group_at[-1]].tolist()  # [S] the class of each GPU alone
+    rest_alone = [[0] * len(problem.class_size)]
+    for i in reversed(order):
+        rest_alone.append([None if total is None or not problem.allowed[i, c] else total + levels.cost[i][c]
+                           for c, total in enumerate(rest_alone[-1])])  # fmt: skip
+    rest_alone.reverse()
+    least_alone = [min((total for total in totals if total is not None), default=_BIG) for totals in rest_alone]
+    rest_tokens = np.concatenate([np.cumsum(problem.seq_lens[order][::-1])[::-1], [0]]).tolist()
+    single_group = levels.group_at[-1].tolist()
     candidates = []
     for i in order:
         options = []
@@ -637,6 +809,16 @@ def _exact_search(problem: _Problem, levels: _Levels, incumbent: np.ndarray, nod
         if k == n:
             best_max, best_assign = current_max, list(assign)
             return
+        if least_alone[k] + min(loads) <= current_max:  # some GPU may hold the rest
+            for gpu in range(num_gpus):
+                alone = rest_alone[k][single_class[gpu]]
+                if (
+                    alone is not None
+                    and loads[gpu] + alone <= current_max
+                    and (cap is None or tokens[gpu] + rest_tokens[k] <= cap)
+                ):
+                    best_max, best_assign = current_max, assign[:k] + [single_group[gpu]] * (n - k)
+                    return
         if nodes >= node_budget or best_max <= problem.lower_bound:
             return
         if -(-(used + rest[k]) // num_gpus) >= best_max:
