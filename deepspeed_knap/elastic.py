@@ -65,6 +65,9 @@ SEARCH_TOLERANCE = 1e-3
 # Starts whose packed step time is this much above the best searched one are not searched.
 SEARCH_SLACK = 0.08
 STALL_WINDOW = 32
+# The first search of each start (no chains: it only has to show which start wins) checks for a stall
+# after this many steps, at the same rate: many GPUs near the max make steps cheap to stall on.
+EXPLORE_WINDOW = 8
 # Per local-search step: groups per level outside the busiest GPU's block that are move targets and
 # whose sequences are swap partners, how many of those partners and of the busiest GPU's sequences
 # are paired, and how many of the best swaps are checked against the cap.
@@ -102,8 +105,8 @@ class _Levels:
             holds its ``g``-th GPU (the same for every block of that size).
         padded_gpus: ``[B, max_degree]`` the GPUs of every group, repeated to fill the row: a row's max
             is the group's busiest GPU.
-        first, size, group_class, block_of_group: ``[B]`` as Python ints, and ``cost`` ``[N][C]``: the
-            search reads them one entry at a time, where NumPy's per-call overhead dominates.
+        first, size, group_class, block_of_group: ``[B]`` as Python ints: the search reads them one
+            entry at a time, where NumPy's per-call overhead dominates.
         key_scale: ``B + 1``; group_index: ``[B]`` ``0 .. B-1``.
         step_cost: ``[N + 1, C]`` the problem's costs, ``_BARRED`` where the cap bars the class, and a
             last row of zeros: a partner that holds nothing.
@@ -124,7 +127,6 @@ class _Levels:
     size: list[int]
     group_class: list[int]
     block_of_group: list[int]
-    cost: list[list[int]]
     key_scale: int
     group_index: np.ndarray
     step_cost: np.ndarray
@@ -170,7 +172,7 @@ class _Levels:
         return cls(sizes, group_ids, group_at, groups_of_gpu, level_of_class, level_table, block_of_gpu.tolist(),
                    groups_in_block, inside_position, block_member, padded_gpus, problem.bag_first.tolist(),
                    problem.bag_size.tolist(), problem.bag_class.tolist(), block_of_gpu[problem.bag_first].tolist(),
-                   problem.cost.tolist(), problem.num_bags + 1, np.arange(problem.num_bags), step_cost)  # fmt: skip
+                   problem.num_bags + 1, np.arange(problem.num_bags), step_cost)  # fmt: skip
 
 
 def chunk_tokens(seq_len: int, size: int) -> np.ndarray:
@@ -192,7 +194,7 @@ class _State:
         self.group_max: np.ndarray | None = None
 
     def cost(self, i: int, group: int) -> int:
-        return self.levels.cost[i][self.levels.group_class[group]]
+        return int(self.problem.cost[i, self.levels.group_class[group]])
 
     def span(self, group: int) -> slice:
         first = self.levels.first[group]
@@ -211,7 +213,7 @@ class _State:
 
     def _add(self, i: int, group: int, sign: int) -> None:
         first, size = self.levels.first[group], self.levels.size[group]
-        cost = self.levels.cost[i][self.levels.group_class[group]]
+        cost = int(self.problem.cost[i, self.levels.group_class[group]])
         if size == 1:  # a scalar update costs a fifth of a slice's
             self.loads[first] += sign * cost
         else:
@@ -297,13 +299,9 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
         sequence, the mean GPU."""
         return max(int(cost.max()), -(-int(gpu_seconds.sum()) // problem.num_gpus)) if cost.max() < _BIG else _BIG
 
-    starts, tried = [], set()
-    for piece in PIECE_FRACTIONS:
-        level_of_seq = _degrees(problem, levels, piece)
-        if level_of_seq.tobytes() not in tried:  # the same split as a larger piece gives the same plan
-            tried.add(level_of_seq.tobytes())
-            rows = np.arange(n)
-            starts.append((bound(level_cost[rows, level_of_seq], level_gpu_seconds[rows, level_of_seq]), level_of_seq))
+    rows = np.arange(n)
+    starts = [(bound(level_cost[rows, level_of_seq], level_gpu_seconds[rows, level_of_seq]), level_of_seq)
+              for level_of_seq in _degrees(problem, levels)]  # fmt: skip
     # The topology's own bags (the largest groups) as a fixed topology: auto is never worse than it.
     blocks = np.asarray(sorted(levels.groups_in_block))
     block_classes = np.unique(problem.bag_class[blocks])
@@ -347,8 +345,9 @@ def _keep_home(state: _State) -> np.ndarray:
     guest that fits. Every move keeps more tokens home and no load above ``M``; ``KEEP_HOME_PASSES``
     passes, as one move makes room for another. ``state`` is left as it was.
 
-    Guests are kept per GPU sorted by their cost there, so the ones that fit are a bisection away:
-    with thousands of sequences a scan of every guest per sequence would dominate the solve."""
+    Thousands of sequences may be away, so this is plain Python on lists, and each GPU's guests are
+    kept sorted by their cost there (as ``cost * N + sequence``): the guests that fit are a bisection
+    away, and with one class on both GPUs the costliest of them is the last."""
     problem, levels = state.problem, state.levels
     single_group = levels.group_at[-1]  # the single-GPU group of every GPU (sizes are descending)
     gpu_class = problem.bag_class[single_group]  # [S]
@@ -357,73 +356,82 @@ def _keep_home(state: _State) -> np.ndarray:
     group_of_seq = state.group_of_seq.copy()
     if away.size == 0:
         return group_of_seq
+    n, num_gpus = len(problem.seq_lens), problem.num_gpus
     top, cap = int(state.loads.max()), problem.cap
-    cost_on = problem.cost[away, gpu_class[on[away]]]
-    by_gpu = np.lexsort((away, cost_on, on[away]))
-    guests: dict[int, list[tuple[int, int]]] = {}  # GPU -> [(cost there, sequence)] ascending
-    guests_from: dict[tuple[int, int], list[int]] = {}  # (GPU, home) -> its guests from there, ascending
-    for gpu, c, j, home in zip(on[away][by_gpu].tolist(), cost_on[by_gpu].tolist(), away[by_gpu].tolist(),
-                               problem.src[away][by_gpu].tolist(), strict=True):  # fmt: skip
-        guests.setdefault(gpu, []).append((c, j))
-        guests_from.setdefault((gpu, home), []).append(j)
-    cost, gpu_class, src, on = levels.cost, gpu_class.tolist(), problem.src.tolist(), on.tolist()
-    allowed = problem.allowed if cap is not None else None
-    seq_lens = problem.seq_lens.tolist() if cap is not None else None
+    guest_key = problem.cost[away, gpu_class[on[away]]] * n + away
+    by_gpu = np.lexsort((guest_key, on[away]))
+    guests: dict[int, list[int]] = {}  # GPU -> its guests' keys, ascending
+    guests_from: dict[int, list[int]] = {}  # GPU * S + home -> its guests from there, ascending
+    for gpu, key, j, home in zip(on[away][by_gpu].tolist(), guest_key[by_gpu].tolist(), away[by_gpu].tolist(),
+                                 problem.src[away][by_gpu].tolist(), strict=True):  # fmt: skip
+        guests.setdefault(gpu, []).append(key)
+        guests_from.setdefault(gpu * num_gpus + home, []).append(j)
+    gpu_class, src, on = gpu_class.tolist(), problem.src.tolist(), on.tolist()
+    # cost[c][i]: what sequence i costs alone on a GPU of class c (for the classes of single GPUs).
+    cost = [problem.cost[:, c].tolist() if c in gpu_class else None for c in range(len(problem.class_size))]
     loads = state.loads.tolist()
-    tokens = state.tokens.tolist() if cap is not None else None
+    if cap is not None:
+        allowed, seq_lens, tokens = problem.allowed, problem.seq_lens.tolist(), state.tokens.tolist()
 
     def fits_swap(i: int, j: int, home: int, here: int) -> bool:
         """Whether ``i`` (on ``here``) and its home's guest ``j`` can trade places."""
         class_home, class_here = gpu_class[home], gpu_class[here]
-        if (loads[home] - cost[j][class_home] + cost[i][class_home] > top
-                or loads[here] - cost[i][class_here] + cost[j][class_here] > top):  # fmt: skip
+        if (loads[home] - cost[class_home][j] + cost[class_home][i] > top
+                or loads[here] - cost[class_here][i] + cost[class_here][j] > top):  # fmt: skip
             return False
         return cap is None or (bool(allowed[j, class_here]) and tokens[home] - seq_lens[j] + seq_lens[i] <= cap
                                and tokens[here] - seq_lens[i] + seq_lens[j] <= cap)  # fmt: skip
 
     def relocate(j: int, gpu: int) -> None:
         old, home = on[j], src[j]
-        loads[old] -= cost[j][gpu_class[old]]
-        loads[gpu] += cost[j][gpu_class[gpu]]
+        loads[old] -= cost[gpu_class[old]][j]
+        loads[gpu] += cost[gpu_class[gpu]][j]
         if cap is not None:
             tokens[old] -= seq_lens[j]
             tokens[gpu] += seq_lens[j]
         if old != home:
-            guests[old].remove((cost[j][gpu_class[old]], j))
-            guests_from[(old, home)].remove(j)
+            guests[old].remove(cost[gpu_class[old]][j] * n + j)
+            guests_from[old * num_gpus + home].remove(j)
         if gpu != home:
-            bisect.insort(guests.setdefault(gpu, []), (cost[j][gpu_class[gpu]], j))
-            bisect.insort(guests_from.setdefault((gpu, home), []), j)
+            bisect.insort(guests.setdefault(gpu, []), cost[gpu_class[gpu]][j] * n + j)
+            bisect.insort(guests_from.setdefault(gpu * num_gpus + home, []), j)
         on[j] = gpu
 
-    def bring_home(i: int) -> None:
-        """Move ``i`` home, or trade places with a guest there, if both GPUs stay under ``M``."""
-        home, here = src[i], on[i]
-        class_home = gpu_class[home]
-        if loads[home] + cost[i][class_home] <= top and (
-            cap is None or (allowed[i, class_home] and tokens[home] + seq_lens[i] <= cap)
-        ):
-            relocate(i, home)
-            return
-        partner = next((j for j in guests_from.get((home, here), ()) if fits_swap(i, j, home, here)), None)
-        if partner is None:
-            # The costliest guest that fits: its cost at home covers what home lacks, and (with one
-            # class on both GPUs) stays within what here can take.
-            at_home = guests.get(home, [])
-            lo = bisect.bisect_left(at_home, (loads[home] + cost[i][class_home] - top, -1))
-            hi = len(at_home)
-            if class_home == gpu_class[here]:
-                hi = bisect.bisect_right(at_home, (top - loads[here] + cost[i][class_home], len(src)))
-            partner = next((j for _, j in reversed(at_home[lo:hi]) if fits_swap(i, j, home, here)), None)
-        if partner is not None:
-            relocate(partner, here)
-            relocate(i, home)
+    def partner_of(i: int, home: int, here: int) -> int | None:
+        """The guest of ``home`` that ``i`` trades places with, or ``None``."""
+        back = guests_from.get(home * num_gpus + here)
+        if back:
+            partner = next((j for j in back if fits_swap(i, j, home, here)), None)
+            if partner is not None:
+                return partner
+        at_home = guests.get(home)
+        if not at_home:
+            return None
+        cost_i = cost[gpu_class[home]][i]
+        # A guest's cost at home must cover what home lacks, and (one class) fit what here has left.
+        lo = bisect.bisect_left(at_home, (loads[home] + cost_i - top) * n)
+        if gpu_class[home] != gpu_class[here]:
+            return next((key % n for key in reversed(at_home[lo:]) if fits_swap(i, key % n, home, here)), None)
+        hi = bisect.bisect_left(at_home, (top - loads[here] + cost_i + 1) * n)
+        if cap is None:
+            return at_home[hi - 1] % n if hi > lo else None
+        return next((key % n for key in reversed(at_home[lo:hi]) if fits_swap(i, key % n, home, here)), None)
 
     waiting = away[np.argsort(-problem.seq_lens[away], kind="stable")].tolist()
     for _ in range(KEEP_HOME_PASSES):
         for i in waiting:
-            if on[i] != src[i]:  # else it came home as a guest of an earlier swap
-                bring_home(i)
+            home, here = src[i], on[i]
+            if here == home:  # it came home as a guest of an earlier swap
+                continue
+            if loads[home] + cost[gpu_class[home]][i] <= top and (
+                cap is None or (allowed[i, gpu_class[home]] and tokens[home] + seq_lens[i] <= cap)
+            ):
+                relocate(i, home)
+                continue
+            partner = partner_of(i, home, here)
+            if partner is not None:
+                relocate(partner, here)
+                relocate(i, home)
         waiting = [i for i in waiting if on[i] != src[i]]
     group_of_seq[away] = single_group[np.asarray(on)[away]]
     return group_of_seq
@@ -502,16 +510,25 @@ def _pack_stage(problem: _Problem, levels: _Levels, state: _State, seqs: np.ndar
     return state
 
 
-def _degrees(problem: _Problem, levels: _Levels, piece: float) -> np.ndarray:
-    """``[N]`` level of every sequence: split until its per-GPU cost is at most ``piece`` times the
-    lower bound ``T`` (or as far as it goes), taking the cheapest GPU-seconds among the classes that
-    fit, ties to the smaller group (classes are sorted by size, then speed). With few sequences per
-    GPU, smaller pieces pack tighter than the GPU-seconds they add."""
-    cost, allowed = problem.cost, problem.allowed
-    fits = allowed & (cost <= int(problem.lower_bound * piece))
-    cheapest_fit = np.argmin(np.where(fits, problem.gpu_seconds, _BIG), axis=1)
-    shortest = np.argmin(np.where(allowed, cost, _BIG), axis=1)
-    return levels.level_of_class[np.where(fits.any(axis=1), cheapest_fit, shortest)]
+def _degrees(problem: _Problem, levels: _Levels) -> list[np.ndarray]:
+    """``[N]`` level of every sequence for each of ``PIECE_FRACTIONS`` that gives a new one: split
+    until its per-GPU cost is at most ``piece`` times the lower bound ``T`` (or as far as it goes),
+    taking the cheapest GPU-seconds among the classes that fit, ties to the smaller group (classes are
+    sorted by size, then speed). With few sequences per GPU, smaller pieces pack tighter than the
+    GPU-seconds they add."""
+    cost = np.where(problem.allowed, problem.cost, _BIG)
+    gpu_seconds = np.where(problem.allowed, problem.gpu_seconds, _BIG)
+    shortest = cost.argmin(axis=1)
+    found, seen = [], set()
+    for piece in PIECE_FRACTIONS:
+        fits = cost <= int(problem.lower_bound * piece)
+        level_of_seq = levels.level_of_class[
+            np.where(fits.any(axis=1), np.where(fits, gpu_seconds, _BIG).argmin(axis=1), shortest)
+        ]
+        if level_of_seq.tobytes() not in seen:  # the same split as a larger piece gives the same plan
+            seen.add(level_of_seq.tobytes())
+            found.append(level_of_seq)
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -525,7 +542,7 @@ def _local_search(state: _State, steps: int = SEARCH_STEPS, chains: bool = True)
     sequence touching it, judged by the largest load it leaves on the GPUs it touches; a step is
     applied only if that is below the current maximum. Stops within ``SEARCH_TOLERANCE`` of the lower
     bound, when no step improves, or when ``STALL_WINDOW`` steps in a row cut the max by less than
-    that tolerance.
+    that tolerance (without ``chains``, a first search: ``EXPLORE_WINDOW`` steps, pro rata).
 
     Steps rank groups by keys ``load * (B + 1) + id`` (:func:`_lightest_outside`); loads only fall, and
     a chain raises one group by at most the largest cost, so the keys fit int64 unless the busiest GPU
@@ -537,13 +554,15 @@ def _local_search(state: _State, steps: int = SEARCH_STEPS, chains: bool = True)
     if (window_start_max + int(problem.cost.max())) * (problem.num_bags + 1) >= _BIG:
         return
     state.group_max = state.loads[state.levels.padded_gpus].max(axis=1)
+    window = STALL_WINDOW if chains else EXPLORE_WINDOW
+    stall_fraction = SEARCH_TOLERANCE * window / STALL_WINDOW
     for step in range(steps):
         gpu = int(np.argmax(state.loads))
         top = int(state.loads[gpu])
         if top <= good_enough:
             return
-        if step and step % STALL_WINDOW == 0:
-            if window_start_max - top <= int(window_start_max * SEARCH_TOLERANCE):
+        if step and step % window == 0:
+            if window_start_max - top <= int(window_start_max * stall_fraction):
                 return
             window_start_max = top
         moves = _best_step(state, gpu, top) or (_best_chain(state, gpu, top) if chains else None)
@@ -766,7 +785,7 @@ def _exact_search(problem: _Problem, levels: _Levels, incumbent: np.ndarray, nod
     single_class = problem.bag_class[levels.group_at[-1]].tolist()  # [S] the class of each GPU alone
     rest_alone = [[0] * len(problem.class_size)]
     for i in reversed(order):
-        rest_alone.append([None if total is None or not problem.allowed[i, c] else total + levels.cost[i][c]
+        rest_alone.append([None if total is None or not problem.allowed[i, c] else total + int(problem.cost[i, c])
                            for c, total in enumerate(rest_alone[-1])])  # fmt: skip
     rest_alone.reverse()
     least_alone = [min((total for total in totals if total is not None), default=_BIG) for totals in rest_alone]

@@ -36,6 +36,7 @@ import functools
 import gc
 import hashlib
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -427,8 +428,14 @@ class _Problem:
     def interchangeable(self) -> np.ndarray:
         """``[B]`` int64 ids: bags with equal ids (same class, base load and base tokens) can trade
         their whole contents without changing any load."""
-        keys = np.stack([self.bag_class, self.start_load, self.start_tokens], axis=1)
-        return np.unique(keys, axis=0, return_inverse=True)[1].ravel().astype(np.int64)
+        # The rank of each bag's (class, base load, base tokens) among the distinct ones, as
+        # np.unique(axis=0) numbers them, by a lexsort (np.unique on rows is slow for 1,024 bags).
+        order = np.lexsort((self.start_tokens, self.start_load, self.bag_class))
+        keys = np.stack([self.bag_class, self.start_load, self.start_tokens], axis=1)[order]
+        rank = np.concatenate([[0], np.cumsum((keys[1:] != keys[:-1]).any(axis=1))])
+        interchangeable = np.empty(self.num_bags, dtype=np.int64)
+        interchangeable[order] = rank
+        return interchangeable
 
     def fits_cap(self, bag_of_seq: np.ndarray) -> bool:
         return self.cap is None or bool(np.all(self.bag_tokens(bag_of_seq) <= self.cap))
@@ -645,7 +652,13 @@ def _finish_time_greedy(problem: _Problem) -> np.ndarray | None:
     placed = []
     cost_rows = problem.cost[order].tolist()
     gpu_seconds = problem.gpu_seconds[order].tolist()
-    if problem.cap is None:  # the common case, kept tight (heap access inlined)
+    if problem.cap is None and len(problem.class_size) == 1:  # one class: always its lightest bag
+        heap = heaps.heaps[0]
+        for cost in problem.cost[order, 0].tolist():
+            load, bag = heap[0]
+            heapq.heapreplace(heap, (load + cost, bag))
+            placed.append(bag)
+    elif problem.cap is None:  # the common case, kept tight (heap access inlined)
         class_heaps = heaps.heaps
         for costs, gpu_s in zip(cost_rows, gpu_seconds, strict=True):
             best_finish, best_c, best_bag = -1, 0, -1
@@ -889,9 +902,11 @@ class _Assignment:
         self.bag_of_seq = bag_of_seq
         self.loads = problem.bag_loads(bag_of_seq)
         self.bag_tokens = problem.bag_tokens(bag_of_seq)
-        self.members: list[list[int]] = [[] for _ in range(problem.num_bags)]
-        for i, bag in enumerate(bag_of_seq.tolist()):
-            self.members[bag].append(i)
+        # Each bag's sequences in ascending order (a stable sort by bag), without a Python loop over N.
+        by_bag = np.argsort(bag_of_seq, kind="stable")
+        bounds = np.searchsorted(bag_of_seq[by_bag], np.arange(problem.num_bags + 1)).tolist()
+        by_bag = by_bag.tolist()
+        self.members: list[list[int]] = [by_bag[lo:hi] for lo, hi in itertools.pairwise(bounds)]
         self.class_first = np.concatenate([[0], np.cumsum(problem.class_count)[:-1]]).tolist()
 
     def move(self, i: int, to_bag: int) -> None:
@@ -1026,7 +1041,9 @@ def _keep_tokens_home(problem: _Problem, bag_of_seq: np.ndarray) -> np.ndarray:
     if matched <= kept_identity:
         return bag_of_seq
     content_to_bag, bag_taken = np.asarray(content_to_bag), np.asarray(bag_taken)
-    for key in np.unique(problem.interchangeable).tolist():
-        in_class = problem.interchangeable == key
-        content_to_bag[np.flatnonzero(in_class & (content_to_bag < 0))] = np.flatnonzero(in_class & ~bag_taken)
+    # The unmatched contents of each class take its free bags, both in id order (a class has as many
+    # of one as of the other): sorted by class, stably, the two lists line up.
+    unmatched, free = np.flatnonzero(content_to_bag < 0), np.flatnonzero(~bag_taken)
+    unmatched = unmatched[np.argsort(problem.interchangeable[unmatched], kind="stable")]
+    content_to_bag[unmatched] = free[np.argsort(problem.interchangeable[free], kind="stable")]
     return content_to_bag[bag_of_seq]
