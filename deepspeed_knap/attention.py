@@ -18,9 +18,8 @@ A group of one GPU runs step 3 alone, with no communication.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,20 +169,22 @@ def head_splits(num_heads: int, group_size: int) -> list[int]:
     return [base + (i < extra) for i in range(group_size)]
 
 
+# The routed batch of the balanced step in flight, for drop-in modules (DeepSpeed's call carries none).
 _balanced_step: RoutedBatch | None = None
 
 
-@contextlib.contextmanager
-def balanced_step(routed: RoutedBatch) -> Iterator[None]:
-    """While active, every :class:`KnapDistributedAttention` built with DeepSpeed's constructor and
-    called with DeepSpeed's signature balances: its tokens are ``routed``'s. The balancer opens it
-    around the block stack; outside it, those modules behave exactly like DeepSpeed's."""
+def set_balanced_step(routed: RoutedBatch | None) -> None:
+    """Make ``routed`` the step every :class:`KnapDistributedAttention` built and called the DeepSpeed
+    way balances (``None``: none; they behave exactly like DeepSpeed's). The balancer sets it when a
+    step's blocks start and clears it when the step closes, after backward, so that activation
+    checkpointing's recomputation in backward still sees the step."""
     global _balanced_step
-    outer, _balanced_step = _balanced_step, routed
-    try:
-        yield
-    finally:
-        _balanced_step = outer
+    _balanced_step = routed
+
+
+def balanced_step_in_flight() -> RoutedBatch | None:
+    """The routed batch :func:`set_balanced_step` made current, if any."""
+    return _balanced_step
 
 
 class KnapDistributedAttention(DistributedAttention):
@@ -200,49 +201,66 @@ class KnapDistributedAttention(DistributedAttention):
     * **Drop-in for DeepSpeed-Ulysses**: ``KnapDistributedAttention(local_attention,
       sequence_process_group, scatter_idx, gather_idx)`` and ``forward(query, key, value,
       batch_dim_idx, ...)``, DeepSpeed's constructor and call. Outside a balanced step it *is*
-      DeepSpeed's ``DistributedAttention`` (its own forward runs). Inside one (the balancer opens
-      :func:`balanced_step` around the blocks) the step's tokens are the routed ones, ``[1, T, H, Dh]``
+      DeepSpeed's ``DistributedAttention`` (its own forward runs). Inside one (the balancer sets it:
+      :func:`set_balanced_step`) the step's tokens are the routed ones, ``[1, T, H, Dh]``
       (``batch_dim_idx=0``) or ``[T, 1, H, Dh]`` (``batch_dim_idx=1``), and attention runs over each
       whole sequence with this package's kernel (``backend``): ``local_attention`` does not know
-      sequence boundaries inside a packed batch, so it is not used there.
-    * **Packed**: ``KnapDistributedAttention(num_heads, backend=..., topology=...)`` and
+      sequence boundaries inside a packed batch, so it is not used there. Rotary embeddings must then
+      be applied to q and k before the call (``rotary_pos_emb`` and other extra arguments are refused,
+      not dropped), and k and v must have q's heads (no grouped-query attention).
+    * **Packed**: ``KnapDistributedAttention(num_heads, *, backend=..., topology=...)`` and
       ``forward(query, key, value, routed)`` with ``[T, H, Dh]`` tensors, for models written for packed
       batches (``TinyDiT``, ``PackedFluxTransformer``).
 
     Args:
-        local_attention: DeepSpeed's local attention (drop-in), or ``H``, the attention heads (packed).
+        local_attention: DeepSpeed's local attention (drop-in); or, packed, the number of heads ``H``.
         sequence_process_group, scatter_idx, gather_idx, sp_stream, num_kv_heads: DeepSpeed's, for the
             unbalanced drop-in path.
+        num_heads: packed: ``H``, instead of the first argument.
         backend: the kernel of balanced steps, see :class:`VarlenAttention`.
         softmax_scale: default ``1 / sqrt(Dh)``.
         topology: when given, checked at construction: every bag must have at most ``H`` GPUs.
 
     Raises:
-        ValueError: at construction, for a bad backend, a non-positive head count or a bag with more
-            GPUs than heads.
+        ValueError: at construction, for a bad backend, a non-positive head count, a bag with more GPUs
+            than heads, or DeepSpeed's arguments given to a packed module.
     """
 
     def __init__(
         self,
-        local_attention: Callable[..., Tensor] | int,
+        local_attention: Callable[..., Tensor] | int | None = None,
         sequence_process_group: Any = None,
         scatter_idx: int = 2,
         gather_idx: int = 0,
         sp_stream: Any = None,
         num_kv_heads: int | None = None,
         *,
+        num_heads: int | None = None,
         backend: str = "auto",
         softmax_scale: float | None = None,
         topology: Topology | None = None,
     ) -> None:
         varlen = VarlenAttention(backend, softmax_scale)
-        if isinstance(local_attention, int):
-            if local_attention < 1:
-                raise ValueError(f"num_heads must be a positive integer; got {local_attention!r}")
+        if isinstance(local_attention, int) or num_heads is not None:
+            heads = num_heads if num_heads is not None else local_attention
+            deepspeed_args = (sequence_process_group, sp_stream, num_kv_heads)
+            if (num_heads is not None and local_attention is not None) or any(a is not None for a in deepspeed_args):
+                raise ValueError(
+                    "a packed KnapDistributedAttention takes the heads and then keywords: "
+                    "KnapDistributedAttention(num_heads, backend=..., softmax_scale=..., topology=...); got "
+                    f"local_attention={local_attention!r}, sequence_process_group={sequence_process_group!r}"
+                )
+            if not isinstance(heads, int) or heads < 1:
+                raise ValueError(f"num_heads must be a positive integer; got {heads!r}")
             # Packed: no fixed group; groups come with each step's routing.
             super().__init__(varlen, sequence_process_group=None)
-            self.num_heads: int | None = local_attention
+            self.num_heads: int | None = heads
         else:
+            if not callable(local_attention):
+                raise ValueError(
+                    f"KnapDistributedAttention needs DeepSpeed's local_attention callable (drop-in) or the number of "
+                    f"heads (packed); got {local_attention!r}"
+                )
             super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, sp_stream,
                              num_kv_heads)  # fmt: skip
             self.num_heads = None  # read off the tensors of each call
@@ -268,32 +286,47 @@ class KnapDistributedAttention(DistributedAttention):
                 self.local_attn = replacement
             self.varlen_attn = replacement
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, routed: RoutedBatch | int, *args: Any,
-                **kwargs: Any) -> Tensor:  # fmt: skip
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """Attention of every token over its whole sequence.
 
-        Args:
-            query, key, value: packed: ``[T, H, Dh]`` for this GPU's routed tokens, in ``routed.batch``
-                order; drop-in: DeepSpeed's layout (see the class docstring).
-            routed: packed: what :func:`~deepspeed_knap.routing.route` (or ``local_batch``) returned
-                this step; drop-in: DeepSpeed's ``batch_dim_idx``, with ``args``/``kwargs`` its rest.
+        Packed: ``forward(query, key, value, routed)``, ``[T, H, Dh]`` tensors in ``routed.batch``
+        order, ``routed`` what :func:`~deepspeed_knap.routing.route` (or ``local_batch``) returned this
+        step. Drop-in: DeepSpeed's ``forward(query, key, value, batch_dim_idx, rotary_pos_emb=None,
+        *args, **kwargs)`` (see the class docstring).
 
         Returns:
             Attention output, shaped like ``query``.
+
+        Raises:
+            ValueError: shapes that do not fit the routed batch or the heads; in a balanced drop-in
+                step, arguments it cannot honour (``rotary_pos_emb``, extra ones, grouped-query k/v).
         """
-        if isinstance(routed, RoutedBatch):
+        routed = kwargs.pop("routed", args[0] if args and isinstance(args[0], RoutedBatch) else None)
+        if routed is not None:
             return self._packed(query, key, value, routed, self.num_heads)
-        batch_dim_idx = routed
-        if _balanced_step is None:
-            return super().forward(query, key, value, batch_dim_idx, *args, **kwargs)
+        step = _balanced_step
+        if step is None or self.num_heads is not None:
+            return super().forward(query, key, value, *args, **kwargs)
+        batch_dim_idx = kwargs.pop("batch_dim_idx", args[0] if args else None)
+        extra = [a for a in args[1:] if a is not None] + [k for k, v in kwargs.items() if v is not None]
+        if extra:
+            raise ValueError(
+                f"in a balanced step KnapDistributedAttention cannot honour {extra!r} (e.g. rotary_pos_emb): it runs "
+                "its own kernel over the routed sequences. Apply rotary embeddings to query and key before the call"
+            )
         if batch_dim_idx not in (0, 1) or query.dim() != 4 or query.shape[batch_dim_idx] != 1:
             raise ValueError(
                 f"in a balanced step query must be [1, T, H, Dh] (batch_dim_idx=0) or [T, 1, H, Dh] "
                 f"(batch_dim_idx=1): one packed sequence of the routed tokens; got {tuple(query.shape)} with "
                 f"batch_dim_idx={batch_dim_idx}"
             )
+        if key.shape != query.shape or value.shape != query.shape:
+            raise ValueError(
+                f"in a balanced step key and value must have query's shape {tuple(query.shape)} (no grouped-query "
+                f"attention); got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
         q, k, v = (t.squeeze(batch_dim_idx) for t in (query, key, value))
-        return self._packed(q, k, v, _balanced_step, q.shape[1]).unsqueeze(batch_dim_idx)
+        return self._packed(q, k, v, step, q.shape[1]).unsqueeze(batch_dim_idx)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, routed: RoutedBatch, num_heads: int) -> Tensor:
         """``[T, H, Dh]`` attention over the routed batch's whole sequences."""

@@ -20,7 +20,7 @@ from typing import Any
 from deepspeed.utils import logger
 from torch import Tensor
 
-from deepspeed_knap.attention import balanced_step
+from deepspeed_knap.attention import balanced_step_in_flight, set_balanced_step
 from deepspeed_knap.online import OnlineSettings, OnlineWorkload
 from deepspeed_knap.packing import PackedBatch
 from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_loads, plan_routing
@@ -73,6 +73,7 @@ class KnapBalancer:
         self._in_flight: tuple[StepTimes, RoutingPlan, WorkloadModel] | None = None
         self._closed: tuple[RoutingPlan, WorkloadModel] | None = None  # the step close_step() ended
         self._report = [-1, -1]  # this rank's [compute, ulysses] microseconds, shipped with the next lengths
+        self._routed: RoutedBatch | None = None  # the step in flight, current for drop-in attention
         self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
 
     @property
@@ -107,7 +108,10 @@ class KnapBalancer:
             return self.last_times
         times, plan, model = self._in_flight
         self._in_flight, self._closed = None, (plan, model)
-        time_exchanges(None)
+        time_exchanges(None, times)
+        if balanced_step_in_flight() is self._routed:
+            set_balanced_step(None)
+        self._routed = None
         try:
             seconds = times.seconds()
         except RuntimeError as error:  # a CUDA event that never recorded
@@ -150,7 +154,9 @@ class KnapBalancer:
         }
         if self._measured is not None:
             measured = [t / 1e6 for t in self._measured[0] if t >= 0]
-            errors = sorted(abs(p - t / 1e6) / (t / 1e6) for t, p in zip(*self._measured, strict=True) if t > 0)
+            errors = sorted(
+                abs(p - t / 1e6) / (t / 1e6) for t, p in zip(*self._measured, strict=True) if t > 0 and p > 0
+            )
             if measured and sum(measured) > 0:
                 metrics["knapformer/measured_imbalance"] = max(measured) / (sum(measured) / len(measured))
             if errors:
@@ -200,8 +206,9 @@ class KnapBalancer:
             self._in_flight = (times, plan, model)
             routed = self.route(batch, plan)
             routed = routed.with_tokens(stamp(routed.batch.tokens, times, "blocks_start", "blocks_grad_end"))
-            with balanced_step(routed):  # drop-in DistributedAttention modules balance inside it
-                out = stamp(blocks(routed), times, "blocks_end", "blocks_grad_start")
+            self._routed = routed
+            set_balanced_step(routed)  # drop-in DistributedAttention modules balance it, until close_step
+            out = stamp(blocks(routed), times, "blocks_end", "blocks_grad_start")
             return reverse_route(out, routed)
         except RuntimeError as error:
             raise RuntimeError(f"knapformer step {step} failed on rank {self.groups.rank}: {error}") from error

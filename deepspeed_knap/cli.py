@@ -149,8 +149,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _flexible_bound(lengths, topology, workload, cap) -> float:
     """The modeled step time no plan can beat when every sequence may pick its own group of 1, 2, 4, ...
-    GPUs up to the largest bag (the lower bound of topology ``auto`` on the same GPUs)."""
-    largest = max(topology.bag_sizes)
+    GPUs up to the largest bag, within a node (the lower bound of topology ``auto`` on the same GPUs)."""
+    largest = min(max(topology.bag_sizes), topology.gpus_per_node or topology.group_size)  # auto stays in nodes
     elastic = build_topology(AUTO, topology.group_size, topology.gpus_per_node, 1 << (largest.bit_length() - 1))
     return lower_bound(lengths, elastic, workload, cap)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 
 from deepspeed_knap.attention import KnapDistributedAttention, backend_problem
@@ -62,6 +63,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
 
     # Under mpirun, DeepSpeed discovers ranks through mpi4py and would take port 29500 unless told.
     deepspeed.init_distributed(distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    # Our set-up collectives run before DeepSpeed's engine binds this rank to its GPU: bind it now,
+    # or every rank would hand NCCL a tensor on GPU 0.
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     topology = workload = None
     if knap.enabled:
         attention = [m for m in model.modules() if isinstance(m, KnapDistributedAttention)] if model is not None else []

@@ -43,11 +43,13 @@ _traffic: dict[str, int] | None = None
 _times: StepTimes | None = None
 
 
-def time_exchanges(times: StepTimes | None) -> None:
-    """Stamp both ends of every exchange into ``times`` from now on (``None``: stop). The balancer
-    keeps one record active from a step's plan until the next step's, across its backward."""
+def time_exchanges(times: StepTimes | None, stop: StepTimes | None = None) -> None:
+    """Stamp both ends of every exchange started from now on into ``times`` (``None``: stop). With
+    ``stop``, stop only if ``stop`` is the record in use (another balancer's may have replaced it).
+    An exchange's backward is stamped into the record its forward used, whatever is current then."""
     global _times
-    _times = times
+    if stop is None or _times is stop:
+        _times = times
 
 
 @contextlib.contextmanager
@@ -69,26 +71,28 @@ def _dist():
 
 
 class _Exchange(torch.autograd.Function):
-    """Variable-split all-to-all along dim 0; its gradient is the same exchange with the splits swapped."""
+    """Variable-split all-to-all along dim 0; its gradient is the same exchange with the splits swapped
+    (stamped into the same step record, ``times``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, send_counts: list[int], recv_counts: list[int], group: Any, kind: str) -> Tensor:
-        ctx.args = (recv_counts, send_counts, group, kind)
-        return _all_to_all(x, send_counts, recv_counts, group, kind)
+    def forward(ctx, x: Tensor, send_counts: list[int], recv_counts: list[int], group: Any, kind: str,
+                times: StepTimes | None) -> Tensor:  # fmt: skip
+        ctx.args = (recv_counts, send_counts, group, kind, times)
+        return _all_to_all(x, send_counts, recv_counts, group, kind, times)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _Exchange.apply(grad.contiguous(), *ctx.args), None, None, None, None
+        return _Exchange.apply(grad.contiguous(), *ctx.args), None, None, None, None, None
 
 
-def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group: Any, kind: str) -> Tensor:
+def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group: Any, kind: str,
+                times: StepTimes | None) -> Tensor:  # fmt: skip
     dist = _dist()
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     if _traffic is not None:
         me = dist.get_rank(group)
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
         _traffic[kind] += row_bytes * (sum(send_counts) - send_counts[me])
-    times = _times
     start = times.begin_exchange() if times is not None else None
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
     if times is not None:
@@ -113,8 +117,8 @@ def exchange(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], 
     if x.shape[0] != sum(send_counts):
         raise ValueError(f"exchange got {x.shape[0]} rows to send but the split sizes add up to {sum(send_counts)}")
     if x.requires_grad:
-        return _Exchange.apply(x, send_counts, recv_counts, group, kind)
-    return _all_to_all(x, send_counts, recv_counts, group, kind)
+        return _Exchange.apply(x, send_counts, recv_counts, group, kind, _times)
+    return _all_to_all(x, send_counts, recv_counts, group, kind, _times)
 
 
 @dataclass(frozen=True, eq=False)

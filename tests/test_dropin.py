@@ -104,21 +104,36 @@ def _balanced_worker(rank: int, world: int) -> dict:
     never_called = _sdpa_layout(0)  # the user's kernel cannot see packed sequence boundaries
     attention = KnapDistributedAttention(never_called, torch.distributed.group.WORLD, 2, 1, backend="sdpa")
 
-    def blocks(routed):
-        q, k, v = qkv_layer(routed.batch.tokens).view(1, -1, 3, heads, dim // heads).unbind(2)  # [1, T, H, Dh]
-        return attention(q, k, v, 0).reshape(-1, dim)
+    def block(tokens):
+        q, k, v = qkv_layer(tokens).view(1, -1, 3, heads, dim // heads).unbind(2)  # [1, T, H, Dh]
+        return attention(q, k, v, batch_dim_idx=0).reshape(-1, dim)
+
+    def blocks(routed):  # recomputed in backward: the step stays current until it closes
+        return torch.utils.checkpoint.checkpoint(block, routed.batch.tokens, use_reentrant=False)
 
     seq_lens = [[37, 5, 1], [64, 3], [2, 11, 19, 7], [23, 23]][rank]
     batch = random_batch(seq_lens, 100 + rank, dim, 5, torch.float64)
+    batch = batch.__class__(batch.tokens.requires_grad_(), batch.seq_lens, batch.token_data, batch.sample_data)
     balanced = balancer.forward(batch, blocks)
+    balanced.sum().backward()
+    gradient = batch.tokens.grad.clone()
+    refused = None
+    try:  # rotary embeddings would be dropped: refused instead, on every rank
+        balancer.forward(batch, lambda routed: attention(*[routed.batch.tokens.view(1, -1, heads, dim // heads)] * 3,
+                                                         0, "rotary").reshape(-1, dim))  # fmt: skip
+    except ValueError as error:
+        refused = str(error)
     # Reference: each sequence alone, with plain attention.
+    tokens = batch.tokens.detach().clone().requires_grad_()
     reference = []
-    for sequence in torch.split(batch.tokens, seq_lens):
+    for sequence in torch.split(tokens, seq_lens):
         q, k, v = qkv_layer(sequence).view(-1, 3, heads, dim // heads).unbind(1)
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0]
         reference.append(out.transpose(0, 1).reshape(-1, dim))
+    torch.cat(reference).sum().backward()
     plan = balancer._last[1]
     return {"error": float((balanced - torch.cat(reference)).abs().max()),
+            "grad_error": float((gradient - tokens.grad).abs().max()), "refused": refused,
             "sizes": sorted(set(plan.seq_group_size.tolist()))}  # fmt: skip
 
 
@@ -126,4 +141,19 @@ def test_inside_a_balanced_step_the_drop_in_balances_exactly():
     results = run_distributed(_balanced_worker, 4, timeout=180)
     assert results[0]["sizes"] != [1], "the plan must put sequences in groups"
     for result in results:
-        assert result["error"] <= 1e-12
+        assert result["error"] <= 1e-12 and result["grad_error"] <= 1e-12  # activation checkpointing too
+        assert "cannot honour ['rotary']" in result["refused"]
+
+
+def test_packed_construction_takes_the_heads_and_keywords_only():
+    from deepspeed_knap.attention import KnapDistributedAttention
+    from deepspeed_knap.topology import build_topology
+
+    assert KnapDistributedAttention(num_heads=6, backend="sdpa").num_heads == 6
+    assert KnapDistributedAttention(6, topology=build_topology("g4n1")).num_heads == 6
+    with pytest.raises(ValueError, match="takes the heads and then keywords"):
+        KnapDistributedAttention(4, "flash")  # a positional backend would land in sequence_process_group
+    with pytest.raises(ValueError, match="bags of 8 GPUs but attention has only 4 heads"):
+        KnapDistributedAttention(num_heads=4, topology=build_topology("g8n1"))
+    with pytest.raises(ValueError, match="local_attention callable"):
+        KnapDistributedAttention("sdpa")

@@ -26,12 +26,13 @@ def _stuck_rank_worker(rank: int, world: int) -> None:
     attention = KnapDistributedAttention(2, backend="sdpa")
 
     def blocks(routed):
+        assert routed.plan.seq_group_size.max() == 2, "the step must use the bag"
         if rank == 1:
             time.sleep(120)  # stuck inside the bag, before its Ulysses all-to-all
         q = routed.batch.tokens.view(-1, 2, 4)
         return attention(q, q, q, routed).reshape(-1, 8)
 
-    batch = random_batch([40, 30], rank, 8, 5)
+    batch = random_batch([[200], [10]][rank], rank, 8, 5)  # one long sequence: it goes to the pair
     balancer.forward(batch, blocks)
 
 
@@ -42,4 +43,4 @@ def test_a_rank_stuck_inside_a_bag_fails_its_partner_within_the_timeout():
     elapsed = time.monotonic() - start
     message = str(error.value)
     assert "rank 0 of 2 raised" in message and "knapformer step 1 failed on rank 0" in message
-    assert elapsed < TIMEOUT_S + 40  # start-up of two ranks on 2 cores, then the 4 s timeout; not 100 s
+    assert elapsed < 90  # start-up of two ranks on 2 busy cores (up to a minute), then the 4 s timeout; not 100 s

@@ -313,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
     for num_gpus in args.gpus:
         print(f"\n{num_gpus} GPUs, median over {args.steps} steps (p95 where marked):\n")
         print(format_table(rows, num_gpus))
-        if any(r["topology"] == AUTO and r["gpus"] == num_gpus for r in rows):
+        compared = {r["solver"] for r in rows} >= {"knapformer", DEFAULT_SOLVER}  # the table needs both
+        if compared and any(r["topology"] == AUTO and r["gpus"] == num_gpus for r in rows):
             print(f"\n{num_gpus} GPUs, topology auto per step, median over {args.steps} steps:\n")
             print(format_auto_table(rows, num_gpus))
         if args.sensitivity:

@@ -113,6 +113,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
 
     deepspeed.init_distributed(verbose=False)
+    get_accelerator().set_device(rank)  # one GPU each: bind before anything lands on a device
     dims = dict(TINY_FLUX)
     if options["flux_dims"]:
         dims.update(num_attention_heads=24, attention_head_dim=128, axes_dims_rope=(16, 56, 56))
