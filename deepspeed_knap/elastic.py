@@ -707,8 +707,11 @@ def _trade_outside(state: _State, block: int, limit: int, items: np.ndarray, gro
     light = _lightest_outside(state, block)
     if light.size == 0:
         return None
-    partners = [j for g in np.sort(light).tolist() for j in state.members[g]]
-    js, group_b = np.asarray(partners, dtype=np.int64), state.group_of_seq[partners]
+    partners, partner_groups = [], []
+    for g in sorted(light.tolist()):
+        partners += state.members[g]
+        partner_groups += [g] * len(state.members[g])
+    js, group_b = np.asarray(partners, dtype=np.int64), np.asarray(partner_groups, dtype=np.int64)
     if len(js) > SWAP_ITEMS:  # a useful swap trades costs that differ by about half a gap: a spread will do
         keep = _spread_by_cost(levels.step_cost[js, problem.bag_class[group_b]])
         js, group_b = js[keep], group_b[keep]
@@ -735,9 +738,9 @@ def _trade_outside(state: _State, block: int, limit: int, items: np.ndarray, gro
 
 
 def _spread_by_cost(costs: np.ndarray) -> np.ndarray:
-    """Positions of at most ``SWAP_ITEMS`` of ``costs``, spread evenly over their sorted values."""
+    """Positions of ``SWAP_ITEMS`` of the (more) ``costs``, spread evenly over their sorted values."""
     by_cost = np.argsort(costs, kind="stable")
-    return by_cost[np.linspace(0, len(costs) - 1, SWAP_ITEMS).astype(np.int64)]
+    return by_cost[np.arange(SWAP_ITEMS) * (len(costs) - 1) // (SWAP_ITEMS - 1)]
 
 
 def _swap_fits(state: _State, i: int, a: int, j: int, b: int) -> bool:
