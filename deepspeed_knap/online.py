@@ -2,41 +2,44 @@
 
 Every step each rank measures how long its share of the block stack took to compute (forward and
 backward, Ulysses exchanges excluded: :mod:`~deepspeed_knap.timing`) and ships the microseconds
-with the next step's lengths. Every rank therefore holds the same history of (plan, measured
-microseconds per GPU) and refits the same model from it:
+with the next step's lengths. Every rank therefore sees the same (plan, measured microseconds per
+GPU) every step and refits the same model from them:
 
     measured[g] = (overhead + a * X[g] + b * Y[g]) / speed[g]
 
 where ``X[g] = sum s / (G * efficiency(G))`` and ``Y[g] = sum s**2 / (G * efficiency(G))`` over the
 sequences whose group holds GPU ``g`` (the planner's own per-GPU terms), ``speed[g]`` is a per-rank
 speed factor (a throttled GPU, an older GPU in a mixed pool) and ``overhead`` the fixed cost of a
-busy rank. The refit alternates: with the speeds fixed, ``overhead, a, b >= 0`` by weighted
-non-negative least squares (weights decay by ``forgetting`` per step of age); with ``a, b`` fixed,
-each rank's speed is its predicted over its measured time summed over the history (so one noisy step
-moves it little), divided by the median rank's (speeds are relative: ``a, b`` carry the common
-scale) and clamped to ``[1 / max_speed_ratio, max_speed_ratio]``. The all-to-all coefficient ``c``
-is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a step, its least
-waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``.
+busy rank. Past steps count with weight ``forgetting ** age``, kept as running sums per GPU (the
+refit costs ``O(S)`` whatever the history). The refit alternates: with the speeds fixed, ``overhead,
+a, b >= 0`` by weighted non-negative least squares on those sums; with ``a, b`` fixed, each rank's
+speed is its predicted over its measured time summed over the history (once refit, a step counts at
+most ``max_speed_ratio`` times off the prediction, so one noisy step moves it little), divided by the
+median rank's (speeds are relative: ``a, b`` carry the common scale),
+clamped to ``[1 / max_speed_ratio, max_speed_ratio]`` and rounded to a multiple of 1/32 (so that
+the planner sees few distinct speeds: it prices groups by class of size and speed). The all-to-all coefficient ``c`` is refit from the Ulysses exchange times: the smallest
+``ulysses[g] / Z[g]`` of a step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``.
 
 Determinism: inputs are integers (tokens, microseconds), the arithmetic is plain Python floats in a
-fixed order (:func:`~deepspeed_knap.workload.nonnegative_least_squares` uses no BLAS, whose reduction
-order can differ between machines), so every rank computes a bit-identical model and the planner a
-bit-identical plan. No torch, no communication.
+fixed order (:func:`~deepspeed_knap.workload.nonnegative_normal_equations` uses no BLAS, whose
+reduction order can differ between machines, and weights decay by multiplication, not ``pow``), so
+every rank computes a bit-identical model and the planner a bit-identical plan. No torch, no
+communication.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from deepspeed_knap.planner import RoutingPlan
-from deepspeed_knap.workload import WorkloadModel, nonnegative_least_squares
+from deepspeed_knap.workload import WorkloadModel, nonnegative_normal_equations
 
 # Refits alternate this many times between the coefficients and the speeds.
 _ALTERNATIONS = 3
+# Speeds are rounded to multiples of 1 / this (no libm: log and pow may differ in the last bit
+# between machines, and a rounding boundary would then split the ranks).
+_SPEED_GRID = 32
 
 
 @dataclass(frozen=True)
@@ -48,42 +51,24 @@ class OnlineSettings:
         forgetting: weight of a step relative to the next newer one (1: all steps count alike).
         refit_interval: refit every this many observed steps.
         max_speed_ratio: a rank's speed factor stays within ``[1/r, r]`` of the median rank's.
-        window: most recent steps kept.
     """
 
     warmup_steps: int = 5
     forgetting: float = 0.9
     refit_interval: int = 1
     max_speed_ratio: float = 4.0
-    window: int = 64
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 1 or self.refit_interval < 1 or self.window < 1:
+        if self.warmup_steps < 1 or self.refit_interval < 1:
             raise ValueError(
-                f"online refit needs warmup_steps, refit_interval and window >= 1; got {self.warmup_steps}, "
-                f"{self.refit_interval}, {self.window}"
+                f"online refit needs warmup_steps and refit_interval >= 1; got {self.warmup_steps}, "
+                f"{self.refit_interval}"
             )
         if not 0 < self.forgetting <= 1 or not self.max_speed_ratio > 1:
             raise ValueError(
                 f"online refit needs 0 < forgetting <= 1 and max_speed_ratio > 1; got {self.forgetting}, "
                 f"{self.max_speed_ratio}"
             )
-
-
-@dataclass(frozen=True)
-class Observation:
-    """One step as the refit sees it: per GPU the planner's terms and the measured times.
-
-    Attributes:
-        linear, quadratic, alltoall: ``[S]`` the terms ``X``, ``Y``, ``Z`` of the module docstring.
-        compute_us, ulysses_us: ``[S]`` measured microseconds; ``None`` where a rank's timer failed.
-    """
-
-    linear: tuple[float, ...]
-    quadratic: tuple[float, ...]
-    alltoall: tuple[float, ...]
-    compute_us: tuple[int | None, ...]
-    ulysses_us: tuple[int | None, ...]
 
 
 def plan_terms(plan: RoutingPlan, workload: WorkloadModel) -> tuple[list[float], list[float], list[float]]:
@@ -101,8 +86,13 @@ def plan_terms(plan: RoutingPlan, workload: WorkloadModel) -> tuple[list[float],
     return linear, quadratic, alltoall
 
 
+# Per-GPU running sums, each over past steps weighted by forgetting ** age: the weight, the terms and
+# the measured seconds (t) of every busy, measured step, and their products.
+_SUMS = ("w", "x", "y", "xx", "xy", "yy", "t", "tx", "ty", "tt")
+
+
 class OnlineWorkload:
-    """The cost model, refit every step from the measured history (see the module docstring).
+    """The cost model, refit every step from the measured steps (see the module docstring).
 
     Args:
         prior: the model to plan with until the first refit (and its ``degree_efficiency``, kept).
@@ -114,7 +104,8 @@ class OnlineWorkload:
         self.prior = prior
         self.num_gpus = num_gpus
         self.settings = settings or OnlineSettings()
-        self.history: deque[Observation] = deque(maxlen=self.settings.window)
+        self.sums = [dict.fromkeys(_SUMS, 0.0) for _ in range(num_gpus)]
+        self.alltoall_sums = [0.0, 0.0]  # weighted least-waiting Ulysses rate, weight
         self.observed = 0
         self.speeds = [1.0] * num_gpus
         self.current = prior
@@ -123,10 +114,26 @@ class OnlineWorkload:
     def observe(self, plan: RoutingPlan, compute_us: list[int], ulysses_us: list[int]) -> None:
         """Add one step: ``plan`` and the microseconds every GPU measured for it (negative: none).
         Refits when due."""
-        valid = [t if t >= 0 else None for t in compute_us]
+        forgetting = self.settings.forgetting
         linear, quadratic, alltoall = plan_terms(plan, self.current)
-        self.history.append(Observation(tuple(linear), tuple(quadratic), tuple(alltoall), tuple(valid),
-                                         tuple(u if u >= 0 else None for u in ulysses_us)))  # fmt: skip
+        # Once refit, a step counts at most max_speed_ratio times off the model's prediction: one
+        # stalled step cannot swing a rank's speed (before, the prior's scale may be anything).
+        predicted = self.predicted_s(plan) if self.current is not self.prior else None
+        bound = self.settings.max_speed_ratio
+        for gpu, (x, y, t_us) in enumerate(zip(linear, quadratic, compute_us, strict=True)):
+            sums = self.sums[gpu]
+            for key in _SUMS:
+                sums[key] *= forgetting
+            if t_us >= 0 and x > 0:  # a measured, busy GPU
+                t = t_us / 1e6
+                if predicted is not None and predicted[gpu] > 0:
+                    t = min(max(t, predicted[gpu] / bound), predicted[gpu] * bound)
+                for key, value in zip(_SUMS, (1.0, x, y, x * x, x * y, y * y, t, t * x, t * y, t * t), strict=True):
+                    sums[key] += value
+        rates = [u / 1e6 / z for z, u in zip(alltoall, ulysses_us, strict=True) if u >= 0 and z > 0]
+        self.alltoall_sums = [self.alltoall_sums[0] * forgetting, self.alltoall_sums[1] * forgetting]
+        if rates:
+            self.alltoall_sums = [self.alltoall_sums[0] + min(rates), self.alltoall_sums[1] + 1.0]
         self.observed += 1
         warm = self.observed >= self.settings.warmup_steps
         if warm and (self.observed - self.settings.warmup_steps) % self.settings.refit_interval == 0:
@@ -145,58 +152,57 @@ class OnlineWorkload:
             for x, y, speed in zip(linear, quadratic, self.speeds, strict=True)
         ]
 
-    def _weighted_rows(self):
-        """``(weight, X, Y, measured seconds, gpu)`` of every busy GPU with a measurement, newest last."""
-        ages = len(self.history) - 1
-        for age, obs in enumerate(self.history):
-            weight = self.settings.forgetting ** (ages - age)
-            for gpu, (x, y, t) in enumerate(zip(obs.linear, obs.quadratic, obs.compute_us, strict=True)):
-                if t is not None and x > 0:
-                    yield weight, x, y, t / 1e6, gpu
-
     def _refit(self) -> None:
-        rows = list(self._weighted_rows())
-        if len(rows) < 3:
+        busy = [g for g, sums in enumerate(self.sums) if sums["w"] > 0]
+        if len(busy) < 1 or sum(self.sums[g]["w"] for g in busy) < 2:
             return
-        speeds, coef = list(self.speeds), (0.0, self.current.linear_coef, self.current.quadratic_coef)
-        weights = np.array([w for w, *_ in rows])
+        speeds = list(self.speeds)
         for _ in range(_ALTERNATIONS):
-            targets = np.array([t * speeds[g] for _, _, _, t, g in rows])
-            coef = nonnegative_least_squares(
-                np.array([(1.0, x, y) for _, x, y, _, _ in rows]), targets, weights
-            ).tolist()
-            if coef[1] == 0 and coef[2] == 0:
-                # All overhead: the steps so far gave every GPU the same work (a balanced start), so
-                # the data cannot tell a fixed cost from a per-token one. Take it all as per token.
-                a, b = nonnegative_least_squares(np.array([(x, y) for _, x, y, _, _ in rows]), targets, weights)
-                coef = [0.0, float(a), float(b)]
-            if coef[1] == 0 and coef[2] == 0:
+            coef = self._fit_coefficients(busy, speeds)
+            if coef is None:
                 return  # the measurements say nothing usable yet: keep the current model
-            speeds = self._fit_speeds(rows, coef)
+            speeds = self._fit_speeds(busy, coef)
         self.overhead_s = coef[0]
         self.speeds = speeds
+        alltoall = (
+            self.alltoall_sums[0] / self.alltoall_sums[1] if self.alltoall_sums[1] else self.current.alltoall_coef
+        )
         self.current = dataclasses.replace(self.prior, linear_coef=coef[1], quadratic_coef=coef[2],
-                                           alltoall_coef=self._fit_alltoall(), gpu_speed=tuple(speeds))  # fmt: skip
+                                           alltoall_coef=alltoall, gpu_speed=tuple(speeds))  # fmt: skip
 
-    def _fit_speeds(self, rows, coef) -> list[float]:
-        predicted, measured = [0.0] * self.num_gpus, [0.0] * self.num_gpus
-        for w, x, y, t, g in rows:
-            predicted[g] += w * (coef[0] + coef[1] * x + coef[2] * y)
-            measured[g] += w * t
-        raw = [p / m if m > 0 else None for p, m in zip(predicted, measured, strict=True)]
+    def _fit_coefficients(self, busy: list[int], speeds: list[float]) -> list[float] | None:
+        """``[overhead, a, b]`` for ``measured * speed = overhead + a*X + b*Y``, from the running sums."""
+        total = dict.fromkeys(_SUMS, 0.0)
+        for g in busy:
+            v = speeds[g]
+            for key in ("w", "x", "y", "xx", "xy", "yy"):
+                total[key] += self.sums[g][key]
+            for key in ("t", "tx", "ty"):
+                total[key] += v * self.sums[g][key]
+            total["tt"] += v * v * self.sums[g]["tt"]
+        gram = [[total["w"], total["x"], total["y"]], [total["x"], total["xx"], total["xy"]],
+                [total["y"], total["xy"], total["yy"]]]  # fmt: skip
+        rhs = [total["t"], total["tx"], total["ty"]]
+        coef = nonnegative_normal_equations(gram, rhs, total["tt"])
+        if coef[1] == 0 and coef[2] == 0:
+            # All overhead: the steps so far gave every GPU the same work (a balanced start), so the
+            # data cannot tell a fixed cost from a per-token one. Take it all as per token.
+            a, b = nonnegative_normal_equations([row[1:] for row in gram[1:]], rhs[1:], total["tt"])
+            coef = [0.0, a, b]
+        return coef if coef[1] > 0 or coef[2] > 0 else None
+
+    def _fit_speeds(self, busy: list[int], coef: list[float]) -> list[float]:
+        """Each rank's predicted over measured seconds, relative to the median rank's, bounded, on a grid."""
+        raw = [None] * self.num_gpus
+        for g in busy:
+            sums = self.sums[g]
+            if sums["t"] > 0:
+                raw[g] = (coef[0] * sums["w"] + coef[1] * sums["x"] + coef[2] * sums["y"]) / sums["t"]
         known = sorted(r for r in raw if r is not None)
         median = known[len(known) // 2] if known else 1.0
         bound = self.settings.max_speed_ratio
-        return [min(max((r if r is not None else median) / median, 1 / bound), bound) for r in raw]
-
-    def _fit_alltoall(self) -> float:
-        """Weighted mean over steps of the least-waiting rank's Ulysses seconds per unit of ``Z``."""
-        total = weight_sum = 0.0
-        ages = len(self.history) - 1
-        for age, obs in enumerate(self.history):
-            rates = [u / 1e6 / z for z, u in zip(obs.alltoall, obs.ulysses_us, strict=True) if u is not None and z > 0]
-            if rates:
-                weight = self.settings.forgetting ** (ages - age)
-                total += weight * min(rates)
-                weight_sum += weight
-        return total / weight_sum if weight_sum else self.current.alltoall_coef
+        speeds = []
+        for r in raw:
+            relative = min(max((r if r is not None else median) / median, 1 / bound), bound)
+            speeds.append(max(round(relative * _SPEED_GRID), 1) / _SPEED_GRID)
+        return speeds

@@ -222,14 +222,7 @@ def nonnegative_least_squares(
     columns: np.ndarray, targets: np.ndarray, weights: np.ndarray | None = None
 ) -> np.ndarray:
     """``argmin sum(weights * (columns @ x - targets)**2)`` over ``x >= 0``, exactly, for a handful
-    of columns, and bit-identically on every machine.
-
-    The optimum is the unconstrained least-squares solution on one subset of the columns (its
-    support), so trying every subset and keeping the best non-negative one is exact: ``2**K`` small
-    solves for ``K`` columns. Columns are scaled to unit norm first (``s`` and ``s**2`` differ by
-    ~10 orders). All-zero columns get 0. The arithmetic is plain Python floats in a fixed order,
-    no BLAS (whose reduction order differs between CPUs): the online refit runs this on every rank
-    and the ranks must agree to the last bit.
+    of columns, and bit-identically on every machine (:func:`nonnegative_normal_equations`).
 
     Args:
         columns: ``[M, K]`` regressors, ``K`` small (at most ~6).
@@ -242,28 +235,45 @@ def nonnegative_least_squares(
     rows = np.asarray(columns, dtype=np.float64).tolist()
     ys = np.asarray(targets, dtype=np.float64).tolist()
     ws = [1.0] * len(ys) if weights is None else np.asarray(weights, dtype=np.float64).tolist()
-    num_columns = len(rows[0]) if rows else np.asarray(columns).shape[1]
-    norms = [math.sqrt(sum(w * row[k] * row[k] for w, row in zip(ws, rows, strict=True))) for k in range(num_columns)]
-    usable = [k for k in range(num_columns) if norms[k] > 0]
-    scaled = [[row[k] / norms[k] if norms[k] > 0 else 0.0 for k in range(num_columns)] for row in rows]
-    best_coef, best_residual = [0.0] * num_columns, sum(w * y * y for w, y in zip(ws, ys, strict=True))
+    k = np.asarray(columns).shape[1]
+    gram = [[sum(w * row[i] * row[j] for w, row in zip(ws, rows, strict=True)) for j in range(k)] for i in range(k)]
+    rhs = [sum(w * row[i] * y for w, row, y in zip(ws, rows, ys, strict=True)) for i in range(k)]
+    return np.array(nonnegative_normal_equations(gram, rhs, sum(w * y * y for w, y in zip(ws, ys, strict=True))))
+
+
+def nonnegative_normal_equations(gram: list[list[float]], rhs: list[float], target_norm: float) -> list[float]:
+    """Exact non-negative least squares from its normal equations: ``gram = A^T W A``, ``rhs = A^T W y``
+    and ``target_norm = y^T W y`` of a weighted problem with a handful of columns.
+
+    The optimum is the unconstrained least-squares solution on one subset of the columns (its
+    support), so trying every subset and keeping the best non-negative one is exact: ``2**K`` small
+    solves for ``K`` columns. Columns are scaled to unit norm first (``s`` and ``s**2`` differ by ~10
+    orders); all-zero columns get 0. Plain Python floats in a fixed order, no BLAS (whose reduction
+    order differs between CPUs): the online refit runs this on every rank, and the ranks must agree
+    to the last bit. Taking sums instead of rows lets the refit keep running sums.
+
+    Returns:
+        ``K`` coefficients, all >= 0 (all 0 when no subset fits with non-negative ones).
+    """
+    num_columns = len(rhs)
+    norms = [math.sqrt(gram[i][i]) if gram[i][i] > 0 else 0.0 for i in range(num_columns)]
+    usable = [i for i in range(num_columns) if norms[i] > 0]
+    best_coef, best_residual = [0.0] * num_columns, target_norm
     for size in range(1, len(usable) + 1):
         for support in itertools.combinations(usable, size):
-            gram = [[sum(w * row[i] * row[j] for w, row in zip(ws, scaled, strict=True)) for j in support]
-                    for i in support]  # fmt: skip
-            rhs = [sum(w * row[i] * y for w, row, y in zip(ws, scaled, ys, strict=True)) for i in support]
-            solution = _solve_linear(gram, rhs)
+            sub = [[gram[i][j] / (norms[i] * norms[j]) for j in support] for i in support]
+            sub_rhs = [rhs[i] / norms[i] for i in support]
+            solution = _solve_linear(sub, sub_rhs)
             if solution is None or any(v < 0 for v in solution):
                 continue
-            residual = sum(
-                w * (sum(v * row[k] for v, k in zip(solution, support, strict=True)) - y) ** 2
-                for w, row, y in zip(ws, scaled, ys, strict=True)
-            )
+            # ||A x - y||^2 = y^T y - 2 x^T A^T y + x^T A^T A x, in the scaled columns.
+            quadratic = sum(a * sub[i][j] * b for i, a in enumerate(solution) for j, b in enumerate(solution))
+            residual = target_norm - 2 * sum(a * r for a, r in zip(solution, sub_rhs, strict=True)) + quadratic
             if residual < best_residual:
                 best_residual, best_coef = residual, [0.0] * num_columns
-                for v, k in zip(solution, support, strict=True):
-                    best_coef[k] = v / norms[k]
-    return np.array(best_coef)
+                for v, i in zip(solution, support, strict=True):
+                    best_coef[i] = v / norms[i]
+    return best_coef
 
 
 def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
