@@ -97,7 +97,8 @@ class _Levels:
         group_at: per level, ``[S]`` the id of the level's group holding each GPU (-1: none).
         groups_of_gpu: per GPU, the ids of the groups holding it, largest first.
         level_of_class: ``[C]`` level of each class.
-        level_table: ``[V, n]`` the group ids of each level, padded with ``B``.
+        level_table: ``[V, n]`` the group ids of each level, padded with ``B``; table_position: per
+            top-level group, the (row, column) indices of the groups inside it in ``level_table``.
         block_of_gpu: ``[S]`` the top-level group (bag of the topology) holding each GPU.
         groups_in_block: per group id of a top-level group, ``[K]`` the ids of the groups inside it, ascending.
         inside_position: ``[B]`` each group's index in ``groups_in_block`` of its block.
@@ -118,6 +119,7 @@ class _Levels:
     groups_of_gpu: list[list[int]]
     level_of_class: np.ndarray
     level_table: np.ndarray
+    table_position: dict[int, tuple[np.ndarray, np.ndarray]]
     block_of_gpu: list[int]
     groups_in_block: dict[int, np.ndarray]
     inside_position: np.ndarray
@@ -148,6 +150,8 @@ class _Levels:
         level_table = np.full((len(sizes), max(len(ids) for ids in group_ids)), problem.num_bags, dtype=np.int64)
         for level, ids in enumerate(group_ids):
             level_table[level, : len(ids)] = ids
+        row_col = np.full((problem.num_bags, 2), -1, dtype=np.int64)  # where each group sits in level_table
+        row_col[level_table[level_table < problem.num_bags]] = np.argwhere(level_table < problem.num_bags)
         block_of_gpu = np.empty(problem.num_gpus, dtype=np.int64)
         groups_in_block = {}
         index = {(int(f), int(g)): b for b, (f, g) in enumerate(zip(problem.bag_first, problem.bag_size, strict=True))}
@@ -169,7 +173,9 @@ class _Levels:
         widest = int(problem.bag_size.max())
         padded_gpus = problem.bag_first[:, None] + np.arange(widest)[None, :] % problem.bag_size[:, None]
         step_cost = np.vstack([np.where(problem.allowed, problem.cost, _BARRED), np.zeros_like(problem.cost[:1])])
-        return cls(sizes, group_ids, group_at, groups_of_gpu, level_of_class, level_table, block_of_gpu.tolist(),
+        table_position = {block: (row_col[inside, 0], row_col[inside, 1]) for block, inside in groups_in_block.items()}
+        return cls(sizes, group_ids, group_at, groups_of_gpu, level_of_class, level_table, table_position,
+                   block_of_gpu.tolist(),
                    groups_in_block, inside_position, block_member, padded_gpus, problem.bag_first.tolist(),
                    problem.bag_size.tolist(), problem.bag_class.tolist(), block_of_gpu[problem.bag_first].tolist(),
                    problem.num_bags + 1, np.arange(problem.num_bags), step_cost)  # fmt: skip
@@ -190,8 +196,10 @@ class _State:
         self.tokens = np.zeros(problem.num_gpus, dtype=np.int64) if problem.cap is not None else None
         self.group_of_seq = np.full(len(problem.seq_lens), -1, dtype=np.int64)
         self.members: list[list[int]] = [[] for _ in range(problem.num_bags)]
-        # [B] every group's busiest GPU, kept by apply() once the local search starts it.
+        # [B] every group's busiest GPU, and [B + 1] keys ranking groups by it (ties by id; the last
+        # one pads levels.level_table), kept by apply() once the local search starts them.
         self.group_max: np.ndarray | None = None
+        self.group_key: np.ndarray | None = None
 
     def cost(self, i: int, group: int) -> int:
         return int(self.problem.cost[i, self.levels.group_class[group]])
@@ -249,6 +257,7 @@ class _State:
             for block in blocks:
                 inside = self.levels.groups_in_block[block]
                 self.group_max[inside] = self.loads[self.levels.padded_gpus[inside]].max(axis=1)
+                self.group_key[inside] = self.group_max[inside] * self.levels.key_scale + inside
 
     def fits(self, i: int, group: int) -> bool:
         """Whether ``i`` in ``group`` keeps every GPU under the token cap (given the current tokens)."""
@@ -554,6 +563,7 @@ def _local_search(state: _State, steps: int = SEARCH_STEPS, chains: bool = True)
     if (window_start_max + int(problem.cost.max())) * (problem.num_bags + 1) >= _BIG:
         return
     state.group_max = state.loads[state.levels.padded_gpus].max(axis=1)
+    state.group_key = np.append(state.group_max * state.levels.key_scale + state.levels.group_index, _BIG)
     window = STALL_WINDOW if chains else EXPLORE_WINDOW
     stall_fraction = SEARCH_TOLERANCE * window / STALL_WINDOW
     for step in range(steps):
@@ -656,9 +666,8 @@ def _lightest_outside(state: _State, block: int) -> np.ndarray:
     level by level, lightest first (ties by id): one partition over keys that pack a group's busiest
     GPU's load and its id into one int64 (see :func:`_local_search` for why they cannot overflow)."""
     levels = state.levels
-    keys = state.group_max * levels.key_scale + levels.group_index
-    keys[levels.groups_in_block[block]] = _BIG
-    table = np.append(keys, _BIG)[levels.level_table]  # [V, n], padded with _BIG
+    table = state.group_key[levels.level_table]  # [V, n], padded with _BIG
+    table[levels.table_position[block]] = _BIG
     if table.shape[1] > SWAP_GROUPS_PER_LEVEL:
         table = np.partition(table, SWAP_GROUPS_PER_LEVEL - 1, axis=1)[:, :SWAP_GROUPS_PER_LEVEL]
     table.sort(axis=1)
