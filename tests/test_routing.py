@@ -98,9 +98,30 @@ def _conservation(rank: int, world: int, spec: str) -> dict:
     return checked
 
 
+def _balanced_against_unbalanced(model, batch, balancer, rank: int) -> dict:
+    """Outputs (this rank's) and parameter gradients (summed over ranks) of ``model`` with and without
+    ``balancer``: the largest relative differences."""
+    import deepspeed.comm as dist
+
+    weights = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(rank), dtype=batch.tokens.dtype)
+    runs = []
+    for bal in (None, balancer):
+        model.zero_grad(set_to_none=False)
+        out = model(batch, bal)
+        (out * weights).sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dist.all_reduce(grads)
+        runs.append((out.detach(), grads))
+    (out_ref, grads_ref), (out, grads) = runs
+    return {
+        # relative to the largest output (position ids up to 64 make outputs ~30)
+        "out_err": float((out - out_ref).abs().amax() / out_ref.abs().amax().clamp(min=1)) if out.numel() else 0.0,
+        "grad_err": float((grads - grads_ref).abs().max() / grads_ref.abs().max()),
+    }
+
+
 def _equivalence(rank: int, world: int, spec: str) -> dict:
     """TinyDiT with balancing on vs off: outputs per rank, parameter gradients summed over ranks."""
-    import deepspeed.comm as dist
 
     from deepspeed_knap.balancer import KnapBalancer
     from deepspeed_knap.models.tiny_dit import TinyDiT
@@ -125,20 +146,8 @@ def _equivalence(rank: int, world: int, spec: str) -> dict:
         torch.manual_seed(0)
         model = TinyDiT(DIM, HEADS, COND, topology=topology).to(dtype)
         batch = _batch(rank, dtype)
-        weights = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(rank), dtype=dtype)
-        runs = []
-        for bal in (None, balancer):
-            model.zero_grad(set_to_none=False)
-            out = model(batch, bal)
-            (out * weights).sum().backward()
-            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-            dist.all_reduce(grads)
-            runs.append((out.detach(), grads))
-        (out_ref, grads_ref), (out, grads) = runs
         result[f"{dtype}-{solver}"] = {
-            # relative to the largest output (position ids up to 64 make outputs ~30)
-            "out_err": float((out - out_ref).abs().amax() / out_ref.abs().amax().clamp(min=1)) if out.numel() else 0.0,
-            "grad_err": float((grads - grads_ref).abs().max() / grads_ref.abs().max()),
+            **_balanced_against_unbalanced(model, batch, balancer, rank),
             "max_group": int(balancer.plan(batch).seq_group_size.max(initial=1)),
         }
     return result
@@ -319,7 +328,6 @@ AUTO_WORKLOAD = dict(linear_coef=1.0, quadratic_coef=0.05, alltoall_coef=0.5)
 def _auto_worker(rank: int, world: int) -> dict:
     """Conservation and equivalence with auto plans: the planner's, and random nested ones (every
     sequence in a random aligned group of a random size)."""
-    import deepspeed.comm as dist
     import numpy as np
 
     from deepspeed_knap.balancer import KnapBalancer
@@ -353,19 +361,8 @@ def _auto_worker(rank: int, world: int) -> dict:
         plan = balancer.plan(batch)
         routed = route(batch, plan, groups)
         assert torch.equal(reverse_route(routed.batch.tokens, routed), batch.tokens)
-        weights = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(rank), dtype=dtype)
-        runs = []
-        for bal in (None, balancer):
-            model.zero_grad(set_to_none=False)
-            out = model(batch, bal)
-            (out * weights).sum().backward()
-            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-            dist.all_reduce(grads)
-            runs.append((out.detach(), grads))
-        (out_ref, grads_ref), (out, grads) = runs
         result[name] = {
-            "out_err": float((out - out_ref).abs().amax() / out_ref.abs().amax().clamp(min=1)) if out.numel() else 0.0,
-            "grad_err": float((grads - grads_ref).abs().max() / grads_ref.abs().max()),
+            **_balanced_against_unbalanced(model, batch, balancer, rank),
             "sizes": sorted(set(plan.seq_group_size.tolist())),
             "groups_here": len(routed.layout.attention_groups),
         }
