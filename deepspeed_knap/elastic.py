@@ -68,10 +68,10 @@ STALL_WINDOW = 32
 # The first search of each start (no chains: it only has to show which start wins) checks for a stall
 # after this many steps, at the same rate: many GPUs near the max make steps cheap to stall on.
 EXPLORE_WINDOW = 8
-# Per local-search step: groups per level outside the busiest GPU's block that are move targets and
+# Per local-search step: groups per class outside the busiest GPU's block that are move targets and
 # whose sequences are swap partners, how many of those partners and of the busiest GPU's sequences
 # are paired, and how many of the best swaps are checked against the cap.
-SWAP_GROUPS_PER_LEVEL = 16
+SWAP_GROUPS_PER_CLASS = 16
 SWAP_ITEMS = 64
 SWAP_TRIES = 32
 # Two-step chains start from this many of the busiest GPU's costliest sequences; they are tried on
@@ -97,8 +97,9 @@ class _Levels:
         group_at: per level, ``[S]`` the id of the level's group holding each GPU (-1: none).
         groups_of_gpu: per GPU, the ids of the groups holding it, largest first.
         level_of_class: ``[C]`` level of each class.
-        level_table: ``[V, n]`` the group ids of each level, padded with ``B``; table_position: per
-            top-level group, the (row, column) indices of the groups inside it in ``level_table``.
+        class_table: ``[C, n]`` the group ids of each class, ascending, padded with ``B``, the classes of
+            larger groups first; table_position: per top-level group, the (row, column) indices of
+            the groups inside it in ``class_table``.
         block_of_gpu: ``[S]`` the top-level group (bag of the topology) holding each GPU.
         groups_in_block: per group id of a top-level group, ``[K]`` the ids of the groups inside it, ascending.
         inside_position: ``[B]`` each group's index in ``groups_in_block`` of its block.
@@ -118,7 +119,7 @@ class _Levels:
     group_at: list[np.ndarray]
     groups_of_gpu: list[list[int]]
     level_of_class: np.ndarray
-    level_table: np.ndarray
+    class_table: np.ndarray
     table_position: dict[int, tuple[np.ndarray, np.ndarray]]
     block_of_gpu: list[int]
     groups_in_block: dict[int, np.ndarray]
@@ -147,11 +148,12 @@ class _Levels:
         at = np.stack(group_at, axis=1)  # [S, V]
         groups_of_gpu = [[g for g in row if g >= 0] for row in at.tolist()]
         level_of_class = np.array([sizes.index(int(g)) for g in problem.class_size], dtype=np.int64)
-        level_table = np.full((len(sizes), max(len(ids) for ids in group_ids)), problem.num_bags, dtype=np.int64)
-        for level, ids in enumerate(group_ids):
-            level_table[level, : len(ids)] = ids
-        row_col = np.full((problem.num_bags, 2), -1, dtype=np.int64)  # where each group sits in level_table
-        row_col[level_table[level_table < problem.num_bags]] = np.argwhere(level_table < problem.num_bags)
+        class_ids = [np.flatnonzero(problem.bag_class == c) for c in np.argsort(level_of_class, kind="stable")]
+        class_table = np.full((len(class_ids), max(len(ids) for ids in class_ids)), problem.num_bags, dtype=np.int64)
+        for row, ids in enumerate(class_ids):
+            class_table[row, : len(ids)] = ids
+        row_col = np.full((problem.num_bags, 2), -1, dtype=np.int64)  # where each group sits in class_table
+        row_col[class_table[class_table < problem.num_bags]] = np.argwhere(class_table < problem.num_bags)
         block_of_gpu = np.empty(problem.num_gpus, dtype=np.int64)
         groups_in_block = {}
         index = {(int(f), int(g)): b for b, (f, g) in enumerate(zip(problem.bag_first, problem.bag_size, strict=True))}
@@ -174,7 +176,7 @@ class _Levels:
         padded_gpus = problem.bag_first[:, None] + np.arange(widest)[None, :] % problem.bag_size[:, None]
         step_cost = np.vstack([np.where(problem.allowed, problem.cost, _BARRED), np.zeros_like(problem.cost[:1])])
         table_position = {block: (row_col[inside, 0], row_col[inside, 1]) for block, inside in groups_in_block.items()}
-        return cls(sizes, group_ids, group_at, groups_of_gpu, level_of_class, level_table, table_position,
+        return cls(sizes, group_ids, group_at, groups_of_gpu, level_of_class, class_table, table_position,
                    block_of_gpu.tolist(),
                    groups_in_block, inside_position, block_member, padded_gpus, problem.bag_first.tolist(),
                    problem.bag_size.tolist(), problem.bag_class.tolist(), block_of_gpu[problem.bag_first].tolist(),
@@ -197,7 +199,7 @@ class _State:
         self.group_of_seq = np.full(len(problem.seq_lens), -1, dtype=np.int64)
         self.members: list[list[int]] = [[] for _ in range(problem.num_bags)]
         # [B] every group's busiest GPU, and [B + 1] keys ranking groups by it (ties by id; the last
-        # one pads levels.level_table), kept by apply() once the local search starts them.
+        # one pads levels.class_table), kept by apply() once the local search starts them.
         self.group_max: np.ndarray | None = None
         self.group_key: np.ndarray | None = None
 
@@ -590,7 +592,7 @@ def _best_chain(state: _State, gpu: int, top: int) -> list[tuple[int, int]] | No
     items.sort(key=lambda i: (-state.cost(i, int(state.group_of_seq[i])), i))
     light = _lightest_outside(state, levels.block_of_gpu[gpu]).tolist()
     classes = [levels.group_class[g] for g in light]
-    # The lightest group outside the block, of every class (light is lightest first within a level).
+    # The lightest group outside the block, of every class (light is lightest first within a class).
     lightest = [light[classes.index(c)] for c in sorted(set(classes))]
     for i in items[:CHAIN_STARTS]:
         home = int(state.group_of_seq[i])
@@ -662,14 +664,15 @@ def _best_step(state: _State, gpu: int, limit: int) -> list[tuple[int, int]] | N
 
 
 def _lightest_outside(state: _State, block: int) -> np.ndarray:
-    """``[D]`` ids of the ``SWAP_GROUPS_PER_LEVEL`` lightest groups of every level outside ``block``,
-    level by level, lightest first (ties by id): one partition over keys that pack a group's busiest
-    GPU's load and its id into one int64 (see :func:`_local_search` for why they cannot overflow)."""
+    """``[D]`` ids of the ``SWAP_GROUPS_PER_CLASS`` lightest groups of every class outside ``block``,
+    class by class (larger groups first), lightest first (ties by id): one partition over keys that
+    pack a group's busiest GPU's load and its id into one int64 (see :func:`_local_search` for why
+    they cannot overflow)."""
     levels = state.levels
-    table = state.group_key[levels.level_table]  # [V, n], padded with _BIG
+    table = state.group_key[levels.class_table]  # [C, n], padded with _BIG
     table[levels.table_position[block]] = _BIG
-    if table.shape[1] > SWAP_GROUPS_PER_LEVEL:
-        table = np.partition(table, SWAP_GROUPS_PER_LEVEL - 1, axis=1)[:, :SWAP_GROUPS_PER_LEVEL]
+    if table.shape[1] > SWAP_GROUPS_PER_CLASS:
+        table = np.partition(table, SWAP_GROUPS_PER_CLASS - 1, axis=1)[:, :SWAP_GROUPS_PER_CLASS]
     table.sort(axis=1)
     return table[table < _BIG] % levels.key_scale
 
