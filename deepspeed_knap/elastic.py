@@ -177,10 +177,10 @@ class _Levels:
         step_cost = np.vstack([np.where(problem.allowed, problem.cost, _BARRED), np.zeros_like(problem.cost[:1])])
         table_position = {block: (row_col[inside, 0], row_col[inside, 1]) for block, inside in groups_in_block.items()}
         return cls(sizes, group_ids, group_at, groups_of_gpu, level_of_class, class_table, table_position,
-                   block_of_gpu.tolist(),
-                   groups_in_block, inside_position, block_member, padded_gpus, problem.bag_first.tolist(),
-                   problem.bag_size.tolist(), problem.bag_class.tolist(), block_of_gpu[problem.bag_first].tolist(),
-                   problem.num_bags + 1, np.arange(problem.num_bags), step_cost)  # fmt: skip
+                   block_of_gpu.tolist(), groups_in_block, inside_position, block_member, padded_gpus,
+                   problem.bag_first.tolist(), problem.bag_size.tolist(), problem.bag_class.tolist(),
+                   block_of_gpu[problem.bag_first].tolist(), problem.num_bags + 1, np.arange(problem.num_bags),
+                   step_cost)  # fmt: skip
 
 
 def chunk_tokens(seq_len: int, size: int) -> np.ndarray:
@@ -605,12 +605,8 @@ def _best_chain(state: _State, gpu: int, top: int) -> list[tuple[int, int]] | No
             # when even the costliest one there could not bring it below top.
             span = state.span(b)
             gpu_b = span.start + int(state.loads[span].argmax())
-            if (
-                int(state.group_max[b])
-                + state.cost(i, b)
-                - max((state.cost(j, int(state.group_of_seq[j])) for j in state.touching(gpu_b)), default=0)
-                >= top
-            ):
+            most_off = max((state.cost(j, int(state.group_of_seq[j])) for j in state.touching(gpu_b)), default=0)
+            if int(state.group_max[b]) + state.cost(i, b) - most_off >= top:
                 continue
             state.apply([(i, b)])
             follow = _best_step(state, gpu_b, top)
