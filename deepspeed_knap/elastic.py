@@ -33,8 +33,8 @@ The solver:
    ends below the current maximum (so the sorted load vector falls lexicographically: no cycles, and
    the step time never rises). The best start, and those close behind it, then also try two-step
    chains when stuck.
-5. **Exact search** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences: branch and bound over
-   every group, within a node budget.
+5. **Exact search** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences (besides short ones that
+   cost next to nothing): branch and bound over every group, within a node budget.
 6. **Locality:** single-GPU sequences go back to their home GPU, or trade places with a guest there,
    wherever that keeps the step time.
 
@@ -55,8 +55,11 @@ if TYPE_CHECKING:
     from deepspeed_knap.planner import _Problem
 
 # Packing starts: split sequences until their per-GPU cost is at most this fraction of the bound.
-PIECE_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+PIECE_FRACTIONS = (1.05, 1.0, 0.5, 0.25, 0.125)
 EXACT_MAX_SEQUENCES = 16
+# ... not counting short ones (costing under 1/EXACT_SHORT of the bound), up to EXACT_SHORT_TOTAL in all.
+EXACT_SHORT = 1000
+EXACT_SHORT_TOTAL = 64
 EXACT_NODE_BUDGET = 20_000
 # Local search: stop within this fraction of the bound, or when a window of steps cut the max by
 # less than it (the step budget is plan_routing's refine_steps).
@@ -286,7 +289,10 @@ def solve_elastic(problem: _Problem, steps: int = SEARCH_STEPS) -> np.ndarray | 
     best = _best_start(problem, levels, steps)
     if best is None:
         return None
-    if n <= EXACT_MAX_SEQUENCES:
+    # Sequences that cost next to nothing mostly end up spread over single GPUs at the leaves (see
+    # _exact_search): only the others count, up to a few times as many sequences in all.
+    cheapest = np.where(problem.allowed, problem.cost, _BIG).min(axis=1)
+    if n <= EXACT_SHORT_TOTAL and int((cheapest * EXACT_SHORT > problem.lower_bound).sum()) <= EXACT_MAX_SEQUENCES:
         exact = _exact_search(problem, levels, best.group_of_seq, EXACT_NODE_BUDGET)
         best = _State(problem, levels)
         best.place_all(np.arange(n), exact)
@@ -775,9 +781,11 @@ def _exact_search(problem: _Problem, levels: _Levels, incumbent: np.ndarray, nod
     GPU-seconds of the remaining sequences cannot fit under it on ``S`` GPUs. Groups are tried once
     per symmetry class: two groups whose placement leads to mirror-image states (same place inside
     top-level groups with identical loads, tokens and speeds, or inside sibling halves whose contents
-    are identical) give the same best completion. When all the remaining sequences fit on one GPU
-    without raising the branch's step time, that completes the branch: no completion does better, and
-    short sequences (which cost next to nothing anywhere) would otherwise multiply the branches. Exact
+    are identical) give the same best completion; sequences of equal length go to groups in ascending
+    order. When the remaining sequences fit on single GPUs
+    (each where it finishes first) without raising the branch's step time, that completes the branch:
+    no completion does better, and short sequences (which cost next to nothing anywhere) would
+    otherwise multiply the branches. Exact
     when the budget suffices; only run for small balance groups (``S <= 64``), where a state is cheap
     to compare.
     """
@@ -792,16 +800,18 @@ def _exact_search(problem: _Problem, levels: _Levels, incumbent: np.ndarray, nod
     order = np.lexsort((np.arange(n), -masked_cost.min(axis=1))).tolist()
     cheapest = np.where(problem.allowed, problem.gpu_seconds, _BIG).min(axis=1)[order]
     rest = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()
-    # Per class, what the sequences from the k-th on cost together in it (None: the cap bars one).
-    single_class = problem.bag_class[levels.group_at[-1]].tolist()  # [S] the class of each GPU alone
-    rest_alone = [[0] * len(problem.class_size)]
-    for i in reversed(order):
-        rest_alone.append([None if total is None or not problem.allowed[i, c] else total + int(problem.cost[i, c])
-                           for c, total in enumerate(rest_alone[-1])])  # fmt: skip
-    rest_alone.reverse()
-    least_alone = [min((total for total in totals if total is not None), default=_BIG) for totals in rest_alone]
-    rest_tokens = np.concatenate([np.cumsum(problem.seq_lens[order][::-1])[::-1], [0]]).tolist()
+    # What each sequence costs alone on each GPU (None: the cap bars it), and the least of it.
+    single_class = problem.bag_class[levels.group_at[-1]]  # [S] the class of each GPU alone
+    alone_cost = np.where(problem.allowed[:, single_class], problem.cost[:, single_class], -1)[order].tolist()
+    alone_cost = [[None if c < 0 else c for c in row] for row in alone_cost]
+    cheapest_alone = [min((c for c in row if c is not None), default=_BIG) for row in alone_cost]
+    seq_lens = problem.seq_lens[order].tolist()
     single_group = levels.group_at[-1].tolist()
+    # Equal lengths cost the same everywhere: a run of them is placed in ascending group ids only
+    # (run 2: not the run's first), which leaves one order of each placement. Mirror-image groups
+    # are then skipped only for sequences outside runs (run 0): a mirror image could break the order.
+    same = [False] + [seq_lens[k] == seq_lens[k - 1] for k in range(1, n)] + [False]
+    run = [2 if same[k] else 1 if same[k + 1] else 0 for k in range(n)]
     candidates = []
     for i in order:
         options = []
@@ -834,42 +844,65 @@ def _exact_search(problem: _Problem, levels: _Levels, incumbent: np.ndarray, nod
             lo, span = (lo + half if right else lo), half
         return c, top_size, signature(top_first, top_size), tuple(path)
 
+    def spread(k: int) -> tuple[int, list[int]] | None:
+        """The sequences from the ``k``-th on on single GPUs, each where it finishes first: the step
+        time that gives and their groups (``None`` if the cap leaves one without room)."""
+        extra, extra_tokens, placed, top = [0] * num_gpus, [0] * num_gpus, [], 0
+        for costs, length in zip(alone_cost[k:], seq_lens[k:], strict=True):
+            fitting = [g for g, cost in enumerate(costs) if cost is not None
+                       and (cap is None or tokens[g] + extra_tokens[g] + length <= cap)]  # fmt: skip
+            if not fitting:
+                return None
+            finish, gpu = min((loads[g] + extra[g] + costs[g], g) for g in fitting)
+            extra[gpu] += costs[gpu]
+            extra_tokens[gpu] += length
+            placed.append(single_group[gpu])
+            top = max(top, finish)
+        return top, placed
+
     def search(k: int, current_max: int, used: int) -> None:
         nonlocal best_max, best_assign, nodes
         if k == n:
             best_max, best_assign = current_max, list(assign)
             return
-        if least_alone[k] + min(loads) <= current_max:  # some GPU may hold the rest
-            for gpu in range(num_gpus):
-                alone = rest_alone[k][single_class[gpu]]
-                if (
-                    alone is not None
-                    and loads[gpu] + alone <= current_max
-                    and (cap is None or tokens[gpu] + rest_tokens[k] <= cap)
-                ):
-                    best_max, best_assign = current_max, assign[:k] + [single_group[gpu]] * (n - k)
+        # Short sequences on single GPUs complete the branch: no completion beats the step time so
+        # far, and a completion just above it is still a good incumbent that cuts other branches.
+        if cheapest_alone[k] + min(loads) < best_max:
+            completion = spread(k)
+            if completion is not None and max(current_max, completion[0]) < best_max:
+                best_max, best_assign = max(current_max, completion[0]), assign[:k] + completion[1]
+                if best_max == current_max:
                     return
         if nodes >= node_budget or best_max <= problem.lower_bound:
             return
         if -(-(used + rest[k]) // num_gpus) >= best_max:
             return
-        seen = set()
+        seen, options = set(), []
         for g, first, size, cost, chunks, c in candidates[k]:
+            if run[k] == 2 and g < assign[k - 1]:
+                continue
             new_max = max(loads[first : first + size]) + cost
             if new_max >= best_max:
                 continue
             if cap is not None and any(t + x > cap for t, x in zip(tokens[first : first + size], chunks, strict=True)):
                 continue
-            key = canonical(first, size, c)
-            if key in seen:
+            if run[k] == 0:
+                key = canonical(first, size, c)
+                if key in seen:
+                    continue
+                seen.add(key)
+            options.append((max(current_max, new_max), size * cost, g, first, size, cost, chunks))
+        # Most promising first (lowest step time so far, then fewest GPU-seconds): a good incumbent
+        # early cuts the most branches.
+        for new_max, _, g, first, size, cost, chunks in sorted(options):
+            if new_max >= best_max:
                 continue
-            seen.add(key)
             nodes += 1
             for m in range(size):
                 loads[first + m] += cost
                 tokens[first + m] += chunks[m]
             assign[k] = g
-            search(k + 1, max(current_max, new_max), used + size * cost)
+            search(k + 1, new_max, used + size * cost)
             for m in range(size):
                 loads[first + m] -= cost
                 tokens[first + m] -= chunks[m]
