@@ -16,13 +16,15 @@ The solver:
    sequence. So for the lower bound ``T`` each sequence takes the size of its cheapest group class
    (in GPU-seconds) whose per-GPU cost fits ``T``: short sequences stay whole, long ones are split
    just enough. Further starts split down to ``T/2``, ``T/4``, ``T/8`` (with few sequences per GPU,
-   smaller pieces pack tighter), and one more is the fixed-topology solver on the largest groups.
+   smaller pieces pack tighter; one more, at 1.05 ``T``, gives room to a sequence just over it), and
+   one more is the fixed-topology solver on the largest groups.
 2. **Packing, largest groups first.** Every group placed before a level is at least as large and
    aligned, so it covers whole groups of the level: within a level every group has one load, and
    packing the level is scheduling on identical machines (related ones with ``gpu_speed``). First
    each sequence stays in the group of its home GPU if that finishes within ``T`` (largest first, so
    the most tokens stay home); the rest go largest first to the group that finishes earliest. The
    single-GPU level goes to the fixed-topology solver (``refine``) over the loads already there.
+   When the memory cap defeats every such start, one packs for the cap alone (groups of any size).
 3. **Only starts that can win.** A start's degrees bound its step time (its costliest sequence, its
    GPU-seconds spread over all GPUs), and splitting further only raises the bound: starts are packed
    in order of bound until the bound reaches the best packed step time, then searched best packed
@@ -320,7 +322,8 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
     starts = [(bound(level_cost[rows, level_of_seq], level_gpu_seconds[rows, level_of_seq]), level_of_seq)
               for level_of_seq in _degrees(problem, levels)]  # fmt: skip
     # The topology's own bags (the largest groups) as a fixed topology: auto is never worse than it.
-    blocks = np.asarray(sorted(levels.groups_in_block))
+    # By first GPU, as refine sees them.
+    blocks = np.asarray(sorted(levels.groups_in_block, key=lambda g: int(problem.bag_first[g])))
     block_classes = np.unique(problem.bag_class[blocks])
     barred = ~problem.allowed[:, block_classes]
     starts.append((bound(np.where(barred, _BIG, problem.cost[:, block_classes]).min(axis=1),
@@ -335,6 +338,11 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
             state = _pack_by_level(problem, levels, level_of_seq, steps)
         if state is not None:
             packed.append((start_bound, state))
+    if not packed:  # only under a tight cap
+        state = _pack_for_cap(problem, levels)
+        if state is None:
+            return None
+        packed.append((problem.lower_bound, state))
     best, searched = None, []
     for start_bound, state in sorted(packed, key=lambda start: int(start[1].loads.max())):
         if best is not None and (start_bound >= int(best.loads.max())
@@ -524,6 +532,29 @@ def _pack_stage(problem: _Problem, levels: _Levels, state: _State, seqs: np.ndar
     if bag_of_seq is None:
         return None
     state.place_all(seqs, bags[bag_of_seq])
+    return state
+
+
+def _pack_for_cap(problem: _Problem, levels: _Levels) -> _State | None:
+    """Every sequence placed for the memory cap alone, or ``None`` if that fails: the start of last
+    resort when the cap defeats every load-driven one (which put the sequences of a level in groups of
+    that level only). Like bin packing's first-fit decreasing: sequences by the tokens they need
+    (their smallest per-GPU share) descending, each in the group, of any size, that leaves its
+    busiest GPU the fewest tokens (ties: the lowest load, then the lowest id). Load balance is left to
+    local search."""
+    state = _State(problem, levels)
+    first, size = problem.bag_first, problem.bag_size
+    for i in np.lexsort((np.arange(len(problem.seq_lens)), -problem.tokens.min(axis=1))).tolist():
+        best = None
+        for group in np.flatnonzero(problem.allowed[i, problem.bag_class]).tolist():
+            span = slice(int(first[group]), int(first[group] + size[group]))
+            tokens = state.tokens[span] + chunk_tokens(int(problem.seq_lens[i]), int(size[group]))
+            if tokens.max() <= problem.cap:
+                key = (int(tokens.max()), int(state.loads[span].max()) + state.cost(i, group), group)
+                best = key if best is None or key < best else best
+        if best is None:
+            return None
+        state.place(i, best[2])
     return state
 
 

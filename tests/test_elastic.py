@@ -116,6 +116,9 @@ def test_auto_honours_the_memory_cap_or_says_why(instance, cap_scale):
         plan = plan_routing(lengths, topology, FLUX, max_tokens_per_gpu=cap)
     except ValueError as error:
         assert f"max_tokens_per_gpu={cap}" in str(error)
+        num_seqs = sum(map(len, lengths))
+        if len(topology.groups) ** num_seqs <= 5_000:  # small enough to check the refusal by brute force
+            assert brute_force_elastic(lengths, topology, FLUX, cap=cap) == np.inf
         return
     check_plan_covers_every_token(plan, lengths, topology)
     assert plan.gpu_tokens.max(initial=0) <= cap
@@ -129,6 +132,16 @@ def test_a_cap_auto_cannot_meet_matches_brute_force():
         plan_routing(lengths, topology, FLUX, max_tokens_per_gpu=449)
     assert brute_force_elastic(lengths, topology, FLUX, cap=900) < np.inf
     assert plan_routing(lengths, topology, FLUX, max_tokens_per_gpu=900).gpu_tokens.max() <= 900
+
+
+def test_auto_meets_a_cap_that_no_single_group_size_meets():
+    # Three 1-token sequences, one token per GPU: a group puts a short sequence's tokens on its first
+    # GPUs, so no one size holds all three (8: all on GPU 0; 4: two groups), but sizes mixed do.
+    topology = build_topology("auto", 8, max_degree=8)
+    lengths = [[], [], [], [1, 1], [1], [], [], []]
+    plan = plan_routing(lengths, topology, FLUX, max_tokens_per_gpu=1)
+    check_plan_covers_every_token(plan, lengths, topology)
+    assert plan.gpu_tokens.max() == 1
 
 
 @pytest.mark.parametrize("workload_name", WORKLOADS)
