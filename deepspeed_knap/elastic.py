@@ -16,8 +16,12 @@ The solver:
    sequence. So for the lower bound ``T`` each sequence takes the size of its cheapest group class
    (in GPU-seconds) whose per-GPU cost fits ``T``: short sequences stay whole, long ones are split
    just enough. Further starts split down to ``T/2``, ``T/4``, ``T/8`` (with few sequences per GPU,
-   smaller pieces pack tighter; one more, at 1.05 ``T``, gives room to a sequence just over it), and
-   one more is the fixed-topology solver on the largest groups.
+   smaller pieces pack tighter; one more, at 1.05 ``T``, gives room to a sequence just over it).
+   Further starts are fixed topologies of the family solved by the fixed-topology solver
+   (``refine``): the largest groups, each size alone, each size on an equal share of the GPUs, and
+   mixes giving each size GPUs in proportion to what a degree start puts there; the best of them is
+   improved by hill climbing on its mix (one group of a size more or fewer). Local search across
+   sizes rarely finds such plans of disjoint groups, often the best when images and videos mix.
 2. **Packing, largest groups first.** Every group placed before a level is at least as large and
    aligned, so it covers whole groups of the level: within a level every group has one load, and
    packing the level is scheduling on identical machines (related ones with ``gpu_speed``). First
@@ -63,6 +67,8 @@ EXACT_MAX_SEQUENCES = 16
 EXACT_SHORT = 1000
 EXACT_SHORT_TOTAL = 64
 EXACT_NODE_BUDGET = 20_000
+# Hill-climbing steps over mixes of group sizes (fixed topologies of the family).
+TILING_ROUNDS = 4
 # Local search: stop within this fraction of the bound, or when a window of steps cut the max by
 # less than it (the step budget is plan_routing's refine_steps).
 SEARCH_STEPS = 256
@@ -319,25 +325,33 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
         return max(int(cost.max()), -(-int(gpu_seconds.sum()) // problem.num_gpus)) if cost.max() < _BIG else _BIG
 
     rows = np.arange(n)
-    starts = [(bound(level_cost[rows, level_of_seq], level_gpu_seconds[rows, level_of_seq]), level_of_seq)
-              for level_of_seq in _degrees(problem, levels)]  # fmt: skip
-    # The topology's own bags (the largest groups) as a fixed topology: auto is never worse than it.
-    # By first GPU, as refine sees them.
-    blocks = np.asarray(sorted(levels.groups_in_block, key=lambda g: int(problem.bag_first[g])))
-    block_classes = np.unique(problem.bag_class[blocks])
-    barred = ~problem.allowed[:, block_classes]
-    starts.append((bound(np.where(barred, _BIG, problem.cost[:, block_classes]).min(axis=1),
-                         np.where(barred, _BIG, problem.gpu_seconds[:, block_classes]).min(axis=1)), None))  # fmt: skip
-    packed = []
-    for start_bound, level_of_seq in sorted(starts, key=lambda start: start[0]):  # stable: the larger piece first
-        if packed and start_bound >= min(int(state.loads.max()) for _, state in packed):
-            break  # bounds only grow from here
-        if level_of_seq is None:
-            state = _pack_stage(problem, levels, _State(problem, levels), np.arange(n), blocks, steps)
+    degree_starts = _degrees(problem, levels)
+    starts = [(bound(level_cost[rows, level_of_seq], level_gpu_seconds[rows, level_of_seq]), level_of_seq, None)
+              for level_of_seq in degree_starts]  # fmt: skip
+    gpu_seconds_by_level = [np.bincount(level_of_seq, level_gpu_seconds[rows, level_of_seq], len(levels.sizes))
+                            for level_of_seq in degree_starts]  # fmt: skip
+    for tiling in _tilings(problem, levels, gpu_seconds_by_level):
+        classes = np.unique(problem.bag_class[tiling])
+        barred = ~problem.allowed[:, classes]
+        starts.append((bound(np.where(barred, _BIG, problem.cost[:, classes]).min(axis=1),
+                             np.where(barred, _BIG, problem.gpu_seconds[:, classes]).min(axis=1)), None, tiling))  # fmt: skip
+    # Packed starts, the best packed step time, and the best tiling start (tiling, state) to climb from.
+    packed, best_packed, best_tiling = [], _BIG, None
+    good_enough = problem.lower_bound * (1 + SEARCH_TOLERANCE)
+    for start_bound, level_of_seq, tiling in sorted(starts, key=lambda start: start[0]):  # stable: larger pieces first
+        if start_bound >= best_packed or best_packed <= good_enough:
+            break  # bounds only grow from here, or within tolerance of the bound already
+        if tiling is not None:
+            state = _pack_stage(problem, levels, _State(problem, levels), np.arange(n), tiling, steps)
         else:
             state = _pack_by_level(problem, levels, level_of_seq, steps)
         if state is not None:
             packed.append((start_bound, state))
+            best_packed = min(best_packed, int(state.loads.max()))
+            if tiling is not None and (best_tiling is None or state.loads.max() < best_tiling[1].loads.max()):
+                best_tiling = (tiling, state)
+    if best_tiling is not None and best_packed > good_enough:
+        packed.append((problem.lower_bound, _climb_tiling(problem, levels, *best_tiling, steps)))
     if not packed:  # only under a tight cap
         state = _pack_for_cap(problem, levels)
         if state is None:
@@ -524,6 +538,8 @@ def _pack_stage(problem: _Problem, levels: _Levels, state: _State, seqs: np.ndar
     defeats it."""
     from deepspeed_knap.planner import _refine  # the elastic planner builds on the fixed one
 
+    if not problem.allowed[np.ix_(seqs, np.unique(problem.bag_class[bags]))].any(axis=1).all():
+        return None  # the cap leaves some sequence no bag
     padded = state.levels.padded_gpus[bags]
     base_load = state.loads[padded].max(axis=1)
     # Without a cap tokens do not matter: bags of one load are then interchangeable for refine.
@@ -555,6 +571,77 @@ def _pack_for_cap(problem: _Problem, levels: _Levels) -> _State | None:
         if best is None:
             return None
         state.place(i, best[2])
+    return state
+
+
+def _tilings(problem: _Problem, levels: _Levels, gpu_seconds_by_level: list[np.ndarray]) -> list[np.ndarray]:
+    """Fixed topologies of the ``auto`` family, each ``[K]`` ids of disjoint groups covering every
+    GPU ascending by first GPU (as ``refine`` sees bags), for ``refine`` to solve as starts: the
+    topology's own bags (the largest groups: auto is never worse than them), every level's groups
+    alone, every level on an equal share of the GPUs, and per ``[V]`` GPU-seconds by level (of a
+    degree start) a mix giving each level GPUs in proportion, largest groups first. Local search across sizes rarely turns a plan of nested groups
+    into one of disjoint groups of several sizes, which is often best when images and videos mix."""
+    num_gpus = problem.num_gpus
+    tilings = [np.asarray(sorted(levels.groups_in_block, key=lambda g: levels.first[g]))]
+    tilings += [ids for ids in levels.group_ids if len(ids) * int(problem.bag_size[ids[0]]) == num_gpus]
+    equal_share = _layout(levels, [num_gpus // len(levels.sizes) // size for size in levels.sizes], num_gpus)
+    tilings += [equal_share] if equal_share is not None else []
+    for gpu_seconds in gpu_seconds_by_level:
+        counts = [max(round(num_gpus * share / size), 1 if share > 0 else 0)
+                  for share, size in zip(gpu_seconds / gpu_seconds.sum(), levels.sizes, strict=True)]  # fmt: skip
+        groups = _layout(levels, counts, num_gpus)
+        if groups is not None:
+            tilings.append(groups)
+    unique = {tiling.tobytes(): tiling for tiling in tilings}
+    return list(unique.values())
+
+
+def _layout(levels: _Levels, counts: list[int], num_gpus: int) -> np.ndarray | None:
+    """``[K]`` ids of ``counts[v]`` groups of each level, largest first from GPU 0 on (so each is
+    aligned), fewer where the GPUs run out, and the smallest groups taking the GPUs left; ``None``
+    where that does not cover every GPU (a ragged last node)."""
+    groups, first = [], 0
+    for level, (count, size) in enumerate(zip(counts, levels.sizes, strict=True)):
+        if level == len(counts) - 1:
+            count = (num_gpus - first) // size
+        for _ in range(min(count, (num_gpus - first) // size)):
+            group = int(levels.group_at[level][first])
+            if group < 0 or levels.first[group] != first:
+                return None
+            groups.append(group)
+            first += size
+    return np.asarray(groups, dtype=np.int64) if first == num_gpus else None
+
+
+def _climb_tiling(problem: _Problem, levels: _Levels, tiling: np.ndarray, state: _State, steps: int) -> _State:
+    """The best mix found from ``tiling`` (solved by ``refine`` into ``state``) by hill climbing: a
+    step tries one group more or one fewer of each size but the smallest (which take the GPUs left),
+    each solved by ``refine``, and keeps the best if it lowers the step time; at most
+    ``TILING_ROUNDS`` steps."""
+    sizes = levels.sizes
+    counts = [int((problem.bag_size[tiling] == size).sum()) for size in sizes]
+    seen = {tuple(counts[:-1])}
+    for _ in range(TILING_ROUNDS):
+        step = None
+        for level in range(len(sizes) - 1):
+            for change in (1, -1):
+                near = counts.copy()
+                near[level] += change
+                if near[level] < 0 or tuple(near[:-1]) in seen:
+                    continue
+                seen.add(tuple(near[:-1]))
+                groups = _layout(levels, near, problem.num_gpus)
+                if groups is None or np.array_equal(groups, tiling):  # clipped to the same mix
+                    continue
+                solved = _pack_stage(problem, levels, _State(problem, levels), np.arange(len(problem.seq_lens)),
+                                     groups, steps)  # fmt: skip
+                best = state if step is None else step[2]
+                if solved is not None and solved.loads.max() < best.loads.max():
+                    step = (near, groups, solved)
+        if step is None:
+            break
+        counts, tiling, state = step
+        counts[-1] = int((problem.bag_size[tiling] == sizes[-1]).sum())
     return state
 
 

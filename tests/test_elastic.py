@@ -146,13 +146,15 @@ def test_auto_meets_a_cap_that_no_single_group_size_meets():
 
 @pytest.mark.parametrize("workload_name", WORKLOADS)
 def test_auto_on_bundled_workloads_is_near_the_bound_and_never_above_the_best_fixed_topology(workload_name):
-    """At 32 GPUs (nodes of 8), two steps each: no slower than refine on flat, g2, g4 or g8 bags, and
-    within 5% of the flexible bound (the benchmark reports the medians: 0.04% to 3.1%)."""
+    """At 32 GPUs (nodes of 8), two steps each: no slower than refine on flat, g2, g4 or g8 bags or
+    the benchmark's mix of all four, and within 5% of the flexible bound (the benchmark reports the
+    medians: 0.03% to 3.1%)."""
+    fixed = [f"g{g}n{32 // g}" for g in (1, 2, 4, 8)] + ["g1n8+g2n4+g4n2+g8n1"]
     for seed in range(2):
         lengths = sample_workload(workload_name, 32, seed)
         plan = plan_routing(lengths, build_topology("auto", 32, gpus_per_node=8), FLUX)
         assert plan.max_load <= plan.lower_bound * 1.05
-        best_fixed = min(plan_routing(lengths, build_topology(f"g{g}n{32 // g}"), FLUX).max_load for g in (1, 2, 4, 8))
+        best_fixed = min(plan_routing(lengths, build_topology(spec), FLUX).max_load for spec in fixed)
         assert plan.max_load <= best_fixed * (1 + 1e-7)
 
 
