@@ -66,7 +66,7 @@ EXACT_MAX_SEQUENCES = 16
 # ... not counting short ones (costing under 1/EXACT_SHORT of the bound), up to EXACT_SHORT_TOTAL in all.
 EXACT_SHORT = 1000
 EXACT_SHORT_TOTAL = 64
-EXACT_NODE_BUDGET = 20_000
+EXACT_NODE_BUDGET = 2_000
 # Hill-climbing steps over mixes of group sizes (fixed topologies of the family).
 TILING_ROUNDS = 4
 # Local search: stop within this fraction of the bound, or when a window of steps cut the max by
@@ -330,7 +330,9 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
               for level_of_seq in degree_starts]  # fmt: skip
     gpu_seconds_by_level = [np.bincount(level_of_seq, level_gpu_seconds[rows, level_of_seq], len(levels.sizes))
                             for level_of_seq in degree_starts]  # fmt: skip
-    for tiling in _tilings(problem, levels, gpu_seconds_by_level):
+    tilings = _tilings(problem, levels, gpu_seconds_by_level)
+    own_bags = tilings[0]
+    for tiling in tilings:
         classes = np.unique(problem.bag_class[tiling])
         barred = ~problem.allowed[:, classes]
         starts.append((bound(np.where(barred, _BIG, problem.cost[:, classes]).min(axis=1),
@@ -339,8 +341,10 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
     packed, best_packed, best_tiling = [], _BIG, None
     good_enough = problem.lower_bound * (1 + SEARCH_TOLERANCE)
     for start_bound, level_of_seq, tiling in sorted(starts, key=lambda start: start[0]):  # stable: larger pieces first
-        if start_bound >= best_packed or best_packed <= good_enough:
-            break  # bounds only grow from here, or within tolerance of the bound already
+        if start_bound >= best_packed:
+            break  # bounds only grow from here
+        if best_packed <= good_enough and tiling is not own_bags:
+            continue  # within tolerance of the bound already (auto stays never worse than its own bags)
         if tiling is not None:
             state = _pack_stage(problem, levels, _State(problem, levels), np.arange(n), tiling, steps)
         else:
@@ -351,9 +355,16 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
             if tiling is not None and (best_tiling is None or state.loads.max() < best_tiling[1].loads.max()):
                 best_tiling = (tiling, state)
     if best_tiling is not None and best_packed > good_enough:
-        packed.append((problem.lower_bound, _climb_tiling(problem, levels, *best_tiling, steps)))
+        climbed = _climb_tiling(problem, levels, *best_tiling, steps)
+        if climbed is not best_tiling[1]:
+            packed.append((problem.lower_bound, climbed))
     if not packed:  # only under a tight cap
         state = _pack_for_cap(problem, levels)
+        if state is None and n <= EXACT_SHORT_TOTAL:  # bin packing can miss: small steps search exactly
+            found = _exact_search(problem, levels, None, EXACT_NODE_BUDGET)
+            if found is not None:
+                state = _State(problem, levels)
+                state.place_all(np.arange(n), found)
         if state is None:
             return None
         packed.append((problem.lower_bound, state))
@@ -616,18 +627,21 @@ def _layout(levels: _Levels, counts: list[int], num_gpus: int) -> np.ndarray | N
 def _climb_tiling(problem: _Problem, levels: _Levels, tiling: np.ndarray, state: _State, steps: int) -> _State:
     """The best mix found from ``tiling`` (solved by ``refine`` into ``state``) by hill climbing: a
     step tries one group more or one fewer of each size but the smallest (which take the GPUs left),
-    each solved by ``refine``, and keeps the best if it lowers the step time; at most
-    ``TILING_ROUNDS`` steps."""
+    and one group split into two of the next size or two merged, each solved by ``refine``, and keeps
+    the best if it lowers the step time; at most ``TILING_ROUNDS`` steps."""
     sizes = levels.sizes
     counts = [int((problem.bag_size[tiling] == size).sum()) for size in sizes]
     seen = {tuple(counts[:-1])}
     for _ in range(TILING_ROUNDS):
         step = None
         for level in range(len(sizes) - 1):
-            for change in (1, -1):
+            # One group of the size more or fewer (the smallest groups take the rest), or one split
+            # into two of the next size, or two of those merged.
+            for change, next_change in ((1, 0), (-1, 0), (-1, 2), (1, -2)):
                 near = counts.copy()
                 near[level] += change
-                if near[level] < 0 or tuple(near[:-1]) in seen:
+                near[level + 1] += next_change
+                if min(near) < 0 or tuple(near[:-1]) in seen:
                     continue
                 seen.add(tuple(near[:-1]))
                 groups = _layout(levels, near, problem.num_gpus)
@@ -891,15 +905,18 @@ def _swap_fits(state: _State, i: int, a: int, j: int, b: int) -> bool:
 # Exact search for small steps.
 
 
-def _exact_search(problem: _Problem, levels: _Levels, incumbent: np.ndarray, node_budget: int) -> np.ndarray:
-    """The best assignment branch and bound finds within ``node_budget`` nodes, or ``incumbent``.
+def _exact_search(
+    problem: _Problem, levels: _Levels, incumbent: np.ndarray | None, node_budget: int
+) -> np.ndarray | None:
+    """The best assignment branch and bound finds within ``node_budget`` nodes, or ``incumbent``
+    (with none: any assignment that fits the memory cap, and the best of those, or ``None``).
 
     Sequences go in descending order of their cheapest cost, each into every group of an allowed
     class; a branch is cut when a GPU reaches the incumbent's step time, or when even the cheapest
     GPU-seconds of the remaining sequences cannot fit under it on ``S`` GPUs. Groups are tried once
     per symmetry class: two groups whose placement leads to mirror-image states (same place inside
-    top-level groups with identical loads, tokens and speeds, or inside sibling halves whose contents
-    are identical) give the same best completion; sequences of equal length go to groups in ascending
+    top-level groups with identical loads, tokens and speeds, or, without a cap, inside sibling
+    halves whose contents are identical) give the same best completion; sequences of equal length go to groups in ascending
     order. When the remaining sequences fit on single GPUs
     (each where it finishes first) without raising the branch's step time, that completes the branch:
     no completion does better, and short sequences (which cost next to nothing anywhere) would
@@ -911,9 +928,10 @@ def _exact_search(problem: _Problem, levels: _Levels, incumbent: np.ndarray, nod
     if num_gpus > 64:
         return incumbent
     state = _State(problem, levels)
-    for i, g in enumerate(incumbent.tolist()):
-        state.place(i, g)
-    best_max = int(state.loads.max())
+    best_max = _BIG
+    if incumbent is not None:
+        state.place_all(np.arange(n), incumbent)
+        best_max = int(state.loads.max())
     masked_cost = np.where(problem.allowed, problem.cost, _BIG)
     order = np.lexsort((np.arange(n), -masked_cost.min(axis=1))).tolist()
     cheapest = np.where(problem.allowed, problem.gpu_seconds, _BIG).min(axis=1)[order]
@@ -958,7 +976,8 @@ def _exact_search(problem: _Problem, levels: _Levels, incumbent: np.ndarray, nod
             half = span // 2
             right = first >= lo + half
             # Mirror-image halves: either one leads to the same completions, so name the left one.
-            path.append(0 if signature(lo, half) == signature(lo + half, half) else int(right))
+            # Not under a cap: a group spanning both gives its first GPUs a sequence's odd tokens.
+            path.append(0 if cap is None and signature(lo, half) == signature(lo + half, half) else int(right))
             lo, span = (lo + half if right else lo), half
         return c, top_size, signature(top_first, top_size), tuple(path)
 

@@ -1,6 +1,7 @@
 """Launchers: the deepspeed launcher and mpirun run the same script to the same losses, and a rank that
 raises mid-step ends the job with its error instead of a hang."""
 
+import os
 import re
 import shutil
 import socket
@@ -41,8 +42,11 @@ def run(command: list[str]) -> subprocess.CompletedProcess:
     flag = "--master_port" if "--master_port" in command else "MASTER_PORT"
     port = command[command.index(flag) + 1]
     leftover = []
+    # One thread per rank unless told otherwise: four ranks of two threads each oversubscribe a
+    # 2-core machine.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:
-        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     finally:
         for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
             leftover.append(buffer.name)
