@@ -20,8 +20,10 @@ The solver:
    Further starts are fixed topologies of the family solved by the fixed-topology solver
    (``refine``): the largest groups, each size alone, each size on an equal share of the GPUs, and
    mixes giving each size GPUs in proportion to what a degree start puts there; the best of them is
-   improved by hill climbing on its mix (one group of a size more or fewer). Local search across
-   sizes rarely finds such plans of disjoint groups, often the best when images and videos mix.
+   improved by hill climbing on its mix (one group of a size more or fewer, split or merged). Local
+   search across sizes rarely finds such plans of disjoint groups, often the best when images and
+   videos mix. The first start within ``SEARCH_TOLERANCE`` of the bound ends the packing (but the
+   largest groups are always solved: auto is never worse than the topology's own bags).
 2. **Packing, largest groups first.** Every group placed before a level is at least as large and
    aligned, so it covers whole groups of the level: within a level every group has one load, and
    packing the level is scheduling on identical machines (related ones with ``gpu_speed``). First
