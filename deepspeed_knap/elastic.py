@@ -592,8 +592,9 @@ def _tilings(problem: _Problem, levels: _Levels, gpu_seconds_by_level: list[np.n
     GPU ascending by first GPU (as ``refine`` sees bags), for ``refine`` to solve as starts: the
     topology's own bags (the largest groups: auto is never worse than them), every level's groups
     alone, every level on an equal share of the GPUs, and per ``[V]`` GPU-seconds by level (of a
-    degree start) a mix giving each level GPUs in proportion, largest groups first. Local search across sizes rarely turns a plan of nested groups
-    into one of disjoint groups of several sizes, which is often best when images and videos mix."""
+    degree start) a mix giving each level GPUs in proportion, largest groups first. Local search
+    across sizes rarely turns a plan of nested groups into one of disjoint groups of several sizes,
+    which is often best when images and videos mix."""
     num_gpus = problem.num_gpus
     tilings = [np.asarray(sorted(levels.groups_in_block, key=lambda g: levels.first[g]))]
     tilings += [ids for ids in levels.group_ids if len(ids) * int(problem.bag_size[ids[0]]) == num_gpus]
@@ -633,7 +634,7 @@ def _climb_tiling(problem: _Problem, levels: _Levels, tiling: np.ndarray, state:
     the best if it lowers the step time; at most ``TILING_ROUNDS`` steps."""
     sizes = levels.sizes
     counts = [int((problem.bag_size[tiling] == size).sum()) for size in sizes]
-    seen = {tuple(counts[:-1])}
+    seen = {tiling.tobytes()}  # layouts solved (counts the GPUs run out for give one layout twice)
     for _ in range(TILING_ROUNDS):
         step = None
         for level in range(len(sizes) - 1):
@@ -643,12 +644,12 @@ def _climb_tiling(problem: _Problem, levels: _Levels, tiling: np.ndarray, state:
                 near = counts.copy()
                 near[level] += change
                 near[level + 1] += next_change
-                if min(near) < 0 or tuple(near[:-1]) in seen:
+                if min(near) < 0:
                     continue
-                seen.add(tuple(near[:-1]))
                 groups = _layout(levels, near, problem.num_gpus)
-                if groups is None or np.array_equal(groups, tiling):  # clipped to the same mix
+                if groups is None or groups.tobytes() in seen:
                     continue
+                seen.add(groups.tobytes())
                 solved = _pack_stage(problem, levels, _State(problem, levels), np.arange(len(problem.seq_lens)),
                                      groups, steps)  # fmt: skip
                 best = state if step is None else step[2]
@@ -918,13 +919,12 @@ def _exact_search(
     GPU-seconds of the remaining sequences cannot fit under it on ``S`` GPUs. Groups are tried once
     per symmetry class: two groups whose placement leads to mirror-image states (same place inside
     top-level groups with identical loads, tokens and speeds, or, without a cap, inside sibling
-    halves whose contents are identical) give the same best completion; sequences of equal length go to groups in ascending
-    order. When the remaining sequences fit on single GPUs
-    (each where it finishes first) without raising the branch's step time, that completes the branch:
-    no completion does better, and short sequences (which cost next to nothing anywhere) would
-    otherwise multiply the branches. Exact
-    when the budget suffices; only run for small balance groups (``S <= 64``), where a state is cheap
-    to compare.
+    halves whose contents are identical) give the same best completion; sequences of equal length go
+    to groups in ascending order. When the remaining sequences fit on single GPUs (each where it
+    finishes first) without raising the branch's step time, that completes the branch: no completion
+    does better, and short sequences (which cost next to nothing anywhere) would otherwise multiply
+    the branches. Exact when the budget suffices; only run for small balance groups (``S <= 64``),
+    where a state is cheap to compare.
     """
     n, num_gpus, cap = len(problem.seq_lens), problem.num_gpus, problem.cap
     if num_gpus > 64:
