@@ -16,7 +16,8 @@
    what ``"workload": {"calibration_file": ...}`` reads.
 
 On a CPU it reports the same, at small dims unless told otherwise (``sdpa`` is the only kernel).
-The exit status is 1 when a kernel check fails, else 0.
+The exit status is 1 when a kernel check fails, else 0. A calibration whose times do not grow with
+the length (noise at short lengths) writes no ``calibration.json`` and is reported as a finding.
 """
 
 from __future__ import annotations
@@ -170,13 +171,18 @@ def run_doctor(
     report["fastest"] = {str(seq_len): min(times, key=times.get) for seq_len, times in report["speed_s"].items()}
 
     step = flux_blocks_step(heads, head_dim, double_blocks, single_blocks, str(device), dtype, fastest)
-    model, times, fit = calibrate(step, seq_lens, repeats)
-    about = {"blocks": f"FLUX {double_blocks}+{single_blocks} blocks, {heads}x{head_dim} heads",
-             "device": report["versions"]["devices"][0]["name"] if cuda else "cpu", "dtype": report["dtype"],
-             "backend": fastest}  # fmt: skip
-    write_calibration(out / "calibration.json", model, seq_lens, times, fit, about)
-    report["calibration"] = {"backend": fastest, "linear_coef": model.linear_coef,
-                             "quadratic_coef": model.quadratic_coef, **fit, "file": str(out / "calibration.json")}  # fmt: skip
+    try:
+        model, times, fit = calibrate(step, seq_lens, repeats)
+    except ValueError as error:  # timing noise at short lengths: the checks above still stand, so report it
+        report["calibration"] = {"backend": fastest, "error": str(error)}
+    else:
+        about = {"blocks": f"FLUX {double_blocks}+{single_blocks} blocks, {heads}x{head_dim} heads",
+                 "device": report["versions"]["devices"][0]["name"] if cuda else "cpu", "dtype": report["dtype"],
+                 "backend": fastest}  # fmt: skip
+        write_calibration(out / "calibration.json", model, seq_lens, times, fit, about)
+        report["calibration"] = {"backend": fastest, "linear_coef": model.linear_coef,
+                                 "quadratic_coef": model.quadratic_coef, **fit,
+                                 "file": str(out / "calibration.json")}  # fmt: skip
     report["findings"] = findings(report)
     report["ok"] = all(check["ok"] for check in report["kernel_check"].values())
     (out / "doctor.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -197,6 +203,9 @@ def findings(report: dict) -> list[str]:
         if best != auto:
             notes.append(f"at {seq_len} tokens {best!r} runs the model {times[auto] / times[best]:.2f}x faster than "
                          f"{auto!r}, which 'auto' picks: consider \"attention_backend\": \"{best}\"")  # fmt: skip
+    if "error" in report["calibration"]:
+        notes.append(f"calibration failed, no calibration.json written: {report['calibration']['error']} "
+                     "Rerun with more --repeats or longer --seq-lens")  # fmt: skip
     for backend, why in report["kernels"]["unusable"].items():
         if why is not None and "not installed" in why:
             notes.append(f"{backend!r} unavailable: {why}")
@@ -231,9 +240,12 @@ def render(report: dict) -> str:
         cells = ", ".join(f"{backend} {seconds:.4g}" for backend, seconds in times.items())
         lines.append(f"  {seq_len:>7} tokens: {cells}; fastest {report['fastest'][str(seq_len)]}")
     c = report["calibration"]
-    lines += ["", f"calibration with {c['backend']!r}: a = {c['linear_coef']:.4g} s/token, b = {c['quadratic_coef']:.4g} "
-              f"s/token^2, overhead {c['overhead_s']:.4g} s, R^2 = {c['r2']:.4f}, max rel error "
-              f"{c['max_rel_error']:.1%}; written to {c['file']}"]  # fmt: skip
+    if "error" in c:
+        lines += ["", f"calibration with {c['backend']!r} FAILED: {c['error']}"]
+    else:
+        lines += ["", f"calibration with {c['backend']!r}: a = {c['linear_coef']:.4g} s/token, "
+                  f"b = {c['quadratic_coef']:.4g} s/token^2, overhead {c['overhead_s']:.4g} s, R^2 = {c['r2']:.4f}, "
+                  f"max rel error {c['max_rel_error']:.1%}; written to {c['file']}"]  # fmt: skip
     lines += ["", "findings"] + [f"  - {note}" for note in report["findings"] or ["none"]]
     lines.append("")
     lines.append("all kernel checks passed" if report["ok"] else "A KERNEL CHECK FAILED")
