@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -207,7 +208,9 @@ class _State:
 
     def __init__(self, problem: _Problem, levels: _Levels):
         self.problem, self.levels = problem, levels
-        self.loads = np.zeros(problem.num_gpus, dtype=np.int64)
+        # A slow GPU's larger fixed overhead is load it holds before any sequence.
+        base = problem.gpu_base
+        self.loads = base.copy() if base is not None else np.zeros(problem.num_gpus, dtype=np.int64)
         self.tokens = np.zeros(problem.num_gpus, dtype=np.int64) if problem.cap is not None else None
         self.group_of_seq = np.full(len(problem.seq_lens), -1, dtype=np.int64)
         self.members: list[list[int]] = [[] for _ in range(problem.num_bags)]
@@ -321,10 +324,14 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
         level_cost[ok, level] = np.minimum(level_cost[ok, level], problem.cost[ok, c])
         level_gpu_seconds[ok, level] = np.minimum(level_gpu_seconds[ok, level], problem.gpu_seconds[ok, c])
 
+    base = problem.gpu_base if problem.gpu_base is not None else np.zeros(1, dtype=np.int64)
+
     def bound(cost: np.ndarray, gpu_seconds: np.ndarray) -> int:
         """Step time no plan with these ``[N]`` least costs and GPU-seconds beats: the costliest
-        sequence, the mean GPU."""
-        return max(int(cost.max()), -(-int(gpu_seconds.sum()) // problem.num_gpus)) if cost.max() < _BIG else _BIG
+        sequence (or fixed overhead), the mean GPU."""
+        if cost.max() >= _BIG:
+            return _BIG
+        return max(int(cost.max()), int(base.max()), -(-int(gpu_seconds.sum() + base.sum()) // problem.num_gpus))
 
     rows = np.arange(n)
     degree_starts = _degrees(problem, levels)
@@ -938,6 +945,12 @@ def _exact_search(
     order = np.lexsort((np.arange(n), -masked_cost.min(axis=1))).tolist()
     cheapest = np.where(problem.allowed, problem.gpu_seconds, _BIG).min(axis=1)[order]
     rest = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()
+    # With unequal speeds, the same test on work at speed 1 (a slow GPU does less of it per load).
+    speed = problem.gpu_speed
+    if speed is not None:
+        least_work = np.where(problem.allowed, problem.speed_work, np.inf).min(axis=1)[order]
+        rest_work = np.concatenate([np.cumsum(least_work[::-1])[::-1], [0.0]]).tolist()
+        speed_sum, gpu_speed = float(speed.sum()), speed.tolist()
     # What each sequence costs alone on each GPU (None: the cap bars it), and the least of it.
     single_class = problem.bag_class[levels.group_at[-1]]  # [S] the class of each GPU alone
     alone_cost = np.where(problem.allowed[:, single_class], problem.cost[:, single_class], -1)[order].tolist()
@@ -963,7 +976,8 @@ def _exact_search(
         for gpu in range(first, first + size):
             top_of_gpu[gpu] = (first, size)
     speeds = list(problem.workload.gpu_speed) if problem.workload.gpu_speed is not None else None
-    loads, tokens = [0] * num_gpus, [0] * num_gpus
+    loads = problem.gpu_base.tolist() if problem.gpu_base is not None else [0] * num_gpus
+    tokens = [0] * num_gpus
     assign = [0] * n
     best_assign, nodes = None, 0
 
@@ -1016,6 +1030,10 @@ def _exact_search(
             return
         if -(-(used + rest[k]) // num_gpus) >= best_max:
             return
+        if speed is not None:  # rounded down: float error must not cut the best branch
+            work = sum(load * v for load, v in zip(loads, gpu_speed, strict=True))
+            if math.floor((work + rest_work[k]) / speed_sum) >= best_max:
+                return
         seen, options = set(), []
         for g, first, size, cost, chunks, c in candidates[k]:
             if run[k] == 2 and g < assign[k - 1]:
@@ -1046,7 +1064,7 @@ def _exact_search(
                 loads[first + m] -= cost
                 tokens[first + m] -= chunks[m]
 
-    search(0, 0, 0)
+    search(0, max(loads), sum(loads))
     if best_assign is None:
         return incumbent
     group_of_seq = np.empty(n, dtype=np.int64)

@@ -10,15 +10,17 @@ GPU) every step and refits the same model from them:
 where ``X[g] = sum s / (G * efficiency(G))`` and ``Y[g] = sum s**2 / (G * efficiency(G))`` over the
 sequences whose group holds GPU ``g`` (the planner's own per-GPU terms), ``speed[g]`` is a per-rank
 speed factor (a throttled GPU, an older GPU in a mixed pool) and ``overhead`` the fixed cost of a
-busy rank. Past steps count with weight ``forgetting ** age``, kept as running sums per GPU (the
+rank per step (launches, Python; on a slow rank it is larger, so the planner gives that rank less
+work: :attr:`~deepspeed_knap.workload.WorkloadModel.overhead_s`). Past steps count with weight ``forgetting ** age``, kept as running sums per GPU (the
 refit costs ``O(S)`` whatever the history). The refit alternates: with the speeds fixed, ``overhead,
 a, b >= 0`` by weighted non-negative least squares on those sums; with ``a, b`` fixed, each rank's
 speed is its predicted over its measured time summed over the history (once refit, a step counts at
 most ``max_speed_ratio`` times off the prediction, so one noisy step moves it little), divided by the
 median rank's (speeds are relative: ``a, b`` carry the common scale),
 clamped to ``[1 / max_speed_ratio, max_speed_ratio]`` and rounded to a multiple of 1/32 (so that
-the planner sees few distinct speeds: it prices groups by class of size and speed). The all-to-all coefficient ``c`` is refit from the Ulysses exchange times: the smallest
-``ulysses[g] / Z[g]`` of a step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``.
+the planner sees few distinct speeds: it prices groups by class of size and speed). The all-to-all
+coefficient ``c`` is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a
+step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``.
 
 Determinism: inputs are integers (tokens, microseconds), the arithmetic is plain Python floats in a
 fixed order (:func:`~deepspeed_knap.workload.nonnegative_normal_equations` uses no BLAS, whose
@@ -109,7 +111,6 @@ class OnlineWorkload:
         self.observed = 0
         self.speeds = [1.0] * num_gpus
         self.current = prior
-        self.overhead_s = 0.0
 
     def observe(self, plan: RoutingPlan, compute_us: list[int], ulysses_us: list[int]) -> None:
         """Add one step: ``plan`` and the microseconds every GPU measured for it (negative: none).
@@ -143,12 +144,18 @@ class OnlineWorkload:
         """The model to plan the next step with."""
         return self.current
 
+    @property
+    def overhead_s(self) -> float:
+        """The fitted fixed seconds of a rank of speed 1 per step (0 until the first refit)."""
+        return self.current.overhead_s
+
     def predicted_s(self, plan: RoutingPlan) -> list[float]:
-        """``[S]`` seconds the current model predicts each GPU computes under ``plan`` (with overhead)."""
+        """``[S]`` seconds the current model predicts each GPU computes under ``plan``, its fixed
+        overhead included (an idle GPU still runs every block)."""
         linear, quadratic, _ = plan_terms(plan, self.current)
         m = self.current
         return [
-            (self.overhead_s + m.linear_coef * x + m.quadratic_coef * y) / speed if x > 0 else 0.0
+            (m.overhead_s + m.linear_coef * x + m.quadratic_coef * y) / speed
             for x, y, speed in zip(linear, quadratic, self.speeds, strict=True)
         ]
 
@@ -162,13 +169,13 @@ class OnlineWorkload:
             if coef is None:
                 return  # the measurements say nothing usable yet: keep the current model
             speeds = self._fit_speeds(busy, coef)
-        self.overhead_s = coef[0]
         self.speeds = speeds
         alltoall = (
             self.alltoall_sums[0] / self.alltoall_sums[1] if self.alltoall_sums[1] else self.current.alltoall_coef
         )
         self.current = dataclasses.replace(self.prior, linear_coef=coef[1], quadratic_coef=coef[2],
-                                           alltoall_coef=alltoall, gpu_speed=tuple(speeds))  # fmt: skip
+                                           alltoall_coef=alltoall, gpu_speed=tuple(speeds),
+                                           overhead_s=coef[0])  # fmt: skip
 
     def _fit_coefficients(self, busy: list[int], speeds: list[float]) -> list[float] | None:
         """``[overhead, a, b]`` for ``measured * speed = overhead + a*X + b*Y``, from the running sums."""

@@ -314,7 +314,8 @@ def _group_loads(
     gpu_of_member = np.repeat(group_start, group_size) + (
         np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)
     )
-    return np.bincount(gpu_of_member, weights=np.repeat(per_gpu_s, group_size), minlength=num_gpus)
+    loads = np.bincount(gpu_of_member, weights=np.repeat(per_gpu_s, group_size), minlength=num_gpus)
+    return loads + workload.gpu_overhead_s(num_gpus) if workload.overhead_s else loads
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -338,9 +339,13 @@ class _Problem:
     allowed: np.ndarray  # [N, C] bool: the sequence fits a bag of the class under the cap
     seconds_per_unit: float  # modeled seconds of one quantised cost unit
     # Load and tokens every GPU of a bag holds before any sequence of this problem (work placed
-    # elsewhere; the elastic planner's wide sequences); zero for a plain problem.
+    # elsewhere, the elastic planner's wide sequences; a slow GPU's larger fixed overhead); zero for
+    # a plain problem.
     base_load: np.ndarray | None = None  # [B] int64
     base_tokens: np.ndarray | None = None  # [B] int64
+    # With topology auto (whose groups overlap): the load every GPU holds before any sequence, its
+    # fixed overhead above the least one (WorkloadModel.overhead_s); None when all are equal.
+    gpu_base: np.ndarray | None = None  # [S] int64
 
     @classmethod
     def build(cls, seq_lens_per_rank, topology: Topology, workload: WorkloadModel, cap: int | None) -> _Problem:
@@ -372,8 +377,13 @@ class _Problem:
                 f"max_tokens_per_gpu={cap}. Raise max_tokens_per_gpu to at least {tokens[i].min()}, "
                 "use a topology with larger bags, or drop sequences this long"
             )
+        gpu_base = _overhead_units(workload, topology.group_size, scale)
+        base_load = None
+        if gpu_base is not None and not topology.elastic:  # a bag's GPUs wait for its slowest one
+            base_load = np.array([gpu_base[f : f + g].max() for f, g in zip(bag_first, bag_size, strict=True)])
+            gpu_base = None
         return cls(topology, workload, cap, seq_lens, src, bag_size, bag_first, bag_class,
-                   class_size, class_count, cost, tokens, allowed, 1.0 / scale)  # fmt: skip
+                   class_size, class_count, cost, tokens, allowed, 1.0 / scale, base_load, None, gpu_base)  # fmt: skip
 
     @property
     def num_bags(self) -> int:
@@ -452,17 +462,40 @@ class _Problem:
         is a lower bound. Within test (2), ``n_c`` bags holding the ``t * n_c + 1`` largest forced
         sequences put ``t + 1`` of them in one bag. The allowed sets only change at cost values
         (breakpoints): binary search for the interval, inside which both tests are linear in ``T``.
+
+        With unequal speeds test (1) also counts work at speed 1: GPU ``g`` does at most
+        ``(T - base_g) * speed_g`` of it by ``T``, and a sequence in a bag of class ``c`` takes
+        ``G_c * cost[i, c] * speed_c`` (a bag runs at its slowest GPU's speed). Without it, a slow
+        GPU counts as a fast one and the bound is loose wherever speeds differ.
         """
         if not self.seq_lens.size:
             return 0
         group_size = self.num_gpus
         masked = np.iinfo(np.int64).max
         gpu_time = np.where(self.allowed, self.gpu_seconds, masked)
-        base = int((self.start_load * self.bag_size).sum())  # GPU-seconds already placed
-        # No T below these passes: some sequence fits nowhere, a bag is already over, or even the
-        # cheapest choices overflow.
+        gpu_base = self.gpu_base if self.gpu_base is not None else np.zeros(group_size, dtype=np.int64)
+        base = int((self.start_load * self.bag_size).sum() + gpu_base.sum())  # GPU-seconds already placed
+        speed = self.gpu_speed
+        if speed is not None:  # work at speed 1: of each sequence in each class, and already placed
+            work = np.where(self.allowed, self.speed_work, np.inf)
+            bag_speed_sum = np.array(
+                [speed[f : f + g].sum() for f, g in zip(self.bag_first, self.bag_size, strict=True)]
+            )
+            base_work = float((self.start_load * bag_speed_sum).sum() + (gpu_base * speed).sum())
+
+        def enough_for(usable: np.ndarray) -> int:
+            """Smallest ``T`` test (1) allows with the classes ``usable`` ``[N, C]``."""
+            need = -(-(base + int(np.where(usable, gpu_time, masked).min(axis=1).sum())) // group_size)
+            if speed is not None:  # rounded down: float error must not lift a bound over the optimum
+                need = max(
+                    need, math.floor((base_work + np.where(usable, work, np.inf).min(axis=1).sum()) / speed.sum())
+                )
+            return need
+
+        # No T below these passes: some sequence fits nowhere, a bag or GPU is already over, or even
+        # the cheapest choices overflow.
         floor = max(int(np.where(self.allowed, self.cost, masked).min(axis=1).max()), int(self.start_load.max()),
-                    -(-(base + int(gpu_time.min(axis=1).sum())) // group_size))  # fmt: skip
+                    int(gpu_base.max()), enough_for(self.allowed))  # fmt: skip
         breakpoints = np.concatenate([[floor], np.unique(self.cost[self.allowed & (self.cost > floor)])])
 
         def smallest_within(t: int) -> float:
@@ -470,7 +503,7 @@ class _Problem:
             usable = self.allowed & (self.cost <= t)
             if not usable.any(axis=1).all():
                 return np.inf
-            need = max(t, -(-(base + int(np.where(usable, gpu_time, masked).min(axis=1).sum())) // group_size))
+            need = max(t, enough_for(usable))
             single = usable.sum(axis=1) == 1
             if single.any():
                 only_class = usable[single].argmax(axis=1)
@@ -491,6 +524,24 @@ class _Problem:
             return int(breakpoints[0])
         beyond = smallest_within(int(breakpoints[lo - 1]))
         return int(beyond if lo == len(breakpoints) else min(beyond, breakpoints[lo]))
+
+    @functools.cached_property
+    def gpu_speed(self) -> np.ndarray | None:
+        """``[S]`` each GPU's speed, or ``None`` when they are all equal."""
+        speed = self.workload.gpu_speed
+        return None if speed is None or len(set(speed)) == 1 else np.asarray(speed, dtype=np.float64)
+
+    @functools.cached_property
+    def speed_work(self) -> np.ndarray:
+        """``[N, C]`` float64 work at speed 1 of each sequence in a bag of each class: its GPU-time
+        times the class's speed (a bag runs at its slowest GPU's). A GPU of speed ``v`` does ``v``
+        of it per unit of load, which bounds the step time where speeds differ."""
+        speed = self.gpu_speed if self.gpu_speed is not None else np.ones(self.num_gpus)
+        class_speed = np.zeros(len(self.class_size))
+        class_speed[self.bag_class] = [
+            speed[f : f + g].min() for f, g in zip(self.bag_first, self.bag_size, strict=True)
+        ]
+        return self.gpu_seconds * class_speed[None, :]
 
     def make_plan(self, solver: str, group_start: np.ndarray, group_size: np.ndarray) -> RoutingPlan:
         """Cut every sequence into near-equal contiguous chunks over its group and price the result."""
@@ -542,12 +593,27 @@ class _Problem:
 
     @functools.cached_property
     def lower_bound_s(self) -> float:
-        """Seconds no plan of ours can beat: the topology bound, or running everything at home."""
-        return min(self.lower_bound * self.seconds_per_unit, self.home_max_load_s)
+        """Seconds no plan of ours can beat: the topology bound, or running everything at home. The
+        quantised loads leave out the overhead every GPU pays (the least one): it is added back."""
+        least_overhead = float(self.workload.gpu_overhead_s(self.num_gpus).min()) if self.workload.overhead_s else 0.0
+        return min(self.lower_bound * self.seconds_per_unit + least_overhead, self.home_max_load_s)
 
     def fits_cap_at_home(self) -> bool:
         home_tokens = np.bincount(self.src, weights=self.seq_lens, minlength=self.topology.group_size)
         return self.cap is None or bool(home_tokens.max(initial=0) <= self.cap)
+
+
+def _overhead_units(workload: WorkloadModel, num_gpus: int, scale: float) -> np.ndarray | None:
+    """``[S]`` int64 each GPU's fixed overhead above the least one, in cost units of ``scale`` per
+    second, or ``None`` when they are all equal (no speeds, or no overhead): a load every GPU pays
+    alike changes no plan. Rounded down, so bounds on them stay bounds; held to ``2**40`` (256 times
+    the costliest sequence: a GPU that far behind gets nothing either way), so loads stay far from
+    int64 overflow."""
+    if not workload.overhead_s or workload.gpu_speed is None:
+        return None
+    overhead = workload.gpu_overhead_s(num_gpus)
+    extra = np.minimum(np.floor((overhead - overhead.min()) * scale), 2**40).astype(np.int64)
+    return extra if extra.any() else None
 
 
 def _pigeonhole_bound(costs: np.ndarray, bags: int) -> int:

@@ -14,6 +14,11 @@ bag spends::
   ``G = 1``; below 1 where small chunks and narrow head slices run slower), calibrated per degree by
   ``deepspeed-knap calibrate --degrees``; 1 unless given.
 
+Besides its sequences, every GPU spends ``overhead / speed_g`` per step whatever its tokens (kernel
+launches, Python: every rank runs every block, with or without tokens), ``speed_g`` its own speed.
+With equal speeds that is the same on every GPU and changes no plan; on a slow GPU it is larger,
+and the plan gives that GPU less work to make up for it. The online refit learns it; 0 unless given.
+
 Defaults come from FLOP counts of the model's dimensions (:meth:`WorkloadModel.from_model_dims`);
 :func:`fit_workload` fits ``a, b, c`` to measured (length, bag size, time) triples by non-negative
 least squares.
@@ -55,6 +60,7 @@ class WorkloadModel:
             at the speed of its slowest GPU.
         degree_efficiency: ``((G, efficiency), ...)``: the fraction of the ideal ``1/G`` of the work
             a member of a bag of ``G`` GPUs achieves; degrees not listed (and ``G = 1``) have 1.
+        overhead_s: seconds a GPU of speed 1 spends per step whatever its tokens (module docstring).
     """
 
     linear_coef: float
@@ -62,9 +68,10 @@ class WorkloadModel:
     alltoall_coef: float = 0.0
     gpu_speed: tuple[float, ...] | None = None
     degree_efficiency: tuple[tuple[int, float], ...] | None = None
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("linear_coef", "quadratic_coef", "alltoall_coef"):
+        for name in ("linear_coef", "quadratic_coef", "alltoall_coef", "overhead_s"):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"workload {name} must be a finite number >= 0; got {value!r}")
@@ -171,6 +178,14 @@ class WorkloadModel:
         return np.array(
             [speeds[first : first + size].min() for first, size in zip(group_first, group_sizes, strict=True)]
         )
+
+    def gpu_overhead_s(self, num_gpus: int) -> np.ndarray:
+        """``[S]`` seconds each GPU spends per step whatever its tokens: ``overhead_s / speed``.
+
+        Raises:
+            ValueError: ``gpu_speed`` does not list one speed per GPU of the balance group.
+        """
+        return self.overhead_s / self.group_speeds(np.arange(num_gpus), np.ones(num_gpus, dtype=np.int64), num_gpus)
 
 
 def default_workload(model: str | dict[str, int] = "flux-dev", **overrides: float) -> WorkloadModel:

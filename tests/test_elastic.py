@@ -1,6 +1,7 @@
 """Topology ``auto`` and the elastic planner: groups, brute-force optimality and bounds, never worse
 than any fixed topology of the same sizes, the cap, locality, determinism."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepspeed_knap.planner import lower_bound, plan_routing
+from deepspeed_knap.planner import lower_bound, plan_loads, plan_routing
 from deepspeed_knap.topology import build_topology
 from deepspeed_knap.workload import WorkloadModel, default_workload
 from deepspeed_knap.workloads import WORKLOADS, sample_workload
@@ -44,15 +45,17 @@ def check_groups_aligned_and_nested(plan, topology):
 
 
 def brute_force_elastic(lengths, topology, workload, cap=None):
-    """Best step time over every choice of group (any size, any aligned start) per sequence."""
+    """Best step time over every choice of group (any size, any aligned start) per sequence. A group
+    runs at its slowest GPU's speed, and every GPU ``g`` also spends ``overhead_s / speed[g]``."""
     flat = [s for rank in lengths for s in rank]
     groups = list(topology.groups)
+    speed = np.asarray(workload.gpu_speed or [1.0] * topology.group_size)
     best = np.inf
     for assignment in itertools.product(range(len(groups)), repeat=len(flat)):
-        loads, tokens = np.zeros(topology.group_size), np.zeros(topology.group_size)
+        loads, tokens = workload.overhead_s / speed, np.zeros(topology.group_size)
         for s, g in zip(flat, assignment, strict=True):
             start, size = groups[g]
-            loads[start : start + size] += workload.per_gpu_time(s, size)
+            loads[start : start + size] += workload.per_gpu_time(s, size, speed[start : start + size].min())
             tokens[start : start + size] += s // size + (np.arange(size) < s % size)
         if cap is None or tokens.max() <= cap:
             best = min(best, loads.max())
@@ -105,6 +108,25 @@ def test_auto_is_optimal_on_tiny_steps_and_the_bound_never_exceeds_the_optimum(l
     assert plan.lower_bound <= optimum * (1 + 1e-9)
     assert lower_bound(lengths, topology, workload) == plan.lower_bound
     assert plan.max_load <= optimum * (1 + 1e-6)  # exact search within its budget: optimal here
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.lists(lengths_strategy, max_size=2), min_size=4, max_size=4).filter(
+        lambda ls: 1 <= sum(map(len, ls)) <= 4
+    ),
+    speeds=st.lists(st.sampled_from([0.25, 0.5, 1.0, 1.5]), min_size=4, max_size=4),
+    overhead_share=st.sampled_from([0.1, 0.5, 2.0]),
+)
+def test_auto_gives_a_slow_gpu_less_work_for_its_larger_fixed_overhead(lengths, speeds, overhead_share):
+    """Every GPU pays ``overhead_s / speed`` per step whatever its tokens: optimal against brute force."""
+    topology = build_topology("auto", 4)
+    mean_work = sum(float(PRICED_ALLTOALL.per_gpu_time(s, 1)) for rank in lengths for s in rank) / 4
+    workload = dataclasses.replace(PRICED_ALLTOALL, gpu_speed=tuple(speeds), overhead_s=overhead_share * mean_work)
+    optimum = brute_force_elastic(lengths, topology, workload)
+    plan = plan_routing(lengths, topology, workload)
+    np.testing.assert_allclose(plan_loads(plan, workload), plan.gpu_loads, rtol=1e-12)
+    assert plan.lower_bound <= optimum * (1 + 1e-9) and plan.max_load <= optimum * (1 + 1e-6)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

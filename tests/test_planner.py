@@ -1,5 +1,6 @@
 """Planner properties (hypothesis), brute-force optimality, determinism across processes, errors."""
 
+import dataclasses
 import itertools
 import multiprocessing as mp
 from concurrent.futures import ProcessPoolExecutor
@@ -98,19 +99,25 @@ def brute_force_optimum(lengths, topology, workload, cap=None):
     """Best max load over every assignment of sequences to bags, and over keeping all at home.
 
     With ``cap``, only assignments whose busiest GPU holds at most ``cap`` tokens count; ``inf`` if none.
+    A bag runs at its slowest GPU's speed, and every GPU ``g`` also spends ``overhead_s / speed[g]``.
     """
     flat = [s for rank in lengths for s in rank]
-    home_loads, home_tokens = np.zeros(topology.group_size), np.zeros(topology.group_size)
+    num_gpus = topology.group_size
+    speed = np.asarray(workload.gpu_speed or [1.0] * num_gpus)
+    overhead = workload.overhead_s / speed  # [S]
+    home_loads, home_tokens = overhead.copy(), np.zeros(num_gpus)
     for rank, rank_lengths in enumerate(lengths):
         for s in rank_lengths:
-            home_loads[rank] += workload.per_gpu_time(s, 1)
+            home_loads[rank] += workload.per_gpu_time(s, 1, speed[rank])
             home_tokens[rank] += s
     best = home_loads.max(initial=0.0) if cap is None or home_tokens.max(initial=0) <= cap else np.inf
-    cost = np.array([[workload.per_gpu_time(s, g) for g in topology.bag_sizes] for s in flat])  # [N, B]
+    bags = list(zip(topology.bag_first_rank, topology.bag_sizes, strict=True))
+    cost = np.array([[workload.per_gpu_time(s, g, speed[f : f + g].min()) for f, g in bags] for s in flat])  # [N, B]
     tokens = np.array([[-(-s // g) for g in topology.bag_sizes] for s in flat])  # busiest GPU's share
+    bag_overhead = np.array([overhead[f : f + g].max() for f, g in bags])
     for assignment in itertools.product(range(topology.num_bags), repeat=len(flat)):
         picked = list(assignment)
-        loads, bag_tokens = np.zeros(topology.num_bags), np.zeros(topology.num_bags)
+        loads, bag_tokens = bag_overhead.copy(), np.zeros(topology.num_bags)
         np.add.at(loads, picked, cost[np.arange(len(flat)), picked])
         np.add.at(bag_tokens, picked, tokens[np.arange(len(flat)), picked])
         if cap is None or bag_tokens.max() <= cap:
@@ -235,16 +242,52 @@ def test_slow_gpu_gets_less_work():
     assert plan.max_load < plan_routing(lengths, topology, slow, "none").max_load
 
 
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    instance=tiny_instances(),
+    speeds=st.lists(st.sampled_from([0.25, 0.5, 1.0, 1.5]), min_size=4, max_size=4),
+    overhead_share=st.sampled_from([0.0, 0.1, 0.5, 2.0]),
+)
+def test_refine_gives_a_slow_gpu_less_work_for_its_larger_fixed_overhead(instance, speeds, overhead_share):
+    """Every GPU pays ``overhead_s / speed`` per step whatever its tokens: optimal against brute force."""
+    topology, lengths = instance
+    if not any(lengths):
+        return
+    mean_work = sum(float(FLUX.per_gpu_time(s, 1)) for rank in lengths for s in rank) / topology.group_size
+    workload = dataclasses.replace(FLUX, gpu_speed=tuple(speeds[: topology.group_size]),
+                                   overhead_s=overhead_share * mean_work)  # fmt: skip
+    optimum = brute_force_optimum(lengths, topology, workload)
+    plan = plan_routing(lengths, topology, workload, "refine")
+    np.testing.assert_allclose(plan_loads(plan, workload), plan.gpu_loads, rtol=1e-12)
+    assert plan.lower_bound <= optimum * (1 + 1e-9)
+    assert plan.max_load <= optimum * (1 + 1e-6)  # small steps are solved exactly
+
+
+def test_a_slow_gpus_overhead_moves_work_off_it():
+    """Rank 1 runs at a third of the speed (0.1 s a sequence on rank 0, 0.3 s on rank 1): balancing
+    work alone gives it 4 of 16 sequences, but its overhead, three times rank 0's, leaves room for 3."""
+    lengths = [[1_000] * 8, [1_000] * 8]
+    workload = WorkloadModel(1e-4, 0.0, gpu_speed=(1.0, 1 / 3), overhead_s=0.2)
+    plan = plan_routing(lengths, build_topology("g1n2"), workload, "refine")
+    assert np.bincount(plan.seq_group_start, minlength=2).tolist() == [13, 3]
+    np.testing.assert_allclose(plan.gpu_loads, [0.2 + 1.3, 0.6 + 0.9])
+    unaware = plan_routing(lengths, build_topology("g1n2"), dataclasses.replace(workload, overhead_s=0.0), "refine")
+    assert np.bincount(unaware.seq_group_start, minlength=2).tolist() == [12, 4]
+    np.testing.assert_allclose(plan_loads(unaware, workload), [0.2 + 1.2, 0.6 + 1.2])
+
+
 def test_plan_loads_reprices_a_plan_under_another_model():
-    """Against a per-sequence loop over the module docstring's formula, with a slow GPU."""
+    """Against a per-sequence loop over the module docstring's formula, with a slow GPU and the
+    fixed overhead every GPU pays at its own speed."""
     topology = build_topology("g1n2+g2n1")
     solved_with = WorkloadModel(FLUX.linear_coef, FLUX.quadratic_coef, FLUX.alltoall_coef, gpu_speed=(1, 1, 0.5, 1))
-    other = WorkloadModel(2 * FLUX.linear_coef, 0.8 * FLUX.quadratic_coef, 3 * FLUX.alltoall_coef, (1, 0.7, 1, 1))
+    other = WorkloadModel(2 * FLUX.linear_coef, 0.8 * FLUX.quadratic_coef, 3 * FLUX.alltoall_coef, (1, 0.7, 1, 1),
+                          overhead_s=0.01)  # fmt: skip
     lengths = [[9_000, 300], [40_000], [], [2_000, 2_000, 60_000]]
     for solver in SOLVERS:
         plan = plan_routing(lengths, topology, solved_with, solver)
         np.testing.assert_allclose(plan_loads(plan, solved_with), plan.gpu_loads, rtol=1e-12)
-        expected = np.zeros(4)
+        expected = 0.01 / np.asarray(other.gpu_speed)
         for s, start, g in zip(plan.seq_lens, plan.seq_group_start, plan.seq_group_size, strict=True):
             speed = min(other.gpu_speed[start : start + g])
             a, b, c = other.linear_coef, other.quadratic_coef, other.alltoall_coef
