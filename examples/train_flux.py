@@ -42,7 +42,6 @@ from deepspeed_knap.models.flux_data import (
     rectified_flow,
 )
 from deepspeed_knap.models.flux_finetune import (
-    LORA_TARGETS,
     TINY_FLUX,
     adapter_state_dict,
     add_lora,
@@ -79,7 +78,8 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of every weight")
 parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale is alpha / rank (default alpha = rank)")
 parser.add_argument("--lora-targets", default=None, help="comma-separated layer names as diffusers names them "
-                    "(default: every attention projection and the double blocks' feed-forwards)")  # fmt: skip
+                    "(default: the family's lora_targets; FLUX.1: every attention projection and the double blocks' "
+                    "feed-forwards; FLUX.2: those and the single blocks' fused input and output)")  # fmt: skip
 parser.add_argument(
     "--save-dir", help="save DeepSpeed checkpoints here (tag stepN), at the end and every --checkpoint-every"
 )
@@ -107,8 +107,7 @@ if args.model_path:  # the family from config.json; under ZeRO-3 each rank reads
 else:
     model = family_class(args.family)(**{"flux": TINY_FLUX, "flux2": TINY_FLUX2}[args.family], **options)
 if args.lora_rank:
-    targets = args.lora_targets.split(",") if args.lora_targets else LORA_TARGETS
-    add_lora(model, args.lora_rank, args.lora_alpha, targets)
+    add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets.split(",") if args.lora_targets else None)
 trainable = [p for p in model.parameters() if p.requires_grad]
 if "optimizer" in load_ds_config(args.deepspeed_config):  # DeepSpeed's own (fused on GPU)
     engine, _, _, _, balancer = deepspeed_knap.initialize(args=args, model=model, model_parameters=trainable)
@@ -295,7 +294,8 @@ if args.export_dir:
         with deepspeed.zero.GatheredParameters(lora_parameters):  # ZeRO-3 partitions them; no-op otherwise
             if rank == 0:
                 state = {name: p.detach().cpu().clone() for name, p in flux.named_parameters() if p.requires_grad}
-                path = save_adapter(args.export_dir, adapter_state_dict(flux, state), lora_config(flux))
+                path = save_adapter(args.export_dir, adapter_state_dict(flux, state), lora_config(flux),
+                                    flux.diffusers_pipeline)  # fmt: skip
                 print(f"exported the LoRA adapter to {path}", flush=True)
     else:
         state = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_stage() == 3 else None

@@ -262,3 +262,41 @@ def test_tiny_lora_run_with_validation_on_one_cuda_gpu_over_nccl(tmp_path):
     check(result)
     assert len(STEP_LINE.findall(result.stdout)) == 3 and (tmp_path / "images" / "step000003_prompt00.png").is_file()
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2"])
+def test_a_lora_adapter_of_either_family_loads_into_diffusers_own_model(family, tmp_path):
+    """The default targets adapt the family's layers (FLUX.2's ``attn.to_out`` is a linear layer in
+    single blocks and a list in double blocks), and the exported adapter, loaded by diffusers into
+    its own transformer, gives the packed model's output."""
+    from deepspeed_knap.models.flux_finetune import (
+        ADAPTER_FILE,
+        adapter_state_dict,
+        add_lora,
+        lora_config,
+        save_adapter,
+    )
+    from tests.flux_cases import diffusers_output, packed_class, random_samples, reference_model, relative_error
+
+    reference = reference_model(family, torch.float32)
+    ours = packed_class(family).from_diffusers(reference, attention_backend="sdpa")
+    linear = {name for name, m in ours.named_modules() if isinstance(m, torch.nn.Linear)}
+    expected = {name for name in linear if any(name.endswith(f".{t}") for t in ours.lora_targets)}
+    add_lora(ours, rank=4, alpha=8)
+    adapted = {name.removesuffix(".lora_A") for name, _ in ours.named_modules() if name.endswith(".lora_A")}
+    assert adapted == expected and any("single_transformer_blocks" in name for name in adapted)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)  # B starts at zero: make the adapter change the output
+    path = save_adapter(
+        tmp_path, adapter_state_dict(ours, ours.state_dict()), lora_config(ours), ours.diffusers_pipeline
+    )
+    samples = random_samples(family, [(1, 3, 4, 5), (1, 2, 2, 3)], seed=1, dtype=torch.float32)
+    with torch.no_grad():
+        before = [diffusers_output(reference, sample) for sample in samples]
+        reference.load_lora_adapter(str(path.parent), weight_name=ADAPTER_FILE, prefix="transformer")
+        after = [diffusers_output(reference, sample) for sample in samples]
+        packed = ours.forward_samples(samples)
+    for theirs, mine, plain in zip(after, packed, before, strict=True):
+        assert relative_error(mine, theirs) < 1e-5 and relative_error(theirs, plain) > 1e-3

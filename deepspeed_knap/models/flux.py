@@ -66,6 +66,14 @@ class PackedFluxTransformer(PackedFluxBase):
 
     family = "flux"
     diffusers_class = "FluxTransformer2DModel"
+    diffusers_pipeline = "FluxPipeline"
+    # What diffusers' FLUX LoRA training adapts by default: every attention projection of both
+    # streams and the double-stream blocks' feed-forwards.
+    lora_targets = (
+        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+    )  # fmt: skip
 
     def __init__(
         self,

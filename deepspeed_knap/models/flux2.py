@@ -179,6 +179,16 @@ class PackedFlux2Transformer(PackedFluxBase):
 
     family = "flux2"
     diffusers_class = "Flux2Transformer2DModel"
+    diffusers_pipeline = "Flux2Pipeline"
+    # FLUX.1's choice in FLUX.2's layers: the double-stream blocks' attention projections and
+    # feed-forwards, and the single-stream blocks' fused q, k, v + MLP input and their output
+    # (``attn.to_out``: a linear layer there, a list holding one in the double-stream blocks).
+    lora_targets = (
+        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+        "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+        "attn.to_qkv_mlp_proj", "attn.to_out",
+    )  # fmt: skip
 
     def __init__(
         self,

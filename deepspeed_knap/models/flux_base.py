@@ -136,11 +136,15 @@ class PackedFluxBase(nn.Module):
       :data:`EXTRA_ARGS`, calls :meth:`_init_common`, and builds modules with diffusers' names,
       including ``x_embedder``, ``context_embedder``, ``norm_out`` and ``proj_out``.
     * :meth:`embed_conditioning` and :meth:`transform`.
-    * ``family`` (the registry's name) and ``diffusers_class`` (``config.json``'s ``_class_name``).
+    * ``family`` (the registry's name), ``diffusers_class`` (``config.json``'s ``_class_name``),
+      ``diffusers_pipeline`` (the pipeline whose LoRA loader reads the family's adapters) and
+      ``lora_targets`` (the linear layers LoRA adapts by default, by diffusers' names).
     """
 
     family: ClassVar[str]
     diffusers_class: ClassVar[str]
+    diffusers_pipeline: ClassVar[str]
+    lora_targets: ClassVar[tuple[str, ...]]
 
     def _init_common(
         self, config: dict, attention_backend: str, topology: Topology | None, gradient_checkpointing: bool

@@ -4,8 +4,10 @@ own ``FluxPipeline`` over trained weights (validation images), with tiny random 
 components for runs without downloaded weights.
 
 LoRA targets are module names as diffusers names them (``"attn.to_q"``, ``"ff.net.2"``, ...): the
-packed model has diffusers' module tree, so the same names match the same layers in both, and an
-adapter trained here loads into diffusers' ``FluxTransformer2DModel`` unchanged. No function here
+packed models have diffusers' module trees, so the same names match the same layers in both, and an
+adapter trained here loads into diffusers' ``FluxTransformer2DModel`` or ``Flux2Transformer2DModel``
+unchanged (each family names its default targets, ``lora_targets``). Validation images use
+``FluxPipeline``: FLUX.1 only. No function here
 communicates: under ZeRO-3 the training script gathers the weights and passes them in.
 """
 
@@ -23,37 +25,38 @@ from torch import Tensor, nn
 TINY_FLUX = dict(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
                  joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))  # fmt: skip
 
-# The layers diffusers' FLUX LoRA training targets by default: every attention projection of both
-# streams and the double-stream blocks' feed-forwards.
-LORA_TARGETS = (
-    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-)  # fmt: skip
 ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: Sequence[str] = LORA_TARGETS):
+def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: Sequence[str] | None = None):
     """Freeze ``model`` and add LoRA adapters of ``rank`` (scale ``alpha / rank``; ``alpha``
-    defaults to ``rank``) to the linear layers whose names end in one of ``targets``. The adapters'
-    ``A`` is random (seed torch first, identically on every rank), ``B`` zero, so the model's
-    output is unchanged until training moves ``B``. Returns the ``peft.LoraConfig``.
+    defaults to ``rank``) to the linear layers whose names end in one of ``targets`` (default: the
+    family's ``lora_targets``). The adapters' ``A`` is random (seed torch first, identically on every
+    rank), ``B`` zero, so the model's output is unchanged until training moves ``B``. Returns the
+    ``peft.LoraConfig``.
 
     Raises:
-        ValueError: a rank below 1, or a target that names no layer of the model.
+        ValueError: a rank below 1, or a target that names no linear layer of the model.
     """
     from peft import LoraConfig, inject_adapter_in_model
 
     if rank < 1:
         raise ValueError(f"LoRA rank must be at least 1; got {rank}")
-    names = [name for name, _ in model.named_modules()]
-    unmatched = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
-    if unmatched:
-        raise ValueError(
-            f"LoRA targets {unmatched} name no layer of the model; use diffusers' FLUX module names such as "
-            f"{', '.join(LORA_TARGETS[:4])}, ..."
-        )
-    config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=list(targets), init_lora_weights=True)
+    defaults = model.lora_targets
+    modules = dict(model.named_modules())
+    target_modules = []
+    for target in defaults if targets is None else targets:
+        named = [name for name in modules if name == target or name.endswith(f".{target}")]
+        linear = [name for name in named if isinstance(modules[name], nn.Linear)]
+        if not linear:
+            raise ValueError(
+                f"LoRA target {target!r} names no linear layer of the model; use diffusers' module names of "
+                f"{type(model).__name__} such as {', '.join(defaults[:4])}, ..."
+            )
+        # peft adapts every module a name ends in: where that is more than linear layers (FLUX.2's
+        # attn.to_out is also a list in other blocks), name the layers one by one.
+        target_modules += [target] if len(linear) == len(named) else linear
+    config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=target_modules, init_lora_weights=True)
     model.requires_grad_(False)
     inject_adapter_in_model(config, model)
     return config
@@ -78,13 +81,14 @@ def base_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {name.replace(".base_layer.", "."): t for name, t in state_dict.items() if ".lora_" not in name}
 
 
-def save_adapter(directory: str | Path, adapter: Mapping[str, Tensor], config) -> Path:
+def save_adapter(directory: str | Path, adapter: Mapping[str, Tensor], config, pipeline: str = "FluxPipeline") -> Path:
     """Write ``adapter`` (:func:`adapter_state_dict`) and its ``LoraConfig`` as diffusers'
-    ``FluxPipeline.save_lora_weights`` does: ``directory/pytorch_lora_weights.safetensors``, which
-    ``FluxPipeline.load_lora_weights(directory)`` reads (alpha included, in the file's metadata)."""
-    from diffusers import FluxPipeline
+    ``pipeline.save_lora_weights`` does (the model's ``diffusers_pipeline``: ``FluxPipeline``,
+    ``Flux2Pipeline``): ``directory/pytorch_lora_weights.safetensors``, which that pipeline's
+    ``load_lora_weights(directory)`` reads (alpha included, in the file's metadata)."""
+    import diffusers
 
-    FluxPipeline.save_lora_weights(
+    getattr(diffusers, pipeline).save_lora_weights(
         directory,
         transformer_lora_layers={name: t.detach().contiguous().cpu() for name, t in adapter.items()},
         transformer_lora_adapter_metadata=config.to_dict(),
