@@ -552,10 +552,10 @@ def _pack_by_level(problem: _Problem, levels: _Levels, level_of_seq: np.ndarray,
 
 
 def _pack_stage(problem: _Problem, levels: _Levels, state: _State, seqs: np.ndarray, bags: np.ndarray,
-                steps: int) -> _State | None:  # fmt: skip
+                steps: int, give_up_at: int | None = None) -> _State | None:  # fmt: skip
     """Place ``seqs`` in the disjoint groups ``bags`` with the fixed-topology solver (``refine``), on
     top of what ``state`` holds (a bag's load and tokens are its busiest GPU's). ``None`` if the cap
-    defeats it."""
+    defeats it, or if the stage's lower bound reaches ``give_up_at`` (no solve could get below it)."""
     from deepspeed_knap.planner import _refine  # the elastic planner builds on the fixed one
 
     if not problem.allowed[np.ix_(seqs, np.unique(problem.bag_class[bags]))].any(axis=1).all():
@@ -564,7 +564,10 @@ def _pack_stage(problem: _Problem, levels: _Levels, state: _State, seqs: np.ndar
     base_load = state.loads[padded].max(axis=1)
     # Without a cap tokens do not matter: bags of one load are then interchangeable for refine.
     base_tokens = state.tokens[padded].max(axis=1) if state.tokens is not None else np.zeros_like(base_load)
-    bag_of_seq = _refine(problem.tiling_problem(seqs, bags, base_load, base_tokens), steps)
+    stage = problem.tiling_problem(seqs, bags, base_load, base_tokens)
+    if give_up_at is not None and stage.lower_bound >= give_up_at:
+        return None
+    bag_of_seq = _refine(stage, steps)
     if bag_of_seq is None:
         return None
     state.place_all(seqs, bags[bag_of_seq])
@@ -657,9 +660,10 @@ def _climb_tiling(problem: _Problem, levels: _Levels, tiling: np.ndarray, state:
                 if groups is None or groups.tobytes() in seen:
                     continue
                 seen.add(groups.tobytes())
-                solved = _pack_stage(problem, levels, _State(problem, levels), np.arange(len(problem.seq_lens)),
-                                     groups, steps)  # fmt: skip
                 best = state if step is None else step[2]
+                # Only a mix that beats the best counts: one whose bound reaches it is not solved.
+                solved = _pack_stage(problem, levels, _State(problem, levels), np.arange(len(problem.seq_lens)),
+                                     groups, steps, int(best.loads.max()))  # fmt: skip
                 if solved is not None and solved.loads.max() < best.loads.max():
                     step = (near, groups, solved)
         if step is None:
