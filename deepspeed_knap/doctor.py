@@ -175,6 +175,7 @@ def run_doctor(
         model, times, fit = calibrate(step, seq_lens, repeats)
     except ValueError as error:  # timing noise at short lengths: the checks above still stand, so report it
         report["calibration"] = {"backend": fastest, "error": str(error)}
+        (out / "calibration.json").unlink(missing_ok=True)  # an earlier run's file must not pass for this one's
     else:
         about = {"blocks": f"FLUX {double_blocks}+{single_blocks} blocks, {heads}x{head_dim} heads",
                  "device": report["versions"]["devices"][0]["name"] if cuda else "cpu", "dtype": report["dtype"],

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -952,9 +953,10 @@ def _exact_search(
     # With unequal speeds, the same test on work at speed 1 (a slow GPU does less of it per load).
     speed = problem.gpu_speed
     if speed is not None:
-        least_work = np.where(problem.allowed, problem.speed_work, np.inf).min(axis=1)[order]
-        rest_work = np.concatenate([np.cumsum(least_work[::-1])[::-1], [0.0]]).tolist()
-        speed_sum, gpu_speed = float(speed.sum()), speed.tolist()
+        least_work = np.where(problem.allowed, problem.speed_work, np.inf).min(axis=1)[order].tolist()
+        # Plain Python sums in a fixed order (and math.fsum): the same on every rank's CPU.
+        rest_work = [*reversed(list(itertools.accumulate(reversed(least_work)))), 0.0]
+        speed_sum, gpu_speed = math.fsum(speed.tolist()), speed.tolist()
     # What each sequence costs alone on each GPU (None: the cap bars it), and the least of it.
     single_class = problem.bag_class[levels.group_at[-1]]  # [S] the class of each GPU alone
     alone_cost = np.where(problem.allowed[:, single_class], problem.cost[:, single_class], -1)[order].tolist()

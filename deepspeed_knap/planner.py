@@ -121,7 +121,7 @@ class RoutingPlan:
 
     @property
     def imbalance(self) -> float:
-        """Max over mean modeled GPU load (1.0 is perfect; 1.0 when nothing is planned)."""
+        """Max over mean modeled GPU load (1.0 is perfect; 1.0 when every load is 0)."""
         mean = float(self.gpu_loads.mean()) if self.gpu_loads.size else 0.0
         return self.max_load / mean if mean > 0 else 1.0
 
@@ -377,7 +377,7 @@ class _Problem:
                 f"max_tokens_per_gpu={cap}. Raise max_tokens_per_gpu to at least {tokens[i].min()}, "
                 "use a topology with larger bags, or drop sequences this long"
             )
-        gpu_base = _overhead_units(workload, topology.group_size, scale)
+        gpu_base = _overhead_units(workload, topology.group_size, scale, int(cost.max(axis=1, initial=0).sum()))
         base_load = None
         if gpu_base is not None and not topology.elastic:  # a bag's GPUs wait for its slowest one
             base_load = np.array([gpu_base[f : f + g].max() for f, g in zip(bag_first, bag_size, strict=True)])
@@ -478,18 +478,21 @@ class _Problem:
         speed = self.gpu_speed
         if speed is not None:  # work at speed 1: of each sequence in each class, and already placed
             work = np.where(self.allowed, self.speed_work, np.inf)
-            bag_speed_sum = np.array(
-                [speed[f : f + g].sum() for f, g in zip(self.bag_first, self.bag_size, strict=True)]
-            )
-            base_work = float((self.start_load * bag_speed_sum).sum() + (gpu_base * speed).sum())
+            # Float sums with math.fsum, exactly rounded: NumPy's summation order may differ between
+            # CPUs, and every rank must compute the same bound.
+            bag_speed_sum = [
+                math.fsum(speed[f : f + g].tolist()) for f, g in zip(self.bag_first, self.bag_size, strict=True)
+            ]
+            base_work = math.fsum([*(load * v for load, v in zip(self.start_load.tolist(), bag_speed_sum, strict=True)),
+                                   *(b * v for b, v in zip(gpu_base.tolist(), speed.tolist(), strict=True))])  # fmt: skip
+            speed_sum = math.fsum(speed.tolist())
 
         def enough_for(usable: np.ndarray) -> int:
             """Smallest ``T`` test (1) allows with the classes ``usable`` ``[N, C]``."""
             need = -(-(base + int(np.where(usable, gpu_time, masked).min(axis=1).sum())) // group_size)
             if speed is not None:  # rounded down: float error must not lift a bound over the optimum
-                need = max(
-                    need, math.floor((base_work + np.where(usable, work, np.inf).min(axis=1).sum()) / speed.sum())
-                )
+                least_work = np.where(usable, work, np.inf).min(axis=1).tolist()
+                need = max(need, math.floor(math.fsum([base_work, *least_work]) / speed_sum))
             return need
 
         # No T below these passes: some sequence fits nowhere, a bag or GPU is already over, or even
@@ -603,17 +606,21 @@ class _Problem:
         return self.cap is None or bool(home_tokens.max(initial=0) <= self.cap)
 
 
-def _overhead_units(workload: WorkloadModel, num_gpus: int, scale: float) -> np.ndarray | None:
+def _overhead_units(workload: WorkloadModel, num_gpus: int, scale: float, total_cost: int) -> np.ndarray | None:
     """``[S]`` int64 each GPU's fixed overhead above the least one, in cost units of ``scale`` per
     second, or ``None`` when they are all equal (no speeds, or no overhead): a load every GPU pays
-    alike changes no plan. Rounded down, so bounds on them stay bounds; held to ``2**40`` (256 times
-    the costliest sequence: a GPU that far behind gets nothing either way), so loads stay far from
-    int64 overflow."""
+    alike changes no plan. Rounded down, so bounds on them stay bounds. In ascending order, each is
+    held to the one before plus ``total_cost + 1`` (all of the step's work, each sequence at its
+    costliest): a GPU further behind gets nothing in any plan and stays the busiest, so that changes
+    no plan, and loads stay in the range the sequences' costs give them."""
     if not workload.overhead_s or workload.gpu_speed is None:
         return None
     overhead = workload.gpu_overhead_s(num_gpus)
-    extra = np.minimum(np.floor((overhead - overhead.min()) * scale), 2**40).astype(np.int64)
-    return extra if extra.any() else None
+    extra = np.floor((overhead - overhead.min()) * scale)
+    capped, previous = np.zeros(num_gpus, dtype=np.int64), 0
+    for gpu in np.argsort(extra, kind="stable").tolist():
+        previous = capped[gpu] = int(min(extra[gpu], previous + total_cost + 1))
+    return capped if capped.any() else None
 
 
 def _pigeonhole_bound(costs: np.ndarray, bags: int) -> int:
@@ -842,7 +849,10 @@ def _refine(problem: _Problem, steps: int) -> np.ndarray | None:
     if len(problem.seq_lens) == 0:
         return np.zeros(0, dtype=np.int64)
     starts = [problem.home_bag, _finish_time_greedy(problem)]
-    if problem.base_load is None:  # the published greedy knows nothing of work placed beforehand
+    # The published greedy knows nothing of work placed beforehand: not a start for the elastic
+    # planner's stages (their base tokens are set), but it is for a fixed topology, overheads or not
+    # (refine is never worse than knapformer).
+    if problem.base_tokens is None:
         starts.append(_knapformer_greedy(problem))
     feasible = [s for s in starts if s is not None and problem.fits_cap(s)]
     if not feasible:  # only under a tight cap: fall back to bin packing, then to the exact search

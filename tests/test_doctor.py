@@ -49,6 +49,7 @@ def test_a_calibration_lost_in_noise_is_a_finding_not_a_crash(tmp_path, monkeypa
         raise ValueError("the times [0.03, 0.01] do not grow with the length; is the step doing any work?")
 
     monkeypatch.setattr(doctor, "calibrate", noisy)
+    (tmp_path / "calibration.json").write_text("{}")  # an earlier run's
     report = run_doctor(tmp_path, compare_lens=(48,), **SMALL)
     assert report["ok"] and "do not grow" in report["calibration"]["error"]
     assert any(note.startswith("calibration failed") for note in report["findings"])
