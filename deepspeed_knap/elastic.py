@@ -44,7 +44,9 @@ The solver:
 5. **Exact search** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences (besides short ones that
    cost next to nothing): branch and bound over every group, within a node budget.
 6. **Locality:** single-GPU sequences go back to their home GPU, or trade places with a guest there,
-   wherever that keeps the step time.
+   wherever that keeps the step time. Then, with equal speeds and overheads, a symmetry of the
+   groups (blocks of one size traded, the halves of any group traded) that permutes the GPUs, and
+   so keeps every load, places the contents where the most tokens stay home.
 
 All arithmetic is on the problem's int64 costs, and ties break by ids, so plans are bit-identical on
 every rank. The effort is a deterministic count of steps, never a clock.
@@ -310,7 +312,9 @@ def solve_elastic(problem: _Problem, steps: int = SEARCH_STEPS) -> np.ndarray | 
         exact = _exact_search(problem, levels, best.group_of_seq, EXACT_NODE_BUDGET)
         best = _State(problem, levels)
         best.place_all(np.arange(n), exact)
-    return _keep_home(best)
+    kept_home = _State(problem, levels)
+    kept_home.place_all(np.arange(n), _keep_home(best))
+    return _trade_groups_home(kept_home).group_of_seq
 
 
 def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None:
@@ -395,6 +399,105 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
         if int(state.loads.max()) < int(best.loads.max()):
             best = state
     return best
+
+
+def _trade_groups_home(state: _State) -> _State:
+    """``state`` with its groups' contents placed where more tokens stay on their home GPU, by a
+    symmetry of the groups: the contents of a top-level group (block) may go to another block of
+    its size, and at every group the contents of its two halves may trade places. With equal speeds
+    and overheads (otherwise ``state`` is returned as it is) that permutes the GPUs: every load
+    moves with its GPU, so the step time is kept (and under a cap, the result is kept only if the
+    cap holds: a group's first GPUs carry a sequence's odd tokens).
+
+    ``value(c, p)``: the most tokens the sequences of group ``c`` and of the groups inside it keep
+    home with ``c``'s contents in slot ``p`` (a group of its size): its own sequences' home chunks
+    there, plus the better of its halves straight or traded; 0 without computing when no home GPU
+    of those sequences lies in ``p``. Blocks are then paired greedily by value (largest first, ties
+    by ids), kept only if that beats leaving every block where it is."""
+    problem, levels = state.problem, state.levels
+    blocks = sorted(levels.groups_in_block)  # ids of the top-level groups, in GPU order
+    if problem.gpu_speed is not None or problem.gpu_base is not None:
+        return state
+    first, size, members = levels.first, levels.size, state.members
+    level_of_size = {g: v for v, g in enumerate(levels.sizes)}
+    src, seq_lens = problem.src.tolist(), problem.seq_lens.tolist()
+
+    def halves(group: int) -> tuple[int, int] | None:
+        if size[group] == 1:
+            return None
+        at = levels.group_at[level_of_size[size[group] // 2]]
+        return int(at[first[group]]), int(at[first[group] + size[group] // 2])
+
+    homes: dict[int, set[int]] = {}  # group -> home GPUs of the sequences in it and inside it
+
+    def collect(group: int) -> set[int]:
+        found = {src[i] for i in members[group]}
+        for half in halves(group) or ():
+            found |= collect(half)
+        homes[group] = found
+        return found
+
+    for block in blocks:
+        collect(block)
+    memo: dict[tuple[int, int], tuple[int, bool]] = {}
+
+    def value(c: int, p: int) -> int:
+        if (c, p) in memo:
+            return memo[c, p][0]
+        lo, width = first[p], size[p]
+        if not any(lo <= h < lo + width for h in homes[c]):
+            return 0
+        kept = 0
+        for i in members[c]:
+            rank = src[i] - lo
+            if 0 <= rank < width:
+                kept += seq_lens[i] // width + (rank < seq_lens[i] % width)
+        trade = False
+        if width > 1:
+            (c_left, c_right), (p_left, p_right) = halves(c), halves(p)
+            straight = value(c_left, p_left) + value(c_right, p_right)
+            traded = value(c_left, p_right) + value(c_right, p_left)
+            trade = traded > straight
+            kept += max(straight, traded)
+        memo[c, p] = (kept, trade)
+        return kept
+
+    target, taken = {}, set()
+    pairs = sorted(((value(a, b), a, b) for a in blocks for b in blocks if size[a] == size[b]
+                    and any(first[b] <= h < first[b] + size[b] for h in homes[a])),
+                   key=lambda pair: (-pair[0], pair[1], pair[2]))  # fmt: skip
+    for gained, a, b in pairs:
+        if gained > 0 and a not in target and b not in taken:
+            target[a] = b
+            taken.add(b)
+    for a in blocks:  # the rest: where they are if free, else the first free block of their size
+        if a not in target:
+            target[a] = a if a not in taken else next(b for b in blocks if b not in taken and size[b] == size[a])
+            taken.add(target[a])
+    if sum(value(a, b) for a, b in target.items()) <= sum(value(a, a) for a in blocks):
+        target = {a: a for a in blocks}
+    slot = np.arange(problem.num_bags)
+
+    def place(c: int, p: int) -> None:
+        slot[c] = p
+        if size[c] > 1:
+            (c_left, c_right), (p_left, p_right) = halves(c), halves(p)
+            if memo.get((c, p), (0, False))[1]:
+                p_left, p_right = p_right, p_left
+            place(c_left, p_left)
+            place(c_right, p_right)
+
+    for a, b in target.items():
+        place(a, b)
+    if np.array_equal(slot, np.arange(problem.num_bags)):
+        return state
+    traded = _State(problem, levels)
+    traded.place_all(np.arange(len(seq_lens)), slot[state.group_of_seq])
+    if int(traded.loads.max()) != int(state.loads.max()) or (
+        traded.tokens is not None and int(traded.tokens.max()) > problem.cap
+    ):
+        return state
+    return traded
 
 
 def _keep_home(state: _State) -> np.ndarray:

@@ -231,3 +231,50 @@ def test_auto_topology_layout_and_errors():
         build_topology("g8n1", max_degree=8)
     with pytest.raises(ValueError, match="'knapformer' needs a fixed topology"):
         plan_routing([[5]] * 4, build_topology("auto", 4), FLUX, "knapformer")
+
+
+def _random_state(num_gpus, node, lengths, seed):
+    """Every sequence in a random group of topology auto, as a planner state."""
+    from deepspeed_knap.elastic import _Levels, _State
+    from deepspeed_knap.planner import _Problem
+
+    problem = _Problem.build(lengths, build_topology("auto", num_gpus, node), FLUX, None)
+    levels = _Levels.build(problem)
+    state = _State(problem, levels)
+    rng = np.random.default_rng(seed)
+    state.place_all(np.arange(len(problem.seq_lens)), rng.integers(0, problem.num_bags, len(problem.seq_lens)))
+    return problem, levels, state
+
+
+def _tokens_home(problem, state):
+    kept = 0
+    for s, home, group in zip(problem.seq_lens, problem.src, state.group_of_seq, strict=True):
+        first, size = problem.bag_first[group], problem.bag_size[group]
+        if first <= home < first + size:
+            kept += s // size + (home - first < s % size)
+    return kept
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=per_rank_lengths(16, 3), seed=st.integers(0, 2**16))
+def test_trading_groups_home_permutes_the_gpus_and_keeps_more_tokens_home(lengths, seed):
+    from deepspeed_knap.elastic import _trade_groups_home
+
+    problem, _, state = _random_state(16, 8, lengths, seed)
+    traded = _trade_groups_home(state)
+    assert sorted(traded.loads.tolist()) == sorted(state.loads.tolist())  # a permutation of the GPUs' loads
+    assert _tokens_home(problem, traded) >= _tokens_home(problem, state)
+
+
+def test_trading_groups_home_brings_swapped_blocks_and_halves_home():
+    """Sequences placed a block away, or in the other half of their group, all go home."""
+    from deepspeed_knap.elastic import _trade_groups_home
+
+    lengths = [[1_000 + 10 * gpu] for gpu in range(16)]
+    for away in (lambda gpu: (gpu + 8) % 16, lambda gpu: gpu ^ 1, lambda gpu: gpu ^ 6):
+        problem, levels, state = _random_state(16, 8, lengths, 0)
+        singles = levels.group_at[-1]
+        state = type(state)(problem, levels)
+        state.place_all(np.arange(16), singles[[away(gpu) for gpu in range(16)]])
+        assert _tokens_home(problem, state) == 0
+        assert _tokens_home(problem, _trade_groups_home(state)) == sum(map(sum, lengths))
