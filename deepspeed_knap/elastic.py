@@ -97,6 +97,8 @@ CHAIN_STARTS = 4
 CHAIN_SLACK = 0.02
 # Passes of bringing single-GPU sequences home: a later pass finds room that the first one made.
 KEEP_HOME_PASSES = 2
+# Blocks each block's contents are priced in for trading them home (besides its own).
+TRADE_CANDIDATES = 2
 
 _BIG = np.iinfo(np.int64).max
 # The cost of a sequence in a class the cap bars: a load plus it is never below the step time, and
@@ -312,9 +314,7 @@ def solve_elastic(problem: _Problem, steps: int = SEARCH_STEPS) -> np.ndarray | 
         exact = _exact_search(problem, levels, best.group_of_seq, EXACT_NODE_BUDGET)
         best = _State(problem, levels)
         best.place_all(np.arange(n), exact)
-    kept_home = _State(problem, levels)
-    kept_home.place_all(np.arange(n), _keep_home(best))
-    return _trade_groups_home(kept_home).group_of_seq
+    return _trade_groups_home(problem, levels, _keep_home(best))
 
 
 def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None:
@@ -401,26 +401,53 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
     return best
 
 
-def _trade_groups_home(state: _State) -> _State:
-    """``state`` with its groups' contents placed where more tokens stay on their home GPU, by a
-    symmetry of the groups: the contents of a top-level group (block) may go to another block of
-    its size, and at every group the contents of its two halves may trade places. With equal speeds
-    and overheads (otherwise ``state`` is returned as it is) that permutes the GPUs: every load
-    moves with its GPU, so the step time is kept (and under a cap, the result is kept only if the
-    cap holds: a group's first GPUs carry a sequence's odd tokens).
+def _trade_groups_home(problem: _Problem, levels: _Levels, group_of_seq: np.ndarray) -> np.ndarray:
+    """``[N]`` the groups of ``group_of_seq`` with their contents placed where more tokens stay on
+    their home GPU, by a symmetry of the groups: the contents of a top-level group (block) may go to
+    another block of its size, and at every group the contents of its two halves may trade places.
+    With equal speeds and overheads (otherwise nothing changes) that permutes the GPUs: every load
+    moves with its GPU, so the step time is kept (under a cap, the result is kept only if the cap
+    holds: a group's first GPUs carry a sequence's odd tokens).
 
     ``value(c, p)``: the most tokens the sequences of group ``c`` and of the groups inside it keep
     home with ``c``'s contents in slot ``p`` (a group of its size): its own sequences' home chunks
     there, plus the better of its halves straight or traded; 0 without computing when no home GPU
-    of those sequences lies in ``p``. Blocks are then paired greedily by value (largest first, ties
-    by ids), kept only if that beats leaving every block where it is."""
-    problem, levels = state.problem, state.levels
+    of those sequences lies in ``p``. A block that keeps home all the tokens it has is left be; the
+    others are priced in their own slot (if they hold split sequences) and in those of the
+    ``TRADE_CANDIDATES`` blocks where most of their tokens are at home (if more than they keep
+    now), paired greedily by value (largest first, ties by ids), and the pairing kept only if it
+    beats leaving every block where it is."""
     blocks = sorted(levels.groups_in_block)  # ids of the top-level groups, in GPU order
     if problem.gpu_speed is not None or problem.gpu_base is not None:
-        return state
-    first, size, members = levels.first, levels.size, state.members
+        return group_of_seq
+    first, size = levels.first, levels.size
+    # Tokens each block's contents would keep home (chunk sizes rounded down) in each block, and keep now.
+    index = {block: k for k, block in enumerate(blocks)}
+    holding = np.array([index[b] for b in levels.block_of_group])[group_of_seq]  # [N]
+    home = np.array([index[b] for b in levels.block_of_gpu])[problem.src]  # [N]
+    chunk = problem.seq_lens // problem.bag_size[group_of_seq]
+    at_home = np.bincount(holding * len(blocks) + home, weights=chunk,
+                          minlength=len(blocks) ** 2).reshape(len(blocks), len(blocks))  # fmt: skip
+    rank = problem.src - problem.bag_first[group_of_seq]
+    kept_now = np.bincount(holding, weights=np.where((rank >= 0) & (rank < problem.bag_size[group_of_seq]), chunk, 0),
+                           minlength=len(blocks))  # fmt: skip
+    # Worth pricing: a block's own slot where it holds split sequences (with single-GPU ones only,
+    # _keep_home has already traded what a swap of halves could), and another block where more of
+    # its tokens would be home than it keeps now.
+    split = np.bincount(holding, weights=problem.bag_size[group_of_seq] > 1, minlength=len(blocks)) > 0
+    candidates = []
+    for k, a in enumerate(blocks):
+        if kept_now[k] < at_home[k].sum():
+            ranked = np.lexsort((np.arange(len(blocks)), -at_home[k]))[:TRADE_CANDIDATES].tolist()
+            candidates += [(a, blocks[j]) for j in sorted({k, *ranked})
+                           if (j == k and split[k]) or (j != k and at_home[k, j] > kept_now[k])]  # fmt: skip
+    if not candidates:
+        return group_of_seq
     level_of_size = {g: v for v, g in enumerate(levels.sizes)}
     src, seq_lens = problem.src.tolist(), problem.seq_lens.tolist()
+    by_group = np.argsort(group_of_seq, kind="stable")
+    bounds = np.searchsorted(group_of_seq[by_group], np.arange(problem.num_bags + 1)).tolist()
+    by_group = by_group.tolist()
 
     def halves(group: int) -> tuple[int, int] | None:
         if size[group] == 1:
@@ -428,30 +455,36 @@ def _trade_groups_home(state: _State) -> _State:
         at = levels.group_at[level_of_size[size[group] // 2]]
         return int(at[first[group]]), int(at[first[group] + size[group] // 2])
 
-    homes: dict[int, set[int]] = {}  # group -> home GPUs of the sequences in it and inside it
+    # Per group, sorted: the home GPUs of the sequences in it and inside it, and its own sequences'
+    # homes with their lengths (a slot is a span of GPUs: what falls in one is a bisection away);
+    # collected for a block when it is first priced.
+    homes: dict[int, list[int]] = {}
+    own: dict[int, tuple[list[int], list[int]]] = {}
 
-    def collect(group: int) -> set[int]:
-        found = {src[i] for i in members[group]}
+    def collect(group: int) -> list[int]:
+        by_home = sorted((src[i], seq_lens[i]) for i in by_group[bounds[group] : bounds[group + 1]])
+        own[group] = ([h for h, _ in by_home], [length for _, length in by_home])
+        found = set(own[group][0])
         for half in halves(group) or ():
-            found |= collect(half)
-        homes[group] = found
-        return found
+            found.update(collect(half))
+        homes[group] = sorted(found)
+        return homes[group]
 
-    for block in blocks:
-        collect(block)
     memo: dict[tuple[int, int], tuple[int, bool]] = {}
 
     def value(c: int, p: int) -> int:
+        if c not in homes:
+            collect(c)
         if (c, p) in memo:
             return memo[c, p][0]
         lo, width = first[p], size[p]
-        if not any(lo <= h < lo + width for h in homes[c]):
+        found = bisect.bisect_left(homes[c], lo)
+        if found == len(homes[c]) or homes[c][found] >= lo + width:
             return 0
+        own_homes, own_lens = own[c]
         kept = 0
-        for i in members[c]:
-            rank = src[i] - lo
-            if 0 <= rank < width:
-                kept += seq_lens[i] // width + (rank < seq_lens[i] % width)
+        for k in range(bisect.bisect_left(own_homes, lo), bisect.bisect_left(own_homes, lo + width)):
+            kept += own_lens[k] // width + (own_homes[k] - lo < own_lens[k] % width)
         trade = False
         if width > 1:
             (c_left, c_right), (p_left, p_right) = halves(c), halves(p)
@@ -463,10 +496,8 @@ def _trade_groups_home(state: _State) -> _State:
         return kept
 
     target, taken = {}, set()
-    pairs = sorted(((value(a, b), a, b) for a in blocks for b in blocks if size[a] == size[b]
-                    and any(first[b] <= h < first[b] + size[b] for h in homes[a])),
-                   key=lambda pair: (-pair[0], pair[1], pair[2]))  # fmt: skip
-    for gained, a, b in pairs:
+    for gained, a, b in sorted(((value(a, b), a, b) for a, b in candidates if size[a] == size[b]),
+                               key=lambda pair: (-pair[0], pair[1], pair[2])):  # fmt: skip
         if gained > 0 and a not in target and b not in taken:
             target[a] = b
             taken.add(b)
@@ -474,7 +505,8 @@ def _trade_groups_home(state: _State) -> _State:
         if a not in target:
             target[a] = a if a not in taken else next(b for b in blocks if b not in taken and size[b] == size[a])
             taken.add(target[a])
-    if sum(value(a, b) for a, b in target.items()) <= sum(value(a, a) for a in blocks):
+    moved = [a for a in blocks if target[a] != a]
+    if sum(value(a, target[a]) for a in moved) <= sum(value(a, a) for a in moved):
         target = {a: a for a in blocks}
     slot = np.arange(problem.num_bags)
 
@@ -489,14 +521,12 @@ def _trade_groups_home(state: _State) -> _State:
 
     for a, b in target.items():
         place(a, b)
-    if np.array_equal(slot, np.arange(problem.num_bags)):
-        return state
-    traded = _State(problem, levels)
-    traded.place_all(np.arange(len(seq_lens)), slot[state.group_of_seq])
-    if int(traded.loads.max()) != int(state.loads.max()) or (
-        traded.tokens is not None and int(traded.tokens.max()) > problem.cap
-    ):
-        return state
+    traded = slot[group_of_seq]
+    if problem.cap is not None:
+        state = _State(problem, levels)
+        state.place_all(np.arange(len(seq_lens)), traded)
+        if int(state.tokens.max()) > problem.cap:
+            return group_of_seq
     return traded
 
 

@@ -258,23 +258,28 @@ def _tokens_home(problem, state):
 @settings(max_examples=60, deadline=None)
 @given(lengths=per_rank_lengths(16, 3), seed=st.integers(0, 2**16))
 def test_trading_groups_home_permutes_the_gpus_and_keeps_more_tokens_home(lengths, seed):
-    from deepspeed_knap.elastic import _trade_groups_home
+    from deepspeed_knap.elastic import _State, _trade_groups_home
 
-    problem, _, state = _random_state(16, 8, lengths, seed)
-    traded = _trade_groups_home(state)
+    problem, levels, state = _random_state(16, 8, lengths, seed)
+    traded = _State(problem, levels)
+    traded.place_all(np.arange(len(problem.seq_lens)), _trade_groups_home(problem, levels, state.group_of_seq))
     assert sorted(traded.loads.tolist()) == sorted(state.loads.tolist())  # a permutation of the GPUs' loads
     assert _tokens_home(problem, traded) >= _tokens_home(problem, state)
 
 
 def test_trading_groups_home_brings_swapped_blocks_and_halves_home():
-    """Sequences placed a block away, or in the other half of their group, all go home."""
-    from deepspeed_knap.elastic import _trade_groups_home
+    """Sequences placed a block away (alone on a GPU), or split over the pair of GPUs in the other
+    half of their group of 4 or 8, all go to groups holding their home GPU."""
+    from deepspeed_knap.elastic import _State, _trade_groups_home
 
     lengths = [[1_000 + 10 * gpu] for gpu in range(16)]
-    for away in (lambda gpu: (gpu + 8) % 16, lambda gpu: gpu ^ 1, lambda gpu: gpu ^ 6):
-        problem, levels, state = _random_state(16, 8, lengths, 0)
-        singles = levels.group_at[-1]
-        state = type(state)(problem, levels)
-        state.place_all(np.arange(16), singles[[away(gpu) for gpu in range(16)]])
+    for level, away in ((-1, lambda gpu: (gpu + 8) % 16), (-2, lambda gpu: gpu ^ 2), (-2, lambda gpu: gpu ^ 4)):
+        problem, levels, _ = _random_state(16, 8, lengths, 0)
+        groups = levels.group_at[level]  # [S] the group of each GPU at that size
+        state, ideal = _State(problem, levels), _State(problem, levels)
+        state.place_all(np.arange(16), groups[[away(gpu) for gpu in range(16)]])
+        ideal.place_all(np.arange(16), groups[np.arange(16)])
+        traded = _State(problem, levels)
+        traded.place_all(np.arange(16), _trade_groups_home(problem, levels, state.group_of_seq))
         assert _tokens_home(problem, state) == 0
-        assert _tokens_home(problem, _trade_groups_home(state)) == sum(map(sum, lengths))
+        assert _tokens_home(problem, traded) == _tokens_home(problem, ideal) > 0
