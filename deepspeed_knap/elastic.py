@@ -412,13 +412,14 @@ def _trade_groups_home(problem: _Problem, levels: _Levels, group_of_seq: np.ndar
     ``value(c, p)``: the most tokens the sequences of group ``c`` and of the groups inside it keep
     home with ``c``'s contents in slot ``p`` (a group of its size): its own sequences' home chunks
     there, plus the better of its halves straight or traded; 0 without computing when no home GPU
-    of those sequences lies in ``p``. A block that keeps home all the tokens it has is left be; the
-    others are priced in their own slot (if they hold split sequences) and in those of the
+    of those sequences lies in ``p``. A block that keeps home all the tokens it has is not priced;
+    the others are priced in their own slot (if they hold split sequences) and in those of the
     ``TRADE_CANDIDATES`` blocks where most of their tokens are at home (if more than they keep
     now), paired greedily by value (largest first, ties by ids), and the pairing kept only if it
     beats leaving every block where it is."""
-    blocks = sorted(levels.groups_in_block)  # ids of the top-level groups, in GPU order
-    if problem.gpu_speed is not None or problem.gpu_base is not None:
+    blocks = sorted(levels.groups_in_block)  # ids of the top-level groups (larger first, then by GPU)
+    # Blocks of single GPUs hold single-GPU sequences only, which _keep_home has placed already.
+    if problem.gpu_speed is not None or problem.gpu_base is not None or max(levels.size[b] for b in blocks) == 1:
         return group_of_seq
     first, size = levels.first, levels.size
     # Tokens each block's contents would keep home (chunk sizes rounded down) in each block, and keep now.
@@ -501,9 +502,16 @@ def _trade_groups_home(problem: _Problem, levels: _Levels, group_of_seq: np.ndar
         if gained > 0 and a not in target and b not in taken:
             target[a] = b
             taken.add(b)
+    free = {}  # per size, the blocks of that size in order and the position of the first maybe free
     for a in blocks:  # the rest: where they are if free, else the first free block of their size
         if a not in target:
-            target[a] = a if a not in taken else next(b for b in blocks if b not in taken and size[b] == size[a])
+            if a in taken:
+                same, at = free.setdefault(size[a], ([b for b in blocks if size[b] == size[a]], [0]))
+                while same[at[0]] in taken:  # the first free block only moves forward
+                    at[0] += 1
+                target[a] = same[at[0]]
+            else:
+                target[a] = a
             taken.add(target[a])
     moved = [a for a in blocks if target[a] != a]
     if sum(value(a, target[a]) for a in moved) <= sum(value(a, a) for a in moved):
