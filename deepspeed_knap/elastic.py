@@ -214,8 +214,7 @@ class _State:
     def __init__(self, problem: _Problem, levels: _Levels):
         self.problem, self.levels = problem, levels
         # A slow GPU's larger fixed overhead is load it holds before any sequence.
-        base = problem.gpu_base
-        self.loads = base.copy() if base is not None else np.zeros(problem.num_gpus, dtype=np.int64)
+        self.loads = problem.gpu_start_load.copy()
         self.tokens = np.zeros(problem.num_gpus, dtype=np.int64) if problem.cap is not None else None
         self.group_of_seq = np.full(len(problem.seq_lens), -1, dtype=np.int64)
         self.members: list[list[int]] = [[] for _ in range(problem.num_bags)]
@@ -329,7 +328,7 @@ def _best_start(problem: _Problem, levels: _Levels, steps: int) -> _State | None
         level_cost[ok, level] = np.minimum(level_cost[ok, level], problem.cost[ok, c])
         level_gpu_seconds[ok, level] = np.minimum(level_gpu_seconds[ok, level], problem.gpu_seconds[ok, c])
 
-    base = problem.gpu_base if problem.gpu_base is not None else np.zeros(1, dtype=np.int64)
+    base = problem.gpu_start_load
 
     def bound(cost: np.ndarray, gpu_seconds: np.ndarray) -> int:
         """Step time no plan with these ``[N]`` least costs and GPU-seconds beats: the costliest
@@ -1123,7 +1122,7 @@ def _exact_search(
         for gpu in range(first, first + size):
             top_of_gpu[gpu] = (first, size)
     speeds = list(problem.workload.gpu_speed) if problem.workload.gpu_speed is not None else None
-    loads = problem.gpu_base.tolist() if problem.gpu_base is not None else [0] * num_gpus
+    loads = problem.gpu_start_load.tolist()
     tokens = [0] * num_gpus
     assign = [0] * n
     best_assign, nodes = None, 0

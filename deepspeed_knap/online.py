@@ -11,13 +11,14 @@ where ``X[g] = sum s / (G * efficiency(G))`` and ``Y[g] = sum s**2 / (G * effici
 sequences whose group holds GPU ``g`` (the planner's own per-GPU terms), ``speed[g]`` is a per-rank
 speed factor (a throttled GPU, an older GPU in a mixed pool) and ``overhead`` the fixed cost of a
 rank per step (launches, Python; on a slow rank it is larger, so the planner gives that rank less
-work: :attr:`~deepspeed_knap.workload.WorkloadModel.overhead_s`). Past steps count with weight ``forgetting ** age``, kept as running sums per GPU (the
-refit costs ``O(S)`` whatever the history). The refit alternates: with the speeds fixed, ``overhead,
-a, b >= 0`` by weighted non-negative least squares on those sums; with ``a, b`` fixed, each rank's
-speed is its predicted over its measured time summed over the history (once refit, a step counts at
-most ``max_speed_ratio`` times off the prediction, so one noisy step moves it little), divided by the
-median rank's (speeds are relative: ``a, b`` carry the common scale),
-clamped to ``[1 / max_speed_ratio, max_speed_ratio]`` and rounded to a multiple of 1/32 (so that
+work: :attr:`~deepspeed_knap.workload.WorkloadModel.overhead_s`). Past steps count with weight
+``forgetting ** age``, kept as running sums per GPU (the refit costs ``O(S)`` whatever the
+history). The refit alternates: with the speeds fixed, ``overhead, a, b >= 0`` by weighted
+non-negative least squares on those sums; with ``a, b`` fixed, each rank's speed is its predicted
+over its measured time summed over the history (once refit, a step counts at most
+``max_speed_ratio`` times off the prediction, so one noisy step moves it little), divided by the
+median rank's (speeds are relative: ``a, b`` carry the common scale), clamped to
+``[1 / max_speed_ratio, max_speed_ratio]`` and rounded to a multiple of 1/32 (so that
 the planner sees few distinct speeds: it prices groups by class of size and speed). The all-to-all
 coefficient ``c`` is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a
 step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``.

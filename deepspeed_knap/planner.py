@@ -430,6 +430,11 @@ class _Problem:
         return np.zeros(self.num_bags, dtype=np.int64) if self.base_load is None else self.base_load
 
     @functools.cached_property
+    def gpu_start_load(self) -> np.ndarray:
+        """``[S]`` int64 ``gpu_base``, or zeros."""
+        return np.zeros(self.num_gpus, dtype=np.int64) if self.gpu_base is None else self.gpu_base
+
+    @functools.cached_property
     def start_tokens(self) -> np.ndarray:
         """``[B]`` int64 ``base_tokens``, or zeros."""
         return np.zeros(self.num_bags, dtype=np.int64) if self.base_tokens is None else self.base_tokens
@@ -473,7 +478,7 @@ class _Problem:
         group_size = self.num_gpus
         masked = np.iinfo(np.int64).max
         gpu_time = np.where(self.allowed, self.gpu_seconds, masked)
-        gpu_base = self.gpu_base if self.gpu_base is not None else np.zeros(group_size, dtype=np.int64)
+        gpu_base = self.gpu_start_load
         base = int((self.start_load * self.bag_size).sum() + gpu_base.sum())  # GPU-seconds already placed
         speed = self.gpu_speed
         if speed is not None:  # work at speed 1: of each sequence in each class, and already placed
@@ -539,11 +544,8 @@ class _Problem:
         """``[N, C]`` float64 work at speed 1 of each sequence in a bag of each class: its GPU-time
         times the class's speed (a bag runs at its slowest GPU's). A GPU of speed ``v`` does ``v``
         of it per unit of load, which bounds the step time where speeds differ."""
-        speed = self.gpu_speed if self.gpu_speed is not None else np.ones(self.num_gpus)
         class_speed = np.zeros(len(self.class_size))
-        class_speed[self.bag_class] = [
-            speed[f : f + g].min() for f, g in zip(self.bag_first, self.bag_size, strict=True)
-        ]
+        class_speed[self.bag_class] = self.workload.group_speeds(self.bag_first, self.bag_size, self.num_gpus)
         return self.gpu_seconds * class_speed[None, :]
 
     def make_plan(self, solver: str, group_start: np.ndarray, group_size: np.ndarray) -> RoutingPlan:

@@ -7,8 +7,8 @@ LoRA targets are module names as diffusers names them (``"attn.to_q"``, ``"ff.ne
 packed models have diffusers' module trees, so the same names match the same layers in both, and an
 adapter trained here loads into diffusers' ``FluxTransformer2DModel`` or ``Flux2Transformer2DModel``
 unchanged (each family names its default targets, ``lora_targets``). Validation images use
-``FluxPipeline``: FLUX.1 only. No function here
-communicates: under ZeRO-3 the training script gathers the weights and passes them in.
+``FluxPipeline``: FLUX.1 only. No function here communicates: under ZeRO-3 the training script
+gathers the weights and passes them in.
 """
 
 from __future__ import annotations
