@@ -56,7 +56,7 @@ def test_bad_slow_rank_is_refused():
 
 def test_calibrate_fits_the_efficiency_of_bag_members(tmp_path, capsys):
     out = tmp_path / "cal.json"
-    argv = ["calibrate", "--out", str(out), "--seq-lens", "64,128,192,256", "--heads", "4", "--head-dim", "8",
+    argv = ["calibrate", "--out", str(out), "--seq-lens", "256,512,1024,2048", "--heads", "4", "--head-dim", "8",
             "--double-blocks", "1", "--single-blocks", "1", "--repeats", "3", "--degrees", "2,4"]  # fmt: skip
     assert main(argv) == 0
     data = json.loads(out.read_text())

@@ -94,7 +94,7 @@ def test_auto_is_never_worse_than_refine_on_any_fixed_topology_of_its_sizes(inst
             assert ours <= plan_routing(lengths, fixed, workload).max_load * (1 + 1e-7), spec
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(st.lists(lengths_strategy, max_size=2), min_size=4, max_size=4).filter(
         lambda ls: 1 <= sum(map(len, ls)) <= 5

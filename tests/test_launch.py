@@ -24,8 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def deepspeed_launch(script: Path, *args: str) -> list[str]:
-    return [str(BIN / "deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()), str(script), *args]
+def deepspeed_launch(script: Path, *args: str, ranks: int = 4) -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()), str(script), *args]
 
 
 def mpirun_launch(script: Path, *args: str) -> list[str]:
