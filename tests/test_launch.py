@@ -1,6 +1,8 @@
 """Launchers: the deepspeed launcher and mpirun run the same script to the same losses, and a rank that
-raises mid-step ends the job with its error instead of a hang."""
+raises mid-step ends the job with its error instead of a hang. Two ranks planned by topology ``auto``
+(half the time of four on 2 cores); the README's 4-rank jobs run in test_train_flux and test_examples."""
 
+import json
 import os
 import re
 import shutil
@@ -28,9 +30,9 @@ def deepspeed_launch(script: Path, *args: str, ranks: int = 4) -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()), str(script), *args]
 
 
-def mpirun_launch(script: Path, *args: str) -> list[str]:
+def mpirun_launch(script: Path, *args: str, ranks: int = 4) -> list[str]:
     # `-m mpi4py`: an uncaught exception on one rank aborts every rank (MPI_Abort) instead of a hang.
-    return [str(BIN / "mpirun"), "-n", "4", "-env", "MASTER_PORT", str(free_port()),
+    return [str(BIN / "mpirun"), "-n", str(ranks), "-env", "MASTER_PORT", str(free_port()),
             sys.executable, "-m", "mpi4py", str(script), *args]  # fmt: skip
 
 
@@ -55,11 +57,20 @@ def run(command: list[str]) -> subprocess.CompletedProcess:
     return result
 
 
+def two_rank_config(directory: Path) -> Path:
+    """The CPU demo config with topology ``auto``, which plans any world size."""
+    config = json.loads(CONFIG.read_text())
+    config["knapformer"]["topology"] = "auto"
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory / "config.json"
+
+
 @needs_mpirun
-def test_deepspeed_launcher_and_mpirun_give_the_same_losses():
-    script, args = ROOT / "examples" / "train_tiny.py", ("--deepspeed_config", str(CONFIG))
+def test_deepspeed_launcher_and_mpirun_give_the_same_losses(tmp_path):
+    script, args = ROOT / "examples" / "train_tiny.py", ("--deepspeed_config", str(two_rank_config(tmp_path)))
     losses = {}
-    for name, command in (("deepspeed", deepspeed_launch(script, *args)), ("mpirun", mpirun_launch(script, *args))):
+    for name, command in (("deepspeed", deepspeed_launch(script, *args, ranks=2)),
+                          ("mpirun", mpirun_launch(script, *args, ranks=2))):  # fmt: skip
         result = run(command)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert result.leftover_shm == []  # every rank unlinked its /dev/shm all-reduce buffer
@@ -69,11 +80,15 @@ def test_deepspeed_launcher_and_mpirun_give_the_same_losses():
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", pytest.param("mpirun", marks=needs_mpirun)])
-def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error(launcher):
-    script, args = ROOT / "tests" / "scripts" / "failing_rank.py", ("--deepspeed_config", str(CONFIG))
-    command = deepspeed_launch(script, *args) if launcher == "deepspeed" else mpirun_launch(script, *args)
+def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error(launcher, tmp_path):
+    script, args = (
+        ROOT / "tests" / "scripts" / "failing_rank.py",
+        ("--deepspeed_config", str(two_rank_config(tmp_path))),
+    )
+    launch = deepspeed_launch if launcher == "deepspeed" else mpirun_launch
+    command = launch(script, *args, ranks=2)
     start = time.monotonic()
     result = run(command)
     assert result.returncode != 0
-    assert "injected failure on rank 2 at step 1" in result.stdout + result.stderr
+    assert "injected failure on rank 1 at step 1" in result.stdout + result.stderr
     assert time.monotonic() - start < 120

@@ -1,4 +1,4 @@
-"""Train TinyDiT balanced; rank 2 raises in the middle of step 1. The job must exit non-zero with
+"""Train TinyDiT balanced; rank 1 raises in the middle of step 1. The job must exit non-zero with
 that error instead of hanging (tests/test_launch.py)."""
 
 import argparse
@@ -23,7 +23,7 @@ engine, _, _, _, balancer = deepspeed_knap.initialize(
 for step in range(3):
     batch = random_batch([5, 9], 10 * step + dist.get_rank())
     out = engine(batch, balancer)
-    if step == 1 and dist.get_rank() == 2:
-        raise RuntimeError("injected failure on rank 2 at step 1")
+    if step == 1 and dist.get_rank() == 1:
+        raise RuntimeError("injected failure on rank 1 at step 1")
     engine.backward(deepspeed_knap.token_mean_loss(out.square().mean(dim=-1)))
     engine.step()
