@@ -1,5 +1,5 @@
-"""examples/train_flux.py with FLUX.2 on 2 CPU ranks (topology ``auto``) under the deepspeed launcher,
-ZeRO-3: the tiny FLUX.2 balanced trains to the losses of the same weights loaded from a checkpoint (partitioned as
+"""examples/train_flux.py with FLUX.2 on 4 CPU ranks under the deepspeed launcher, ZeRO-3: the tiny
+FLUX.2 balanced trains to the losses of the same weights loaded from a checkpoint (partitioned as
 read) and trained unbalanced; the 16-bit export loads in diffusers' ``Flux2Transformer2DModel``, and
 DeepSpeed's ``zero_to_fp32`` recovers the same weights from the saved checkpoint."""
 
@@ -21,10 +21,10 @@ COMMON = ("--workload", "flux2_edit", "--token-scale", "0.015625", "--steps", "3
 
 
 def train(tmp_path, name: str, balanced: bool, *args: str) -> tuple[list[float], str]:
-    config = {**DEMO_CONFIG, "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": balanced, "topology": "auto"}}
+    config = {**DEMO_CONFIG, "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": balanced}}
     config_path = tmp_path / f"{name}.json"
     config_path.write_text(json.dumps(config))
-    result = run(deepspeed_launch(SCRIPT, "--deepspeed_config", str(config_path), *COMMON, *args, ranks=2))
+    result = run(deepspeed_launch(SCRIPT, "--deepspeed_config", str(config_path), *COMMON, *args))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+) ", result.stdout, re.MULTILINE)]
     return losses, result.stdout + result.stderr
