@@ -40,10 +40,13 @@ def run(command: list[str]) -> subprocess.CompletedProcess:
     """Run a launcher command. DeepSpeed's CPU shared-memory all-reduce leaves a 69 MB /dev/shm buffer
     per rank, named by master port, behind even on a clean exit; the examples unlink their own, and
     whatever a run left (a script that does not, a rank killed early) is removed here, because dozens
-    of runs fill the machine's memory. ``result.leftover_shm`` names what was left."""
+    of runs fill the machine's memory. ``result.leftover_shm`` names what was left. MPICH's segments
+    (``mpich_shm_*``, ~3 MB each, left when a rank aborts) carry no port: those that appeared during
+    the run are removed too."""
     flag = "--master_port" if "--master_port" in command else "MASTER_PORT"
     port = command[command.index(flag) + 1]
     leftover = []
+    mpich_before = set(Path("/dev/shm").glob("mpich_shm_*"))
     # One thread per rank unless told otherwise: four ranks of two threads each oversubscribe a
     # 2-core machine.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -53,6 +56,8 @@ def run(command: list[str]) -> subprocess.CompletedProcess:
         for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
             leftover.append(buffer.name)
             buffer.unlink(missing_ok=True)
+        for segment in set(Path("/dev/shm").glob("mpich_shm_*")) - mpich_before:
+            segment.unlink(missing_ok=True)
     result.leftover_shm = leftover
     return result
 
