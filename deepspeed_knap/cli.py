@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--topology", default="g8n4", help="auto, or bags such as g8n4 or g1n8+g2n4")
     plan.add_argument("--gpus", type=int, default=32, help="GPUs of topology auto (with --workload)")
     plan.add_argument("--max-degree", type=int, default=None,
-                      help="topology auto: the largest group (8, or the node if smaller, when not given)")  # fmt: skip
+                      help="topology auto: the largest group (8, or the node if smaller, when not given); "
+                           "above the node, groups of whole nodes for sequences the cap keeps out of a node")  # fmt: skip
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--workload", default="kf_image_video", choices=list(WORKLOADS), help="bundled workload")
     source.add_argument("--lengths", metavar="FILE.json", help="JSON list of per-rank lists of sequence lengths")

@@ -368,14 +368,21 @@ class _Problem:
         cost = np.floor(cost_s * scale).astype(np.int64)
         tokens = -(-seq_lens[:, None] // class_size[None, :])
         allowed = np.ones_like(tokens, dtype=bool) if cap is None else tokens <= cap
+        across = class_size > (topology.gpus_per_node or topology.world_size)
+        if topology.elastic and across.any():
+            # The workload model prices no all-to-all between nodes: groups of whole nodes are only
+            # for sequences that no group inside a node holds under the cap (none without a cap).
+            allowed[:, across] &= ~allowed[:, ~across].any(axis=1, keepdims=True)
         if cap is not None and seq_lens.size and not allowed.any(axis=1).all():
             i = int(np.flatnonzero(~allowed.any(axis=1))[0])
             rank, index = int(src[i]), i - int(np.searchsorted(src, src[i]))
+            larger = "raise max_degree (above a node: groups of whole nodes)" if topology.elastic else (
+                "use a topology with larger bags")  # fmt: skip
             raise ValueError(
                 f"sequence {index} of rank {rank} has {seq_lens[i]} tokens: even the largest bag "
                 f"({class_size.max()} GPUs) leaves {tokens[i].min()} tokens on one GPU, over "
                 f"max_tokens_per_gpu={cap}. Raise max_tokens_per_gpu to at least {tokens[i].min()}, "
-                "use a topology with larger bags, or drop sequences this long"
+                f"{larger}, or drop sequences this long"
             )
         gpu_base = _overhead_units(workload, topology.group_size, scale, int(cost.max(axis=1, initial=0).sum()))
         base_load = None

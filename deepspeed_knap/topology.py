@@ -9,7 +9,9 @@ balance group; each replica balances on its own.
 step each sequence runs in a group of its own size ``1, 2, 4, ...`` up to ``max_degree``. A group of
 ``G`` GPUs starts at a multiple of ``G`` and never crosses a node, so any two groups are nested or
 disjoint (a buddy system). The topology's "bags" are then the largest such groups, which tile the
-world; :attr:`Topology.groups` lists every group a plan may use.
+world; :attr:`Topology.groups` lists every group a plan may use. A ``max_degree`` above a node (of a
+power-of-two size) adds groups of whole nodes (2, 4, ... nodes, aligned likewise), which the planner
+gives only to sequences that no group inside a node holds under the memory cap.
 
 Ranks of a bag are contiguous. Given ``gpus_per_node``, bags are ordered so that none crosses a node
 boundary whenever such an order exists (bags larger than a node must then start on a node boundary and
@@ -146,10 +148,12 @@ def build_topology(
         world_size: ranks in the job; defaults to one balance group (required for ``auto``). Must be a
             multiple of the group size ``S = sum(G * N)``.
         gpus_per_node: when given, bags are ordered so none crosses a node boundary if any order allows;
-            ``auto`` groups never cross one.
-        max_degree: ``auto`` only: the largest group, a power of two no larger than the node. Default:
-            the smallest of 8, the node and the world, rounded down to a power of two (the model's
-            heads bound it too: :func:`deepspeed_knap.initialize` passes them).
+            ``auto`` groups never cross one (but groups of whole nodes, see ``max_degree``).
+        max_degree: ``auto`` only: the largest group, a power of two; above the node (whose size must
+            then be a power of two too), groups of whole nodes for sequences the memory cap keeps out
+            of every group inside a node. Default: the smallest of 8, the node and the world, rounded
+            down to a power of two (the model's heads bound it too: :func:`deepspeed_knap.initialize`
+            passes them).
 
     Raises:
         ValueError: malformed spec, world size that is not a multiple of ``S``, bad ``gpus_per_node``
@@ -214,14 +218,15 @@ def _build_auto(world_size: int | None, gpus_per_node: int | None, max_degree: i
             f"max_degree must be a power of two (1, 2, 4, 8, ...); got {max_degree!r}. Ulysses groups of 'auto' "
             "halve down to single GPUs"
         )
-    if gpus_per_node is not None and max_degree > gpus_per_node:
+    if gpus_per_node is not None and max_degree > gpus_per_node and gpus_per_node & (gpus_per_node - 1):
         raise ValueError(
-            f"max_degree={max_degree} is larger than a node of {gpus_per_node} GPUs; 'auto' groups stay inside a "
-            f"node: use max_degree <= {1 << (gpus_per_node.bit_length() - 1)}"
+            f"max_degree={max_degree} is larger than a node of {gpus_per_node} GPUs: groups of whole nodes need "
+            f"nodes of a power-of-two size; use max_degree <= {1 << (gpus_per_node.bit_length() - 1)}"
         )
-    # Tile every node (or the world) with the largest aligned groups: a group of G starts at a
-    # multiple of G, so all groups of all sizes are nested or disjoint.
-    node = gpus_per_node or world_size
+    # Tile every node (or the world; or spans of max_degree GPUs, whole nodes, when it is larger) with
+    # the largest aligned groups: a group of G starts at a multiple of G, so all groups of all sizes
+    # are nested or disjoint, and with power-of-two nodes a group of at most a node stays inside one.
+    node = max(gpus_per_node or world_size, max_degree)
     sizes = []
     for node_start in range(0, world_size, node):
         start, end = node_start, min(node_start + node, world_size)

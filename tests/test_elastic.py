@@ -46,12 +46,16 @@ def check_groups_aligned_and_nested(plan, topology):
 
 def brute_force_elastic(lengths, topology, workload, cap=None):
     """Best step time over every choice of group (any size, any aligned start) per sequence. A group
-    runs at its slowest GPU's speed, and every GPU ``g`` also spends ``overhead_s / speed[g]``."""
+    runs at its slowest GPU's speed, and every GPU ``g`` also spends ``overhead_s / speed[g]``. Groups
+    larger than a node only take sequences whose share in a node's group is over the cap."""
     flat = [s for rank in lengths for s in rank]
     groups = list(topology.groups)
     speed = np.asarray(workload.gpu_speed or [1.0] * topology.group_size)
+    node = topology.gpus_per_node or topology.group_size
+    choices = [[g for g, (_, size) in enumerate(groups) if size <= node or (cap is not None and -(-s // node) > cap)]
+               for s in flat]  # fmt: skip
     best = np.inf
-    for assignment in itertools.product(range(len(groups)), repeat=len(flat)):
+    for assignment in itertools.product(*choices):
         loads, tokens = workload.overhead_s / speed, np.zeros(topology.group_size)
         for s, g in zip(flat, assignment, strict=True):
             start, size = groups[g]
@@ -146,6 +150,33 @@ def test_auto_honours_the_memory_cap_or_says_why(instance, cap_scale):
     assert plan.gpu_tokens.max(initial=0) <= cap
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.lists(lengths_strategy, max_size=2), min_size=4, max_size=4).filter(
+        lambda ls: 1 <= sum(map(len, ls)) <= 4
+    ),
+    cap_share=st.sampled_from([None, 0.3, 0.45, 0.6, 1.0]),
+)
+def test_groups_of_whole_nodes_take_only_sequences_no_node_holds_under_the_cap(lengths, cap_share):
+    """Nodes of 2 GPUs, ``max_degree`` 4: the group of both nodes takes a sequence only when half of
+    it is over the cap (never without a cap), and the plan is optimal among such plans (brute force)."""
+    topology = build_topology("auto", 4, gpus_per_node=2, max_degree=4)
+    assert topology.groups[0] == (0, 4)
+    cap = None if cap_share is None else max(1, int(cap_share * max(s for rank in lengths for s in rank)))
+    optimum = brute_force_elastic(lengths, topology, FLUX, cap=cap)
+    try:
+        plan = plan_routing(lengths, topology, FLUX, max_tokens_per_gpu=cap)
+    except ValueError as error:
+        assert f"max_tokens_per_gpu={cap}" in str(error) and optimum == np.inf
+        return
+    check_plan_covers_every_token(plan, lengths, topology)
+    across = plan.seq_group_size > 2
+    assert cap is not None or not across.any()
+    assert (-(-plan.seq_lens[across] // 2) > (cap or 0)).all()
+    assert plan.gpu_tokens.max() <= (cap or np.inf)
+    assert plan.max_load <= optimum * (1 + 1e-6)
+
+
 def test_a_cap_auto_cannot_meet_matches_brute_force():
     topology = build_topology("auto", 4, max_degree=2)
     lengths = [[900], [900], [900], []]  # 3 x 450 tokens on 2-GPU groups: at best 900 on some GPU pair
@@ -223,8 +254,10 @@ def test_auto_topology_layout_and_errors():
     assert build_topology("auto", 16).max_degree == 8 and build_topology("auto", 4).max_degree == 4
     with pytest.raises(ValueError, match="max_degree must be a power of two"):
         build_topology("auto", 8, max_degree=6)
-    with pytest.raises(ValueError, match="max_degree=8 is larger than a node of 4 GPUs"):
-        build_topology("auto", 8, gpus_per_node=4, max_degree=8)
+    # Above a node: groups of whole nodes, which need nodes of a power-of-two size.
+    assert build_topology("auto", 16, gpus_per_node=4, max_degree=8).bag_sizes == (8, 8)
+    with pytest.raises(ValueError, match="max_degree=8 is larger than a node of 6 GPUs: groups of whole nodes"):
+        build_topology("auto", 12, gpus_per_node=6, max_degree=8)
     with pytest.raises(ValueError, match="topology 'auto' needs the world size"):
         build_topology("auto")
     with pytest.raises(ValueError, match="applies to topology 'auto' only"):

@@ -323,6 +323,9 @@ def test_benchmark_traffic_formulas_match_bytes_really_sent(spec):
 AUTO_DIM, AUTO_HEADS = 32, 8  # 8 heads: groups of up to 8 GPUs
 # A priced all-to-all keeps short sequences whole, so the planner mixes group sizes 1, 2, 4 (and 8).
 AUTO_WORKLOAD = dict(linear_coef=1.0, quadratic_coef=0.05, alltoall_coef=0.5)
+# On nodes of 2 GPUs with max_degree 4, a cap of 30 tokens leaves the 90-token sequence (45 per GPU
+# in a node's group of 2) only the group of both nodes.
+ACROSS_LENS, ACROSS_CAP = [[90], [5], [3, 2], [4]], 30
 
 
 def _auto_worker(rank: int, world: int) -> dict:
@@ -351,19 +354,25 @@ def _auto_worker(rank: int, world: int) -> dict:
             pick = [rng.choice(np.flatnonzero(problem.bag_size == size)) for size in sizes]
             return problem.make_plan("random", problem.bag_first[pick], problem.bag_size[pick])
 
+    cases = [("refine", KnapBalancer(groups, workload), torch.float64, SEQ_LENS[rank]),
+             ("refine32", KnapBalancer(groups, workload), torch.float32, SEQ_LENS[rank]),
+             ("random", RandomGroups(groups, workload), torch.float64, SEQ_LENS[rank])]  # fmt: skip
+    if world == 4:  # nodes of 2 GPUs: the 90-token sequence needs the group of both nodes under the cap
+        across = create_process_groups(build_topology("auto", world, gpus_per_node=2, max_degree=4))
+        cases.append(("across", KnapBalancer(across, workload, max_tokens_per_gpu=ACROSS_CAP), torch.float64,
+                      ACROSS_LENS[rank]))  # fmt: skip
     result = {}
-    for name, balancer, dtype in (("refine", KnapBalancer(groups, workload), torch.float64),
-                                  ("refine32", KnapBalancer(groups, workload), torch.float32),
-                                  ("random", RandomGroups(groups, workload), torch.float64)):  # fmt: skip
+    for name, balancer, dtype, lengths in cases:
         torch.manual_seed(0)
         model = TinyDiT(AUTO_DIM, AUTO_HEADS, COND, topology=topology).to(dtype)
-        batch = random_batch(SEQ_LENS[rank], 1000 + rank, AUTO_DIM, COND, dtype)
+        batch = random_batch(lengths, 1000 + rank, AUTO_DIM, COND, dtype)
         plan = balancer.plan(batch)
         routed = route(batch, plan, groups)
         assert torch.equal(reverse_route(routed.batch.tokens, routed), batch.tokens)
         result[name] = {
             **_balanced_against_unbalanced(model, batch, balancer, rank),
             "sizes": sorted(set(plan.seq_group_size.tolist())),
+            "max_gpu_tokens": int(plan.gpu_tokens.max()),
             "groups_here": len(routed.layout.attention_groups),
         }
     return result
@@ -376,7 +385,10 @@ def test_auto_plans_mix_group_sizes_and_balanced_model_equals_unbalanced(world):
     assert results[0]["refine"]["sizes"] == expected_sizes, "the planner must mix group sizes on one step"
     assert max(r["refine"]["groups_here"] for r in results) >= 2, "some GPU must run attention in several groups"
     assert max(r["random"]["groups_here"] for r in results) >= 3
+    if world == 4:
+        assert results[0]["across"]["sizes"][-1] == 4 and results[0]["across"]["max_gpu_tokens"] <= ACROSS_CAP
+    cases = (("refine", 1e-10), ("refine32", 1e-5), ("random", 1e-10)) + ((("across", 1e-10),) if world == 4 else ())
     for rank, result in enumerate(results):
-        for case, tolerance in (("refine", 1e-10), ("refine32", 1e-5), ("random", 1e-10)):
+        for case, tolerance in cases:
             assert result[case]["out_err"] <= tolerance, (rank, case, result)
             assert result[case]["grad_err"] <= tolerance, (rank, case, result)
