@@ -130,7 +130,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"topology {topology.spec}: {layout} over {topology.group_size} GPUs; lengths {source}: "
         f"{_plural(report['num_sequences'], 'sequence')}, {_plural(report['num_tokens'], 'token')}"
     )
-    print(f"lower bound on the modeled step: {baseline.lower_bound:.4g} s; with every sequence free to pick its "
+    bound = plans.get("refine", baseline).lower_bound  # the cap's, where refine honours one
+    print(f"lower bound on the modeled step: {bound:.4g} s; with every sequence free to pick its "
           f"Ulysses degree (auto): {report['flexible_lower_bound']:.4g} s")  # fmt: skip
     if args.max_tokens_per_gpu is not None and len(solvers) > 1:
         print(f"max_tokens_per_gpu={args.max_tokens_per_gpu} applies to refine; the baselines cannot honour it")
@@ -149,7 +150,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _flexible_bound(lengths, topology, workload, cap) -> float:
     """The modeled step time no plan can beat when every sequence may pick its own group of 1, 2, 4, ...
-    GPUs up to the largest bag, within a node (the lower bound of topology ``auto`` on the same GPUs)."""
+    GPUs up to the largest bag, within a node (the lower bound of topology ``auto`` on the same GPUs;
+    for ``auto`` itself, its own, groups of whole nodes included)."""
+    if topology.elastic:
+        return lower_bound(lengths, topology, workload, cap)
     largest = min(max(topology.bag_sizes), topology.gpus_per_node or topology.group_size)  # auto stays in nodes
     elastic = build_topology(AUTO, topology.group_size, topology.gpus_per_node, 1 << (largest.bit_length() - 1))
     return lower_bound(lengths, elastic, workload, cap)

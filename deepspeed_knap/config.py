@@ -134,10 +134,12 @@ class KnapFormerConfig(DeepSpeedConfigModel):
     """``"auto"`` (every sequence gets its own Ulysses degree each step), or the bag layout of one
     balance group, e.g. ``"g8n4"`` or ``"g1n8+g2n4"``; required when enabled."""
     max_degree: int | None = Field(None, gt=0)
-    """``auto`` only: the largest Ulysses group, a power of two; default: the smallest of 8, the node
+    """``auto`` only: the largest Ulysses group, a power of two; above a node, groups of whole nodes
+    for sequences the cap keeps out of every group inside one. Default: the smallest of 8, the node
     and the model's attention heads."""
     gpus_per_node: int | None = Field(None, gt=0)
-    """GPUs per node: bags and groups stay inside nodes; default: what the launcher reports
+    """GPUs per node: bags and groups stay inside nodes (but ``auto``'s groups of whole nodes, see
+    ``max_degree``); default: what the launcher reports
     (``LOCAL_SIZE`` from deepspeed, ``LOCAL_WORLD_SIZE`` from torchrun, ``OMPI_COMM_WORLD_LOCAL_SIZE``
     or ``MPI_LOCALNRANKS`` from mpirun, ``SLURM_NTASKS_PER_NODE``)."""
     solver: Literal["none", "knapformer", "refine"] = DEFAULT_SOLVER

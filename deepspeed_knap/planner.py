@@ -255,10 +255,14 @@ def _solve(seq_lens_per_rank, topology: Topology, workload: WorkloadModel, solve
     home_fits = solver == "refine" and problem.fits_cap_at_home()
     if bag_of_seq is None and not home_fits:
         total, gpus = int(problem.seq_lens.sum()), topology.group_size
+        why = ""
+        if problem.barred_within_cap:
+            why = (" (groups of whole nodes take only sequences that no group inside a node holds alone under the "
+                   "cap)")  # fmt: skip
         raise ValueError(
             f"max_tokens_per_gpu={max_tokens_per_gpu} could not be met: {total} tokens over {gpus} GPUs need at "
             f"least {-(-total // gpus)} per GPU on average, and the planner found no assignment that keeps every "
-            "GPU under the cap. Raise the cap or use larger bags"
+            f"GPU under the cap{why}. Raise the cap or use larger bags"
         )
     # Running every sequence alone on its home GPU needs no bag at all; when no topology plan beats
     # it (tiny sequences, where the all-to-all costs more than balancing wins), that is the plan.
@@ -459,7 +463,18 @@ class _Problem:
         interchangeable[order] = rank
         return interchangeable
 
+    @functools.cached_property
+    def barred_within_cap(self) -> bool:
+        """Whether :attr:`allowed` bars a sequence from a class whose share fits the cap (``auto``'s
+        groups of whole nodes): the searches that check only tokens against the cap must then check
+        :attr:`allowed` too."""
+        fits = np.ones_like(self.allowed) if self.cap is None else self.tokens <= self.cap
+        return bool((fits & ~self.allowed).any())
+
     def fits_cap(self, bag_of_seq: np.ndarray) -> bool:
+        """Whether every bag stays under the cap and every sequence is in a class it is allowed in."""
+        if self.barred_within_cap and not self.allowed[np.arange(len(bag_of_seq)), self.bag_class[bag_of_seq]].all():
+            return False
         return self.cap is None or bool(np.all(self.bag_tokens(bag_of_seq) <= self.cap))
 
     @functools.cached_property
@@ -734,13 +749,15 @@ def _finish_time_greedy(problem: _Problem) -> np.ndarray | None:
     placed = []
     cost_rows = problem.cost[order].tolist()
     gpu_seconds = problem.gpu_seconds[order].tolist()
-    if problem.cap is None and len(problem.class_size) == 1:  # one class: always its lightest bag
+    # Without a cap, and with every class allowed, a bag needs no check (otherwise the last loop).
+    unchecked = problem.cap is None and not problem.barred_within_cap
+    if unchecked and len(problem.class_size) == 1:  # one class: always its lightest bag
         heap = heaps.heaps[0]
         for cost in problem.cost[order, 0].tolist():
             load, bag = heap[0]
             heapq.heapreplace(heap, (load + cost, bag))
             placed.append(bag)
-    elif problem.cap is None:  # the common case, kept tight (heap access inlined)
+    elif unchecked:  # the common case, kept tight (heap access inlined)
         class_heaps = heaps.heaps
         for costs, gpu_s in zip(cost_rows, gpu_seconds, strict=True):
             best_finish, best_c, best_bag = -1, 0, -1
@@ -841,7 +858,7 @@ def _first_fit_decreasing(problem: _Problem) -> np.ndarray | None:
     need = problem.tokens[:, problem.bag_class]  # [N, B] tokens on the busiest GPU of each bag
     bag_of_seq = np.empty(len(problem.seq_lens), dtype=np.int64)
     for i in np.lexsort((np.arange(len(problem.seq_lens)), -problem.tokens.min(axis=1))).tolist():
-        fits = np.flatnonzero(need[i] <= room)
+        fits = np.flatnonzero((need[i] <= room) & problem.allowed[i, problem.bag_class])
         if fits.size == 0:
             return None
         bag_of_seq[i] = fits[0]
@@ -1031,6 +1048,8 @@ class _Assignment:
         move_score = np.maximum(loads[targets][None, :] + cost[items][:, bag_class[targets]], left_a[:, None])  # [k, M]
         if cap is not None:
             move_score[bag_tokens[targets][None, :] + tokens[items][:, bag_class[targets]] > cap] = big
+        if problem.barred_within_cap:
+            move_score[~problem.allowed[items][:, bag_class[targets]]] = big
         best = None
         if targets.size:
             flat = int(np.argmin(move_score))
@@ -1060,6 +1079,9 @@ class _Assignment:
                 over_a = bag_tokens[a] - tokens[swap_items, class_a][:, None] + tokens[js, class_a][None, :] > cap
                 over_b = (bag_tokens[bag_j] - tokens[js, class_b])[None, :] + tokens[swap_items][:, class_b] > cap
                 swap_score[over_a | over_b] = big
+            if problem.barred_within_cap:
+                allowed = problem.allowed
+                swap_score[~allowed[js, class_a][None, :] | ~allowed[swap_items][:, class_b]] = big
             flat = int(np.argmin(swap_score))
             if best is None or swap_score.flat[flat] < best[0]:
                 k, jj = divmod(flat, len(js))
@@ -1082,7 +1104,7 @@ class _Assignment:
             lightest += [b for b in by_class_then_load[first : first + count] if b != a][:1]
         for i in items:
             for b in lightest:
-                if (
+                if not problem.allowed[i, problem.bag_class[b]] or (
                     problem.cap is not None
                     and self.bag_tokens[b] + problem.tokens[i, problem.bag_class[b]] > problem.cap
                 ):

@@ -65,6 +65,17 @@ def test_auto_compares_against_the_flexible_bound(capsys):
     assert fixed["flexible_lower_bound"] == report["flexible_lower_bound"] <= fixed["solvers"]["refine"]["lower_bound"]
 
 
+def test_auto_with_groups_of_whole_nodes_reports_the_bound_of_its_cap(tmp_path, capsys):
+    """9,000 tokens under a cap of 3,000 need the group of both 2-GPU nodes, which only the cap opens."""
+    lengths = tmp_path / "long.json"
+    lengths.write_text("[[9000], [100], [200], [300]]")
+    code, out, _ = run_cli(capsys, "plan", "--topology", "auto", "--gpus-per-node", "2", "--max-degree", "4",
+                           "--lengths", str(lengths), "--max-tokens-per-gpu", "3000", "--json", "--repeat", "1")  # fmt: skip
+    refine = json.loads(out)["solvers"]["refine"]
+    assert code == 0 and refine["max_gpu_tokens"] <= 3000
+    assert refine["lower_bound"] == json.loads(out)["flexible_lower_bound"] <= refine["max_load_s"]
+
+
 def test_text_says_one_sequence_not_one_sequences(tmp_path, capsys):
     lengths = tmp_path / "one.json"
     lengths.write_text("[[4096], []]")

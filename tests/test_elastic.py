@@ -177,6 +177,27 @@ def test_groups_of_whole_nodes_take_only_sequences_no_node_holds_under_the_cap(l
     assert plan.max_load <= optimum * (1 + 1e-6)
 
 
+@pytest.mark.parametrize(
+    "num_gpus, node, lengths, cap, workload",
+    [
+        (6, 2, [[2870, 2475], [], [], [3749], [1041, 1008], []], None, FLUX),
+        # 2476 tokens need the group of both nodes (310 per GPU); nothing else may join it.
+        (12, 4, [[2476, 698, 128], [61], [178], [73, 11], [1209, 892], [32], [], [49], [], [36], [153], [75, 72, 12]],
+         549, PRICED_ALLTOALL),
+    ],
+)  # fmt: skip
+def test_groups_of_whole_nodes_stay_barred_in_every_stage_of_the_search(num_gpus, node, lengths, cap, workload):
+    """The fixed-topology stages of the search see a group across nodes next to groups inside one,
+    and once put sequences there that a node holds (from their home GPUs, or by local search), under
+    a lower bound the plan then undercut."""
+    topology = build_topology("auto", num_gpus, gpus_per_node=node, max_degree=2 * node)
+    plan = plan_routing(lengths, topology, workload, max_tokens_per_gpu=cap)
+    check_plan_covers_every_token(plan, lengths, topology)
+    across = plan.seq_group_size > node
+    assert (-(-plan.seq_lens[across] // node) > (cap or np.inf)).all() and plan.lower_bound <= plan.max_load
+    assert cap is None or (across.any() and plan.gpu_tokens.max() <= cap)
+
+
 def test_a_cap_auto_cannot_meet_matches_brute_force():
     topology = build_topology("auto", 4, max_degree=2)
     lengths = [[900], [900], [900], []]  # 3 x 450 tokens on 2-GPU groups: at best 900 on some GPU pair

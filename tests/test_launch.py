@@ -42,7 +42,7 @@ def run(command: list[str]) -> subprocess.CompletedProcess:
     whatever a run left (a script that does not, a rank killed early) is removed here, because dozens
     of runs fill the machine's memory. ``result.leftover_shm`` names what was left. MPICH's segments
     (``mpich_shm_*``, ~3 MB each, left when a rank aborts) carry no port: those that appeared during
-    the run are removed too."""
+    the run are removed too (a parallel MPICH job's would go with them; the suite runs serially)."""
     flag = "--master_port" if "--master_port" in command else "MASTER_PORT"
     port = command[command.index(flag) + 1]
     leftover = []
