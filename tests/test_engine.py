@@ -150,8 +150,9 @@ def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
     import deepspeed_knap
     from deepspeed_knap.models.tiny_dit import TinyDiT
 
-    # The harness's launcher reports every rank on one node (LOCAL_SIZE); "node" and "auto_node"
-    # launch as if on nodes of 2, "node_mismatch" keeps the report of 4.
+    # The harness's launcher reports every rank on one node (LOCAL_SIZE); "node" launches as if on
+    # nodes of 2, "auto_node" on nodes of 3 (groups of whole nodes need power-of-two nodes),
+    # "node_mismatch" keeps the report of 4.
     two_per_node = {"LOCAL_SIZE": "2"}
     cases = {
         "world": ({"topology": "g8n1"}, 6, {}),
@@ -160,7 +161,7 @@ def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
         "heads": ({"topology": "g4n1"}, 2, {}),
         "typo": ({"topology": "g4n1", "sovler": "refine"}, 6, {}),
         "auto_heads": ({"topology": "auto", "max_degree": 4}, 2, {}),
-        "auto_node": ({"topology": "auto", "max_degree": 4}, 6, two_per_node),
+        "auto_node": ({"topology": "auto", "max_degree": 4}, 6, {"LOCAL_SIZE": "3"}),
         "auto_not_a_power_of_two": ({"topology": "auto", "max_degree": 3}, 6, {}),
         # A calibration file only ranks 0 and 1 have: every rank must raise, naming 2 and 3.
         "file_on_some_nodes": ({"topology": "g2n2", "workload": {"calibration_file": calibration}}, 6, {}),
@@ -194,7 +195,7 @@ def test_config_errors_before_the_first_step_on_every_rank(tmp_path):
     assert "bags of 4 GPUs but attention has only 2 heads" in errors["heads"]
     assert "unknown key 'knapformer.sovler'" in errors["typo"]
     assert '"max_degree": 4 but the model\'s attention has only 2 heads' in errors["auto_heads"]
-    assert "max_degree=4 is larger than a node of 2 GPUs" in errors["auto_node"]
+    assert "max_degree=4 is larger than a node of 3 GPUs: groups of whole nodes need" in errors["auto_node"]
     assert '"max_degree": 3 must be a power of two' in errors["auto_not_a_power_of_two"]
     assert "ranks see different settings" in errors["file_on_some_nodes"]
     assert '"knapformer" block (ranks [2, 3] differ from rank 0)' in errors["file_on_some_nodes"]
