@@ -256,7 +256,7 @@ def _solve(seq_lens_per_rank, topology: Topology, workload: WorkloadModel, solve
     if bag_of_seq is None and not home_fits:
         total, gpus = int(problem.seq_lens.sum()), topology.group_size
         why = ""
-        if problem.barred_within_cap:
+        if problem.barred_within_cap and -(-total // gpus) <= max_tokens_per_gpu:  # room enough, on average
             why = (" (groups of whole nodes take only sequences that no group inside a node holds alone under the "
                    "cap)")  # fmt: skip
         raise ValueError(
@@ -852,9 +852,12 @@ def _first_fit_decreasing(problem: _Problem) -> np.ndarray | None:
 
     Bin packing's first-fit decreasing: sequences by the tokens they need (their smallest per-GPU
     share) descending, each to the lowest-id bag with room. Load balance is left to local search.
-    Used only when the cap defeats every load-driven start.
+    Used only when the cap (or :attr:`_Problem.allowed`) defeats every load-driven start.
     """
-    room = problem.cap - problem.start_tokens
+    # Without a cap only allowed matters (groups of whole nodes): room is endless.
+    room = (
+        np.full(problem.num_bags, np.iinfo(np.int64).max) if problem.cap is None else problem.cap - problem.start_tokens
+    )
     need = problem.tokens[:, problem.bag_class]  # [N, B] tokens on the busiest GPU of each bag
     bag_of_seq = np.empty(len(problem.seq_lens), dtype=np.int64)
     for i in np.lexsort((np.arange(len(problem.seq_lens)), -problem.tokens.min(axis=1))).tolist():

@@ -198,6 +198,17 @@ def test_groups_of_whole_nodes_stay_barred_in_every_stage_of_the_search(num_gpus
     assert cap is None or (across.any() and plan.gpu_tokens.max() <= cap)
 
 
+def test_a_cap_only_a_group_of_nodes_for_a_sequence_a_node_holds_would_meet_is_refused_saying_why():
+    """Three 600-token sequences, 450 tokens per GPU, two nodes of 2: each fits a node's group of 2
+    alone but not all three; the group of both nodes would take one, the rule bars it."""
+    topology = build_topology("auto", 4, gpus_per_node=2, max_degree=4)
+    lengths = [[600], [600], [600], []]
+    assert brute_force_elastic(lengths, topology, FLUX, cap=450) == np.inf  # under the rule
+    assert brute_force_elastic(lengths, build_topology("auto", 4, max_degree=4), FLUX, cap=450) < np.inf
+    with pytest.raises(ValueError, match="groups of whole nodes take only sequences that no group inside a node"):
+        plan_routing(lengths, topology, FLUX, max_tokens_per_gpu=450)
+
+
 def test_a_cap_auto_cannot_meet_matches_brute_force():
     topology = build_topology("auto", 4, max_degree=2)
     lengths = [[900], [900], [900], []]  # 3 x 450 tokens on 2-GPU groups: at best 900 on some GPU pair
