@@ -1092,12 +1092,13 @@ def _exact_search(
     cheapest = np.where(problem.allowed, problem.gpu_seconds, _BIG).min(axis=1)[order]
     rest = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()
     # With unequal speeds, the same test on work at speed 1 (a slow GPU does less of it per load).
-    speed = problem.gpu_speed
-    if speed is not None:
+    # [S] speeds, or None when all are equal (then they neither bound nor tell states apart).
+    speeds = problem.gpu_speed.tolist() if problem.gpu_speed is not None else None
+    if speeds is not None:
         least_work = np.where(problem.allowed, problem.speed_work, np.inf).min(axis=1)[order].tolist()
         # Plain Python sums in a fixed order (and math.fsum): the same on every rank's CPU.
         rest_work = [*reversed(list(itertools.accumulate(reversed(least_work)))), 0.0]
-        speed_sum, gpu_speed = math.fsum(speed.tolist()), speed.tolist()
+        speed_sum = math.fsum(speeds)
     # What each sequence costs alone on each GPU (None: the cap bars it), and the least of it.
     single_class = problem.bag_class[levels.group_at[-1]]  # [S] the class of each GPU alone
     alone_cost = np.where(problem.allowed[:, single_class], problem.cost[:, single_class], -1)[order].tolist()
@@ -1122,7 +1123,6 @@ def _exact_search(
     for first, size in zip(problem.topology.bag_first_rank, problem.topology.bag_sizes, strict=True):
         for gpu in range(first, first + size):
             top_of_gpu[gpu] = (first, size)
-    speeds = list(problem.workload.gpu_speed) if problem.workload.gpu_speed is not None else None
     loads = problem.gpu_start_load.tolist()
     tokens = [0] * num_gpus
     assign = [0] * n
@@ -1177,8 +1177,8 @@ def _exact_search(
             return
         if -(-(used + rest[k]) // num_gpus) >= best_max:
             return
-        if speed is not None:  # rounded down: float error must not cut the best branch
-            work = sum(load * v for load, v in zip(loads, gpu_speed, strict=True))
+        if speeds is not None:  # rounded down: float error must not cut the best branch
+            work = sum(load * v for load, v in zip(loads, speeds, strict=True))
             if math.floor((work + rest_work[k]) / speed_sum) >= best_max:
                 return
         seen, options = set(), []

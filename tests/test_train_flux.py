@@ -261,8 +261,8 @@ def test_tiny_lora_run_with_validation_on_one_cuda_gpu_over_nccl(tmp_path):
     (tmp_path / "prompts.txt").write_text("a red cat\n")
     command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(tmp_path / "config.json"), *COMMON, *LORA,
                                "--validation-every", "3", "--validation-prompts", str(tmp_path / "prompts.txt"),
-                               "--validation-dir", str(tmp_path / "images"), "--export-dir", str(tmp_path / "lora"))  # fmt: skip
-    command[command.index("--num_gpus") + 1] = "1"
+                               "--validation-dir", str(tmp_path / "images"), "--export-dir", str(tmp_path / "lora"),
+                               ranks=1)  # fmt: skip
     result = run(command)
     check(result)
     assert len(STEP_LINE.findall(result.stdout)) == 3 and (tmp_path / "images" / "step000003_prompt00.png").is_file()

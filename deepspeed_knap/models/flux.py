@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from deepspeed_knap.models.flux_base import FluxInputs, PackedFluxBase
+from deepspeed_knap.models.flux_base import JOINT_ATTENTION_PROJECTIONS, FluxInputs, PackedFluxBase
 from deepspeed_knap.models.flux_layers import (
     AdaNormOut,
     FluxDoubleBlock,
@@ -70,10 +70,12 @@ class PackedFluxTransformer(PackedFluxBase):
     # What diffusers' FLUX LoRA training adapts by default: every attention projection of both
     # streams and the double-stream blocks' feed-forwards.
     lora_targets = (
-        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-    )  # fmt: skip
+        *JOINT_ATTENTION_PROJECTIONS,
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    )
 
     def __init__(
         self,

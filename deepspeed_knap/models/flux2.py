@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deepspeed_knap.models.flux_base import PackedFluxBase
+from deepspeed_knap.models.flux_base import JOINT_ATTENTION_PROJECTIONS, PackedFluxBase
 from deepspeed_knap.models.flux_layers import (
     AdaNormOut,
     FluxAttentionWeights,
@@ -184,8 +184,7 @@ class PackedFlux2Transformer(PackedFluxBase):
     # feed-forwards, and the single-stream blocks' fused q, k, v + MLP input and their output
     # (``attn.to_out``: a linear layer there, a list holding one in the double-stream blocks).
     lora_targets = (
-        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+        *JOINT_ATTENTION_PROJECTIONS,
         "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
         "attn.to_qkv_mlp_proj", "attn.to_out",
     )  # fmt: skip

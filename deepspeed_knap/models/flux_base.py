@@ -44,6 +44,12 @@ from deepspeed_knap.topology import Topology
 
 # Constructor arguments that are ours, not diffusers' config.
 EXTRA_ARGS = ("attention_backend", "topology", "gradient_checkpointing")
+# Every attention projection of both streams of a double-stream block, by diffusers' names (the same
+# in FLUX.1 and FLUX.2): the start of each family's default LoRA targets.
+JOINT_ATTENTION_PROJECTIONS = (
+    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
