@@ -13,21 +13,49 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 from torch import Tensor
 
 from deepspeed_knap.attention import balanced_step_in_flight, set_balanced_step
 from deepspeed_knap.online import OnlineSettings, OnlineWorkload
 from deepspeed_knap.packing import PackedBatch
+from deepspeed_knap.plan_worker import PlanWorker, PlanWorkerError
 from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_loads, plan_routing
-from deepspeed_knap.routing import RoutedBatch, gather_step, local_batch, reverse_route, route, time_exchanges
+from deepspeed_knap.routing import (
+    RoutedBatch,
+    gather_lengths,
+    gather_step,
+    local_batch,
+    ranks_failing,
+    reverse_route,
+    route,
+    time_exchanges,
+)
 from deepspeed_knap.timing import StepTimes, stamp
 from deepspeed_knap.topology import ProcessGroups
 from deepspeed_knap.workload import WorkloadModel
+
+# A step's plan with what it was made of: (lengths per rank, plan, solve seconds, solved ahead, the
+# cost model it was solved with).
+_Planned = tuple[list[list[int]], RoutingPlan, float, bool, WorkloadModel]
+
+
+@dataclasses.dataclass
+class _PlanAhead:
+    """A step's plan solving in the worker process since :meth:`KnapBalancer.prefetch`."""
+
+    seq_lens_per_rank: list[list[int]]
+    model: WorkloadModel  # the cost model it is solved with
+    ticket: int  # the worker's job
+    seq_lens: list[int]  # this rank's, to check the step gets the batch prefetched for it
 
 
 class KnapBalancer:
@@ -37,7 +65,8 @@ class KnapBalancer:
     route; :mod:`~deepspeed_knap.timing`) and ships the compute and Ulysses microseconds with the next
     step's lengths, in the same all-gather: every rank then knows every rank's measured times of the
     last step. With ``online`` settings the cost model is refit from them every step
-    (:mod:`~deepspeed_knap.online`), identically on every rank.
+    (:mod:`~deepspeed_knap.online`), identically on every rank. With :meth:`prefetch` the next
+    step's plan is solved in a worker process while this step runs.
 
     Args:
         groups: from :func:`~deepspeed_knap.topology.create_process_groups`.
@@ -69,12 +98,14 @@ class KnapBalancer:
         self.online = None if online is None else OnlineWorkload(workload, groups.topology.group_size, online)
         self.steps = 0
         self.last_times: dict[str, float] | None = None  # this rank's breakdown of the last finished step
-        self._last: tuple[list[list[int]], RoutingPlan, float] | None = None
+        self._last: _Planned | None = None
         self._in_flight: tuple[StepTimes, RoutingPlan, WorkloadModel] | None = None
         self._closed: tuple[RoutingPlan, WorkloadModel] | None = None  # the step close_step() ended
         self._report = [-1, -1]  # this rank's [compute, ulysses] microseconds, shipped with the next lengths
         self._routed: RoutedBatch | None = None  # the step in flight, current for drop-in attention
         self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
+        self._worker: PlanWorker | None = None  # started by the first prefetch
+        self._ahead: dict[int, _PlanAhead] = {}  # by the value of self.steps when its step is planned
 
     @property
     def model(self) -> WorkloadModel:
@@ -83,21 +114,95 @@ class KnapBalancer:
 
     def plan(self, batch: PackedBatch) -> RoutingPlan:
         """Gather every rank's lengths (and last step's times) and solve; every rank gets the same
-        plan. Collective."""
+        plan. Collective. A plan :meth:`prefetch` started for this step is used instead, if every
+        rank has it for the batch it is given."""
         self.close_step()
-        previous, report = self._closed, self._report
-        self._closed, self._report = None, [-1, -1]
-        seq_lens_per_rank, reports = gather_step(batch, self.groups, report)
-        if previous is not None:
-            self._record(*previous, reports)
-        model = self.model
-        start = time.perf_counter()
-        plan = plan_routing(seq_lens_per_rank, self.groups.topology, model, self.solver, self.max_tokens_per_gpu)
-        self._last = (seq_lens_per_rank, plan, time.perf_counter() - start)
-        self.steps += 1
+        ahead = self._ahead.pop(self.steps, None)
+        self.steps += 1  # counted even if the solve raises: a later prefetch is for the step after it
+        found = self._plan_ahead(batch, ahead) if ahead is not None else None
+        if found is None:
+            seq_lens_per_rank = self._gather(gather_step, batch)
+            model = self.model
+            start = time.perf_counter()
+            plan = plan_routing(seq_lens_per_rank, self.groups.topology, model, self.solver, self.max_tokens_per_gpu)
+            found = (seq_lens_per_rank, plan, time.perf_counter() - start, False, model)
+        self._last = found
         if self.log_interval and self.steps % self.log_interval == 0 and self.groups.rank == 0:
             self._log(self.metrics())
-        return plan
+        return found[1]
+
+    def prefetch(self, next_seq_lens: Sequence[int], device: torch.device | str | None = None) -> None:
+        """Start planning the *next* step now: gather its lengths (of the batch the step after the
+        one about to run will get, e.g. ``PackedBatch.seq_lens`` or ``FluxInputs.seq_lens``) and
+        solve its plan in a worker process (:class:`~deepspeed_knap.plan_worker.PlanWorker`) while
+        this step runs. Collective, over ``device`` (default: DeepSpeed's current accelerator
+        device). Call it once per forward (per micro-batch under gradient accumulation), before the
+        forward, with the lengths of the forward after it::
+
+            balancer.prefetch(next_batch.seq_lens)
+            out = model(batch, balancer)  # batch's plan was solved during the last step
+
+        The plan is the one :meth:`plan` would solve, with the cost model as it stands now: with
+        ``online``, one step older (the step about to run is not measured yet). The step it is for
+        uses it after one small all-gather, where the ranks agree it is good; if any rank's worker
+        failed, or got a batch of other lengths than it prefetched, every rank plans that step
+        itself, as without prefetch (the ranks concerned log why).
+
+        Raises:
+            ValueError: on every rank, when any rank's lengths are not non-negative integers.
+            RuntimeError: on every rank, when the next step was prefetched already.
+        """
+        step = self.steps + 1  # the plan after the next one (self.steps counts the plans made)
+        if step in self._ahead:
+            raise RuntimeError(
+                f"knapformer: prefetch was already called for step {step + 1}; call it once per step, "
+                "before the forward, with the lengths of the step after"
+            )
+        seq_lens = list(next_seq_lens)
+        problem = None
+        if not all(isinstance(n, numbers.Integral) and n >= 0 for n in seq_lens):
+            problem = f"prefetch: next_seq_lens must be non-negative integers; got {seq_lens}"
+        if device is None:
+            device = get_accelerator().current_device_name()
+        self.close_step()
+        seq_lens_per_rank = self._gather(gather_lengths, seq_lens, problem, torch.device(device))
+        if self._worker is None:
+            self._worker = PlanWorker()
+            weakref.finalize(self, self._worker.close)
+        model = self.model
+        ticket = self._worker.submit(seq_lens_per_rank, self.groups.topology, model, self.solver,
+                                     self.max_tokens_per_gpu)  # fmt: skip
+        self._ahead[step] = _PlanAhead(seq_lens_per_rank, model, ticket, [int(n) for n in seq_lens])
+
+    def _gather(self, gather: Callable[..., tuple[list[list[int]], list[list[int]]]], *args: Any) -> list[list[int]]:
+        """Every rank's lengths, by ``gather(*args, groups, report)`` (:mod:`~deepspeed_knap.routing`),
+        shipping this rank's times of the last closed step and recording every rank's (and the online
+        refit). Collective."""
+        previous, report = self._closed, self._report
+        self._closed, self._report = None, [-1, -1]
+        seq_lens_per_rank, reports = gather(*args, self.groups, report)
+        if previous is not None:
+            self._record(*previous, reports)
+        return seq_lens_per_rank
+
+    def _plan_ahead(self, batch: PackedBatch, ahead: _PlanAhead) -> _Planned | None:
+        """``(lengths, plan, solve seconds, True)`` of the plan solved ahead for this step, or
+        ``None`` if any rank cannot use it (each logs why). Collective: whether a worker failed, or a
+        batch is not the one prefetched, differs between ranks."""
+        problem = None
+        try:
+            plan, solve_s = self._worker.result(ahead.ticket)  # read even if unused: replies come in order
+        except PlanWorkerError as error:
+            problem = str(error)
+        if problem is None and list(batch.seq_lens) != ahead.seq_lens:
+            problem = f"its batch has lengths {list(batch.seq_lens)}, the one prefetched for it {ahead.seq_lens}"
+        failing = ranks_failing(problem is None, batch.tokens.device, self.groups)
+        if not failing:
+            return ahead.seq_lens_per_rank, plan, solve_s, True, ahead.model
+        if problem is not None:
+            logger.warning(f"knapformer rank {self.groups.rank}: step {self.steps} planned without prefetch: {problem}"
+                           " (prefetch once per forward, with the lengths of the forward after the next)")  # fmt: skip
+        return None
 
     def close_step(self) -> dict[str, float] | None:
         """End the timing of the step in flight (once its backward is done) and return this rank's
@@ -138,18 +243,20 @@ class KnapBalancer:
 
     def metrics(self) -> dict[str, float]:
         """The last plan's numbers (of this rank's balance group): modeled imbalance (max/mean GPU
-        load) without and with balancing, solve time, share of tokens moved; once a step has been
+        load) without and with balancing, solve time (``planned_ahead`` 1: solved in the worker
+        process, during the step before), share of tokens moved; once a step has been
         measured, that step's measured imbalance (max/mean of the ranks' compute seconds), the model's
         median relative error over ranks, and with online refit the smallest and largest rank speed.
         Local: no collective."""
         if self._last is None:
             raise RuntimeError("no step has been planned yet; call metrics() after the model's forward")
-        seq_lens_per_rank, plan, solve_s = self._last
-        unbalanced = plan_routing(seq_lens_per_rank, self.groups.topology, self.model, "none")
+        seq_lens_per_rank, plan, solve_s, ahead, model = self._last
+        unbalanced = plan_routing(seq_lens_per_rank, self.groups.topology, model, "none")
         metrics = {
             "knapformer/imbalance_before": unbalanced.imbalance,
             "knapformer/imbalance_after": plan.imbalance,
             "knapformer/solve_ms": solve_s * 1e3,
+            "knapformer/planned_ahead": float(ahead),
             "knapformer/tokens_moved": plan.tokens_moved_fraction,
         }
         if self._measured is not None:
@@ -169,7 +276,8 @@ class KnapBalancer:
     def _log(self, metrics: dict[str, float]) -> None:
         line = (
             f"knapformer step {self.steps}: modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
-            f"{metrics['knapformer/imbalance_after']:.3f}, solve {metrics['knapformer/solve_ms']:.1f} ms, "
+            f"{metrics['knapformer/imbalance_after']:.3f}, solve {metrics['knapformer/solve_ms']:.1f} ms"
+            f"{' (ahead)' if metrics['knapformer/planned_ahead'] else ''}, "
             f"tokens moved {metrics['knapformer/tokens_moved']:.1%}"
         )
         if "knapformer/measured_imbalance" in metrics:

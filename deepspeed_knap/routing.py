@@ -182,9 +182,19 @@ def gather_step(
     Returns:
         ``(lengths, reports)``: ``S`` lists of lengths and ``S`` reports, by rank of the balance group.
     """
-    problem = batch.problem()
-    header = _all_gather_ints([len(batch.seq_lens), problem is not None, *report], batch.tokens.device,
-                              groups.balance_group)  # fmt: skip
+    return gather_lengths(batch.seq_lens, batch.problem(), batch.tokens.device, groups, report)
+
+
+def gather_lengths(
+    seq_lens: Sequence[int], problem: str | None, device: torch.device, groups: ProcessGroups, report: Sequence[int]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """:func:`gather_step` of a batch known by its lengths and ``problem`` (why it is inconsistent, or
+    ``None``), with collectives on ``device``.
+
+    Raises:
+        ValueError: on every rank, when any rank has a ``problem``.
+    """
+    header = _all_gather_ints([len(seq_lens), problem is not None, *report], device, groups.balance_group)
     bad_ranks = [r for r, (_, bad, *_) in enumerate(header) if bad]
     if bad_ranks:
         raise ValueError(
@@ -192,10 +202,16 @@ def gather_step(
             + (f"; here (rank {groups.group_rank}): {problem}" if problem else "; see those ranks' errors")
         )
     width = max(count for count, *_ in header)
-    padded = list(batch.seq_lens) + [0] * (width - len(batch.seq_lens))
-    rows = _all_gather_ints(padded, batch.tokens.device, groups.balance_group) if width else [[] for _ in header]
+    padded = list(seq_lens) + [0] * (width - len(seq_lens))
+    rows = _all_gather_ints(padded, device, groups.balance_group) if width else [[] for _ in header]
     lengths = [row[:count] for row, (count, *_) in zip(rows, header, strict=True)]
     return lengths, [list(rest) for _, _, *rest in header]
+
+
+def ranks_failing(ok: bool, device: torch.device, groups: ProcessGroups) -> list[int]:
+    """The balance-group ranks where ``ok`` is false; empty when it holds everywhere. Collective: for
+    a rank-local check (a file, a worker process) that every rank must act on alike."""
+    return [rank for rank, (failed,) in enumerate(_all_gather_ints([not ok], device, groups.balance_group)) if failed]
 
 
 def _all_gather_ints(values: list[int], device: torch.device, group: Any) -> list[list[int]]:

@@ -114,8 +114,9 @@ def test_zero_training_with_balancing_equals_without(stage, tmp_path):
     assert results[0]["off"] == results[1]["off"]  # a global mean: the same on every rank
     # log_interval 1: every step's balancing metrics reached DeepSpeed's CSV monitor.
     written = sorted(p.name for p in (tmp_path / f"zero{stage}").rglob("knapformer_*.csv"))
-    assert written == [f"knapformer_{name}.csv" for name in ("imbalance_after", "imbalance_before",
-                       "measured_imbalance", "prediction_error", "solve_ms", "tokens_moved")], written  # fmt: skip
+    names = ("imbalance_after", "imbalance_before", "measured_imbalance", "planned_ahead", "prediction_error",
+             "solve_ms", "tokens_moved")  # fmt: skip
+    assert written == [f"knapformer_{name}.csv" for name in names], written
     rows = (tmp_path / f"zero{stage}" / "knapformer_imbalance_after.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + STEPS  # header and one row per step
     measured = (tmp_path / f"zero{stage}" / "knapformer_measured_imbalance.csv").read_text().strip().splitlines()

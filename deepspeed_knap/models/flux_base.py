@@ -81,6 +81,12 @@ class FluxInputs:
     def num_samples(self) -> int:
         return len(self.img_lens)
 
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        """``N`` joint lengths (text + image tokens per sample): what the balancer plans, e.g. for
+        :meth:`~deepspeed_knap.balancer.KnapBalancer.prefetch`."""
+        return tuple(t + i for t, i in zip(self.txt_lens, self.img_lens, strict=True))
+
     @functools.cached_property
     def _joint_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Rows of the text and of the image tokens in joint order (per sample: text, then image)."""
@@ -350,7 +356,7 @@ class PackedFluxBase(nn.Module):
             text = self.context_embedder(text)
         batch = PackedBatch(
             tokens=tokens,
-            seq_lens=tuple(t + i for t, i in zip(inputs.txt_lens, inputs.img_lens, strict=True)),
+            seq_lens=inputs.seq_lens,
             token_data={
                 "ids": torch.cat([inputs.txt_ids, inputs.img_ids]).float().index_select(0, joint_order),
                 "is_text": torch.as_tensor(is_text, device=device),

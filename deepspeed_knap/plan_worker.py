@@ -1,0 +1,168 @@
+"""Plans solved in a worker process, so the next step's solve overlaps this step's compute.
+
+    worker = PlanWorker()
+    ticket = worker.submit(seq_lens_per_rank, topology, model, solver, max_tokens_per_gpu)  # at once
+    ...                                    # this step runs
+    plan, solve_s = worker.result(ticket)  # plan_routing's plan for those arguments, bit-identical
+
+The worker is a child ``python -m deepspeed_knap.plan_worker`` fed pickles over its stdin and stdout.
+Started this way it imports only the planner (NumPy, ~0.2 s), never torch, CUDA or the training
+script, which multiprocessing's spawn and forkserver re-import as ``__main__``. A process rather than
+a thread: the solve is Python, and a thread holding the GIL for tens of milliseconds would stall the
+training loop's kernel launches for as long. It exits when its stdin closes (its parent is gone).
+
+Pure: no ``torch.distributed``. A worker failure raises :class:`PlanWorkerError` on this rank only;
+:meth:`~deepspeed_knap.balancer.KnapBalancer.prefetch` agrees on it across ranks before acting on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from deepspeed_knap.planner import RoutingPlan, plan_routing
+
+_HEADER = struct.Struct("<Q")  # the byte length of the pickle that follows
+
+
+class PlanWorkerError(RuntimeError):
+    """The worker could not return a plan: it failed to start, died, or its solve raised."""
+
+
+class PlanWorker:
+    """One child process solving :func:`~deepspeed_knap.planner.plan_routing` jobs in order. Started
+    on the first :meth:`submit`, and again on the next one after it died."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+        self._submitted = 0  # jobs ever submitted; a job's ticket is its number
+        self._unread: list[int] = []  # tickets sent to the running worker, reply not read yet
+        self._replies: dict[int, tuple[RoutingPlan | None, float, str | None]] = {}
+
+    def submit(self, seq_lens_per_rank: list[list[int]], *args: Any) -> int:
+        """Queue ``plan_routing(seq_lens_per_rank, *args)``; returns at once, with the job's ticket
+        for :meth:`result`. A worker that cannot start or has died fails the job (at :meth:`result`)."""
+        ticket, self._submitted = self._submitted, self._submitted + 1
+        # Read finished replies before sending more: a reply larger than the pipe's buffer blocks the
+        # worker's write, and it would never read this job while our write waits on it.
+        while self._unread:
+            self._read_reply()
+        try:
+            process = self._start()
+            _write_frame(process.stdin, (seq_lens_per_rank, *args))
+            self._unread.append(ticket)
+        except (OSError, ValueError) as error:  # cannot start; a broken or closed pipe
+            self._fail(ticket, f"could not be sent to the plan worker: {error}")
+        return ticket
+
+    def result(self, ticket: int) -> tuple[RoutingPlan, float]:
+        """Job ``ticket``'s ``(plan, solve seconds)``, waiting for it if need be.
+
+        Raises:
+            PlanWorkerError: the worker died or could not start, or the solve raised (the message
+                names the error; solving it here raises it again).
+        """
+        while ticket not in self._replies and ticket in self._unread:
+            self._read_reply()
+        if ticket not in self._replies:
+            raise PlanWorkerError(f"no job {ticket} is waiting (submitted: {self._submitted})")
+        plan, solve_s, error = self._replies.pop(ticket)
+        if error is not None:
+            raise PlanWorkerError(error)
+        return plan, solve_s
+
+    def close(self) -> None:
+        """Stop the worker; the jobs it still had fail. A later :meth:`submit` starts another."""
+        process, self._process = self._process, None
+        for ticket in self._unread:
+            self._replies[ticket] = (None, 0.0, "the plan worker was stopped before replying")
+        self._unread = []
+        if process is not None:
+            for pipe in (process.stdin, process.stdout):  # a worker writing an unread reply gets EPIPE
+                with contextlib.suppress(OSError):  # a dead worker's pipe is broken
+                    pipe.close()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def _start(self) -> subprocess.Popen:
+        if self._process is not None:
+            return self._process
+        env = dict(os.environ)
+        # The package as this process imported it, installed or not.
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        # -P: the working directory must not shadow the package.
+        self._process = subprocess.Popen([sys.executable, "-P", "-m", "deepspeed_knap.plan_worker"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)  # fmt: skip
+        return self._process
+
+    def _read_reply(self) -> None:
+        ticket = self._unread.pop(0)
+        try:
+            reply = _read_frame(self._process.stdout)
+        except Exception as error:  # an unreadable reply fails this rank's job, to be agreed on, never raised
+            self._fail(ticket, f"the plan worker's reply could not be read ({type(error).__name__}: {error})")
+            return
+        if reply is None:
+            self._fail(ticket, "the plan worker died before replying")
+        else:
+            plan, solve_s, error = reply
+            error = None if error is None else f"the plan worker's solve raised {error}"
+            self._replies[ticket] = (plan, solve_s, error)
+
+    def _fail(self, ticket: int, what: str) -> None:
+        """Fail job ``ticket`` with ``what`` (and the worker's exit code), and stop the worker."""
+        process = self._process
+        self.close()
+        code = "" if process is None else f" (exit code {process.returncode})"
+        self._replies[ticket] = (None, 0.0, what + code)
+
+
+def _write_frame(stream: IO[bytes], value: Any) -> None:
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read_frame(stream: IO[bytes]) -> Any | None:
+    """The next value, or ``None`` at end of input."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    return pickle.loads(data) if len(data) == size else None
+
+
+def main() -> None:
+    """The worker's loop: read a job, solve it, reply ``(plan, solve_s, None)`` or
+    ``(None, 0.0, "Error: message")``, until the input ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the rank's group; the rank ends us
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
+    jobs = sys.stdin.buffer
+    while (job := _read_frame(jobs)) is not None:
+        start = time.perf_counter()
+        try:
+            reply = (plan_routing(*job), time.perf_counter() - start, None)
+        except Exception as error:  # sent back: the ranks agree on it, then solve it themselves
+            reply = (None, 0.0, f"{type(error).__name__}: {error}")
+        try:
+            _write_frame(replies, reply)
+        except BrokenPipeError:  # the parent closed its end: stopped, not an error
+            os._exit(0)  # skips flushing the broken pipe again at exit
+
+
+if __name__ == "__main__":
+    main()
