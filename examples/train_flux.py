@@ -35,6 +35,7 @@ from tqdm import tqdm
 import deepspeed_knap
 from deepspeed_knap.config import load_ds_config
 from deepspeed_knap.models.flux2 import TINY_FLUX2
+from deepspeed_knap.models.flux_base import FluxInputs
 from deepspeed_knap.models.flux_data import (
     LatentDirectory,
     SyntheticLatents,
@@ -242,17 +243,30 @@ def render_validation_images(steps_done: int, state: dict) -> None:
     pipe.to("cpu")  # the text encoders and VAE wait on the CPU, off the training GPU
 
 
-# ---- training ----
-progress = tqdm(range(start_step, args.steps), desc="train_flux", disable=rank != 0, file=sys.stdout,
-                initial=start_step, total=args.steps)  # fmt: skip
-for step in progress:
-    start = time.perf_counter()
+def step_inputs(step: int, position: int) -> tuple[list[str], FluxInputs, list[torch.Tensor]]:
+    """This rank's ``(sample names, packed noised inputs, flow-matching targets)`` of a step, on the
+    CPU (the next step's wait there while this one runs)."""
     names, latents = step_samples(step, position)
-    position += world * args.samples_per_rank
     samples, targets = rectified_flow(
         latents, torch.Generator().manual_seed((args.seed * 7919 + step) * 4099 + rank), guidance
     )
-    inputs = flux.pack(samples).to(engine.device)
+    return names, flux.pack(samples), targets
+
+
+# ---- training ----
+progress = tqdm(range(start_step, args.steps), desc="train_flux", disable=rank != 0, file=sys.stdout,
+                initial=start_step, total=args.steps)  # fmt: skip
+
+next_inputs = step_inputs(start_step, position) if start_step < args.steps else None
+for step in progress:
+    start = time.perf_counter()
+    names, inputs, targets = next_inputs
+    inputs = inputs.to(engine.device)
+    position += world * args.samples_per_rank  # the next step's first file
+    if step + 1 < args.steps:
+        next_inputs = step_inputs(step + 1, position)
+        if balancer is not None:  # the next step's plan is solved in a worker process while this one runs
+            balancer.prefetch(next_inputs[1].seq_lens, engine.device)
     prediction = engine(inputs, balancer)  # [tokens, C] for this rank's image/video tokens
     target = torch.cat(targets).to(prediction.device) if targets else torch.zeros_like(prediction)
     per_token = (prediction.float() - target.float()).square().mean(dim=-1)  # [tokens]
@@ -275,6 +289,7 @@ for step in progress:
             line += (
                 f" modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
                 f"{metrics['knapformer/imbalance_after']:.3f}"
+                + (" (planned ahead)" if metrics["knapformer/planned_ahead"] else "")
             )
         progress.write(line)
     steps_done = step + 1

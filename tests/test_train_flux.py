@@ -28,7 +28,9 @@ SCRIPT = ROOT / "examples" / "train_flux.py"
 DEMO_CONFIG = json.loads((ROOT / "ds_configs" / "flux_cpu_demo.json").read_text())
 COMMON = ("--tiny", "--token-scale", "0.015625", "--steps", "3", "--lr", "1e-3")
 LORA = ("--lora-rank", "4", "--lora-alpha", "8")
-STEP_LINE = re.compile(r"^step (\d+) loss (\S+) time \S+ tokens/s \S+(?: modeled imbalance (\S+) -> (\S+))?$", re.M)
+STEP_LINE = re.compile(
+    r"^step (\d+) loss (\S+) time \S+ tokens/s \S+(?: modeled imbalance (\S+) -> (\S+)( \(planned ahead\))?)?$", re.M
+)
 
 
 def train(directory, name: str, balanced: bool, *args: str, stage: int = 3, module: str | None = None,
@@ -47,8 +49,10 @@ def train(directory, name: str, balanced: bool, *args: str, stage: int = 3, modu
     result = run(command)
     steps = STEP_LINE.findall(result.stdout)
     if balanced:
-        assert steps and all(before for _, _, before, _ in steps), result.stdout[-2000:]
-    return result, {int(step): float(loss) for step, loss, _, _ in steps}
+        assert steps and all(before for _, _, before, _, _ in steps), result.stdout[-2000:]
+        # Every step's plan but the first was solved during the step before (balancer.prefetch).
+        assert [bool(ahead) for *_, ahead in steps] == [False] + [True] * (len(steps) - 1), result.stdout[-2000:]
+    return result, {int(step): float(loss) for step, loss, *_ in steps}
 
 
 def check(result: subprocess.CompletedProcess) -> None:
@@ -244,7 +248,7 @@ def test_readme_main_job_trains_and_prints_loss_and_modeled_imbalance():
     check(result)
     steps = STEP_LINE.findall(result.stdout)
     assert len(steps) == 5
-    assert all(float(after) < float(before) for _, _, before, after in steps)
+    assert all(float(after) < float(before) for _, _, before, after, _ in steps)
     assert "is deprecated" not in result.stderr  # ZeRO-3's torch deprecation warnings are filtered
     assert result.leftover_shm == []  # every rank unlinked its /dev/shm all-reduce buffer
 
