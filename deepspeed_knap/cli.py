@@ -265,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     routing.add_argument("--steps", type=int, default=20, help="sampled steps per workload (median)")
     routing.set_defaults(func=_bench_runner("routing"))
 
+    ahead = benches.add_parser("ahead", help="how long a step waits for its plan: solved in the step or ahead",
+                               description=_module_doc("ahead"), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ahead.add_argument("--gpus", type=int, nargs="+", default=[32, 1024], help="GPU counts of topology auto")
+    ahead.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ahead.add_argument("--steps", type=int, default=10, help="sampled steps per case (median)")
+    ahead.add_argument("--plot", metavar="OUT.png", help="median wait per case, both ways (log scale)")
+    ahead.set_defaults(func=_bench_runner("ahead"))
+
     train = benches.add_parser("train", help="measured training steps on local ranks: off, knapformer, refine, auto",
                                description=_module_doc("train"), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     train.add_argument("--ranks", type=int, default=2, help="local processes (one GPU each on CUDA)")

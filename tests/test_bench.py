@@ -110,3 +110,14 @@ def test_auto_comparison_is_computed_step_by_step_from_the_plans():
     assert row["vs_bound"] == pytest.approx(medians[0]) and row["vs_bound"] >= 1 - 1e-9
     assert row["speedup_vs_knapformer_g8"] == pytest.approx(medians[1])
     assert row["vs_best_fixed"] == pytest.approx(medians[2])
+
+
+def test_ahead_bench_reports_identical_plans_and_plots(tmp_path, capsys):
+    from deepspeed_knap.cli import main
+
+    plot = tmp_path / "ahead.png"
+    assert main(["bench", "ahead", "--gpus", "16", "--steps", "2", "--workloads", "kf_image_video",
+                 "--plot", str(plot)]) == 0  # fmt: skip
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 16 | kf_image_video"))
+    assert row.split("|")[6].strip() == "yes"  # the worker's plans are the in-process ones, bit for bit
+    assert plot.stat().st_size > 0

@@ -48,6 +48,7 @@ def test_every_subcommand_is_found():
         "bench planner",
         "bench step",
         "bench routing",
+        "bench ahead",
         "bench train",
         "doctor",
     }

@@ -1,0 +1,134 @@
+"""Planning ahead: how long a step waits for its plan, solved in the step or ahead in a worker.
+
+    deepspeed-knap bench ahead --gpus 32 1024 --steps 10 --plot ahead.png
+
+Per workload and GPU count (topology ``auto``, nodes of 8, FLUX.1-dev's cost model), every sampled
+step is solved twice:
+
+* in this process, as :meth:`KnapBalancer.plan <deepspeed_knap.balancer.KnapBalancer.plan>` does
+  without prefetch: the step waits for the whole solve;
+* by a :class:`~deepspeed_knap.plan_worker.PlanWorker`, as after
+  :meth:`~deepspeed_knap.balancer.KnapBalancer.prefetch`: the job is sent, the step before runs
+  (emulated by an idle wait 1.5x as long as the solve, as a CPU waits on a GPU), and the plan is
+  read. The step waits for the send and the read (pickles over a pipe), whenever the step before
+  lasts longer than the worker's solve.
+
+Both wait for the lengths all-gather as well; prefetch adds one small all-gather (the ranks agreeing
+the plan is good), not timed here. Reported, medians over steps (p95 in brackets): the in-process
+solve, the worker's solve, the wait with prefetch, and whether every worker plan is bit-identical to
+the in-process one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from deepspeed_knap.plan_worker import PlanWorker
+from deepspeed_knap.planner import DEFAULT_SOLVER, plan_routing
+from deepspeed_knap.topology import build_topology
+from deepspeed_knap.workload import default_workload
+from deepspeed_knap.workloads import sample_workload
+
+GPUS_PER_NODE = 8
+
+
+def bench_ahead(workloads: Sequence[str], gpu_counts: Sequence[int], steps: int) -> list[dict]:
+    """One row per (GPU count, workload): per-step seconds of the in-process solve, the worker's
+    solve and the wait with prefetch, and whether the plans were identical."""
+    model = default_workload("flux-dev")
+    worker = PlanWorker()
+    rows = []
+    try:
+        # Start the worker (~0.2 s, once per training run) before timing.
+        worker.result(worker.submit([[1], [1]], build_topology("auto", 2), model, DEFAULT_SOLVER, None))
+        cases = [(gpus, workload) for gpus in gpu_counts for workload in workloads]
+        for gpus, workload in tqdm(cases, desc="bench ahead", unit="case"):
+            topology = build_topology("auto", gpus, gpus_per_node=min(GPUS_PER_NODE, gpus))
+            row = {"gpus": gpus, "workload": workload, "solve_s": [], "worker_solve_s": [], "wait_s": [],
+                   "identical": True}  # fmt: skip
+            for seed in range(steps):
+                seq_lens_per_rank = sample_workload(workload, gpus, seed)
+                start = time.perf_counter()
+                plan = plan_routing(seq_lens_per_rank, topology, model)
+                solve_s = time.perf_counter() - start
+                start = time.perf_counter()
+                ticket = worker.submit(seq_lens_per_rank, topology, model, DEFAULT_SOLVER, None)
+                sent_s = time.perf_counter() - start
+                time.sleep(1.5 * solve_s)  # the step before: this process idles while "the GPU" computes
+                start = time.perf_counter()
+                ahead, worker_solve_s = worker.result(ticket)
+                row["solve_s"].append(solve_s)
+                row["worker_solve_s"].append(worker_solve_s)
+                row["wait_s"].append(sent_s + time.perf_counter() - start)
+                row["identical"] &= ahead == plan  # every field, bit for bit
+            rows.append(row)
+    finally:
+        worker.close()
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    def ms(values: list[float]) -> str:
+        return f"{1e3 * np.median(values):.2f} ({1e3 * np.percentile(values, 95):.2f})"
+
+    lines = [
+        "| GPUs | workload | solve in the step, ms | worker's solve, ms | wait with prefetch, ms | identical |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(f"| {row['gpus']} | {row['workload']} | {ms(row['solve_s'])} | {ms(row['worker_solve_s'])} | "
+                     f"{ms(row['wait_s'])} | {'yes' if row['identical'] else 'NO'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_rows(rows: list[dict], path: str | Path) -> None:
+    """Median wait per step for its plan, solved in the step and with prefetch (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{row['workload']}\n{row['gpus']} GPUs" for row in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
+    for offset, key, name in ((-0.2, "solve_s", "solved in the step"), (0.2, "wait_s", "with prefetch")):
+        ax.bar(x + offset, [1e3 * np.median(row[key]) for row in rows], 0.4, label=name)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms a step waits for its plan (median)")
+    ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
+    ax.legend()
+    ax.set_title("topology auto, FLUX.1-dev cost model")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1; got {args.steps}")
+    rows = bench_ahead(args.workloads, args.gpus, args.steps)
+    print(f"topology auto (nodes of {GPUS_PER_NODE}), flux-dev cost model, {args.steps} steps: median (p95)")
+    print(format_rows(rows))
+    if args.plot:
+        plot_rows(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if all(row["identical"] for row in rows) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m deepspeed_knap.bench.ahead`` is ``deepspeed-knap bench ahead``."""
+    from deepspeed_knap.cli import main as cli_main
+
+    return cli_main(["bench", "ahead", *(argv or [])])
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
