@@ -105,7 +105,8 @@ class KnapBalancer:
         self._routed: RoutedBatch | None = None  # the step in flight, current for drop-in attention
         self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
         self._worker: PlanWorker | None = None  # started by the first prefetch
-        self._ahead: dict[int, _PlanAhead] = {}  # by the value of self.steps when its step is planned
+        self._plans = 0  # plan() calls so far, even those that raised: prefetch's clock
+        self._ahead: dict[int, _PlanAhead] = {}  # by the value of self._plans when its step is planned
 
     @property
     def model(self) -> WorkloadModel:
@@ -117,8 +118,8 @@ class KnapBalancer:
         plan. Collective. A plan :meth:`prefetch` started for this step is used instead, if every
         rank has it for the batch it is given."""
         self.close_step()
-        ahead = self._ahead.pop(self.steps, None)
-        self.steps += 1  # counted even if the solve raises: a later prefetch is for the step after it
+        ahead = self._ahead.pop(self._plans, None)
+        self._plans += 1  # even if the solve raises: a later prefetch is for the forward after that
         found = self._plan_ahead(batch, ahead) if ahead is not None else None
         if found is None:
             seq_lens_per_rank = self._gather(gather_step, batch)
@@ -127,6 +128,7 @@ class KnapBalancer:
             plan = plan_routing(seq_lens_per_rank, self.groups.topology, model, self.solver, self.max_tokens_per_gpu)
             found = (seq_lens_per_rank, plan, time.perf_counter() - start, False, model)
         self._last = found
+        self.steps += 1
         if self.log_interval and self.steps % self.log_interval == 0 and self.groups.rank == 0:
             self._log(self.metrics())
         return found[1]
@@ -152,27 +154,26 @@ class KnapBalancer:
             ValueError: on every rank, when any rank's lengths are not non-negative integers.
             RuntimeError: on every rank, when the next step was prefetched already.
         """
-        step = self.steps + 1  # the plan after the next one (self.steps counts the plans made)
-        if step in self._ahead:
+        plan_index = self._plans + 1  # the plan after the next one
+        if plan_index in self._ahead:
             raise RuntimeError(
-                f"knapformer: prefetch was already called for step {step + 1}; call it once per step, "
-                "before the forward, with the lengths of the step after"
+                "knapformer: prefetch was already called for the forward after the next; call it once per "
+                "forward, before it, with the lengths of the forward after it"
             )
         seq_lens = list(next_seq_lens)
         problem = None
-        if not all(isinstance(n, numbers.Integral) and n >= 0 for n in seq_lens):
-            problem = f"prefetch: next_seq_lens must be non-negative integers; got {seq_lens}"
-        if device is None:
-            device = get_accelerator().current_device_name()
+        if not all(isinstance(n, numbers.Integral) and 0 <= n < 2**62 for n in seq_lens):
+            problem = f"prefetch: next_seq_lens must be non-negative integers below 2**62; got {seq_lens}"
+        device = torch.device(get_accelerator().current_device_name() if device is None else device)
         self.close_step()
-        seq_lens_per_rank = self._gather(gather_lengths, seq_lens, problem, torch.device(device))
+        seq_lens_per_rank = self._gather(gather_lengths, seq_lens, problem, device)
         if self._worker is None:
             self._worker = PlanWorker()
             weakref.finalize(self, self._worker.close)
         model = self.model
         ticket = self._worker.submit(seq_lens_per_rank, self.groups.topology, model, self.solver,
                                      self.max_tokens_per_gpu)  # fmt: skip
-        self._ahead[step] = _PlanAhead(seq_lens_per_rank, model, ticket, [int(n) for n in seq_lens])
+        self._ahead[plan_index] = _PlanAhead(seq_lens_per_rank, model, ticket, [int(n) for n in seq_lens])
 
     def _gather(self, gather: Callable[..., tuple[list[list[int]], list[list[int]]]], *args: Any) -> list[list[int]]:
         """Every rank's lengths, by ``gather(*args, groups, report)`` (:mod:`~deepspeed_knap.routing`),
@@ -186,22 +187,23 @@ class KnapBalancer:
         return seq_lens_per_rank
 
     def _plan_ahead(self, batch: PackedBatch, ahead: _PlanAhead) -> _Planned | None:
-        """``(lengths, plan, solve seconds, True)`` of the plan solved ahead for this step, or
-        ``None`` if any rank cannot use it (each logs why). Collective: whether a worker failed, or a
-        batch is not the one prefetched, differs between ranks."""
-        problem = None
+        """``(lengths, plan, solve seconds, True, model)`` of the plan solved ahead for this step,
+        or ``None`` if any rank cannot use it (each logs why). Collective: whether a worker failed, or
+        a batch is not the one prefetched, differs between ranks."""
+        problem = batch.problem()  # then the gather of the fallback raises it on every rank
         try:
             plan, solve_s = self._worker.result(ahead.ticket)  # read even if unused: replies come in order
         except PlanWorkerError as error:
-            problem = str(error)
+            problem = problem or str(error)
         if problem is None and list(batch.seq_lens) != ahead.seq_lens:
-            problem = f"its batch has lengths {list(batch.seq_lens)}, the one prefetched for it {ahead.seq_lens}"
+            problem = (f"its batch has lengths {list(batch.seq_lens)}, the one prefetched for it {ahead.seq_lens} "
+                       "(prefetch once per forward, before it, with the lengths of the forward after it)")  # fmt: skip
         failing = ranks_failing(problem is None, batch.tokens.device, self.groups)
         if not failing:
             return ahead.seq_lens_per_rank, plan, solve_s, True, ahead.model
         if problem is not None:
-            logger.warning(f"knapformer rank {self.groups.rank}: step {self.steps} planned without prefetch: {problem}"
-                           " (prefetch once per forward, with the lengths of the forward after the next)")  # fmt: skip
+            logger.warning(f"knapformer rank {self.groups.rank}: step {self.steps + 1} planned without prefetch: "
+                           f"{problem}")  # fmt: skip
         return None
 
     def close_step(self) -> dict[str, float] | None:
@@ -212,7 +214,8 @@ class KnapBalancer:
         if self._in_flight is None:
             return self.last_times
         times, plan, model = self._in_flight
-        self._in_flight, self._closed = None, (plan, model)
+        # A new step's report replaces any not shipped yet (a prefetched step gathers nothing).
+        self._in_flight, self._closed, self._report = None, (plan, model), [-1, -1]
         time_exchanges(None, times)
         if balanced_step_in_flight() is self._routed:
             set_balanced_step(None)

@@ -5,7 +5,7 @@
     ...                                    # this step runs
     plan, solve_s = worker.result(ticket)  # plan_routing's plan for those arguments, bit-identical
 
-The worker is a child ``python -m deepspeed_knap.plan_worker`` fed pickles over its stdin and stdout.
+The worker is a child Python running :func:`main`, fed pickles over its stdin and stdout.
 Started this way it imports only the planner (NumPy, ~0.2 s), never torch, CUDA or the training
 script, which multiprocessing's spawn and forkserver re-import as ``__main__``. A process rather than
 a thread: the solve is Python, and a thread holding the GIL for tens of milliseconds would stall the
@@ -59,8 +59,8 @@ class PlanWorker:
             process = self._start()
             _write_frame(process.stdin, (seq_lens_per_rank, *args))
             self._unread.append(ticket)
-        except (OSError, ValueError) as error:  # cannot start; a broken or closed pipe
-            self._fail(ticket, f"could not be sent to the plan worker: {error}")
+        except Exception as error:  # cannot start, a broken pipe, a pickle: fails this rank's job, to be agreed on
+            self._fail(ticket, f"could not be sent to the plan worker ({type(error).__name__}: {error})")
         return ticket
 
     def result(self, ticket: int) -> tuple[RoutingPlan, float]:
@@ -98,13 +98,11 @@ class PlanWorker:
     def _start(self) -> subprocess.Popen:
         if self._process is not None:
             return self._process
-        env = dict(os.environ)
-        # The package as this process imported it, installed or not.
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        # -P: the working directory must not shadow the package.
-        self._process = subprocess.Popen([sys.executable, "-P", "-m", "deepspeed_knap.plan_worker"],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)  # fmt: skip
+        # Not `-m`: the working directory would shadow the package (and `-P` needs Python 3.11). The
+        # package as this process imported it is found last, after an installed one.
+        root = str(Path(__file__).resolve().parent.parent)
+        code = f"import sys; sys.path[:1] = []; sys.path.append({root!r}); import deepspeed_knap.plan_worker as w; w.main()"
+        self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return self._process
 
     def _read_reply(self) -> None:

@@ -34,9 +34,10 @@ def test_worker_plans_equal_plan_routings_in_order_and_survive_errors_and_a_deat
         good = worker.submit(steps[1], topology, model, DEFAULT_SOLVER, None)
         assert worker.result(good)[0] == plan_routing(steps[1], topology, model)
         # A dead worker fails its jobs; the next submit starts another.
-        lost = worker.submit(steps[2], topology, model, DEFAULT_SOLVER, None)
         worker._process.kill()
-        with pytest.raises(PlanWorkerError, match="died before replying"):
+        worker._process.wait()
+        lost = worker.submit(steps[2], topology, model, DEFAULT_SOLVER, None)
+        with pytest.raises(PlanWorkerError, match=r"could not be sent .*exit code -9"):
             worker.result(lost)
         again = worker.submit(steps[2], topology, model, DEFAULT_SOLVER, None)
         assert worker.result(again)[0] == plan_routing(steps[2], topology, model)
@@ -55,7 +56,7 @@ KILL_AT = 1  # rank 0's worker dies before the prefetch of step 2: step 2 is pla
 MISMATCH_AT = 4  # rank 1's step-4 batch is not the one it prefetched
 
 
-def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], str | None]:
+def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], list[str]]:
     import select
 
     import deepspeed.comm as dist
@@ -79,11 +80,12 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], s
     for step in range(len(LENGTHS)):
         if step == KILL_AT and rank == 0:  # once it has replied to this step's job, the worker dies
             worker = balancer._worker._process
-            select.select([worker.stdout], [], [], 60)
+            assert select.select([worker.stdout], [], [], 60)[0], "the worker did not reply within 60 s"
             worker.kill()
             worker.wait()
         if step + 1 < len(LENGTHS):
             balancer.prefetch(batch(step + 1).seq_lens)
+        prefetched_with = balancer.model  # what the next step's plan was sent to the worker with
         given = batch(step, [17, 1]) if step == MISMATCH_AT and rank == 1 else batch(step)
         model.zero_grad()
         out = model(given, balancer)
@@ -100,22 +102,30 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], s
             "lengths": seq_lens_per_rank,
             "as_solved_in_step": plan == plan_routing(seq_lens_per_rank, topology, planned_with),
             "model": planned_with,
+            "prefetched_with": prefetched_with,
             "fingerprint": plan.fingerprint,
             "groups": sorted(set(plan.seq_group_size.tolist())),
         })  # fmt: skip
         if online:
             results[-1]["observed"] = balancer.online.observed
+    errors = []
     try:  # bad lengths on one rank: every rank raises, none waits
         balancer.prefetch([5, -3] if rank == 1 else [4])
     except ValueError as error:
-        return results, str(error)
-    return results, None
+        errors.append(str(error))
+    balancer.prefetch([4])
+    try:  # twice for the same forward
+        balancer.prefetch([4])
+    except RuntimeError as error:
+        errors.append(str(error))
+    return results, errors
 
 
 @pytest.mark.parametrize("online", [False, True], ids=["fixed-model", "online-refit"])
 def test_prefetched_plans_equal_plans_solved_in_the_step_and_ranks_fall_back_together(online):
     results, errors = zip(*run_distributed(_prefetch_worker, 2, args=(online,), timeout=240), strict=True)
-    assert "rank(s) [1]" in errors[0] and "non-negative integers; got [5, -3]" in errors[1], errors
+    assert "rank(s) [1]" in errors[0][0] and "non-negative integers below 2**62; got [5, -3]" in errors[1][0], errors
+    assert all("already called" in rank_errors[1] for rank_errors in errors), errors
     ahead = [1.0] * len(LENGTHS)
     ahead[0] = ahead[KILL_AT + 1] = ahead[MISMATCH_AT] = 0.0  # nothing prefetched; a dead worker; a mismatch
     for rank, steps in enumerate(results):
@@ -139,5 +149,9 @@ def test_prefetched_plans_equal_plans_solved_in_the_step_and_ranks_fall_back_tog
         # each step recorded once, none twice. The last step prefetches nothing, and its own plan was
         # prefetched: no gather ships step 4's times.
         assert [step["observed"] for step in steps] == [0, 1, 2, 3, 4, 4]
+        # A plan made ahead used the model as it was at the prefetch, a step before its own.
+        for index in range(1, len(LENGTHS)):
+            if steps[index]["ahead"]:
+                assert steps[index]["model"] == steps[index - 1]["prefetched_with"], index
         # The refit ran (warm after 2 steps) and planned what followed: later steps' models differ.
         assert steps[-1]["model"] != steps[0]["model"]
