@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from deepspeed_knap.shm_buffers import remove_job_buffers
+
 # Spawning a rank and importing torch takes seconds on 2 cores; rendezvous must finish within this.
 _STARTUP_LIMIT_S = 120.0
 
@@ -112,6 +114,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
                     process.kill()
             for process in processes:
                 process.join(timeout=10)
+            # A rank killed here, or crashed, before unlinking its buffer would leave it behind.
+            remove_job_buffers(port)
     return [outcome[rank] for rank in range(world_size)]
 
 

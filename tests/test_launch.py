@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from deepspeed_knap.shm_buffers import remove_job_buffers
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIG = ROOT / "ds_configs" / "tiny_cpu_zero3.json"
@@ -45,7 +47,6 @@ def run(command: list[str]) -> subprocess.CompletedProcess:
     the run are removed too (a parallel MPICH job's would go with them; the suite runs serially)."""
     flag = "--master_port" if "--master_port" in command else "MASTER_PORT"
     port = command[command.index(flag) + 1]
-    leftover = []
     mpich_before = set(Path("/dev/shm").glob("mpich_shm_*"))
     # One thread per rank unless told otherwise: four ranks of two threads each oversubscribe a
     # 2-core machine.
@@ -53,9 +54,7 @@ def run(command: list[str]) -> subprocess.CompletedProcess:
     try:
         result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     finally:
-        for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-            leftover.append(buffer.name)
-            buffer.unlink(missing_ok=True)
+        leftover = remove_job_buffers(port)
         for segment in set(Path("/dev/shm").glob("mpich_shm_*")) - mpich_before:
             segment.unlink(missing_ok=True)
     result.leftover_shm = leftover

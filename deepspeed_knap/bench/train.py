@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from deepspeed_knap.planner import plan_loads
+from deepspeed_knap.shm_buffers import remove_job_buffers
 
 MODES = ("off", "knapformer", "refine", "auto")
 PHASES = ("plan", "route", "ulysses", "compute", "reverse_route")
@@ -184,8 +185,12 @@ def _free_port() -> int:
 def bench_train(options: dict) -> dict:
     """Run the ranks and assemble their records: per mode, per step, per rank."""
     with tempfile.TemporaryDirectory(prefix="knap-bench-train-") as out_dir:
-        mp.start_processes(_worker, args=(options["ranks"], _free_port(), options, out_dir), nprocs=options["ranks"],
-                           start_method="spawn")  # fmt: skip
+        port = _free_port()
+        try:
+            mp.start_processes(_worker, args=(options["ranks"], port, options, out_dir), nprocs=options["ranks"],
+                               start_method="spawn")  # fmt: skip
+        finally:
+            remove_job_buffers(port)  # a rank that failed before unlinking its own leaves it
         records = [
             r for rank in range(options["ranks"]) for r in json.loads(Path(out_dir, f"rank{rank}.json").read_text())
         ]

@@ -1,0 +1,51 @@
+"""DeepSpeed's CPU all-reduce buffers in /dev/shm: what a killed job leaves is found and removed, and
+nothing that a running job maps is touched. A full /dev/shm makes DeepSpeed's CPU start-up die with
+SIGSEGV, which failed every multi-rank test of a CI run."""
+
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+
+from deepspeed_knap.shm_buffers import SHM_DIR, remove_job_buffers, remove_orphaned_buffers
+from tests.distributed import DistributedTestError, run_distributed
+
+
+def _buffer(port: int, rank: int) -> Path:
+    path = SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}"
+    path.write_bytes(b"\0" * mmap.PAGESIZE)
+    return path
+
+
+def test_orphaned_buffers_go_and_mapped_ones_stay():
+    orphan, mapped = _buffer(1, 0), _buffer(2, 0)
+    other_job = None
+    try:
+        with open(mapped, "r+b") as file, mmap.mmap(file.fileno(), mmap.PAGESIZE):
+            removed = remove_orphaned_buffers()
+            assert orphan.name in removed and not orphan.exists()
+            assert mapped.exists() and mapped.name not in removed  # a live job's file
+        other_job = _buffer(3, 1)
+        assert remove_job_buffers(3) == [other_job.name] and not other_job.exists()
+        assert mapped.exists()  # another port's
+    finally:
+        for path in (orphan, mapped, other_job):
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+
+def _init_then_crash(rank: int, world: int) -> None:
+    import deepspeed.comm as dist
+
+    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    if rank == 1:
+        os._exit(3)  # killed before it could unlink its buffer
+    dist.barrier()
+
+
+def test_a_run_whose_rank_dies_leaves_no_buffer():
+    before = set(SHM_DIR.glob("deepspeed_allreduce_buffer_*"))
+    with pytest.raises(DistributedTestError):  # rank 1 died, or rank 0 saw its peer go
+        run_distributed(_init_then_crash, world_size=2, timeout=60)
+    assert set(SHM_DIR.glob("deepspeed_allreduce_buffer_*")) - before == set()
