@@ -2,9 +2,11 @@
 the same examples every time (profile ``ci``) unless ``HYPOTHESIS_PROFILE=explore`` asks for fresh
 random ones, so a CI run fails only on a change, never on a draw. DeepSpeed's /dev/shm buffers that
 killed runs left behind (no process maps them) are removed before the session: a tmpfs full of them
-makes every DeepSpeed CPU start-up die with SIGSEGV, and every multi-rank test fail or hang."""
+makes every DeepSpeed CPU start-up die with SIGSEGV, and every multi-rank test fail or hang. DeepSpeed's
+CPU all-reduce op is built here, once, before any rank needs it (see ``_build_deepspeed_cpu_comm``)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,37 @@ def pytest_sessionstart(session):
     removed = remove_orphaned_buffers()
     if removed:
         print(f"removed {len(removed)} DeepSpeed all-reduce buffers from /dev/shm that no process maps")
+    _build_deepspeed_cpu_comm()
+
+
+def _build_deepspeed_cpu_comm() -> None:
+    """Build (or load) DeepSpeed's CPU shared-memory all-reduce op in this process. Every DeepSpeed
+    CPU start-up JIT-builds it (~50 s on 2 cores, again for each new virtual environment, as CI's
+    fresh clone is); inside a test, the harness may kill the rank building it at the test's timeout,
+    and the build's lock file then stays: torch waits on it forever, and so does every later
+    DeepSpeed start-up. A lock that no process holds open is such a leftover, and is removed first."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return  # not the CPU accelerator: DeepSpeed does not build it either
+    lock = Path(_get_build_directory(builder.name, verbose=False)) / "lock"
+    if lock.exists() and not _open_by_a_process(lock):
+        print(f"removed {lock}: a DeepSpeed op build that was killed left it")
+        lock.unlink(missing_ok=True)
+    builder.load(verbose=False)
+
+
+def _open_by_a_process(path: Path) -> bool:
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == str(path):
+                return True
+        except OSError:  # the process or the descriptor is gone
+            continue
+    return False
 
 
 def pytest_collection_modifyitems(config, items):
