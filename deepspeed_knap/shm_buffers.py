@@ -10,6 +10,7 @@ stay valid until the processes exit, and nothing is left behind even if the run 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -39,20 +40,28 @@ def remove_job_buffers(port: int | str) -> list[str]:
     return removed
 
 
-def remove_orphaned_buffers() -> list[str]:
-    """Remove this user's buffers that no running process maps (left by jobs that were killed, on
-    this machine); returns the names removed. A job maps every rank's file from its start-up on,
-    so only a file being created this very moment could be mapped by nobody yet and still wanted."""
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+def remove_orphaned_buffers(min_age_s: float = 600.0) -> list[str]:
+    """Remove this user's buffers that no process of this machine maps or holds open, last written
+    over ``min_age_s`` ago (left by jobs that were killed); returns the names removed.
+
+    DeepSpeed creates a buffer by writing it whole through one descriptor, which it keeps, and only
+    then maps it: a starting job holds it open first. Processes of other PID namespaces (containers
+    sharing ``/dev/shm``) are not seen here: the age keeps their starting jobs' files, and a running
+    job no longer needs its file (its mappings stay valid)."""
+    in_use = set()
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            text = maps.read_text()
+            in_use.update(word for word in (proc / "maps").read_text().split() if word.startswith(f"{SHM_DIR}/"))
+            in_use.update(os.readlink(fd) for fd in (proc / "fd").iterdir())
         except OSError:  # the process exited, or is not ours to read
             continue
-        mapped.update(word for word in text.split() if word.startswith(f"{SHM_DIR}/deepspeed_allreduce_buffer_"))
     removed = []
     for buffer in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
-        if str(buffer) not in mapped:
+        try:
+            old = time.time() - buffer.stat().st_mtime > min_age_s
+        except FileNotFoundError:
+            continue
+        if old and str(buffer) not in in_use:
             buffer.unlink(missing_ok=True)
             removed.append(buffer.name)
     return removed

@@ -1,9 +1,11 @@
 """Shared pytest set-up: the ``gpu`` marker skips cleanly on machines without CUDA; hypothesis runs
 the same examples every time (profile ``ci``) unless ``HYPOTHESIS_PROFILE=explore`` asks for fresh
-random ones, so a CI run fails only on a change, never on a draw. DeepSpeed's /dev/shm buffers that
-killed runs left behind (no process maps them) are removed before the session: a tmpfs full of them
-makes every DeepSpeed CPU start-up die with SIGSEGV, and every multi-rank test fail or hang. DeepSpeed's
-CPU all-reduce op is built here, once, before any rank needs it (see ``_build_deepspeed_cpu_comm``)."""
+random ones, so a CI run fails only on a change, never on a draw.
+
+Before the session, DeepSpeed's /dev/shm buffers that killed runs left (over 10 minutes old, and no
+process maps or holds them) are removed: a tmpfs full of them makes every DeepSpeed CPU start-up die
+with SIGSEGV. Then DeepSpeed's CPU all-reduce op is built once, before any rank needs it
+(``_build_deepspeed_cpu_comm``)."""
 
 import os
 from pathlib import Path
@@ -22,7 +24,7 @@ def pytest_sessionstart(session):
 
     removed = remove_orphaned_buffers()
     if removed:
-        print(f"removed {len(removed)} DeepSpeed all-reduce buffers from /dev/shm that no process maps")
+        print(f"removed {len(removed)} DeepSpeed all-reduce buffers from /dev/shm that no process uses")
     _build_deepspeed_cpu_comm()
 
 
