@@ -31,10 +31,10 @@ from deepspeed_knap.plan_worker import PlanWorker, PlanWorkerError
 from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_loads, plan_routing
 from deepspeed_knap.routing import (
     RoutedBatch,
+    gather_ints,
     gather_lengths,
     gather_step,
     local_batch,
-    ranks_failing,
     reverse_route,
     route,
     time_exchanges,
@@ -48,6 +48,11 @@ from deepspeed_knap.workload import WorkloadModel
 _Planned = tuple[list[list[int]], RoutingPlan, float, bool, WorkloadModel]
 
 
+# Plans prefetched and not used yet that are kept, the oldest dropped first: one for the next
+# forward and one for the forward after it, in the documented loop; more only after skipped forwards.
+_MAX_AHEAD = 2
+
+
 @dataclasses.dataclass
 class _PlanAhead:
     """A step's plan solving in the worker process since :meth:`KnapBalancer.prefetch`."""
@@ -55,7 +60,7 @@ class _PlanAhead:
     seq_lens_per_rank: list[list[int]]
     model: WorkloadModel  # the cost model it is solved with
     ticket: int  # the worker's job
-    seq_lens: list[int]  # this rank's, to check the step gets the batch prefetched for it
+    seq_lens: list[int]  # this rank's: a forward whose batch has these lengths may use the plan
 
 
 class KnapBalancer:
@@ -105,8 +110,8 @@ class KnapBalancer:
         self._routed: RoutedBatch | None = None  # the step in flight, current for drop-in attention
         self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
         self._worker: PlanWorker | None = None  # started by the first prefetch
-        self._plans = 0  # plan() calls so far, even those that raised: prefetch's clock
-        self._ahead: dict[int, _PlanAhead] = {}  # by the value of self._plans when its step is planned
+        self._prefetches = 0  # prefetch() calls so far: a prefetched plan's id, the same on every rank
+        self._ahead: dict[int, _PlanAhead] = {}  # by id, oldest first; at most _MAX_AHEAD
 
     @property
     def model(self) -> WorkloadModel:
@@ -115,12 +120,10 @@ class KnapBalancer:
 
     def plan(self, batch: PackedBatch) -> RoutingPlan:
         """Gather every rank's lengths (and last step's times) and solve; every rank gets the same
-        plan. Collective. A plan :meth:`prefetch` started for this step is used instead, if every
-        rank has it for the batch it is given."""
+        plan. Collective. A plan :meth:`prefetch` solved for lengths equal to this batch's, on every
+        rank, is used instead."""
         self.close_step()
-        ahead = self._ahead.pop(self._plans, None)
-        self._plans += 1  # even if the solve raises: a later prefetch is for the forward after that
-        found = self._plan_ahead(batch, ahead) if ahead is not None else None
+        found = self._plan_ahead(batch) if self._ahead else None  # _ahead: the same keys on every rank
         if found is None:
             seq_lens_per_rank = self._gather(gather_step, batch)
             model = self.model
@@ -145,21 +148,16 @@ class KnapBalancer:
             out = model(batch, balancer)  # batch's plan was solved during the last step
 
         The plan is the one :meth:`plan` would solve, with the cost model as it stands now: with
-        ``online``, one step older (the step about to run is not measured yet). The step it is for
-        uses it after one small all-gather, where the ranks agree it is good; if any rank's worker
-        failed, or got a batch of other lengths than it prefetched, every rank plans that step
-        itself, as without prefetch (the ranks concerned log why).
+        ``online``, one step older (the step about to run is not measured yet). A later forward uses
+        it when every rank's batch has the lengths that rank prefetched (the oldest such plan, agreed
+        in one small all-gather); otherwise every rank plans that forward itself, as without prefetch
+        (the ranks concerned log why). So a forward skipped after its prefetch, or an extra one (a
+        validation loss through the balancer), costs that forward its plan ahead and nothing more.
+        The last two prefetched plans not used yet are kept.
 
         Raises:
             ValueError: on every rank, when any rank's lengths are not non-negative integers.
-            RuntimeError: on every rank, when the next step was prefetched already.
         """
-        plan_index = self._plans + 1  # the plan after the next one
-        if plan_index in self._ahead:
-            raise RuntimeError(
-                "knapformer: prefetch was already called for the forward after the next; call it once per "
-                "forward, before it, with the lengths of the forward after it"
-            )
         seq_lens = list(next_seq_lens)
         problem = None
         if not all(isinstance(n, numbers.Integral) and 0 <= n < 2**62 for n in seq_lens):
@@ -173,7 +171,10 @@ class KnapBalancer:
         model = self.model
         ticket = self._worker.submit(seq_lens_per_rank, self.groups.topology, model, self.solver,
                                      self.max_tokens_per_gpu)  # fmt: skip
-        self._ahead[plan_index] = _PlanAhead(seq_lens_per_rank, model, ticket, [int(n) for n in seq_lens])
+        self._ahead[self._prefetches] = _PlanAhead(seq_lens_per_rank, model, ticket, [int(n) for n in seq_lens])
+        self._prefetches += 1
+        while len(self._ahead) > _MAX_AHEAD:
+            self._worker.discard(self._ahead.pop(next(iter(self._ahead))).ticket)
 
     def _gather(self, gather: Callable[..., tuple[list[list[int]], list[list[int]]]], *args: Any) -> list[list[int]]:
         """Every rank's lengths, by ``gather(*args, groups, report)`` (:mod:`~deepspeed_knap.routing`),
@@ -186,24 +187,40 @@ class KnapBalancer:
             self._record(*previous, reports)
         return seq_lens_per_rank
 
-    def _plan_ahead(self, batch: PackedBatch, ahead: _PlanAhead) -> _Planned | None:
-        """``(lengths, plan, solve seconds, True, model)`` of the plan solved ahead for this step,
-        or ``None`` if any rank cannot use it (each logs why). Collective: whether a worker failed, or
-        a batch is not the one prefetched, differs between ranks."""
-        problem = batch.problem()  # then the gather of the fallback raises it on every rank
-        try:
-            plan, solve_s = self._worker.result(ahead.ticket)  # read even if unused: replies come in order
-        except PlanWorkerError as error:
-            problem = problem or str(error)
-        if problem is None and list(batch.seq_lens) != ahead.seq_lens:
-            problem = (f"its batch has lengths {list(batch.seq_lens)}, the one prefetched for it {ahead.seq_lens} "
-                       "(prefetch once per forward, before it, with the lengths of the forward after it)")  # fmt: skip
-        failing = ranks_failing(problem is None, batch.tokens.device, self.groups)
-        if not failing:
-            return ahead.seq_lens_per_rank, plan, solve_s, True, ahead.model
-        if problem is not None:
-            logger.warning(f"knapformer rank {self.groups.rank}: step {self.steps + 1} planned without prefetch: "
-                           f"{problem}")  # fmt: skip
+    def _plan_ahead(self, batch: PackedBatch) -> _Planned | None:
+        """``(lengths, plan, solve seconds, True, model)`` of the oldest plan prefetched for this
+        batch's lengths on every rank, or ``None`` if the ranks find none (they log why). Prefetched
+        plans up to the newest any rank chose are dropped. Collective: which plan matches, and whether
+        a worker failed, differ between ranks."""
+        chosen, found, failure = -1, None, None
+        seq_lens = list(batch.seq_lens)
+        match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens), None)
+        if match is not None and batch.problem() is None:  # a bad batch: the fallback's gather raises it
+            try:
+                found = self._worker.result(self._ahead[match].ticket)
+                chosen = match
+            except PlanWorkerError as error:
+                failure = str(error)
+        choices = gather_ints(chosen, batch.tokens.device, self.groups)
+        used, prefetched = self._ahead.get(chosen), [ahead.seq_lens for ahead in self._ahead.values()]
+        for i in [i for i in self._ahead if i <= max(choices)]:  # the same ids on every rank
+            ahead = self._ahead.pop(i)
+            if i != chosen:
+                self._worker.discard(ahead.ticket)  # its reply, if read already, is dropped
+        if min(choices) == max(choices) >= 0:
+            plan, solve_s = found
+            return used.seq_lens_per_rank, plan, solve_s, True, used.model
+        # A forward no rank prefetched for (the first, a validation loss) is planned in the step
+        # silently; a worker's failure, or ranks finding different plans, is worth a line.
+        step = self.steps + 1
+        if failure is not None:
+            logger.warning(f"knapformer rank {self.groups.rank}: step {step} planned in the step: {failure}")
+        elif chosen < 0 and max(choices) >= 0:
+            logger.warning(f"knapformer rank {self.groups.rank}: step {step} planned in the step: no plan was "
+                           f"prefetched for a batch of lengths {seq_lens} (prefetched: {prefetched})")  # fmt: skip
+        if self.groups.group_rank == 0 and max(choices) >= 0:
+            logger.warning(f"knapformer: step {step} planned in the step; the prefetched plan each balance-group "
+                           f"rank found for its batch (-1: none): {choices}")  # fmt: skip
         return None
 
     def close_step(self) -> dict[str, float] | None:

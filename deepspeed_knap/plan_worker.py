@@ -46,6 +46,7 @@ class PlanWorker:
         self._submitted = 0  # jobs ever submitted; a job's ticket is its number
         self._unread: list[int] = []  # tickets sent to the running worker, reply not read yet
         self._replies: dict[int, tuple[RoutingPlan | None, float, str | None]] = {}
+        self._discarded: set[int] = set()  # unread tickets whose replies are dropped when read
 
     def submit(self, seq_lens_per_rank: list[list[int]], *args: Any) -> int:
         """Queue ``plan_routing(seq_lens_per_rank, *args)``; returns at once, with the job's ticket
@@ -79,11 +80,17 @@ class PlanWorker:
             raise PlanWorkerError(error)
         return plan, solve_s
 
+    def discard(self, ticket: int) -> None:
+        """Forget job ``ticket``: its reply is dropped, now or when it comes (replies come in order,
+        so it is still read). Does not wait."""
+        if self._replies.pop(ticket, None) is None and ticket in self._unread:
+            self._discarded.add(ticket)
+
     def close(self) -> None:
         """Stop the worker; the jobs it still had fail. A later :meth:`submit` starts another."""
         process, self._process = self._process, None
         for ticket in self._unread:
-            self._replies[ticket] = (None, 0.0, "the plan worker was stopped before replying")
+            self._reply(ticket, (None, 0.0, "the plan worker was stopped before replying"))
         self._unread = []
         if process is not None:
             for pipe in (process.stdin, process.stdout):  # a worker writing an unread reply gets EPIPE
@@ -98,10 +105,12 @@ class PlanWorker:
     def _start(self) -> subprocess.Popen:
         if self._process is not None:
             return self._process
-        # Not `-m`: the working directory would shadow the package (and `-P` needs Python 3.11). The
-        # package as this process imported it is found last, after an installed one.
+        # The package this process imported, first: another copy (installed, or in the working
+        # directory, which `-c` puts on the path) would plan with other code. Not `-m`, which would
+        # put the working directory first (and `-P` needs Python 3.11).
         root = str(Path(__file__).resolve().parent.parent)
-        code = f"import sys; sys.path[:1] = []; sys.path.append({root!r}); import deepspeed_knap.plan_worker as w; w.main()"
+        code = (f"import os, sys; sys.path[:] = [{root!r}] + [p for p in sys.path if p not in ('', os.getcwd())]; "
+                "import deepspeed_knap.plan_worker as w; w.main()")  # fmt: skip
         self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return self._process
 
@@ -117,14 +126,20 @@ class PlanWorker:
         else:
             plan, solve_s, error = reply
             error = None if error is None else f"the plan worker's solve raised {error}"
-            self._replies[ticket] = (plan, solve_s, error)
+            self._reply(ticket, (plan, solve_s, error))
+
+    def _reply(self, ticket: int, reply: tuple[RoutingPlan | None, float, str | None]) -> None:
+        if ticket in self._discarded:
+            self._discarded.remove(ticket)
+        else:
+            self._replies[ticket] = reply
 
     def _fail(self, ticket: int, what: str) -> None:
         """Fail job ``ticket`` with ``what`` (and the worker's exit code), and stop the worker."""
         process = self._process
         self.close()
         code = "" if process is None else f" (exit code {process.returncode})"
-        self._replies[ticket] = (None, 0.0, what + code)
+        self._reply(ticket, (None, 0.0, what + code))
 
 
 def _write_frame(stream: IO[bytes], value: Any) -> None:

@@ -208,10 +208,10 @@ def gather_lengths(
     return lengths, [list(rest) for _, _, *rest in header]
 
 
-def ranks_failing(ok: bool, device: torch.device, groups: ProcessGroups) -> list[int]:
-    """The balance-group ranks where ``ok`` is false; empty when it holds everywhere. Collective: for
-    a rank-local check (a file, a worker process) that every rank must act on alike."""
-    return [rank for rank, (failed,) in enumerate(_all_gather_ints([not ok], device, groups.balance_group)) if failed]
+def gather_ints(value: int, device: torch.device, groups: ProcessGroups) -> list[int]:
+    """Every balance-group rank's ``value``, by group rank. Collective: for a rank-local finding (a
+    file, a worker process, which prefetched plan fits) that every rank must act on alike."""
+    return [row[0] for row in _all_gather_ints([value], device, groups.balance_group)]
 
 
 def _all_gather_ints(values: list[int], device: torch.device, group: Any) -> list[list[int]]:

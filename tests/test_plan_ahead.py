@@ -47,13 +47,51 @@ def test_worker_plans_equal_plan_routings_in_order_and_survive_errors_and_a_deat
         worker.result(99)
 
 
+def test_discarded_jobs_are_dropped_read_or_not_and_the_rest_come_in_order():
+    model = default_workload("flux-dev")
+    topology = build_topology("auto", 16, gpus_per_node=8)
+    steps = [sample_workload("flux_buckets", 16, seed) for seed in range(3)]
+    worker = PlanWorker()
+    try:
+        tickets = [worker.submit(lengths, topology, model, DEFAULT_SOLVER, None) for lengths in steps]
+        worker.discard(tickets[0])  # not read yet: dropped when its reply comes
+        assert worker.result(tickets[2])[0] == plan_routing(steps[2], topology, model)  # reads 0 and 1
+        worker.discard(tickets[1])  # read already: dropped now
+        for ticket in tickets[:2]:
+            with pytest.raises(PlanWorkerError, match=f"no job {ticket}"):
+                worker.result(ticket)
+        assert worker._replies == {} and worker._discarded == set()  # nothing kept
+    finally:
+        worker.close()
+
+
+def test_the_worker_plans_with_the_package_this_process_imported(tmp_path, monkeypatch):
+    # Another copy first on PYTHONPATH, and one in the working directory: neither may be imported.
+    for place in (tmp_path / "site", tmp_path / "cwd"):
+        (place / "deepspeed_knap").mkdir(parents=True)
+        (place / "deepspeed_knap" / "__init__.py").write_text("raise ImportError('another copy')")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.chdir(tmp_path / "cwd")
+    model, topology, lengths = default_workload("flux-dev"), build_topology("auto", 2), [[3000, 5], [7]]
+    worker = PlanWorker()
+    try:
+        assert worker.result(worker.submit(lengths, topology, model, DEFAULT_SOLVER, None))[0] == plan_routing(
+            lengths, topology, model
+        )
+    finally:
+        worker.close()
+
+
 DIM, HEADS, COND = 16, 4, 3
 WORKLOAD = WorkloadModel(1e-6, 1e-8, alltoall_coef=1e-9)
 # Per step, each rank's lengths: the long sequences alternate between the ranks, so plans move work.
 LENGTHS = [[[48, 40, 3], [5, 2]], [[4, 6], [56, 30, 9]], [[64, 2], [7]], [[3], [33, 50]], [[40, 41], [1, 2, 3]],
-           [[9, 9], [60]]]  # fmt: skip
+           [[9, 9], [60]], [[12, 44], [8]], [[2, 2], [70]]]  # fmt: skip
 KILL_AT = 1  # rank 0's worker dies before the prefetch of step 2: step 2 is planned in the step
-MISMATCH_AT = 4  # rank 1's step-4 batch is not the one it prefetched
+EXTRA_AT = 2  # after step 2, a forward nothing was prefetched for (a validation loss): planned in the step
+SKIP_AT = 4  # step 4 is prefetched, then skipped on every rank: step 5 still uses its prefetched plan
+MISMATCH_AT = 6  # rank 1's step-6 batch is not the one it prefetched
+EXTRA_LENGTHS = [5, 6]
 
 
 def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], list[str]]:
@@ -76,17 +114,10 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], l
     def batch(step: int, lengths=None):
         return random_batch(lengths or LENGTHS[step][rank], 100 * step + rank, DIM, COND, torch.float64)
 
+    prefetched_with = {}  # by step: the cost model its plan was sent to the worker with
     results = []
-    for step in range(len(LENGTHS)):
-        if step == KILL_AT and rank == 0:  # once it has replied to this step's job, the worker dies
-            worker = balancer._worker._process
-            assert select.select([worker.stdout], [], [], 60)[0], "the worker did not reply within 60 s"
-            worker.kill()
-            worker.wait()
-        if step + 1 < len(LENGTHS):
-            balancer.prefetch(batch(step + 1).seq_lens)
-        prefetched_with = balancer.model  # what the next step's plan was sent to the worker with
-        given = batch(step, [17, 1]) if step == MISMATCH_AT and rank == 1 else batch(step)
+
+    def forward(step, given):
         model.zero_grad()
         out = model(given, balancer)
         (out * out).sum().backward()
@@ -96,27 +127,38 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], l
         (reference * reference).sum().backward()
         seq_lens_per_rank, plan, _, _, planned_with = balancer._last
         results.append({
+            "step": step,
             "ahead": balancer.metrics()["knapformer/planned_ahead"],
             "out_err": float((out - reference).abs().max().detach()),
             "grads": [(b, p.grad.numpy().copy()) for b, p in zip(balanced_grads, model.parameters(), strict=True)],
             "lengths": seq_lens_per_rank,
             "as_solved_in_step": plan == plan_routing(seq_lens_per_rank, topology, planned_with),
             "model": planned_with,
-            "prefetched_with": prefetched_with,
+            "prefetched_with": prefetched_with.get(step),
             "fingerprint": plan.fingerprint,
             "groups": sorted(set(plan.seq_group_size.tolist())),
         })  # fmt: skip
         if online:
             results[-1]["observed"] = balancer.online.observed
+
+    for step in range(len(LENGTHS)):
+        if step == KILL_AT and rank == 0:  # once it has replied to this step's job, the worker dies
+            worker = balancer._worker._process
+            assert select.select([worker.stdout], [], [], 60)[0], "the worker did not reply within 60 s"
+            worker.kill()
+            worker.wait()
+        if step + 1 < len(LENGTHS):
+            balancer.prefetch(batch(step + 1).seq_lens)
+            prefetched_with[step + 1] = balancer.model
+        if step == SKIP_AT:
+            continue
+        forward(step, batch(step, [17, 1]) if step == MISMATCH_AT and rank == 1 else batch(step))
+        if step == EXTRA_AT:
+            forward("extra", batch(step, EXTRA_LENGTHS))
     errors = []
     try:  # bad lengths on one rank: every rank raises, none waits
         balancer.prefetch([5, -3] if rank == 1 else [4])
     except ValueError as error:
-        errors.append(str(error))
-    balancer.prefetch([4])
-    try:  # twice for the same forward
-        balancer.prefetch([4])
-    except RuntimeError as error:
         errors.append(str(error))
     return results, errors
 
@@ -125,11 +167,11 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], l
 def test_prefetched_plans_equal_plans_solved_in_the_step_and_ranks_fall_back_together(online):
     results, errors = zip(*run_distributed(_prefetch_worker, 2, args=(online,), timeout=240), strict=True)
     assert "rank(s) [1]" in errors[0][0] and "non-negative integers below 2**62; got [5, -3]" in errors[1][0], errors
-    assert all("already called" in rank_errors[1] for rank_errors in errors), errors
-    ahead = [1.0] * len(LENGTHS)
-    ahead[0] = ahead[KILL_AT + 1] = ahead[MISMATCH_AT] = 0.0  # nothing prefetched; a dead worker; a mismatch
+    # Nothing prefetched for step 0; a dead worker; the extra forward; (step 4 skipped); a mismatch.
+    expected = {0: 0.0, 1: 1.0, 2: 0.0, "extra": 0.0, 3: 1.0, 5: 1.0, 6: 0.0, 7: 1.0}
     for rank, steps in enumerate(results):
-        assert [step["ahead"] for step in steps] == ahead, rank
+        assert {step["step"]: step["ahead"] for step in steps} == expected, rank
+        assert [step["step"] for step in steps] == list(expected), rank
         for index, step in enumerate(steps):
             assert step["as_solved_in_step"], (rank, index)
             assert step["out_err"] <= 1e-10, (rank, index)
@@ -141,17 +183,19 @@ def test_prefetched_plans_equal_plans_solved_in_the_step_and_ranks_fall_back_tog
         for (b0, r0), (b1, r1) in zip(mine["grads"], theirs["grads"], strict=True):
             reference = r0 + r1
             assert np.abs((b0 + b1) - reference).max() <= 1e-10 * np.abs(reference).max(), index
-    assert results[0][MISMATCH_AT]["lengths"][1] == [17, 1]  # planned for the batch given, not prefetched
+    by_step = {step["step"]: step for step in results[0]}
+    assert by_step[MISMATCH_AT]["lengths"][1] == [17, 1]  # planned for the batch given, not prefetched
+    assert by_step["extra"]["lengths"] == [EXTRA_LENGTHS, EXTRA_LENGTHS]
     assert any(2 in step["groups"] for step in results[0]), "some step must split a sequence over both ranks"
     if online:
-        steps = results[0]
-        # Step s's times ride with the next lengths gathered, at the top of step s + 1 (its prefetch):
-        # each step recorded once, none twice. The last step prefetches nothing, and its own plan was
-        # prefetched: no gather ships step 4's times.
-        assert [step["observed"] for step in steps] == [0, 1, 2, 3, 4, 4]
-        # A plan made ahead used the model as it was at the prefetch, a step before its own.
-        for index in range(1, len(LENGTHS)):
-            if steps[index]["ahead"]:
-                assert steps[index]["model"] == steps[index - 1]["prefetched_with"], index
+        # A step's times ride with the next lengths gathered: the next prefetch's, or a forward's
+        # planned in the step. Each step is recorded once: step 2's by the extra forward's gather,
+        # the extra's by step 3's prefetch; the skipped step and the last have nothing to record, and
+        # step 6's times are not shipped (step 7 was prefetched, and prefetches nothing).
+        assert [step["observed"] for step in results[0]] == [0, 1, 2, 3, 4, 5, 6, 6]
+        # A plan made ahead used the model as it was at its prefetch, a step before its own.
+        for step in results[0]:
+            if step["ahead"]:
+                assert step["model"] == step["prefetched_with"], step["step"]
         # The refit ran (warm after 2 steps) and planned what followed: later steps' models differ.
-        assert steps[-1]["model"] != steps[0]["model"]
+        assert results[0][-1]["model"] != results[0][0]["model"]
