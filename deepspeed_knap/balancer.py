@@ -61,6 +61,16 @@ class _PlanAhead:
     model: WorkloadModel  # the cost model it is solved with
     ticket: int  # the worker's job
     seq_lens: list[int]  # this rank's: a forward whose batch has these lengths may use the plan
+    reply: tuple[RoutingPlan, float] | str | None = None  # (plan, solve seconds) or the failure, once read
+
+    def read(self, worker: PlanWorker) -> tuple[RoutingPlan, float] | str:
+        """The worker's ``(plan, solve seconds)`` for it, or why there is none; waits for the solve."""
+        if self.reply is None:
+            try:
+                self.reply = worker.result(self.ticket)
+            except PlanWorkerError as error:
+                self.reply = str(error)
+        return self.reply
 
 
 class KnapBalancer:
@@ -192,30 +202,28 @@ class KnapBalancer:
         batch's lengths on every rank, or ``None`` if the ranks find none (they log why). Prefetched
         plans up to the newest any rank chose are dropped. Collective: which plan matches, and whether
         a worker failed, differ between ranks."""
-        chosen, found, failure = -1, None, None
+        chosen, failure, bad_batch = -1, None, batch.problem() is not None  # a bad batch: the fallback raises
         seq_lens = list(batch.seq_lens)
         match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens), None)
-        if match is not None and batch.problem() is None:  # a bad batch: the fallback's gather raises it
-            try:
-                found = self._worker.result(self._ahead[match].ticket)
-                chosen = match
-            except PlanWorkerError as error:
-                failure = str(error)
+        if match is not None and not bad_batch:
+            reply = self._ahead[match].read(self._worker)
+            chosen, failure = (match, None) if isinstance(reply, tuple) else (-1, reply)
         choices = gather_ints(chosen, batch.tokens.device, self.groups)
+        agreed = min(choices) == max(choices) >= 0
         used, prefetched = self._ahead.get(chosen), [ahead.seq_lens for ahead in self._ahead.values()]
-        for i in [i for i in self._ahead if i <= max(choices)]:  # the same ids on every rank
-            ahead = self._ahead.pop(i)
-            if i != chosen:
-                self._worker.discard(ahead.ticket)  # its reply, if read already, is dropped
-        if min(choices) == max(choices) >= 0:
-            plan, solve_s = found
+        # Agreed: the plans up to the one used are done with. Not: those older than the newest any
+        # rank found; that one may be the next forward's (its lengths recurring on some rank).
+        for i in [i for i in self._ahead if i < max(choices) or (agreed and i == chosen)]:  # the same on every rank
+            self._worker.discard(self._ahead.pop(i).ticket)  # its reply, if read already, is dropped
+        if agreed:
+            plan, solve_s = used.reply
             return used.seq_lens_per_rank, plan, solve_s, True, used.model
         # A forward no rank prefetched for (the first, a validation loss) is planned in the step
         # silently; a worker's failure, or ranks finding different plans, is worth a line.
         step = self.steps + 1
         if failure is not None:
             logger.warning(f"knapformer rank {self.groups.rank}: step {step} planned in the step: {failure}")
-        elif chosen < 0 and max(choices) >= 0:
+        elif chosen < 0 and max(choices) >= 0 and not bad_batch:
             logger.warning(f"knapformer rank {self.groups.rank}: step {step} planned in the step: no plan was "
                            f"prefetched for a batch of lengths {seq_lens} (prefetched: {prefetched})")  # fmt: skip
         if self.groups.group_rank == 0 and max(choices) >= 0:

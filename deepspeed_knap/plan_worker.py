@@ -105,12 +105,17 @@ class PlanWorker:
     def _start(self) -> subprocess.Popen:
         if self._process is not None:
             return self._process
-        # The package this process imported, first: another copy (installed, or in the working
-        # directory, which `-c` puts on the path) would plan with other code. Not `-m`, which would
-        # put the working directory first (and `-P` needs Python 3.11).
-        root = str(Path(__file__).resolve().parent.parent)
-        code = (f"import os, sys; sys.path[:] = [{root!r}] + [p for p in sys.path if p not in ('', os.getcwd())]; "
-                "import deepspeed_knap.plan_worker as w; w.main()")  # fmt: skip
+        # The package this process imported, loaded from its own folder: another copy (installed, on
+        # PYTHONPATH, or in the working directory, which `-c` and `-m` put first on the path) would
+        # plan with other code. Putting the package's parent first on the path would not do: for an
+        # installed package that is site-packages, whose modules would then shadow the standard
+        # library's. The working directory is taken off the path all the same.
+        package = str(Path(__file__).resolve().parent)
+        code = ("import importlib.util, os, sys; sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]; "
+                f"spec = importlib.util.spec_from_file_location('deepspeed_knap', {package + '/__init__.py'!r}, "
+                f"submodule_search_locations=[{package!r}]); "
+                "sys.modules['deepspeed_knap'] = module = importlib.util.module_from_spec(spec); "
+                "spec.loader.exec_module(module); import deepspeed_knap.plan_worker as w; w.main()")  # fmt: skip
         self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return self._process
 

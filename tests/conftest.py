@@ -45,16 +45,26 @@ def _build_deepspeed_cpu_comm() -> None:
     if lock.exists() and not _open_by_a_process(lock):
         print(f"removed {lock}: a DeepSpeed op build that was killed left it")
         lock.unlink(missing_ok=True)
-    builder.load(verbose=False)
+    try:
+        builder.load(verbose=False)
+    except Exception as error:  # the DeepSpeed tests fail on it, with its message; the others run
+        print(f"could not build DeepSpeed's CPU all-reduce op: {type(error).__name__}: {error}")
 
 
 def _open_by_a_process(path: Path) -> bool:
+    """Whether a process of this machine holds ``path`` open (compared by inode: the path a process
+    opened may be spelled otherwise, through a link or relatively)."""
+    try:
+        target = path.stat()
+    except FileNotFoundError:
+        return False
     for fd in Path("/proc").glob("[0-9]*/fd/*"):
         try:
-            if os.readlink(fd) == str(path):
-                return True
-        except OSError:  # the process or the descriptor is gone
+            opened = fd.stat()
+        except OSError:  # the process or the descriptor is gone, or not ours to read
             continue
+        if (opened.st_dev, opened.st_ino) == (target.st_dev, target.st_ino):
+            return True
     return False
 
 

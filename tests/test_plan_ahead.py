@@ -88,7 +88,9 @@ WORKLOAD = WorkloadModel(1e-6, 1e-8, alltoall_coef=1e-9)
 LENGTHS = [[[48, 40, 3], [5, 2]], [[4, 6], [56, 30, 9]], [[64, 2], [7]], [[3], [33, 50]], [[40, 41], [1, 2, 3]],
            [[9, 9], [60]], [[12, 44], [8]], [[2, 2], [70]]]  # fmt: skip
 KILL_AT = 1  # rank 0's worker dies before the prefetch of step 2: step 2 is planned in the step
-EXTRA_AT = 2  # after step 2, a forward nothing was prefetched for (a validation loss): planned in the step
+# After step 2, a forward not prefetched for (a validation loss): planned in the step. Rank 0's batch
+# has the lengths rank 0 prefetched for step 3, and step 3 must still find that plan.
+EXTRA_AT = 2
 SKIP_AT = 4  # step 4 is prefetched, then skipped on every rank: step 5 still uses its prefetched plan
 MISMATCH_AT = 6  # rank 1's step-6 batch is not the one it prefetched
 EXTRA_LENGTHS = [5, 6]
@@ -154,7 +156,7 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], l
             continue
         forward(step, batch(step, [17, 1]) if step == MISMATCH_AT and rank == 1 else batch(step))
         if step == EXTRA_AT:
-            forward("extra", batch(step, EXTRA_LENGTHS))
+            forward("extra", batch(step, LENGTHS[step + 1][0] if rank == 0 else EXTRA_LENGTHS))
     errors = []
     try:  # bad lengths on one rank: every rank raises, none waits
         balancer.prefetch([5, -3] if rank == 1 else [4])
@@ -185,7 +187,7 @@ def test_prefetched_plans_equal_plans_solved_in_the_step_and_ranks_fall_back_tog
             assert np.abs((b0 + b1) - reference).max() <= 1e-10 * np.abs(reference).max(), index
     by_step = {step["step"]: step for step in results[0]}
     assert by_step[MISMATCH_AT]["lengths"][1] == [17, 1]  # planned for the batch given, not prefetched
-    assert by_step["extra"]["lengths"] == [EXTRA_LENGTHS, EXTRA_LENGTHS]
+    assert by_step["extra"]["lengths"] == [LENGTHS[EXTRA_AT + 1][0], EXTRA_LENGTHS]
     assert any(2 in step["groups"] for step in results[0]), "some step must split a sequence over both ranks"
     if online:
         # A step's times ride with the next lengths gathered: the next prefetch's, or a forward's

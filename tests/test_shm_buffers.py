@@ -51,6 +51,10 @@ def _init_then_crash(rank: int, world: int) -> None:
 
 
 def test_a_run_whose_rank_dies_leaves_no_buffer():
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().create_op_builder("ShareMemCommBuilder") is None:
+        pytest.skip("DeepSpeed makes no /dev/shm buffers on this accelerator")
     before = set(SHM_DIR.glob("deepspeed_allreduce_buffer_*"))
     with pytest.raises(DistributedTestError):  # rank 1 died, or rank 0 saw its peer go
         run_distributed(_init_then_crash, world_size=2, timeout=60)
