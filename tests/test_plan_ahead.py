@@ -12,74 +12,69 @@ from deepspeed_knap.workload import WorkloadModel, default_workload
 from deepspeed_knap.workloads import sample_workload
 from tests.distributed import run_distributed
 
+MODEL = default_workload("flux-dev")
 
-def test_worker_plans_equal_plan_routings_in_order_and_survive_errors_and_a_death():
-    model = default_workload("flux-dev")
+
+@pytest.fixture
+def worker():
+    worker = PlanWorker()
+    yield worker
+    worker.close()
+
+
+def test_worker_plans_equal_plan_routings_in_order_and_survive_errors_and_a_death(worker):
     topology = build_topology("auto", 32, gpus_per_node=8)
     steps = [sample_workload("kf_image_video", 32, seed) for seed in range(3)]
-    worker = PlanWorker()
-    try:
-        tickets = [worker.submit(lengths, topology, model, DEFAULT_SOLVER, None) for lengths in steps]
-        for ticket, lengths in reversed(list(zip(tickets, steps, strict=True))):  # read in any order
-            plan, solve_s = worker.result(ticket)
-            assert plan == plan_routing(lengths, topology, model)  # every field, bit for bit
-            assert solve_s > 0
-        # A solve that raises comes back as the error, and the worker goes on.
-        with pytest.raises(ValueError, match="max_tokens_per_gpu") as expected:
-            plan_routing(steps[0], topology, model, DEFAULT_SOLVER, 10)
-        failing = worker.submit(steps[0], topology, model, DEFAULT_SOLVER, 10)
-        with pytest.raises(PlanWorkerError, match="raised ValueError") as raised:
-            worker.result(failing)
-        assert str(expected.value) in str(raised.value)
-        good = worker.submit(steps[1], topology, model, DEFAULT_SOLVER, None)
-        assert worker.result(good)[0] == plan_routing(steps[1], topology, model)
-        # A dead worker fails its jobs; the next submit starts another.
-        worker._process.kill()
-        worker._process.wait()
-        lost = worker.submit(steps[2], topology, model, DEFAULT_SOLVER, None)
-        with pytest.raises(PlanWorkerError, match=r"could not be sent .*exit code -9"):
-            worker.result(lost)
-        again = worker.submit(steps[2], topology, model, DEFAULT_SOLVER, None)
-        assert worker.result(again)[0] == plan_routing(steps[2], topology, model)
-    finally:
-        worker.close()
+    tickets = [worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None) for lengths in steps]
+    for ticket, lengths in reversed(list(zip(tickets, steps, strict=True))):  # read in any order
+        plan, solve_s = worker.result(ticket)
+        assert plan == plan_routing(lengths, topology, MODEL)  # every field, bit for bit
+        assert solve_s > 0
+    # A solve that raises comes back as the error, and the worker goes on.
+    with pytest.raises(ValueError, match="max_tokens_per_gpu") as expected:
+        plan_routing(steps[0], topology, MODEL, DEFAULT_SOLVER, 10)
+    failing = worker.submit(steps[0], topology, MODEL, DEFAULT_SOLVER, 10)
+    with pytest.raises(PlanWorkerError, match="raised ValueError") as raised:
+        worker.result(failing)
+    assert str(expected.value) in str(raised.value)
+    good = worker.submit(steps[1], topology, MODEL, DEFAULT_SOLVER, None)
+    assert worker.result(good)[0] == plan_routing(steps[1], topology, MODEL)
+    # A dead worker fails its jobs; the next submit starts another.
+    worker._process.kill()
+    worker._process.wait()
+    lost = worker.submit(steps[2], topology, MODEL, DEFAULT_SOLVER, None)
+    with pytest.raises(PlanWorkerError, match=r"could not be sent .*exit code -9"):
+        worker.result(lost)
+    again = worker.submit(steps[2], topology, MODEL, DEFAULT_SOLVER, None)
+    assert worker.result(again)[0] == plan_routing(steps[2], topology, MODEL)
+    worker.close()
     with pytest.raises(PlanWorkerError, match="no job 99"):
         worker.result(99)
 
 
-def test_discarded_jobs_are_dropped_read_or_not_and_the_rest_come_in_order():
-    model = default_workload("flux-dev")
+def test_discarded_jobs_are_dropped_read_or_not_and_the_rest_come_in_order(worker):
     topology = build_topology("auto", 16, gpus_per_node=8)
     steps = [sample_workload("flux_buckets", 16, seed) for seed in range(3)]
-    worker = PlanWorker()
-    try:
-        tickets = [worker.submit(lengths, topology, model, DEFAULT_SOLVER, None) for lengths in steps]
-        worker.discard(tickets[0])  # not read yet: dropped when its reply comes
-        assert worker.result(tickets[2])[0] == plan_routing(steps[2], topology, model)  # reads 0 and 1
-        worker.discard(tickets[1])  # read already: dropped now
-        for ticket in tickets[:2]:
-            with pytest.raises(PlanWorkerError, match=f"no job {ticket}"):
-                worker.result(ticket)
-        assert worker._replies == {} and worker._discarded == set()  # nothing kept
-    finally:
-        worker.close()
+    tickets = [worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None) for lengths in steps]
+    worker.discard(tickets[0])  # not read yet: dropped when its reply comes
+    assert worker.result(tickets[2])[0] == plan_routing(steps[2], topology, MODEL)  # reads 0 and 1
+    worker.discard(tickets[1])  # read already: dropped now
+    for ticket in tickets[:2]:
+        with pytest.raises(PlanWorkerError, match=f"no job {ticket}"):
+            worker.result(ticket)
+    assert worker._replies == {} and worker._discarded == set()  # nothing kept
 
 
-def test_the_worker_plans_with_the_package_this_process_imported(tmp_path, monkeypatch):
+def test_the_worker_plans_with_the_package_this_process_imported(worker, tmp_path, monkeypatch):
     # Another copy first on PYTHONPATH, and one in the working directory: neither may be imported.
     for place in (tmp_path / "site", tmp_path / "cwd"):
         (place / "deepspeed_knap").mkdir(parents=True)
         (place / "deepspeed_knap" / "__init__.py").write_text("raise ImportError('another copy')")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
     monkeypatch.chdir(tmp_path / "cwd")
-    model, topology, lengths = default_workload("flux-dev"), build_topology("auto", 2), [[3000, 5], [7]]
-    worker = PlanWorker()
-    try:
-        assert worker.result(worker.submit(lengths, topology, model, DEFAULT_SOLVER, None))[0] == plan_routing(
-            lengths, topology, model
-        )
-    finally:
-        worker.close()
+    topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
+    ticket = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    assert worker.result(ticket)[0] == plan_routing(lengths, topology, MODEL)
 
 
 DIM, HEADS, COND = 16, 4, 3
