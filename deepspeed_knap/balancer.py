@@ -199,9 +199,9 @@ class KnapBalancer:
 
     def _plan_ahead(self, batch: PackedBatch) -> _Planned | None:
         """``(lengths, plan, solve seconds, True, model)`` of the oldest plan prefetched for this
-        batch's lengths on every rank, or ``None`` if the ranks find none (they log why). Prefetched
-        plans up to the newest any rank chose are dropped. Collective: which plan matches, and whether
-        a worker failed, differ between ranks."""
+        batch's lengths on every rank, or ``None`` if the ranks find none (they log why). The plans
+        older than the newest any rank found are dropped, and the one used. Collective: which plan
+        matches, and whether a worker failed, differ between ranks."""
         chosen, failure, bad_batch = -1, None, batch.problem() is not None  # a bad batch: the fallback raises
         seq_lens = list(batch.seq_lens)
         match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens), None)
