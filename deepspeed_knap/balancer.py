@@ -63,11 +63,12 @@ class _PlanAhead:
     seq_lens: list[int]  # this rank's: a forward whose batch has these lengths may use the plan
     reply: tuple[RoutingPlan, float] | str | None = None  # (plan, solve seconds) or the failure, once read
 
-    def read(self, worker: PlanWorker) -> tuple[RoutingPlan, float] | str:
-        """The worker's ``(plan, solve seconds)`` for it, or why there is none; waits for the solve."""
+    def read(self, worker: PlanWorker, timeout_s: float) -> tuple[RoutingPlan, float] | str:
+        """The worker's ``(plan, solve seconds)`` for it, or why there is none; waits for the solve,
+        at most ``timeout_s``."""
         if self.reply is None:
             try:
-                self.reply = worker.result(self.ticket)
+                self.reply = worker.result(self.ticket, timeout_s)
             except PlanWorkerError as error:
                 self.reply = str(error)
         return self.reply
@@ -122,6 +123,13 @@ class KnapBalancer:
         self._worker: PlanWorker | None = None  # started by the first prefetch
         self._prefetches = 0  # prefetch() calls so far: a prefetched plan's id, the same on every rank
         self._ahead: dict[int, _PlanAhead] = {}  # by id, oldest first; at most _MAX_AHEAD
+
+    @property
+    def _worker_timeout_s(self) -> float:
+        """How long this rank waits for its plan worker. The other ranks wait for this one in their
+        next collective, for the groups' timeout at most: a stuck worker is given up on well before,
+        and every rank plans that step in the step."""
+        return self.groups.timeout.total_seconds() / 2
 
     @property
     def model(self) -> WorkloadModel:
@@ -180,7 +188,7 @@ class KnapBalancer:
             weakref.finalize(self, self._worker.close)
         model = self.model
         ticket = self._worker.submit(seq_lens_per_rank, self.groups.topology, model, self.solver,
-                                     self.max_tokens_per_gpu)  # fmt: skip
+                                     self.max_tokens_per_gpu, timeout_s=self._worker_timeout_s)  # fmt: skip
         self._ahead[self._prefetches] = _PlanAhead(seq_lens_per_rank, model, ticket, [int(n) for n in seq_lens])
         self._prefetches += 1
         while len(self._ahead) > _MAX_AHEAD:
@@ -206,7 +214,7 @@ class KnapBalancer:
         seq_lens = list(batch.seq_lens)
         match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens), None)
         if match is not None and not bad_batch:
-            reply = self._ahead[match].read(self._worker)
+            reply = self._ahead[match].read(self._worker, self._worker_timeout_s)
             chosen, failure = (match, None) if isinstance(reply, tuple) else (-1, reply)
         choices = gather_ints(chosen, batch.tokens.device, self.groups)
         agreed = min(choices) == max(choices) >= 0

@@ -20,11 +20,13 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import select
 import signal
 import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -48,14 +50,16 @@ class PlanWorker:
         self._replies: dict[int, tuple[RoutingPlan | None, float, str | None]] = {}
         self._discarded: set[int] = set()  # unread tickets whose replies are dropped when read
 
-    def submit(self, seq_lens_per_rank: list[list[int]], *args: Any) -> int:
-        """Queue ``plan_routing(seq_lens_per_rank, *args)``; returns at once, with the job's ticket
-        for :meth:`result`. A worker that cannot start or has died fails the job (at :meth:`result`)."""
+    def submit(self, seq_lens_per_rank: list[list[int]], *args: Any, timeout_s: float | None = None) -> int:
+        """Queue ``plan_routing(seq_lens_per_rank, *args)``, with the job's ticket for :meth:`result`.
+        Returns once the replies to earlier jobs are read: at once when their solves are done; a
+        worker that gives them in ``timeout_s`` (``None``: no limit) is killed (stuck, or stopped),
+        failing them, and another takes this job. A worker that cannot start or has died fails the
+        job (at :meth:`result`)."""
         ticket, self._submitted = self._submitted, self._submitted + 1
         # Read finished replies before sending more: a reply larger than the pipe's buffer blocks the
         # worker's write, and it would never read this job while our write waits on it.
-        while self._unread:
-            self._read_reply()
+        self._read_replies(lambda: bool(self._unread), timeout_s)
         try:
             process = self._start()
             _write_frame(process.stdin, (seq_lens_per_rank, *args))
@@ -64,15 +68,16 @@ class PlanWorker:
             self._fail(ticket, f"could not be sent to the plan worker ({type(error).__name__}: {error})")
         return ticket
 
-    def result(self, ticket: int) -> tuple[RoutingPlan, float]:
-        """Job ``ticket``'s ``(plan, solve seconds)``, waiting for it if need be.
+    def result(self, ticket: int, timeout_s: float | None = None) -> tuple[RoutingPlan, float]:
+        """Job ``ticket``'s ``(plan, solve seconds)``, waiting for it if need be, at most
+        ``timeout_s`` (``None``: as long as it takes). A worker that gives no reply in time is
+        killed (it is stuck, or stopped), failing every job it had.
 
         Raises:
-            PlanWorkerError: the worker died or could not start, or the solve raised (the message
-                names the error; solving it here raises it again).
+            PlanWorkerError: the worker died, could not start or gave no reply in time, or the solve
+                raised (the message names the error; solving it here raises it again).
         """
-        while ticket not in self._replies and ticket in self._unread:
-            self._read_reply()
+        self._read_replies(lambda: ticket not in self._replies and ticket in self._unread, timeout_s)
         if ticket not in self._replies:
             raise PlanWorkerError(f"no job {ticket} is waiting (submitted: {self._submitted})")
         plan, solve_s, error = self._replies.pop(ticket)
@@ -88,9 +93,13 @@ class PlanWorker:
 
     def close(self) -> None:
         """Stop the worker; the jobs it still had fail. A later :meth:`submit` starts another."""
+        self._stop("the plan worker was stopped before replying")
+
+    def _stop(self, why: str) -> None:
+        """Stop the worker; the jobs it still had fail with ``why``."""
         process, self._process = self._process, None
         for ticket in self._unread:
-            self._reply(ticket, (None, 0.0, "the plan worker was stopped before replying"))
+            self._reply(ticket, (None, 0.0, why))
         self._unread = []
         if process is not None:
             for pipe in (process.stdin, process.stdout):  # a worker writing an unread reply gets EPIPE
@@ -116,8 +125,23 @@ class PlanWorker:
                 f"submodule_search_locations=[{package!r}]); "
                 "sys.modules['deepspeed_knap'] = module = importlib.util.module_from_spec(spec); "
                 "spec.loader.exec_module(module); import deepspeed_knap.plan_worker as w; w.main()")  # fmt: skip
-        self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # Unbuffered: select() on the replies' pipe must not miss a reply read ahead into a buffer.
+        self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         bufsize=0)  # fmt: skip
         return self._process
+
+    def _read_replies(self, more: Callable[[], bool], timeout_s: float | None) -> None:
+        """Read replies while ``more()``, for ``timeout_s`` at most in all; a worker that gives none
+        in time is killed (closing its pipes would not end a stuck one), failing its jobs."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while more():
+            if deadline is not None:
+                ready, _, _ = select.select([self._process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    self._process.kill()
+                    self._stop(f"the plan worker gave no plan within {timeout_s:g} s and was killed")
+                    return
+            self._read_reply()
 
     def _read_reply(self) -> None:
         ticket = self._unread.pop(0)
@@ -148,19 +172,30 @@ class PlanWorker:
 
 
 def _write_frame(stream: IO[bytes], value: Any) -> None:
-    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
+    payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    data = memoryview(_HEADER.pack(len(payload)) + payload)
+    while data:  # an unbuffered stream may take part of it
+        data = data[stream.write(data) :]
     stream.flush()
 
 
 def _read_frame(stream: IO[bytes]) -> Any | None:
     """The next value, or ``None`` at end of input."""
-    header = stream.read(_HEADER.size)
+    header = _read_exactly(stream, _HEADER.size)
     if len(header) < _HEADER.size:
         return None
     (size,) = _HEADER.unpack(header)
-    data = stream.read(size)
+    data = _read_exactly(stream, size)
     return pickle.loads(data) if len(data) == size else None
+
+
+def _read_exactly(stream: IO[bytes], size: int) -> bytes:
+    """``size`` bytes, fewer only at end of input (an unbuffered pipe returns what has come)."""
+    chunks, missing = [], size
+    while missing and (chunk := stream.read(missing)):
+        chunks.append(chunk)
+        missing -= len(chunk)
+    return b"".join(chunks)
 
 
 def main() -> None:

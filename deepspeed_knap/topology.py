@@ -304,6 +304,7 @@ class ProcessGroups:
         attention_groups: ``{(start, size): process group}`` for every group of size > 1 this rank is
             in (a bag, or with ``auto`` one group per size), keyed by positions inside the balance
             group as plans give them.
+        timeout: the collective timeout of every group: how long a rank waits in one for the others.
     """
 
     topology: Topology
@@ -312,6 +313,7 @@ class ProcessGroups:
     group_rank: int
     balance_group: Any
     attention_groups: dict[tuple[int, int], Any]
+    timeout: datetime.timedelta
 
     def attention_group(self, start: int, size: int) -> Any:
         """The process group of the ``size`` GPUs starting at ``start`` (``None`` for a single GPU)."""
@@ -371,7 +373,7 @@ def create_process_groups(topology: Topology, timeout: datetime.timedelta | None
             group = torch.distributed.new_group(list(range(first + start, first + start + size)), timeout=timeout)
             if r == replica and start <= group_rank < start + size:
                 attention_groups[(start, size)] = group
-    return ProcessGroups(topology, rank, replica, group_rank, balance_group, attention_groups)
+    return ProcessGroups(topology, rank, replica, group_rank, balance_group, attention_groups, timeout)
 
 
 def check_same_on_every_rank(views: dict[str, str]) -> None:

@@ -1,6 +1,9 @@
 """Plans solved ahead in a worker process: the same plans as solving in the step, the same outputs,
 and every rank falling back together when one rank's worker or batch is not what was planned."""
 
+import signal
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -63,6 +66,32 @@ def test_discarded_jobs_are_dropped_read_or_not_and_the_rest_come_in_order(worke
         with pytest.raises(PlanWorkerError, match=f"no job {ticket}"):
             worker.result(ticket)
     assert worker._replies == {} and worker._discarded == set()  # nothing kept
+
+
+def test_a_stuck_worker_is_given_up_on_at_the_timeout_and_the_next_job_gets_a_new_one(worker):
+    topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
+    plan = plan_routing(lengths, topology, MODEL)
+
+    def stop_worker():  # alive, never replying
+        worker.result(worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None))  # (re)started
+        worker._process.send_signal(signal.SIGSTOP)
+        return worker._process
+
+    # Waiting for a reply: given up at the timeout, the worker killed and reaped.
+    stuck = stop_worker()
+    waiting = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    start = time.monotonic()
+    with pytest.raises(PlanWorkerError, match=r"no plan within 0\.5 s and was killed"):
+        worker.result(waiting, timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 5 and stuck.returncode == -signal.SIGKILL
+    # Submitting after a job it never answers: that job fails, a new worker takes the next.
+    stuck = stop_worker()
+    lost = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    taken = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None, timeout_s=0.5)
+    assert stuck.returncode == -signal.SIGKILL
+    with pytest.raises(PlanWorkerError, match=r"no plan within 0\.5 s"):
+        worker.result(lost)
+    assert worker.result(taken, timeout_s=60)[0] == plan
 
 
 def test_the_worker_plans_with_the_package_this_process_imported(worker, tmp_path, monkeypatch):
