@@ -126,10 +126,13 @@ class KnapBalancer:
 
     @property
     def _worker_timeout_s(self) -> float:
-        """How long this rank waits for its plan worker. The other ranks wait for this one in their
-        next collective, for the groups' timeout at most: a stuck worker is given up on well before,
-        and every rank plans that step in the step."""
-        return self.groups.timeout.total_seconds() / 2
+        """How long this rank waits for its plan worker, at a prefetch or a forward. The other ranks
+        wait for this one in their next collective: ours (the groups' timeout) or, under ZeRO-3, a
+        parameter gather (DeepSpeed's). A third of the shorter leaves room for both waits between
+        two of ours: a stuck worker is given up on first, and every rank plans that step itself."""
+        from deepspeed.constants import default_pg_timeout
+
+        return min(self.groups.timeout, default_pg_timeout).total_seconds() / 3
 
     @property
     def model(self) -> WorkloadModel:

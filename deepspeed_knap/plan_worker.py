@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from deepspeed_knap.planner import RoutingPlan, plan_routing
 
@@ -57,13 +57,17 @@ class PlanWorker:
         failing them, and another takes this job. A worker that cannot start or has died fails the
         job (at :meth:`result`)."""
         ticket, self._submitted = self._submitted, self._submitted + 1
+        deadline = _deadline(timeout_s)
         # Read finished replies before sending more: a reply larger than the pipe's buffer blocks the
         # worker's write, and it would never read this job while our write waits on it.
-        self._read_replies(lambda: bool(self._unread), timeout_s)
+        self._read_replies(lambda: bool(self._unread), deadline, timeout_s)
         try:
             process = self._start()
-            _write_frame(process.stdin, (seq_lens_per_rank, *args))
+            _write_frame(process.stdin.fileno(), (seq_lens_per_rank, *args), deadline)
             self._unread.append(ticket)
+        except TimeoutError:
+            self._give_up(timeout_s)
+            self._reply(ticket, (None, 0.0, _gave_up(timeout_s)))
         except Exception as error:  # cannot start, a broken pipe, a pickle: fails this rank's job, to be agreed on
             self._fail(ticket, f"could not be sent to the plan worker ({type(error).__name__}: {error})")
         return ticket
@@ -77,7 +81,8 @@ class PlanWorker:
             PlanWorkerError: the worker died, could not start or gave no reply in time, or the solve
                 raised (the message names the error; solving it here raises it again).
         """
-        self._read_replies(lambda: ticket not in self._replies and ticket in self._unread, timeout_s)
+        self._read_replies(lambda: ticket not in self._replies and ticket in self._unread, _deadline(timeout_s),
+                           timeout_s)  # fmt: skip
         if ticket not in self._replies:
             raise PlanWorkerError(f"no job {ticket} is waiting (submitted: {self._submitted})")
         plan, solve_s, error = self._replies.pop(ticket)
@@ -125,31 +130,30 @@ class PlanWorker:
                 f"submodule_search_locations=[{package!r}]); "
                 "sys.modules['deepspeed_knap'] = module = importlib.util.module_from_spec(spec); "
                 "spec.loader.exec_module(module); import deepspeed_knap.plan_worker as w; w.main()")  # fmt: skip
-        # Unbuffered: select() on the replies' pipe must not miss a reply read ahead into a buffer.
+        # Its pipes are read and written through their descriptors (no buffer to read ahead into,
+        # so a poll sees every byte not read yet).
         self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          bufsize=0)  # fmt: skip
         return self._process
 
-    def _read_replies(self, more: Callable[[], bool], timeout_s: float | None) -> None:
-        """Read replies while ``more()``, for ``timeout_s`` at most in all; a worker that gives none
-        in time is killed (closing its pipes would not end a stuck one), failing its jobs."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def _read_replies(self, more: Callable[[], bool], deadline: float | None, timeout_s: float | None) -> None:
+        """Read replies while ``more()``, until ``deadline``; a worker that has not given them by then
+        is killed, failing its jobs."""
         while more():
-            if deadline is not None:
-                ready, _, _ = select.select([self._process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    self._process.kill()
-                    self._stop(f"the plan worker gave no plan within {timeout_s:g} s and was killed")
-                    return
-            self._read_reply()
+            self._read_reply(deadline, timeout_s)
 
-    def _read_reply(self) -> None:
-        ticket = self._unread.pop(0)
+    def _read_reply(self, deadline: float | None, timeout_s: float | None) -> None:
+        ticket = self._unread[0]
         try:
-            reply = _read_frame(self._process.stdout)
+            reply = _read_frame(self._process.stdout.fileno(), deadline)
+        except TimeoutError:
+            self._give_up(timeout_s)  # fails every unread job, this one too
+            return
         except Exception as error:  # an unreadable reply fails this rank's job, to be agreed on, never raised
+            self._unread.pop(0)
             self._fail(ticket, f"the plan worker's reply could not be read ({type(error).__name__}: {error})")
             return
+        self._unread.pop(0)
         if reply is None:
             self._fail(ticket, "the plan worker died before replying")
         else:
@@ -163,6 +167,12 @@ class PlanWorker:
         else:
             self._replies[ticket] = reply
 
+    def _give_up(self, timeout_s: float | None) -> None:
+        """Kill a worker that did not answer in time (stuck, or stopped: closing its pipes would not
+        end it); every job it had fails."""
+        self._process.kill()
+        self._stop(_gave_up(timeout_s))
+
     def _fail(self, ticket: int, what: str) -> None:
         """Fail job ``ticket`` with ``what`` (and the worker's exit code), and stop the worker."""
         process = self._process
@@ -171,41 +181,75 @@ class PlanWorker:
         self._reply(ticket, (None, 0.0, what + code))
 
 
-def _write_frame(stream: IO[bytes], value: Any) -> None:
+def _deadline(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _gave_up(timeout_s: float | None) -> str:
+    return f"the plan worker did not answer within {timeout_s:g} s and was killed"
+
+
+def _write_frame(fd: int, value: Any, deadline: float | None = None) -> None:
+    """Write ``value``'s frame to pipe ``fd`` whole, by ``deadline`` (of ``time.monotonic()``;
+    ``None``: no limit).
+
+    Raises:
+        TimeoutError: at the deadline, the frame part written.
+    """
     payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     data = memoryview(_HEADER.pack(len(payload)) + payload)
-    while data:  # an unbuffered stream may take part of it
-        data = data[stream.write(data) :]
-    stream.flush()
+    while data:
+        _wait(fd, select.POLLOUT, deadline)
+        # Once the pipe has room, a write of PIPE_BUF bytes at most does not block.
+        data = data[os.write(fd, data if deadline is None else data[: select.PIPE_BUF]) :]
 
 
-def _read_frame(stream: IO[bytes]) -> Any | None:
-    """The next value, or ``None`` at end of input."""
-    header = _read_exactly(stream, _HEADER.size)
+def _read_frame(fd: int, deadline: float | None = None) -> Any | None:
+    """The next value on pipe ``fd``, or ``None`` at end of input; by ``deadline`` as in
+    :func:`_write_frame`."""
+    header = _read_exactly(fd, _HEADER.size, deadline)
     if len(header) < _HEADER.size:
         return None
     (size,) = _HEADER.unpack(header)
-    data = _read_exactly(stream, size)
+    data = _read_exactly(fd, size, deadline)
     return pickle.loads(data) if len(data) == size else None
 
 
-def _read_exactly(stream: IO[bytes], size: int) -> bytes:
-    """``size`` bytes, fewer only at end of input (an unbuffered pipe returns what has come)."""
+def _read_exactly(fd: int, size: int, deadline: float | None) -> bytes:
+    """``size`` bytes, fewer only at end of input (a pipe gives what has come)."""
     chunks, missing = [], size
-    while missing and (chunk := stream.read(missing)):
+    while missing:
+        _wait(fd, select.POLLIN, deadline)
+        if not (chunk := os.read(fd, missing)):
+            break
         chunks.append(chunk)
         missing -= len(chunk)
     return b"".join(chunks)
+
+
+def _wait(fd: int, event: int, deadline: float | None) -> None:
+    """Return once ``fd`` is ready for ``event`` (or closed at the other end); without a deadline,
+    at once (the read or write blocks by itself). ``poll``, not ``select``: a training process
+    may have more than 1,024 descriptors open.
+
+    Raises:
+        TimeoutError: at the deadline.
+    """
+    if deadline is None:
+        return
+    poller = select.poll()
+    poller.register(fd, event)
+    if not poller.poll(max(0.0, deadline - time.monotonic()) * 1e3):
+        raise TimeoutError
 
 
 def main() -> None:
     """The worker's loop: read a job, solve it, reply ``(plan, solve_s, None)`` or
     ``(None, 0.0, "Error: message")``, until the input ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the rank's group; the rank ends us
-    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    replies = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
-    jobs = sys.stdin.buffer
-    while (job := _read_frame(jobs)) is not None:
+    while (job := _read_frame(sys.stdin.fileno())) is not None:
         start = time.perf_counter()
         try:
             reply = (plan_routing(*job), time.perf_counter() - start, None)
@@ -214,7 +258,7 @@ def main() -> None:
         try:
             _write_frame(replies, reply)
         except BrokenPipeError:  # the parent closed its end: stopped, not an error
-            os._exit(0)  # skips flushing the broken pipe again at exit
+            os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Plans solved ahead in a worker process: the same plans as solving in the step, the same outputs,
 and every rank falling back together when one rank's worker or batch is not what was planned."""
 
+import os
 import signal
 import time
 
@@ -81,7 +82,7 @@ def test_a_stuck_worker_is_given_up_on_at_the_timeout_and_the_next_job_gets_a_ne
     stuck = stop_worker()
     waiting = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
     start = time.monotonic()
-    with pytest.raises(PlanWorkerError, match=r"no plan within 0\.5 s and was killed"):
+    with pytest.raises(PlanWorkerError, match=r"did not answer within 0\.5 s and was killed"):
         worker.result(waiting, timeout_s=0.5)
     assert 0.5 <= time.monotonic() - start < 5 and stuck.returncode == -signal.SIGKILL
     # Submitting after a job it never answers: that job fails, a new worker takes the next.
@@ -89,9 +90,26 @@ def test_a_stuck_worker_is_given_up_on_at_the_timeout_and_the_next_job_gets_a_ne
     lost = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
     taken = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None, timeout_s=0.5)
     assert stuck.returncode == -signal.SIGKILL
-    with pytest.raises(PlanWorkerError, match=r"no plan within 0\.5 s"):
+    with pytest.raises(PlanWorkerError, match=r"did not answer within 0\.5 s"):
         worker.result(lost)
     assert worker.result(taken, timeout_s=60)[0] == plan
+
+
+def test_a_frame_half_read_or_half_written_times_out_at_its_deadline():
+    from deepspeed_knap.plan_worker import _read_frame, _write_frame
+
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"\x10\0\0\0")  # half a header: the writer was stopped mid-frame
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            _read_frame(read_end, time.monotonic() + 0.3)
+        with pytest.raises(TimeoutError):  # 1 MB into a pipe nobody reads: full after 64 KiB
+            _write_frame(write_end, b"x" * 2**20, time.monotonic() + 0.3)
+        assert time.monotonic() - start < 5
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_the_worker_plans_with_the_package_this_process_imported(worker, tmp_path, monkeypatch):
