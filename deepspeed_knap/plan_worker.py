@@ -18,6 +18,7 @@ Pure: no ``torch.distributed``. A worker failure raises :class:`PlanWorkerError`
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pickle
 import select
@@ -32,6 +33,10 @@ from typing import Any
 
 from deepspeed_knap.planner import RoutingPlan, plan_routing
 
+# A reply (a plan: 66 KB at 32 GPUs, 2 MB at 1,024) that fits the pipe is written whole while the
+# step runs; one that does not leaves the worker blocked mid-write until the rank reads, which then
+# waits for the worker to wake and write the rest (~3 ms at 32 GPUs).
+_REPLY_PIPE_BYTES = 2**20
 _HEADER = struct.Struct("<Q")  # the byte length of the pickle that follows
 
 
@@ -134,6 +139,8 @@ class PlanWorker:
         # so a poll sees every byte not read yet).
         self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          bufsize=0)  # fmt: skip
+        with contextlib.suppress(OSError, AttributeError):  # Linux only, up to /proc/sys/fs/pipe-max-size
+            fcntl.fcntl(self._process.stdout.fileno(), fcntl.F_SETPIPE_SZ, _REPLY_PIPE_BYTES)
         return self._process
 
     def _read_replies(self, more: Callable[[], bool], deadline: float | None, timeout_s: float | None) -> None:
