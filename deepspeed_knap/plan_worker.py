@@ -27,7 +27,6 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +64,8 @@ class PlanWorker:
         deadline = _deadline(timeout_s)
         # Read finished replies before sending more: a reply larger than the pipe's buffer blocks the
         # worker's write, and it would never read this job while our write waits on it.
-        self._read_replies(lambda: bool(self._unread), deadline, timeout_s)
+        while self._unread:
+            self._read_reply(deadline, timeout_s)
         try:
             process = self._start()
             _write_frame(process.stdin.fileno(), (seq_lens_per_rank, *args), deadline)
@@ -86,8 +86,9 @@ class PlanWorker:
             PlanWorkerError: the worker died, could not start or gave no reply in time, or the solve
                 raised (the message names the error; solving it here raises it again).
         """
-        self._read_replies(lambda: ticket not in self._replies and ticket in self._unread, _deadline(timeout_s),
-                           timeout_s)  # fmt: skip
+        deadline = _deadline(timeout_s)
+        while ticket not in self._replies and ticket in self._unread:
+            self._read_reply(deadline, timeout_s)
         if ticket not in self._replies:
             raise PlanWorkerError(f"no job {ticket} is waiting (submitted: {self._submitted})")
         plan, solve_s, error = self._replies.pop(ticket)
@@ -143,13 +144,9 @@ class PlanWorker:
             fcntl.fcntl(self._process.stdout.fileno(), fcntl.F_SETPIPE_SZ, _REPLY_PIPE_BYTES)
         return self._process
 
-    def _read_replies(self, more: Callable[[], bool], deadline: float | None, timeout_s: float | None) -> None:
-        """Read replies while ``more()``, until ``deadline``; a worker that has not given them by then
-        is killed, failing its jobs."""
-        while more():
-            self._read_reply(deadline, timeout_s)
-
     def _read_reply(self, deadline: float | None, timeout_s: float | None) -> None:
+        """Read the oldest unread reply by ``deadline``; a worker that has not given it by then is
+        killed (``timeout_s`` for the message), failing its jobs."""
         ticket = self._unread[0]
         try:
             reply = _read_frame(self._process.stdout.fileno(), deadline)

@@ -48,20 +48,36 @@ def remove_orphaned_buffers(min_age_s: float = 600.0) -> list[str]:
     then maps it: a starting job holds it open first. Processes of other PID namespaces (containers
     sharing ``/dev/shm``) are not seen here: the age keeps their starting jobs' files, and a running
     job no longer needs its file (its mappings stay valid)."""
-    in_use = set()
-    for proc in Path("/proc").glob("[0-9]*"):
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            in_use.update(word for word in (proc / "maps").read_text().split() if word.startswith(f"{SHM_DIR}/"))
-            in_use.update(os.readlink(fd) for fd in (proc / "fd").iterdir())
+            mapped.update(word for word in maps.read_text().split() if word.startswith(f"{SHM_DIR}/"))
         except OSError:  # the process exited, or is not ours to read
             continue
+    held = open_file_ids()
     removed = []
     for buffer in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
         try:
-            old = time.time() - buffer.stat().st_mtime > min_age_s
+            stat = buffer.stat()
         except FileNotFoundError:
             continue
-        if old and str(buffer) not in in_use:
+        if time.time() - stat.st_mtime > min_age_s and str(buffer) not in mapped and _file_id(stat) not in held:
             buffer.unlink(missing_ok=True)
             removed.append(buffer.name)
     return removed
+
+
+def open_file_ids() -> set[tuple[int, int]]:
+    """``(device, inode)`` of every file a process of this machine (that we may look at) holds open:
+    by inode, because a path may be spelled otherwise (through a link, or relatively)."""
+    held = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            held.add(_file_id(fd.stat()))
+        except OSError:  # the process or the descriptor is gone, or not ours to read
+            continue
+    return held
+
+
+def _file_id(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_dev, stat.st_ino

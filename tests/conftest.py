@@ -38,34 +38,19 @@ def _build_deepspeed_cpu_comm() -> None:
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
 
+    from deepspeed_knap.shm_buffers import open_file_ids
+
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return  # not the CPU accelerator: DeepSpeed does not build it either
     lock = Path(_get_build_directory(builder.name, verbose=False)) / "lock"
-    if lock.exists() and not _open_by_a_process(lock):
+    if lock.exists() and (lock.stat().st_dev, lock.stat().st_ino) not in open_file_ids():
         print(f"removed {lock}: a DeepSpeed op build that was killed left it")
         lock.unlink(missing_ok=True)
     try:
         builder.load(verbose=False)
     except Exception as error:  # the DeepSpeed tests fail on it, with its message; the others run
         print(f"could not build DeepSpeed's CPU all-reduce op: {type(error).__name__}: {error}")
-
-
-def _open_by_a_process(path: Path) -> bool:
-    """Whether a process of this machine holds ``path`` open (compared by inode: the path a process
-    opened may be spelled otherwise, through a link or relatively)."""
-    try:
-        target = path.stat()
-    except FileNotFoundError:
-        return False
-    for fd in Path("/proc").glob("[0-9]*/fd/*"):
-        try:
-            opened = fd.stat()
-        except OSError:  # the process or the descriptor is gone, or not ours to read
-            continue
-        if (opened.st_dev, opened.st_ino) == (target.st_dev, target.st_ino):
-            return True
-    return False
 
 
 def pytest_collection_modifyitems(config, items):
