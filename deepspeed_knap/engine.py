@@ -22,18 +22,12 @@ import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from torch import Tensor, nn
 
-from deepspeed_knap.attention import KnapDistributedAttention, backend_problem
-from deepspeed_knap.balancer import KnapBalancer
-from deepspeed_knap.config import KNAPFORMER, KnapFormerConfig, get_knapformer_config, load_ds_config
-from deepspeed_knap.topology import (
-    AUTO,
-    Topology,
-    build_topology,
-    check_same_on_every_rank,
-    create_process_groups,
-    default_max_degree,
-)
-from deepspeed_knap.workload import WorkloadModel
+from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.planner.topology import AUTO, Topology, build_topology, default_max_degree
+from deepspeed_knap.runtime.attention import KnapDistributedAttention, backend_problem
+from deepspeed_knap.runtime.balancer import KnapBalancer
+from deepspeed_knap.runtime.config import KNAPFORMER, KnapFormerConfig, get_knapformer_config, load_ds_config
+from deepspeed_knap.runtime.groups import check_same_on_every_rank, create_process_groups
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, config: Any = None, **kwargs: Any):
@@ -49,7 +43,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler, balancer)``: DeepSpeed's four results, and a
-        :class:`~deepspeed_knap.balancer.KnapBalancer`, or ``None`` when the block is absent or
+        :class:`~deepspeed_knap.runtime.balancer.KnapBalancer`, or ``None`` when the block is absent or
         ``"enabled": false`` (then nothing extra is created and nothing extra communicates).
     """
     if config is None:
@@ -95,11 +89,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
 
 
 def _rank_views(knap: KnapFormerConfig, ds_config: dict, model: nn.Module | None,
-                attention: list[KnapDistributedAttention]) -> tuple[WorkloadModel | Exception, dict[str, str]]:  # fmt: skip
+                attention: list[KnapDistributedAttention]) -> tuple[CostModel | Exception, dict[str, str]]:  # fmt: skip
     """This rank's workload model (or the error building it) and what it sees of every setting that
-    can differ between nodes, for :func:`~deepspeed_knap.topology.check_same_on_every_rank`."""
+    can differ between nodes, for :func:`~deepspeed_knap.runtime.groups.check_same_on_every_rank`."""
     try:
-        workload: WorkloadModel | Exception = knap.workload.build()  # may read a calibration file
+        workload: CostModel | Exception = knap.workload.build()  # may read a calibration file
     except ValueError as error:
         workload = error
     parameters = [] if model is None else [

@@ -3,7 +3,7 @@
     deepspeed --num_gpus 4 examples/balanced_blocks.py --topology g1n2+g2n1
 
 On a machine without GPUs the launcher starts CPU ranks that talk over gloo. Each step every rank
-draws samples of very different sizes (a bundled workload, scaled down for CPU), the ranks plan
+draws samples of very different sizes (a bundled data mix, scaled down for CPU), the ranks plan
 together, route tokens to their bags, run the blocks with Ulysses attention inside each bag, and
 route the outputs back. The output must equal the unbalanced run of the same samples.
 """
@@ -22,16 +22,17 @@ from deepspeed_knap import (
     KnapBalancer,
     build_topology,
     create_process_groups,
-    default_workload,
+    default_cost_model,
     plan_routing,
-    sample_workload,
+    sample_mix,
 )
+from deepspeed_knap.commands.options import add_mix_argument
 from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
-from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
+from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--topology", default="g1n2+g2n1")
-parser.add_argument("--workload", default="kf_image_video")
+add_mix_argument(parser, "kf_image_video")
 parser.add_argument("--token-scale", type=float, default=1 / 64, help="shrink lengths so CPU ranks keep up")
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -43,12 +44,12 @@ device = torch.device(get_accelerator().current_device_name())  # collectives ta
 dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the files can go
 unlink_own_shm_buffer(rank)
 topology = build_topology(args.topology, world)
-balancer = KnapBalancer(create_process_groups(topology), default_workload("flux-dev"))
+balancer = KnapBalancer(create_process_groups(topology), default_cost_model("flux-dev"))
 torch.manual_seed(0)  # the same weights on every rank
 model = TinyDiT(topology=topology).double().to(device)
 
 for step in range(args.steps):
-    all_lens = sample_workload(args.workload, world, seed=step)  # every rank draws the same, keeps its own
+    all_lens = sample_mix(args.mix, world, seed=step)  # every rank draws the same, keeps its own
     my_lens = [max(1, round(n * args.token_scale)) for n in all_lens[rank]]
     batch = random_batch(my_lens, seed=1000 * step + rank, dtype=torch.float64).to(device)
     start = time.perf_counter()

@@ -16,8 +16,8 @@ import os
 import torch
 
 from deepspeed_knap.models.flux import PackedFluxTransformer, rope_axes
-from deepspeed_knap.models.flux_data import grid_ids
-from deepspeed_knap.models.flux_finetune import add_lora
+from deepspeed_knap.models.flux.data import grid_ids
+from deepspeed_knap.models.flux.finetune import add_lora
 
 CUDA = torch.cuda.is_available()
 DEVICE, DTYPE = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)

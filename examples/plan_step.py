@@ -6,11 +6,11 @@ Every rank of a balance group would run exactly this on the all-gathered lengths
 plan; here the lengths come from a bundled workload.
 """
 
-from deepspeed_knap import build_topology, default_workload, plan_routing, sample_workload
+from deepspeed_knap import build_topology, default_cost_model, plan_routing, sample_mix
 
 topology = build_topology("g1n4+g2n2+g4n1", gpus_per_node=8)
-workload = default_workload("flux-dev")
-seq_lens_per_rank = sample_workload("kf_image_video", topology.group_size, seed=0)
+workload = default_cost_model("flux-dev")
+seq_lens_per_rank = sample_mix("kf_image_video", topology.group_size, seed=0)
 
 plan = plan_routing(seq_lens_per_rank, topology, workload)
 unbalanced = plan_routing(seq_lens_per_rank, topology, workload, solver="none")

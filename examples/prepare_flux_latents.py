@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.models.flux_data import save_latent_sample, synthetic_samples
-from deepspeed_knap.workloads import sample_shapes
+from deepspeed_knap.data.mixes import sample_shapes
+from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--out", required=True, help="directory to write the samples to")

@@ -5,7 +5,7 @@
         --model-path /models/FLUX.1-dev --data-dir /data/flux_latents --export-dir out/flux-finetuned \\
         --lora-rank 16 --save-dir out/ckpt --checkpoint-every 500 --validation-every 500 --validation-prompts p.txt
 
-Each step every rank takes its samples (synthetic latents of a bundled workload, or ``--data-dir``
+Each step every rank takes its samples (synthetic latents of a bundled data mix, or ``--data-dir``
 files written by ``examples/prepare_flux_latents.py``), draws the rectified-flow noise level per
 sample, runs the packed model (balanced when the config's ``"knapformer"`` block is enabled) and
 steps on the global token-mean loss. Rank 0 shows a progress bar and prints, per step, the loss,
@@ -33,16 +33,10 @@ import torch
 from tqdm import tqdm
 
 import deepspeed_knap
-from deepspeed_knap.config import load_ds_config
-from deepspeed_knap.models.flux2 import TINY_FLUX2
-from deepspeed_knap.models.flux_base import FluxInputs
-from deepspeed_knap.models.flux_data import (
-    LatentDirectory,
-    SyntheticLatents,
-    latent_directory_error,
-    rectified_flow,
-)
-from deepspeed_knap.models.flux_finetune import (
+from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.models.flux.base import FluxInputs
+from deepspeed_knap.models.flux.data import LatentDirectory, SyntheticLatents, latent_directory_error, rectified_flow
+from deepspeed_knap.models.flux.finetune import (
     TINY_FLUX,
     adapter_state_dict,
     add_lora,
@@ -53,8 +47,10 @@ from deepspeed_knap.models.flux_finetune import (
     save_adapter,
     tiny_pipeline_components,
 )
+from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
 from deepspeed_knap.models.registry import family_class, from_pretrained
-from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
+from deepspeed_knap.runtime.config import load_ds_config
+from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
 # ZeRO-3 calls two torch.distributed functions that torch deprecated, on every rank, every step.
 warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
@@ -66,10 +62,10 @@ model_source.add_argument("--model-path", help="diffusers FLUX checkpoint: a pip
 model_source.add_argument("--tiny", action="store_true", help="a small random FLUX for CPU runs")
 parser.add_argument("--family", default="flux", choices=["flux", "flux2"],
                     help="with --tiny: FLUX.1 or FLUX.2 (a checkpoint's family comes from its config.json)")  # fmt: skip
-parser.add_argument("--data-dir", help="latent samples (.safetensors); default: synthetic latents of --workload")
+parser.add_argument("--data-dir", help="latent samples (.safetensors); default: synthetic latents of --mix")
 parser.add_argument("--samples-per-rank", type=int, default=1, help="with --data-dir: files per rank per step")
 parser.add_argument("--repeat-data", action="store_true", help="with --data-dir: allow fewer files than one step needs")
-parser.add_argument("--workload", default="kf_image_video", help="synthetic data: a deepspeed-knap workload name")
+add_mix_argument(parser, "kf_image_video")  # synthetic data
 parser.add_argument("--token-scale", type=float, default=1.0, help="synthetic data: shrink sample sizes (CPU: 1/64)")
 parser.add_argument("--steps", type=int, default=10, help="train until this many steps are done (resumed ones count)")
 parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (unless the config has an optimizer)")
@@ -156,7 +152,7 @@ if args.data_dir:
     if problem:
         raise SystemExit(f"train_flux: error on every rank: {problem}")
 else:
-    data = SyntheticLatents(args.workload, flux.config, args.token_scale, args.seed)
+    data = SyntheticLatents(args.mix, flux.config, args.token_scale, args.seed)
 
 
 def step_samples(step: int, position: int) -> tuple[list[str], list[dict]]:

@@ -3,7 +3,7 @@
     deepspeed --num_gpus 4 examples/train_tiny.py --deepspeed_config ds_configs/tiny_cpu_zero3.json
     mpirun -n 4 python examples/train_tiny.py --deepspeed_config ds_configs/tiny_cpu_zero3.json
 
-Every step each rank draws samples of very different sizes (a bundled workload, scaled down for
+Every step each rank draws samples of very different sizes (a bundled data mix, scaled down for
 CPU), runs the balanced model, and takes an optimizer step on the global token-mean loss. Rank 0
 prints the loss per step. The same script runs with balancing off when the config's "knapformer"
 block says "enabled": false.
@@ -19,15 +19,16 @@ import deepspeed.comm as dist
 import torch
 
 import deepspeed_knap
-from deepspeed_knap import sample_workload
+from deepspeed_knap import sample_mix
+from deepspeed_knap.commands.options import add_mix_argument
 from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
-from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
+from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
 # ZeRO-3 calls two torch.distributed functions that torch deprecated, on every rank, every step.
 warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--workload", default="kf_mixed_res")
+add_mix_argument(parser, "kf_mixed_res")
 parser.add_argument("--token-scale", type=float, default=1 / 64, help="shrink lengths so CPU ranks keep up")
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--save-dir", default=None, help="save a DeepSpeed checkpoint here at the end")
@@ -44,7 +45,7 @@ dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the 
 unlink_own_shm_buffer(rank)
 
 for step in range(args.steps):
-    lengths = [max(1, round(n * args.token_scale)) for n in sample_workload(args.workload, world, seed=step)[rank]]
+    lengths = [max(1, round(n * args.token_scale)) for n in sample_mix(args.mix, world, seed=step)[rank]]
     batch = random_batch(lengths, seed=1000 * step + rank).to(engine.device)  # collectives need it there
     target = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(7 * step + rank)).to(engine.device)
     out = engine(batch, balancer)

@@ -1,4 +1,4 @@
-"""Shared pytest set-up: the ``gpu`` marker skips cleanly on machines without CUDA; hypothesis runs
+"""Shared pytest set-up: tiers (``unit/``, ``multirank/``, ``e2e/``; helpers in ``support/``), the ``gpu`` marker skips cleanly on machines without CUDA; hypothesis runs
 the same examples every time (profile ``ci``) unless ``HYPOTHESIS_PROFILE=explore`` asks for fresh
 random ones, so a CI run fails only on a change, never on a draw.
 
@@ -20,7 +20,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_sessionstart(session):
-    from deepspeed_knap.shm_buffers import remove_orphaned_buffers
+    from deepspeed_knap.runtime.shm_buffers import remove_orphaned_buffers
 
     removed = remove_orphaned_buffers()
     if removed:
@@ -38,7 +38,7 @@ def _build_deepspeed_cpu_comm() -> None:
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
 
-    from deepspeed_knap.shm_buffers import open_file_ids
+    from deepspeed_knap.runtime.shm_buffers import open_file_ids
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
@@ -54,9 +54,13 @@ def _build_deepspeed_cpu_comm() -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
+    """Tiers by folder: tests/multirank and tests/e2e mark their tests ``multirank`` and ``e2e``
+    (a unit file's few multi-rank tests carry the marker themselves), so ``pytest -m "not multirank and
+    not e2e"`` (or ``pytest tests/unit -m "not multirank"``) is the inner loop."""
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
     for item in items:
-        if "gpu" in item.keywords:
+        tier = Path(item.fspath).parent.name
+        if tier in ("multirank", "e2e"):
+            item.add_marker(getattr(pytest.mark, tier))
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)

@@ -5,10 +5,10 @@
 Per workload and GPU count (topology ``auto``, nodes of 8, FLUX.1-dev's cost model), every sampled
 step is solved twice:
 
-* in this process, as :meth:`KnapBalancer.plan <deepspeed_knap.balancer.KnapBalancer.plan>` does
+* in this process, as :meth:`KnapBalancer.plan <deepspeed_knap.runtime.balancer.KnapBalancer.plan>` does
   without prefetch: the step waits for the whole solve;
-* by a :class:`~deepspeed_knap.plan_worker.PlanWorker`, as after
-  :meth:`~deepspeed_knap.balancer.KnapBalancer.prefetch`: the job is sent, the step before runs
+* by a :class:`~deepspeed_knap.planner.worker.PlanWorker`, as after
+  :meth:`~deepspeed_knap.runtime.balancer.KnapBalancer.prefetch`: the job is sent, the step before runs
   (emulated by an idle wait 1.5x as long as the solve, as a CPU waits on a GPU), and the plan is
   read. The step waits for the send and the read (pickles over a pipe), whenever the step before
   lasts longer than the worker's solve.
@@ -29,19 +29,23 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from deepspeed_knap.plan_worker import PlanWorker
-from deepspeed_knap.planner import DEFAULT_SOLVER, plan_routing
-from deepspeed_knap.topology import build_topology
-from deepspeed_knap.workload import default_workload
-from deepspeed_knap.workloads import sample_workload
+from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.cost.model import default_cost_model
+from deepspeed_knap.data.mixes import MIXES, sample_mix
+from deepspeed_knap.planner.solve import DEFAULT_SOLVER, plan_routing
+from deepspeed_knap.planner.topology import build_topology
+from deepspeed_knap.planner.worker import PlanWorker
 
 GPUS_PER_NODE = 8
+
+HELP = "how long a step waits for its plan: solved in the step or ahead"
+FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def bench_ahead(workloads: Sequence[str], gpu_counts: Sequence[int], steps: int) -> list[dict]:
     """One row per (GPU count, workload): per-step seconds of the in-process solve, the worker's
     solve and the wait with prefetch, and whether the plans were identical."""
-    model = default_workload("flux-dev")
+    model = default_cost_model("flux-dev")
     worker = PlanWorker()
     rows = []
     try:
@@ -53,7 +57,7 @@ def bench_ahead(workloads: Sequence[str], gpu_counts: Sequence[int], steps: int)
             row = {"gpus": gpus, "workload": workload, "solve_s": [], "worker_solve_s": [], "wait_s": [],
                    "identical": True}  # fmt: skip
             for seed in range(steps):
-                seq_lens_per_rank = sample_workload(workload, gpus, seed)
+                seq_lens_per_rank = sample_mix(workload, gpus, seed)
                 start = time.perf_counter()
                 plan = plan_routing(seq_lens_per_rank, topology, model)
                 solve_s = time.perf_counter() - start
@@ -112,7 +116,7 @@ def plot_rows(rows: list[dict], path: str | Path) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1; got {args.steps}")
-    rows = bench_ahead(args.workloads, args.gpus, args.steps)
+    rows = bench_ahead(args.mixes, args.gpus, args.steps)
     print(f"topology auto (nodes of {GPUS_PER_NODE}), flux-dev cost model, {args.steps} steps: median (p95)")
     print(format_rows(rows))
     if args.plot:
@@ -121,14 +125,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(row["identical"] for row in rows) else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m deepspeed_knap.bench.ahead`` is ``deepspeed-knap bench ahead``."""
-    from deepspeed_knap.cli import main as cli_main
-
-    return cli_main(["bench", "ahead", *(argv or [])])
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(main(sys.argv[1:]))
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", type=int, nargs="+", default=[32, 1024], help="GPU counts of topology auto")
+    add_mix_argument(parser, list(MIXES), many=True)
+    parser.add_argument("--steps", type=int, default=10, help="sampled steps per case (median)")
+    parser.add_argument("--plot", metavar="OUT.png", help="median wait per case, both ways (log scale)")

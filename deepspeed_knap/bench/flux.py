@@ -1,6 +1,6 @@
 """Packed FLUX against diffusers run sample by sample: time and memory of forward + backward.
 
-    python -m deepspeed_knap.bench.flux --workload kf_mixed_res --token-scale 0.0625
+    deepspeed-knap bench flux --mix kf_mixed_res --token-scale 0.0625
 
 One rank's samples of a bundled workload go through both models with the same weights: diffusers'
 ``FluxTransformer2DModel`` (``--family flux2``: ``Flux2Transformer2DModel``) once per sample
@@ -18,8 +18,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from deepspeed_knap.bench.calibrate import backward_seconds
-from deepspeed_knap.workloads import WORKLOADS, sample_shapes
+from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.cost.calibrate import backward_seconds
+from deepspeed_knap.data.mixes import sample_shapes
+
+HELP = "packed FLUX against diffusers sample by sample: time and memory"
+FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def saved_activation_bytes(run: Callable[[], Tensor], model: nn.Module) -> int:
@@ -68,7 +72,7 @@ def bench_flux(
     hold in one step (a mix of sizes)."""
     import diffusers
 
-    from deepspeed_knap.models.flux_data import rectified_flow, synthetic_samples
+    from deepspeed_knap.models.flux.data import rectified_flow, synthetic_samples
     from deepspeed_knap.models.registry import family_class
 
     torch.manual_seed(seed)
@@ -105,10 +109,9 @@ def bench_flux(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", default="flux", choices=["flux", "flux2"], help="FLUX.1 or FLUX.2")
-    parser.add_argument("--workload", default="kf_mixed_res", choices=sorted(WORKLOADS))
+    add_mix_argument(parser, "kf_mixed_res")
     parser.add_argument("--ranks", type=int, default=8, help="pool the samples of this many ranks' step")
     parser.add_argument("--token-scale", type=float, default=1 / 16)
     parser.add_argument("--layers", type=int, default=2, help="double-stream blocks")
@@ -119,12 +122,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="[dev]'s width and blocks: FLUX.1 24 x 128, 19 + 38; FLUX.2 48 x 128, 8 + 48 (GPU)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = parser.parse_args(argv)
-    from deepspeed_knap.models.flux import rope_axes
+
+
+def run(args: argparse.Namespace) -> int:
+    from deepspeed_knap.models.flux.flux1 import rope_axes
 
     flux2 = args.family == "flux2"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.flux_dims:
         args.layers, args.single_layers, args.heads, args.head_dim = (8, 48, 48, 128) if flux2 else (19, 38, 24, 128)
     config = dict(patch_size=1, num_layers=args.layers, num_single_layers=args.single_layers,
@@ -135,16 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         config.update(in_channels=64, joint_attention_dim=4096 if args.flux_dims else 256,
                       pooled_projection_dim=768 if args.flux_dims else 64, axes_dims_rope=rope_axes(args.head_dim))  # fmt: skip
-    result = bench_flux(args.family, config, args.workload, args.ranks, args.token_scale, args.seed, torch.device(args.device),
+    result = bench_flux(args.family, config, args.mix, args.ranks, args.token_scale, args.seed, torch.device(device),
                         getattr(torch, args.dtype), args.repeats)  # fmt: skip
     work = result["workload"]
-    print(f"{args.family} {args.workload} x{args.token_scale:g}: {work['samples']} samples, {work['tokens']} tokens; "
-          f"{args.layers}+{args.single_layers} blocks, {args.heads}x{args.head_dim} heads, {args.dtype} on {args.device}")  # fmt: skip
+    print(f"{args.family} {args.mix} x{args.token_scale:g}: {work['samples']} samples, {work['tokens']} tokens; "
+          f"{args.layers}+{args.single_layers} blocks, {args.heads}x{args.head_dim} heads, {args.dtype} on {device}")  # fmt: skip
     print(f"{'model':<10} {'fwd+bwd s':>10} {'saved MB':>10} {'peak MB':>10}")
     for name in ("diffusers", "packed"):
         r = result[name]
         print(f"{name:<10} {r['seconds']:>10.3f} {r['saved_mb']:>10.2f} {r['peak_mb']:>10.1f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

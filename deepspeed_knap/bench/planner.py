@@ -32,7 +32,6 @@ import argparse
 import csv
 import dataclasses
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,13 +39,18 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, plan_loads, plan_routing
-from deepspeed_knap.topology import AUTO, Topology, build_topology
-from deepspeed_knap.workload import WorkloadModel, default_workload
-from deepspeed_knap.workloads import sample_workload
+from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.cost.model import CostModel, default_cost_model
+from deepspeed_knap.data.mixes import MIXES, sample_mix
+from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.planner.solve import DEFAULT_SOLVER, SOLVERS, plan_loads, plan_routing
+from deepspeed_knap.planner.topology import AUTO, Topology, build_topology
 
 GPUS_PER_NODE = 8
 SHORT = {"none": "none", "knapformer": "kf", "refine": "refine"}
+
+HELP = "plan quality and solve time over workloads, topologies, GPU counts"
+FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def suite_topologies(num_gpus: int) -> list[str]:
@@ -62,7 +66,7 @@ def suite_topologies(num_gpus: int) -> list[str]:
 def timed_plan(
     seq_lens: list[list[int]],
     topology: Topology,
-    workload: WorkloadModel,
+    workload: CostModel,
     solver: str,
     max_tokens_per_gpu: int | None = None,
     repeat: int = 1,
@@ -82,7 +86,7 @@ def run_case(
     topology_spec: str,
     steps: int,
     solvers: Sequence[str],
-    model: WorkloadModel,
+    model: CostModel,
     sensitivity: float | None = None,
 ) -> list[dict]:
     """One row per solver for one (GPU count, workload, topology): statistics over ``steps`` steps, and
@@ -98,7 +102,7 @@ def run_case(
             )
     samples: dict[str, dict[str, list[float]]] = {solver: {} for solver in solvers}
     for seed in range(steps):
-        seq_lens = sample_workload(workload_name, num_gpus, seed)
+        seq_lens = sample_mix(workload_name, num_gpus, seed)
         timed = {solver: timed_plan(seq_lens, topology, model, solver) for solver in solvers}
         baseline = timed["none"][0]
         for solver, (plan, ms) in timed.items():
@@ -141,7 +145,7 @@ def run_suite(
     workload_names: Sequence[str],
     steps: int,
     solvers: Sequence[str] = SOLVERS,
-    model: WorkloadModel | None = None,
+    model: CostModel | None = None,
     sensitivity: float | None = None,
 ) -> list[dict]:
     """:func:`run_case` over every GPU count, workload and topology of :func:`suite_topologies`."""
@@ -151,7 +155,7 @@ def run_suite(
         raise ValueError(f"the suite needs the 'none' solver as the speedup baseline; got solvers {list(solvers)}")
     if sensitivity is not None and not 0 < sensitivity < 1:
         raise ValueError(f"--sensitivity is a fraction in (0, 1), e.g. 0.2 for +-20%; got {sensitivity}")
-    model = model or default_workload()
+    model = model or default_cost_model()
     solvers = sorted(set(solvers), key=SOLVERS.index)
     cases = [(n, w, t) for n in gpu_counts for w in workload_names for t in suite_topologies(n)]
     rows = []
@@ -301,15 +305,15 @@ def plot_step_loads(num_gpus: int, workload_name: str, topology_spec: str, path:
 
     auto = topology_spec == AUTO
     topology = build_topology(topology_spec, num_gpus if auto else None, gpus_per_node=GPUS_PER_NODE)
-    seq_lens = sample_workload(workload_name, num_gpus, seed)
-    model = default_workload()
+    seq_lens = sample_mix(workload_name, num_gpus, seed)
+    model = default_cost_model()
     solvers = [s for s in solvers if not (auto and s == "knapformer")]
     plans = {solver: plan_routing(seq_lens, topology, model, solver) for solver in solvers}
     plot_loads(plans, path, f"{topology_spec}, {workload_name} (seed {seed})", topology)
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = run_suite(args.gpus, args.workloads, args.steps, args.solvers, sensitivity=args.sensitivity)
+    rows = run_suite(args.gpus, args.mixes, args.steps, args.solvers, sensitivity=args.sensitivity)
     for num_gpus in args.gpus:
         print(f"\n{num_gpus} GPUs, median over {args.steps} steps (p95 where marked):\n")
         print(format_table(rows, num_gpus))
@@ -329,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.plot_dir)
         out.mkdir(parents=True, exist_ok=True)
         plot_speedup(rows, out / "speedup.png")
-        workload = "kf_image_video" if "kf_image_video" in args.workloads else args.workloads[0]
+        workload = "kf_image_video" if "kf_image_video" in args.mixes else args.mixes[0]
         mixed, auto = suite_topologies(args.gpus[0])[-2:]
         plot_step_loads(args.gpus[0], workload, mixed, out / "loads.png", args.solvers)
         plot_step_loads(args.gpus[0], workload, auto, out / "loads_auto.png", args.solvers)
@@ -337,12 +341,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m deepspeed_knap.bench.planner`` is ``deepspeed-knap bench planner``."""
-    from deepspeed_knap.cli import main as cli_main
-
-    return cli_main(["bench", "planner", *(argv or [])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", type=int, nargs="+", default=[32, 256, 1024], help="balance-group sizes")
+    add_mix_argument(parser, list(MIXES), many=True)
+    parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=list(SOLVERS))
+    parser.add_argument("--steps", type=int, default=20, help="sampled steps per case (seeds 0..steps-1)")
+    parser.add_argument("--sensitivity", type=float, default=None, metavar="F",
+                       help="also solve with the quadratic term scaled by 1-F and 1+F (e.g. 0.2)")  # fmt: skip
+    parser.add_argument("--csv", metavar="OUT.csv", help="write every row")
+    parser.add_argument("--plot-dir", metavar="DIR", help="write speedup.png and loads.png here")

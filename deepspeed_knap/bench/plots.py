@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from deepspeed_knap.planner import RoutingPlan
-from deepspeed_knap.topology import Topology
+from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.planner.topology import Topology
 
 
 def plot_loads(plans: dict[str, RoutingPlan], path: str | Path, title: str, topology: Topology | None = None) -> None:

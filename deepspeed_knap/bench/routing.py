@@ -29,11 +29,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspeed_knap.attention import head_splits
-from deepspeed_knap.planner import RoutingPlan, plan_routing
-from deepspeed_knap.topology import build_topology
-from deepspeed_knap.workload import MODEL_PRESETS, default_workload
-from deepspeed_knap.workloads import sample_shapes
+from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.cost.model import MODEL_PRESETS, default_cost_model
+from deepspeed_knap.data.mixes import MIXES, sample_shapes
+from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS
+from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.planner.solve import plan_routing
+from deepspeed_knap.planner.topology import build_topology
+from deepspeed_knap.runtime.attention import head_splits
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class FluxDims:
         dim: model width ``D``; heads: attention heads; layers: attention layers (blocks).
         latent_channels: ``C`` (in and out); text_dim: ``Dj``; id_axes: position id axes.
         conditioning: elements of a sample's conditioning row (timestep, guidance, pooled text).
-        planner: model dims of the planner's FLOP model (:func:`~deepspeed_knap.workload.default_workload`).
+        planner: model dims of the planner's FLOP model (:func:`~deepspeed_knap.cost.model.default_cost_model`).
     """
 
     dim: int
@@ -75,7 +78,7 @@ class FluxDims:
     @property
     def text_embedded(self) -> bool:
         """Text travels embedded (``D`` wide, with a gradient) rather than raw: the models' rule."""
-        from deepspeed_knap.models.flux_base import route_text_embedded
+        from deepspeed_knap.models.flux.base import route_text_embedded
 
         return route_text_embedded(self.text_dim, self.dim)
 
@@ -103,6 +106,10 @@ class RouteBytes:
     @property
     def after(self) -> int:
         return self.after_forward + self.after_backward
+
+
+HELP = "bytes moved by routing and Ulysses, before and after routing less"
+FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def moved_tokens(plan: RoutingPlan, text_lens: np.ndarray) -> tuple[int, int, int]:
@@ -168,7 +175,7 @@ def bench_traffic(
     dims = FLUX_MODELS[model]
     spec, _, gpus = topology_spec.partition(":")  # "auto:32": topology auto on 32 GPUs
     topology = build_topology(spec, int(gpus) if gpus else None)
-    workload = default_workload(dims.planner)
+    workload = default_cost_model(dims.planner)
     rows = []
     for name in workloads:
         traffic, route = [], []
@@ -207,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1; got {args.steps}")
     topology = args.topology if args.topology.strip() != "auto" else f"auto:{args.gpus}"
-    rows = bench_traffic(args.workloads, topology, args.solver, args.model, args.steps)
+    rows = bench_traffic(args.mixes, topology, args.solver, args.model, args.steps)
     dims = FLUX_MODELS[args.model]
     print(f"{args.topology}, solver {args.solver}, {args.model} in bf16, median of {args.steps} steps. Ulysses: forward "
           "(training's backward moves the same again). Route: 'route fwd' is the old route's forward (hidden states); "
@@ -217,14 +224,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m deepspeed_knap.bench.routing`` is ``deepspeed-knap bench routing``."""
-    from deepspeed_knap.cli import main as cli_main
-
-    return cli_main(["bench", "routing", *(argv or [])])
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(main(sys.argv[1:]))
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--topology", default="g1n8+g2n4+g4n2+g8n1", help="bags, or auto (on --gpus GPUs)")
+    parser.add_argument("--gpus", type=int, default=32, help="GPUs of topology auto")
+    add_mix_argument(parser, list(MIXES), many=True)
+    parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=list(SOLVERS))
+    parser.add_argument("--model", default="flux-dev", choices=["flux-dev", "flux2-dev"], help="FLUX dims")
+    parser.add_argument("--steps", type=int, default=20, help="sampled steps per workload (median)")

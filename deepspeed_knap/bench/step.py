@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,19 +33,25 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from deepspeed_knap.attention import KnapDistributedAttention, VarlenSeqs, head_splits
-from deepspeed_knap.bench.calibrate import backward_seconds, calibrate, flux_blocks_step
-from deepspeed_knap.layout import AttentionGroup, gpu_layout
-from deepspeed_knap.packing import PackedBatch
-from deepspeed_knap.planner import DEFAULT_SOLVER, RoutingPlan, plan_loads, plan_routing
-from deepspeed_knap.routing import RoutedBatch
-from deepspeed_knap.topology import AUTO, build_topology
-from deepspeed_knap.workload import WorkloadModel
-from deepspeed_knap.workloads import sample_shapes
+from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.cost.calibrate import backward_seconds, calibrate, flux_blocks_step
+from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, CostModel
+from deepspeed_knap.data.mixes import sample_shapes
+from deepspeed_knap.planner import SOLVERS
+from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.planner.solve import DEFAULT_SOLVER, plan_loads, plan_routing
+from deepspeed_knap.planner.topology import AUTO, build_topology
+from deepspeed_knap.runtime.attention import KnapDistributedAttention, VarlenSeqs, head_splits
+from deepspeed_knap.runtime.layout import AttentionGroup, gpu_layout
+from deepspeed_knap.runtime.packing import PackedBatch
+from deepspeed_knap.runtime.routing import RoutedBatch
+
+HELP = "measured step time of emulated ranks, balanced against not"
+FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 class EmulatedUlyssesAttention(KnapDistributedAttention):
-    """:class:`~deepspeed_knap.attention.KnapDistributedAttention` in one process: the same kernel
+    """:class:`~deepspeed_knap.runtime.attention.KnapDistributedAttention` in one process: the same kernel
     work per GPU, no all-to-all.
 
     For a bag of ``G > 1`` a member holding ``n`` of the ``L`` tokens of its bag's sequences runs the
@@ -108,7 +113,7 @@ class FluxBlockTimer:
     repeats: int = 3
 
     def __post_init__(self) -> None:
-        from deepspeed_knap.models.flux_layers import FluxDoubleBlock, FluxSingleBlock
+        from deepspeed_knap.models.flux.layers import FluxDoubleBlock, FluxSingleBlock
 
         dim = self.heads * self.head_dim
         self.double = FluxDoubleBlock(dim, self.heads, self.head_dim).to(self.device, self.dtype)
@@ -120,8 +125,8 @@ class FluxBlockTimer:
         return self.heads * self.head_dim
 
     def __call__(self, routed: RoutedBatch) -> float:
-        from deepspeed_knap.models.flux import rope_axes
-        from deepspeed_knap.models.flux_layers import FluxStep
+        from deepspeed_knap.models.flux.flux1 import rope_axes
+        from deepspeed_knap.models.flux.layers import FluxStep
 
         if routed.batch.num_tokens == 0:
             return 0.0
@@ -141,7 +146,7 @@ class FluxBlockTimer:
         return statistics.median(times[1:])
 
 
-def calibrate_degrees(timer: FluxBlockTimer, seq_lens: Sequence[int], degrees: Sequence[int], model: WorkloadModel,
+def calibrate_degrees(timer: FluxBlockTimer, seq_lens: Sequence[int], degrees: Sequence[int], model: CostModel,
                       overhead_s: float) -> tuple[dict[int, float], dict[int, list[float]]]:  # fmt: skip
     """How much of the ideal ``1/G`` share of the work a member of a bag of ``G`` achieves.
 
@@ -157,7 +162,7 @@ def calibrate_degrees(timer: FluxBlockTimer, seq_lens: Sequence[int], degrees: S
     Raises:
         ValueError: a degree below 2 or above the blocks' heads.
     """
-    from deepspeed_knap.planner import _Problem
+    from deepspeed_knap.planner.fixed import Problem
 
     bad = [g for g in degrees if not 2 <= g <= timer.heads]
     if bad:
@@ -170,7 +175,7 @@ def calibrate_degrees(timer: FluxBlockTimer, seq_lens: Sequence[int], degrees: S
         times = []
         for seq_len in tqdm(seq_lens, desc=f"calibrate G={degree}", leave=False):
             lengths = [[seq_len]] + [[] for _ in range(degree - 1)]
-            plan = _Problem.build(lengths, topology, model, None).make_plan(
+            plan = Problem.build(lengths, topology, model, None).make_plan(
                 "calibrate", np.array([0]), np.array([degree])
             )
             routed = emulated_rank_batch(plan, 0, np.array([seq_len // 8]), timer.dim, timer.device, timer.dtype)
@@ -183,7 +188,7 @@ def calibrate_degrees(timer: FluxBlockTimer, seq_lens: Sequence[int], degrees: S
 
 def scaled_lengths(workload: str, num_gpus: int, seed: int, token_scale: float) -> tuple[list[list[int]], np.ndarray]:
     """Per-rank sequence lengths of one step scaled by ``token_scale`` (at least one visual token per
-    sample: :meth:`~deepspeed_knap.workloads.SampleShape.scaled`), and ``[N]`` text tokens
+    sample: :meth:`~deepspeed_knap.data.mixes.SampleShape.scaled`), and ``[N]`` text tokens
     of each sequence in plan order."""
     shapes = [[shape.scaled(token_scale) for shape in rank] for rank in sample_shapes(workload, num_gpus, seed)]
     lengths = [[shape.length for shape in rank] for rank in shapes]
@@ -201,8 +206,8 @@ def route_seconds(plan: RoutingPlan, dim: int, bytes_per_element: int, gbps: flo
     return 4 * busiest * dim * bytes_per_element / (gbps * 1e9)
 
 
-def measure_plan(plan: RoutingPlan, text_lens: np.ndarray, timer: FluxBlockTimer, compute: WorkloadModel,
-                 overhead_s: float, comm: WorkloadModel, bytes_per_element: int, gbps: float) -> dict:  # fmt: skip
+def measure_plan(plan: RoutingPlan, text_lens: np.ndarray, timer: FluxBlockTimer, compute: CostModel,
+                 overhead_s: float, comm: CostModel, bytes_per_element: int, gbps: float) -> dict:  # fmt: skip
     """Measured and modeled per-rank seconds of one plan.
 
     Args:
@@ -256,7 +261,7 @@ def bench_step(
     token_scale: float,
     solver: str = DEFAULT_SOLVER,
     calibration: dict | None = None,
-    alltoall_gbps: float = 150.0,
+    alltoall_gbps: float = DEFAULT_ALLTOALL_GBPS,
     num_gpus: int = 8,
 ) -> dict:
     """Measure ``steps`` steps under ``none`` and ``solver``; see the module docstring.
@@ -276,7 +281,7 @@ def bench_step(
         raise ValueError(f"topology {topology_spec!r} has bags of {max(topology.bag_sizes)} GPUs but the blocks have "
                          f"{timer.heads} heads; give --heads >= the largest bag")  # fmt: skip
     bytes_per_element = torch.finfo(timer.dtype).bits // 8
-    alltoall_coef = WorkloadModel.from_model_dims(timer.dim, timer.double_blocks, timer.single_blocks,
+    alltoall_coef = CostModel.from_model_dims(timer.dim, timer.double_blocks, timer.single_blocks,
                                                   alltoall_gbps=alltoall_gbps,
                                                   bytes_per_element=bytes_per_element).alltoall_coef  # fmt: skip
     calibration = None if calibration is None else {"source": "given", **calibration}
@@ -286,7 +291,7 @@ def bench_step(
         if calibration is None:
             calibration = calibrate_here(timer, [s for rank in seq_lens for s in rank], timer.repeats)
             calibration["source"] = "measured here"
-        compute = WorkloadModel(calibration["linear_coef"], calibration["quadratic_coef"])
+        compute = CostModel(calibration["linear_coef"], calibration["quadratic_coef"])
         comm = dataclasses.replace(compute, alltoall_coef=alltoall_coef)
         overhead_s = calibration.get("overhead_s", 0.0)
         row = {"seed": seed, "tokens": int(sum(map(sum, seq_lens)))}
@@ -383,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibration:
         data = json.loads(Path(args.calibration).read_text())
         calibration = {key: data[key] for key in ("linear_coef", "quadratic_coef", "overhead_s") if key in data}
-    report = bench_step(args.topology, args.workload, args.steps, timer, args.token_scale, args.solver,
+    report = bench_step(args.topology, args.mix, args.steps, timer, args.token_scale, args.solver,
                         calibration, args.alltoall_gbps, args.gpus)  # fmt: skip
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report["dims"] = f"{heads}x{head_dim} heads, {args.double_blocks}+{args.single_blocks} blocks, {args.dtype}"
@@ -398,12 +403,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m deepspeed_knap.bench.step`` is ``deepspeed-knap bench step``."""
-    from deepspeed_knap.cli import main as cli_main
-
-    return cli_main(["bench", "step", *(argv or [])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--topology", default="g4n2", help="auto, or bags of the emulated balance group")
+    parser.add_argument("--gpus", type=int, default=8, help="emulated GPUs of topology auto")
+    add_mix_argument(parser, "kf_image_video")
+    parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=[s for s in SOLVERS if s != "none"])
+    parser.add_argument("--steps", type=int, default=3, help="sampled steps (seeds 0..steps-1)")
+    parser.add_argument("--token-scale", type=float, default=1 / 16, help="scale the workload's lengths (CPU: small)")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads (at least the largest bag)")
+    parser.add_argument("--head-dim", type=int, default=32, help="channels per head")
+    parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
+    parser.add_argument("--double-blocks", type=int, default=19, help="double-stream blocks of the model")
+    parser.add_argument("--single-blocks", type=int, default=38, help="single-stream blocks of the model")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per rank (median)")
+    parser.add_argument("--calibration", metavar="FILE.json", help="a, b and overhead from deepspeed-knap calibrate")
+    parser.add_argument(
+        "--alltoall-gbps", type=float, default=DEFAULT_ALLTOALL_GBPS, help="bandwidth model, per GPU, GB/s"
+    )
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
+    parser.add_argument("--json", metavar="OUT.json", help="write every per-rank figure")
+    parser.add_argument("--plot", metavar="OUT.png", help="per-rank measured vs modeled seconds, last step")

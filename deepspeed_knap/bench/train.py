@@ -1,11 +1,11 @@
 """Measured training steps on real ranks: balancing off against knapformer, refine and auto.
 
-    deepspeed-knap bench train --ranks 2 --workload long_video --token-scale 0.0625 --steps 8
-    deepspeed-knap bench train --ranks 2 --workload kf_image_video --token-scale 0.03 --slow-rank 1:3 --online
+    deepspeed-knap bench train --ranks 2 --mix long_video --token-scale 0.0625 --steps 8
+    deepspeed-knap bench train --ranks 2 --mix kf_image_video --token-scale 0.03 --slow-rank 1:3 --online
 
 Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA) that train a tiny
 packed FLUX (``TINY_FLUX``; ``--flux-dims`` for FLUX.1's width on GPUs) with DeepSpeed, the real
-routes and Ulysses all-to-alls, on the same synthetic samples of ``--workload`` in every mode:
+routes and Ulysses all-to-alls, on the same synthetic samples of ``--mix`` in every mode:
 ``off`` (no balancing: every sequence stays home), ``knapformer`` and ``refine`` on ``--topology``
 (default: one bag of all ranks), and ``auto``. Per mode and step it reports the measured step time
 (slowest rank, synchronised), the speedup over ``off`` on the same step, the measured max/mean of the
@@ -28,7 +28,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -38,11 +37,15 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from deepspeed_knap.planner import plan_loads
-from deepspeed_knap.shm_buffers import remove_job_buffers
+from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.planner.solve import plan_loads
+from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 
 MODES = ("off", "knapformer", "refine", "auto")
 PHASES = ("plan", "route", "ulysses", "compute", "reverse_route")
+
+HELP = "measured training steps on local ranks: off, knapformer, refine, auto"
+FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def parse_slow_rank(text: str) -> tuple[int, float]:
@@ -108,10 +111,10 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     from deepspeed.accelerator import get_accelerator
 
     import deepspeed_knap
-    from deepspeed_knap.models.flux import PackedFluxTransformer
-    from deepspeed_knap.models.flux_data import SyntheticLatents, rectified_flow
-    from deepspeed_knap.models.flux_finetune import TINY_FLUX
-    from deepspeed_knap.shm_buffers import unlink_own_shm_buffer
+    from deepspeed_knap.models.flux.data import SyntheticLatents, rectified_flow
+    from deepspeed_knap.models.flux.finetune import TINY_FLUX
+    from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
+    from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
     deepspeed.init_distributed(verbose=False)
     get_accelerator().set_device(rank)  # one GPU each: bind before anything lands on a device
@@ -131,7 +134,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
         slow = None
         if options["slow_rank"] is not None and options["slow_rank"][0] == rank:
             slow = _SlowDown([*flux.transformer_blocks, *flux.single_transformer_blocks], options["slow_rank"][1])
-        data = SyntheticLatents(options["workload"], flux.config, options["token_scale"], seed=0)
+        data = SyntheticLatents(options["mix"], flux.config, options["token_scale"], seed=0)
         guidance = 1.0 if flux.config.get("guidance_embeds") else None
         steps = range(options["steps"])
         for step in tqdm(steps, desc=f"bench train {mode}", disable=rank != 0, leave=False):
@@ -308,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     workload = {"model": "flux-tiny"}
     if args.calibration:
         workload = {"calibration_file": str(Path(args.calibration).resolve())}
-    options = {"ranks": args.ranks, "workload": args.workload, "token_scale": args.token_scale, "steps": args.steps,
+    options = {"ranks": args.ranks, "mix": args.mix, "token_scale": args.token_scale, "steps": args.steps,
                "modes": modes, "topology": args.topology or f"g{args.ranks}n1", "slow_rank": args.slow_rank,
                "online": args.online, "flux_dims": args.flux_dims, "threads": args.threads,
                "workload_model": workload}  # fmt: skip
@@ -323,12 +326,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m deepspeed_knap.bench.train`` is ``deepspeed-knap bench train``."""
-    from deepspeed_knap.cli import main as cli_main
-
-    return cli_main(["bench", "train", *(argv or [])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=2, help="local processes (one GPU each on CUDA)")
+    add_mix_argument(parser, "long_video")
+    parser.add_argument("--token-scale", type=float, default=1 / 16, help="scale the workload's lengths (CPU: small)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per mode (the first is not summarised)")
+    parser.add_argument("--modes", default="off,knapformer,refine,auto", help="comma-separated, from " + ", ".join(
+        ["off", "knapformer", "refine", "auto"]))  # fmt: skip
+    parser.add_argument(
+        "--topology", default=None, help="bags of knapformer and refine (default: one bag of all ranks)"
+    )
+    parser.add_argument("--slow-rank", type=parse_slow_rank, default=None, metavar="R:F",
+                       help="rank R computes F times slower (CPU ranks)")  # fmt: skip
+    parser.add_argument("--online", action="store_true", help="refit the cost model online (not knapformer)")
+    parser.add_argument("--calibration", metavar="FILE.json", help="cost model from deepspeed-knap calibrate")
+    parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPUs)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--json", metavar="OUT.json", help="write every per-step, per-rank figure")
+    parser.add_argument("--plot", metavar="OUT.png", help="step times and the last step's phases per rank")

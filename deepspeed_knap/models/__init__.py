@@ -1,1 +1,1 @@
-"""Packed DiT models whose attention is :class:`~deepspeed_knap.attention.KnapDistributedAttention`."""
+"""Packed DiT models whose attention is :class:`~deepspeed_knap.runtime.attention.KnapDistributedAttention`."""

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from deepspeed_knap.topology import all_gather_bytes, raise_together
+from deepspeed_knap.runtime.groups import all_gather_bytes, raise_together
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
@@ -216,7 +216,7 @@ class LoadReport:
 
 def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
     """``fn()``; with a ``ds_config`` (a collective load), on every rank and agreed: any rank's
-    error is raised on every rank (:func:`~deepspeed_knap.topology.raise_together`), so none is left
+    error is raised on every rank (:func:`~deepspeed_knap.runtime.groups.raise_together`), so none is left
     waiting for the others."""
     if ds_config is None:
         return fn()
@@ -237,15 +237,15 @@ def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
 def plain_ds_config(ds_config: Any) -> dict:
     """The DeepSpeed config (dict or JSON path) without the ``"knapformer"`` block, which
     DeepSpeed's own config parsing does not know."""
-    from deepspeed_knap.config import KNAPFORMER, load_ds_config
+    from deepspeed_knap.runtime.config import KNAPFORMER, load_ds_config
 
     return {key: value for key, value in load_ds_config(ds_config).items() if key != KNAPFORMER}
 
 
 def _bag_problem(ds_config: Any, config_path: Path, heads: int) -> str | None:
     """Why the config's knapformer bags cannot run a model of ``heads`` heads, or ``None``."""
-    from deepspeed_knap.config import get_knapformer_config, load_ds_config
-    from deepspeed_knap.topology import parse_topology_spec
+    from deepspeed_knap.planner.topology import parse_topology_spec
+    from deepspeed_knap.runtime.config import get_knapformer_config, load_ds_config
 
     knap = get_knapformer_config(load_ds_config(ds_config))
     bags = [size for size, _ in parse_topology_spec(knap.topology)] if knap.enabled else []
@@ -271,7 +271,7 @@ def _unsupported_zero3(zero: Mapping) -> str | None:
 def load_checkpoint(
     cls: type, path: str | Path, torch_dtype: torch.dtype | None = None, ds_config: Any = None, **kwargs: Any
 ) -> tuple[nn.Module, LoadReport]:
-    """Build ``cls`` (a :class:`~deepspeed_knap.models.flux_base.PackedFluxBase` family) from a
+    """Build ``cls`` (a :class:`~deepspeed_knap.models.flux.base.PackedFluxBase` family) from a
     diffusers checkpoint directory; see the module docstring. Collective when ``ds_config`` is given.
 
     Returns:

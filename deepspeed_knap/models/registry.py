@@ -3,7 +3,7 @@
     model = from_pretrained("/models/FLUX.2-dev", ds_config=ds_config)  # a PackedFlux2Transformer
     model = FAMILIES["flux"](**config)
 
-A third family is a module with a :class:`~deepspeed_knap.models.flux_base.PackedFluxBase` subclass
+A third family is a module with a :class:`~deepspeed_knap.models.flux.base.PackedFluxBase` subclass
 (its ``family`` name and ``diffusers_class``) and one entry in :data:`FAMILIES`.
 """
 
@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from deepspeed_knap.models.flux import PackedFluxTransformer
-from deepspeed_knap.models.flux2 import PackedFlux2Transformer
-from deepspeed_knap.models.flux_base import PackedFluxBase
+from deepspeed_knap.models.flux.base import PackedFluxBase
+from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
+from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
 from deepspeed_knap.models.loading import CONFIG_NAME, CheckpointError, checked, plain_ds_config, transformer_dir
 
 FAMILIES: dict[str, type[PackedFluxBase]] = {cls.family: cls for cls in (PackedFluxTransformer, PackedFlux2Transformer)}
@@ -48,7 +48,7 @@ def checkpoint_family(path: str | Path) -> str:
 
 def from_pretrained(path: str | Path, ds_config: Any = None, **kwargs: Any) -> PackedFluxBase:
     """``from_pretrained`` of the checkpoint's family (:func:`checkpoint_family`); arguments as
-    :meth:`~deepspeed_knap.models.flux_base.PackedFluxBase.from_pretrained`'s. With ``ds_config``,
+    :meth:`~deepspeed_knap.models.flux.base.PackedFluxBase.from_pretrained`'s. With ``ds_config``,
     collective: every rank raises the same error when any rank cannot tell the family."""
     plain = None if ds_config is None else plain_ds_config(ds_config)
     family = checked(plain, "reading a checkpoint's model family", lambda: checkpoint_family(path))

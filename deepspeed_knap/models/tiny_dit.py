@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deepspeed_knap.attention import KnapDistributedAttention
-from deepspeed_knap.balancer import KnapBalancer, balanced_forward
-from deepspeed_knap.packing import PackedBatch, pack_samples
-from deepspeed_knap.routing import RoutedBatch
+from deepspeed_knap.runtime.attention import KnapDistributedAttention
+from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
+from deepspeed_knap.runtime.packing import PackedBatch, pack_samples
+from deepspeed_knap.runtime.routing import RoutedBatch
 
 
 class TinyBlock(nn.Module):

@@ -1,0 +1,180 @@
+"""``deepspeed-knap plan``: solve one step of a bundled data mix (or lengths from a JSON file) with
+every solver and compare them: modeled step time, imbalance, distance to the lower bound, speedup over
+no balancing, tokens moved, the most tokens on one GPU, and solve time. ``--topology auto`` gives every
+sequence its own Ulysses degree; a fixed topology such as ``g8n4`` puts every sequence in one bag of
+its bags. Pure NumPy: it never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from deepspeed_knap.bench.planner import timed_plan
+from deepspeed_knap.commands.options import DefaultsHelp, add_mix_argument
+from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, DEFAULT_TFLOPS, MODEL_PRESETS, default_cost_model
+from deepspeed_knap.data.mixes import sample_mix
+from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, lower_bound
+from deepspeed_knap.planner.topology import AUTO, build_topology
+
+HELP = "solve one step and compare solvers"
+FORMATTER = DefaultsHelp
+
+_MODEL_KEYS = ("hidden", "double_blocks", "single_blocks", "mlp_ratio")
+
+
+def parse_model(text: str) -> dict[str, int]:
+    """``flux-dev`` (a preset) or ``hidden=3072,double_blocks=19,single_blocks=38[,mlp_ratio=4]``."""
+    if text in MODEL_PRESETS:
+        return dict(MODEL_PRESETS[text])
+    dims = dict(MODEL_PRESETS["flux-dev"])
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        number = value.strip()
+        valid = number.isdigit() or (key.strip() == "mlp_ratio" and number.replace(".", "", 1).isdigit())
+        if not sep or key.strip() not in _MODEL_KEYS or not valid:
+            raise argparse.ArgumentTypeError(
+                f"bad --model part {item!r}: give a preset ({', '.join(MODEL_PRESETS)}) or "
+                f"key=int pairs with keys {', '.join(_MODEL_KEYS)} (mlp_ratio may be fractional)"
+            )
+        dims[key.strip()] = float(number) if key.strip() == "mlp_ratio" else int(number)
+    return dims
+
+
+def load_lengths(path: str) -> list[list[int]]:
+    """A JSON list with one list of sequence lengths per rank.
+
+    Raises:
+        ValueError: an unreadable file or another shape (the CLI exits 2 with the message).
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read --lengths {path}: {error}") from None
+    if not isinstance(data, list) or not all(isinstance(rank, list) for rank in data):
+        raise ValueError(
+            f"--lengths {path} must hold a JSON list with one list of lengths per rank, e.g. [[4096, 256], [], "
+            f"[16384]]; got {json.dumps(data)[:80]}"
+        )
+    return data
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
+def _summary(plan: RoutingPlan, baseline: RoutingPlan, solve_ms: float) -> dict:
+    return {
+        "max_load_s": plan.max_load,
+        "imbalance": plan.imbalance,
+        "lower_bound": plan.lower_bound,
+        "ratio_to_lower_bound": plan.max_load / plan.lower_bound if plan.lower_bound > 0 else 1.0,
+        "speedup_vs_none": baseline.max_load / plan.max_load if plan.max_load > 0 else 1.0,
+        "tokens_moved_fraction": plan.tokens_moved_fraction,
+        "max_gpu_tokens": int(plan.gpu_tokens.max()) if plan.num_gpus else 0,
+        "solve_ms": solve_ms,
+        "gpu_loads": plan.gpu_loads.tolist(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    lengths = load_lengths(args.lengths) if args.lengths else None
+    auto = args.topology.strip() == AUTO
+    if args.max_degree is not None and not auto:
+        raise ValueError(f"--max-degree {args.max_degree} applies to --topology auto only")
+    num_gpus = len(lengths) if lengths is not None else args.gpus
+    topology = build_topology(args.topology, num_gpus if auto else None, args.gpus_per_node, args.max_degree)
+    if lengths is not None:
+        source = args.lengths
+    else:
+        lengths, source = (
+            sample_mix(args.mix, topology.group_size, args.seed),
+            f"{args.mix} (seed {args.seed})",
+        )
+    workload = default_cost_model(args.model, tflops=args.tflops, alltoall_gbps=args.alltoall_gbps)
+    available = [s for s in SOLVERS if not (auto and s == "knapformer")]  # knapformer needs fixed bags
+    solvers = available if args.solver == "all" else sorted({"none", args.solver}, key=SOLVERS.index)
+    plans, timings = {}, {}
+    for solver in solvers:
+        # The baselines cannot honour a cap: they are shown without it, to compare against.
+        cap = args.max_tokens_per_gpu if solver == "refine" else None
+        plans[solver], timings[solver] = timed_plan(lengths, topology, workload, solver, cap, args.repeat)
+    baseline = plans["none"]
+    report = {
+        "topology": topology.spec,
+        "num_gpus": topology.group_size,
+        "max_degree": topology.max_degree,
+        "lengths": source,
+        "num_sequences": int(baseline.seq_lens.size),
+        "num_tokens": int(baseline.seq_lens.sum()),
+        "max_tokens_per_gpu": args.max_tokens_per_gpu,
+        "flexible_lower_bound": _flexible_bound(lengths, topology, workload, args.max_tokens_per_gpu),
+        "solvers": {name: _summary(plan, baseline, timings[name]) for name, plan in plans.items()},
+    }
+    if args.plot:
+        from deepspeed_knap.bench.plots import plot_loads
+
+        plot_loads(plans, args.plot, f"{topology.spec}, {source}", topology)
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+        return 0
+    layout = f"groups of 1 to {topology.max_degree} GPUs" if auto else _plural(topology.num_bags, "bag")
+    print(
+        f"topology {topology.spec}: {layout} over {topology.group_size} GPUs; lengths {source}: "
+        f"{_plural(report['num_sequences'], 'sequence')}, {_plural(report['num_tokens'], 'token')}"
+    )
+    bound = plans.get("refine", baseline).lower_bound  # the cap's, where refine honours one
+    print(f"lower bound on the modeled step: {bound:.4g} s; with every sequence free to pick its "
+          f"Ulysses degree (auto): {report['flexible_lower_bound']:.4g} s")  # fmt: skip
+    if args.max_tokens_per_gpu is not None and len(solvers) > 1:
+        print(f"max_tokens_per_gpu={args.max_tokens_per_gpu} applies to refine; the baselines cannot honour it")
+    header = f"{'solver':<11}{'step s':>9}{'imbalance':>11}{'vs bound':>10}{'speedup':>9}{'moved':>8}{'max tok/GPU':>13}{'solve ms':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, row in report["solvers"].items():
+        print(
+            f"{name:<11}{row['max_load_s']:>9.4g}{row['imbalance']:>11.4f}{row['ratio_to_lower_bound']:>10.4f}"
+            f"{row['speedup_vs_none']:>8.2f}x{row['tokens_moved_fraction']:>8.1%}{row['max_gpu_tokens']:>13,}{row['solve_ms']:>10.2f}"
+        )
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _flexible_bound(lengths, topology, workload, cap) -> float:
+    """The modeled step time no plan can beat when every sequence may pick its own group of 1, 2, 4, ...
+    GPUs up to the largest bag, within a node (the lower bound of topology ``auto`` on the same GPUs;
+    for ``auto`` itself, its own, groups of whole nodes included)."""
+    if topology.elastic:
+        return lower_bound(lengths, topology, workload, cap)
+    largest = min(max(topology.bag_sizes), topology.gpus_per_node or topology.group_size)  # auto stays in nodes
+    elastic = build_topology(AUTO, topology.group_size, topology.gpus_per_node, 1 << (largest.bit_length() - 1))
+    return lower_bound(lengths, elastic, workload, cap)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--topology", default="g8n4", help="auto, or bags such as g8n4 or g1n8+g2n4")
+    parser.add_argument("--gpus", type=int, default=32, help="GPUs of topology auto (with --mix)")
+    parser.add_argument("--max-degree", type=int, default=None,
+                        help="topology auto: the largest group (8, or the node if smaller, when not given); "
+                             "above the node, groups of whole nodes for sequences the cap keeps out of a node")  # fmt: skip
+    source = parser.add_mutually_exclusive_group()
+    add_mix_argument(source, "kf_image_video")
+    source.add_argument("--lengths", metavar="FILE.json", help="JSON list of per-rank lists of sequence lengths")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the bundled workload")
+    parser.add_argument("--solver", default="all", choices=["all", *SOLVERS],
+                        help=f"'all', or one solver to run next to 'none' ('{DEFAULT_SOLVER}' is the one training uses)")  # fmt: skip
+    parser.add_argument("--model", type=parse_model, default="flux-dev",
+                        help="preset or dims: hidden=3072,double_blocks=19,single_blocks=38,mlp_ratio=4")  # fmt: skip
+    parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="sustained TFLOP/s per GPU")
+    parser.add_argument(
+        "--alltoall-gbps", type=float, default=DEFAULT_ALLTOALL_GBPS, help="per-GPU all-to-all GB/s inside a bag"
+    )
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="keep bags inside nodes of this many GPUs")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=None, help="hard memory cap on routed tokens")
+    parser.add_argument("--repeat", type=int, default=5, help="solves per solver; the median time is reported")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("--plot", metavar="OUT.png", help="write per-GPU loads before and after")

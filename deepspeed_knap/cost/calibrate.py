@@ -1,0 +1,138 @@
+"""Calibrate the workload model ``a*s + b*s^2`` on this device by timing real blocks.
+
+    deepspeed-knap calibrate --out calibration.json                  # FLUX blocks, small dims (CPU)
+    deepspeed-knap calibrate --flux-dims --dtype bfloat16 --out flux_h100.json   # on a GPU
+    deepspeed-knap calibrate --callable mypkg.timing:step --out mine.json
+
+For each sequence length ``s`` it times forward + backward of one FLUX double-stream block and one
+single-stream block on one sequence of ``s`` tokens, and models the whole transformer as
+``double_blocks * t_double(s) + single_blocks * t_single(s)``. A user callable ``step(s)`` must run
+one forward + backward of whatever it models on ``s`` tokens (synchronising the device).
+
+The fit is ``t(s) = overhead + a*s + b*s^2`` by non-negative least squares. The overhead (kernel
+launches, Python: seconds a GPU spends per step whatever its tokens) is fitted so that it does not
+bias ``a`` and ``b`` at short lengths; every busy GPU pays it, so it changes no plan and the
+planner's model leaves it out. The JSON written is what ``"workload": {"calibration_file": ...}``
+reads; it records the overhead too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from deepspeed_knap.cost.model import CostModel, nonnegative_least_squares
+
+DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096)
+
+
+Step = Callable[[int], "float | None"]
+
+
+def time_step(step: Step, seq_len: int, repeats: int) -> float:
+    """Median seconds of ``step(seq_len)`` over ``repeats`` runs after one warm-up. A step that
+    returns a number reports its own (modeled) seconds; one that returns ``None`` is timed here."""
+    step(seq_len)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        reported = step(seq_len)
+        times.append(time.perf_counter() - start if reported is None else reported)
+    return statistics.median(times)
+
+
+def backward_seconds(run: Callable[[], torch.Tensor], device: torch.device | str) -> float:
+    """Wall seconds of ``run().backward()``, the device synchronised before and after."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    run().backward()
+    sync()
+    return time.perf_counter() - start
+
+
+def flux_blocks_step(
+    dim_heads: int = 4,
+    head_dim: int = 32,
+    double_blocks: int = 19,
+    single_blocks: int = 38,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+) -> Step:
+    """``step(s)``: times forward + backward of one double- and one single-stream FLUX block on one
+    sequence of ``s`` tokens (an eighth of them text) and returns the whole transformer's modeled
+    seconds, ``double_blocks * t_double + single_blocks * t_single``."""
+    from deepspeed_knap.models.flux.data import grid_ids
+    from deepspeed_knap.models.flux.flux1 import rope_axes
+    from deepspeed_knap.models.flux.layers import FluxDoubleBlock, FluxSingleBlock, FluxStep
+    from deepspeed_knap.runtime.attention import KnapDistributedAttention
+    from deepspeed_knap.runtime.packing import PackedBatch
+    from deepspeed_knap.runtime.routing import local_batch
+
+    dim = dim_heads * head_dim
+    rope = rope_axes(head_dim)
+    double = FluxDoubleBlock(dim, dim_heads, head_dim).to(device, dtype)
+    single = FluxSingleBlock(dim, dim_heads, head_dim).to(device, dtype)
+    attention = KnapDistributedAttention(dim_heads, backend=backend)
+
+    def step_fn(seq_len: int) -> float:
+        text = seq_len // 8
+        is_text = torch.arange(seq_len, device=device) < text
+        ids = torch.cat([torch.zeros(text, 3), grid_ids(seq_len - text, 1)]).to(device)
+        tokens = torch.randn(seq_len, dim, device=device, dtype=dtype, requires_grad=True)
+        temb = torch.randn(1, dim, device=device, dtype=dtype)
+        routed = local_batch(PackedBatch(tokens, (seq_len,), {"ids": ids, "is_text": is_text}, {"temb": temb}))
+        step = FluxStep.build(routed, attention, rope)
+        t_double = backward_seconds(lambda: sum(t.sum() for t in double(tokens[:text], tokens[text:], step)), device)
+        t_single = backward_seconds(lambda: single(tokens, step).sum(), device)
+        return double_blocks * t_double + single_blocks * t_single
+
+    return step_fn
+
+
+def calibrate(step: Step, seq_lens: Sequence[int], repeats: int = 3) -> tuple[CostModel, np.ndarray, dict[str, float]]:
+    """Time ``step`` at ``seq_lens`` and fit ``overhead + a*s + b*s^2``.
+
+    Returns:
+        ``(model, times, fit)``: the model (``a``, ``b``), ``[M]`` measured seconds, and the fit:
+        ``overhead_s``, and its quality (``r2``, ``max_rel_error``) with the overhead included.
+    """
+    step(max(seq_lens))  # the first run at the largest size grows the allocator and thread pools
+    times = np.array([time_step(step, s, repeats) for s in tqdm(seq_lens, desc="calibrate", leave=False)])
+    s = np.asarray(seq_lens, dtype=np.float64)
+    overhead, a, b = nonnegative_least_squares(np.stack([np.ones_like(s), s, s * s], axis=1), times)
+    if a == 0 and b == 0:
+        raise ValueError(f"the times {times.tolist()} do not grow with the length; is the step doing any work?")
+    predicted = overhead + a * s + b * s * s
+    r2 = 1 - float(np.sum((times - predicted) ** 2) / np.sum((times - times.mean()) ** 2))
+    fit = {"overhead_s": float(overhead), "r2": r2, "max_rel_error": float(np.max(np.abs(predicted - times) / times))}
+    return CostModel(float(a), float(b)), times, fit
+
+
+def load_callable(spec: str) -> Step:
+    """``"package.module:function"`` -> the function."""
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"--callable {spec!r} must look like package.module:function")
+    return getattr(importlib.import_module(module), name)
+
+
+def write_calibration(path: str | Path, model: CostModel, seq_lens, times, fit: dict, about: dict) -> None:
+    Path(path).write_text(json.dumps({
+        "linear_coef": model.linear_coef,
+        "quadratic_coef": model.quadratic_coef,
+        "alltoall_coef": 0.0,
+        **fit,
+        "seq_lens": [int(s) for s in seq_lens],
+        "seconds": [float(t) for t in times],
+        **about,
+    }, indent=2) + "\n")  # fmt: skip

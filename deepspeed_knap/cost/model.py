@@ -1,0 +1,315 @@
+"""Workload model: modeled forward + backward time of one sequence on each GPU of its bag.
+
+For a sequence of ``s`` tokens run with Ulysses degree ``G`` (a bag of ``G`` GPUs), every GPU of the
+bag spends::
+
+    time(s, G) = (a * s + b * s**2) / (G * speed * efficiency(G))  +  c * s * (G - 1) / G**2
+
+* ``a * s``: token-wise work (projections, MLP); ``b * s**2``: attention. Both split evenly over the
+  bag: Ulysses gives each GPU ``s / G`` tokens for the linear layers and ``H / G`` heads of attention.
+* ``c * s * (G-1) / G**2``: the Ulysses all-to-alls. Each GPU holds ``s / G`` tokens and sends the
+  fraction ``(G-1)/G`` of them away, for q, k, v and the output, forward and backward. Zero at G=1.
+* ``speed``: relative speed of the bag, the slowest of its GPUs (a bag moves in lockstep).
+* ``efficiency(G)``: how much of the ideal ``1/G`` share a member of a bag of ``G`` achieves (1 at
+  ``G = 1``; below 1 where small chunks and narrow head slices run slower), calibrated per degree by
+  ``deepspeed-knap calibrate --degrees``; 1 unless given.
+
+Besides its sequences, every GPU spends ``overhead / speed_g`` per step whatever its tokens (kernel
+launches, Python: every rank runs every block, with or without tokens), ``speed_g`` its own speed.
+With equal speeds that is the same on every GPU and changes no plan; on a slow GPU it is larger,
+and the plan gives that GPU less work to make up for it. The online refit learns it; 0 unless given.
+
+Defaults come from FLOP counts of the model's dimensions (:meth:`CostModel.from_model_dims`);
+:func:`fit_cost_model` fits ``a, b, c`` to measured (length, bag size, time) triples by non-negative
+least squares.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Model dimensions by name. FLUX.1-dev and -schnell share the transformer shape.
+MODEL_PRESETS: dict[str, dict[str, float]] = {
+    "flux-dev": {"hidden": 3072, "double_blocks": 19, "single_blocks": 38, "mlp_ratio": 4},
+    "flux-schnell": {"hidden": 3072, "double_blocks": 19, "single_blocks": 38, "mlp_ratio": 4},
+    "flux-tiny": {"hidden": 64, "double_blocks": 2, "single_blocks": 2, "mlp_ratio": 4},
+    # FLUX.2 [dev]: a SwiGLU MLP 3x wide has 2 * 3 + 3 = 9 d^2 matrices, what mlp_ratio 4.5 counts.
+    "flux2-dev": {"hidden": 6144, "double_blocks": 8, "single_blocks": 48, "mlp_ratio": 4.5},
+}
+
+# The defaults of from_model_dims, the config block and the CLI: an H100 in bf16, NVLink all-to-alls.
+DEFAULT_TFLOPS = 400.0
+DEFAULT_ALLTOALL_GBPS = 150.0
+
+# Forward + backward over forward FLOPs. Linear layers: backward is two matmuls per forward matmul.
+# Flash attention's backward also recomputes the scores: ~2.5 forward's worth.
+_LINEAR_TRAIN_FACTOR = 3.0
+_LINEAR_FROZEN_FACTOR = 2.0  # frozen weights: no weight-gradient matmul
+_ATTENTION_TRAIN_FACTOR = 3.5
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-GPU modeled seconds of a sequence; see the module docstring for the formula.
+
+    Attributes:
+        linear_coef: ``a``, seconds per token on one GPU (forward + backward).
+        quadratic_coef: ``b``, seconds per token**2 on one GPU.
+        alltoall_coef: ``c``, seconds per token of Ulysses all-to-all traffic (0 disables the term).
+        gpu_speed: relative speed of each rank of the balance group (``None``: all equal). A bag runs
+            at the speed of its slowest GPU.
+        degree_efficiency: ``((G, efficiency), ...)``: the fraction of the ideal ``1/G`` of the work
+            a member of a bag of ``G`` GPUs achieves; degrees not listed (and ``G = 1``) have 1.
+        overhead_s: seconds a GPU of speed 1 spends per step whatever its tokens (module docstring).
+    """
+
+    linear_coef: float
+    quadratic_coef: float
+    alltoall_coef: float = 0.0
+    gpu_speed: tuple[float, ...] | None = None
+    degree_efficiency: tuple[tuple[int, float], ...] | None = None
+    overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("linear_coef", "quadratic_coef", "alltoall_coef", "overhead_s"):
+            value = getattr(self, name)
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"workload {name} must be a finite number >= 0; got {value!r}")
+        if self.linear_coef == 0 and self.quadratic_coef == 0:
+            raise ValueError("workload linear_coef and quadratic_coef are both 0: every sequence would cost nothing")
+        if self.gpu_speed is not None:
+            speeds = np.asarray(self.gpu_speed, dtype=np.float64)
+            if speeds.ndim != 1 or not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
+                raise ValueError(f"gpu_speed must be a list of positive numbers, one per rank; got {self.gpu_speed!r}")
+        for degree, efficiency in self.degree_efficiency or ():
+            if not (isinstance(degree, int) and degree >= 1 and np.isfinite(efficiency) and 0 < efficiency <= 2):
+                raise ValueError(
+                    f"degree_efficiency holds (bag size >= 1, efficiency in (0, 2]) pairs; got ({degree!r}, {efficiency!r})"
+                )
+
+    @classmethod
+    def from_model_dims(
+        cls,
+        hidden: int = 3072,
+        double_blocks: int = 19,
+        single_blocks: int = 38,
+        mlp_ratio: float = 4,
+        tflops: float = DEFAULT_TFLOPS,
+        alltoall_gbps: float = DEFAULT_ALLTOALL_GBPS,
+        bytes_per_element: int = 2,
+        gpu_speed: tuple[float, ...] | None = None,
+        frozen_base: bool = False,
+    ) -> CostModel:
+        """FLOP-based defaults for a FLUX-style DiT (defaults: FLUX.1-dev on an H100 in bf16).
+
+        Per block and token (forward), a FLUX double- or single-stream block does
+        ``(4 + 2 * mlp_ratio) * hidden**2`` multiply-adds in its linear layers (q, k, v, output, MLP;
+        the single-stream block fuses the same matrices) and ``2 * s * hidden`` in attention.
+        With ``frozen_base`` (LoRA: the base weights take no gradient) a linear layer's backward
+        skips its weight-gradient matmul: forward + backward is 2 forwards' worth instead of 3 (on
+        the CPU the LoRA calibration measured ``a`` at 0.64 of full fine-tuning's).
+
+        Args:
+            hidden: model width ``d``.
+            double_blocks, single_blocks: number of each block type; all attend over the whole sequence.
+            mlp_ratio: MLP hidden size over ``d`` (a gated MLP counts its gate: SwiGLU 3x wide is 4.5).
+            tflops: sustained training throughput of one GPU, in 10**12 FLOP/s (H100 bf16 ~ 400).
+            alltoall_gbps: per-GPU all-to-all bandwidth inside a bag, in 10**9 bytes/s.
+            bytes_per_element: activation dtype size moved by the all-to-alls.
+            gpu_speed: see the class attributes.
+            frozen_base: the base weights are frozen (LoRA, adapters).
+        """
+        if min(hidden, double_blocks + single_blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element) <= 0:
+            raise ValueError(
+                "model dims must be positive: got "
+                f"hidden={hidden}, blocks={double_blocks}+{single_blocks}, mlp_ratio={mlp_ratio}, "
+                f"tflops={tflops}, alltoall_gbps={alltoall_gbps}, bytes_per_element={bytes_per_element}"
+            )
+        blocks = double_blocks + single_blocks
+        flops_per_s = tflops * 1e12
+        train_factor = _LINEAR_FROZEN_FACTOR if frozen_base else _LINEAR_TRAIN_FACTOR
+        linear = train_factor * 2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s
+        quadratic = _ATTENTION_TRAIN_FACTOR * 2 * 2 * hidden * blocks / flops_per_s
+        # q, k, v in and the output back, forward and backward: 8 all-to-alls of hidden-wide tokens.
+        alltoall = 8 * hidden * bytes_per_element * blocks / (alltoall_gbps * 1e9)
+        return cls(linear, quadratic, alltoall, gpu_speed)
+
+    def per_gpu_time(
+        self, seq_lens: np.ndarray, bag_size: np.ndarray | int, bag_speed: np.ndarray | float = 1.0
+    ) -> np.ndarray:
+        """Modeled seconds each GPU of the bag spends on each sequence.
+
+        Args:
+            seq_lens: ``[...]`` token counts.
+            bag_size: Ulysses degree ``G``, broadcastable against ``seq_lens``.
+            bag_speed: relative bag speed, broadcastable against ``seq_lens``.
+
+        Returns:
+            ``[...]`` float64 seconds, the broadcast shape.
+        """
+        s = np.asarray(seq_lens, dtype=np.float64)
+        g = np.asarray(bag_size, dtype=np.float64)
+        compute = (self.linear_coef * s + self.quadratic_coef * s * s) / (g * bag_speed * self.efficiency(bag_size))
+        return compute + self.alltoall_coef * s * (g - 1.0) / (g * g)
+
+    def efficiency(self, bag_size: np.ndarray | int) -> np.ndarray:
+        """``[...]`` :attr:`degree_efficiency` of each bag size (1 where not listed)."""
+        g = np.asarray(bag_size)
+        result = np.ones(g.shape, dtype=np.float64)
+        for degree, efficiency in self.degree_efficiency or ():
+            result = np.where(g == degree, efficiency, result)
+        return result
+
+    def group_speeds(self, group_first: np.ndarray, group_sizes: np.ndarray, num_gpus: int) -> np.ndarray:
+        """``[B]`` speed of each group of GPUs: the slowest of its GPUs (1.0 everywhere without
+        ``gpu_speed``).
+
+        Raises:
+            ValueError: ``gpu_speed`` does not list one speed per GPU of the balance group.
+        """
+        if self.gpu_speed is None:
+            return np.ones(len(group_sizes))
+        if len(self.gpu_speed) != num_gpus:
+            raise ValueError(
+                f"gpu_speed has {len(self.gpu_speed)} entries but the balance group has {num_gpus} ranks; "
+                "give one speed per rank of the balance group"
+            )
+        speeds = np.asarray(self.gpu_speed, dtype=np.float64)
+        return np.array(
+            [speeds[first : first + size].min() for first, size in zip(group_first, group_sizes, strict=True)]
+        )
+
+    def gpu_overhead_s(self, num_gpus: int) -> np.ndarray:
+        """``[S]`` seconds each GPU spends per step whatever its tokens: ``overhead_s / speed``.
+
+        Raises:
+            ValueError: ``gpu_speed`` does not list one speed per GPU of the balance group.
+        """
+        return self.overhead_s / self.group_speeds(np.arange(num_gpus), np.ones(num_gpus, dtype=np.int64), num_gpus)
+
+
+def default_cost_model(model: str | dict[str, int] = "flux-dev", **overrides: float) -> CostModel:
+    """FLOP-based workload of a named preset (:data:`MODEL_PRESETS`) or a dict of model dims."""
+    if isinstance(model, str):
+        if model not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {model!r}; choose one of {sorted(MODEL_PRESETS)} or give dims")
+        dims: dict = dict(MODEL_PRESETS[model])
+    else:
+        dims = dict(model)
+    dims.update(overrides)
+    return CostModel.from_model_dims(**dims)
+
+
+def fit_cost_model(
+    seq_lens: np.ndarray,
+    times: np.ndarray,
+    bag_sizes: np.ndarray | None = None,
+) -> CostModel:
+    """Fit ``a, b, c`` >= 0 to measured per-GPU times by non-negative least squares.
+
+    Exact (:func:`nonnegative_least_squares` over the three columns).
+
+    Args:
+        seq_lens: ``[M]`` sequence lengths of the measurements.
+        times: ``[M]`` measured per-GPU seconds (forward + backward).
+        bag_sizes: ``[M]`` Ulysses degree of each measurement; default all 1, which leaves ``c = 0``.
+
+    Raises:
+        ValueError: mismatched or too few measurements, non-positive lengths, negative times.
+    """
+    s = np.asarray(seq_lens, dtype=np.float64).ravel()
+    t = np.asarray(times, dtype=np.float64).ravel()
+    g = np.ones_like(s) if bag_sizes is None else np.asarray(bag_sizes, dtype=np.float64).ravel()
+    if not (s.shape == t.shape == g.shape):
+        raise ValueError(f"seq_lens, times and bag_sizes must have equal lengths; got {s.size}, {t.size}, {g.size}")
+    if s.size < 2 or np.any(s <= 0) or np.any(g < 1) or np.any(t < 0) or not np.all(np.isfinite(t)):
+        raise ValueError(
+            f"need >= 2 measurements with positive lengths, bag sizes >= 1 and finite times >= 0; got {s.size} "
+            f"measurements, min length {s.min() if s.size else None}, min time {t.min() if t.size else None}"
+        )
+    coef = nonnegative_least_squares(np.stack([s / g, s * s / g, s * (g - 1) / (g * g)], axis=1), t)
+    if coef[0] == 0 and coef[1] == 0:
+        raise ValueError("the measurements give no positive compute coefficient; are the times all zero?")
+    return CostModel(float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+def nonnegative_least_squares(
+    columns: np.ndarray, targets: np.ndarray, weights: np.ndarray | None = None
+) -> np.ndarray:
+    """``argmin sum(weights * (columns @ x - targets)**2)`` over ``x >= 0``, exactly, for a handful
+    of columns, and bit-identically on every machine (:func:`nonnegative_normal_equations`).
+
+    Args:
+        columns: ``[M, K]`` regressors, ``K`` small (at most ~6).
+        targets: ``[M]``.
+        weights: ``[M]`` non-negative row weights; default all 1.
+
+    Returns:
+        ``[K]`` float64 coefficients, all >= 0 (all 0 when no subset fits with non-negative ones).
+    """
+    rows = np.asarray(columns, dtype=np.float64).tolist()
+    ys = np.asarray(targets, dtype=np.float64).tolist()
+    ws = [1.0] * len(ys) if weights is None else np.asarray(weights, dtype=np.float64).tolist()
+    k = np.asarray(columns).shape[1]
+    gram = [[sum(w * row[i] * row[j] for w, row in zip(ws, rows, strict=True)) for j in range(k)] for i in range(k)]
+    rhs = [sum(w * row[i] * y for w, row, y in zip(ws, rows, ys, strict=True)) for i in range(k)]
+    return np.array(nonnegative_normal_equations(gram, rhs, sum(w * y * y for w, y in zip(ws, ys, strict=True))))
+
+
+def nonnegative_normal_equations(gram: list[list[float]], rhs: list[float], target_norm: float) -> list[float]:
+    """Exact non-negative least squares from its normal equations: ``gram = A^T W A``, ``rhs = A^T W y``
+    and ``target_norm = y^T W y`` of a weighted problem with a handful of columns.
+
+    The optimum is the unconstrained least-squares solution on one subset of the columns (its
+    support), so trying every subset and keeping the best non-negative one is exact: ``2**K`` small
+    solves for ``K`` columns. Columns are scaled to unit norm first (``s`` and ``s**2`` differ by ~10
+    orders); all-zero columns get 0. Plain Python floats in a fixed order, no BLAS (whose reduction
+    order differs between CPUs): the online refit runs this on every rank, and the ranks must agree
+    to the last bit. Taking sums instead of rows lets the refit keep running sums.
+
+    Returns:
+        ``K`` coefficients, all >= 0 (all 0 when no subset fits with non-negative ones).
+    """
+    num_columns = len(rhs)
+    norms = [math.sqrt(gram[i][i]) if gram[i][i] > 0 else 0.0 for i in range(num_columns)]
+    usable = [i for i in range(num_columns) if norms[i] > 0]
+    best_coef, best_residual = [0.0] * num_columns, target_norm
+    for size in range(1, len(usable) + 1):
+        for support in itertools.combinations(usable, size):
+            sub = [[gram[i][j] / (norms[i] * norms[j]) for j in support] for i in support]
+            sub_rhs = [rhs[i] / norms[i] for i in support]
+            solution = _solve_linear(sub, sub_rhs)
+            if solution is None or any(v < 0 for v in solution):
+                continue
+            # ||A x - y||^2 = y^T y - 2 x^T A^T y + x^T A^T A x, in the scaled columns.
+            quadratic = sum(a * sub[i][j] * b for i, a in enumerate(solution) for j, b in enumerate(solution))
+            residual = target_norm - 2 * sum(a * r for a, r in zip(solution, sub_rhs, strict=True)) + quadratic
+            if residual < best_residual:
+                best_residual, best_coef = residual, [0.0] * num_columns
+                for v, i in zip(solution, support, strict=True):
+                    best_coef[i] = v / norms[i]
+    return best_coef
+
+
+def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """``matrix^-1 @ rhs`` by Gaussian elimination with partial pivoting; ``None`` when (nearly) singular."""
+    n = len(rhs)
+    a = [[*row, rhs[i]] for i, row in enumerate(matrix)]
+    scale = max((abs(v) for row in matrix for v in row), default=0.0)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            factor = a[r][col] / a[col][col]
+            for k in range(col, n + 1):
+                a[r][k] -= factor * a[col][k]
+    solution = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        solution[r] = (a[r][n] - sum(a[r][k] * solution[k] for k in range(r + 1, n))) / a[r][r]
+    return solution

@@ -1,0 +1,216 @@
+"""Online refit of the cost model from measured step times, identical on every rank.
+
+Every step each rank measures how long its share of the block stack took to compute (forward and
+backward, Ulysses exchanges excluded: :mod:`~deepspeed_knap.runtime.timing`) and ships the microseconds
+with the next step's lengths. Every rank therefore sees the same (plan, measured microseconds per
+GPU) every step and refits the same model from them:
+
+    measured[g] = (overhead + a * X[g] + b * Y[g]) / speed[g]
+
+where ``X[g] = sum s / (G * efficiency(G))`` and ``Y[g] = sum s**2 / (G * efficiency(G))`` over the
+sequences whose group holds GPU ``g`` (the planner's own per-GPU terms), ``speed[g]`` is a per-rank
+speed factor (a throttled GPU, an older GPU in a mixed pool) and ``overhead`` the fixed cost of a
+rank per step (launches, Python; on a slow rank it is larger, so the planner gives that rank less
+work: :attr:`~deepspeed_knap.cost.model.CostModel.overhead_s`). Past steps count with weight
+``forgetting ** age``, kept as running sums per GPU (the refit costs ``O(S)`` whatever the
+history). The refit alternates: with the speeds fixed, ``overhead, a, b >= 0`` by weighted
+non-negative least squares on those sums; with ``a, b`` fixed, each rank's speed is its predicted
+over its measured time summed over the history (once refit, a step counts at most
+``max_speed_ratio`` times off the prediction, so one noisy step moves it little), divided by the
+median rank's (speeds are relative: ``a, b`` carry the common scale), clamped to
+``[1 / max_speed_ratio, max_speed_ratio]`` and rounded to a multiple of 1/32 (so that
+the planner sees few distinct speeds: it prices groups by class of size and speed). The all-to-all
+coefficient ``c`` is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a
+step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``.
+
+Determinism: inputs are integers (tokens, microseconds), the arithmetic is plain Python floats in a
+fixed order (:func:`~deepspeed_knap.cost.model.nonnegative_normal_equations` uses no BLAS, whose
+reduction order can differ between machines, and weights decay by multiplication, not ``pow``), so
+every rank computes a bit-identical model and the planner a bit-identical plan. No torch, no
+communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from deepspeed_knap.cost.model import CostModel, nonnegative_normal_equations
+from deepspeed_knap.planner.plan import RoutingPlan
+
+# Refits alternate this many times between the coefficients and the speeds.
+_ALTERNATIONS = 3
+# Speeds are rounded to multiples of 1 / this (no libm: log and pow may differ in the last bit
+# between machines, and a rounding boundary would then split the ranks).
+_SPEED_GRID = 32
+
+
+@dataclass(frozen=True)
+class OnlineSettings:
+    """Knobs of the online refit (the ``"workload"`` block's ``online`` keys).
+
+    Attributes:
+        warmup_steps: steps observed before the first refit; until then the prior model plans.
+        forgetting: weight of a step relative to the next newer one (1: all steps count alike).
+        refit_interval: refit every this many observed steps.
+        max_speed_ratio: a rank's speed factor stays within ``[1/r, r]`` of the median rank's.
+    """
+
+    warmup_steps: int = 5
+    forgetting: float = 0.9
+    refit_interval: int = 1
+    max_speed_ratio: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 1 or self.refit_interval < 1:
+            raise ValueError(
+                f"online refit needs warmup_steps and refit_interval >= 1; got {self.warmup_steps}, "
+                f"{self.refit_interval}"
+            )
+        if not 0 < self.forgetting <= 1 or not self.max_speed_ratio > 1:
+            raise ValueError(
+                f"online refit needs 0 < forgetting <= 1 and max_speed_ratio > 1; got {self.forgetting}, "
+                f"{self.max_speed_ratio}"
+            )
+
+
+def plan_terms(plan: RoutingPlan, workload: CostModel) -> tuple[list[float], list[float], list[float]]:
+    """Per GPU ``X, Y, Z`` (module docstring) of ``plan``, in plain floats, sequence by sequence."""
+    linear, quadratic, alltoall = ([0.0] * plan.num_gpus for _ in range(3))
+    efficiency = {int(g): float(e) for g, e in workload.degree_efficiency or ()}
+    for s, start, size in zip(plan.seq_lens.tolist(), plan.seq_group_start.tolist(), plan.seq_group_size.tolist(),
+                              strict=True):  # fmt: skip
+        share = size * efficiency.get(size, 1.0)
+        x, y, z = s / share, s * s / share, s * (size - 1) / (size * size)
+        for gpu in range(start, start + size):
+            linear[gpu] += x
+            quadratic[gpu] += y
+            alltoall[gpu] += z
+    return linear, quadratic, alltoall
+
+
+# Per-GPU running sums, each over past steps weighted by forgetting ** age: the weight, the terms and
+# the measured seconds (t) of every busy, measured step, and their products.
+_SUMS = ("w", "x", "y", "xx", "xy", "yy", "t", "tx", "ty", "tt")
+
+
+class OnlineCostModel:
+    """The cost model, refit every step from the measured steps (see the module docstring).
+
+    Args:
+        prior: the model to plan with until the first refit (and its ``degree_efficiency``, kept).
+        num_gpus: ``S``, GPUs of the balance group.
+        settings: the refit's knobs.
+    """
+
+    def __init__(self, prior: CostModel, num_gpus: int, settings: OnlineSettings | None = None) -> None:
+        self.prior = prior
+        self.num_gpus = num_gpus
+        self.settings = settings or OnlineSettings()
+        self.sums = [dict.fromkeys(_SUMS, 0.0) for _ in range(num_gpus)]
+        self.alltoall_sums = [0.0, 0.0]  # weighted least-waiting Ulysses rate, weight
+        self.observed = 0
+        self.speeds = [1.0] * num_gpus
+        self.current = prior
+
+    def observe(self, plan: RoutingPlan, compute_us: list[int], ulysses_us: list[int]) -> None:
+        """Add one step: ``plan`` and the microseconds every GPU measured for it (negative: none).
+        Refits when due."""
+        forgetting = self.settings.forgetting
+        linear, quadratic, alltoall = plan_terms(plan, self.current)
+        # Once refit, a step counts at most max_speed_ratio times off the model's prediction: one
+        # stalled step cannot swing a rank's speed (before, the prior's scale may be anything).
+        predicted = self.predicted_s(plan) if self.current is not self.prior else None
+        bound = self.settings.max_speed_ratio
+        for gpu, (x, y, t_us) in enumerate(zip(linear, quadratic, compute_us, strict=True)):
+            sums = self.sums[gpu]
+            for key in _SUMS:
+                sums[key] *= forgetting
+            if t_us >= 0 and x > 0:  # a measured, busy GPU
+                t = t_us / 1e6
+                if predicted is not None and predicted[gpu] > 0:
+                    t = min(max(t, predicted[gpu] / bound), predicted[gpu] * bound)
+                for key, value in zip(_SUMS, (1.0, x, y, x * x, x * y, y * y, t, t * x, t * y, t * t), strict=True):
+                    sums[key] += value
+        rates = [u / 1e6 / z for z, u in zip(alltoall, ulysses_us, strict=True) if u >= 0 and z > 0]
+        self.alltoall_sums = [self.alltoall_sums[0] * forgetting, self.alltoall_sums[1] * forgetting]
+        if rates:
+            self.alltoall_sums = [self.alltoall_sums[0] + min(rates), self.alltoall_sums[1] + 1.0]
+        self.observed += 1
+        warm = self.observed >= self.settings.warmup_steps
+        if warm and (self.observed - self.settings.warmup_steps) % self.settings.refit_interval == 0:
+            self._refit()
+
+    def model(self) -> CostModel:
+        """The model to plan the next step with."""
+        return self.current
+
+    @property
+    def overhead_s(self) -> float:
+        """The fitted fixed seconds of a rank of speed 1 per step (0 until the first refit)."""
+        return self.current.overhead_s
+
+    def predicted_s(self, plan: RoutingPlan) -> list[float]:
+        """``[S]`` seconds the current model predicts each GPU computes under ``plan``, its fixed
+        overhead included (an idle GPU still runs every block)."""
+        linear, quadratic, _ = plan_terms(plan, self.current)
+        m = self.current
+        return [
+            (m.overhead_s + m.linear_coef * x + m.quadratic_coef * y) / speed
+            for x, y, speed in zip(linear, quadratic, self.speeds, strict=True)
+        ]
+
+    def _refit(self) -> None:
+        busy = [g for g, sums in enumerate(self.sums) if sums["w"] > 0]
+        if len(busy) < 1 or sum(self.sums[g]["w"] for g in busy) < 2:
+            return
+        speeds = list(self.speeds)
+        for _ in range(_ALTERNATIONS):
+            coef = self._fit_coefficients(busy, speeds)
+            if coef is None:
+                return  # the measurements say nothing usable yet: keep the current model
+            speeds = self._fit_speeds(busy, coef)
+        self.speeds = speeds
+        alltoall = (
+            self.alltoall_sums[0] / self.alltoall_sums[1] if self.alltoall_sums[1] else self.current.alltoall_coef
+        )
+        self.current = dataclasses.replace(self.prior, linear_coef=coef[1], quadratic_coef=coef[2],
+                                           alltoall_coef=alltoall, gpu_speed=tuple(speeds),
+                                           overhead_s=coef[0])  # fmt: skip
+
+    def _fit_coefficients(self, busy: list[int], speeds: list[float]) -> list[float] | None:
+        """``[overhead, a, b]`` for ``measured * speed = overhead + a*X + b*Y``, from the running sums."""
+        total = dict.fromkeys(_SUMS, 0.0)
+        for g in busy:
+            v = speeds[g]
+            for key in ("w", "x", "y", "xx", "xy", "yy"):
+                total[key] += self.sums[g][key]
+            for key in ("t", "tx", "ty"):
+                total[key] += v * self.sums[g][key]
+            total["tt"] += v * v * self.sums[g]["tt"]
+        gram = [[total["w"], total["x"], total["y"]], [total["x"], total["xx"], total["xy"]],
+                [total["y"], total["xy"], total["yy"]]]  # fmt: skip
+        rhs = [total["t"], total["tx"], total["ty"]]
+        coef = nonnegative_normal_equations(gram, rhs, total["tt"])
+        if coef[1] == 0 and coef[2] == 0:
+            # All overhead: the steps so far gave every GPU the same work (a balanced start), so the
+            # data cannot tell a fixed cost from a per-token one. Take it all as per token.
+            a, b = nonnegative_normal_equations([row[1:] for row in gram[1:]], rhs[1:], total["tt"])
+            coef = [0.0, a, b]
+        return coef if coef[1] > 0 or coef[2] > 0 else None
+
+    def _fit_speeds(self, busy: list[int], coef: list[float]) -> list[float]:
+        """Each rank's predicted over measured seconds, relative to the median rank's, bounded, on a grid."""
+        raw = [None] * self.num_gpus
+        for g in busy:
+            sums = self.sums[g]
+            if sums["t"] > 0:
+                raw[g] = (coef[0] * sums["w"] + coef[1] * sums["x"] + coef[2] * sums["y"]) / sums["t"]
+        known = sorted(r for r in raw if r is not None)
+        median = known[len(known) // 2] if known else 1.0
+        bound = self.settings.max_speed_ratio
+        speeds = []
+        for r in raw:
+            relative = min(max((r if r is not None else median) / median, 1 / bound), bound)
+            speeds.append(max(round(relative * _SPEED_GRID), 1) / _SPEED_GRID)
+        return speeds

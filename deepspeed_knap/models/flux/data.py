@@ -1,0 +1,265 @@
+"""Data for FLUX training steps: precomputed latents per sample, synthetic or from ``.safetensors``
+files, and the rectified-flow objective that turns them into model inputs and targets.
+
+A *latent sample* is a dict of unbatched tensors (the text encoders and the VAE run before training):
+
+===========================  ===============  =============================================
+key                          shape            what
+===========================  ===============  =============================================
+``latents``                  ``[L, C]``       packed VAE latents (FLUX: 2x2 patches, C = 64)
+``img_ids``                  ``[L, 3]``       positions ``(t, h, w)``; ``t = 0`` for images
+``encoder_hidden_states``    ``[Tt, Dj]``     T5 token embeddings (FLUX: Dj = 4096)
+``txt_ids``                  ``[Tt, 3]``      zeros
+``pooled_projections``       ``[Dp]``         pooled CLIP embedding (FLUX: Dp = 768)
+===========================  ===============  =============================================
+
+On disk, one sample is one ``.safetensors`` file holding exactly these keys (see
+:func:`save_latent_sample` and ``examples/prepare_flux_latents.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from deepspeed_knap.data.mixes import SampleShape, sample_shapes
+from deepspeed_knap.models.flux.base import position_ids
+
+LATENT_KEYS = ("latents", "img_ids", "encoder_hidden_states", "txt_ids", "pooled_projections")
+
+
+def grid_ids(visual: int, frames: int) -> Tensor:
+    """``[visual, 3]`` positions ``(t, h, w)`` of ``visual`` tokens over ``frames`` frames, each
+    frame a near-square grid filled row by row (the last row and frame may be partial)."""
+    per_frame = math.ceil(visual / frames)
+    width = math.ceil(math.sqrt(per_frame))
+    index = torch.arange(visual)
+    within = index % per_frame
+    return torch.stack([index // per_frame, within // width, within % width], dim=1).float()
+
+
+def synthetic_samples(
+    shapes: Sequence[SampleShape], config: Mapping, seed: int, token_scale: float = 1.0, dtype=torch.float32
+) -> list[dict[str, Tensor]]:
+    """Random latent samples of the given sizes, scaled by ``token_scale`` (at least one visual
+    token each); ``config`` is the model's (``in_channels``, ``joint_attention_dim``,
+    ``pooled_projection_dim``). A function of ``seed`` only."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(dtype)
+
+    samples = []
+    for shape in shapes:
+        scaled = shape.scaled(token_scale)
+        text, visual = scaled.text, scaled.visual
+        img_ids, txt_ids = position_ids(config, grid_ids(visual, min(shape.frames, visual)), text)
+        sample = {"latents": randn(visual, config["in_channels"]), "img_ids": img_ids,
+                  "encoder_hidden_states": randn(text, config["joint_attention_dim"]), "txt_ids": txt_ids}  # fmt: skip
+        if "pooled_projection_dim" in config:  # FLUX.1; FLUX.2 has no pooled text
+            sample["pooled_projections"] = randn(config["pooled_projection_dim"])
+        samples.append(sample)
+    return samples
+
+
+class SyntheticLatents:
+    """Each step, each rank's samples drawn from a bundled workload (``deepspeed-knap plan
+    --workload``'s names): the same sizes the planner benchmarks, with random latents."""
+
+    def __init__(self, workload: str, config: Mapping, token_scale: float = 1.0, seed: int = 0) -> None:
+        sample_shapes(workload, 1)  # an unknown name raises here, not at the first step
+        self.workload, self.config, self.token_scale, self.seed = workload, config, token_scale, seed
+
+    def step_samples(self, step: int, rank: int, world_size: int, dtype=torch.float32) -> list[dict[str, Tensor]]:
+        shapes = sample_shapes(self.workload, world_size, seed=self.seed * 100_003 + step)[rank]
+        return synthetic_samples(
+            shapes, self.config, (self.seed * 100_003 + step) * 4099 + rank, self.token_scale, dtype
+        )
+
+
+class LatentDirectory:
+    """A directory of latent samples, one ``.safetensors`` file each, read in name order.
+
+    Samples are addressed by a global *position* that runs on across epochs: ``read(position, k)``
+    gives files ``position`` to ``position + k - 1``, wrapping. A training loop gives rank ``r`` of
+    ``W`` the files at ``position + r * k`` each step and advances ``position`` by ``W * k``; a
+    checkpoint that records ``position`` lets a resumed run continue with the next unseen file.
+
+    Start-up checks are split so that ranks can share the work and agree (see :meth:`check` and
+    :func:`latent_directory_error`); the class itself never communicates.
+
+    Args:
+        path: the directory.
+        samples_per_rank: ``k``, files each rank reads per step.
+        repeat: allow fewer files than one step needs (``world_size * k``), repeating files within
+            a step; without it that is an error, because it silently trains duplicates.
+    """
+
+    def __init__(self, path: str | Path, samples_per_rank: int = 1, repeat: bool = False) -> None:
+        if samples_per_rank < 1:
+            raise ValueError(f"samples_per_rank must be at least 1; got {samples_per_rank}")
+        self.path = Path(path)
+        self.files = sorted(self.path.glob("*.safetensors"))
+        self.samples_per_rank = samples_per_rank
+        self.repeat = repeat
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def check(self, rank: int, world_size: int, config: Mapping) -> dict:
+        """This rank's share of the start-up checks: every file ``rank::world_size`` is opened and its
+        header (keys, shapes, dtypes) checked against the model ``config`` without reading the
+        tensors. Returns a report for :func:`latent_directory_error`: the file listing as this rank
+        sees it (count and digest of the names) and one problem per bad file, each naming it."""
+        listing = "\n".join(file.name for file in self.files)
+        problems = [problem for file in self.files[rank::world_size] if (problem := check_latent_file(file, config))]
+        return {
+            "rank": rank,
+            "path": str(self.path),
+            "count": len(self.files),
+            "digest": hashlib.sha256(listing.encode()).hexdigest(),
+            "needed": world_size * self.samples_per_rank,
+            "repeat": self.repeat,
+            "problems": problems,
+        }
+
+    def read(self, position: int, count: int, dtype=torch.float32) -> tuple[list[str], list[dict[str, Tensor]]]:
+        """The ``count`` samples from global position ``position`` on (wrapping), floating tensors
+        other than the ids in ``dtype``. Returns ``(file names, samples)``."""
+        files = [self.files[(position + i) % len(self.files)] for i in range(count)]
+        samples = []
+        for file in files:
+            try:
+                sample = _load(file)
+            except Exception as error:  # the safetensors error alone does not say which file
+                raise ValueError(f"cannot read latent sample {file}: {error}") from error
+            samples.append({key: t.to(dtype) if t.is_floating_point() and "ids" not in key else t
+                            for key, t in sample.items()})  # fmt: skip
+        return [str(file) for file in files], samples
+
+
+def _load(file: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(file)
+
+
+def latent_sample_shapes(config: Mapping, latent_len: int, text_len: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of one latent sample's tensors for a model ``config`` (:data:`LATENT_KEYS` order): ids
+    of one position axis per RoPE axis, and pooled text only for a family that has it (FLUX.1)."""
+    axes = len(config["axes_dims_rope"])
+    shapes = {
+        "latents": (latent_len, config["in_channels"]),
+        "img_ids": (latent_len, axes),
+        "encoder_hidden_states": (text_len, config["joint_attention_dim"]),
+        "txt_ids": (text_len, axes),
+    }
+    if "pooled_projection_dim" in config:
+        shapes["pooled_projections"] = (config["pooled_projection_dim"],)
+    return shapes
+
+
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_latent_file(file: str | Path, config: Mapping) -> str | None:
+    """What is wrong with one latent sample file for a model ``config``, or ``None``. Reads only the
+    header: a truncated or garbage file, missing or extra keys, non-float tensors, shapes that do
+    not fit each other or the model."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = "rewrite it with examples/prepare_flux_latents.py or remove it"
+    try:
+        with safe_open(str(file), "pt") as handle:
+            slices = {key: handle.get_slice(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
+            headers = {key: (tuple(piece.get_shape()), piece.get_dtype()) for key, piece in slices.items()}
+    except (SafetensorError, OSError) as error:
+        return f"{file}: not a readable .safetensors file ({error}); {fix}"
+    keys = list(latent_sample_shapes(config, 0, 0))
+    missing = [key for key in keys if key not in headers]
+    extra = sorted(set(headers) - set(keys))
+    if missing or extra:
+        return f"{file}: has keys {sorted(headers)}, missing {missing}, unexpected {extra}; a latent sample for this model holds exactly {keys}; {fix}"
+    not_float = {key: dtype for key, (_, dtype) in headers.items() if dtype not in _FLOAT_DTYPES}
+    if not_float:
+        return f"{file}: tensors {not_float} are not floating point ({'/'.join(_FLOAT_DTYPES)}); {fix}"
+    latents, text = headers["latents"][0], headers["encoder_hidden_states"][0]
+    if len(latents) != 2 or len(text) != 2 or latents[0] < 1:
+        return f"{file}: latents {list(latents)} and encoder_hidden_states {list(text)} must be [L, C] and [Tt, Dj] with L >= 1; {fix}"
+    expected = latent_sample_shapes(config, latents[0], text[0])
+    wrong = {key: f"{list(headers[key][0])} (expected {list(shape)})" for key, shape in expected.items()
+             if headers[key][0] != shape}  # fmt: skip
+    if wrong:
+        dims = ", ".join(f"{key}={config[key]}" for key in ("in_channels", "joint_attention_dim", "pooled_projection_dim",
+                                                             "axes_dims_rope") if key in config)  # fmt: skip
+        return f"{file}: shapes {wrong} do not fit the model ({dims}); {fix}"
+    return None
+
+
+def latent_directory_error(reports: Sequence[Mapping], limit: int = 10) -> str | None:
+    """One message for every rank from every rank's :meth:`LatentDirectory.check` report, or
+    ``None`` when all is well: ranks that list different files, too few files for one step, and
+    the bad files (the first ``limit``, with a count of the rest)."""
+    first = reports[0]
+    views = {}
+    for report in reports:
+        views.setdefault((report["count"], report["digest"]), []).append(report["rank"])
+    if len(views) > 1:
+        seen = "; ".join(f"ranks {ranks} see {count} files" for (count, _), ranks in views.items())
+        return (f"the ranks see different files in {first['path']}: {seen}; every rank must read the same directory "
+                "(a shared file system, or identical copies on every node)")  # fmt: skip
+    if first["count"] == 0:
+        return f"no .safetensors files in {first['path']}; write some with examples/prepare_flux_latents.py"
+    if first["count"] < first["needed"] and not first["repeat"]:
+        return (f"{first['path']} has {first['count']} latent files but one step needs {first['needed']} "
+                "(ranks x samples per rank), so files would repeat within a step; add files, lower "
+                "--samples-per-rank, or pass --repeat-data to allow it")  # fmt: skip
+    problems = [problem for report in reports for problem in report["problems"]]
+    if not problems:
+        return None
+    more = f"\n... and {len(problems) - limit} more" if len(problems) > limit else ""
+    return f"{len(problems)} bad latent files in {first['path']}:\n" + "\n".join(problems[:limit]) + more
+
+
+def save_latent_sample(path: str | Path, sample: Mapping[str, Tensor]) -> None:
+    """Write one latent sample (the keys of :data:`LATENT_KEYS`) as a ``.safetensors`` file."""
+    from safetensors.torch import save_file
+
+    missing = [key for key in LATENT_KEYS if key not in sample]
+    if missing:
+        raise ValueError(f"a latent sample needs {list(LATENT_KEYS)}; missing {missing}")
+    save_file({key: sample[key].detach().contiguous().cpu() for key in LATENT_KEYS}, str(path))
+
+
+def rectified_flow(
+    samples: Sequence[Mapping[str, Tensor]], generator: torch.Generator, guidance: float | None = None
+) -> tuple[list[dict[str, Tensor]], list[Tensor]]:
+    """The flow-matching objective of FLUX fine-tuning, per sample.
+
+    ``sigma = sigmoid(n)``, ``n ~ N(0, 1)`` (logit-normal); ``noisy = (1 - sigma) * x0 + sigma * noise``;
+    the model sees ``noisy`` at timestep ``sigma`` and must predict ``noise - x0``.
+
+    Returns:
+        ``(model_samples, targets)``: per-sample inputs for ``PackedFluxTransformer.pack`` (with
+        ``guidance`` when given) and the ``[L, C]`` targets.
+    """
+    model_samples, targets = [], []
+    for sample in samples:
+        x0 = sample["latents"]
+        sigma = torch.sigmoid(torch.randn((), generator=generator)).to(x0.dtype)
+        noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.dtype)
+        model_sample = {
+            "hidden_states": (1 - sigma) * x0 + sigma * noise,
+            "timestep": sigma,
+            **{key: sample[key] for key in LATENT_KEYS[1:] if key in sample},  # FLUX.2 has no pooled text
+        }
+        if guidance is not None:
+            model_sample["guidance"] = torch.tensor(guidance, dtype=x0.dtype)
+        model_samples.append(model_sample)
+        targets.append(noise - x0)
+    return model_samples, targets

@@ -1,0 +1,359 @@
+"""FLUX building blocks on packed tokens: per-sequence modulation, RoPE from position ids, and FLUX.1's blocks.
+
+Every module here has the parameter names and shapes of its diffusers counterpart, so
+``PackedFluxTransformer`` loads a ``FluxTransformer2DModel`` state dict as is. The arithmetic follows
+diffusers operation by operation, including where it drops to fp32 (timestep features, RoPE), so the
+two agree to rounding in any dtype. The per-sample modulation, RoPE, the step's stream selection
+(:class:`FluxStep`) and the embedders are shared with FLUX.2 (:mod:`~deepspeed_knap.models.flux.flux2`).
+
+Shapes: ``T`` tokens on this GPU (``Tt`` text, ``Ti`` image/video), ``n`` sequences (chunks) held,
+``D`` model width, ``H`` heads of ``Dh`` channels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deepspeed_knap.runtime.attention import KnapDistributedAttention
+from deepspeed_knap.runtime.routing import RoutedBatch
+
+_NORM_EPS = 1e-6
+
+
+class _SeqAffine(torch.autograd.Function):
+    """``x * (offset + scale[seq]) + shift[seq]``, keeping only ``x`` and the ``[n, D]`` rows for
+    backward (autograd of the plain expression would also keep the gathered ``[T, D]`` factor)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, seq: Tensor, scale: Tensor, shift: Tensor | None, offset: float) -> Tensor:
+        factor = offset + scale if offset else scale
+        out = x * factor.index_select(0, seq)
+        if shift is not None:
+            out = out + shift.index_select(0, seq)
+        ctx.save_for_backward(x, seq, scale)
+        ctx.offset, ctx.has_shift = offset, shift is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, seq, scale = ctx.saved_tensors
+        factor = ctx.offset + scale if ctx.offset else scale
+        grad_x = grad * factor.index_select(0, seq) if ctx.needs_input_grad[0] else None
+        grad_scale = _seq_sum(grad * x, seq, scale) if ctx.needs_input_grad[2] else None
+        grad_shift = _seq_sum(grad, seq, scale) if ctx.has_shift and ctx.needs_input_grad[3] else None
+        return grad_x, None, grad_scale, grad_shift, None
+
+
+def _seq_sum(rows: Tensor, seq: Tensor, like: Tensor) -> Tensor:
+    """``[T, D]`` rows summed per sequence into ``like``'s ``[n, D]``, accumulated in fp32 (bf16
+    sums over thousands of tokens would lose the gradient's low bits)."""
+    total = torch.zeros(like.shape, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
+    return total.index_add_(0, seq, rows.to(total.dtype)).to(like.dtype)
+
+
+def modulate(x: Tensor, seq: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """AdaLN: ``x * (1 + scale[seq]) + shift[seq]``; ``x [T, D]``, ``seq [T]``, ``shift, scale [n, D]``."""
+    return _SeqAffine.apply(x, seq, scale, shift, 1.0)
+
+
+def gate(x: Tensor, seq: Tensor, gates: Tensor) -> Tensor:
+    """``x * gates[seq]``; ``x [T, D]``, ``seq [T]``, ``gates [n, D]``."""
+    return _SeqAffine.apply(x, seq, gates, None, 0.0)
+
+
+def layer_norm(x: Tensor, eps: float = _NORM_EPS) -> Tensor:
+    """LayerNorm over the last dim without weights (every FLUX norm before a modulation)."""
+    return F.layer_norm(x, (x.shape[-1],), eps=eps)
+
+
+def timestep_features(timestep: Tensor, channels: int = 256) -> Tensor:
+    """``[N]`` timesteps (already scaled by 1000) -> ``[N, channels]`` fp32 sinusoidal features,
+    cosines first (diffusers' ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)``)."""
+    half = channels // 2
+    exponent = -math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=timestep.device) / half
+    angles = timestep[:, None].float() * torch.exp(exponent)[None, :]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def rotary_cos_sin(ids: Tensor, axes_dims: Sequence[int], theta: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """FLUX's RoPE tables: ``ids [T, A]`` positions (text ``0``; images ``(0, h, w)``; video
+    ``(t, h, w)``) -> ``cos, sin [T, sum(axes_dims)]`` fp32, each frequency repeated twice.
+    Angles are computed in fp64 (fp32 where the device has no fp64), as diffusers does."""
+    if ids.shape[-1] != len(axes_dims):
+        raise ValueError(f"position ids have {ids.shape[-1]} axes but axes_dims_rope has {len(axes_dims)}")
+    positions = ids.float()
+    freqs_dtype = torch.float32 if ids.device.type in ("mps", "npu") else torch.float64
+    cos, sin = [], []
+    for axis, dim in enumerate(axes_dims):
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=freqs_dtype, device=ids.device) / dim))
+        angles = torch.outer(positions[:, axis], freqs)  # [T, dim / 2]
+        cos.append(angles.cos().repeat_interleave(2, dim=1).float())
+        sin.append(angles.sin().repeat_interleave(2, dim=1).float())
+    return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate channel pairs of ``x [T, H, Dh]`` by ``cos, sin [T, Dh]`` (in fp32, back to x's dtype)."""
+    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)  # unflatten, unlike reshape(-1), works on 0 tokens
+    rotated = torch.stack([-imag, real], dim=-1).flatten(2)
+    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+
+
+@dataclass(eq=False)
+class FluxStep:
+    """What every block of one step needs on this GPU, computed once per step.
+
+    Attributes:
+        routed: the routed batch (its tokens are in joint order: per sequence, text then image).
+        attention: the attention module the blocks share.
+        temb: ``[n, D]`` conditioning (timestep, guidance, pooled text) of each sequence held.
+        txt_rows, img_rows: ``[Tt]``, ``[Ti]`` joint rows of the text and the image tokens.
+        txt_seq, img_seq: ``[Tt]``, ``[Ti]`` which held sequence each text / image token is of.
+        joint_order: ``[T]``: ``cat([text, image]).index_select(0, joint_order)`` is joint order.
+        cos, sin: ``[T, Dh]`` RoPE tables in joint order.
+    """
+
+    routed: RoutedBatch
+    attention: KnapDistributedAttention
+    temb: Tensor
+    txt_rows: Tensor
+    img_rows: Tensor
+    txt_seq: Tensor
+    img_seq: Tensor
+    joint_order: Tensor
+    cos: Tensor
+    sin: Tensor
+
+    @classmethod
+    def build(
+        cls,
+        routed: RoutedBatch,
+        attention: KnapDistributedAttention,
+        axes_dims: Sequence[int],
+        temb: Tensor | None = None,
+        theta: float = 10000.0,
+    ) -> FluxStep:
+        """From the routed batch's ``ids`` and ``is_text`` columns; ``temb`` defaults to its
+        ``sample_data["temb"]``; ``theta`` is the RoPE base (FLUX.1 10000, FLUX.2 2000)."""
+        batch = routed.batch
+        is_text = batch.token_data["is_text"]
+        txt_rows = is_text.nonzero().squeeze(1)
+        img_rows = (~is_text).nonzero().squeeze(1)
+        joint_order = torch.argsort(torch.cat([txt_rows, img_rows]))  # inverse of the stream order
+        cos, sin = rotary_cos_sin(batch.token_data["ids"], axes_dims, theta)
+        seq = batch.seq_index
+        temb = batch.sample_data["temb"] if temb is None else temb
+        return cls(routed, attention, temb, txt_rows, img_rows,
+                   seq.index_select(0, txt_rows), seq.index_select(0, img_rows), joint_order, cos, sin)  # fmt: skip
+
+    def joint(self, txt: Tensor, img: Tensor) -> Tensor:
+        """Text rows ``[Tt, ...]`` and image rows ``[Ti, ...]`` -> ``[T, ...]`` in joint order."""
+        return torch.cat([txt, img]).index_select(0, self.joint_order)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """RoPE, then attention over whole sequences: ``[T, H, Dh]`` each -> ``[T, H * Dh]``."""
+        q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        return self.attention(q, k, v, self.routed).flatten(1).to(q.dtype)
+
+
+class AdaNormZero(nn.Module):
+    """The ``norm1`` / ``norm`` of a block: ``linear(silu(temb))`` split into ``chunks`` ``[n, D]``
+    modulation rows (shift, scale, gate, ...). The LayerNorm it goes with has no weights."""
+
+    def __init__(self, dim: int, chunks: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, chunks * dim)
+        self.chunks = chunks
+
+    def forward(self, temb: Tensor) -> tuple[Tensor, ...]:
+        return self.linear(F.silu(temb)).chunk(self.chunks, dim=1)
+
+
+class GeluProjection(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """``net.0.proj`` -> GELU(tanh) -> ``net.2``, as diffusers' ``FeedForward(dim, dim_out=dim)``."""
+
+    def __init__(self, dim: int, mult: int = 4) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([GeluProjection(dim, mult * dim), nn.Dropout(0.0), nn.Linear(mult * dim, dim)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+class FluxAttentionWeights(nn.Module):
+    """The projections and q/k norms of diffusers' ``FluxAttention`` (FLUX.2's ``Flux2Attention``
+    has the same names, without biases: ``bias=False``); the attention itself is the step's shared
+    :class:`KnapDistributedAttention`. ``joint=True`` adds the text stream's own projections
+    (``add_*_proj``, ``norm_added_*``, ``to_add_out``) and the image output ``to_out``."""
+
+    def __init__(
+        self, dim: int, num_heads: int, head_dim: int, joint: bool, bias: bool = True, eps: float = _NORM_EPS
+    ) -> None:
+        super().__init__()
+        self.heads, self.head_dim = num_heads, head_dim
+        inner = num_heads * head_dim
+        self.norm_q = nn.RMSNorm(head_dim, eps=eps)
+        self.norm_k = nn.RMSNorm(head_dim, eps=eps)
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner, bias=bias) for _ in range(3))
+        if joint:
+            self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=bias), nn.Dropout(0.0)])
+            self.norm_added_q = nn.RMSNorm(head_dim, eps=eps)
+            self.norm_added_k = nn.RMSNorm(head_dim, eps=eps)
+            self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, inner, bias=bias) for _ in range(3))
+            self.to_add_out = nn.Linear(inner, dim, bias=bias)
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``[T, D]`` -> q, k, v ``[T, H, Dh]`` (q and k normed)."""
+        q, k, v = (proj(x).unflatten(-1, (self.heads, self.head_dim)) for proj in (self.to_q, self.to_k, self.to_v))
+        return self.norm_q(q), self.norm_k(k), v
+
+    def added_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The text stream's ``[Tt, D]`` -> q, k, v ``[Tt, H, Dh]``."""
+        projs = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+        q, k, v = (proj(x).unflatten(-1, (self.heads, self.head_dim)) for proj in projs)
+        return self.norm_added_q(q), self.norm_added_k(k), v
+
+
+class FluxDoubleBlock(nn.Module):
+    """diffusers' ``FluxTransformerBlock``: text and image tokens keep separate weights and meet only
+    in joint attention. ``forward(txt [Tt, D], img [Ti, D], step) -> (txt, img)``."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.norm1 = AdaNormZero(dim, 6)
+        self.norm1_context = AdaNormZero(dim, 6)
+        self.attn = FluxAttentionWeights(dim, num_heads, head_dim, joint=True)
+        self.ff = FeedForward(dim)
+        self.ff_context = FeedForward(dim)
+
+    def forward(self, txt: Tensor, img: Tensor, step: FluxStep) -> tuple[Tensor, Tensor]:
+        return double_stream(self, txt, img, self.norm1_context(step.temb), self.norm1(step.temb), step)
+
+
+def double_stream(
+    block: nn.Module,
+    txt: Tensor,
+    img: Tensor,
+    txt_mods: Sequence[Tensor],
+    img_mods: Sequence[Tensor],
+    step: FluxStep,
+    eps: float = _NORM_EPS,
+) -> tuple[Tensor, Tensor]:
+    """A double-stream block of either FLUX family (their arithmetic is the same; FLUX.2 computes the
+    modulation once per step instead of per block, and its MLPs differ inside ``ff``).
+
+    Args:
+        block: has ``attn`` (:class:`FluxAttentionWeights`, joint), ``ff`` and ``ff_context``.
+        txt, img: ``[Tt, D]``, ``[Ti, D]`` the two streams.
+        txt_mods, img_mods: six ``[n, D]`` rows each: shift, scale, gate of attention, then of the MLP.
+        step: this step's routed tokens.
+        eps: of the weightless LayerNorms.
+
+    Returns:
+        ``(txt, img)`` after the block.
+    """
+    shift, scale, gate_attn, shift_mlp, scale_mlp, gate_mlp = img_mods
+    c_shift, c_scale, c_gate_attn, c_shift_mlp, c_scale_mlp, c_gate_mlp = txt_mods
+    attn = block.attn
+
+    img_q, img_k, img_v = attn.qkv(modulate(layer_norm(img, eps), step.img_seq, shift, scale))
+    txt_q, txt_k, txt_v = attn.added_qkv(modulate(layer_norm(txt, eps), step.txt_seq, c_shift, c_scale))
+    attended = step.attend(step.joint(txt_q, img_q), step.joint(txt_k, img_k), step.joint(txt_v, img_v))
+    img_attn = attn.to_out[1](attn.to_out[0](attended.index_select(0, step.img_rows)))
+    txt_attn = attn.to_add_out(attended.index_select(0, step.txt_rows))
+
+    img = img + gate(img_attn, step.img_seq, gate_attn)
+    mlp_in = modulate(layer_norm(img, eps), step.img_seq, shift_mlp, scale_mlp)
+    img = img + gate(block.ff(mlp_in), step.img_seq, gate_mlp)
+
+    txt = txt + gate(txt_attn, step.txt_seq, c_gate_attn)
+    mlp_in = modulate(layer_norm(txt, eps), step.txt_seq, c_shift_mlp, c_scale_mlp)
+    txt = txt + gate(block.ff_context(mlp_in), step.txt_seq, c_gate_mlp)
+    if txt.dtype == torch.float16:
+        txt = txt.clip(-65504, 65504)
+    return txt, img
+
+
+class FluxSingleBlock(nn.Module):
+    """diffusers' ``FluxSingleTransformerBlock``: one weight set for all tokens, attention and MLP in
+    parallel. ``forward(x [T, D] joint order, step) -> [T, D]``."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        self.norm = AdaNormZero(dim, 3)
+        self.proj_mlp = nn.Linear(dim, int(dim * mlp_ratio))
+        self.proj_out = nn.Linear(dim + int(dim * mlp_ratio), dim)
+        self.attn = FluxAttentionWeights(dim, num_heads, head_dim, joint=False)
+
+    def forward(self, x: Tensor, step: FluxStep) -> Tensor:
+        shift, scale, gates = self.norm(step.temb)
+        seq = step.routed.batch.seq_index
+        normed = modulate(layer_norm(x), seq, shift, scale)
+        mlp = F.gelu(self.proj_mlp(normed), approximate="tanh")
+        attended = step.attend(*self.attn.qkv(normed))
+        x = x + gate(self.proj_out(torch.cat([attended, mlp], dim=1)), seq, gates)
+        if x.dtype == torch.float16:
+            x = x.clip(-65504, 65504)
+        return x
+
+
+class MLPEmbedder(nn.Module):
+    """``linear_2(silu(linear_1(x)))``: diffusers' ``TimestepEmbedding`` and (with ``act_1``)
+    ``PixArtAlphaTextProjection`` have these parameter names."""
+
+    def __init__(self, in_dim: int, dim: int, bias: bool = True) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim, bias=bias)
+        self.linear_2 = nn.Linear(dim, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeTextEmbedding(nn.Module):
+    """``temb [N, D]`` from timestep ``[N]``, guidance ``[N]`` (when the model has guidance) and
+    pooled text ``[N, Dp]``, as diffusers' ``CombinedTimestep(Guidance)TextProjEmbeddings``."""
+
+    def __init__(self, dim: int, pooled_dim: int, guidance: bool) -> None:
+        super().__init__()
+        self.timestep_embedder = MLPEmbedder(256, dim)
+        if guidance:
+            self.guidance_embedder = MLPEmbedder(256, dim)
+        self.text_embedder = MLPEmbedder(pooled_dim, dim)
+
+    def forward(self, timestep: Tensor, guidance: Tensor | None, pooled: Tensor) -> Tensor:
+        temb = self.timestep_embedder(timestep_features(timestep).to(pooled.dtype))
+        if guidance is not None:
+            temb = temb + self.guidance_embedder(timestep_features(guidance).to(pooled.dtype))
+        return temb + self.text_embedder(pooled)
+
+
+class AdaNormOut(nn.Module):
+    """diffusers' ``AdaLayerNormContinuous`` at the output: ``norm(x) * (1 + scale) + shift`` with
+    ``scale, shift = linear(silu(temb))`` (scale first)."""
+
+    def __init__(self, dim: int, bias: bool = True, eps: float = _NORM_EPS) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim, bias=bias)
+        self.eps = eps
+
+    def forward(self, x: Tensor, seq: Tensor, temb: Tensor) -> Tensor:
+        scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)
+        return modulate(layer_norm(x, self.eps), seq, shift, scale)

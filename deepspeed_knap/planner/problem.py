@@ -1,0 +1,417 @@
+"""One step's planning problem: flattened lengths, bag classes, quantised costs (:class:`Problem`).
+
+Determinism: modeled costs are quantised once to int64 units (rounded down; the largest sequence
+cost is 2**32 units), and every load, comparison and tie-break after that is exact integer
+arithmetic ordered by ids. Float noise, such as a SIMD reduction order that differs between two
+CPUs, cannot change a plan. Guarantees about max loads hold exactly in these units, so in
+seconds to within one unit (2**-32 of the largest cost) per sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.planner.topology import Topology
+
+# Largest quantised sequence cost. Sums of up to 2**20 such costs stay exact in float64 bincounts.
+_COST_UNITS = 2**32
+
+
+def _group_loads(
+    workload: CostModel, seq_lens: np.ndarray, group_start: np.ndarray, group_size: np.ndarray, num_gpus: int
+) -> np.ndarray:
+    """``[S]`` modeled seconds: every GPU of a sequence's group spends the sequence's per-GPU time."""
+    speeds: np.ndarray | float = 1.0
+    if workload.gpu_speed is not None:  # a group runs at its slowest GPU's speed
+        gpu_speed = np.asarray(workload.gpu_speed, dtype=np.float64)
+        pairs, inverse = np.unique(np.stack([group_start, group_size]), axis=1, return_inverse=True)
+        speeds = np.array([gpu_speed[s : s + g].min() for s, g in pairs.T])[inverse.ravel()]
+    per_gpu_s = workload.per_gpu_time(seq_lens, group_size, speeds)
+    gpu_of_member = np.repeat(group_start, group_size) + (
+        np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)
+    )
+    loads = np.bincount(gpu_of_member, weights=np.repeat(per_gpu_s, group_size), minlength=num_gpus)
+    return loads + workload.gpu_overhead_s(num_gpus) if workload.overhead_s else loads
+
+
+# ----------------------------------------------------------------------------------------------------
+# The problem: flattened lengths, bag classes, quantised costs.
+
+
+@dataclass(frozen=True)
+class Problem:
+    topology: Topology
+    workload: CostModel
+    cap: int | None
+    seq_lens: np.ndarray  # [N] int64
+    src: np.ndarray  # [N] int64 home rank
+    bag_size: np.ndarray  # [B] int64
+    bag_first: np.ndarray  # [B] int64
+    bag_class: np.ndarray  # [B] int64
+    class_size: np.ndarray  # [C] int64
+    class_count: np.ndarray  # [C] int64 bags per class
+    cost: np.ndarray  # [N, C] int64 quantised per-GPU cost of sequence i in a bag of class c
+    tokens: np.ndarray  # [N, C] int64 tokens on the busiest GPU of the bag: ceil(s / G)
+    allowed: np.ndarray  # [N, C] bool: the sequence fits a bag of the class under the cap
+    seconds_per_unit: float  # modeled seconds of one quantised cost unit
+    # Load and tokens every GPU of a bag holds before any sequence of this problem (work placed
+    # elsewhere, the elastic planner's wide sequences; a slow GPU's larger fixed overhead); zero for
+    # a plain problem.
+    base_load: np.ndarray | None = None  # [B] int64
+    base_tokens: np.ndarray | None = None  # [B] int64
+    # With topology auto (whose groups overlap): the load every GPU holds before any sequence, its
+    # fixed overhead above the least one (CostModel.overhead_s); None when all are equal.
+    gpu_base: np.ndarray | None = None  # [S] int64
+
+    @classmethod
+    def build(cls, seq_lens_per_rank, topology: Topology, workload: CostModel, cap: int | None) -> Problem:
+        seq_lens, src = _flatten_lengths(seq_lens_per_rank, topology)
+        # Bags of a fixed topology; with ``auto``, every group a sequence may run in (they overlap).
+        groups = np.asarray(topology.groups, dtype=np.int64).reshape(-1, 2)
+        bag_first, bag_size = groups[:, 0].copy(), groups[:, 1].copy()
+        bag_speed = workload.group_speeds(bag_first, bag_size, topology.group_size)
+        keys = sorted(set(zip(bag_size.tolist(), bag_speed.tolist(), strict=True)))
+        bag_class = np.array(
+            [keys.index(k) for k in zip(bag_size.tolist(), bag_speed.tolist(), strict=True)], dtype=np.int64
+        )
+        class_size = np.array([k[0] for k in keys], dtype=np.int64)
+        class_speed = np.array([k[1] for k in keys])
+        class_count = np.bincount(bag_class, minlength=len(keys)).astype(np.int64)
+
+        cost_s = workload.per_gpu_time(seq_lens[:, None], class_size[None, :], class_speed[None, :])
+        scale = _COST_UNITS / cost_s.max() if seq_lens.size else 1.0
+        # Rounding down keeps every quantised cost <= the true one, so bounds on them bound the truth.
+        cost = np.floor(cost_s * scale).astype(np.int64)
+        tokens = -(-seq_lens[:, None] // class_size[None, :])
+        allowed = np.ones_like(tokens, dtype=bool) if cap is None else tokens <= cap
+        across = class_size > (topology.gpus_per_node or topology.world_size)
+        if topology.elastic and across.any():
+            # The workload model prices no all-to-all between nodes: groups of whole nodes are only
+            # for sequences that no group inside a node holds under the cap (none without a cap).
+            allowed[:, across] &= ~allowed[:, ~across].any(axis=1, keepdims=True)
+        if cap is not None and seq_lens.size and not allowed.any(axis=1).all():
+            i = int(np.flatnonzero(~allowed.any(axis=1))[0])
+            rank, index = int(src[i]), i - int(np.searchsorted(src, src[i]))
+            larger = "raise max_degree (above a node: groups of whole nodes)" if topology.elastic else (
+                "use a topology with larger bags")  # fmt: skip
+            raise ValueError(
+                f"sequence {index} of rank {rank} has {seq_lens[i]} tokens: even the largest bag "
+                f"({class_size.max()} GPUs) leaves {tokens[i].min()} tokens on one GPU, over "
+                f"max_tokens_per_gpu={cap}. Raise max_tokens_per_gpu to at least {tokens[i].min()}, "
+                f"{larger}, or drop sequences this long"
+            )
+        gpu_base = _overhead_units(workload, topology.group_size, scale, int(cost.max(axis=1, initial=0).sum()))
+        base_load = None
+        if gpu_base is not None and not topology.elastic:  # a bag's GPUs wait for its slowest one
+            base_load = np.array([gpu_base[f : f + g].max() for f, g in zip(bag_first, bag_size, strict=True)])
+            gpu_base = None
+        return cls(topology, workload, cap, seq_lens, src, bag_size, bag_first, bag_class,
+                   class_size, class_count, cost, tokens, allowed, 1.0 / scale, base_load, None, gpu_base)  # fmt: skip
+
+    @property
+    def num_bags(self) -> int:
+        return len(self.bag_size)
+
+    @property
+    def num_gpus(self) -> int:
+        """``S``, GPUs of the balance group."""
+        return self.topology.group_size
+
+    @functools.cached_property
+    def home_bag(self) -> np.ndarray:
+        """``[N]`` the bag holding each sequence's home rank (bags are in rank order; a stage of the
+        elastic planner may cover only some GPUs, and a home outside them gets the bag before it)."""
+        return np.maximum(np.searchsorted(self.bag_first, self.src, side="right") - 1, 0)
+
+    @functools.cached_property
+    def home_covered(self) -> np.ndarray:
+        """``[N]`` bool: the home rank lies in ``home_bag`` (always, unless the bags leave GPUs out)."""
+        return self.src < self.bag_first[self.home_bag] + self.bag_size[self.home_bag]
+
+    @functools.cached_property
+    def gpu_seconds(self) -> np.ndarray:
+        """``[N, C]`` quantised GPU-time of each sequence in a bag of each class: cost times G."""
+        return self.cost * self.class_size[None, :]
+
+    def bags_by_class(self) -> list[list[int]]:
+        return [np.flatnonzero(self.bag_class == c).tolist() for c in range(len(self.class_size))]
+
+    def bag_loads(self, bag_of_seq: np.ndarray) -> np.ndarray:
+        """``[B]`` int64 quantised per-GPU load of each bag (exact: the sums stay below 2**53)."""
+        cost = self.cost[np.arange(len(bag_of_seq)), self.bag_class[bag_of_seq]]
+        return np.bincount(bag_of_seq, weights=cost, minlength=self.num_bags).astype(np.int64) + self.start_load
+
+    def bag_tokens(self, bag_of_seq: np.ndarray) -> np.ndarray:
+        """``[B]`` int64 tokens on each bag's busiest GPU (its first: near-equal chunks put the extra
+        token of every sequence there)."""
+        tokens = self.tokens[np.arange(len(bag_of_seq)), self.bag_class[bag_of_seq]]
+        return np.bincount(bag_of_seq, weights=tokens, minlength=self.num_bags).astype(np.int64) + self.start_tokens
+
+    @functools.cached_property
+    def start_load(self) -> np.ndarray:
+        """``[B]`` int64 ``base_load``, or zeros."""
+        return np.zeros(self.num_bags, dtype=np.int64) if self.base_load is None else self.base_load
+
+    @functools.cached_property
+    def gpu_start_load(self) -> np.ndarray:
+        """``[S]`` int64 ``gpu_base``, or zeros."""
+        return np.zeros(self.num_gpus, dtype=np.int64) if self.gpu_base is None else self.gpu_base
+
+    @functools.cached_property
+    def start_tokens(self) -> np.ndarray:
+        """``[B]`` int64 ``base_tokens``, or zeros."""
+        return np.zeros(self.num_bags, dtype=np.int64) if self.base_tokens is None else self.base_tokens
+
+    @functools.cached_property
+    def interchangeable(self) -> np.ndarray:
+        """``[B]`` int64 ids: bags with equal ids (same class, base load and base tokens) can trade
+        their whole contents without changing any load."""
+        # The rank of each bag's (class, base load, base tokens) among the distinct ones, as
+        # np.unique(axis=0) numbers them, by a lexsort (np.unique on rows is slow for 1,024 bags).
+        order = np.lexsort((self.start_tokens, self.start_load, self.bag_class))
+        keys = np.stack([self.bag_class, self.start_load, self.start_tokens], axis=1)[order]
+        rank = np.concatenate([[0], np.cumsum((keys[1:] != keys[:-1]).any(axis=1))])
+        interchangeable = np.empty(self.num_bags, dtype=np.int64)
+        interchangeable[order] = rank
+        return interchangeable
+
+    @functools.cached_property
+    def barred_within_cap(self) -> bool:
+        """Whether :attr:`allowed` bars a sequence from a class whose share fits the cap (``auto``'s
+        groups of whole nodes): the searches that check only tokens against the cap must then check
+        :attr:`allowed` too."""
+        fits = np.ones_like(self.allowed) if self.cap is None else self.tokens <= self.cap
+        return bool((fits & ~self.allowed).any())
+
+    def fits_cap(self, bag_of_seq: np.ndarray) -> bool:
+        """Whether every bag stays under the cap and every sequence is in a class it is allowed in."""
+        if self.barred_within_cap and not self.allowed[np.arange(len(bag_of_seq)), self.bag_class[bag_of_seq]].all():
+            return False
+        return self.cap is None or bool(np.all(self.bag_tokens(bag_of_seq) <= self.cap))
+
+    @functools.cached_property
+    def lower_bound(self) -> int:
+        """Quantised load no assignment of sequences to bags can beat.
+
+        For a makespan ``T``, sequence ``i`` may only use classes where its cost is ``<= T`` (and that
+        fit the cap). Any assignment with makespan ``T`` then (1) spends at least
+        ``sum_i min_c G_c * cost[i, c]`` GPU-seconds over allowed ``c``, which cannot exceed ``S * T``,
+        and (2) puts the sequences allowed in one class only into that class, whose ``n_c`` bags hold
+        at most ``n_c * T``. Both tests get easier as ``T`` grows, so the smallest ``T`` passing both
+        is a lower bound. Within test (2), ``n_c`` bags holding the ``t * n_c + 1`` largest forced
+        sequences put ``t + 1`` of them in one bag. The allowed sets only change at cost values
+        (breakpoints): binary search for the interval, inside which both tests are linear in ``T``.
+
+        With unequal speeds test (1) also counts work at speed 1: GPU ``g`` does at most
+        ``(T - base_g) * speed_g`` of it by ``T``, and a sequence in a bag of class ``c`` takes
+        ``G_c * cost[i, c] * speed_c`` (a bag runs at its slowest GPU's speed). Without it, a slow
+        GPU counts as a fast one and the bound is loose wherever speeds differ.
+        """
+        if not self.seq_lens.size:
+            return 0
+        group_size = self.num_gpus
+        masked = np.iinfo(np.int64).max
+        gpu_time = np.where(self.allowed, self.gpu_seconds, masked)
+        gpu_base = self.gpu_start_load
+        base = int((self.start_load * self.bag_size).sum() + gpu_base.sum())  # GPU-seconds already placed
+        speed = self.gpu_speed
+        if speed is not None:  # work at speed 1: of each sequence in each class, and already placed
+            work = np.where(self.allowed, self.speed_work, np.inf)
+            # Float sums with math.fsum, exactly rounded: NumPy's summation order may differ between
+            # CPUs, and every rank must compute the same bound.
+            bag_speed_sum = [
+                math.fsum(speed[f : f + g].tolist()) for f, g in zip(self.bag_first, self.bag_size, strict=True)
+            ]
+            base_work = math.fsum([*(load * v for load, v in zip(self.start_load.tolist(), bag_speed_sum, strict=True)),
+                                   *(b * v for b, v in zip(gpu_base.tolist(), speed.tolist(), strict=True))])  # fmt: skip
+            speed_sum = math.fsum(speed.tolist())
+
+        def enough_for(usable: np.ndarray) -> int:
+            """Smallest ``T`` test (1) allows with the classes ``usable`` ``[N, C]``."""
+            need = -(-(base + int(np.where(usable, gpu_time, masked).min(axis=1).sum())) // group_size)
+            if speed is not None:  # rounded down: float error must not lift a bound over the optimum
+                least_work = np.where(usable, work, np.inf).min(axis=1).tolist()
+                need = max(need, math.floor(math.fsum([base_work, *least_work]) / speed_sum))
+            return need
+
+        # No T below these passes: some sequence fits nowhere, a bag or GPU is already over, or even
+        # the cheapest choices overflow.
+        floor = max(int(np.where(self.allowed, self.cost, masked).min(axis=1).max()), int(self.start_load.max()),
+                    int(gpu_base.max()), enough_for(self.allowed))  # fmt: skip
+        breakpoints = np.concatenate([[floor], np.unique(self.cost[self.allowed & (self.cost > floor)])])
+
+        def smallest_within(t: int) -> float:
+            """Smallest T >= t passing both tests with the allowed sets of t (inf if none covers)."""
+            usable = self.allowed & (self.cost <= t)
+            if not usable.any(axis=1).all():
+                return np.inf
+            need = max(t, enough_for(usable))
+            single = usable.sum(axis=1) == 1
+            if single.any():
+                only_class = usable[single].argmax(axis=1)
+                forced_cost = self.cost[single, only_class]
+                for c in np.unique(only_class).tolist():
+                    need = max(need, _pigeonhole_bound(forced_cost[only_class == c], int(self.class_count[c])))
+            return need
+
+        # Smallest index whose breakpoint passes; len(breakpoints) if none does (then the sets are final).
+        lo, hi = 0, len(breakpoints)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if smallest_within(int(breakpoints[mid])) <= breakpoints[mid]:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == 0:
+            return int(breakpoints[0])
+        beyond = smallest_within(int(breakpoints[lo - 1]))
+        return int(beyond if lo == len(breakpoints) else min(beyond, breakpoints[lo]))
+
+    @functools.cached_property
+    def gpu_speed(self) -> np.ndarray | None:
+        """``[S]`` each GPU's speed, or ``None`` when they are all equal."""
+        speed = self.workload.gpu_speed
+        return None if speed is None or len(set(speed)) == 1 else np.asarray(speed, dtype=np.float64)
+
+    @functools.cached_property
+    def speed_work(self) -> np.ndarray:
+        """``[N, C]`` float64 work at speed 1 of each sequence in a bag of each class: its GPU-time
+        times the class's speed (a bag runs at its slowest GPU's). A GPU of speed ``v`` does ``v``
+        of it per unit of load, which bounds the step time where speeds differ."""
+        class_speed = np.zeros(len(self.class_size))
+        class_speed[self.bag_class] = self.workload.group_speeds(self.bag_first, self.bag_size, self.num_gpus)
+        return self.gpu_seconds * class_speed[None, :]
+
+    def make_plan(self, solver: str, group_start: np.ndarray, group_size: np.ndarray) -> RoutingPlan:
+        """Cut every sequence into near-equal contiguous chunks over its group and price the result."""
+        n = len(self.seq_lens)
+        chunk_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(group_size, out=chunk_offsets[1:])
+        seq_of_chunk = np.repeat(np.arange(n), group_size)
+        position = np.arange(chunk_offsets[-1]) - chunk_offsets[seq_of_chunk]
+        base = (self.seq_lens // group_size)[seq_of_chunk]
+        extra = (self.seq_lens % group_size)[seq_of_chunk]
+        chunk_len = base + (position < extra)
+        chunk_start = position * base + np.minimum(position, extra)
+        chunk_gpu = group_start[seq_of_chunk] + position
+
+        gpu_loads = self._gpu_loads(group_start, group_size)
+        arrays = [self.seq_lens, self.src, group_start.astype(np.int64), group_size.astype(np.int64), chunk_offsets,
+                  chunk_gpu, chunk_start, chunk_len, gpu_loads]  # fmt: skip
+        for array in arrays:
+            array.setflags(write=False)
+        return RoutingPlan(self.topology.spec, solver, *arrays, self.lower_bound_s, self.cap)
+
+    def tiling_problem(self, seqs: np.ndarray, bags: np.ndarray, base_load: np.ndarray,
+                       base_tokens: np.ndarray) -> Problem:  # fmt: skip
+        """The sequences ``seqs`` over the disjoint groups ``bags`` (ids of this problem's groups) as
+        the bags of a fixed topology, every GPU of bag ``k`` already holding ``base_load[k]`` and
+        ``base_tokens[k]``: a stage of the elastic planner. Bag ``k`` of the result is group
+        ``bags[k]``."""
+        classes, bag_class = np.unique(self.bag_class[bags], return_inverse=True)
+        bag_size, bag_first = self.bag_size[bags], self.bag_first[bags]
+        topology = Topology(f"tiling of {self.topology.spec}", tuple(bag_size.tolist()), tuple(bag_first.tolist()),
+                            self.num_gpus, None, True)  # fmt: skip
+        return Problem(topology, self.workload, self.cap, self.seq_lens[seqs], self.src[seqs], bag_size, bag_first,
+                        bag_class.ravel().astype(np.int64), self.class_size[classes],
+                        np.bincount(bag_class.ravel(), minlength=len(classes)).astype(np.int64),
+                        self.cost[seqs][:, classes], self.tokens[seqs][:, classes], self.allowed[seqs][:, classes],
+                        self.seconds_per_unit, base_load, base_tokens)  # fmt: skip
+
+    def make_home_plan(self, solver: str) -> RoutingPlan:
+        """Every sequence alone on its home GPU (Ulysses degree 1, no bag)."""
+        return self.make_plan(solver, self.src, np.ones_like(self.src))
+
+    def _gpu_loads(self, group_start: np.ndarray, group_size: np.ndarray) -> np.ndarray:
+        return _group_loads(self.workload, self.seq_lens, group_start, group_size, self.topology.group_size)
+
+    @functools.cached_property
+    def home_max_load_s(self) -> float:
+        """Modeled step time of keeping every sequence alone on its home GPU."""
+        return float(self._gpu_loads(self.src, np.ones_like(self.src)).max()) if self.seq_lens.size else 0.0
+
+    @functools.cached_property
+    def lower_bound_s(self) -> float:
+        """Seconds no plan of ours can beat: the topology bound, or running everything at home. The
+        quantised loads leave out the overhead every GPU pays (the least one): it is added back."""
+        least_overhead = float(self.workload.gpu_overhead_s(self.num_gpus).min()) if self.workload.overhead_s else 0.0
+        return min(self.lower_bound * self.seconds_per_unit + least_overhead, self.home_max_load_s)
+
+    def fits_cap_at_home(self) -> bool:
+        home_tokens = np.bincount(self.src, weights=self.seq_lens, minlength=self.topology.group_size)
+        return self.cap is None or bool(home_tokens.max(initial=0) <= self.cap)
+
+
+def _overhead_units(workload: CostModel, num_gpus: int, scale: float, total_cost: int) -> np.ndarray | None:
+    """``[S]`` int64 each GPU's fixed overhead above the least one, in cost units of ``scale`` per
+    second, or ``None`` when they are all equal (no speeds, or no overhead): a load every GPU pays
+    alike changes no plan. Rounded down, so bounds on them stay bounds. In ascending order, each is
+    held to the one before plus ``total_cost + 1`` (all of the step's work, each sequence at its
+    costliest): a GPU further behind gets nothing in any plan and stays the busiest, so that changes
+    no plan, and loads stay in the range the sequences' costs give them."""
+    if not workload.overhead_s or workload.gpu_speed is None:
+        return None
+    overhead = workload.gpu_overhead_s(num_gpus)
+    extra = np.floor((overhead - overhead.min()) * scale)
+    capped, previous = np.zeros(num_gpus, dtype=np.int64), 0
+    for gpu in np.argsort(extra, kind="stable").tolist():
+        previous = capped[gpu] = int(min(extra[gpu], previous + total_cost + 1))
+    return capped if capped.any() else None
+
+
+def _pigeonhole_bound(costs: np.ndarray, bags: int) -> int:
+    """Load some bag must reach when ``costs`` all go to ``bags`` identical bags.
+
+    Total over bags (rounded up), and for every ``t >= 1``: the ``t * bags + 1`` largest costs put
+    ``t + 1`` of them in one bag, which carries at least the ``t + 1`` smallest of those.
+    """
+    descending = np.sort(costs)[::-1]
+    prefix = np.concatenate([[0], np.cumsum(descending)])
+    bound = -(-int(prefix[-1]) // bags)
+    t = np.arange(1, (len(costs) - 1) // bags + 1)
+    if t.size:
+        bound = max(bound, int(np.max(prefix[t * bags + 1] - prefix[t * bags - t])))
+    return bound
+
+
+def _flatten_lengths(seq_lens_per_rank, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """``[N]`` lengths and ``[N]`` home ranks, validated; errors name the rank and the bad value."""
+    if len(seq_lens_per_rank) != topology.group_size:
+        raise ValueError(
+            f"got sequence lengths for {len(seq_lens_per_rank)} ranks, but topology {topology.spec!r} has "
+            f"{topology.group_size} GPUs per balance group; pass one list per rank of the balance group"
+        )
+    per_rank = []
+    for rank, lengths in enumerate(seq_lens_per_rank):
+        try:
+            array = np.asarray(lengths)
+        except ValueError:  # ragged nesting
+            array = np.asarray(lengths, dtype=object)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iuf"):
+            raise ValueError(
+                f"rank {rank}: sequence lengths must be a flat list of token counts, one per sequence; got {lengths!r}"
+            )
+        if array.size and array.dtype.kind == "f":
+            fractional = np.flatnonzero(array != np.round(array))
+            if fractional.size:
+                index = int(fractional[0])
+                raise ValueError(
+                    f"rank {rank}: sequence {index} has length {lengths[index]!r}; lengths are whole token counts"
+                )
+            array = array.astype(np.int64)
+        if array.size and array.min() <= 0:
+            index = int(np.argmin(array))
+            raise ValueError(
+                f"rank {rank}: sequence {index} has length {int(array[index])}; every length must be a "
+                "positive token count (drop empty samples before planning; a rank may have no sequences)"
+            )
+        per_rank.append(array.astype(np.int64))
+    seq_lens = np.concatenate(per_rank) if per_rank else np.zeros(0, dtype=np.int64)
+    src = np.repeat(np.arange(len(per_rank), dtype=np.int64), [len(a) for a in per_rank])
+    return seq_lens, src

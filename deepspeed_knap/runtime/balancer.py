@@ -1,0 +1,379 @@
+"""The balancer: plan -> route -> blocks -> reverse route, the glue a model's block stack runs in.
+
+    balancer = KnapBalancer(groups, workload)
+    out = balanced_forward(batch, blocks, balancer)  # blocks(routed: RoutedBatch) -> [T_routed, D]
+
+``blocks`` sees the tokens this GPU runs (``routed.batch``) and passes ``routed`` to every
+:class:`~deepspeed_knap.runtime.attention.KnapDistributedAttention`; the result comes back in the home
+rank's token order, so the loss is computed exactly as without balancing. Collectives happen only in
+:mod:`~deepspeed_knap.runtime.routing` and :mod:`~deepspeed_knap.runtime.attention`; this module only sequences them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import logger
+from torch import Tensor
+
+from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.cost.online import OnlineCostModel, OnlineSettings
+from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.planner.solve import DEFAULT_SOLVER, plan_loads, plan_routing
+from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError
+from deepspeed_knap.runtime.attention import balanced_step_in_flight, set_balanced_step
+from deepspeed_knap.runtime.groups import ProcessGroups
+from deepspeed_knap.runtime.packing import PackedBatch
+from deepspeed_knap.runtime.routing import (
+    RoutedBatch,
+    gather_ints,
+    gather_lengths,
+    gather_step,
+    local_batch,
+    reverse_route,
+    route,
+    time_exchanges,
+)
+from deepspeed_knap.runtime.timing import StepTimes, stamp
+
+# A step's plan with what it was made of: (lengths per rank, plan, solve seconds, solved ahead, the
+# cost model it was solved with).
+_Planned = tuple[list[list[int]], RoutingPlan, float, bool, CostModel]
+
+
+# Plans prefetched and not used yet that are kept, the oldest dropped first: one for the next
+# forward and one for the forward after it, in the documented loop; more only after skipped forwards.
+_MAX_AHEAD = 2
+
+
+@dataclasses.dataclass
+class _PlanAhead:
+    """A step's plan solving in the worker process since :meth:`KnapBalancer.prefetch`."""
+
+    seq_lens_per_rank: list[list[int]]
+    model: CostModel  # the cost model it is solved with
+    ticket: int  # the worker's job
+    seq_lens: list[int]  # this rank's: a forward whose batch has these lengths may use the plan
+    reply: tuple[RoutingPlan, float] | str | None = None  # (plan, solve seconds) or the failure, once read
+
+    def read(self, worker: PlanWorker, timeout_s: float) -> tuple[RoutingPlan, float] | str:
+        """The worker's ``(plan, solve seconds)`` for it, or why there is none; waits for the solve,
+        at most ``timeout_s``."""
+        if self.reply is None:
+            try:
+                self.reply = worker.result(self.ticket, timeout_s)
+            except PlanWorkerError as error:
+                self.reply = str(error)
+        return self.reply
+
+
+class KnapBalancer:
+    """Balances one step's packed batches over a topology's bags.
+
+    Every step it also times this rank's share (plan, route, compute, Ulysses all-to-alls, reverse
+    route; :mod:`~deepspeed_knap.runtime.timing`) and ships the compute and Ulysses microseconds with the next
+    step's lengths, in the same all-gather: every rank then knows every rank's measured times of the
+    last step. With ``online`` settings the cost model is refit from them every step
+    (:mod:`~deepspeed_knap.cost.online`), identically on every rank. With :meth:`prefetch` the next
+    step's plan is solved in a worker process while this step runs.
+
+    Args:
+        groups: from :func:`~deepspeed_knap.runtime.groups.create_process_groups`.
+        workload: the cost model the planner balances (the prior, with ``online``).
+        solver: planner solver (see :data:`~deepspeed_knap.planner.SOLVERS`).
+        max_tokens_per_gpu: memory cap for the planner, or ``None``.
+        log_interval: every this many plans, global rank 0 logs the metrics of its balance group
+            (:meth:`metrics`); 0 never.
+        monitor: a DeepSpeed ``MonitorMaster`` (``engine.monitor``) that gets the same numbers.
+        online: refit the cost model from measured times with these settings; ``None``: never.
+    """
+
+    def __init__(
+        self,
+        groups: ProcessGroups,
+        workload: CostModel,
+        solver: str = DEFAULT_SOLVER,
+        max_tokens_per_gpu: int | None = None,
+        log_interval: int = 0,
+        monitor: Any = None,
+        online: OnlineSettings | None = None,
+    ) -> None:
+        self.groups = groups
+        self.workload = workload
+        self.solver = solver
+        self.max_tokens_per_gpu = max_tokens_per_gpu
+        self.log_interval = log_interval
+        self.monitor = monitor
+        self.online = None if online is None else OnlineCostModel(workload, groups.topology.group_size, online)
+        self.steps = 0
+        self.last_times: dict[str, float] | None = None  # this rank's breakdown of the last finished step
+        self._last: _Planned | None = None
+        self._in_flight: tuple[StepTimes, RoutingPlan, CostModel] | None = None
+        self._closed: tuple[RoutingPlan, CostModel] | None = None  # the step close_step() ended
+        self._report = [-1, -1]  # this rank's [compute, ulysses] microseconds, shipped with the next lengths
+        self._routed: RoutedBatch | None = None  # the step in flight, current for drop-in attention
+        self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
+        self._worker: PlanWorker | None = None  # started by the first prefetch
+        self._prefetches = 0  # prefetch() calls so far: a prefetched plan's id, the same on every rank
+        self._ahead: dict[int, _PlanAhead] = {}  # by id, oldest first; at most _MAX_AHEAD
+
+    @property
+    def _worker_timeout_s(self) -> float:
+        """How long this rank waits for its plan worker, at a prefetch or a forward. The other ranks
+        wait for this one in their next collective: ours (the groups' timeout) or, under ZeRO-3, a
+        parameter gather (DeepSpeed's). A third of the shorter leaves room for both waits between
+        two of ours: a stuck worker is given up on first, and every rank plans that step itself."""
+        from deepspeed.constants import default_pg_timeout
+
+        return min(self.groups.timeout, default_pg_timeout).total_seconds() / 3
+
+    @property
+    def model(self) -> CostModel:
+        """The cost model the next step is planned with."""
+        return self.online.model() if self.online is not None else self.workload
+
+    def plan(self, batch: PackedBatch) -> RoutingPlan:
+        """Gather every rank's lengths (and last step's times) and solve; every rank gets the same
+        plan. Collective. A plan :meth:`prefetch` solved for lengths equal to this batch's, on every
+        rank, is used instead."""
+        self.close_step()
+        found = self._plan_ahead(batch) if self._ahead else None  # _ahead: the same keys on every rank
+        if found is None:
+            seq_lens_per_rank = self._gather(gather_step, batch)
+            model = self.model
+            start = time.perf_counter()
+            plan = plan_routing(seq_lens_per_rank, self.groups.topology, model, self.solver, self.max_tokens_per_gpu)
+            found = (seq_lens_per_rank, plan, time.perf_counter() - start, False, model)
+        self._last = found
+        self.steps += 1
+        if self.log_interval and self.steps % self.log_interval == 0 and self.groups.rank == 0:
+            self._log(self.metrics())
+        return found[1]
+
+    def prefetch(self, next_seq_lens: Sequence[int], device: torch.device | str | None = None) -> None:
+        """Start planning the *next* step now: gather its lengths (of the batch the step after the
+        one about to run will get, e.g. ``PackedBatch.seq_lens`` or ``FluxInputs.seq_lens``) and
+        solve its plan in a worker process (:class:`~deepspeed_knap.planner.worker.PlanWorker`) while
+        this step runs. Collective, over ``device`` (default: DeepSpeed's current accelerator
+        device). Call it once per forward (per micro-batch under gradient accumulation), before the
+        forward, with the lengths of the forward after it::
+
+            balancer.prefetch(next_batch.seq_lens)
+            out = model(batch, balancer)  # batch's plan was solved during the last step
+
+        The plan is the one :meth:`plan` would solve, with the cost model as it stands now: with
+        ``online``, one step older (the step about to run is not measured yet). A later forward uses
+        it when every rank's batch has the lengths that rank prefetched (the oldest such plan, agreed
+        in one small all-gather); otherwise every rank plans that forward itself, as without prefetch
+        (the ranks concerned log why). So a forward skipped after its prefetch, or an extra one (a
+        validation loss through the balancer), costs that forward its plan ahead and nothing more.
+        The last two prefetched plans not used yet are kept.
+
+        Raises:
+            ValueError: on every rank, when any rank's lengths are not non-negative integers.
+        """
+        seq_lens = list(next_seq_lens)
+        problem = None
+        if not all(isinstance(n, numbers.Integral) and 0 <= n < 2**62 for n in seq_lens):
+            problem = f"prefetch: next_seq_lens must be non-negative integers below 2**62; got {seq_lens}"
+        device = torch.device(get_accelerator().current_device_name() if device is None else device)
+        self.close_step()
+        seq_lens_per_rank = self._gather(gather_lengths, seq_lens, problem, device)
+        if self._worker is None:
+            self._worker = PlanWorker()
+            weakref.finalize(self, self._worker.close)
+        model = self.model
+        ticket = self._worker.submit(seq_lens_per_rank, self.groups.topology, model, self.solver,
+                                     self.max_tokens_per_gpu, timeout_s=self._worker_timeout_s)  # fmt: skip
+        self._ahead[self._prefetches] = _PlanAhead(seq_lens_per_rank, model, ticket, [int(n) for n in seq_lens])
+        self._prefetches += 1
+        while len(self._ahead) > _MAX_AHEAD:
+            self._worker.discard(self._ahead.pop(next(iter(self._ahead))).ticket)
+
+    def _gather(self, gather: Callable[..., tuple[list[list[int]], list[list[int]]]], *args: Any) -> list[list[int]]:
+        """Every rank's lengths, by ``gather(*args, groups, report)`` (:mod:`~deepspeed_knap.runtime.routing`),
+        shipping this rank's times of the last closed step and recording every rank's (and the online
+        refit). Collective."""
+        previous, report = self._closed, self._report
+        self._closed, self._report = None, [-1, -1]
+        seq_lens_per_rank, reports = gather(*args, self.groups, report)
+        if previous is not None:
+            self._record(*previous, reports)
+        return seq_lens_per_rank
+
+    def _plan_ahead(self, batch: PackedBatch) -> _Planned | None:
+        """``(lengths, plan, solve seconds, True, model)`` of the oldest plan prefetched for this
+        batch's lengths on every rank, or ``None`` if the ranks find none (they log why). The plans
+        older than the newest any rank found are dropped, and the one used. Collective: which plan
+        matches, and whether a worker failed, differ between ranks."""
+        chosen, failure, bad_batch = -1, None, batch.problem() is not None  # a bad batch: the fallback raises
+        seq_lens = list(batch.seq_lens)
+        match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens), None)
+        if match is not None and not bad_batch:
+            reply = self._ahead[match].read(self._worker, self._worker_timeout_s)
+            chosen, failure = (match, None) if isinstance(reply, tuple) else (-1, reply)
+        choices = gather_ints(chosen, batch.tokens.device, self.groups)
+        agreed = min(choices) == max(choices) >= 0
+        used, prefetched = self._ahead.get(chosen), [ahead.seq_lens for ahead in self._ahead.values()]
+        # Agreed: the plans up to the one used are done with. Not: those older than the newest any
+        # rank found; that one may be the next forward's (its lengths recurring on some rank).
+        for i in [i for i in self._ahead if i < max(choices) or (agreed and i == chosen)]:  # the same on every rank
+            self._worker.discard(self._ahead.pop(i).ticket)  # its reply, if read already, is dropped
+        if agreed:
+            plan, solve_s = used.reply
+            return used.seq_lens_per_rank, plan, solve_s, True, used.model
+        # A forward no rank prefetched for (the first, a validation loss) is planned in the step
+        # silently; a worker's failure, or ranks finding different plans, is worth a line.
+        step = self.steps + 1
+        if failure is not None:
+            logger.warning(f"knapformer rank {self.groups.rank}: step {step} planned in the step: {failure}")
+        elif chosen < 0 and max(choices) >= 0 and not bad_batch:
+            logger.warning(f"knapformer rank {self.groups.rank}: step {step} planned in the step: no plan was "
+                           f"prefetched for a batch of lengths {seq_lens} (prefetched: {prefetched})")  # fmt: skip
+        if self.groups.group_rank == 0 and max(choices) >= 0:
+            logger.warning(f"knapformer: step {step} planned in the step; the prefetched plan each balance-group "
+                           f"rank found for its batch (-1: none): {choices}")  # fmt: skip
+        return None
+
+    def close_step(self) -> dict[str, float] | None:
+        """End the timing of the step in flight (once its backward is done) and return this rank's
+        breakdown of it (:meth:`~deepspeed_knap.runtime.timing.StepTimes.seconds`), also kept as
+        :attr:`last_times`; ``None`` when unknown (no step, no backward, a timer that failed). The next
+        :meth:`plan` calls it if the training loop did not, and ships the result to every rank."""
+        if self._in_flight is None:
+            return self.last_times
+        times, plan, model = self._in_flight
+        # A new step's report replaces any not shipped yet (a prefetched step gathers nothing).
+        self._in_flight, self._closed, self._report = None, (plan, model), [-1, -1]
+        time_exchanges(None, times)
+        if balanced_step_in_flight() is self._routed:
+            set_balanced_step(None)
+        self._routed = None
+        try:
+            seconds = times.seconds()
+        except RuntimeError as error:  # a CUDA event that never recorded
+            logger.warning(f"knapformer rank {self.groups.rank}: step timer failed ({error}); step not measured")
+            seconds = None
+        self.last_times = seconds
+        if seconds is not None:
+            compute, ulysses = seconds["compute"], seconds["ulysses"]
+            if math.isfinite(compute) and math.isfinite(ulysses) and compute >= 0 and ulysses >= 0:
+                self._report = [round(compute * 1e6), round(ulysses * 1e6)]
+            else:
+                logger.warning(f"knapformer rank {self.groups.rank}: step timer read {seconds}; step not measured")
+        return seconds
+
+    def _record(self, plan: RoutingPlan, model: CostModel, reports: list[list[int]]) -> None:
+        """Every rank's measured times of the step planned by ``plan`` (with ``model``)."""
+        compute_us = [report[0] for report in reports]
+        if self.online is not None:
+            predicted = self.online.predicted_s(plan)
+            self.online.observe(plan, compute_us, [report[1] for report in reports])
+        else:
+            predicted = plan_loads(plan, dataclasses.replace(model, alltoall_coef=0.0)).tolist()
+        self._measured = (compute_us, predicted)
+
+    def metrics(self) -> dict[str, float]:
+        """The last plan's numbers (of this rank's balance group): modeled imbalance (max/mean GPU
+        load) without and with balancing, solve time (``planned_ahead`` 1: solved in the worker
+        process, during the step before), share of tokens moved; once a step has been
+        measured, that step's measured imbalance (max/mean of the ranks' compute seconds), the model's
+        median relative error over ranks, and with online refit the smallest and largest rank speed.
+        Local: no collective."""
+        if self._last is None:
+            raise RuntimeError("no step has been planned yet; call metrics() after the model's forward")
+        seq_lens_per_rank, plan, solve_s, ahead, model = self._last
+        unbalanced = plan_routing(seq_lens_per_rank, self.groups.topology, model, "none")
+        metrics = {
+            "knapformer/imbalance_before": unbalanced.imbalance,
+            "knapformer/imbalance_after": plan.imbalance,
+            "knapformer/solve_ms": solve_s * 1e3,
+            "knapformer/planned_ahead": float(ahead),
+            "knapformer/tokens_moved": plan.tokens_moved_fraction,
+        }
+        if self._measured is not None:
+            measured = [t / 1e6 for t in self._measured[0] if t >= 0]
+            errors = sorted(
+                abs(p - t / 1e6) / (t / 1e6) for t, p in zip(*self._measured, strict=True) if t > 0 and p > 0
+            )
+            if measured and sum(measured) > 0:
+                metrics["knapformer/measured_imbalance"] = max(measured) / (sum(measured) / len(measured))
+            if errors:
+                metrics["knapformer/prediction_error"] = errors[len(errors) // 2]
+        if self.online is not None:
+            metrics["knapformer/speed_min"] = min(self.online.speeds)
+            metrics["knapformer/speed_max"] = max(self.online.speeds)
+        return metrics
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        line = (
+            f"knapformer step {self.steps}: modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
+            f"{metrics['knapformer/imbalance_after']:.3f}, solve {metrics['knapformer/solve_ms']:.1f} ms"
+            f"{' (ahead)' if metrics['knapformer/planned_ahead'] else ''}, "
+            f"tokens moved {metrics['knapformer/tokens_moved']:.1%}"
+        )
+        if "knapformer/measured_imbalance" in metrics:
+            line += f"; last step measured imbalance {metrics['knapformer/measured_imbalance']:.3f}"
+        if "knapformer/prediction_error" in metrics:
+            line += f", model error {metrics['knapformer/prediction_error']:.1%}"
+        if "knapformer/speed_min" in metrics:
+            line += f", rank speeds {metrics['knapformer/speed_min']:.2f}..{metrics['knapformer/speed_max']:.2f}"
+        logger.info(line)
+        if self.monitor is not None and self.monitor.enabled:
+            self.monitor.write_events([(name, value, self.steps) for name, value in metrics.items()])
+
+    def route(self, batch: PackedBatch, plan: RoutingPlan) -> RoutedBatch:
+        return route(batch, plan, self.groups)
+
+    def forward(self, batch: PackedBatch, blocks: Callable[[RoutedBatch], Tensor]) -> Tensor:
+        """Run ``blocks`` on the balanced tokens and return its ``[T_routed, ...]`` output as
+        ``[T, ...]`` rows in ``batch``'s order. The block stack is stamped at both ends, forward and
+        backward, for the step's measured compute time.
+
+        Raises:
+            RuntimeError: naming the step and this rank, when a collective fails (a rank died, or one
+                stuck past the groups' timeout) or the blocks raise.
+        """
+        step = self.steps + 1
+        try:
+            self.close_step()  # the last step's record, before this one's starts
+            times = StepTimes(batch.tokens.device)
+            time_exchanges(times)
+            times.mark("plan_start")
+            model = self.model
+            plan = self.plan(batch)  # a subclass may plan otherwise: the plan routed is the one timed
+            times.mark("plan_end")
+            self._in_flight = (times, plan, model)
+            routed = self.route(batch, plan)
+            routed = routed.with_tokens(stamp(routed.batch.tokens, times, "blocks_start", "blocks_grad_end"))
+            self._routed = routed
+            set_balanced_step(routed)  # drop-in DistributedAttention modules balance it, until close_step
+            out = stamp(blocks(routed), times, "blocks_end", "blocks_grad_start")
+            return reverse_route(out, routed)
+        except RuntimeError as error:
+            raise RuntimeError(f"knapformer step {step} failed on rank {self.groups.rank}: {error}") from error
+
+
+def balanced_forward(
+    batch: PackedBatch, blocks: Callable[[RoutedBatch], Tensor], balancer: KnapBalancer | None = None
+) -> Tensor:
+    """``balancer.forward(batch, blocks)``, or with ``balancer=None`` ``blocks`` on this rank's own
+    sequences: the same model without balancing and without communication.
+
+    The backward pass runs the route's all-to-alls in reverse, so every rank must backpropagate
+    through its output, even a rank with no tokens: ``blocks`` must return a tensor computed by the
+    layers (not a fresh ``zeros``), and the loss must depend on it (``(out * w).sum()`` of an empty
+    ``out`` is 0 and still on the graph; a ``0 * sum(params)`` stand-in would leave the other ranks
+    waiting in the backward all-to-all).
+    """
+    if balancer is None:
+        return blocks(local_batch(batch))
+    return balancer.forward(batch, blocks)

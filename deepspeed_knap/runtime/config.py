@@ -1,0 +1,220 @@
+"""The ``"knapformer"`` block of a DeepSpeed JSON config.
+
+    "knapformer": {
+        "enabled": true,
+        "topology": "auto",
+        "workload": {"model": "flux-dev"},
+        "solver": "refine",
+        "attention_backend": "auto",
+        "log_interval": 10
+    }
+
+Validated before any process group exists; an unknown key or bad value raises ``ValueError``
+naming it. Every field is documented in the README with its default.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from deepspeed_knap.cost.model import MODEL_PRESETS, CostModel, default_cost_model
+from deepspeed_knap.cost.online import OnlineSettings
+from deepspeed_knap.planner.solve import DEFAULT_SOLVER
+from deepspeed_knap.planner.topology import AUTO, parse_topology_spec
+
+KNAPFORMER = "knapformer"
+
+
+class KnapWorkloadConfig(DeepSpeedConfigModel):
+    """Where the planner's cost model comes from: exactly one of a model preset (FLOP-derived),
+    measured coefficients, or a calibration file written by ``deepspeed-knap calibrate``."""
+
+    model: str | None = None
+    """Preset name (``flux-dev``, ``flux-schnell``, ``flux-tiny``, ``flux2-dev``); the default when nothing
+    else is given."""
+    hidden: int | None = Field(None, gt=0)
+    """Override the preset's model width."""
+    double_blocks: int | None = Field(None, ge=0)
+    """Override the preset's double-stream block count."""
+    single_blocks: int | None = Field(None, ge=0)
+    """Override the preset's single-stream block count."""
+    mlp_ratio: float | None = Field(None, gt=0)
+    """Override the preset's MLP ratio."""
+    tflops: float = Field(400.0, gt=0)
+    """Sustained TFLOP/s per GPU assumed by the preset model."""
+    alltoall_gbps: float = Field(150.0, gt=0)
+    """All-to-all bandwidth per GPU (GB/s) assumed by the preset model."""
+    linear_coef: float | None = Field(None, ge=0)
+    """Measured ``a`` (seconds per token on one GPU); give with ``quadratic_coef``."""
+    quadratic_coef: float | None = Field(None, ge=0)
+    """Measured ``b`` (seconds per token squared); give with ``linear_coef``."""
+    alltoall_coef: float | None = Field(None, ge=0)
+    """Measured ``c`` (seconds per token of Ulysses traffic); optional with coefficients."""
+    calibration_file: str | None = None
+    """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef`` and
+    ``degree_efficiency``, as ``deepspeed-knap calibrate`` writes it."""
+    frozen_base: bool = False
+    """Preset model: the base weights are frozen (LoRA), so linear layers' backward skips the
+    weight gradient (2 forwards' worth instead of 3)."""
+    online: bool = False
+    """Refit ``a``, ``b``, ``c`` and a speed factor per rank from the measured step times, every step,
+    identically on every rank; the source above is the prior."""
+    warmup_steps: int = Field(5, ge=1)
+    """Online: steps measured before the first refit."""
+    forgetting: float = Field(0.9, gt=0, le=1)
+    """Online: weight of a step relative to the next newer one."""
+    refit_interval: int = Field(1, ge=1)
+    """Online: refit every this many steps."""
+    max_speed_ratio: float = Field(4.0, gt=1)
+    """Online: a rank's speed factor stays within this factor of the median rank's."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KnapWorkloadConfig:
+        dims = [k for k in ("hidden", "double_blocks", "single_blocks", "mlp_ratio") if getattr(self, k) is not None]
+        coefs = [k for k in ("linear_coef", "quadratic_coef", "alltoall_coef") if getattr(self, k) is not None]
+        sources = [name for name, used in (("model/dims", self.model is not None or dims),
+                                           ("coefficients", coefs), ("calibration_file", self.calibration_file))
+                   if used]  # fmt: skip
+        if len(sources) > 1:
+            raise ValueError(f"give one workload source, not {' and '.join(sources)}")
+        if coefs and (self.linear_coef is None or self.quadratic_coef is None):
+            raise ValueError("coefficients need both linear_coef and quadratic_coef")
+        if self.model is not None and self.model not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {self.model!r}; choose one of {sorted(MODEL_PRESETS)}")
+        if self.frozen_base and (coefs or self.calibration_file):
+            raise ValueError("frozen_base adjusts a preset; measured coefficients already say what they measured")
+        return self
+
+    def online_settings(self) -> OnlineSettings | None:
+        """The online refit's settings, or ``None`` when ``online`` is off."""
+        if not self.online:
+            return None
+        return OnlineSettings(self.warmup_steps, self.forgetting, self.refit_interval, self.max_speed_ratio)
+
+    def build(self) -> CostModel:
+        """The :class:`~deepspeed_knap.cost.model.CostModel` this section describes."""
+        if self.linear_coef is not None:
+            return CostModel(self.linear_coef, self.quadratic_coef, self.alltoall_coef or 0.0)
+        if self.calibration_file is not None:
+            return _read_calibration(self.calibration_file)
+        dims = {k: getattr(self, k) for k in ("hidden", "double_blocks", "single_blocks", "mlp_ratio")}
+        overrides = {k: v for k, v in dims.items() if v is not None}
+        return default_cost_model(self.model or "flux-dev", tflops=self.tflops, alltoall_gbps=self.alltoall_gbps,
+                                frozen_base=self.frozen_base, **overrides)  # fmt: skip
+
+
+def _read_calibration(path: str) -> CostModel:
+    try:
+        data = json.loads(Path(path).read_text())
+        efficiency = data.get("degree_efficiency")
+        return CostModel(float(data["linear_coef"]), float(data["quadratic_coef"]),
+                             float(data.get("alltoall_coef", 0.0)), None,
+                             tuple((int(g), float(e)) for g, e in efficiency) if efficiency else None)  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"knapformer.workload.calibration_file {path!r} is unreadable ({error}); it must be a JSON object with "
+            "linear_coef, quadratic_coef and optionally alltoall_coef and degree_efficiency, as deepspeed-knap "
+            "calibrate writes"
+        ) from None
+
+
+class KnapFormerConfig(DeepSpeedConfigModel):
+    """The ``"knapformer"`` block. With ``enabled: false`` (the default) nothing is balanced and nothing
+    extra communicates."""
+
+    enabled: bool = False
+    """Turn balancing on."""
+    topology: str | None = None
+    """``"auto"`` (every sequence gets its own Ulysses degree each step), or the bag layout of one
+    balance group, e.g. ``"g8n4"`` or ``"g1n8+g2n4"``; required when enabled."""
+    max_degree: int | None = Field(None, gt=0)
+    """``auto`` only: the largest Ulysses group, a power of two; above a node, groups of whole nodes
+    for sequences the cap keeps out of every group inside one. Default: the smallest of 8, the node
+    and the model's attention heads."""
+    gpus_per_node: int | None = Field(None, gt=0)
+    """GPUs per node: bags and groups stay inside nodes (but ``auto``'s groups of whole nodes, see
+    ``max_degree``); default: what the launcher reports
+    (``LOCAL_SIZE`` from deepspeed, ``LOCAL_WORLD_SIZE`` from torchrun, ``OMPI_COMM_WORLD_LOCAL_SIZE``
+    or ``MPI_LOCALNRANKS`` from mpirun, ``SLURM_NTASKS_PER_NODE``)."""
+    solver: Literal["none", "knapformer", "refine"] = DEFAULT_SOLVER
+    """Planner solver."""
+    workload: KnapWorkloadConfig = Field(default_factory=KnapWorkloadConfig)
+    """Cost model source."""
+    max_tokens_per_gpu: int | None = Field(None, gt=0)
+    """Memory cap: most tokens one GPU may hold after routing."""
+    attention_backend: Literal["auto", "flash", "torch_varlen", "sdpa"] = "auto"
+    """Local attention kernel of every ``KnapDistributedAttention`` in the model."""
+    log_interval: int = Field(10, ge=0)
+    """Log balancing metrics every this many steps (0: never)."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Seconds a collective of ours (the lengths gather, the routes, the Ulysses all-to-alls) waits
+    for a stuck or dead rank before the job fails; DeepSpeed's own default is 10 minutes."""
+
+    @field_validator("topology")
+    @classmethod
+    def _topology_grammar(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_topology_spec(value)
+        return value
+
+    @model_validator(mode="after")
+    def _topology_when_enabled(self) -> KnapFormerConfig:
+        if self.enabled and self.topology is None:
+            raise ValueError('"enabled": true needs a "topology": "auto", or bags such as "g8n4" (4 bags of 8 GPUs)')
+        if self.solver == "knapformer" and self.max_tokens_per_gpu is not None:
+            raise ValueError(
+                f'"solver": "knapformer" cannot honour "max_tokens_per_gpu": {self.max_tokens_per_gpu} (the published '
+                'greedy knows no memory); use "solver": "refine", or drop the cap'
+            )
+        if self.topology is not None and self.topology.strip() == AUTO and self.solver == "knapformer":
+            raise ValueError('"solver": "knapformer" needs a fixed topology; "topology": "auto" is planned by "refine"')
+        if self.max_degree is not None:
+            if self.topology is None or self.topology.strip() != AUTO:
+                raise ValueError(
+                    f'"max_degree": {self.max_degree} applies to "topology": "auto" only; a fixed topology '
+                    f"({self.topology!r}) sets its bag sizes itself"
+                )
+            if self.max_degree & (self.max_degree - 1):
+                raise ValueError(f'"max_degree": {self.max_degree} must be a power of two (1, 2, 4, 8, ...)')
+        return self
+
+
+def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config given as a dict or a JSON file path, as a dict."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    return json.loads(Path(config).read_text())
+
+
+def get_knapformer_config(param_dict: Mapping[str, Any]) -> KnapFormerConfig:
+    """Parse the ``"knapformer"`` block of a DeepSpeed config dict (absent: disabled).
+
+    Raises:
+        ValueError: naming every bad key or value, with the valid keys for unknown ones.
+    """
+    block = param_dict.get(KNAPFORMER, {})
+    if not isinstance(block, Mapping):
+        raise ValueError(f'the "knapformer" block must be a JSON object; got {block!r}')
+    try:
+        return KnapFormerConfig(strict=True, **block)
+    except ValidationError as error:
+        raise ValueError(_explain(error)) from None
+
+
+def _explain(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in (KNAPFORMER, *item["loc"]))
+        if item["type"] == "extra_forbidden":
+            model = KnapWorkloadConfig if len(item["loc"]) > 1 and item["loc"][0] == "workload" else KnapFormerConfig
+            lines.append(f"unknown key {where!r}; valid keys: {', '.join(model.model_fields)}")
+        else:
+            message = item["msg"].removeprefix("Value error, ")
+            lines.append(f"{where} = {item.get('input')!r}: {message}" if item["loc"] else f"{KNAPFORMER}: {message}")
+    return 'invalid "knapformer" block in the DeepSpeed config:\n  ' + "\n  ".join(lines)

@@ -1,0 +1,178 @@
+"""This rank's process groups for a topology, and the collectives that make checks agree across ranks."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from deepspeed_knap.planner.topology import Topology
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessGroups:
+    """This rank's communication groups for one topology.
+
+    Attributes:
+        topology: the layout the groups were made for.
+        rank: this process's global rank.
+        replica: which balance group it belongs to.
+        group_rank: its position inside the balance group, the GPU index plans use.
+        balance_group: the process group of the balance group (lengths gather, routing).
+        attention_groups: ``{(start, size): process group}`` for every group of size > 1 this rank is
+            in (a bag, or with ``auto`` one group per size), keyed by positions inside the balance
+            group as plans give them.
+        timeout: the collective timeout of every group: how long a rank waits in one for the others.
+    """
+
+    topology: Topology
+    rank: int
+    replica: int
+    group_rank: int
+    balance_group: Any
+    attention_groups: dict[tuple[int, int], Any]
+    timeout: datetime.timedelta
+
+    def attention_group(self, start: int, size: int) -> Any:
+        """The process group of the ``size`` GPUs starting at ``start`` (``None`` for a single GPU)."""
+        if size == 1:
+            return None
+        try:
+            return self.attention_groups[(start, size)]
+        except KeyError:
+            raise ValueError(
+                f"no process group for GPUs {start}..{start + size - 1} of the balance group on rank {self.rank}: "
+                f"the plan does not use the groups of topology {self.topology.spec!r} (groups here: "
+                f"{sorted(self.attention_groups)})"
+            ) from None
+
+
+def create_process_groups(topology: Topology, timeout: datetime.timedelta | None = None) -> ProcessGroups:
+    """Create the balance-group and attention-group process groups.
+
+    Every rank creates every group, in the same order (replica by replica, then
+    :attr:`Topology.groups` in order): ``new_group`` is collective, and creating them in different
+    orders hangs. Groups go through ``torch.distributed.new_group`` (what ``deepspeed.comm`` calls,
+    minus its lack of a timeout) so that a rank stuck inside a group raises after ``timeout``
+    instead of blocking its partners for the backend's default (30 min on gloo).
+
+    Args:
+        topology: the layout.
+        timeout: collective timeout of every group; default DeepSpeed's (``DEEPSPEED_TIMEOUT``
+            minutes, 10 unless set).
+
+    Raises:
+        ValueError: the world size differs from the topology's (identical on every rank).
+    """
+    import deepspeed.comm as dist
+    import torch.distributed
+    from deepspeed.constants import default_pg_timeout
+
+    timeout = default_pg_timeout if timeout is None else timeout
+    world_size = dist.get_world_size()
+    if world_size != topology.world_size:
+        raise ValueError(
+            f"topology {topology.spec!r} was built for {topology.world_size} ranks but the job has {world_size}; "
+            f"build it with build_topology(spec, world_size={world_size})"
+        )
+    rank = dist.get_rank()
+    replica, group_rank = divmod(rank, topology.group_size)
+    balance_group = None
+    attention_groups = {}
+    for r in range(topology.num_replicas):
+        first = r * topology.group_size
+        # Made even when it is the whole world, so that the lengths gather and the routes time out too.
+        group = torch.distributed.new_group(list(range(first, first + topology.group_size)), timeout=timeout)
+        if r == replica:
+            balance_group = group
+        for start, size in topology.groups:
+            if size == 1:
+                continue
+            group = torch.distributed.new_group(list(range(first + start, first + start + size)), timeout=timeout)
+            if r == replica and start <= group_rank < start + size:
+                attention_groups[(start, size)] = group
+    return ProcessGroups(topology, rank, replica, group_rank, balance_group, attention_groups, timeout)
+
+
+def check_same_on_every_rank(views: dict[str, str]) -> None:
+    """Raise the same ``ValueError`` on every rank when ranks see a setting differently.
+
+    ``views`` maps a setting's name to what this rank sees (a config block, a node size read from
+    the launcher, a file's contents, whether a kernel is installed): anything that can differ between
+    nodes. One all-gather of a digest per setting, on the accelerator device, over the world; every
+    rank then knows which ranks differ and raises the same message, instead of some raising and the
+    others waiting in their next collective. Every rank must call it with the same setting names.
+
+    Raises:
+        ValueError: naming each setting that differs and the ranks that see it otherwise than rank 0.
+    """
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    names = sorted(views)
+    mine = torch.tensor(
+        [text_digest(name + "\0" + views[name]) for name in names], dtype=torch.int64,
+        device=get_accelerator().current_device_name(),
+    )  # fmt: skip
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    table = torch.stack(gathered).cpu()  # [world, settings]
+    differing = []
+    for column, name in enumerate(names):
+        odd = torch.nonzero(table[:, column] != table[0, column]).flatten().tolist()
+        if odd:
+            differing.append(f"{name} (ranks {odd} differ from rank 0)")
+    if differing:
+        raise ValueError(
+            "ranks see different settings, so they would act differently and the job would hang: "
+            + "; ".join(differing)
+            + ". Make the nodes' files, installed packages, environment and configs identical"
+        )
+
+
+def text_digest(text: str) -> int:
+    """A 63-bit digest of ``text`` (fits an int64 tensor), equal for equal texts on every machine."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def raise_together(problem: str | None, what: str, error: type[Exception] = ValueError) -> None:
+    """Raise the same ``error`` on every rank when any rank found a ``problem``.
+
+    For checks whose outcome can differ between ranks (a file, a path, a sample, a loss): a rank
+    raising alone would leave the others waiting in their next collective. Collective over the world
+    (two all-gathers on the accelerator device: lengths, then the messages' bytes): every rank calls
+    it, with ``None`` when all is well here.
+
+    Raises:
+        error: ``"{what} failed:"`` and each distinct problem with the ranks that found it.
+    """
+    messages = [m.decode() for m in all_gather_bytes((problem or "").encode())]
+    by_message: dict[str, list[int]] = {}
+    for rank, message in enumerate(messages):
+        if message:
+            by_message.setdefault(message, []).append(rank)
+    if by_message:
+        details = "\n".join(f"rank(s) {ranks}: {message}" for message, ranks in by_message.items())
+        raise error(f"{what} failed:\n{details}")
+
+
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's ``data``, by rank (two all-gathers on the accelerator device: lengths, then bytes)."""
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, length)
+    sizes = [int(t.item()) for t in lengths]
+    padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    padded = padded.to(device)
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [bytes(t[:size].cpu().tolist()) for t, size in zip(gathered, sizes, strict=True)]

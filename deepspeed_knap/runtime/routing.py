@@ -1,0 +1,388 @@
+"""Token routing: gather lengths, move every sequence's chunks to its group, and move them back.
+
+The entry points, all collective over the balance group (every rank must call them, in the same
+order):
+
+* :func:`gather_seq_lens` all-gathers each rank's sequence lengths, the planner's input, and checks
+  every rank's packed batch where all ranks see the result, so a bad batch raises on every rank.
+* :func:`route` moves a :class:`~deepspeed_knap.runtime.packing.PackedBatch` to where a plan puts it: one
+  variable-split all-to-all for the token states (differentiable), one for the per-token side
+  columns (as raw bytes, so integers are never rounded), one per differentiable per-sample tensor
+  and one for the rest.
+* :func:`reverse_route` moves routed rows ``[T_routed, ...]`` back to their home rank and order;
+  :func:`route_subset_rows` sends rows that only some tokens have (e.g. text states) the way the
+  route sent those tokens.
+
+All of them run on :func:`exchange`, the one all-to-all primitive, whose backward is the reverse
+exchange. Dimension names: ``T`` tokens, ``D`` model width, ``S`` GPUs of the balance group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.runtime.groups import ProcessGroups, text_digest
+from deepspeed_knap.runtime.layout import GpuLayout, gpu_layout, local_layout
+from deepspeed_knap.runtime.packing import PackedBatch
+from deepspeed_knap.runtime.timing import StepTimes
+
+# Bytes each kind of exchange sent to other ranks, while record_traffic() is active.
+_traffic: dict[str, int] | None = None
+# Where the exchanges of the step in flight are timed (forward and backward), set by the balancer.
+_times: StepTimes | None = None
+
+
+def time_exchanges(times: StepTimes | None, stop: StepTimes | None = None) -> None:
+    """Stamp both ends of every exchange started from now on into ``times`` (``None``: stop). With
+    ``stop``, stop only if ``stop`` is the record in use (another balancer's may have replaced it).
+    An exchange's backward is stamped into the record its forward used, whatever is current then."""
+    global _times
+    if stop is None or _times is stop:
+        _times = times
+
+
+@contextlib.contextmanager
+def record_traffic() -> Iterator[dict[str, int]]:
+    """Count the bytes this rank's exchanges send to *other* ranks, by kind (``"route"``,
+    ``"reverse_route"``, ``"ulysses"``), forward and backward, while the block runs."""
+    global _traffic
+    outer, _traffic = _traffic, defaultdict(int)
+    try:
+        yield _traffic
+    finally:
+        _traffic = outer
+
+
+def _dist():
+    import deepspeed.comm as dist
+
+    return dist
+
+
+class _Exchange(torch.autograd.Function):
+    """Variable-split all-to-all along dim 0; its gradient is the same exchange with the splits swapped
+    (stamped into the same step record, ``times``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, send_counts: list[int], recv_counts: list[int], group: Any, kind: str,
+                times: StepTimes | None) -> Tensor:  # fmt: skip
+        ctx.args = (recv_counts, send_counts, group, kind, times)
+        return _all_to_all(x, send_counts, recv_counts, group, kind, times)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _Exchange.apply(grad.contiguous(), *ctx.args), None, None, None, None, None
+
+
+def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group: Any, kind: str,
+                times: StepTimes | None) -> Tensor:  # fmt: skip
+    dist = _dist()
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    if _traffic is not None:
+        me = dist.get_rank(group)
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        _traffic[kind] += row_bytes * (sum(send_counts) - send_counts[me])
+    start = times.begin_exchange() if times is not None else None
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    if times is not None:
+        times.end_exchange(kind, start)
+    return out
+
+
+def exchange(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Any, kind: str) -> Tensor:
+    """All-to-all of rows of ``x``: ``send_counts[r]`` consecutive rows go to rank ``r`` of ``group``
+    and ``recv_counts[r]`` rows come back from it, stacked in rank order.
+
+    Args:
+        x: ``[sum(send_counts), ...]``; differentiable when floating point.
+        send_counts, recv_counts: one count per rank of ``group``; must mirror the peers' counts.
+        group: a ``deepspeed.comm`` process group (``None``: the world).
+        kind: label for :func:`record_traffic`.
+
+    Returns:
+        ``[sum(recv_counts), ...]`` rows from rank 0, then rank 1, ...
+    """
+    send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    if x.shape[0] != sum(send_counts):
+        raise ValueError(f"exchange got {x.shape[0]} rows to send but the split sizes add up to {sum(send_counts)}")
+    if x.requires_grad:
+        return _Exchange.apply(x, send_counts, recv_counts, group, kind, _times)
+    return _all_to_all(x, send_counts, recv_counts, group, kind, _times)
+
+
+@dataclass(frozen=True, eq=False)
+class RoutedBatch:
+    """What one GPU holds after routing, and how to send it back.
+
+    Attributes:
+        batch: the routed tokens: one "sequence" per non-empty chunk held, ascending global sequence
+            id; ``batch.seq_lens`` are the chunk lengths, ``batch.sample_data`` one row per chunk.
+        layout: this GPU's layout under the plan (sequence ids, chunk offsets, attention groups).
+        plan: the plan routed by, or ``None`` for a :func:`local_batch`.
+        groups: the process groups, or ``None`` for a :func:`local_batch` (no communication).
+    """
+
+    batch: PackedBatch
+    layout: GpuLayout
+    plan: RoutingPlan | None
+    groups: ProcessGroups | None
+    _device_arrays: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def seq_ids(self) -> np.ndarray:
+        """``[n]`` global sequence id of every chunk held."""
+        return self.layout.seq_ids
+
+    def with_tokens(self, tokens: Tensor) -> RoutedBatch:
+        """The same routed batch holding ``tokens`` (``[T_routed, ...]``, e.g. a stamped view)."""
+        return dataclasses.replace(self, batch=dataclasses.replace(self.batch, tokens=tokens))
+
+    def device_array(self, key: Any, array: np.ndarray, dtype: torch.dtype = torch.int64) -> Tensor:
+        """``array`` as a tensor on the batch's device, made once per step (attention layers reuse it)."""
+        if key not in self._device_arrays:
+            self._device_arrays[key] = torch.as_tensor(array, dtype=dtype).to(self.batch.tokens.device)
+        return self._device_arrays[key]
+
+
+def local_batch(batch: PackedBatch) -> RoutedBatch:
+    """``batch`` unrouted: every sequence runs on this GPU alone. Use it to run the same model without
+    balancing; nothing communicates."""
+    return RoutedBatch(batch, local_layout(batch.seq_lens), None, None)
+
+
+def gather_seq_lens(batch: PackedBatch, groups: ProcessGroups) -> list[list[int]]:
+    """All-gather every rank's ``batch.seq_lens`` over the balance group.
+
+    Returns:
+        ``S`` lists of lengths, one per rank of the balance group: the planner's input.
+
+    Raises:
+        ValueError: on every rank, when any rank's batch is inconsistent (:meth:`PackedBatch.problem`).
+    """
+    return gather_step(batch, groups, ())[0]
+
+
+def gather_step(
+    batch: PackedBatch, groups: ProcessGroups, report: Sequence[int]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """:func:`gather_seq_lens`, with ``report`` (a few integers every rank gives, e.g. the last
+    step's measured microseconds) riding in the same collective.
+
+    Returns:
+        ``(lengths, reports)``: ``S`` lists of lengths and ``S`` reports, by rank of the balance group.
+    """
+    return gather_lengths(batch.seq_lens, batch.problem(), batch.tokens.device, groups, report)
+
+
+def gather_lengths(
+    seq_lens: Sequence[int], problem: str | None, device: torch.device, groups: ProcessGroups, report: Sequence[int]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """:func:`gather_step` of a batch known by its lengths and ``problem`` (why it is inconsistent, or
+    ``None``), with collectives on ``device``.
+
+    Raises:
+        ValueError: on every rank, when any rank has a ``problem``.
+    """
+    header = _all_gather_ints([len(seq_lens), problem is not None, *report], device, groups.balance_group)
+    bad_ranks = [r for r, (_, bad, *_) in enumerate(header) if bad]
+    if bad_ranks:
+        raise ValueError(
+            f"invalid packed batch on balance-group rank(s) {bad_ranks}"
+            + (f"; here (rank {groups.group_rank}): {problem}" if problem else "; see those ranks' errors")
+        )
+    width = max(count for count, *_ in header)
+    padded = list(seq_lens) + [0] * (width - len(seq_lens))
+    rows = _all_gather_ints(padded, device, groups.balance_group) if width else [[] for _ in header]
+    lengths = [row[:count] for row, (count, *_) in zip(rows, header, strict=True)]
+    return lengths, [list(rest) for _, _, *rest in header]
+
+
+def gather_ints(value: int, device: torch.device, groups: ProcessGroups) -> list[int]:
+    """Every balance-group rank's ``value``, by group rank. Collective: for a rank-local finding (a
+    file, a worker process, which prefetched plan fits) that every rank must act on alike."""
+    return [row[0] for row in _all_gather_ints([value], device, groups.balance_group)]
+
+
+def _all_gather_ints(values: list[int], device: torch.device, group: Any) -> list[list[int]]:
+    dist = _dist()
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [t.tolist() for t in gathered]
+
+
+def route(batch: PackedBatch, plan: RoutingPlan, groups: ProcessGroups) -> RoutedBatch:
+    """Move this rank's sequences to the GPUs ``plan`` gives them. Collective over the balance group.
+
+    Args:
+        batch: this rank's packed batch, the one whose lengths ``plan`` was made from.
+        plan: the step's plan, identical on every rank.
+        groups: the process groups of ``plan``'s topology.
+
+    Returns:
+        The chunks this GPU holds, with their per-token columns and per-sample rows.
+
+    Raises:
+        ValueError: on every rank, when any rank's batch is inconsistent, was not planned by ``plan``,
+            or ranks hold different plans (e.g. one reused last step's).
+    """
+    problem = _route_problem(batch, plan, groups)
+    signature = batch.signature()
+    checks = _all_gather_ints(
+        [problem is not None, plan.fingerprint, text_digest(signature)], batch.tokens.device, groups.balance_group
+    )
+    bad_ranks = [r for r, (bad, _, _) in enumerate(checks) if bad]
+    if bad_ranks:
+        raise ValueError(
+            f"cannot route: the batch on balance-group rank(s) {bad_ranks} does not match the plan"
+            + (f"; here (rank {groups.group_rank}): {problem}" if problem else "; see those ranks' errors")
+        )
+    if len({fingerprint for _, fingerprint, _ in checks}) > 1:
+        raise ValueError(
+            "cannot route: ranks hold different plans (fingerprints by rank: "
+            f"{[f for _, f, _ in checks]}); every rank must route this step with the plan made from this "
+            "step's gathered lengths"
+        )
+    if len({digest for _, _, digest in checks}) > 1:
+        odd = [r for r, (_, _, digest) in enumerate(checks) if digest != checks[0][2]]
+        raise ValueError(
+            f"cannot route: the batches of balance-group ranks 0 and {odd} carry different tokens or columns "
+            f"(here, rank {groups.group_rank}: {signature}); every rank must pack the same columns with the same "
+            "dtypes, trailing shapes and requires_grad, even a rank with no samples"
+        )
+    layout = gpu_layout(plan, groups.group_rank)
+    group, send, recv = groups.balance_group, layout.send_counts, layout.recv_counts
+    send_rows = torch.as_tensor(layout.send_rows).to(batch.tokens.device)
+    sample_rows = torch.as_tensor(layout.sample_send_index).to(batch.tokens.device)
+    routed = PackedBatch(
+        tokens=exchange(batch.tokens.index_select(0, send_rows), send, recv, group, "route"),
+        seq_lens=layout.chunk_lens.tolist(),
+        token_data=_exchange_columns(batch.token_data, send_rows, send, recv, group),
+        sample_data=_exchange_columns(
+            batch.sample_data, sample_rows, layout.sample_send_counts, layout.sample_recv_counts, group
+        ),
+    )
+    return RoutedBatch(routed, layout, plan, groups)
+
+
+def _route_problem(batch: PackedBatch, plan: RoutingPlan, groups: ProcessGroups) -> str | None:
+    problem = batch.problem()
+    if problem:
+        return problem
+    if plan.topology_spec != groups.topology.spec or plan.num_gpus != groups.topology.group_size:
+        return (
+            f"the plan is for topology {plan.topology_spec!r} ({plan.num_gpus} GPUs) but the process groups are "
+            f"for {groups.topology.spec!r}; plan with the topology the groups were made from"
+        )
+    planned = plan.seq_lens[plan.seq_src_rank == groups.group_rank].tolist()
+    if planned != list(batch.seq_lens):
+        return (
+            f"the plan has sequence lengths {planned} for this rank but the batch has {list(batch.seq_lens)}; "
+            "plan each step from that step's gathered lengths"
+        )
+    return None
+
+
+def reverse_route(rows: Tensor, routed: RoutedBatch) -> Tensor:
+    """Move routed rows back to their home rank and order. Collective over the balance group.
+
+    Args:
+        rows: ``[T_routed, ...]`` one row per token of ``routed.batch`` (e.g. the blocks' output, or a
+            per-token column); differentiable when floating point.
+        routed: what :func:`route` returned.
+
+    Returns:
+        ``[T_home, ...]`` rows in the order of the batch that was routed.
+    """
+    if rows.shape[0] != routed.batch.num_tokens:
+        raise ValueError(
+            f"reverse_route got {rows.shape[0]} rows but this GPU holds {routed.batch.num_tokens} routed tokens"
+        )
+    if routed.groups is None:
+        return rows
+    layout = routed.layout
+    arrived = exchange(rows, layout.recv_counts, layout.send_counts, routed.groups.balance_group, "reverse_route")
+    home_order = routed.device_array("home_order", np.argsort(layout.send_rows, kind="stable"))
+    return arrived.index_select(0, home_order)
+
+
+def _exchange_columns(
+    columns: Mapping[str, Tensor], send_rows: Tensor, send_counts, recv_counts, group: Any
+) -> dict[str, Tensor]:
+    """Exchange the ``send_rows`` of every column. Columns that need a gradient go one by one through
+    the differentiable exchange; the others travel together as raw bytes, so integers arrive bit-exact
+    in one all-to-all."""
+    out: dict[str, Tensor] = {}
+    as_bytes = {}
+    for name, column in columns.items():
+        if column.requires_grad:
+            out[name] = exchange(column.index_select(0, send_rows), send_counts, recv_counts, group, "route")
+        else:
+            as_bytes[name] = column
+    if as_bytes:
+        packed = torch.cat([_row_bytes(column.index_select(0, send_rows)) for column in as_bytes.values()], dim=1)
+        arrived = exchange(packed, send_counts, recv_counts, group, "route")
+        offset = 0
+        for name, column in as_bytes.items():
+            width = _row_bytes(column[:0]).shape[1]
+            out[name] = _from_row_bytes(arrived[:, offset : offset + width], column)
+            offset += width
+    return {name: out[name] for name in columns}
+
+
+def _row_bytes(column: Tensor) -> Tensor:
+    """``[R, ...]`` -> ``[R, bytes per row]`` uint8, reinterpreting the bits."""
+    flat = column.contiguous().reshape(column.shape[0], math.prod(column.shape[1:]))
+    return flat.view(torch.uint8)
+
+
+def _from_row_bytes(raw: Tensor, like: Tensor) -> Tensor:
+    """Inverse of :func:`_row_bytes` for rows shaped and typed like ``like``."""
+    dtype = torch.uint8 if like.dtype == torch.bool else like.dtype
+    # A fresh copy: a column slice of the byte rows has the offset and row stride of the whole row,
+    # which view() to a wider dtype rejects.
+    values = raw.clone(memory_format=torch.contiguous_format).view(dtype).reshape(raw.shape[0], *like.shape[1:])
+    return values.bool() if like.dtype == torch.bool else values
+
+
+def route_subset_rows(rows: Tensor, home_selected: np.ndarray, routed: RoutedBatch, routed_selected: Tensor) -> Tensor:
+    """Rows that only some tokens have, sent to wherever the route sent those tokens. Collective
+    over the balance group when ``routed`` was routed (every rank calls it); local otherwise.
+
+    The route sends home rows destination by destination (``layout.send_rows``) and a GPU receives
+    them source by source, in that order; the selected tokens keep their relative order on both
+    sides, so one all-to-all with the selected rows' counts delivers them in routed order.
+
+    Args:
+        rows: ``[R, W]`` one row per selected home token, in home token order (differentiable).
+        home_selected: ``[T_home]`` bool, which home tokens have a row.
+        routed: the step's routed batch.
+        routed_selected: ``[R_routed]`` int64 routed token rows that are selected, ascending.
+
+    Returns:
+        ``[R_routed, W]`` rows in the order of ``routed_selected``.
+    """
+    if routed.groups is None:
+        return rows
+    layout = routed.layout
+    gpus = np.arange(layout.num_gpus)
+    row_of_token = np.full(len(home_selected), -1, dtype=np.int64)
+    row_of_token[home_selected] = np.arange(int(home_selected.sum()))
+    sent = row_of_token[layout.send_rows]  # [T_home] in send order; -1 where not selected
+    keep = sent >= 0
+    send_counts = np.bincount(np.repeat(gpus, layout.send_counts)[keep], minlength=layout.num_gpus)
+    source_of_routed = np.repeat(gpus, layout.recv_counts)
+    recv_counts = np.bincount(source_of_routed[routed_selected.cpu().numpy()], minlength=layout.num_gpus)
+    send = rows.index_select(0, torch.as_tensor(sent[keep], device=rows.device))
+    return exchange(send, send_counts, recv_counts, routed.groups.balance_group, "route")

@@ -1,0 +1,111 @@
+"""Where one rank's balanced step goes: plan, route, compute, Ulysses all-to-alls, reverse route.
+
+:class:`StepTimes` collects time stamps during one step, forward and backward: the balancer stamps
+the plan and the two ends of the block stack (with :func:`stamp`, an identity whose backward stamps
+too), and :mod:`~deepspeed_knap.runtime.routing` stamps both ends of every exchange it runs while the
+record is active. On CUDA the stamps are events on the current stream, read once the next step has
+started (their work is done by then); on CPU, where every op is synchronous, a clock.
+
+No communication here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+# Exchange kinds as routing.exchange labels them.
+EXCHANGE_KINDS = ("route", "reverse_route", "ulysses")
+
+
+class _Stamp:
+    """A point in time on ``device``'s current stream (CUDA event) or on the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.event: torch.cuda.Event | None = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+            self.clock = 0.0
+        else:
+            self.event = None
+            self.clock = time.perf_counter()
+
+    def seconds_until(self, later: _Stamp) -> float:
+        if self.event is not None:
+            later.event.synchronize()  # recorded last step: done by now, so this does not wait
+            return self.event.elapsed_time(later.event) / 1e3
+        return later.clock - self.clock
+
+
+@dataclass
+class StepTimes:
+    """Stamps of one rank's balanced step on ``device``.
+
+    Attributes:
+        device: where the step's tensors live.
+        marks: named stamps: ``plan_start``, ``plan_end``, ``blocks_start``, ``blocks_end``
+            (forward), ``blocks_grad_start``, ``blocks_grad_end`` (backward).
+        spans: per exchange kind, ``(start, end)`` stamps of every exchange, forward and backward.
+    """
+
+    device: torch.device
+    marks: dict[str, _Stamp] = field(default_factory=dict)
+    spans: dict[str, list[tuple[_Stamp, _Stamp]]] = field(default_factory=lambda: defaultdict(list))
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = _Stamp(self.device)
+
+    def begin_exchange(self) -> _Stamp:
+        return _Stamp(self.device)
+
+    def end_exchange(self, kind: str, start: _Stamp) -> None:
+        self.spans[kind].append((start, _Stamp(self.device)))
+
+    def seconds(self) -> dict[str, float] | None:
+        """Seconds of this rank's step by phase, or ``None`` if a stamp is missing (e.g. no backward ran):
+
+        * ``plan``: the lengths gather and the solve;
+        * ``route``, ``reverse_route``, ``ulysses``: the exchanges of each kind, forward and backward
+          (including the time spent waiting for peers);
+        * ``compute``: the block stack forward and backward, less the Ulysses exchanges inside it.
+        """
+        needed = ("plan_start", "plan_end", "blocks_start", "blocks_end", "blocks_grad_start", "blocks_grad_end")
+        if any(name not in self.marks for name in needed):
+            return None
+        m = self.marks
+        exchanged = {kind: sum(a.seconds_until(b) for a, b in self.spans.get(kind, ())) for kind in EXCHANGE_KINDS}
+        blocks = m["blocks_start"].seconds_until(m["blocks_end"]) + m["blocks_grad_start"].seconds_until(
+            m["blocks_grad_end"]
+        )
+        return {"plan": m["plan_start"].seconds_until(m["plan_end"]), **exchanged,
+                "compute": blocks - exchanged["ulysses"]}  # fmt: skip
+
+
+class _Stamped(torch.autograd.Function):
+    """Identity on ``x`` that stamps ``forward_name`` in forward and ``backward_name`` in backward.
+    ``anchor`` (a scalar that needs a gradient) makes autograd run the backward even when ``x``
+    needs none (the routed raw latents)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, anchor: Tensor, times: StepTimes, forward_name: str, backward_name: str) -> Tensor:
+        times.mark(forward_name)
+        ctx.times, ctx.backward_name = times, backward_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.times.mark(ctx.backward_name)
+        return grad, None, None, None, None
+
+
+def stamp(x: Tensor, times: StepTimes, forward_name: str, backward_name: str) -> Tensor:
+    """``x``, stamping ``forward_name`` now and ``backward_name`` when its gradient arrives. A
+    floating ``x`` gets a gradient path even if it had none, so the backward stamp is taken."""
+    if not x.is_floating_point():
+        raise ValueError(f"stamp needs a floating-point tensor to carry a gradient; got {x.dtype}")
+    anchor = torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
+    return _Stamped.apply(x, anchor, times, forward_name, backward_name)

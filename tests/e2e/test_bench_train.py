@@ -1,0 +1,70 @@
+"""deepspeed-knap bench train end to end on 2 gloo ranks (small), and calibrate --degrees on the CPU."""
+
+import json
+
+import pytest
+
+from deepspeed_knap.bench import train as bench_train
+from deepspeed_knap.cli import main
+
+
+def test_bench_train_times_real_ranks_and_reports_every_phase(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    argv = ["bench", "train", "--ranks", "2", "--mix", "long_video", "--token-scale", "0.01", "--steps", "2",
+            "--modes", "off,auto", "--slow-rank", "1:2", "--online", "--json", str(out), "--plot", str(tmp_path / "t.png")]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "medians over steps" in printed and "seconds by phase" in printed
+    report = json.loads(out.read_text())
+    assert [(r["mode"], r["step"]) for r in report["steps"]] == [("off", 0), ("off", 1), ("auto", 0), ("auto", 1)]
+    for row in report["steps"]:
+        assert len(row["phases"]) == 2 and all(p["compute"] > 0 for p in row["phases"])
+        assert row["step_s"] > 0 and row["compute_imbalance"] >= 1.0
+    off = [r for r in report["steps"] if r["mode"] == "off"]
+    assert all(sum(p["ulysses"] for p in r["phases"]) == 0 for r in off)  # nothing moves, no bags
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_slow_down_sleeps_factor_minus_one_times_each_blocks_forward_and_backward(monkeypatch):
+    import torch
+
+    slept = []
+    monkeypatch.setattr(bench_train.time, "sleep", slept.append)
+    clock = iter([1.0, 1.5, 10.0, 12.0])  # forward 0.5 s, backward 2 s
+    monkeypatch.setattr(bench_train.time, "perf_counter", lambda: next(clock))
+    block = torch.nn.Linear(2, 2)
+    bench_train._SlowDown([block], 3.0)
+    block(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    assert slept == [pytest.approx(1.0), pytest.approx(4.0)]
+
+
+def test_summary_speedup_is_per_step():
+    steps = [{"mode": "off", "step": s, "step_s": t, "compute_imbalance": 1.5, "model_error": [None, None]}
+             for s, t in enumerate([9.0, 4.0, 8.0])]  # fmt: skip
+    steps += [{"mode": "auto", "step": s, "step_s": t, "compute_imbalance": 1.1, "model_error": [0.1, -0.3]}
+              for s, t in enumerate([9.0, 2.0, 2.0])]  # fmt: skip
+    summary = bench_train.summarize({"steps": steps})
+    assert summary["auto"]["speedup"] == pytest.approx(3.0)  # median of 4/2 and 8/2, step 0 skipped
+    assert summary["auto"]["model_error"] == pytest.approx(0.2)
+
+
+def test_bad_slow_rank_is_refused():
+    with pytest.raises(SystemExit):
+        main(["bench", "train", "--slow-rank", "1"])
+    assert main(["bench", "train", "--ranks", "2", "--slow-rank", "5:2"]) == 2
+
+
+def test_calibrate_fits_the_efficiency_of_bag_members(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    argv = ["calibrate", "--out", str(out), "--seq-lens", "256,512,1024,2048", "--heads", "4", "--head-dim", "8",
+            "--double-blocks", "1", "--single-blocks", "1", "--repeats", "3", "--degrees", "2,4"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    efficiency = dict((g, e) for g, e in data["degree_efficiency"])
+    assert set(efficiency) == {2, 4} and all(0 < e <= 2 for e in efficiency.values())
+    assert "bag of 4: a member does" in capsys.readouterr().out
+    from deepspeed_knap.runtime.config import get_knapformer_config
+
+    model = get_knapformer_config({"knapformer": {"workload": {"calibration_file": str(out)}}}).workload.build()
+    assert dict(model.degree_efficiency) == efficiency
+    assert main([*argv[:-1], "8"]) == 2  # more GPUs than heads

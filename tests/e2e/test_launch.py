@@ -1,0 +1,49 @@
+"""Launchers: the deepspeed launcher and mpirun run the same script to the same losses, and a rank that
+raises mid-step ends the job with its error instead of a hang. Two ranks planned by topology ``auto``
+(half the time of four on 2 cores); the README's 4-rank jobs run in test_train_flux and test_examples."""
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.launch import CONFIG, ROOT, deepspeed_launch, mpirun_launch, needs_mpirun, run
+
+
+def two_rank_config(directory: Path) -> Path:
+    """The CPU demo config with topology ``auto``, which plans any world size."""
+    config = json.loads(CONFIG.read_text())
+    config["knapformer"]["topology"] = "auto"
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory / "config.json"
+
+
+@needs_mpirun
+def test_deepspeed_launcher_and_mpirun_give_the_same_losses(tmp_path):
+    script, args = ROOT / "examples" / "train_tiny.py", ("--deepspeed_config", str(two_rank_config(tmp_path)))
+    losses = {}
+    for name, command in (("deepspeed", deepspeed_launch(script, *args, ranks=2)),
+                          ("mpirun", mpirun_launch(script, *args, ranks=2))):  # fmt: skip
+        result = run(command)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert result.leftover_shm == []  # every rank unlinked its /dev/shm all-reduce buffer
+        losses[name] = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", result.stdout, re.MULTILINE)]
+    assert len(losses["deepspeed"]) == 3
+    assert losses["mpirun"] == pytest.approx(losses["deepspeed"], rel=1e-6)
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", pytest.param("mpirun", marks=needs_mpirun)])
+def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error(launcher, tmp_path):
+    script, args = (
+        ROOT / "tests" / "support" / "scripts" / "failing_rank.py",
+        ("--deepspeed_config", str(two_rank_config(tmp_path))),
+    )
+    launch = deepspeed_launch if launcher == "deepspeed" else mpirun_launch
+    command = launch(script, *args, ranks=2)
+    start = time.monotonic()
+    result = run(command)
+    assert result.returncode != 0
+    assert "injected failure on rank 1 at step 1" in result.stdout + result.stderr
+    assert time.monotonic() - start < 120

@@ -1,0 +1,65 @@
+"""The README's two commands are what CI and new users run; keep them honest."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from deepspeed_knap.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())
+
+
+def test_readme_opens_with_the_main_job_then_the_test_command():
+    main_job, test_command = COMMANDS[0], COMMANDS[1]
+    assert "pip install torch==2.13.0" in main_job and "examples/train_flux.py" in main_job
+    assert "pip install torch==2.13.0" in test_command and "pytest" in test_command
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    assert COMMANDS[1] in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def _subcommands(parser, prefix=()):
+    """(command path, parser) for every leaf subcommand, e.g. (("bench", "step"), parser)."""
+    actions = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    if not actions:
+        yield prefix, parser
+        return
+    for name, sub in actions[0].choices.items():
+        yield from _subcommands(sub, (*prefix, name))
+
+
+def _cli_options() -> list[tuple[str, str]]:
+    return [
+        (" ".join(path), option)
+        for path, parser in _subcommands(build_parser())
+        for action in parser._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    ]
+
+
+def test_every_subcommand_is_found():
+    assert {path for path, _ in _cli_options()} == {
+        "plan",
+        "calibrate",
+        "bench planner",
+        "bench step",
+        "bench routing",
+        "bench ahead",
+        "bench train",
+        "doctor",
+    }
+
+
+@pytest.mark.parametrize(("command", "option"), _cli_options())
+def test_every_cli_option_is_documented(command, option):
+    """Each subcommand's options are named in the README section whose heading names it."""
+    readme = (ROOT / "README.md").read_text()
+    heading = re.search(rf"^#+ .*`deepspeed-knap {command}`.*$", readme, re.MULTILINE)
+    assert heading, f"no README heading names `deepspeed-knap {command}`"
+    section = readme[heading.end() :]
+    section = section[: section.find("\n#")]
+    assert f"`{option}" in section, f"README section on deepspeed-knap {command} does not document {option}"

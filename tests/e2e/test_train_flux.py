@@ -1,0 +1,311 @@
+"""examples/train_flux.py on CPU ranks under the deepspeed launcher: 2 ranks planned by topology
+``auto`` (groups of 1 and 2 GPUs), and 4 for the README's job.
+
+Full fine-tuning: ZeRO-3 with balancing on gives the losses of balancing off, the exported weights
+load into diffusers, and a run resumed from a mid-run checkpoint continues with the uninterrupted
+run's losses and ends with its weights. LoRA: ZeRO-3 balanced equals ZeRO-2 unbalanced, the exported
+adapter loads into diffusers' FluxPipeline with load_lora_weights and gives what peft's LoRA on our
+model gives, and validation images are written. Real-image data: examples/prepare_flux_latents.py
+encodes a folder of mixed-size captioned images with tiny local encoders, the files train, and a
+file holding a NaN is named by every rank. The launcher runs are shared by module-scoped fixtures.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.support.launch import ROOT, deepspeed_launch, run
+
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+SCRIPT = ROOT / "examples" / "train_flux.py"
+DEMO_CONFIG = json.loads((ROOT / "ds_configs" / "flux_cpu_demo.json").read_text())
+COMMON = ("--tiny", "--token-scale", "0.015625", "--steps", "3", "--lr", "1e-3")
+LORA = ("--lora-rank", "4", "--lora-alpha", "8")
+STEP_LINE = re.compile(
+    r"^step (\d+) loss (\S+) time \S+ tokens/s \S+(?: modeled imbalance (\S+) -> (\S+)( \(planned ahead\))?)?$", re.M
+)
+
+
+def train(directory, name: str, balanced: bool, *args: str, stage: int = 3, module: str | None = None,
+          ranks: int = 2):  # fmt: skip
+    """Run the script with the demo config (balancing on or off, a ZeRO stage) on ``ranks`` ranks,
+    with topology ``auto`` on 2 (half the time of 4 on 2 cores); returns the completed process and
+    ``{step: loss}``. ``module`` runs the script under that module."""
+    topology = "auto" if ranks == 2 else DEMO_CONFIG["knapformer"]["topology"]
+    config = {**DEMO_CONFIG, "zero_optimization": {"stage": stage},
+              "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": balanced, "topology": topology}}  # fmt: skip
+    config_path = directory / f"{name}.json"
+    config_path.write_text(json.dumps(config))
+    command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(config_path), *args, ranks=ranks)
+    if module:
+        command[command.index(str(SCRIPT)) : command.index(str(SCRIPT))] = ["--module", module]
+    result = run(command)
+    steps = STEP_LINE.findall(result.stdout)
+    if balanced:
+        assert steps and all(before for _, _, before, _, _ in steps), result.stdout[-2000:]
+        # Every step's plan but the first was solved during the step before (balancer.prefetch).
+        assert [bool(ahead) for *_, ahead in steps] == [False] + [True] * (len(steps) - 1), result.stdout[-2000:]
+    return result, {int(step): float(loss) for step, loss, *_ in steps}
+
+
+def check(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory):
+    """Full fine-tuning, balancing off, and on with a checkpoint after every step and an export."""
+    d = tmp_path_factory.mktemp("full")
+    off = train(d, "off", False, *COMMON, "--gradient-checkpointing")
+    on = train(d, "on", True, *COMMON, "--gradient-checkpointing", "--save-dir", str(d / "ckpt"),
+               "--checkpoint-every", "1", "--export-dir", str(d / "export"))  # fmt: skip
+    return d, off, on
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """LoRA: ZeRO-3 balanced (under the host-tensor check, writing validation images) and ZeRO-2
+    unbalanced, both exporting the adapter."""
+    d = tmp_path_factory.mktemp("lora")
+    (d / "prompts.txt").write_text("a red cat\n\na blue dog on grass\n")
+    on = train(d, "on", True, *COMMON, *LORA, "--export-dir", str(d / "on"), "--validation-every", "3",
+               "--validation-prompts", str(d / "prompts.txt"), "--validation-dir", str(d / "images"),
+               module="tests.host_tensors")  # fmt: skip
+    off = train(d, "off", False, *COMMON, *LORA, "--export-dir", str(d / "off"), stage=2)
+    return d, on, off
+
+
+def test_zero3_balanced_training_matches_unbalanced_and_exports_to_diffusers(full_runs):
+    d, (off_run, off), (on_run, on) = full_runs
+    check(off_run)
+    check(on_run)
+    assert sorted(on) == [0, 1, 2]
+    assert list(on.values()) == pytest.approx(list(off.values()), rel=1e-5)
+
+    from deepspeed_knap.models.flux import PackedFluxTransformer
+
+    exported = diffusers.FluxTransformer2DModel.from_pretrained(d / "export")
+    ours = PackedFluxTransformer.from_pretrained(d / "export", attention_backend="sdpa")
+    config = json.loads((d / "export" / "config.json").read_text())
+    torch.manual_seed(0)  # the script's initial weights: training must have changed them
+    initial = PackedFluxTransformer(**{key: value for key, value in config.items() if not key.startswith("_")})
+    moved = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), initial.parameters(), strict=True))
+    assert moved > 1e-4
+    theirs = exported.state_dict()
+    assert all(torch.equal(tensor, theirs[name]) for name, tensor in ours.state_dict().items())
+
+
+def test_resumed_run_continues_with_the_uninterrupted_losses_and_weights(full_runs):
+    """The balanced ZeRO-3 run saved a checkpoint after every step; one resumed after step 0 (as if
+    killed there) must print the same later losses and end with the same weights."""
+    d, _, (on_run, on) = full_runs
+    check(on_run)
+    assert sorted(p.name for p in (d / "ckpt").glob("step*")) == ["step1", "step2", "step3"]
+    resumed_run, resumed = train(d, "resumed", True, *COMMON, "--gradient-checkpointing",
+                                 "--resume", str(d / "ckpt" / "step1"), "--export-dir", str(d / "resumed"))  # fmt: skip
+    check(resumed_run)
+    assert resumed == {step: on[step] for step in (1, 2)}
+
+    from safetensors.torch import load_file
+
+    uninterrupted, continued = (
+        load_file(d / name / "diffusion_pytorch_model.safetensors") for name in ("export", "resumed")
+    )
+    assert uninterrupted.keys() == continued.keys()
+    assert all(torch.equal(continued[name], tensor) for name, tensor in uninterrupted.items())
+
+
+def test_lora_balanced_on_zero3_equals_unbalanced_on_zero2_and_writes_validation_images(lora_runs):
+    d, (on_run, on), (off_run, off) = lora_runs
+    check(on_run)
+    check(off_run)
+    assert sorted(on) == [0, 1, 2]
+    assert list(on.values()) == pytest.approx(list(off.values()), rel=1e-5)
+
+    from safetensors.torch import load_file
+
+    from deepspeed_knap.models.flux.finetune import ADAPTER_FILE
+    from tests.support.flux_cases import relative_error
+
+    balanced, unbalanced = load_file(d / "on" / ADAPTER_FILE), load_file(d / "off" / ADAPTER_FILE)
+    assert (
+        balanced.keys() == unbalanced.keys() and len(balanced) == (2 * 12 + 2 * 3) * 2
+    )  # A, B of 12 layers per double block, 3 per single
+    # Adam divides each gradient by its own running scale, so fp32 rounding in the small gradients
+    # of the adapters (summed in another order when balanced) shows at ~1e-3 of the weights here.
+    assert max(relative_error(balanced[k], unbalanced[k]) for k in balanced) < 3e-3
+
+    from PIL import Image
+
+    images = sorted((d / "images").glob("*.png"))
+    assert [p.name for p in images] == ["step000003_prompt00.png", "step000003_prompt01.png"]
+    assert all(Image.open(p).size == (32, 32) for p in images)
+    assert f"validation image {images[1]} after step 2: 'a blue dog on grass'" in on_run.stdout
+
+
+def test_exported_adapter_loads_into_diffusers_pipeline_as_peft_lora_on_our_model(lora_runs):
+    """diffusers' FluxPipeline.load_lora_weights reads the adapter; its transformer then computes
+    what our packed model computes with peft's LoRA holding the same weights, and not the base."""
+    d, (on_run, _), _ = lora_runs
+    check(on_run)
+    from diffusers import FluxPipeline
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from deepspeed_knap.data.mixes import SampleShape
+    from deepspeed_knap.models.flux import PackedFluxTransformer
+    from deepspeed_knap.models.flux.data import rectified_flow, synthetic_samples
+    from deepspeed_knap.models.flux.finetune import (
+        ADAPTER_FILE,
+        TINY_FLUX,
+        add_lora,
+        diffusers_transformer,
+        tiny_pipeline_components,
+    )
+    from tests.support.flux_cases import diffusers_output, relative_error
+
+    torch.manual_seed(0)  # the script's base weights, which LoRA training leaves frozen
+    base = PackedFluxTransformer(**TINY_FLUX, attention_backend="sdpa")
+    pipe = FluxPipeline(
+        **tiny_pipeline_components(TINY_FLUX), transformer=diffusers_transformer(TINY_FLUX, base.state_dict())
+    )
+    latents = synthetic_samples([SampleShape(text=5, visual=12, frames=1)], TINY_FLUX, seed=3)
+    (sample,), _ = rectified_flow(latents, torch.Generator().manual_seed(0), guidance=2.0)
+    with torch.no_grad():
+        before = diffusers_output(pipe.transformer, sample)
+        pipe.load_lora_weights(d / "on")
+        after = diffusers_output(pipe.transformer, sample)
+
+        ours = PackedFluxTransformer(**TINY_FLUX, attention_backend="sdpa")
+        ours.load_state_dict(base.state_dict())
+        add_lora(ours, rank=4, alpha=8)
+        adapter = {name.removeprefix("transformer."): t for name, t in load_file(d / "on" / ADAPTER_FILE).items()}
+        assert not set_peft_model_state_dict(ours, adapter).unexpected_keys
+        expected = ours.forward_samples([sample])[0]
+    assert relative_error(after, expected) < 1e-5
+    assert relative_error(after, before) > 1e-4
+
+
+def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_path):
+    from diffusers import FluxPipeline
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from deepspeed_knap.models.flux.data import save_latent_sample
+    from deepspeed_knap.models.flux.finetune import TINY_FLUX, tiny_pipeline_components
+
+    FluxPipeline(**tiny_pipeline_components(TINY_FLUX), transformer=None).save_pretrained(tmp_path / "pipeline")
+    sizes = {"wide": (40, 24), "tall": (24, 36), "square": (32, 32), "panorama": (64, 16)}  # width, height
+    generator = torch.Generator().manual_seed(0)
+    for name, (width, height) in sizes.items():
+        pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
+        Image.fromarray(pixels.numpy()).save(tmp_path / f"{name}.png")
+        (tmp_path / f"{name}.txt").write_text(f"a {name} photo\n")
+    prepare = [sys.executable, str(ROOT / "examples" / "prepare_flux_latents.py")]
+    images = subprocess.run([*prepare, "--images", str(tmp_path), "--pipeline", str(tmp_path / "pipeline"),
+                             "--out", str(tmp_path / "data"), "--resolution", "32", "--max-sequence-length", "8"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert images.returncode == 0, images.stderr[-3000:]
+    # Longer side to 32 px, each side a multiple of 4 px (the VAE's 2x, then 2x2 patches): every
+    # image keeps its aspect ratio, one latent token per 4x4 px.
+    expected = {"panorama": (32, 8), "square": (32, 32), "tall": (20, 32), "wide": (32, 20)}
+    files = sorted((tmp_path / "data").glob("*.safetensors"))
+    for file, (width, height) in zip(files, (expected[name] for name in sorted(sizes)), strict=True):
+        sample = load_file(file)
+        assert sample["latents"].shape == (width // 4 * (height // 4), 16)
+        assert sample["img_ids"][:, 1].max() == height // 4 - 1 and sample["img_ids"][:, 2].max() == width // 4 - 1
+        assert sample["encoder_hidden_states"].shape == (8, 32) and sample["pooled_projections"].shape == (16,)
+
+    synthetic = subprocess.run([*prepare, "--synthetic", "kf_mixed_res", "--count", "1", "--token-scale", "0.015625",
+                                "--in-channels", "16", "--joint-attention-dim", "32", "--pooled-projection-dim", "16",
+                                "--out", str(tmp_path / "synthetic")], capture_output=True, text=True, cwd=ROOT,
+                               timeout=120)  # fmt: skip
+    assert synthetic.returncode == 0, synthetic.stderr[-3000:]
+    poisoned = load_file(tmp_path / "synthetic" / "00000000.safetensors")
+    poisoned["latents"][0, 0] = float("nan")
+    # Two ranks read files 0 and 1 at step 0, then 2 and 3: the poisoned file is rank 0's at step 1.
+    save_latent_sample(tmp_path / "data" / "00000002.safetensors", poisoned)
+
+    result, losses = train(tmp_path, "images", True, "--tiny", "--data-dir", str(tmp_path / "data"), "--steps", "2")
+    assert result.returncode != 0 and list(losses) == [0] and losses[0] > 0
+    message = f"rank(s) [0]: non-finite loss at step 1 in ['{tmp_path / 'data' / '00000002.safetensors'}']"
+    assert (result.stdout + result.stderr).count(message) == 2, result.stderr[-3000:]
+
+
+def test_readme_main_job_trains_and_prints_loss_and_modeled_imbalance():
+    from tests.test_readme import COMMANDS
+
+    launch = COMMANDS[0].split(" && ")[-1].split()
+    assert launch[:3] == [".venv/bin/deepspeed", "--num_gpus", "4"]
+    result = run(deepspeed_launch(ROOT / launch[3], *launch[4:]))
+    check(result)
+    steps = STEP_LINE.findall(result.stdout)
+    assert len(steps) == 5
+    assert all(float(after) < float(before) for _, _, before, after, _ in steps)
+    assert "is deprecated" not in result.stderr  # ZeRO-3's torch deprecation warnings are filtered
+    assert result.leftover_shm == []  # every rank unlinked its /dev/shm all-reduce buffer
+
+
+@pytest.mark.gpu
+def test_tiny_lora_run_with_validation_on_one_cuda_gpu_over_nccl(tmp_path):
+    """World size 1 on CUDA: NCCL refuses a CPU tensor in any collective of the loop, the balancer,
+    ZeRO-3, the LoRA export and the validation gather."""
+    config = {
+        **DEMO_CONFIG,
+        "knapformer": {**DEMO_CONFIG["knapformer"], "topology": "g1n1", "attention_backend": "auto"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "prompts.txt").write_text("a red cat\n")
+    command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(tmp_path / "config.json"), *COMMON, *LORA,
+                               "--validation-every", "3", "--validation-prompts", str(tmp_path / "prompts.txt"),
+                               "--validation-dir", str(tmp_path / "images"), "--export-dir", str(tmp_path / "lora"),
+                               ranks=1)  # fmt: skip
+    result = run(command)
+    check(result)
+    assert len(STEP_LINE.findall(result.stdout)) == 3 and (tmp_path / "images" / "step000003_prompt00.png").is_file()
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2"])
+def test_a_lora_adapter_of_either_family_loads_into_diffusers_own_model(family, tmp_path):
+    """The default targets adapt the family's layers (FLUX.2's ``attn.to_out`` is a linear layer in
+    single blocks and a list in double blocks), and the exported adapter, loaded by diffusers into
+    its own transformer, gives the packed model's output."""
+    from deepspeed_knap.models.flux.finetune import (
+        ADAPTER_FILE,
+        adapter_state_dict,
+        add_lora,
+        lora_config,
+        save_adapter,
+    )
+    from tests.support.flux_cases import diffusers_output, packed_class, random_samples, reference_model, relative_error
+
+    reference = reference_model(family, torch.float32)
+    ours = packed_class(family).from_diffusers(reference, attention_backend="sdpa")
+    linear = {name for name, m in ours.named_modules() if isinstance(m, torch.nn.Linear)}
+    expected = {name for name in linear if any(name.endswith(f".{t}") for t in ours.lora_targets)}
+    add_lora(ours, rank=4, alpha=8)
+    adapted = {name.removesuffix(".lora_A") for name, _ in ours.named_modules() if name.endswith(".lora_A")}
+    assert adapted == expected and any("single_transformer_blocks" in name for name in adapted)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)  # B starts at zero: make the adapter change the output
+    path = save_adapter(
+        tmp_path, adapter_state_dict(ours, ours.state_dict()), lora_config(ours), ours.diffusers_pipeline
+    )
+    samples = random_samples(family, [(1, 3, 4, 5), (1, 2, 2, 3)], seed=1, dtype=torch.float32)
+    with torch.no_grad():
+        before = [diffusers_output(reference, sample) for sample in samples]
+        reference.load_lora_adapter(str(path.parent), weight_name=ADAPTER_FILE, prefix="transformer")
+        after = [diffusers_output(reference, sample) for sample in samples]
+        packed = ours.forward_samples(samples)
+    for theirs, mine, plain in zip(after, packed, before, strict=True):
+        assert relative_error(mine, theirs) < 1e-5 and relative_error(theirs, plain) > 1e-3

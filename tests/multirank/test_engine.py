@@ -1,0 +1,203 @@
+"""DeepSpeed integration on 4 CPU ranks: ZeRO-1/2/3 training with balancing on equals balancing off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.distributed import run_distributed
+
+DIM, HEADS, COND = 24, 6, 5
+STEPS = 3
+
+
+def ds_config(stage: int, knapformer: dict | None) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1000,
+    }
+    if knapformer is not None:
+        config["knapformer"] = knapformer
+    return config
+
+
+KNAP_ON = {"enabled": True, "topology": "g1n2+g2n1", "solver": "knapformer", "attention_backend": "sdpa",
+           "workload": {"linear_coef": 1.0, "quadratic_coef": 0.05}, "log_interval": 1}  # fmt: skip
+# Elastic: a priced all-to-all keeps short sequences whole while long ones are split.
+KNAP_AUTO = {**KNAP_ON, "topology": "auto", "solver": "refine",
+             "workload": {"linear_coef": 1.0, "quadratic_coef": 0.05, "alltoall_coef": 0.5}}  # fmt: skip
+
+
+def step_lengths(step: int, rank: int) -> list[int]:
+    table = [[[40, 3], [], [9, 9, 2], [1]], [[5], [33, 1], [], [17, 4]], [[2, 2, 2], [60], [7], []]]
+    return table[step % len(table)][rank]
+
+
+def make_engine(config: dict, seed: int = 0):
+    import deepspeed_knap
+    from deepspeed_knap.models.tiny_dit import TinyDiT
+
+    torch.manual_seed(seed)
+    model = TinyDiT(DIM, HEADS, COND)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    engine, _, _, _, balancer = deepspeed_knap.initialize(model=model, optimizer=optimizer, config=config)
+    return engine, balancer
+
+
+def run_steps(engine, balancer, rank: int, steps: range) -> list[float]:
+    """Train ``steps`` of TinyDiT; returns the global mean loss of each."""
+    import deepspeed_knap
+    from deepspeed_knap.models.tiny_dit import random_batch
+
+    losses = []
+    for step in steps:
+        batch = random_batch(step_lengths(step, rank), 100 * step + rank, DIM, COND)
+        target = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(7 * step + rank))
+        out = engine(batch, balancer)
+        loss = deepspeed_knap.token_mean_loss((out - target).square().mean(dim=-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(deepspeed_knap.global_mean_loss(loss))
+    return losses
+
+
+def parameters(engine) -> torch.Tensor:
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        return torch.cat([p.detach().reshape(-1).clone() for p in params])
+
+
+def train(rank: int, config: dict) -> tuple[list[float], torch.Tensor]:
+    engine, balancer = make_engine(config)
+    losses = run_steps(engine, balancer, rank, range(STEPS))
+    return losses, parameters(engine)
+
+
+def _zero_worker(rank: int, world: int, stage: int, monitor_dir: str) -> dict:
+    off_config = ds_config(stage, {"enabled": False, "topology": "g4n1"})
+    engine, balancer = make_engine(off_config)
+    assert balancer is None  # disabled: plain DeepSpeed, no balancer, no extra groups or collectives
+    off_losses = run_steps(engine, balancer, rank, range(STEPS))
+    off_params = parameters(engine)
+    on_config = ds_config(stage, KNAP_ON)
+    on_config["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": f"zero{stage}"}
+    on_losses, on_params = train(rank, on_config)
+    result = {"off": off_losses, "on": on_losses, "param_err": float((on_params - off_params).abs().max()),
+              "param_change": float((on_params - _initial_params()).abs().max())}  # fmt: skip
+    if stage == 3:
+        auto_losses, auto_params = train(rank, ds_config(stage, KNAP_AUTO))
+        result.update(auto=auto_losses, auto_param_err=float((auto_params - off_params).abs().max()))
+    return result
+
+
+def _initial_params() -> torch.Tensor:
+    from deepspeed_knap.models.tiny_dit import TinyDiT
+
+    torch.manual_seed(0)
+    return torch.cat([p.detach().reshape(-1) for p in TinyDiT(DIM, HEADS, COND).parameters()])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_training_with_balancing_equals_without(stage, tmp_path):
+    results = run_distributed(_zero_worker, 4, args=(stage, str(tmp_path)), timeout=300)
+    for result in results:
+        assert result["on"] == pytest.approx(result["off"], rel=1e-5, abs=1e-6)
+        assert result["param_err"] <= 1e-5
+        assert result["param_change"] > 1e-3  # training really moved the weights
+        if stage == 3:  # and with topology auto
+            assert result["auto"] == pytest.approx(result["off"], rel=1e-5, abs=1e-6)
+            assert result["auto_param_err"] <= 1e-5
+    assert results[0]["off"] == results[1]["off"]  # a global mean: the same on every rank
+    # log_interval 1: every step's balancing metrics reached DeepSpeed's CSV monitor.
+    written = sorted(p.name for p in (tmp_path / f"zero{stage}").rglob("knapformer_*.csv"))
+    names = ("imbalance_after", "imbalance_before", "measured_imbalance", "planned_ahead", "prediction_error",
+             "solve_ms", "tokens_moved")  # fmt: skip
+    assert written == [f"knapformer_{name}.csv" for name in names], written
+    rows = (tmp_path / f"zero{stage}" / "knapformer_imbalance_after.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + STEPS  # header and one row per step
+    measured = (tmp_path / f"zero{stage}" / "knapformer_measured_imbalance.csv").read_text().strip().splitlines()
+    assert len(measured) == STEPS  # from the second step on: each step ships the last one's times
+    assert all(float(line.split(",")[-1]) >= 1.0 for line in measured[1:])
+
+
+def _checkpoint_worker(rank: int, world: int, save_dir: str) -> dict:
+    """ZeRO-3 with balancing: stop after 2 steps, save, reload into a differently initialised engine,
+    and the third step must match an uninterrupted run (itself equal to balancing off)."""
+    config = ds_config(3, KNAP_ON)
+    engine, balancer = make_engine(config)
+    run_steps(engine, balancer, rank, range(2))
+    engine.save_checkpoint(save_dir, tag="step2")
+    uninterrupted = run_steps(engine, balancer, rank, range(2, 3)), parameters(engine)
+    engine, balancer = make_engine(config, seed=123)
+    engine.load_checkpoint(save_dir, tag="step2")
+    resumed = run_steps(engine, balancer, rank, range(2, 3)), parameters(engine)
+    return {"loss": (uninterrupted[0], resumed[0]), "param_err": float((uninterrupted[1] - resumed[1]).abs().max())}
+
+
+def test_zero3_checkpoint_round_trip_with_balancing(tmp_path):
+    for result in run_distributed(_checkpoint_worker, 4, args=(str(tmp_path),), timeout=300):
+        uninterrupted, resumed = result["loss"]
+        assert resumed == uninterrupted
+        assert result["param_err"] == 0.0
+
+
+def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
+    import os
+
+    import deepspeed_knap
+    from deepspeed_knap.models.tiny_dit import TinyDiT
+
+    # The harness's launcher reports every rank on one node (LOCAL_SIZE); "node" launches as if on
+    # nodes of 2, "auto_node" on nodes of 3 (groups of whole nodes need power-of-two nodes),
+    # "node_mismatch" keeps the report of 4.
+    two_per_node = {"LOCAL_SIZE": "2"}
+    cases = {
+        "world": ({"topology": "g8n1"}, 6, {}),
+        "node": ({"topology": "g3n1+g1n1", "gpus_per_node": 2}, 6, two_per_node),
+        "node_mismatch": ({"topology": "g2n2", "gpus_per_node": 2}, 6, {}),
+        "heads": ({"topology": "g4n1"}, 2, {}),
+        "typo": ({"topology": "g4n1", "sovler": "refine"}, 6, {}),
+        "auto_heads": ({"topology": "auto", "max_degree": 4}, 2, {}),
+        "auto_node": ({"topology": "auto", "max_degree": 4}, 6, {"LOCAL_SIZE": "3"}),
+        "auto_not_a_power_of_two": ({"topology": "auto", "max_degree": 3}, 6, {}),
+        # A calibration file only ranks 0 and 1 have: every rank must raise, naming 2 and 3.
+        "file_on_some_nodes": ({"topology": "g2n2", "workload": {"calibration_file": calibration}}, 6, {}),
+    }
+    errors = {}
+    for name, (block, heads, env) in cases.items():
+        model = TinyDiT(DIM, heads, COND)
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        if name == "file_on_some_nodes" and rank >= 2:
+            block = {**block, "workload": {"calibration_file": calibration + ".missing-on-this-node"}}
+        try:
+            deepspeed_knap.initialize(model=model, config=ds_config(1, {"enabled": True, **block}))
+        except ValueError as error:
+            errors[name] = str(error)
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    return errors
+
+
+def test_config_errors_before_the_first_step_on_every_rank(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text('{"linear_coef": 1.0, "quadratic_coef": 0.01}')
+    results = run_distributed(_config_error_worker, 4, args=(str(calibration),))
+    assert all(errors == results[0] for errors in results)  # identical on every rank
+    errors = results[0]
+    assert "needs a world size that is a multiple of its 8 GPUs" in errors["world"]
+    assert "cannot be laid out over nodes of 2 GPUs" in errors["node"]
+    assert '"gpus_per_node": 2 in the "knapformer" block, but the launcher reports 4' in errors["node_mismatch"]
+    assert "bags of 4 GPUs but attention has only 2 heads" in errors["heads"]
+    assert "unknown key 'knapformer.sovler'" in errors["typo"]
+    assert '"max_degree": 4 but the model\'s attention has only 2 heads' in errors["auto_heads"]
+    assert "max_degree=4 is larger than a node of 3 GPUs: groups of whole nodes need" in errors["auto_node"]
+    assert '"max_degree": 3 must be a power of two' in errors["auto_not_a_power_of_two"]
+    assert "ranks see different settings" in errors["file_on_some_nodes"]
+    assert '"knapformer" block (ranks [2, 3] differ from rank 0)' in errors["file_on_some_nodes"]
+    assert "workload model (calibration_file) (ranks [2, 3] differ from rank 0)" in errors["file_on_some_nodes"]

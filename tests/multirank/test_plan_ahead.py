@@ -1,0 +1,245 @@
+"""Plans solved ahead in a worker process: the same plans as solving in the step, the same outputs,
+and every rank falling back together when one rank's worker or batch is not what was planned."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from deepspeed_knap.cost.model import CostModel, default_cost_model
+from deepspeed_knap.data.mixes import sample_mix
+from deepspeed_knap.planner import DEFAULT_SOLVER, plan_routing
+from deepspeed_knap.planner.topology import build_topology
+from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError
+from tests.support.distributed import run_distributed
+
+MODEL = default_cost_model("flux-dev")
+
+
+@pytest.fixture
+def worker():
+    worker = PlanWorker()
+    yield worker
+    worker.close()
+
+
+def test_worker_plans_equal_plan_routings_in_order_and_survive_errors_and_a_death(worker):
+    topology = build_topology("auto", 32, gpus_per_node=8)
+    steps = [sample_mix("kf_image_video", 32, seed) for seed in range(3)]
+    tickets = [worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None) for lengths in steps]
+    for ticket, lengths in reversed(list(zip(tickets, steps, strict=True))):  # read in any order
+        plan, solve_s = worker.result(ticket)
+        assert plan == plan_routing(lengths, topology, MODEL)  # every field, bit for bit
+        assert solve_s > 0
+    # A solve that raises comes back as the error, and the worker goes on.
+    with pytest.raises(ValueError, match="max_tokens_per_gpu") as expected:
+        plan_routing(steps[0], topology, MODEL, DEFAULT_SOLVER, 10)
+    failing = worker.submit(steps[0], topology, MODEL, DEFAULT_SOLVER, 10)
+    with pytest.raises(PlanWorkerError, match="raised ValueError") as raised:
+        worker.result(failing)
+    assert str(expected.value) in str(raised.value)
+    good = worker.submit(steps[1], topology, MODEL, DEFAULT_SOLVER, None)
+    assert worker.result(good)[0] == plan_routing(steps[1], topology, MODEL)
+    # A dead worker fails its jobs; the next submit starts another.
+    worker._process.kill()
+    worker._process.wait()
+    lost = worker.submit(steps[2], topology, MODEL, DEFAULT_SOLVER, None)
+    with pytest.raises(PlanWorkerError, match=r"could not be sent .*exit code -9"):
+        worker.result(lost)
+    again = worker.submit(steps[2], topology, MODEL, DEFAULT_SOLVER, None)
+    assert worker.result(again)[0] == plan_routing(steps[2], topology, MODEL)
+    worker.close()
+    with pytest.raises(PlanWorkerError, match="no job 99"):
+        worker.result(99)
+
+
+def test_discarded_jobs_are_dropped_read_or_not_and_the_rest_come_in_order(worker):
+    topology = build_topology("auto", 16, gpus_per_node=8)
+    steps = [sample_mix("flux_buckets", 16, seed) for seed in range(3)]
+    tickets = [worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None) for lengths in steps]
+    worker.discard(tickets[0])  # not read yet: dropped when its reply comes
+    assert worker.result(tickets[2])[0] == plan_routing(steps[2], topology, MODEL)  # reads 0 and 1
+    worker.discard(tickets[1])  # read already: dropped now
+    for ticket in tickets[:2]:
+        with pytest.raises(PlanWorkerError, match=f"no job {ticket}"):
+            worker.result(ticket)
+    assert worker._replies == {} and worker._discarded == set()  # nothing kept
+
+
+def test_a_stuck_worker_is_given_up_on_at_the_timeout_and_the_next_job_gets_a_new_one(worker):
+    topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
+    plan = plan_routing(lengths, topology, MODEL)
+
+    def stop_worker():  # alive, never replying
+        worker.result(worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None))  # (re)started
+        worker._process.send_signal(signal.SIGSTOP)
+        return worker._process
+
+    # Waiting for a reply: given up at the timeout, the worker killed and reaped.
+    stuck = stop_worker()
+    waiting = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    start = time.monotonic()
+    with pytest.raises(PlanWorkerError, match=r"did not answer within 0\.5 s and was killed"):
+        worker.result(waiting, timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 5 and stuck.returncode == -signal.SIGKILL
+    # Submitting after a job it never answers: that job fails, a new worker takes the next.
+    stuck = stop_worker()
+    lost = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    taken = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None, timeout_s=0.5)
+    assert stuck.returncode == -signal.SIGKILL
+    with pytest.raises(PlanWorkerError, match=r"did not answer within 0\.5 s"):
+        worker.result(lost)
+    assert worker.result(taken, timeout_s=60)[0] == plan
+
+
+def test_a_frame_half_read_or_half_written_times_out_at_its_deadline():
+    from deepspeed_knap.planner.worker import _read_frame, _write_frame
+
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"\x10\0\0\0")  # half a header: the writer was stopped mid-frame
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            _read_frame(read_end, time.monotonic() + 0.3)
+        with pytest.raises(TimeoutError):  # 1 MB into a pipe nobody reads: full after 64 KiB
+            _write_frame(write_end, b"x" * 2**20, time.monotonic() + 0.3)
+        assert time.monotonic() - start < 5
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_the_worker_plans_with_the_package_this_process_imported(worker, tmp_path, monkeypatch):
+    # Another copy first on PYTHONPATH, and one in the working directory: neither may be imported.
+    for place in (tmp_path / "site", tmp_path / "cwd"):
+        (place / "deepspeed_knap").mkdir(parents=True)
+        (place / "deepspeed_knap" / "__init__.py").write_text("raise ImportError('another copy')")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.chdir(tmp_path / "cwd")
+    topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
+    ticket = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    assert worker.result(ticket)[0] == plan_routing(lengths, topology, MODEL)
+
+
+DIM, HEADS, COND = 16, 4, 3
+WORKLOAD = CostModel(1e-6, 1e-8, alltoall_coef=1e-9)
+# Per step, each rank's lengths: the long sequences alternate between the ranks, so plans move work.
+LENGTHS = [[[48, 40, 3], [5, 2]], [[4, 6], [56, 30, 9]], [[64, 2], [7]], [[3], [33, 50]], [[40, 41], [1, 2, 3]],
+           [[9, 9], [60]], [[12, 44], [8]], [[2, 2], [70]]]  # fmt: skip
+KILL_AT = 1  # rank 0's worker dies before the prefetch of step 2: step 2 is planned in the step
+# After step 2, a forward not prefetched for (a validation loss): planned in the step. Rank 0's batch
+# has the lengths rank 0 prefetched for step 3, and step 3 must still find that plan.
+EXTRA_AT = 2
+SKIP_AT = 4  # step 4 is prefetched, then skipped on every rank: step 5 still uses its prefetched plan
+MISMATCH_AT = 6  # rank 1's step-6 batch is not the one it prefetched
+EXTRA_LENGTHS = [5, 6]
+
+
+def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], list[str]]:
+    import select
+
+    import deepspeed.comm as dist
+
+    from deepspeed_knap.cost.online import OnlineSettings
+    from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
+    from deepspeed_knap.runtime.balancer import KnapBalancer
+    from deepspeed_knap.runtime.groups import create_process_groups
+
+    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    topology = build_topology("auto", world)
+    settings = OnlineSettings(warmup_steps=2) if online else None
+    balancer = KnapBalancer(create_process_groups(topology), WORKLOAD, online=settings)
+    torch.manual_seed(0)
+    model = TinyDiT(DIM, HEADS, COND).double()
+
+    def batch(step: int, lengths=None):
+        return random_batch(lengths or LENGTHS[step][rank], 100 * step + rank, DIM, COND, torch.float64)
+
+    prefetched_with = {}  # by step: the cost model its plan was sent to the worker with
+    results = []
+
+    def forward(step, given):
+        model.zero_grad()
+        out = model(given, balancer)
+        (out * out).sum().backward()
+        balanced_grads = [p.grad.numpy().copy() for p in model.parameters()]
+        model.zero_grad()
+        reference = model(given)
+        (reference * reference).sum().backward()
+        seq_lens_per_rank, plan, _, _, planned_with = balancer._last
+        results.append({
+            "step": step,
+            "ahead": balancer.metrics()["knapformer/planned_ahead"],
+            "out_err": float((out - reference).abs().max().detach()),
+            "grads": [(b, p.grad.numpy().copy()) for b, p in zip(balanced_grads, model.parameters(), strict=True)],
+            "lengths": seq_lens_per_rank,
+            "as_solved_in_step": plan == plan_routing(seq_lens_per_rank, topology, planned_with),
+            "model": planned_with,
+            "prefetched_with": prefetched_with.get(step),
+            "fingerprint": plan.fingerprint,
+            "groups": sorted(set(plan.seq_group_size.tolist())),
+        })  # fmt: skip
+        if online:
+            results[-1]["observed"] = balancer.online.observed
+
+    for step in range(len(LENGTHS)):
+        if step == KILL_AT and rank == 0:  # once it has replied to this step's job, the worker dies
+            worker = balancer._worker._process
+            assert select.select([worker.stdout], [], [], 60)[0], "the worker did not reply within 60 s"
+            worker.kill()
+            worker.wait()
+        if step + 1 < len(LENGTHS):
+            balancer.prefetch(batch(step + 1).seq_lens)
+            prefetched_with[step + 1] = balancer.model
+        if step == SKIP_AT:
+            continue
+        forward(step, batch(step, [17, 1]) if step == MISMATCH_AT and rank == 1 else batch(step))
+        if step == EXTRA_AT:
+            forward("extra", batch(step, LENGTHS[step + 1][0] if rank == 0 else EXTRA_LENGTHS))
+    errors = []
+    try:  # bad lengths on one rank: every rank raises, none waits
+        balancer.prefetch([5, -3] if rank == 1 else [4])
+    except ValueError as error:
+        errors.append(str(error))
+    return results, errors
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["fixed-model", "online-refit"])
+def test_prefetched_plans_equal_plans_solved_in_the_step_and_ranks_fall_back_together(online):
+    results, errors = zip(*run_distributed(_prefetch_worker, 2, args=(online,), timeout=240), strict=True)
+    assert "rank(s) [1]" in errors[0][0] and "non-negative integers below 2**62; got [5, -3]" in errors[1][0], errors
+    # Nothing prefetched for step 0; a dead worker; the extra forward; (step 4 skipped); a mismatch.
+    expected = {0: 0.0, 1: 1.0, 2: 0.0, "extra": 0.0, 3: 1.0, 5: 1.0, 6: 0.0, 7: 1.0}
+    for rank, steps in enumerate(results):
+        assert {step["step"]: step["ahead"] for step in steps} == expected, rank
+        assert [step["step"] for step in steps] == list(expected), rank
+        for index, step in enumerate(steps):
+            assert step["as_solved_in_step"], (rank, index)
+            assert step["out_err"] <= 1e-10, (rank, index)
+    for index, (mine, theirs) in enumerate(zip(*results, strict=True)):
+        assert mine["fingerprint"] == theirs["fingerprint"], index  # one plan on every rank
+        assert mine["lengths"] == theirs["lengths"], index
+        assert mine["model"] == theirs["model"], index
+        # Rank-summed gradients of the balanced run equal those of the unbalanced one.
+        for (b0, r0), (b1, r1) in zip(mine["grads"], theirs["grads"], strict=True):
+            reference = r0 + r1
+            assert np.abs((b0 + b1) - reference).max() <= 1e-10 * np.abs(reference).max(), index
+    by_step = {step["step"]: step for step in results[0]}
+    assert by_step[MISMATCH_AT]["lengths"][1] == [17, 1]  # planned for the batch given, not prefetched
+    assert by_step["extra"]["lengths"] == [LENGTHS[EXTRA_AT + 1][0], EXTRA_LENGTHS]
+    assert any(2 in step["groups"] for step in results[0]), "some step must split a sequence over both ranks"
+    if online:
+        # A step's times ride with the next lengths gathered: the next prefetch's, or a forward's
+        # planned in the step. Each step is recorded once: step 2's by the extra forward's gather,
+        # the extra's by step 3's prefetch; the skipped step and the last have nothing to record, and
+        # step 6's times are not shipped (step 7 was prefetched, and prefetches nothing).
+        assert [step["observed"] for step in results[0]] == [0, 1, 2, 3, 4, 5, 6, 6]
+        # A plan made ahead used the model as it was at its prefetch, a step before its own.
+        for step in results[0]:
+            if step["ahead"]:
+                assert step["model"] == step["prefetched_with"], step["step"]
+        # The refit ran (warm after 2 steps) and planned what followed: later steps' models differ.
+        assert results[0][-1]["model"] != results[0][0]["model"]

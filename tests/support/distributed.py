@@ -1,0 +1,141 @@
+"""Run a test function on N gloo ranks in spawned processes.
+
+    results = run_distributed(fn, world_size=4, args=(...), timeout=120)
+
+``fn(rank, world_size, *args)`` must be importable (a module-level function) and its return value
+picklable; ``results[r]`` is rank ``r``'s return value. Ranks rendezvous through a file store in a
+fresh temporary directory (no port to collide with a parallel run) and get ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK`` in their environment, so ``deepspeed.init_distributed()`` adopts the process group.
+
+Failures are reported, never hung on: the first rank to raise stops the run and its traceback is the
+error; a rank still running at ``timeout`` dumps its stack (``faulthandler``), the run is killed, and
+the error shows which ranks hung and where.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
+
+# Spawning a rank and importing torch takes seconds on 2 cores; rendezvous must finish within this.
+_STARTUP_LIMIT_S = 120.0
+
+
+class DistributedTestError(AssertionError):
+    """A rank raised, or did not finish in time. The message names the rank and shows its stack."""
+
+
+def _worker(fn, rank: int, world_size: int, args: tuple, store_path: str, stack_path: str, timeout: float, results,
+            port: int):  # fmt: skip
+    # A port of its own names DeepSpeed's CPU all-reduce buffers in /dev/shm apart from a parallel run's.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    # One CPU thread per rank: N ranks on 2 cores would otherwise thrash.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with open(stack_path, "w") as stack_file:
+        try:
+            import torch
+            import torch.distributed as dist
+
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+            faulthandler.dump_traceback_later(timeout, exit=False, file=stack_file)
+            results.put((rank, "started", time.monotonic()))
+            try:
+                value = fn(rank, world_size, *args)
+            finally:
+                # Cancel before tearing down: a slow teardown is not a hang of fn.
+                faulthandler.cancel_dump_traceback_later()
+                # Every rank mapped every buffer while the group started: this rank's file can go.
+                from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
+
+                unlink_own_shm_buffer(rank)
+            results.put((rank, "ok", value))
+            dist.destroy_process_group()
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    Raises:
+        DistributedTestError: a rank raised (its traceback), or ranks did not finish within
+            ``timeout`` seconds (their stacks at that moment).
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with socket.socket() as probe:  # a free port, only to name this run's /dev/shm buffers
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="knap-dist-") as tmp:
+        store_path = str(Path(tmp) / "store")
+        stack_paths = [str(Path(tmp) / f"stack-{rank}.txt") for rank in range(world_size)]
+        processes = [
+            context.Process(
+                target=_worker,
+                args=(fn, rank, world_size, args, store_path, stack_paths[rank], timeout, results, port),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        spawned_at = time.monotonic()
+        for process in processes:
+            process.start()
+        outcome: dict[int, Any] = {}
+        started: dict[int, float] = {}
+        try:
+            while len(outcome) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=0.2)
+                except queue.Empty:
+                    _check_progress(processes, outcome, started, spawned_at, timeout, stack_paths)
+                    continue
+                if status == "started":
+                    started[rank] = value
+                elif status == "error":
+                    raise DistributedTestError(f"rank {rank} of {world_size} raised:\n{value}")
+                else:
+                    outcome[rank] = value
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+            for process in processes:
+                process.join(timeout=10)
+            # A rank killed here, or crashed, before unlinking its buffer would leave it behind.
+            remove_job_buffers(port)
+    return [outcome[rank] for rank in range(world_size)]
+
+
+def _check_progress(
+    processes, outcome: dict, started: dict, spawned_at: float, timeout: float, stack_paths: list[str]
+) -> None:
+    """Raise if a rank died silently, or ran ``fn`` (or failed to start it) for too long."""
+    now = time.monotonic()
+    for rank, process in enumerate(processes):
+        if rank not in outcome and process.exitcode not in (None, 0):
+            raise DistributedTestError(f"rank {rank} died with exit code {process.exitcode} and no Python error")
+    # faulthandler dumps at `timeout` after start; give it a moment to finish writing.
+    hung = [r for r, t in started.items() if r not in outcome and now > t + timeout + 1.0]
+    if hung:
+        stacks = "\n".join(f"--- rank {r} ---\n{Path(stack_paths[r]).read_text()}" for r in hung)
+        raise DistributedTestError(
+            f"ranks {hung} did not finish within {timeout:.0f}s (hang?); their stacks:\n{stacks}"
+        )
+    late = [r for r in range(len(processes)) if r not in started]
+    if late and now > spawned_at + _STARTUP_LIMIT_S:
+        raise DistributedTestError(
+            f"ranks {late} did not start within {_STARTUP_LIMIT_S:.0f}s (spawn or rendezvous hung)"
+        )

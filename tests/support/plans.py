@@ -1,0 +1,62 @@
+"""Shared planner test helpers: hypothesis strategies of per-rank lengths, and the check that a plan
+places every token exactly once."""
+
+import numpy as np
+from hypothesis import strategies as st
+
+# Lengths from single tokens (shorter than any bag) to long videos.
+lengths_strategy = st.one_of(st.integers(1, 12), st.integers(200, 5_000), st.integers(10_000, 120_000))
+
+
+def per_rank_lengths(num_gpus: int, max_per_rank: int = 4):
+    return st.lists(st.lists(lengths_strategy, max_size=max_per_rank), min_size=num_gpus, max_size=num_gpus)
+
+
+def check_plan_covers_every_token(plan, seq_lens_per_rank, topology):
+    flat = [s for rank in seq_lens_per_rank for s in rank]
+    assert plan.seq_lens.tolist() == flat
+    assert plan.seq_src_rank.tolist() == [r for r, rank in enumerate(seq_lens_per_rank) for _ in rank]
+    assert plan.chunk_offsets[0] == 0 and plan.chunk_offsets[-1] == len(plan.chunk_gpu)
+    for i, length in enumerate(flat):
+        chunks = slice(plan.chunk_offsets[i], plan.chunk_offsets[i + 1])
+        starts, lens, gpus = plan.chunk_start[chunks], plan.chunk_len[chunks], plan.chunk_gpu[chunks]
+        group = range(plan.seq_group_start[i], plan.seq_group_start[i] + plan.seq_group_size[i])
+        # One chunk per GPU of the group, in rank order, contiguous, covering [0, length) exactly once.
+        assert gpus.tolist() == list(group)
+        assert group.start >= 0 and group.stop <= topology.group_size
+        assert np.all(lens >= 0) and lens.sum() == length
+        assert starts[0] == 0 and np.array_equal(starts[1:], (starts + lens)[:-1])
+        assert lens.max() - lens.min() <= 1  # near-equal chunks
+    assert plan.gpu_tokens.sum() == sum(flat)
+
+
+def plan_digests() -> dict[str, str]:
+    """A digest of every plan of the bundled mixes (seed 0) at 8, 16 and 32 GPUs: topology ``auto``
+    and three fixed topologies, each solver, with equal speeds and with the last GPU at half speed.
+    ``tests/support/plan_digests.json`` holds them as the planner gave them before the package was
+    reorganised (issue 21); a refactor must leave every one unchanged."""
+    import dataclasses
+    import hashlib
+
+    from deepspeed_knap import MIXES, build_topology, default_cost_model, plan_routing, sample_mix
+
+    digests = {}
+    for gpus in (8, 16, 32):
+        specs = ["auto", f"g{gpus // 4}n4", f"g1n{gpus // 2}+g{gpus // 4}n2", f"g8n{gpus // 8}"]
+        for mix in MIXES:
+            lengths = sample_mix(mix, gpus, 0)
+            for speeds in ("even", "slow"):
+                model = default_cost_model("flux-dev")
+                if speeds == "slow":
+                    model = dataclasses.replace(model, gpu_speed=(1.0,) * (gpus - 1) + (0.5,))
+                for spec in specs:
+                    topology = build_topology(spec, gpus if spec == "auto" else None)
+                    for solver in ("none", "refine") if spec == "auto" else ("none", "knapformer", "refine"):
+                        plan = plan_routing(lengths, topology, model, solver)
+                        digest = hashlib.sha256()
+                        for field in dataclasses.fields(plan):
+                            value = getattr(plan, field.name)
+                            digest.update(field.name.encode())
+                            digest.update(value.tobytes() if isinstance(value, np.ndarray) else repr(value).encode())
+                        digests[f"{gpus}/{mix}/{speeds}/{spec}/{solver}"] = digest.hexdigest()[:16]
+    return digests

@@ -1,0 +1,121 @@
+"""The planner benchmark runs end to end (small) and its tables hold what they claim."""
+
+import csv
+
+import pytest
+
+from deepspeed_knap.bench import planner as bench
+from deepspeed_knap.cli import main as cli_main
+from deepspeed_knap.cost.model import default_cost_model
+from deepspeed_knap.data.mixes import sample_mix
+from deepspeed_knap.planner import plan_loads, plan_routing
+from deepspeed_knap.planner.topology import build_topology
+
+
+def test_suite_topologies_cover_every_bag_size_the_mix_and_auto():
+    assert bench.suite_topologies(256) == ["g1n256", "g2n128", "g4n64", "g8n32", "g1n64+g2n32+g4n16+g8n8", "auto"]
+    for n in (32, 256, 1024):
+        assert all(build_topology(spec).group_size == n for spec in bench.suite_topologies(n)[:-1])
+    with pytest.raises(ValueError, match=r"multiple of 32 GPUs.*got 48"):
+        bench.suite_topologies(48)
+
+
+def test_planner_suite_cli_writes_table_csv_and_plots(tmp_path, capsys):
+    out_csv, plots = tmp_path / "rows.csv", tmp_path / "plots"
+    assert cli_main(["bench", "planner", "--gpus", "32", "--steps", "2", "--mixes", "kf_mixed_res",
+                     "--sensitivity", "0.2", "--csv", str(out_csv), "--plot-dir", str(plots)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    # suite rows (6 topologies), the auto comparison, sensitivity rows for kf and refine (none on auto)
+    assert printed.count("\n| kf_mixed_res |") == 6 + 1 + 5 * 2 + 1
+    rows = list(csv.DictReader(out_csv.open()))
+    assert len(rows) == 5 * 3 + 2  # knapformer does not run on auto
+    for name in ("speedup.png", "loads.png", "loads_auto.png"):
+        assert (plots / name).stat().st_size > 10_000
+    for row in rows:
+        assert float(row["bound_ratio_median"]) >= 1 - 1e-9 and float(row["solve_ms_p95"]) >= float(
+            row["solve_ms_median"]
+        )
+        assert float(row["imbalance_p95"]) >= float(row["imbalance_median"]) >= 1 - 1e-9
+        assert (row["loss_plus_median"] == "") == (row["solver"] == "none")
+    by_key = {(r["topology"], r["solver"]): r for r in rows}
+    for spec in bench.suite_topologies(32)[:-1]:
+        assert float(by_key[(spec, "none")]["speedup_median"]) == 1.0
+        # refine is never slower than knapformer on any step, so not in the median either
+        assert float(by_key[(spec, "refine")]["speedup_median"]) >= float(
+            by_key[(spec, "knapformer")]["speedup_median"]
+        )
+
+
+def test_sensitivity_loss_prices_the_misled_plan_under_the_true_model():
+    model = default_cost_model()
+    spec = "g4n8"
+    rows = bench.run_case(32, "kf_image_video", spec, 1, ["none", "refine"], model, sensitivity=0.2)
+    refine = next(r for r in rows if r["solver"] == "refine")
+    lengths, topology = sample_mix("kf_image_video", 32, 0), build_topology(spec, gpus_per_node=8)
+    truth = plan_routing(lengths, topology, model, "refine").max_load
+    for label, factor in (("minus", 0.8), ("plus", 1.2)):
+        wrong = bench.dataclasses.replace(model, quadratic_coef=model.quadratic_coef * factor)
+        misled = plan_loads(plan_routing(lengths, topology, wrong, "refine"), model).max()
+        assert refine[f"loss_{label}_median"] == pytest.approx(misled / truth - 1, abs=1e-12)
+    assert refine["loss_minus_median"] > 0 and refine["loss_plus_median"] > 0  # a 20% error does cost here
+
+
+def test_planner_suite_rejects_bad_options():
+    with pytest.raises(ValueError, match="'none' solver as the speedup baseline"):
+        bench.run_suite([32], ["kf_lowres"], 1, ["refine"])
+    with pytest.raises(ValueError, match=r"fraction in \(0, 1\).*got 20"):
+        bench.run_suite([32], ["kf_lowres"], 1, sensitivity=20)
+
+
+def test_routing_traffic_smoke():
+    from deepspeed_knap.bench import routing
+
+    rows = routing.bench_traffic(["kf_image_video"], "g8n4", "knapformer", "flux-dev", steps=1)
+    (row,) = rows
+    # Bags of 8 always used by knapformer: q, k, v and output each send 7/8 of the activations per layer.
+    assert row["ulysses_ratio"] == 57 * 4 * 7 / 8
+    assert 0 < row["route_ratio"] <= 2
+    assert "kf_image_video" in routing.format_traffic(rows)
+
+
+def test_flux_bench_smoke(capsys):
+    pytest.importorskip("diffusers")
+    assert cli_main(["bench", "flux", "--mix", "kf_mixed_res", "--ranks", "2", "--token-scale", "0.01", "--layers", "1",
+               "--single-layers", "1", "--head-dim", "16", "--repeats", "1"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()  # other output (DeepSpeed's accelerator notice) may come first
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:3]] for line in lines
+            if line.split()[:1] in (["diffusers"], ["packed"])}  # fmt: skip
+    assert set(rows) == {"diffusers", "packed"}
+    # The same tokens through the same layers: activation memory within 10% of each other.
+    assert rows["packed"][1] == pytest.approx(rows["diffusers"][1], rel=0.1)
+
+
+def test_auto_comparison_is_computed_step_by_step_from_the_plans():
+    model = default_cost_model()
+    rows = []
+    for spec in bench.suite_topologies(32):
+        rows += bench.run_case(32, "kf_image_video", spec, 2, ["none", "knapformer", "refine"], model)
+    (row,) = bench.auto_comparison(rows, 32)
+    ratios = []
+    for seed in range(2):
+        lengths = sample_mix("kf_image_video", 32, seed)
+        auto = plan_routing(lengths, build_topology("auto", 32, gpus_per_node=8), model)
+        knapformer = plan_routing(lengths, build_topology("g8n4"), model, "knapformer")
+        best = min(plan_routing(lengths, build_topology(s, gpus_per_node=8), model).max_load
+                   for s in bench.suite_topologies(32)[:-1])  # fmt: skip
+        ratios.append((auto.max_load / auto.lower_bound, knapformer.max_load / auto.max_load, auto.max_load / best))
+    medians = [sum(pair) / 2 for pair in zip(*ratios, strict=True)]
+    assert row["vs_bound"] == pytest.approx(medians[0]) and row["vs_bound"] >= 1 - 1e-9
+    assert row["speedup_vs_knapformer_g8"] == pytest.approx(medians[1])
+    assert row["vs_best_fixed"] == pytest.approx(medians[2])
+
+
+def test_ahead_bench_reports_identical_plans_and_plots(tmp_path, capsys):
+    from deepspeed_knap.cli import main
+
+    plot = tmp_path / "ahead.png"
+    assert main(["bench", "ahead", "--gpus", "16", "--steps", "2", "--mixes", "kf_image_video",
+                 "--plot", str(plot)]) == 0  # fmt: skip
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 16 | kf_image_video"))
+    assert row.split("|")[6].strip() == "yes"  # the worker's plans are the in-process ones, bit for bit
+    assert plot.stat().st_size > 0

@@ -1,0 +1,44 @@
+"""``deepspeed-knap calibrate``: recovers a known cost model exactly, times real FLUX blocks on CPU,
+and writes a file the config's workload section reads."""
+
+import json
+
+import pytest
+
+from deepspeed_knap.cli import main
+from deepspeed_knap.runtime.config import get_knapformer_config
+
+A, B, OVERHEAD = 3e-6, 2e-10, 0.02
+
+
+def exact_step(seq_len: int) -> float:
+    """A step that reports a known cost (the calibrate protocol: a returned number is the seconds)."""
+    return OVERHEAD + A * seq_len + B * seq_len**2
+
+
+def test_fit_recovers_a_known_model_and_the_config_reads_it(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--out", str(out), "--callable", "tests.unit.test_calibrate:exact_step",
+                 "--seq-lens", "100,1000,5000,20000", "--repeats", "1"]) == 0  # fmt: skip
+    written = json.loads(out.read_text())
+    assert written["linear_coef"] == pytest.approx(A, rel=1e-9)
+    assert written["quadratic_coef"] == pytest.approx(B, rel=1e-9)
+    assert written["overhead_s"] == pytest.approx(OVERHEAD, rel=1e-9)
+    assert written["r2"] == pytest.approx(1.0) and written["max_rel_error"] < 1e-9
+    workload = get_knapformer_config({"knapformer": {"workload": {"calibration_file": str(out)}}}).workload.build()
+    assert (workload.linear_coef, workload.quadratic_coef) == (written["linear_coef"], written["quadratic_coef"])
+    assert "R^2 = 1.0000" in capsys.readouterr().out
+
+
+def test_flux_blocks_on_cpu_smoke(tmp_path):
+    out, plot = tmp_path / "cal.json", tmp_path / "cal.png"
+    assert main(["calibrate", "--out", str(out), "--seq-lens", "128,512,1024,2048", "--repeats", "3", "--heads", "2",
+                 "--head-dim", "8", "--double-blocks", "1", "--single-blocks", "2", "--plot", str(plot)]) == 0  # fmt: skip
+    written = json.loads(out.read_text())
+    assert written["seq_lens"] == [128, 512, 1024, 2048] and all(t > 0 for t in written["seconds"])
+    assert written["linear_coef"] + written["quadratic_coef"] > 0 and plot.stat().st_size > 0
+
+
+def test_too_few_lengths_is_a_clear_error(tmp_path, capsys):
+    assert main(["calibrate", "--out", str(tmp_path / "x.json"), "--seq-lens", "16,32,64,64"]) == 2
+    assert "give at least 4 positive lengths" in capsys.readouterr().err

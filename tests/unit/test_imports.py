@@ -1,0 +1,111 @@
+"""The package's import graph: no cycles, and the planner and the CLI load no torch.
+
+The graph has an edge from a module to every module of the package it imports, at module level or
+inside a function (``from a.b import c`` is an edge to ``a.b.c`` when that is a module, else to
+``a.b``). A package's ``__init__`` that its submodules' imports run first is not an edge: a module
+that imports ``deepspeed_knap.planner.plan`` depends on that module, not on what
+``deepspeed_knap.planner`` re-exports.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import deepspeed_knap
+
+PACKAGE = Path(deepspeed_knap.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against this module's package
+                    anchor = name.split(".") if is_package else name.split(".")[:-1]
+                    base = ".".join(anchor[: len(anchor) - node.level + 1] + ([base] if base else []))
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                ]
+            else:
+                continue
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a list of modules (the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_sees_imports_inside_functions():
+    graph = import_graph()
+    # cli imports the command modules by name at run time; the model registry imports loading
+    assert "deepspeed_knap.models.loading" in graph["deepspeed_knap.models.registry"]
+    assert "deepspeed_knap.planner.problem" in graph["deepspeed_knap.planner.elastic"]
+
+
+def test_no_import_cycle_in_the_package():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_pure_layers_import_nothing_above_them():
+    """planner/, cost/ and data/ are the bottom: they import no runtime, model, bench or command module."""
+    pure = ("deepspeed_knap.planner", "deepspeed_knap.cost", "deepspeed_knap.data")
+    allowed = (*pure, "deepspeed_knap._deprecated")
+    for module, edges in import_graph().items():
+        if module.startswith(pure) and module != "deepspeed_knap.cost.calibrate":
+            assert all(edge.startswith(allowed) for edge in edges), (module, sorted(edges))
+
+
+def test_planner_and_cli_load_no_torch():
+    code = (
+        "import sys, deepspeed_knap, deepspeed_knap.planner, deepspeed_knap.cost.online, deepspeed_knap.cli;"
+        "from deepspeed_knap.cli import main; main(['plan', '--gpus', '8', '--repeat', '1', '--json']);"
+        "print('TORCH' if 'torch' in sys.modules else 'NO TORCH', file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().endswith("NO TORCH")

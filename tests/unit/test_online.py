@@ -1,0 +1,153 @@
+"""Measured balance: the online refit against synthetic measurements from a known model, and on gloo
+ranks with one rank made slower (a deterministic delay per token)."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.cost.online import OnlineCostModel, OnlineSettings, plan_terms
+from deepspeed_knap.data.mixes import sample_mix
+from deepspeed_knap.planner import plan_routing
+from deepspeed_knap.planner.topology import build_topology
+from tests.support.distributed import run_distributed
+
+TRUTH = CostModel(2e-5, 3e-9)
+SPEEDS = (1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 2.0, 1.0)  # rank 2 throttled to half, rank 6 twice as fast
+
+
+def measure(plan, truth=TRUTH, speeds=SPEEDS, overhead_s=0.01):
+    """What each GPU would measure under ``truth``: compute microseconds (overhead on busy GPUs)."""
+    linear, quadratic, _ = plan_terms(plan, truth)
+    return [round((overhead_s + truth.linear_coef * x + truth.quadratic_coef * y) / v * 1e6) if x > 0 else 0
+            for x, y, v in zip(linear, quadratic, speeds, strict=True)]  # fmt: skip
+
+
+def run_online(prior, steps, settings=None, spoil=None):
+    topology = build_topology("auto", 8)
+    online = OnlineCostModel(prior, 8, settings or OnlineSettings(warmup_steps=3))
+    plans = []
+    for step in range(steps):
+        lengths = sample_mix("kf_mixed_res", 8, step)
+        plan = plan_routing(lengths, topology, online.model())
+        compute = measure(plan)
+        if spoil is not None:
+            compute = spoil(step, compute)
+        online.observe(plan, compute, [0] * 8)
+        plans.append(plan)
+    return online, plans
+
+
+def test_refit_recovers_the_true_model_and_the_rank_speeds():
+    online, plans = run_online(CostModel(1e-5, 1e-8), steps=10)  # a prior off by 2x and 3x
+    model = online.model()
+    relative = [v / SPEEDS[0] for v in SPEEDS]
+    assert list(model.gpu_speed) == pytest.approx(relative, rel=1e-3)
+    assert model.linear_coef == pytest.approx(TRUTH.linear_coef, rel=1e-3)
+    assert model.quadratic_coef == pytest.approx(TRUTH.quadratic_coef, rel=1e-3)
+    assert online.overhead_s == pytest.approx(0.01, rel=1e-3)
+    # The planner now gives the throttled rank less and the fast one more.
+    last = plans[-1]
+    assert last.gpu_tokens[2] < last.gpu_tokens[6]
+    predicted = online.predicted_s(last)
+    assert predicted == pytest.approx([t / 1e6 for t in measure(last)], rel=1e-3)
+
+
+def test_prior_plans_until_warm_and_bad_measurements_are_ignored():
+    prior = CostModel(1e-5, 1e-8)
+    online, _ = run_online(prior, steps=2, settings=OnlineSettings(warmup_steps=3))
+    assert online.model() == prior  # not warm yet
+    # One rank's timer fails every step (-1): the refit runs on the others and still finds the truth.
+    online, _ = run_online(prior, steps=10, spoil=lambda step, c: [-1 if g == 5 else t for g, t in enumerate(c)])
+    assert online.model().linear_coef == pytest.approx(TRUTH.linear_coef, rel=1e-3)
+    assert online.model().gpu_speed[5] == 1.0  # no data: the median rank's speed
+    assert all(math.isfinite(v) for v in online.model().gpu_speed)
+
+
+def test_one_noisy_step_moves_a_speed_little_and_speeds_stay_bounded():
+    def spike(step, compute):  # rank 3 reads 10x its time once
+        return [t * 10 if (g == 3 and step == 8) else t for g, t in enumerate(compute)]
+
+    online, _ = run_online(CostModel(1e-5, 1e-8), steps=9, spoil=spike, settings=OnlineSettings(warmup_steps=3))
+    assert 0.5 < online.model().gpu_speed[3] < 1.0  # a ratio of sums over the steps, the spike bounded
+    settings = OnlineSettings(warmup_steps=3, max_speed_ratio=1.5)
+    online, _ = run_online(CostModel(1e-5, 1e-8), steps=6, settings=settings)
+    # Bounded, then rounded to the grid of 1/32 the planner sees.
+    assert min(online.model().gpu_speed) == pytest.approx(1 / 1.5, abs=1 / 64) and max(online.model().gpu_speed) == 1.5
+    assert all(v * 32 == round(v * 32) for v in online.model().gpu_speed)
+
+
+def test_refit_is_bit_identical_in_another_process():
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    here = run_online(CostModel(1e-5, 1e-8), steps=8)[0].model()
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        there = pool.submit(_model_in_child).result()
+    assert dataclasses.astuple(here) == dataclasses.astuple(there)
+
+
+def _model_in_child():
+    return run_online(CostModel(1e-5, 1e-8), steps=8)[0].model()
+
+
+# ----------------------------------------------------------------------------------------------------
+# On gloo ranks: rank 1 computes 3x slower (a sleep per token of its share); the refit must see it.
+
+SLOWDOWN = 3.0
+DELAY_S_PER_TOKEN = 200e-6
+
+
+def _slow_rank_worker(rank: int, world: int, steps: int) -> dict:
+    import time
+
+    import deepspeed.comm as dist
+
+    from deepspeed_knap.models.tiny_dit import random_batch
+    from deepspeed_knap.runtime.attention import KnapDistributedAttention
+    from deepspeed_knap.runtime.balancer import KnapBalancer
+    from deepspeed_knap.runtime.groups import create_process_groups
+
+    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    topology = build_topology("g1n2", world)
+    groups = create_process_groups(topology)
+    balancer = KnapBalancer(groups, CostModel(1e-6, 1e-9), online=OnlineSettings(warmup_steps=3))
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 24)
+    attention = KnapDistributedAttention(2, backend="sdpa")
+    delay = DELAY_S_PER_TOKEN * (SLOWDOWN if rank == 1 else 1.0)
+
+    def blocks(routed):
+        time.sleep(delay * routed.batch.num_tokens)  # this rank's compute, dominated by the delay
+        q, k, v = layer(routed.batch.tokens).view(-1, 3, 2, 4).unbind(1)
+        return attention(q, k, v, routed).reshape(-1, 8)
+
+    shares, fingerprints = [], []
+    for step in range(steps):
+        batch = random_batch([40] * 6, 100 * step + rank, 8, 5)  # the same work on both ranks
+        out = balancer.forward(batch, blocks)
+        out.sum().backward()
+        plan = balancer._last[1]
+        shares.append(float(plan.gpu_tokens[1] / plan.gpu_tokens.sum()))
+        mine = torch.tensor([plan.fingerprint], dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        fingerprints.append(len({int(t) for t in gathered}))
+    return {"speeds": list(balancer.model.gpu_speed), "shares": shares, "fingerprints": fingerprints,
+            "metrics": balancer.metrics()}  # fmt: skip
+
+
+@pytest.mark.multirank
+def test_a_slow_rank_is_learned_and_gets_less_work():
+    steps = 12
+    results = run_distributed(_slow_rank_worker, 2, args=(steps,), timeout=240)
+    for result in results:
+        assert result["fingerprints"] == [1] * steps  # the same plan on every rank, every step
+        speed_0, speed_1 = result["speeds"]
+        assert speed_1 / speed_0 == pytest.approx(1 / SLOWDOWN, rel=0.25)  # converged within 12 steps
+        assert result["shares"][0] == pytest.approx(0.5, abs=0.05)  # before the refit: even
+        assert result["shares"][-1] < 0.32  # after: about 1 / (1 + 3) of the tokens
+        assert result["metrics"]["knapformer/measured_imbalance"] < 1.3
+    assert results[0]["speeds"] == results[1]["speeds"]

@@ -1,0 +1,27 @@
+"""The per-GPU load plot: bag boundaries drawn where the topology puts them, the legend over no bar."""
+
+import matplotlib.pyplot as plt
+
+from deepspeed_knap.bench.plots import loads_figure
+from deepspeed_knap.cost.model import default_cost_model
+from deepspeed_knap.data.mixes import sample_mix
+from deepspeed_knap.planner import plan_routing
+from deepspeed_knap.planner.topology import build_topology
+
+
+def test_bag_boundaries_are_drawn_and_the_legend_hides_no_bar():
+    topology = build_topology("g1n4+g2n2+g4n1")
+    lengths = sample_mix("kf_image_video", topology.group_size, 0)
+    plans = {solver: plan_routing(lengths, topology, default_cost_model(), solver) for solver in ("none", "refine")}
+    fig = loads_figure(plans, "test", topology)
+    try:
+        fig.canvas.draw()
+        boundaries = {first - 0.5 for first in topology.bag_first_rank if first}
+        legend = fig.legends[0].get_window_extent()
+        for ax in fig.axes:
+            drawn = {line.get_xdata()[0] for line in ax.lines if line.get_xdata()[0] == line.get_xdata()[1]}
+            assert drawn == boundaries
+            for bar in ax.patches[-topology.group_size :]:  # the bars are drawn last
+                assert not legend.overlaps(bar.get_window_extent())
+    finally:
+        plt.close(fig)
