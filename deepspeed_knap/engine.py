@@ -60,13 +60,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
     # Our set-up collectives run before DeepSpeed's engine binds this rank to its GPU: bind it now,
     # or every rank would hand NCCL a tensor on GPU 0.
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    topology = workload = None
+    topology = cost_model = None
     if knap.enabled:
         attention = [m for m in model.modules() if isinstance(m, KnapDistributedAttention)] if model is not None else []
-        workload, views = _rank_views(knap, ds_config, model, attention)
+        cost_model, views = _rank_views(knap, ds_config, model, attention)
         check_same_on_every_rank(views)
-        if isinstance(workload, Exception):  # the same on every rank, as just checked
-            raise workload
+        if isinstance(cost_model, Exception):  # the same on every rank, as just checked
+            raise cost_model
         heads = min((m.num_heads for m in attention if m.num_heads is not None), default=None)
         topology = _build_topology(knap, dist.get_world_size(), heads)
         for module in attention:
@@ -78,36 +78,36 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
         return engine, optimizer, dataloader, lr_scheduler, None
     balancer = KnapBalancer(
         create_process_groups(topology, datetime.timedelta(seconds=knap.timeout_s)),
-        workload,
+        cost_model,
         knap.solver,
         knap.max_tokens_per_gpu,
         knap.log_interval,
         engine.monitor,
-        knap.workload.online_settings(),
+        knap.cost_model.online_settings(),
     )
     return engine, optimizer, dataloader, lr_scheduler, balancer
 
 
 def _rank_views(knap: KnapFormerConfig, ds_config: dict, model: nn.Module | None,
                 attention: list[KnapDistributedAttention]) -> tuple[CostModel | Exception, dict[str, str]]:  # fmt: skip
-    """This rank's workload model (or the error building it) and what it sees of every setting that
+    """This rank's cost model (or the error building it) and what it sees of every setting that
     can differ between nodes, for :func:`~deepspeed_knap.runtime.groups.check_same_on_every_rank`."""
     try:
-        workload: CostModel | Exception = knap.workload.build()  # may read a calibration file
+        cost_model: CostModel | Exception = knap.cost_model.build()  # may read a calibration file
     except ValueError as error:
-        workload = error
+        cost_model = error
     parameters = [] if model is None else [
         (name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype)) for name, p in model.named_parameters()
     ]  # fmt: skip
     views = {
         '"knapformer" block': json.dumps(ds_config.get(KNAPFORMER), sort_keys=True),
         "gpus per node from the launcher": str(launcher_gpus_per_node()),
-        "workload model (calibration_file)": repr(workload),
+        "cost model (calibration_file)": repr(cost_model),
         f"attention backend {knap.attention_backend!r}": str(backend_problem(knap.attention_backend)),
         "model parameters (names, shapes, dtypes)": repr(parameters),
         "attention heads": repr(sorted({m.num_heads or 0 for m in attention})),
     }
-    return workload, views
+    return cost_model, views
 
 
 # Environment variables holding the number of ranks on this node, by launcher.

@@ -13,7 +13,7 @@
    is fastest: on an H100 (torch 2.11, CUDA 13) per-sequence SDPA ran FLUX.1 blocks at 32k tokens in
    7.7 s against ``varlen_attn``'s 11.2 s, so the report names the fastest and the setting to use.
 5. Calibration: ``calibrate`` of FLUX blocks at the model's dims with the fastest kernel; its JSON is
-   what ``"workload": {"calibration_file": ...}`` reads.
+   what ``"cost_model": {"calibration_file": ...}`` reads.
 
 On a CPU it reports the same, at small dims unless told otherwise (``sdpa`` is the only kernel).
 The exit status is 1 when a kernel check fails, else 0. A calibration whose times do not grow with

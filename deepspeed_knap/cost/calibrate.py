@@ -12,7 +12,7 @@ one forward + backward of whatever it models on ``s`` tokens (synchronising the 
 The fit is ``t(s) = overhead + a*s + b*s^2`` by non-negative least squares. The overhead (kernel
 launches, Python: seconds a GPU spends per step whatever its tokens) is fitted so that it does not
 bias ``a`` and ``b`` at short lengths; every busy GPU pays it, so it changes no plan and the
-planner's model leaves it out. The JSON written is what ``"workload": {"calibration_file": ...}``
+planner's model leaves it out. The JSON written is what ``"cost_model": {"calibration_file": ...}``
 reads; it records the overhead too.
 """
 

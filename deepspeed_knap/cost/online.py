@@ -47,7 +47,7 @@ _SPEED_GRID = 32
 
 @dataclass(frozen=True)
 class OnlineSettings:
-    """Knobs of the online refit (the ``"workload"`` block's ``online`` keys).
+    """Knobs of the online refit (the ``"cost_model"`` block's ``"online"`` object).
 
     Attributes:
         warmup_steps: steps observed before the first refit; until then the prior model plans.

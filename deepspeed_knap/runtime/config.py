@@ -3,7 +3,7 @@
     "knapformer": {
         "enabled": true,
         "topology": "auto",
-        "workload": {"model": "flux-dev"},
+        "cost_model": {"model": "flux-dev", "online": false},
         "solver": "refine",
         "attention_backend": "auto",
         "log_interval": 10
@@ -21,19 +21,68 @@ from pathlib import Path
 from typing import Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StrictBool, ValidationError, field_validator, model_validator
 
-from deepspeed_knap.cost.model import MODEL_PRESETS, CostModel, default_cost_model
+from deepspeed_knap.cost.model import (
+    DEFAULT_ALLTOALL_GBPS,
+    DEFAULT_TFLOPS,
+    MODEL_PRESETS,
+    CostModel,
+    default_cost_model,
+)
 from deepspeed_knap.cost.online import OnlineSettings
 from deepspeed_knap.planner.solve import DEFAULT_SOLVER
 from deepspeed_knap.planner.topology import AUTO, parse_topology_spec
 
 KNAPFORMER = "knapformer"
+_WORKLOAD_RENAMED = (
+    'The cost model\'s key is "cost_model" (a data mix was also called a workload), with the online knobs nested '
+    'in "online": {"enabled": true, ...}; "workload" goes in the next release'
+)
 
 
-class KnapWorkloadConfig(DeepSpeedConfigModel):
+_ONLINE_KNOBS = ("warmup_steps", "forgetting", "refit_interval", "max_speed_ratio")
+
+
+class KnapOnlineConfig(DeepSpeedConfigModel):
+    """The ``"online"`` refit of the cost model: ``a``, ``b``, ``c`` and a speed factor per rank fitted
+    to the measured step times, every step, identically on every rank; the cost model's source is the
+    prior. ``"online": true`` is this block with its defaults."""
+
+    enabled: StrictBool = True
+    """Turn the refit on (an ``"online"`` object asks for it unless this is false)."""
+    warmup_steps: int = Field(OnlineSettings.warmup_steps, ge=1)
+    """Steps measured before the first refit."""
+    forgetting: float = Field(OnlineSettings.forgetting, gt=0, le=1)
+    """Weight of a step relative to the next newer one."""
+    refit_interval: int = Field(OnlineSettings.refit_interval, ge=1)
+    """Refit every this many steps."""
+    max_speed_ratio: float = Field(OnlineSettings.max_speed_ratio, gt=1)
+    """A rank's speed factor stays within this factor of the median rank's."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_knob_when_off(cls, values: Any) -> Any:
+        if isinstance(values, Mapping) and values.get("enabled") is False:
+            knobs = sorted(key for key in values if key != "enabled")
+            if knobs:
+                raise ValueError(
+                    f'{", ".join(knobs)} given with "enabled": false, where nothing reads {"them" if len(knobs) > 1 else "it"}; '
+                    'remove it, or set "enabled": true'
+                )
+        return values
+
+    def settings(self) -> OnlineSettings | None:
+        """The refit's settings, or ``None`` when it is off."""
+        if not self.enabled:
+            return None
+        return OnlineSettings(self.warmup_steps, self.forgetting, self.refit_interval, self.max_speed_ratio)
+
+
+class KnapCostModelConfig(DeepSpeedConfigModel):
     """Where the planner's cost model comes from: exactly one of a model preset (FLOP-derived),
-    measured coefficients, or a calibration file written by ``deepspeed-knap calibrate``."""
+    measured coefficients, or a calibration file written by ``deepspeed-knap calibrate``; and whether
+    it is refit online."""
 
     model: str | None = None
     """Preset name (``flux-dev``, ``flux-schnell``, ``flux-tiny``, ``flux2-dev``); the default when nothing
@@ -46,9 +95,9 @@ class KnapWorkloadConfig(DeepSpeedConfigModel):
     """Override the preset's single-stream block count."""
     mlp_ratio: float | None = Field(None, gt=0)
     """Override the preset's MLP ratio."""
-    tflops: float = Field(400.0, gt=0)
+    tflops: float = Field(DEFAULT_TFLOPS, gt=0)
     """Sustained TFLOP/s per GPU assumed by the preset model."""
-    alltoall_gbps: float = Field(150.0, gt=0)
+    alltoall_gbps: float = Field(DEFAULT_ALLTOALL_GBPS, gt=0)
     """All-to-all bandwidth per GPU (GB/s) assumed by the preset model."""
     linear_coef: float | None = Field(None, ge=0)
     """Measured ``a`` (seconds per token on one GPU); give with ``quadratic_coef``."""
@@ -59,30 +108,32 @@ class KnapWorkloadConfig(DeepSpeedConfigModel):
     calibration_file: str | None = None
     """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef`` and
     ``degree_efficiency``, as ``deepspeed-knap calibrate`` writes it."""
-    frozen_base: bool = False
+    frozen_base: StrictBool = False
     """Preset model: the base weights are frozen (LoRA), so linear layers' backward skips the
     weight gradient (2 forwards' worth instead of 3)."""
-    online: bool = False
-    """Refit ``a``, ``b``, ``c`` and a speed factor per rank from the measured step times, every step,
-    identically on every rank; the source above is the prior."""
-    warmup_steps: int = Field(5, ge=1)
-    """Online: steps measured before the first refit."""
-    forgetting: float = Field(0.9, gt=0, le=1)
-    """Online: weight of a step relative to the next newer one."""
-    refit_interval: int = Field(1, ge=1)
-    """Online: refit every this many steps."""
-    max_speed_ratio: float = Field(4.0, gt=1)
-    """Online: a rank's speed factor stays within this factor of the median rank's."""
+    online: KnapOnlineConfig | None = None
+    """Refit the model online from measured step times: ``true``, or an object with
+    ``enabled``, ``warmup_steps``, ``forgetting``, ``refit_interval``, ``max_speed_ratio``
+    (:class:`KnapOnlineConfig`); off when absent or ``false``."""
+
+    @field_validator("online", mode="before")
+    @classmethod
+    def _online_bool(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        return value
 
     @model_validator(mode="after")
-    def _one_source(self) -> KnapWorkloadConfig:
+    def _one_source(self) -> KnapCostModelConfig:
         dims = [k for k in ("hidden", "double_blocks", "single_blocks", "mlp_ratio") if getattr(self, k) is not None]
         coefs = [k for k in ("linear_coef", "quadratic_coef", "alltoall_coef") if getattr(self, k) is not None]
         sources = [name for name, used in (("model/dims", self.model is not None or dims),
                                            ("coefficients", coefs), ("calibration_file", self.calibration_file))
                    if used]  # fmt: skip
         if len(sources) > 1:
-            raise ValueError(f"give one workload source, not {' and '.join(sources)}")
+            raise ValueError(f"give one cost model source, not {' and '.join(sources)}")
         if coefs and (self.linear_coef is None or self.quadratic_coef is None):
             raise ValueError("coefficients need both linear_coef and quadratic_coef")
         if self.model is not None and self.model not in MODEL_PRESETS:
@@ -92,10 +143,8 @@ class KnapWorkloadConfig(DeepSpeedConfigModel):
         return self
 
     def online_settings(self) -> OnlineSettings | None:
-        """The online refit's settings, or ``None`` when ``online`` is off."""
-        if not self.online:
-            return None
-        return OnlineSettings(self.warmup_steps, self.forgetting, self.refit_interval, self.max_speed_ratio)
+        """The online refit's settings, or ``None`` when it is off."""
+        return None if self.online is None else self.online.settings()
 
     def build(self) -> CostModel:
         """The :class:`~deepspeed_knap.cost.model.CostModel` this section describes."""
@@ -118,7 +167,7 @@ def _read_calibration(path: str) -> CostModel:
                              tuple((int(g), float(e)) for g, e in efficiency) if efficiency else None)  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
-            f"knapformer.workload.calibration_file {path!r} is unreadable ({error}); it must be a JSON object with "
+            f"knapformer.cost_model.calibration_file {path!r} is unreadable ({error}); it must be a JSON object with "
             "linear_coef, quadratic_coef and optionally alltoall_coef and degree_efficiency, as deepspeed-knap "
             "calibrate writes"
         ) from None
@@ -128,7 +177,7 @@ class KnapFormerConfig(DeepSpeedConfigModel):
     """The ``"knapformer"`` block. With ``enabled: false`` (the default) nothing is balanced and nothing
     extra communicates."""
 
-    enabled: bool = False
+    enabled: StrictBool = False
     """Turn balancing on."""
     topology: str | None = None
     """``"auto"`` (every sequence gets its own Ulysses degree each step), or the bag layout of one
@@ -144,8 +193,12 @@ class KnapFormerConfig(DeepSpeedConfigModel):
     or ``MPI_LOCALNRANKS`` from mpirun, ``SLURM_NTASKS_PER_NODE``)."""
     solver: Literal["none", "knapformer", "refine"] = DEFAULT_SOLVER
     """Planner solver."""
-    workload: KnapWorkloadConfig = Field(default_factory=KnapWorkloadConfig)
-    """Cost model source."""
+    cost_model: KnapCostModelConfig = Field(default_factory=KnapCostModelConfig)
+    """Cost model source, and its online refit."""
+    workload: KnapCostModelConfig | None = Field(
+        None, json_schema_extra={"deprecated": True, "new_param": "cost_model", "deprecated_msg": _WORKLOAD_RENAMED}
+    )
+    """Deprecated spelling of ``cost_model`` (its online knobs may stand flat beside ``online``)."""
     max_tokens_per_gpu: int | None = Field(None, gt=0)
     """Memory cap: most tokens one GPU may hold after routing."""
     attention_backend: Literal["auto", "flash", "torch_varlen", "sdpa"] = "auto"
@@ -155,6 +208,26 @@ class KnapFormerConfig(DeepSpeedConfigModel):
     timeout_s: float = Field(300.0, gt=0)
     """Seconds a collective of ours (the lengths gather, the routes, the Ulysses all-to-alls) waits
     for a stuck or dead rank before the job fails; DeepSpeed's own default is 10 minutes."""
+
+    @field_validator("workload", mode="before")
+    @classmethod
+    def _nest_flat_online_knobs(cls, value: Any) -> Any:
+        """The old block kept the online knobs flat beside ``"online": true``."""
+        if not isinstance(value, Mapping) or not any(knob in value for knob in _ONLINE_KNOBS):
+            return value
+        flat = {knob: value[knob] for knob in _ONLINE_KNOBS if knob in value}
+        online = value.get("online", False)
+        if not isinstance(online, bool):
+            raise ValueError(f'"online" must be true or false beside the flat knobs {", ".join(flat)}; got {online!r}')
+        rest = {key: v for key, v in value.items() if key not in flat and key != "online"}
+        return {**rest, "online": {"enabled": online, **flat}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_both_spellings(cls, values: Any) -> Any:
+        if isinstance(values, Mapping) and "workload" in values and "cost_model" in values:
+            raise ValueError('give "cost_model", not both it and its deprecated spelling "workload"')
+        return values
 
     @field_validator("topology")
     @classmethod
@@ -207,12 +280,23 @@ def get_knapformer_config(param_dict: Mapping[str, Any]) -> KnapFormerConfig:
         raise ValueError(_explain(error)) from None
 
 
+def _model_at(loc: tuple) -> type[DeepSpeedConfigModel]:
+    """The config class at a validation error's location (``("cost_model", "online")``, ...)."""
+    model: type[DeepSpeedConfigModel] = KnapFormerConfig
+    for part in loc:
+        if part in ("workload", "cost_model"):
+            model = KnapCostModelConfig
+        elif part == "online":
+            model = KnapOnlineConfig
+    return model
+
+
 def _explain(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         where = ".".join(str(part) for part in (KNAPFORMER, *item["loc"]))
         if item["type"] == "extra_forbidden":
-            model = KnapWorkloadConfig if len(item["loc"]) > 1 and item["loc"][0] == "workload" else KnapFormerConfig
+            model = _model_at(item["loc"][:-1])
             lines.append(f"unknown key {where!r}; valid keys: {', '.join(model.model_fields)}")
         else:
             message = item["msg"].removeprefix("Value error, ")

@@ -240,7 +240,7 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
 
 
 def test_readme_main_job_trains_and_prints_loss_and_modeled_imbalance():
-    from tests.test_readme import COMMANDS
+    from tests.e2e.test_readme import COMMANDS
 
     launch = COMMANDS[0].split(" && ")[-1].split()
     assert launch[:3] == [".venv/bin/deepspeed", "--num_gpus", "4"]

@@ -126,7 +126,7 @@ def _equivalence(rank: int, world: int, spec: str) -> dict:
 
     from deepspeed_knap.models.tiny_dit import TinyDiT
     from deepspeed_knap.runtime.balancer import KnapBalancer
-    from tests.test_layout import mixed_plan
+    from tests.unit.test_layout import mixed_plan
 
     class MixedPlans(KnapBalancer):
         """Plans no solver makes: GPUs in several attention groups at once (home and bag)."""

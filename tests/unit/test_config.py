@@ -1,4 +1,5 @@
-"""The "knapformer" config block: defaults, every workload source, and errors that name the key."""
+"""The "knapformer" config block: defaults, every cost model source, the online refit, the deprecated
+"workload" spelling, and errors that name the key."""
 
 import json
 
@@ -17,24 +18,27 @@ def test_absent_block_is_disabled_with_documented_defaults():
     assert not config.enabled and config.topology is None and config.solver == "refine"
     assert config.max_degree is None and config.timeout_s == 300.0
     assert config.attention_backend == "auto" and config.log_interval == 10 and config.max_tokens_per_gpu is None
-    assert config.workload.build() == default_cost_model("flux-dev")
+    assert config.cost_model.build() == default_cost_model("flux-dev")
 
 
-def test_workload_sources():
-    assert block(workload={"model": "flux-tiny"}).workload.build() == default_cost_model("flux-tiny")
-    assert block(workload={"hidden": 64, "tflops": 100}).workload.build() == default_cost_model(
+def test_cost_model_sources():
+    assert block(cost_model={"model": "flux-tiny"}).cost_model.build() == default_cost_model("flux-tiny")
+    assert block(cost_model={"hidden": 64, "tflops": 100}).cost_model.build() == default_cost_model(
         "flux-dev", hidden=64, tflops=100
     )
-    assert block(workload={"linear_coef": 1e-6, "quadratic_coef": 1e-9}).workload.build() == CostModel(1e-6, 1e-9)
+    assert block(cost_model={"linear_coef": 1e-6, "quadratic_coef": 1e-9}).cost_model.build() == CostModel(1e-6, 1e-9)
 
 
 def test_online_refit_and_frozen_base_settings():
     from deepspeed_knap.cost.online import OnlineSettings
 
-    assert block(workload={"model": "flux-dev"}).workload.online_settings() is None
-    online = block(workload={"online": True, "warmup_steps": 2, "forgetting": 0.8}).workload.online_settings()
+    assert block(cost_model={"model": "flux-dev"}).cost_model.online_settings() is None
+    assert block(cost_model={"online": False}).cost_model.online_settings() is None
+    assert block(cost_model={"online": True}).cost_model.online_settings() == OnlineSettings()
+    online = block(cost_model={"online": {"warmup_steps": 2, "forgetting": 0.8}}).cost_model.online_settings()
     assert online == OnlineSettings(warmup_steps=2, forgetting=0.8, refit_interval=1, max_speed_ratio=4.0)
-    lora = block(workload={"model": "flux-dev", "frozen_base": True}).workload.build()
+    assert block(cost_model={"online": {"enabled": False}}).cost_model.online_settings() is None
+    lora = block(cost_model={"model": "flux-dev", "frozen_base": True}).cost_model.build()
     assert lora.linear_coef == pytest.approx(default_cost_model("flux-dev").linear_coef * 2 / 3)
     assert lora.quadratic_coef == default_cost_model("flux-dev").quadratic_coef
 
@@ -42,16 +46,16 @@ def test_online_refit_and_frozen_base_settings():
 def test_calibration_file(tmp_path):
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"linear_coef": 2e-6, "quadratic_coef": 3e-10, "alltoall_coef": 1e-7, "r2": 0.99}))
-    assert block(workload={"calibration_file": str(path)}).workload.build() == CostModel(2e-6, 3e-10, 1e-7)
+    assert block(cost_model={"calibration_file": str(path)}).cost_model.build() == CostModel(2e-6, 3e-10, 1e-7)
     path.write_text(
         json.dumps({"linear_coef": 2e-6, "quadratic_coef": 3e-10, "degree_efficiency": [[2, 0.9], [4, 0.8]]})
     )
-    model = block(workload={"calibration_file": str(path)}).workload.build()
+    model = block(cost_model={"calibration_file": str(path)}).cost_model.build()
     assert model.degree_efficiency == ((2, 0.9), (4, 0.8))
     assert model.per_gpu_time(1000, 4) == pytest.approx((2e-6 * 1000 + 3e-10 * 1e6) / (4 * 0.8))
     path.write_text("{}")
     with pytest.raises(ValueError, match=r"calibration_file .* is unreadable"):
-        block(workload={"calibration_file": str(path)}).workload.build()
+        block(cost_model={"calibration_file": str(path)}).cost_model.build()
 
 
 @pytest.mark.parametrize(
@@ -64,19 +68,31 @@ def test_calibration_file(tmp_path):
         ({"attention_backend": "xformers"}, "knapformer.attention_backend = 'xformers'"),
         ({"max_tokens_per_gpu": 0}, "knapformer.max_tokens_per_gpu = 0: Input should be greater than 0"),
         ({"log_interval": -1}, "knapformer.log_interval = -1"),
-        ({"workload": {"foo": 1}}, "unknown key 'knapformer.workload.foo'; valid keys: model, hidden"),
-        ({"workload": {"model": "flux-xl"}}, "unknown model preset 'flux-xl'"),
-        ({"workload": {"linear_coef": 1.0}}, "coefficients need both linear_coef and quadratic_coef"),
-        ({"workload": {"model": "flux-dev", "linear_coef": 1, "quadratic_coef": 1}}, "give one workload source"),
+        ({"cost_model": {"foo": 1}}, "unknown key 'knapformer.cost_model.foo'; valid keys: model, hidden"),
+        ({"enabled": "yes"}, "knapformer.enabled = 'yes': Input should be a valid boolean"),
+        ({"enabled": 1}, "knapformer.enabled = 1: Input should be a valid boolean"),
+        ({"cost_model": {"frozen_base": "true"}}, "knapformer.cost_model.frozen_base = 'true'"),
+        ({"cost_model": {"online": {"enabled": False, "warmup_steps": 3}}}, 'warmup_steps given with "enabled": false'),
+        ({"cost_model": {"online": {"enabled": "no"}}}, "knapformer.cost_model.online.enabled = 'no'"),
+        (
+            {"cost_model": {"online": {"warmup": 3}}},
+            "unknown key 'knapformer.cost_model.online.warmup'; valid keys: enabled,",
+        ),
+        ({"cost_model": {"warmup_steps": 3}}, "unknown key 'knapformer.cost_model.warmup_steps'"),
+        ({"cost_model": {}, "workload": {}}, 'give "cost_model", not both it and its deprecated spelling "workload"'),
+        ({"workload": {"warmup_steps": 3}}, 'warmup_steps given with "enabled": false'),
+        ({"cost_model": {"model": "flux-xl"}}, "unknown model preset 'flux-xl'"),
+        ({"cost_model": {"linear_coef": 1.0}}, "coefficients need both linear_coef and quadratic_coef"),
+        ({"cost_model": {"model": "flux-dev", "linear_coef": 1, "quadratic_coef": 1}}, "give one cost model source"),
         ({"topology": "g8n4", "max_degree": 8}, '"max_degree": 8 applies to "topology": "auto" only'),
         ({"topology": "auto", "max_degree": 6}, '"max_degree": 6 must be a power of two'),
         ({"topology": "auto", "max_degree": 0}, "knapformer.max_degree = 0: Input should be greater than 0"),
         ({"timeout_s": 0}, "knapformer.timeout_s = 0: Input should be greater than 0"),
         ({"solver": "knapformer", "max_tokens_per_gpu": 8192}, '"solver": "knapformer" cannot honour'),
         ({"topology": "auto", "solver": "knapformer"}, '"solver": "knapformer" needs a fixed topology'),
-        ({"workload": {"linear_coef": 1, "quadratic_coef": 1, "frozen_base": True}}, "frozen_base adjusts a preset"),
-        ({"workload": {"online": True, "forgetting": 1.5}}, "knapformer.workload.forgetting = 1.5"),
-        ({"workload": {"online": True, "max_speed_ratio": 1}}, "knapformer.workload.max_speed_ratio = 1"),
+        ({"cost_model": {"linear_coef": 1, "quadratic_coef": 1, "frozen_base": True}}, "frozen_base adjusts a preset"),
+        ({"cost_model": {"online": {"forgetting": 1.5}}}, "knapformer.cost_model.online.forgetting = 1.5"),
+        ({"cost_model": {"online": {"max_speed_ratio": 1}}}, "knapformer.cost_model.online.max_speed_ratio = 1"),
     ],
 )
 def test_bad_blocks_name_the_key_and_value(fields, message):
@@ -85,18 +101,28 @@ def test_bad_blocks_name_the_key_and_value(fields, message):
     assert message in str(error.value)
 
 
+def test_the_old_workload_spelling_still_loads_with_a_warning(caplog):
+    """A config written before the rename (flat online knobs beside "online": true) gives the same
+    settings as its new spelling, and DeepSpeed's deprecation warning names the new key."""
+    old = block(workload={"model": "flux-tiny", "online": True, "warmup_steps": 2, "forgetting": 0.8})
+    new = block(cost_model={"model": "flux-tiny", "online": {"warmup_steps": 2, "forgetting": 0.8}})
+    assert old.cost_model == new.cost_model
+    assert old.cost_model.build() == default_cost_model("flux-tiny")
+    assert block(workload={"model": "flux-tiny"}).cost_model.online_settings() is None
+
+
 def test_block_must_be_an_object():
     with pytest.raises(ValueError, match="must be a JSON object"):
         get_knapformer_config({"knapformer": "g8n4"})
 
 
-def test_every_field_is_documented_in_the_readme():
+def test_every_field_is_documented_in_the_config_page():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    for name in KnapFormerConfig.model_fields:
-        assert f"| `{name}` |" in readme, name
-    from deepspeed_knap.runtime.config import KnapWorkloadConfig
+    from deepspeed_knap.runtime.config import KnapCostModelConfig, KnapOnlineConfig
 
-    for name in KnapWorkloadConfig.model_fields:
-        assert f"| `workload.{name}` |" in readme, name
+    page = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    for prefix, model in (("", KnapFormerConfig), ("cost_model.", KnapCostModelConfig),
+                          ("cost_model.online.", KnapOnlineConfig)):  # fmt: skip
+        for name in model.model_fields:
+            assert f"| `{prefix}{name}` |" in page, prefix + name
