@@ -136,7 +136,7 @@ def _knapformer_greedy(problem: Problem) -> np.ndarray:
     n = len(problem.seq_lens)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    w_s = problem.workload.per_gpu_time(problem.seq_lens, 1)  # at G=1 there is no all-to-all term
+    w_s = problem.cost_model.per_gpu_time(problem.seq_lens, 1)  # at G=1 there is no all-to-all term
     w = np.rint(w_s * (_COST_UNITS / w_s.max())).astype(np.int64)
     sizes = np.unique(problem.bag_size)
     heaps = _BagHeaps([np.flatnonzero(problem.bag_size == g).tolist() for g in sizes])

@@ -24,20 +24,20 @@ _COST_UNITS = 2**32
 
 
 def _group_loads(
-    workload: CostModel, seq_lens: np.ndarray, group_start: np.ndarray, group_size: np.ndarray, num_gpus: int
+    cost_model: CostModel, seq_lens: np.ndarray, group_start: np.ndarray, group_size: np.ndarray, num_gpus: int
 ) -> np.ndarray:
     """``[S]`` modeled seconds: every GPU of a sequence's group spends the sequence's per-GPU time."""
     speeds: np.ndarray | float = 1.0
-    if workload.gpu_speed is not None:  # a group runs at its slowest GPU's speed
-        gpu_speed = np.asarray(workload.gpu_speed, dtype=np.float64)
+    if cost_model.gpu_speed is not None:  # a group runs at its slowest GPU's speed
+        gpu_speed = np.asarray(cost_model.gpu_speed, dtype=np.float64)
         pairs, inverse = np.unique(np.stack([group_start, group_size]), axis=1, return_inverse=True)
         speeds = np.array([gpu_speed[s : s + g].min() for s, g in pairs.T])[inverse.ravel()]
-    per_gpu_s = workload.per_gpu_time(seq_lens, group_size, speeds)
+    per_gpu_s = cost_model.per_gpu_time(seq_lens, group_size, speeds)
     gpu_of_member = np.repeat(group_start, group_size) + (
         np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)
     )
     loads = np.bincount(gpu_of_member, weights=np.repeat(per_gpu_s, group_size), minlength=num_gpus)
-    return loads + workload.gpu_overhead_s(num_gpus) if workload.overhead_s else loads
+    return loads + cost_model.gpu_overhead_s(num_gpus) if cost_model.overhead_s else loads
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def _group_loads(
 @dataclass(frozen=True)
 class Problem:
     topology: Topology
-    workload: CostModel
+    cost_model: CostModel
     cap: int | None
     seq_lens: np.ndarray  # [N] int64
     src: np.ndarray  # [N] int64 home rank
@@ -70,12 +70,12 @@ class Problem:
     gpu_base: np.ndarray | None = None  # [S] int64
 
     @classmethod
-    def build(cls, seq_lens_per_rank, topology: Topology, workload: CostModel, cap: int | None) -> Problem:
+    def build(cls, seq_lens_per_rank, topology: Topology, cost_model: CostModel, cap: int | None) -> Problem:
         seq_lens, src = _flatten_lengths(seq_lens_per_rank, topology)
         # Bags of a fixed topology; with ``auto``, every group a sequence may run in (they overlap).
         groups = np.asarray(topology.groups, dtype=np.int64).reshape(-1, 2)
         bag_first, bag_size = groups[:, 0].copy(), groups[:, 1].copy()
-        bag_speed = workload.group_speeds(bag_first, bag_size, topology.group_size)
+        bag_speed = cost_model.group_speeds(bag_first, bag_size, topology.group_size)
         keys = sorted(set(zip(bag_size.tolist(), bag_speed.tolist(), strict=True)))
         bag_class = np.array(
             [keys.index(k) for k in zip(bag_size.tolist(), bag_speed.tolist(), strict=True)], dtype=np.int64
@@ -84,7 +84,7 @@ class Problem:
         class_speed = np.array([k[1] for k in keys])
         class_count = np.bincount(bag_class, minlength=len(keys)).astype(np.int64)
 
-        cost_s = workload.per_gpu_time(seq_lens[:, None], class_size[None, :], class_speed[None, :])
+        cost_s = cost_model.per_gpu_time(seq_lens[:, None], class_size[None, :], class_speed[None, :])
         scale = _COST_UNITS / cost_s.max() if seq_lens.size else 1.0
         # Rounding down keeps every quantised cost <= the true one, so bounds on them bound the truth.
         cost = np.floor(cost_s * scale).astype(np.int64)
@@ -92,7 +92,7 @@ class Problem:
         allowed = np.ones_like(tokens, dtype=bool) if cap is None else tokens <= cap
         across = class_size > (topology.gpus_per_node or topology.world_size)
         if topology.elastic and across.any():
-            # The workload model prices no all-to-all between nodes: groups of whole nodes are only
+            # The cost model prices no all-to-all between nodes: groups of whole nodes are only
             # for sequences that no group inside a node holds under the cap (none without a cap).
             allowed[:, across] &= ~allowed[:, ~across].any(axis=1, keepdims=True)
         if cap is not None and seq_lens.size and not allowed.any(axis=1).all():
@@ -106,12 +106,12 @@ class Problem:
                 f"max_tokens_per_gpu={cap}. Raise max_tokens_per_gpu to at least {tokens[i].min()}, "
                 f"{larger}, or drop sequences this long"
             )
-        gpu_base = _overhead_units(workload, topology.group_size, scale, int(cost.max(axis=1, initial=0).sum()))
+        gpu_base = _overhead_units(cost_model, topology.group_size, scale, int(cost.max(axis=1, initial=0).sum()))
         base_load = None
         if gpu_base is not None and not topology.elastic:  # a bag's GPUs wait for its slowest one
             base_load = np.array([gpu_base[f : f + g].max() for f, g in zip(bag_first, bag_size, strict=True)])
             gpu_base = None
-        return cls(topology, workload, cap, seq_lens, src, bag_size, bag_first, bag_class,
+        return cls(topology, cost_model, cap, seq_lens, src, bag_size, bag_first, bag_class,
                    class_size, class_count, cost, tokens, allowed, 1.0 / scale, base_load, None, gpu_base)  # fmt: skip
 
     @property
@@ -276,7 +276,7 @@ class Problem:
     @functools.cached_property
     def gpu_speed(self) -> np.ndarray | None:
         """``[S]`` each GPU's speed, or ``None`` when they are all equal."""
-        speed = self.workload.gpu_speed
+        speed = self.cost_model.gpu_speed
         return None if speed is None or len(set(speed)) == 1 else np.asarray(speed, dtype=np.float64)
 
     @functools.cached_property
@@ -285,7 +285,7 @@ class Problem:
         times the class's speed (a bag runs at its slowest GPU's). A GPU of speed ``v`` does ``v``
         of it per unit of load, which bounds the step time where speeds differ."""
         class_speed = np.zeros(len(self.class_size))
-        class_speed[self.bag_class] = self.workload.group_speeds(self.bag_first, self.bag_size, self.num_gpus)
+        class_speed[self.bag_class] = self.cost_model.group_speeds(self.bag_first, self.bag_size, self.num_gpus)
         return self.gpu_seconds * class_speed[None, :]
 
     def make_plan(self, solver: str, group_start: np.ndarray, group_size: np.ndarray) -> RoutingPlan:
@@ -318,7 +318,7 @@ class Problem:
         bag_size, bag_first = self.bag_size[bags], self.bag_first[bags]
         topology = Topology(f"tiling of {self.topology.spec}", tuple(bag_size.tolist()), tuple(bag_first.tolist()),
                             self.num_gpus, None, True)  # fmt: skip
-        return Problem(topology, self.workload, self.cap, self.seq_lens[seqs], self.src[seqs], bag_size, bag_first,
+        return Problem(topology, self.cost_model, self.cap, self.seq_lens[seqs], self.src[seqs], bag_size, bag_first,
                         bag_class.ravel().astype(np.int64), self.class_size[classes],
                         np.bincount(bag_class.ravel(), minlength=len(classes)).astype(np.int64),
                         self.cost[seqs][:, classes], self.tokens[seqs][:, classes], self.allowed[seqs][:, classes],
@@ -329,7 +329,7 @@ class Problem:
         return self.make_plan(solver, self.src, np.ones_like(self.src))
 
     def _gpu_loads(self, group_start: np.ndarray, group_size: np.ndarray) -> np.ndarray:
-        return _group_loads(self.workload, self.seq_lens, group_start, group_size, self.topology.group_size)
+        return _group_loads(self.cost_model, self.seq_lens, group_start, group_size, self.topology.group_size)
 
     @functools.cached_property
     def home_max_load_s(self) -> float:
@@ -340,7 +340,9 @@ class Problem:
     def lower_bound_s(self) -> float:
         """Seconds no plan of ours can beat: the topology bound, or running everything at home. The
         quantised loads leave out the overhead every GPU pays (the least one): it is added back."""
-        least_overhead = float(self.workload.gpu_overhead_s(self.num_gpus).min()) if self.workload.overhead_s else 0.0
+        least_overhead = (
+            float(self.cost_model.gpu_overhead_s(self.num_gpus).min()) if self.cost_model.overhead_s else 0.0
+        )
         return min(self.lower_bound * self.seconds_per_unit + least_overhead, self.home_max_load_s)
 
     def fits_cap_at_home(self) -> bool:
@@ -348,16 +350,16 @@ class Problem:
         return self.cap is None or bool(home_tokens.max(initial=0) <= self.cap)
 
 
-def _overhead_units(workload: CostModel, num_gpus: int, scale: float, total_cost: int) -> np.ndarray | None:
+def _overhead_units(cost_model: CostModel, num_gpus: int, scale: float, total_cost: int) -> np.ndarray | None:
     """``[S]`` int64 each GPU's fixed overhead above the least one, in cost units of ``scale`` per
     second, or ``None`` when they are all equal (no speeds, or no overhead): a load every GPU pays
     alike changes no plan. Rounded down, so bounds on them stay bounds. In ascending order, each is
     held to the one before plus ``total_cost + 1`` (all of the step's work, each sequence at its
     costliest): a GPU further behind gets nothing in any plan and stays the busiest, so that changes
     no plan, and loads stay in the range the sequences' costs give them."""
-    if not workload.overhead_s or workload.gpu_speed is None:
+    if not cost_model.overhead_s or cost_model.gpu_speed is None:
         return None
-    overhead = workload.gpu_overhead_s(num_gpus)
+    overhead = cost_model.gpu_overhead_s(num_gpus)
     extra = np.floor((overhead - overhead.min()) * scale)
     capped, previous = np.zeros(num_gpus, dtype=np.int64), 0
     for gpu in np.argsort(extra, kind="stable").tolist():

@@ -1,4 +1,4 @@
-"""The planner: per-rank sequence lengths + topology + workload model -> :class:`RoutingPlan`.
+"""The planner: per-rank sequence lengths + topology + cost model -> :class:`RoutingPlan`.
 
 Pure NumPy and Python, no ``torch.distributed``: every rank of a balance group calls
 :func:`plan_routing` on the same gathered lengths and gets a bit-identical plan, and the planner can be
@@ -52,7 +52,7 @@ DEFAULT_REFINE_STEPS = 256
 def plan_routing(
     seq_lens_per_rank: Sequence[Sequence[int]],
     topology: Topology,
-    workload: CostModel,
+    cost_model: CostModel,
     solver: str = DEFAULT_SOLVER,
     max_tokens_per_gpu: int | None = None,
     refine_steps: int = DEFAULT_REFINE_STEPS,
@@ -63,7 +63,7 @@ def plan_routing(
         seq_lens_per_rank: ``S`` lists, one per rank of the balance group, of that rank's sequence
             lengths (tokens). An empty list is a rank with nothing this step.
         topology: bag layout; only its balance group (``topology.group_size`` ranks) is planned.
-        workload: cost model.
+        cost_model: the cost model (:class:`~deepspeed_knap.cost.model.CostModel`).
         solver: one of :data:`SOLVERS`.
         max_tokens_per_gpu: hard cap on tokens a GPU may hold after routing. ``refine`` honours it;
             ``none`` raises when a rank's own tokens exceed it; ``knapformer`` cannot honour it and
@@ -86,7 +86,7 @@ def plan_routing(
     if refine_steps < 0:
         raise ValueError(f"refine_steps must be >= 0; got {refine_steps}")
     with _gc_paused():
-        return _solve(seq_lens_per_rank, topology, workload, solver, max_tokens_per_gpu, refine_steps)
+        return _solve(seq_lens_per_rank, topology, cost_model, solver, max_tokens_per_gpu, refine_steps)
 
 
 @contextlib.contextmanager
@@ -104,7 +104,7 @@ def _gc_paused():
             gc.enable()
 
 
-def _solve(seq_lens_per_rank, topology: Topology, workload: CostModel, solver: str,
+def _solve(seq_lens_per_rank, topology: Topology, cost_model: CostModel, solver: str,
            max_tokens_per_gpu: int | None, refine_steps: int) -> RoutingPlan:  # fmt: skip
     if topology.elastic and solver == "knapformer":
         raise ValueError(
@@ -116,7 +116,7 @@ def _solve(seq_lens_per_rank, topology: Topology, workload: CostModel, solver: s
             f"solver 'knapformer' cannot honour max_tokens_per_gpu={max_tokens_per_gpu} (the published greedy knows "
             "no memory); use solver 'refine', or drop the cap"
         )
-    problem = Problem.build(seq_lens_per_rank, topology, workload, max_tokens_per_gpu)
+    problem = Problem.build(seq_lens_per_rank, topology, cost_model, max_tokens_per_gpu)
     if solver == "none":
         if not problem.fits_cap_at_home():  # nothing moves: the cap holds or it is an error, never an OOM
             home_tokens = np.bincount(problem.src, weights=problem.seq_lens, minlength=problem.num_gpus)
@@ -157,7 +157,7 @@ def _solve(seq_lens_per_rank, topology: Topology, workload: CostModel, solver: s
 def lower_bound(
     seq_lens_per_rank: Sequence[Sequence[int]],
     topology: Topology,
-    workload: CostModel,
+    cost_model: CostModel,
     max_tokens_per_gpu: int | None = None,
 ) -> float:
     """Modeled seconds no plan over ``topology``'s groups (or keeping every sequence home) can beat:
@@ -168,18 +168,18 @@ def lower_bound(
         ValueError: as :func:`plan_routing`, for bad lengths or a sequence no group holds under the cap.
     """
     with _gc_paused():
-        return Problem.build(seq_lens_per_rank, topology, workload, max_tokens_per_gpu).lower_bound_s
+        return Problem.build(seq_lens_per_rank, topology, cost_model, max_tokens_per_gpu).lower_bound_s
 
 
-def plan_loads(plan: RoutingPlan, workload: CostModel) -> np.ndarray:
-    """``[S]`` modeled seconds per GPU of running ``plan`` under ``workload``, which may differ from
+def plan_loads(plan: RoutingPlan, cost_model: CostModel) -> np.ndarray:
+    """``[S]`` modeled seconds per GPU of running ``plan`` under ``cost_model``, which may differ from
     the model the plan was solved with: what a plan made with a wrong model really costs.
 
     Raises:
-        ValueError: ``workload.gpu_speed`` does not list one speed per GPU of the plan.
+        ValueError: ``cost_model.gpu_speed`` does not list one speed per GPU of the plan.
     """
-    if workload.gpu_speed is not None and len(workload.gpu_speed) != plan.num_gpus:
+    if cost_model.gpu_speed is not None and len(cost_model.gpu_speed) != plan.num_gpus:
         raise ValueError(
-            f"gpu_speed has {len(workload.gpu_speed)} entries but the plan has {plan.num_gpus} GPUs; give one per GPU"
+            f"gpu_speed has {len(cost_model.gpu_speed)} entries but the plan has {plan.num_gpus} GPUs; give one per GPU"
         )
-    return _group_loads(workload, plan.seq_lens, plan.seq_group_start, plan.seq_group_size, plan.num_gpus)
+    return _group_loads(cost_model, plan.seq_lens, plan.seq_group_start, plan.seq_group_size, plan.num_gpus)
