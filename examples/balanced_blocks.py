@@ -60,8 +60,8 @@ for step in range(args.steps):
     dist.all_reduce(error, op=dist.ReduceOp.MAX)
     if rank == 0:
         gathered = [[max(1, round(n * args.token_scale)) for n in lens] for lens in all_lens]
-        none = plan_routing(gathered, topology, balancer.workload, "none")
-        plan = plan_routing(gathered, topology, balancer.workload)
+        none = plan_routing(gathered, topology, balancer.cost_model, "none")
+        plan = plan_routing(gathered, topology, balancer.cost_model)
         print(f"step {step}: {plan.seq_lens.size} sequences, modeled imbalance {none.imbalance:.2f} -> "
               f"{plan.imbalance:.2f}, tokens moved {plan.tokens_moved_fraction:.0%}, "
               f"balanced forward {seconds:.2f} s, max |balanced - unbalanced| = {error.item():.1e}")  # fmt: skip

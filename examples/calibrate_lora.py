@@ -1,6 +1,6 @@
 """Steps for ``deepspeed-knap calibrate --callable``: forward + backward of the packed FLUX on one
 sequence, fine-tuning every weight or LoRA on a frozen base, to measure what a frozen base changes
-in the workload model (no weight gradients for the base: its backward skips a third of the matmuls).
+in the cost model (no weight gradients for the base: its backward skips a third of the matmuls).
 
     PYTHONPATH=examples deepspeed-knap calibrate --callable calibrate_lora:lora_step --out lora.json
     PYTHONPATH=examples deepspeed-knap calibrate --callable calibrate_lora:full_step --out full.json

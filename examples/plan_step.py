@@ -3,17 +3,17 @@
     python examples/plan_step.py
 
 Every rank of a balance group would run exactly this on the all-gathered lengths and get the same
-plan; here the lengths come from a bundled workload.
+plan; here the lengths come from a bundled mix.
 """
 
 from deepspeed_knap import build_topology, default_cost_model, plan_routing, sample_mix
 
 topology = build_topology("g1n4+g2n2+g4n1", gpus_per_node=8)
-workload = default_cost_model("flux-dev")
+cost_model = default_cost_model("flux-dev")
 seq_lens_per_rank = sample_mix("kf_image_video", topology.group_size, seed=0)
 
-plan = plan_routing(seq_lens_per_rank, topology, workload)
-unbalanced = plan_routing(seq_lens_per_rank, topology, workload, solver="none")
+plan = plan_routing(seq_lens_per_rank, topology, cost_model)
+unbalanced = plan_routing(seq_lens_per_rank, topology, cost_model, solver="none")
 
 print(f"{topology.spec}: {plan.seq_lens.size} sequences over {topology.group_size} GPUs")
 print(f"modeled step {unbalanced.max_load:.2f} s -> {plan.max_load:.2f} s (bound {plan.lower_bound:.2f} s)")

@@ -2,7 +2,7 @@
 
     # real data: images with a caption each (photo.jpg + photo.txt), encoded by a FLUX pipeline
     python examples/prepare_flux_latents.py --out /data/flux_latents --pipeline /models/FLUX.1-dev --images /data/photos
-    # synthetic data of a bundled workload's sizes (no weights needed)
+    # synthetic data of a bundled mix's sizes (no weights needed)
     python examples/prepare_flux_latents.py --out /tmp/latents --synthetic kf_mixed_res --count 64
 
 The file format is documented in deepspeed_knap/models/flux_data.py. Encoding needs diffusers,
@@ -23,7 +23,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--out", required=True, help="directory to write the samples to")
 source = parser.add_mutually_exclusive_group(required=True)
 source.add_argument("--images", help="a directory of images, each with a .txt caption of the same name")
-source.add_argument("--synthetic", metavar="WORKLOAD", help="random latents of a bundled workload's sizes")
+source.add_argument("--synthetic", metavar="WORKLOAD", help="random latents of a bundled mix's sizes")
 parser.add_argument("--pipeline", help="with --images: a diffusers FLUX pipeline directory")
 parser.add_argument("--resolution", type=int, default=1024, help="with --images: resize the longer side to this")
 parser.add_argument("--max-sequence-length", type=int, default=512, help="with --images: T5 tokens per caption")

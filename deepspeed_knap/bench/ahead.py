@@ -2,7 +2,7 @@
 
     deepspeed-knap bench ahead --gpus 32 1024 --steps 10 --plot ahead.png
 
-Per workload and GPU count (topology ``auto``, nodes of 8, FLUX.1-dev's cost model), every sampled
+Per mix and GPU count (topology ``auto``, nodes of 8, FLUX.1-dev's cost model), every sampled
 step is solved twice:
 
 * in this process, as :meth:`KnapBalancer.plan <deepspeed_knap.runtime.balancer.KnapBalancer.plan>` does
@@ -42,8 +42,8 @@ HELP = "how long a step waits for its plan: solved in the step or ahead"
 FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
-def bench_ahead(workloads: Sequence[str], gpu_counts: Sequence[int], steps: int) -> list[dict]:
-    """One row per (GPU count, workload): per-step seconds of the in-process solve, the worker's
+def bench_ahead(mixes: Sequence[str], gpu_counts: Sequence[int], steps: int) -> list[dict]:
+    """One row per (GPU count, mix): per-step seconds of the in-process solve, the worker's
     solve and the wait with prefetch, and whether the plans were identical."""
     model = default_cost_model("flux-dev")
     worker = PlanWorker()
@@ -51,13 +51,13 @@ def bench_ahead(workloads: Sequence[str], gpu_counts: Sequence[int], steps: int)
     try:
         # Start the worker (~0.2 s, once per training run) before timing.
         worker.result(worker.submit([[1], [1]], build_topology("auto", 2), model, DEFAULT_SOLVER, None))
-        cases = [(gpus, workload) for gpus in gpu_counts for workload in workloads]
-        for gpus, workload in tqdm(cases, desc="bench ahead", unit="case"):
+        cases = [(gpus, mix) for gpus in gpu_counts for mix in mixes]
+        for gpus, mix in tqdm(cases, desc="bench ahead", unit="case"):
             topology = build_topology("auto", gpus, gpus_per_node=min(GPUS_PER_NODE, gpus))
-            row = {"gpus": gpus, "workload": workload, "solve_s": [], "worker_solve_s": [], "wait_s": [],
+            row = {"gpus": gpus, "mix": mix, "solve_s": [], "worker_solve_s": [], "wait_s": [],
                    "identical": True}  # fmt: skip
             for seed in range(steps):
-                seq_lens_per_rank = sample_mix(workload, gpus, seed)
+                seq_lens_per_rank = sample_mix(mix, gpus, seed)
                 start = time.perf_counter()
                 plan = plan_routing(seq_lens_per_rank, topology, model)
                 solve_s = time.perf_counter() - start
@@ -82,11 +82,11 @@ def format_rows(rows: list[dict]) -> str:
         return f"{1e3 * np.median(values):.2f} ({1e3 * np.percentile(values, 95):.2f})"
 
     lines = [
-        "| GPUs | workload | solve in the step, ms | worker's solve, ms | wait with prefetch, ms | identical |",
+        "| GPUs | mix | solve in the step, ms | worker's solve, ms | wait with prefetch, ms | identical |",
         "|---|---|---|---|---|---|",
     ]
     for row in rows:
-        lines.append(f"| {row['gpus']} | {row['workload']} | {ms(row['solve_s'])} | {ms(row['worker_solve_s'])} | "
+        lines.append(f"| {row['gpus']} | {row['mix']} | {ms(row['solve_s'])} | {ms(row['worker_solve_s'])} | "
                      f"{ms(row['wait_s'])} | {'yes' if row['identical'] else 'NO'} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -98,7 +98,7 @@ def plot_rows(rows: list[dict], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{row['workload']}\n{row['gpus']} GPUs" for row in rows]
+    labels = [f"{row['mix']}\n{row['gpus']} GPUs" for row in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
     for offset, key, name in ((-0.2, "solve_s", "solved in the step"), (0.2, "wait_s", "with prefetch")):

@@ -2,7 +2,7 @@
 
     deepspeed-knap bench flux --mix kf_mixed_res --token-scale 0.0625
 
-One rank's samples of a bundled workload go through both models with the same weights: diffusers'
+One rank's samples of a bundled mix go through both models with the same weights: diffusers'
 ``FluxTransformer2DModel`` (``--family flux2``: ``Flux2Transformer2DModel``) once per sample
 (different sizes cannot share its batch), and the packed model once on the packed batch. Reported per model: median wall time of forward +
 backward, activation bytes autograd keeps for backward (parameters excluded; any device), and on
@@ -60,7 +60,7 @@ def measure(run: Callable[[], Tensor], model: nn.Module, device: torch.device, r
 def bench_flux(
     family: str,
     config: dict,
-    workload: str,
+    mix: str,
     ranks: int,
     token_scale: float,
     seed: int,
@@ -68,7 +68,7 @@ def bench_flux(
     dtype: torch.dtype,
     repeats: int,
 ) -> dict[str, dict[str, float]]:
-    """Both models of ``family`` (``flux``, ``flux2``) on every sample ``ranks`` ranks of ``workload``
+    """Both models of ``family`` (``flux``, ``flux2``) on every sample ``ranks`` ranks of ``mix``
     hold in one step (a mix of sizes)."""
     import diffusers
 
@@ -79,7 +79,7 @@ def bench_flux(
     reference_class = {"flux": diffusers.FluxTransformer2DModel, "flux2": diffusers.Flux2Transformer2DModel}[family]
     reference = reference_class(**config).to(device, dtype)
     packed = family_class(family).from_diffusers(reference)
-    shapes = [shape for rank in sample_shapes(workload, ranks, seed) for shape in rank]
+    shapes = [shape for rank in sample_shapes(mix, ranks, seed) for shape in rank]
     latents = synthetic_samples(shapes, config, seed, token_scale, dtype)
     samples, _ = rectified_flow(
         latents, torch.Generator().manual_seed(seed), 1.0 if config["guidance_embeds"] else None
@@ -105,7 +105,7 @@ def bench_flux(
     return {
         "diffusers": measure(run_diffusers, reference, device, repeats),
         "packed": measure(run_packed, packed, device, repeats),
-        "workload": {"samples": len(samples), "tokens": tokens},
+        "mix": {"samples": len(samples), "tokens": tokens},
     }
 
 
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                       pooled_projection_dim=768 if args.flux_dims else 64, axes_dims_rope=rope_axes(args.head_dim))  # fmt: skip
     result = bench_flux(args.family, config, args.mix, args.ranks, args.token_scale, args.seed, torch.device(device),
                         getattr(torch, args.dtype), args.repeats)  # fmt: skip
-    work = result["workload"]
+    work = result["mix"]
     print(f"{args.family} {args.mix} x{args.token_scale:g}: {work['samples']} samples, {work['tokens']} tokens; "
           f"{args.layers}+{args.single_layers} blocks, {args.heads}x{args.head_dim} heads, {args.dtype} on {device}")  # fmt: skip
     print(f"{'model':<10} {'fwd+bwd s':>10} {'saved MB':>10} {'peak MB':>10}")

@@ -1,14 +1,14 @@
 """Planner benchmark suite: plan quality, modeled speedup and solve time over balance-group sizes,
-workloads, topologies and solvers.
+mixes, topologies and solvers.
 
     deepspeed-knap bench planner [--gpus 32 256 1024] [--steps 20] [--csv OUT.csv] [--plot-dir DIR]
                                  [--sensitivity 0.2]
 
-For every GPU count ``N`` (a multiple of 32), bundled workload and topology (``g1nN``, ``g2n{N/2}``,
+For every GPU count ``N`` (a multiple of 32), bundled mix and topology (``g1nN``, ``g2n{N/2}``,
 ``g4n{N/4}``, ``g8n{N/8}``, the mix ``g1n{N/4}+g2n{N/8}+g4n{N/16}+g8n{N/32}`` with a quarter of the
 GPUs in bags of each size, and ``auto`` with groups of 1 to 8 inside nodes of 8), the steps of seeds
 ``0 .. steps-1`` are solved by every solver (``knapformer`` needs fixed bags: not on ``auto``). Per
-(``N``, workload, topology, solver), over the steps:
+(``N``, mix, topology, solver), over the steps:
 
 * imbalance: max / mean modeled GPU load, median and p95;
 * step / bound: modeled step time over the lower bound, median;
@@ -20,7 +20,7 @@ A second table per GPU count puts ``auto`` against ``knapformer`` on bags of 8 a
 fixed topology of the suite on each step (the smallest ``refine`` step time over the five), and
 against the flexible lower bound: what no plan giving every sequence its own group can beat.
 
-Sensitivity (``--sensitivity F``): every step is solved again with the workload model's quadratic
+Sensitivity (``--sensitivity F``): every step is solved again with the cost model's quadratic
 coefficient scaled by ``1 - F`` and ``1 + F``; those plans are priced under the true model
 (:func:`~deepspeed_knap.planner.plan_loads`) and the loss is their step time over the true-model
 plan's, minus one (median and max over steps). Modeled figures use the FLUX.1-dev FLOP model.
@@ -49,7 +49,7 @@ from deepspeed_knap.planner.topology import AUTO, Topology, build_topology
 GPUS_PER_NODE = 8
 SHORT = {"none": "none", "knapformer": "kf", "refine": "refine"}
 
-HELP = "plan quality and solve time over workloads, topologies, GPU counts"
+HELP = "plan quality and solve time over mixes, topologies, GPU counts"
 FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
@@ -66,7 +66,7 @@ def suite_topologies(num_gpus: int) -> list[str]:
 def timed_plan(
     seq_lens: list[list[int]],
     topology: Topology,
-    workload: CostModel,
+    cost_model: CostModel,
     solver: str,
     max_tokens_per_gpu: int | None = None,
     repeat: int = 1,
@@ -75,21 +75,21 @@ def timed_plan(
     times, plan = [], None
     for _ in range(repeat):
         start = time.perf_counter()
-        plan = plan_routing(seq_lens, topology, workload, solver, max_tokens_per_gpu)
+        plan = plan_routing(seq_lens, topology, cost_model, solver, max_tokens_per_gpu)
         times.append((time.perf_counter() - start) * 1e3)
     return plan, statistics.median(times)
 
 
 def run_case(
     num_gpus: int,
-    workload_name: str,
+    mix_name: str,
     topology_spec: str,
     steps: int,
     solvers: Sequence[str],
     model: CostModel,
     sensitivity: float | None = None,
 ) -> list[dict]:
-    """One row per solver for one (GPU count, workload, topology): statistics over ``steps`` steps, and
+    """One row per solver for one (GPU count, mix, topology): statistics over ``steps`` steps, and
     the step time and lower bound of every step (``step_max_load``, ``step_lower_bound``)."""
     auto = topology_spec == AUTO
     topology = build_topology(topology_spec, num_gpus if auto else None, gpus_per_node=GPUS_PER_NODE)
@@ -102,7 +102,7 @@ def run_case(
             )
     samples: dict[str, dict[str, list[float]]] = {solver: {} for solver in solvers}
     for seed in range(steps):
-        seq_lens = sample_mix(workload_name, num_gpus, seed)
+        seq_lens = sample_mix(mix_name, num_gpus, seed)
         timed = {solver: timed_plan(seq_lens, topology, model, solver) for solver in solvers}
         baseline = timed["none"][0]
         for solver, (plan, ms) in timed.items():
@@ -123,7 +123,7 @@ def run_case(
                 samples[solver].setdefault(key, []).append(value)
     rows = []
     for solver, values in samples.items():
-        row = {"gpus": num_gpus, "workload": workload_name, "topology": topology_spec, "solver": solver, "steps": steps,
+        row = {"gpus": num_gpus, "mix": mix_name, "topology": topology_spec, "solver": solver, "steps": steps,
                "imbalance_median": np.median(values["imbalance"]),
                "imbalance_p95": np.percentile(values["imbalance"], 95),
                "bound_ratio_median": np.median(values["bound_ratio"]),
@@ -142,13 +142,13 @@ def run_case(
 
 def run_suite(
     gpu_counts: Sequence[int],
-    workload_names: Sequence[str],
+    mix_names: Sequence[str],
     steps: int,
     solvers: Sequence[str] = SOLVERS,
     model: CostModel | None = None,
     sensitivity: float | None = None,
 ) -> list[dict]:
-    """:func:`run_case` over every GPU count, workload and topology of :func:`suite_topologies`."""
+    """:func:`run_case` over every GPU count, mix and topology of :func:`suite_topologies`."""
     if steps < 1:
         raise ValueError(f"--steps must be at least 1; got {steps}")
     if "none" not in solvers:
@@ -157,7 +157,7 @@ def run_suite(
         raise ValueError(f"--sensitivity is a fraction in (0, 1), e.g. 0.2 for +-20%; got {sensitivity}")
     model = model or default_cost_model()
     solvers = sorted(set(solvers), key=SOLVERS.index)
-    cases = [(n, w, t) for n in gpu_counts for w in workload_names for t in suite_topologies(n)]
+    cases = [(n, w, t) for n in gpu_counts for w in mix_names for t in suite_topologies(n)]
     rows = []
     for num_gpus, name, spec in tqdm(cases, desc="planner suite", unit="case"):
         rows += run_case(num_gpus, name, spec, steps, solvers, model, sensitivity)
@@ -177,18 +177,18 @@ def write_csv(rows: list[dict], path: str | Path) -> None:
 def _by_case(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     cases: dict[tuple, dict[str, dict]] = {}
     for row in rows:
-        cases.setdefault((row["gpus"], row["workload"], row["topology"]), {})[row["solver"]] = row
+        cases.setdefault((row["gpus"], row["mix"], row["topology"]), {})[row["solver"]] = row
     return cases
 
 
 def format_table(rows: list[dict], num_gpus: int) -> str:
-    """Markdown table for one GPU count: a row per workload and topology, the solvers side by side."""
+    """Markdown table for one GPU count: a row per mix and topology, the solvers side by side."""
     cases = {k: v for k, v in _by_case(rows).items() if k[0] == num_gpus}
     solvers = list(next(iter(cases.values())))
     balancing = [s for s in solvers if s != "none"]
     names = lambda group: " / ".join(SHORT.get(s, s) for s in group)  # noqa: E731
     lines = [
-        f"| workload | topology | imbalance {names(solvers)} | p95 imbalance {names(balancing)} "
+        f"| mix | topology | imbalance {names(solvers)} | p95 imbalance {names(balancing)} "
         f"| step / bound {names(balancing)} | speedup {names(balancing)} | moved {names(balancing)} "
         f"| solve ms {names(balancing)} | p95 solve ms {names(balancing)} |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -211,7 +211,7 @@ def format_table(rows: list[dict], num_gpus: int) -> str:
 
 
 def auto_comparison(rows: list[dict], num_gpus: int) -> list[dict]:
-    """Per workload with an ``auto`` row: medians over steps of auto's step time over the flexible
+    """Per mix with an ``auto`` row: medians over steps of auto's step time over the flexible
     lower bound, knapformer's on bags of 8 over auto's, and auto's over the best fixed topology's
     (with the max), plus auto's tokens moved and solve time."""
     cases = _by_case(rows)
@@ -225,7 +225,7 @@ def auto_comparison(rows: list[dict], num_gpus: int) -> list[dict]:
         ours, bound = np.array(auto["step_max_load"]), np.array(auto["step_lower_bound"])
         knapformer = np.array(cases[(gpus, name, f"g8n{gpus // 8}")]["knapformer"]["step_max_load"])
         found.append({
-            "workload": name, "vs_bound": float(np.median(ours / bound)), "vs_bound_max": float(np.max(ours / bound)),
+            "mix": name, "vs_bound": float(np.median(ours / bound)), "vs_bound_max": float(np.max(ours / bound)),
             "speedup_vs_knapformer_g8": float(np.median(knapformer / ours)),
             "vs_best_fixed": float(np.median(ours / best_fixed)), "vs_best_fixed_max": float(np.max(ours / best_fixed)),
             "moved": auto["moved_median"], "solve_ms": auto["solve_ms_median"], "solve_ms_p95": auto["solve_ms_p95"],
@@ -236,13 +236,13 @@ def auto_comparison(rows: list[dict], num_gpus: int) -> list[dict]:
 def format_auto_table(rows: list[dict], num_gpus: int) -> str:
     """Markdown table of :func:`auto_comparison`."""
     lines = [
-        "| workload | auto / flexible bound: median (max) | speedup over knapformer on g8 | auto / best fixed: "
+        "| mix | auto / flexible bound: median (max) | speedup over knapformer on g8 | auto / best fixed: "
         "median (max) | moved | solve ms: median (p95) |",
         "|---|---|---|---|---|---|",
     ]
     for r in auto_comparison(rows, num_gpus):
         lines.append(
-            f"| {r['workload']} | {r['vs_bound']:.4f} ({r['vs_bound_max']:.4f}) | {r['speedup_vs_knapformer_g8']:.3f}x "
+            f"| {r['mix']} | {r['vs_bound']:.4f} ({r['vs_bound_max']:.4f}) | {r['speedup_vs_knapformer_g8']:.3f}x "
             f"| {r['vs_best_fixed']:.4f} ({r['vs_best_fixed_max']:.4f}) | {r['moved']:.0%} "
             f"| {r['solve_ms']:.1f} ({r['solve_ms_p95']:.1f}) |"
         )
@@ -253,12 +253,12 @@ def format_sensitivity(rows: list[dict], num_gpus: int) -> str:
     """Markdown table of the sensitivity losses for one GPU count (only rows that have them)."""
     rows = [r for r in rows if r["gpus"] == num_gpus and r.get("loss_minus_median") is not None]
     lines = [
-        "| workload | topology | solver | loss, b -F: median / max | loss, b +F: median / max |",
+        "| mix | topology | solver | loss, b -F: median / max | loss, b +F: median / max |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['workload']} | {r['topology']} | {SHORT.get(r['solver'], r['solver'])} "
+            f"| {r['mix']} | {r['topology']} | {SHORT.get(r['solver'], r['solver'])} "
             f"| {r['loss_minus_median']:+.2%} / {r['loss_minus_max']:+.2%} "
             f"| {r['loss_plus_median']:+.2%} / {r['loss_plus_max']:+.2%} |"
         )
@@ -266,7 +266,7 @@ def format_sensitivity(rows: list[dict], num_gpus: int) -> str:
 
 
 def plot_speedup(rows: list[dict], path: str | Path, solver: str = DEFAULT_SOLVER) -> None:
-    """Median modeled speedup over ``none``: a panel per GPU count, bars by topology and workload
+    """Median modeled speedup over ``none``: a panel per GPU count, bars by topology and mix
     for ``solver``, black ticks for ``knapformer`` when it ran."""
     import matplotlib
 
@@ -275,13 +275,13 @@ def plot_speedup(rows: list[dict], path: str | Path, solver: str = DEFAULT_SOLVE
 
     cases = _by_case(rows)
     gpu_counts = list(dict.fromkeys(k[0] for k in cases))
-    workloads = list(dict.fromkeys(k[1] for k in cases))
+    mixes = list(dict.fromkeys(k[1] for k in cases))
     fig, axes = plt.subplots(len(gpu_counts), 1, figsize=(11, 3.2 * len(gpu_counts)), squeeze=False)
-    width = 0.8 / len(workloads)
+    width = 0.8 / len(mixes)
     for ax, num_gpus in zip(axes[:, 0], gpu_counts, strict=True):
         topologies = list(dict.fromkeys(k[2] for k in cases if k[0] == num_gpus))
-        for i, name in enumerate(workloads):
-            x = np.arange(len(topologies)) + (i - (len(workloads) - 1) / 2) * width
+        for i, name in enumerate(mixes):
+            x = np.arange(len(topologies)) + (i - (len(mixes) - 1) / 2) * width
             ours = [cases[(num_gpus, name, t)][solver]["speedup_median"] for t in topologies]
             ax.bar(x, ours, width, label=name)
             with_kf = [k for k, t in enumerate(topologies) if "knapformer" in cases[(num_gpus, name, t)]]
@@ -298,18 +298,18 @@ def plot_speedup(rows: list[dict], path: str | Path, solver: str = DEFAULT_SOLVE
     plt.close(fig)
 
 
-def plot_step_loads(num_gpus: int, workload_name: str, topology_spec: str, path: str | Path,
+def plot_step_loads(num_gpus: int, mix_name: str, topology_spec: str, path: str | Path,
                     solvers: Sequence[str] = SOLVERS, seed: int = 0) -> None:  # fmt: skip
     """Per-GPU modeled load of one step (seed ``seed``), one panel per solver."""
     from deepspeed_knap.bench.plots import plot_loads
 
     auto = topology_spec == AUTO
     topology = build_topology(topology_spec, num_gpus if auto else None, gpus_per_node=GPUS_PER_NODE)
-    seq_lens = sample_mix(workload_name, num_gpus, seed)
+    seq_lens = sample_mix(mix_name, num_gpus, seed)
     model = default_cost_model()
     solvers = [s for s in solvers if not (auto and s == "knapformer")]
     plans = {solver: plan_routing(seq_lens, topology, model, solver) for solver in solvers}
-    plot_loads(plans, path, f"{topology_spec}, {workload_name} (seed {seed})", topology)
+    plot_loads(plans, path, f"{topology_spec}, {mix_name} (seed {seed})", topology)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -333,10 +333,10 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.plot_dir)
         out.mkdir(parents=True, exist_ok=True)
         plot_speedup(rows, out / "speedup.png")
-        workload = "kf_image_video" if "kf_image_video" in args.mixes else args.mixes[0]
+        mix = "kf_image_video" if "kf_image_video" in args.mixes else args.mixes[0]
         mixed, auto = suite_topologies(args.gpus[0])[-2:]
-        plot_step_loads(args.gpus[0], workload, mixed, out / "loads.png", args.solvers)
-        plot_step_loads(args.gpus[0], workload, auto, out / "loads_auto.png", args.solvers)
+        plot_step_loads(args.gpus[0], mix, mixed, out / "loads.png", args.solvers)
+        plot_step_loads(args.gpus[0], mix, auto, out / "loads_auto.png", args.solvers)
         print(f"plots written to {out / 'speedup.png'}, {out / 'loads.png'} and {out / 'loads_auto.png'}")
     return 0
 

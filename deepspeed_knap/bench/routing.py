@@ -3,7 +3,7 @@
     deepspeed-knap bench routing --model flux2-dev --topology g8n4 --steps 20
 
 Computed exactly from the plans (the same split sizes the all-to-alls use), for the bundled
-workloads. Bytes are what GPUs send to *other* GPUs.
+mixes. Bytes are what GPUs send to *other* GPUs.
 
 * Ulysses: q, k, v out and the attention output back inside the bags, over all layers, forward.
   ``tests/test_routing.py`` checks :func:`step_traffic` against the bytes real exchanges send.
@@ -168,20 +168,20 @@ def step_traffic(plan: RoutingPlan, dim: int, num_heads: int, num_layers: int, b
 
 
 def bench_traffic(
-    workloads: Sequence[str], topology_spec: str, solver: str, model: str, steps: int, seed: int = 0
+    mixes: Sequence[str], topology_spec: str, solver: str, model: str, steps: int, seed: int = 0
 ) -> list[dict]:
-    """Median per-step traffic of ``steps`` sampled steps per workload, for a model of
+    """Median per-step traffic of ``steps`` sampled steps per mix, for a model of
     :data:`FLUX_MODELS` in bf16."""
     dims = FLUX_MODELS[model]
     spec, _, gpus = topology_spec.partition(":")  # "auto:32": topology auto on 32 GPUs
     topology = build_topology(spec, int(gpus) if gpus else None)
-    workload = default_cost_model(dims.planner)
+    cost_model = default_cost_model(dims.planner)
     rows = []
-    for name in workloads:
+    for name in mixes:
         traffic, route = [], []
         for step in range(steps):
             per_rank = sample_shapes(name, topology.group_size, seed + step)
-            plan = plan_routing([[s.length for s in rank] for rank in per_rank], topology, workload, solver)
+            plan = plan_routing([[s.length for s in rank] for rank in per_rank], topology, cost_model, solver)
             text_lens = np.array([s.text for rank in per_rank for s in rank], dtype=np.int64)
             traffic.append(step_traffic(plan, dims.dim, dims.heads, dims.layers, 2))
             route.append(flux_route_bytes(plan, text_lens, dims, 2))
@@ -189,7 +189,7 @@ def bench_traffic(
         ulysses = np.median([t.ulysses_bytes for t in traffic])
         before_forward = np.median([r.before_forward for r in route])
         before, after = np.median([r.before for r in route]), np.median([r.after for r in route])
-        rows.append({"workload": name, "activation_MB": activation / 1e6, "ulysses_MB": ulysses / 1e6,
+        rows.append({"mix": name, "activation_MB": activation / 1e6, "ulysses_MB": ulysses / 1e6,
                      "ulysses_ratio": ulysses / activation, "route_MB": before_forward / 1e6,
                      "route_ratio": before_forward / activation, "route_before_MB": before / 1e6,
                      "route_after_MB": after / 1e6, "route_after_forward_MB": np.median([r.after_forward for r in route]) / 1e6,
@@ -198,12 +198,12 @@ def bench_traffic(
 
 
 def format_traffic(rows: list[dict]) -> str:
-    header = (f"{'workload':<16}{'activ. MB':>11}{'ulysses MB':>12}{'ulys/act':>10}{'route fwd MB':>14}"
+    header = (f"{'mix':<16}{'activ. MB':>11}{'ulysses MB':>12}{'ulys/act':>10}{'route fwd MB':>14}"
               f"{'route MB before':>17}{'after':>10}{'after fwd':>11}{'before/after':>14}")  # fmt: skip
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
-            f"{row['workload']:<16}{row['activation_MB']:>11.1f}{row['ulysses_MB']:>12.1f}{row['ulysses_ratio']:>10.2f}"
+            f"{row['mix']:<16}{row['activation_MB']:>11.1f}{row['ulysses_MB']:>12.1f}{row['ulysses_ratio']:>10.2f}"
             f"{row['route_MB']:>14.1f}{row['route_before_MB']:>17.1f}{row['route_after_MB']:>10.1f}"
             f"{row['route_after_forward_MB']:>11.1f}{row['route_cut']:>14.1f}"
         )
@@ -230,4 +230,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_mix_argument(parser, list(MIXES), many=True)
     parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=list(SOLVERS))
     parser.add_argument("--model", default="flux-dev", choices=["flux-dev", "flux2-dev"], help="FLUX dims")
-    parser.add_argument("--steps", type=int, default=20, help="sampled steps per workload (median)")
+    parser.add_argument("--steps", type=int, default=20, help="sampled steps per mix (median)")

@@ -1,10 +1,10 @@
 """Measured step time, balanced against unbalanced, emulating the ranks of a balance group on one device.
 
-    deepspeed-knap bench step --topology g4n2 --workload kf_image_video              # CPU, small dims
+    deepspeed-knap bench step --topology g4n2 --mix kf_image_video              # CPU, small dims
     deepspeed-knap bench step --topology g8n1 --flux-dims --dtype bfloat16 --token-scale 1   # one GPU
 
 Each step samples the group's sequence lengths (scaled by ``--token-scale``) and plans them twice:
-``none`` and ``--solver``, under a workload model whose ``a, b`` are calibrated on this device
+``none`` and ``--solver``, under a cost model whose ``a, b`` are calibrated on this device
 (``--calibration FILE``, else measured first on the same blocks over lengths spanning the step's)
 and whose all-to-all term ``c`` comes from the bandwidth model (``--alltoall-gbps``). Then, for every
 emulated rank, it builds exactly the tokens that plan gives the rank and times forward + backward of
@@ -186,11 +186,11 @@ def calibrate_degrees(timer: FluxBlockTimer, seq_lens: Sequence[int], degrees: S
     return efficiency, measured
 
 
-def scaled_lengths(workload: str, num_gpus: int, seed: int, token_scale: float) -> tuple[list[list[int]], np.ndarray]:
+def scaled_lengths(mix: str, num_gpus: int, seed: int, token_scale: float) -> tuple[list[list[int]], np.ndarray]:
     """Per-rank sequence lengths of one step scaled by ``token_scale`` (at least one visual token per
     sample: :meth:`~deepspeed_knap.data.mixes.SampleShape.scaled`), and ``[N]`` text tokens
     of each sequence in plan order."""
-    shapes = [[shape.scaled(token_scale) for shape in rank] for rank in sample_shapes(workload, num_gpus, seed)]
+    shapes = [[shape.scaled(token_scale) for shape in rank] for rank in sample_shapes(mix, num_gpus, seed)]
     lengths = [[shape.length for shape in rank] for rank in shapes]
     return lengths, np.array([shape.text for rank in shapes for shape in rank], dtype=np.int64)
 
@@ -255,7 +255,7 @@ def calibrate_here(timer: FluxBlockTimer, seq_lens: Sequence[int], repeats: int)
 
 def bench_step(
     topology_spec: str,
-    workload: str,
+    mix: str,
     steps: int,
     timer: FluxBlockTimer,
     token_scale: float,
@@ -287,7 +287,7 @@ def bench_step(
     calibration = None if calibration is None else {"source": "given", **calibration}
     results = []
     for seed in tqdm(range(steps), desc="bench step", unit="step"):
-        seq_lens, text_lens = scaled_lengths(workload, topology.group_size, seed, token_scale)
+        seq_lens, text_lens = scaled_lengths(mix, topology.group_size, seed, token_scale)
         if calibration is None:
             calibration = calibrate_here(timer, [s for rank in seq_lens for s in rank], timer.repeats)
             calibration["source"] = "measured here"
@@ -300,14 +300,14 @@ def bench_step(
             row[name] = measure_plan(plan, text_lens, timer, compute, overhead_s, comm, bytes_per_element,
                                      alltoall_gbps)  # fmt: skip
         results.append(row)
-    return {"topology": topology_spec, "workload": workload, "solver": solver, "token_scale": token_scale,
+    return {"topology": topology_spec, "mix": mix, "solver": solver, "token_scale": token_scale,
             "calibration": calibration, "steps": results}  # fmt: skip
 
 
 def format_report(report: dict) -> str:
     solver = report["solver"]
     lines = [
-        f"{report['topology']}, {report['workload']} x{report['token_scale']:g} tokens; model a = "
+        f"{report['topology']}, {report['mix']} x{report['token_scale']:g} tokens; model a = "
         f"{report['calibration']['linear_coef']:.3g} s/token, b = {report['calibration']['quadratic_coef']:.3g} "
         f"s/token^2, overhead {report['calibration'].get('overhead_s', 0.0):.3g} s ({report['calibration']['source']})",
         "",
@@ -370,7 +370,7 @@ def plot_report(report: dict, path: str | Path) -> None:
         ax.set_ylabel("seconds")
     axes[0].legend(fontsize=8)
     axes[-1].set_xlabel("emulated rank")
-    fig.suptitle(f"{report['topology']}, {report['workload']} (seed {row['seed']})", fontsize=11)
+    fig.suptitle(f"{report['topology']}, {report['mix']} (seed {row['seed']})", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -409,7 +409,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_mix_argument(parser, "kf_image_video")
     parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=[s for s in SOLVERS if s != "none"])
     parser.add_argument("--steps", type=int, default=3, help="sampled steps (seeds 0..steps-1)")
-    parser.add_argument("--token-scale", type=float, default=1 / 16, help="scale the workload's lengths (CPU: small)")
+    parser.add_argument("--token-scale", type=float, default=1 / 16, help="scale the mix's lengths (CPU: small)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (at least the largest bag)")
     parser.add_argument("--head-dim", type=int, default=32, help="channels per head")
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")

@@ -60,16 +60,16 @@ def parse_slow_rank(text: str) -> tuple[int, float]:
     return parsed
 
 
-def ds_config(mode: str, topology: str, world: int, workload: dict, online: bool) -> dict:
+def ds_config(mode: str, topology: str, world: int, cost_model: dict, online: bool) -> dict:
     """The DeepSpeed config of one mode (ZeRO-1, the ``"knapformer"`` block per mode). ``off`` runs
     the balancer with solver ``none`` on single GPUs: every sequence stays home, as without the
     block, but its compute is timed the same way (its step pays a lengths gather and two all-to-alls
     that send nothing)."""
     topology = {"off": f"g1n{world}", "auto": "auto"}.get(mode, topology)
     solver = {"off": "none", "knapformer": "knapformer"}.get(mode, "refine")
-    refit = {"online": True, "warmup_steps": 2} if online and mode in ("refine", "auto") else {}
+    refit = {"online": {"warmup_steps": 2}} if online and mode in ("refine", "auto") else {}
     knap = {"enabled": True, "topology": topology, "solver": solver, "attention_backend": "auto",
-            "workload": {**workload, **refit}, "log_interval": 0}  # fmt: skip
+            "cost_model": {**cost_model, **refit}, "log_interval": 0}  # fmt: skip
     return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
             "zero_allow_untested_optimizer": True, "knapformer": knap}  # fmt: skip
 
@@ -176,7 +176,7 @@ def predicted_compute_s(balancer) -> float:
     plan, rank = balancer._last[1], balancer.groups.group_rank
     if balancer.online is not None:
         return balancer.online.predicted_s(plan)[rank]
-    return float(plan_loads(plan, dataclasses.replace(balancer.workload, alltoall_coef=0.0))[rank])
+    return float(plan_loads(plan, dataclasses.replace(balancer.cost_model, alltoall_coef=0.0))[rank])
 
 
 def _free_port() -> int:
@@ -237,7 +237,7 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
 
 def format_report(report: dict) -> str:
     options = report["options"]
-    lines = [f"{options['ranks']} ranks, {options['workload']} x{options['token_scale']:g} tokens, topology "
+    lines = [f"{options['ranks']} ranks, {options['mix']} x{options['token_scale']:g} tokens, topology "
              f"{options['topology']} (knapformer, refine) and auto; off keeps every sequence home"
              + (f", rank {options['slow_rank'][0]} {options['slow_rank'][1]:g}x slower" if options["slow_rank"] else "")
              + (", online refit" if options["online"] else ""), "",
@@ -308,13 +308,13 @@ def run(args: argparse.Namespace) -> int:
     if args.slow_rank is not None and (args.slow_rank[0] >= args.ranks or torch.cuda.is_available()):
         raise ValueError(f"--slow-rank {args.slow_rank[0]}:{args.slow_rank[1]:g} needs a rank below --ranks "
                          f"{args.ranks}, on CPU ranks (it sleeps on the host)")  # fmt: skip
-    workload = {"model": "flux-tiny"}
+    cost_model = {"model": "flux-tiny"}
     if args.calibration:
-        workload = {"calibration_file": str(Path(args.calibration).resolve())}
+        cost_model = {"calibration_file": str(Path(args.calibration).resolve())}
     options = {"ranks": args.ranks, "mix": args.mix, "token_scale": args.token_scale, "steps": args.steps,
                "modes": modes, "topology": args.topology or f"g{args.ranks}n1", "slow_rank": args.slow_rank,
                "online": args.online, "flux_dims": args.flux_dims, "threads": args.threads,
-               "workload_model": workload}  # fmt: skip
+               "cost_model": cost_model}  # fmt: skip
     report = bench_train(options)
     print(format_report(report))
     if args.json:
@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="local processes (one GPU each on CUDA)")
     add_mix_argument(parser, "long_video")
-    parser.add_argument("--token-scale", type=float, default=1 / 16, help="scale the workload's lengths (CPU: small)")
+    parser.add_argument("--token-scale", type=float, default=1 / 16, help="scale the mix's lengths (CPU: small)")
     parser.add_argument("--steps", type=int, default=6, help="training steps per mode (the first is not summarised)")
     parser.add_argument("--modes", default="off,knapformer,refine,auto", help="comma-separated, from " + ", ".join(
         ["off", "knapformer", "refine", "auto"]))  # fmt: skip

@@ -93,14 +93,14 @@ def run(args: argparse.Namespace) -> int:
             sample_mix(args.mix, topology.group_size, args.seed),
             f"{args.mix} (seed {args.seed})",
         )
-    workload = default_cost_model(args.model, tflops=args.tflops, alltoall_gbps=args.alltoall_gbps)
+    cost_model = default_cost_model(args.model, tflops=args.tflops, alltoall_gbps=args.alltoall_gbps)
     available = [s for s in SOLVERS if not (auto and s == "knapformer")]  # knapformer needs fixed bags
     solvers = available if args.solver == "all" else sorted({"none", args.solver}, key=SOLVERS.index)
     plans, timings = {}, {}
     for solver in solvers:
         # The baselines cannot honour a cap: they are shown without it, to compare against.
         cap = args.max_tokens_per_gpu if solver == "refine" else None
-        plans[solver], timings[solver] = timed_plan(lengths, topology, workload, solver, cap, args.repeat)
+        plans[solver], timings[solver] = timed_plan(lengths, topology, cost_model, solver, cap, args.repeat)
     baseline = plans["none"]
     report = {
         "topology": topology.spec,
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         "num_sequences": int(baseline.seq_lens.size),
         "num_tokens": int(baseline.seq_lens.sum()),
         "max_tokens_per_gpu": args.max_tokens_per_gpu,
-        "flexible_lower_bound": _flexible_bound(lengths, topology, workload, args.max_tokens_per_gpu),
+        "flexible_lower_bound": _flexible_bound(lengths, topology, cost_model, args.max_tokens_per_gpu),
         "solvers": {name: _summary(plan, baseline, timings[name]) for name, plan in plans.items()},
     }
     if args.plot:
@@ -144,15 +144,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flexible_bound(lengths, topology, workload, cap) -> float:
+def _flexible_bound(lengths, topology, cost_model, cap) -> float:
     """The modeled step time no plan can beat when every sequence may pick its own group of 1, 2, 4, ...
     GPUs up to the largest bag, within a node (the lower bound of topology ``auto`` on the same GPUs;
     for ``auto`` itself, its own, groups of whole nodes included)."""
     if topology.elastic:
-        return lower_bound(lengths, topology, workload, cap)
+        return lower_bound(lengths, topology, cost_model, cap)
     largest = min(max(topology.bag_sizes), topology.gpus_per_node or topology.group_size)  # auto stays in nodes
     elastic = build_topology(AUTO, topology.group_size, topology.gpus_per_node, 1 << (largest.bit_length() - 1))
-    return lower_bound(lengths, elastic, workload, cap)
+    return lower_bound(lengths, elastic, cost_model, cap)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     add_mix_argument(source, "kf_image_video")
     source.add_argument("--lengths", metavar="FILE.json", help="JSON list of per-rank lists of sequence lengths")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the bundled workload")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the bundled data mix")
     parser.add_argument("--solver", default="all", choices=["all", *SOLVERS],
                         help=f"'all', or one solver to run next to 'none' ('{DEFAULT_SOLVER}' is the one training uses)")  # fmt: skip
     parser.add_argument("--model", type=parse_model, default="flux-dev",

@@ -1,4 +1,4 @@
-"""Calibrate the workload model ``a*s + b*s^2`` on this device by timing real blocks.
+"""Calibrate the cost model ``a*s + b*s^2`` on this device by timing real blocks.
 
     deepspeed-knap calibrate --out calibration.json                  # FLUX blocks, small dims (CPU)
     deepspeed-knap calibrate --flux-dims --dtype bfloat16 --out flux_h100.json   # on a GPU

@@ -78,9 +78,9 @@ class CostModel:
         for name in ("linear_coef", "quadratic_coef", "alltoall_coef", "overhead_s"):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
-                raise ValueError(f"workload {name} must be a finite number >= 0; got {value!r}")
+                raise ValueError(f"cost model {name} must be a finite number >= 0; got {value!r}")
         if self.linear_coef == 0 and self.quadratic_coef == 0:
-            raise ValueError("workload linear_coef and quadratic_coef are both 0: every sequence would cost nothing")
+            raise ValueError("cost model linear_coef and quadratic_coef are both 0: every sequence would cost nothing")
         if self.gpu_speed is not None:
             speeds = np.asarray(self.gpu_speed, dtype=np.float64)
             if speeds.ndim != 1 or not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
@@ -193,7 +193,7 @@ class CostModel:
 
 
 def default_cost_model(model: str | dict[str, int] = "flux-dev", **overrides: float) -> CostModel:
-    """FLOP-based workload of a named preset (:data:`MODEL_PRESETS`) or a dict of model dims."""
+    """FLOP-based cost model of a named preset (:data:`MODEL_PRESETS`) or a dict of model dims."""
     if isinstance(model, str):
         if model not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {model!r}; choose one of {sorted(MODEL_PRESETS)} or give dims")

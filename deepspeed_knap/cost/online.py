@@ -74,10 +74,10 @@ class OnlineSettings:
             )
 
 
-def plan_terms(plan: RoutingPlan, workload: CostModel) -> tuple[list[float], list[float], list[float]]:
+def plan_terms(plan: RoutingPlan, cost_model: CostModel) -> tuple[list[float], list[float], list[float]]:
     """Per GPU ``X, Y, Z`` (module docstring) of ``plan``, in plain floats, sequence by sequence."""
     linear, quadratic, alltoall = ([0.0] * plan.num_gpus for _ in range(3))
-    efficiency = {int(g): float(e) for g, e in workload.degree_efficiency or ()}
+    efficiency = {int(g): float(e) for g, e in cost_model.degree_efficiency or ()}
     for s, start, size in zip(plan.seq_lens.tolist(), plan.seq_group_start.tolist(), plan.seq_group_size.tolist(),
                               strict=True):  # fmt: skip
         share = size * efficiency.get(size, 1.0)

@@ -1,4 +1,4 @@
-"""Bundled synthetic workloads: per-rank sequence lengths of one training step, by name.
+"""Bundled synthetic data mixes: per-rank sequence lengths of one training step, by name.
 
 Token counts follow FLUX-style latents: an 8x VAE and 2x2 patches give one token per 16x16 pixels
 (a 1024px square image is 64 * 64 = 4,096 tokens), and video VAEs compress 4 frames into one latent
@@ -183,7 +183,7 @@ def sample_shapes(name: str, num_gpus: int, seed: int | np.random.Generator = 0)
     """:func:`sample_mix`'s samples with their text / visual split and latent frames (for
     generating synthetic data of the same sizes). Same arguments, same lengths."""
     if name not in MIXES:
-        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(MIXES)} or give --lengths FILE.json")
+        raise ValueError(f"unknown data mix {name!r}; choose one of {', '.join(MIXES)} or give --lengths FILE.json")
     if num_gpus <= 0:
         raise ValueError(f"num_gpus must be positive; got {num_gpus}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)

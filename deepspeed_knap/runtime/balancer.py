@@ -1,6 +1,6 @@
 """The balancer: plan -> route -> blocks -> reverse route, the glue a model's block stack runs in.
 
-    balancer = KnapBalancer(groups, workload)
+    balancer = KnapBalancer(groups, cost_model)
     out = balanced_forward(batch, blocks, balancer)  # blocks(routed: RoutedBatch) -> [T_routed, D]
 
 ``blocks`` sees the tokens this GPU runs (``routed.batch``) and passes ``routed`` to every
@@ -87,7 +87,7 @@ class KnapBalancer:
 
     Args:
         groups: from :func:`~deepspeed_knap.runtime.groups.create_process_groups`.
-        workload: the cost model the planner balances (the prior, with ``online``).
+        cost_model: the cost model the planner balances (the prior, with ``online``).
         solver: planner solver (see :data:`~deepspeed_knap.planner.SOLVERS`).
         max_tokens_per_gpu: memory cap for the planner, or ``None``.
         log_interval: every this many plans, global rank 0 logs the metrics of its balance group
@@ -99,7 +99,7 @@ class KnapBalancer:
     def __init__(
         self,
         groups: ProcessGroups,
-        workload: CostModel,
+        cost_model: CostModel,
         solver: str = DEFAULT_SOLVER,
         max_tokens_per_gpu: int | None = None,
         log_interval: int = 0,
@@ -107,12 +107,12 @@ class KnapBalancer:
         online: OnlineSettings | None = None,
     ) -> None:
         self.groups = groups
-        self.workload = workload
+        self.cost_model = cost_model
         self.solver = solver
         self.max_tokens_per_gpu = max_tokens_per_gpu
         self.log_interval = log_interval
         self.monitor = monitor
-        self.online = None if online is None else OnlineCostModel(workload, groups.topology.group_size, online)
+        self.online = None if online is None else OnlineCostModel(cost_model, groups.topology.group_size, online)
         self.steps = 0
         self.last_times: dict[str, float] | None = None  # this rank's breakdown of the last finished step
         self._last: _Planned | None = None
@@ -138,7 +138,7 @@ class KnapBalancer:
     @property
     def model(self) -> CostModel:
         """The cost model the next step is planned with."""
-        return self.online.model() if self.online is not None else self.workload
+        return self.online.model() if self.online is not None else self.cost_model
 
     def plan(self, batch: PackedBatch) -> RoutingPlan:
         """Gather every rank's lengths (and last step's times) and solve; every rank gets the same

@@ -65,6 +65,6 @@ def test_calibrate_fits_the_efficiency_of_bag_members(tmp_path, capsys):
     assert "bag of 4: a member does" in capsys.readouterr().out
     from deepspeed_knap.runtime.config import get_knapformer_config
 
-    model = get_knapformer_config({"knapformer": {"workload": {"calibration_file": str(out)}}}).workload.build()
+    model = get_knapformer_config({"knapformer": {"cost_model": {"calibration_file": str(out)}}}).cost_model.build()
     assert dict(model.degree_efficiency) == efficiency
     assert main([*argv[:-1], "8"]) == 2  # more GPUs than heads

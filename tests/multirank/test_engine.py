@@ -24,10 +24,10 @@ def ds_config(stage: int, knapformer: dict | None) -> dict:
 
 
 KNAP_ON = {"enabled": True, "topology": "g1n2+g2n1", "solver": "knapformer", "attention_backend": "sdpa",
-           "workload": {"linear_coef": 1.0, "quadratic_coef": 0.05}, "log_interval": 1}  # fmt: skip
+           "cost_model": {"linear_coef": 1.0, "quadratic_coef": 0.05}, "log_interval": 1}  # fmt: skip
 # Elastic: a priced all-to-all keeps short sequences whole while long ones are split.
 KNAP_AUTO = {**KNAP_ON, "topology": "auto", "solver": "refine",
-             "workload": {"linear_coef": 1.0, "quadratic_coef": 0.05, "alltoall_coef": 0.5}}  # fmt: skip
+             "cost_model": {"linear_coef": 1.0, "quadratic_coef": 0.05, "alltoall_coef": 0.5}}  # fmt: skip
 
 
 def step_lengths(step: int, rank: int) -> list[int]:
@@ -165,7 +165,7 @@ def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
         "auto_node": ({"topology": "auto", "max_degree": 4}, 6, {"LOCAL_SIZE": "3"}),
         "auto_not_a_power_of_two": ({"topology": "auto", "max_degree": 3}, 6, {}),
         # A calibration file only ranks 0 and 1 have: every rank must raise, naming 2 and 3.
-        "file_on_some_nodes": ({"topology": "g2n2", "workload": {"calibration_file": calibration}}, 6, {}),
+        "file_on_some_nodes": ({"topology": "g2n2", "cost_model": {"calibration_file": calibration}}, 6, {}),
     }
     errors = {}
     for name, (block, heads, env) in cases.items():
@@ -173,7 +173,7 @@ def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         if name == "file_on_some_nodes" and rank >= 2:
-            block = {**block, "workload": {"calibration_file": calibration + ".missing-on-this-node"}}
+            block = {**block, "cost_model": {"calibration_file": calibration + ".missing-on-this-node"}}
         try:
             deepspeed_knap.initialize(model=model, config=ds_config(1, {"enabled": True, **block}))
         except ValueError as error:
@@ -200,4 +200,4 @@ def test_config_errors_before_the_first_step_on_every_rank(tmp_path):
     assert '"max_degree": 3 must be a power of two' in errors["auto_not_a_power_of_two"]
     assert "ranks see different settings" in errors["file_on_some_nodes"]
     assert '"knapformer" block (ranks [2, 3] differ from rank 0)' in errors["file_on_some_nodes"]
-    assert "workload model (calibration_file) (ranks [2, 3] differ from rank 0)" in errors["file_on_some_nodes"]
+    assert "cost model (calibration_file) (ranks [2, 3] differ from rank 0)" in errors["file_on_some_nodes"]

@@ -134,10 +134,10 @@ def _equivalence(rank: int, world: int, spec: str) -> dict:
         def plan(self, batch):
             plan = super().plan(batch)
             lens = [plan.seq_lens[plan.seq_src_rank == g].tolist() for g in range(topology.group_size)]
-            return mixed_plan(lens, topology, self.workload, seed=7)
+            return mixed_plan(lens, topology, self.cost_model, seed=7)
 
     topology, groups, balancer = _setup(rank, world, spec, "refine")
-    mixed = MixedPlans(groups, balancer.workload)
+    mixed = MixedPlans(groups, balancer.cost_model)
     result = {}
     for dtype, solver in ((torch.float64, "refine"), (torch.float32, "knapformer"), (torch.float64, "mixed")):
         if solver == "mixed":
@@ -167,17 +167,17 @@ def _empty_chunk_worker(rank: int, world: int) -> float:
 
     class EdgePlan(KnapBalancer):
         def plan(self, batch):
-            problem = Problem.build([[1], [5]], topology, self.workload, None)
+            problem = Problem.build([[1], [5]], topology, self.cost_model, None)
             return problem.make_plan("edge", np.array([0, 1]), np.array([2, 1]))
 
     torch.manual_seed(0)
     model = TinyDiT(DIM, HEADS, COND).double()
     batch = random_batch([[1], [5]][rank], rank, DIM, COND, torch.float64)
-    balanced = model(batch, EdgePlan(groups, _workload()))
+    balanced = model(batch, EdgePlan(groups, _cost_model()))
     return float((balanced - model(batch)).abs().max())
 
 
-def _workload():
+def _cost_model():
     from deepspeed_knap.cost.model import CostModel
 
     return CostModel(**WORKLOAD)
@@ -242,10 +242,10 @@ def _errors_worker(rank: int, world: int) -> dict:
         later = PackedBatch(later.tokens[:-1], (*later.seq_lens[:-1], later.seq_lens[-1] - 1), {}, {})
     record("stale_plan", lambda: route(later, plan, groups))
     # Rank 3 plans with another solver: same lengths, different plan.
-    other = plan_routing(plan_lens(plan, topology), topology, balancer.workload, "none") if rank == 3 else plan
+    other = plan_routing(plan_lens(plan, topology), topology, balancer.cost_model, "none") if rank == 3 else plan
     record("different_plans", lambda: route(batch, other, groups))
     # Every rank passes a plan made for another topology.
-    foreign = plan_routing(plan_lens(plan, topology), build_topology("g4n1", world), balancer.workload)
+    foreign = plan_routing(plan_lens(plan, topology), build_topology("g4n1", world), balancer.cost_model)
     record("topology", lambda: route(batch, foreign, groups))
     # Rank 1 packs one column fewer (e.g. a rank without samples built its empty batch differently).
     fewer = {k: v for k, v in batch.token_data.items() if k != "is_text"}
@@ -345,23 +345,23 @@ def _auto_worker(rank: int, world: int) -> dict:
     _init()
     topology = build_topology("auto", world, max_degree=world)
     groups = create_process_groups(topology)
-    workload = CostModel(**AUTO_WORKLOAD)
+    cost_model = CostModel(**AUTO_WORKLOAD)
 
     class RandomGroups(KnapBalancer):
         def plan(self, batch):
             plan = super().plan(batch)
-            problem = Problem.build(plan_lens(plan, topology), topology, workload, None)
+            problem = Problem.build(plan_lens(plan, topology), topology, cost_model, None)
             rng = np.random.default_rng(11)
             sizes = rng.choice(np.unique(problem.bag_size), len(problem.seq_lens))  # a size, then a group of it
             pick = [rng.choice(np.flatnonzero(problem.bag_size == size)) for size in sizes]
             return problem.make_plan("random", problem.bag_first[pick], problem.bag_size[pick])
 
-    cases = [("refine", KnapBalancer(groups, workload), torch.float64, SEQ_LENS[rank]),
-             ("refine32", KnapBalancer(groups, workload), torch.float32, SEQ_LENS[rank]),
-             ("random", RandomGroups(groups, workload), torch.float64, SEQ_LENS[rank])]  # fmt: skip
+    cases = [("refine", KnapBalancer(groups, cost_model), torch.float64, SEQ_LENS[rank]),
+             ("refine32", KnapBalancer(groups, cost_model), torch.float32, SEQ_LENS[rank]),
+             ("random", RandomGroups(groups, cost_model), torch.float64, SEQ_LENS[rank])]  # fmt: skip
     if world == 4:  # nodes of 2 GPUs: the 90-token sequence needs the group of both nodes under the cap
         across = create_process_groups(build_topology("auto", world, gpus_per_node=2, max_degree=4))
-        cases.append(("across", KnapBalancer(across, workload, max_tokens_per_gpu=ACROSS_CAP), torch.float64,
+        cases.append(("across", KnapBalancer(across, cost_model, max_tokens_per_gpu=ACROSS_CAP), torch.float64,
                       ACROSS_LENS[rank]))  # fmt: skip
     result = {}
     for name, balancer, dtype, lengths in cases:

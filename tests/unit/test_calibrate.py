@@ -1,5 +1,5 @@
 """``deepspeed-knap calibrate``: recovers a known cost model exactly, times real FLUX blocks on CPU,
-and writes a file the config's workload section reads."""
+and writes a file the config's cost_model section reads."""
 
 import json
 
@@ -25,8 +25,8 @@ def test_fit_recovers_a_known_model_and_the_config_reads_it(tmp_path, capsys):
     assert written["quadratic_coef"] == pytest.approx(B, rel=1e-9)
     assert written["overhead_s"] == pytest.approx(OVERHEAD, rel=1e-9)
     assert written["r2"] == pytest.approx(1.0) and written["max_rel_error"] < 1e-9
-    workload = get_knapformer_config({"knapformer": {"workload": {"calibration_file": str(out)}}}).workload.build()
-    assert (workload.linear_coef, workload.quadratic_coef) == (written["linear_coef"], written["quadratic_coef"])
+    model = get_knapformer_config({"knapformer": {"cost_model": {"calibration_file": str(out)}}}).cost_model.build()
+    assert (model.linear_coef, model.quadratic_coef) == (written["linear_coef"], written["quadratic_coef"])
     assert "R^2 = 1.0000" in capsys.readouterr().out
 
 

@@ -278,8 +278,8 @@ def _balanced_worker(rank: int, world: int) -> dict:
             topology = None if spec is None else build_topology(spec, world, max_degree=4 if spec == "auto" else None)
             balancer = None
             if topology is not None:
-                workload = CostModel(1.0, 0.05, 0.5 if spec == "auto" else 0.0)
-                balancer = RecordingBalancer(create_process_groups(topology), workload, solver=solver)
+                cost_model = CostModel(1.0, 0.05, 0.5 if spec == "auto" else 0.0)
+                balancer = RecordingBalancer(create_process_groups(topology), cost_model, solver=solver)
             model = packed_class(family).from_diffusers(ref, attention_backend="sdpa", topology=topology)
             inputs = model.pack(samples)
             with record_traffic() as sent:
@@ -342,7 +342,7 @@ def test_balanced_on_four_ranks_equals_diffusers_per_sample():
 
 
 def test_flux2_dev_config_prices_and_fits_flux2_dev():
-    """ds_configs/flux2_dev_zero3_4x8.json: its workload is FLUX.2 [dev]'s FLOP model (the one the
+    """ds_configs/flux2_dev_zero3_4x8.json: its cost model is FLUX.2 [dev]'s FLOP model (the one the
     routing bench uses), its bags fit FLUX.2 [dev]'s heads, and the README's P is the model's."""
     from deepspeed_knap.bench.routing import FLUX_MODELS
     from deepspeed_knap.cost.model import default_cost_model
@@ -351,7 +351,7 @@ def test_flux2_dev_config_prices_and_fits_flux2_dev():
     from deepspeed_knap.runtime.config import get_knapformer_config, load_ds_config
 
     knap = get_knapformer_config(load_ds_config(str(ROOT / "ds_configs" / "flux2_dev_zero3_4x8.json")))
-    ours, flops = knap.workload.build(), default_cost_model(FLUX_MODELS["flux2-dev"].planner)
+    ours, flops = knap.cost_model.build(), default_cost_model(FLUX_MODELS["flux2-dev"].planner)
     for coef in ("linear_coef", "quadratic_coef", "alltoall_coef"):
         assert getattr(ours, coef) == pytest.approx(getattr(flops, coef), rel=1e-9)
     with torch.device("meta"):

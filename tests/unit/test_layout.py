@@ -15,10 +15,10 @@ WORKLOAD = CostModel(linear_coef=1.0, quadratic_coef=0.05)
 TOPOLOGIES = ["g1n4", "g2n2", "g4n1", "g1n2+g2n1", "g1n2+g2n1+g4n1", "g8n1", "g2n4"]
 
 
-def mixed_plan(seq_lens_per_rank, topology, workload, seed=0):
+def mixed_plan(seq_lens_per_rank, topology, cost_model, seed=0):
     """A plan no solver makes: each sequence at random either alone at home or in a random bag, so
     GPUs belong to several attention groups at once."""
-    problem = Problem.build(seq_lens_per_rank, topology, workload, None)
+    problem = Problem.build(seq_lens_per_rank, topology, cost_model, None)
     rng = np.random.default_rng(seed)
     bags = rng.integers(0, topology.num_bags, len(problem.seq_lens))
     home = rng.random(len(problem.seq_lens)) < 0.5

@@ -68,15 +68,15 @@ def synthetic_samples(
 
 
 class SyntheticLatents:
-    """Each step, each rank's samples drawn from a bundled workload (``deepspeed-knap plan
-    --workload``'s names): the same sizes the planner benchmarks, with random latents."""
+    """Each step, each rank's samples drawn from a bundled data mix (``deepspeed-knap plan
+    --mix``'s names): the same sizes the planner benchmarks, with random latents."""
 
-    def __init__(self, workload: str, config: Mapping, token_scale: float = 1.0, seed: int = 0) -> None:
-        sample_shapes(workload, 1)  # an unknown name raises here, not at the first step
-        self.workload, self.config, self.token_scale, self.seed = workload, config, token_scale, seed
+    def __init__(self, mix: str, config: Mapping, token_scale: float = 1.0, seed: int = 0) -> None:
+        sample_shapes(mix, 1)  # an unknown name raises here, not at the first step
+        self.mix, self.config, self.token_scale, self.seed = mix, config, token_scale, seed
 
     def step_samples(self, step: int, rank: int, world_size: int, dtype=torch.float32) -> list[dict[str, Tensor]]:
-        shapes = sample_shapes(self.workload, world_size, seed=self.seed * 100_003 + step)[rank]
+        shapes = sample_shapes(self.mix, world_size, seed=self.seed * 100_003 + step)[rank]
         return synthetic_samples(
             shapes, self.config, (self.seed * 100_003 + step) * 4099 + rank, self.token_scale, dtype
         )
