@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 
+DEBUG_VARIABLE = "DEEPSPEED_KNAP_DEBUG"
 # name -> module; "bench" holds the benchmarks, one level down.
 COMMANDS = {
     "plan": "deepspeed_knap.commands.plan",
@@ -65,6 +66,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; given ``argv``, only the options of the command it names are added."""
     wanted = None if argv is None else _chosen(argv)
     parser = argparse.ArgumentParser(prog="deepspeed-knap", description="KnapFormer-style balancing for DeepSpeed.")
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of a failure (also {DEBUG_VARIABLE}=1)")  # fmt: skip
     commands = parser.add_subparsers(dest="command", required=True)
     for name, module_name in COMMANDS.items():
         _add_command(commands, name, module_name, wanted)
@@ -76,16 +79,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. A usage error exits 2 with argparse's message, a bad value the command finds
+    (``ValueError``) exits 2 with its message, and any other failure exits 1 with one line; ``--debug``
+    (or ``DEEPSPEED_KNAP_DEBUG=1``) shows the traceback instead."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
+    name = " ".join(filter(None, [args.command, getattr(args, "bench", None)]))
     try:
         return args.func(args)
-    except ValueError as error:
-        print(f"deepspeed-knap {args.command}: error: {error}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (ValueError, Exception) as error:
+        if args.debug or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+            raise
+        if isinstance(error, ValueError):
+            print(f"deepspeed-knap {name}: error: {error}", file=sys.stderr)
+            return 2
+        print(f"deepspeed-knap {name}: error: {type(error).__name__}: {error} (--debug shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.commands.options import add_mix_argument, output_file, positive_int
 from deepspeed_knap.cost.model import default_cost_model
 from deepspeed_knap.data.mixes import MIXES, sample_mix
 from deepspeed_knap.planner.solve import DEFAULT_SOLVER, plan_routing
@@ -126,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", type=int, nargs="+", default=[32, 1024], help="GPU counts of topology auto")
+    parser.add_argument("--gpus", type=positive_int, nargs="+", default=[32, 1024], help="GPU counts of topology auto")
     add_mix_argument(parser, list(MIXES), many=True)
-    parser.add_argument("--steps", type=int, default=10, help="sampled steps per case (median)")
-    parser.add_argument("--plot", metavar="OUT.png", help="median wait per case, both ways (log scale)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="sampled steps per case (median)")
+    parser.add_argument(
+        "--plot", type=output_file, metavar="OUT.png", help="median wait per case, both ways (log scale)"
+    )

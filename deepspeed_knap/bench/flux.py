@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.commands.options import add_mix_argument, device, nonnegative_int, positive_float, positive_int
 from deepspeed_knap.cost.calibrate import backward_seconds
 from deepspeed_knap.data.mixes import sample_shapes
 
@@ -112,17 +112,17 @@ def bench_flux(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", default="flux", choices=["flux", "flux2"], help="FLUX.1 or FLUX.2")
     add_mix_argument(parser, "kf_mixed_res")
-    parser.add_argument("--ranks", type=int, default=8, help="pool the samples of this many ranks' step")
-    parser.add_argument("--token-scale", type=float, default=1 / 16)
-    parser.add_argument("--layers", type=int, default=2, help="double-stream blocks")
-    parser.add_argument("--single-layers", type=int, default=4, help="single-stream blocks")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=32, help="FLUX.1: 24 heads of 128 (use --flux-dims)")
+    parser.add_argument("--ranks", type=positive_int, default=8, help="pool the samples of this many ranks' step")
+    parser.add_argument("--token-scale", type=positive_float, default=1 / 16)
+    parser.add_argument("--layers", type=positive_int, default=2, help="double-stream blocks")
+    parser.add_argument("--single-layers", type=positive_int, default=4, help="single-stream blocks")
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--head-dim", type=positive_int, default=32, help="FLUX.1: 24 heads of 128 (use --flux-dims)")
     parser.add_argument("--flux-dims", action="store_true",
                         help="[dev]'s width and blocks: FLUX.1 24 x 128, 19 + 38; FLUX.2 48 x 128, 8 + 48 (GPU)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
 

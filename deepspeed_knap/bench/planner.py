@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.commands.options import add_mix_argument, output_file, positive_int
 from deepspeed_knap.cost.model import CostModel, default_cost_model
 from deepspeed_knap.data.mixes import MIXES, sample_mix
 from deepspeed_knap.planner.plan import RoutingPlan
@@ -342,11 +342,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", type=int, nargs="+", default=[32, 256, 1024], help="balance-group sizes")
+    parser.add_argument("--gpus", type=positive_int, nargs="+", default=[32, 256, 1024], help="balance-group sizes")
     add_mix_argument(parser, list(MIXES), many=True)
     parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=list(SOLVERS))
-    parser.add_argument("--steps", type=int, default=20, help="sampled steps per case (seeds 0..steps-1)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="sampled steps per case (seeds 0..steps-1)")
     parser.add_argument("--sensitivity", type=float, default=None, metavar="F",
                        help="also solve with the quadratic term scaled by 1-F and 1+F (e.g. 0.2)")  # fmt: skip
-    parser.add_argument("--csv", metavar="OUT.csv", help="write every row")
+    parser.add_argument("--csv", type=output_file, metavar="OUT.csv", help="write every row")
     parser.add_argument("--plot-dir", metavar="DIR", help="write speedup.png and loads.png here")

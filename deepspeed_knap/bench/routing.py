@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.commands.options import add_mix_argument, positive_int
 from deepspeed_knap.cost.model import MODEL_PRESETS, default_cost_model
 from deepspeed_knap.data.mixes import MIXES, sample_shapes
 from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS
@@ -226,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", default="g1n8+g2n4+g4n2+g8n1", help="bags, or auto (on --gpus GPUs)")
-    parser.add_argument("--gpus", type=int, default=32, help="GPUs of topology auto")
+    parser.add_argument("--gpus", type=positive_int, default=32, help="GPUs of topology auto")
     add_mix_argument(parser, list(MIXES), many=True)
     parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=list(SOLVERS))
     parser.add_argument("--model", default="flux-dev", choices=["flux-dev", "flux2-dev"], help="FLUX dims")
-    parser.add_argument("--steps", type=int, default=20, help="sampled steps per mix (median)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="sampled steps per mix (median)")

@@ -33,7 +33,14 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.commands.options import (
+    add_mix_argument,
+    device,
+    nonnegative_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from deepspeed_knap.cost.calibrate import backward_seconds, calibrate, flux_blocks_step
 from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, CostModel
 from deepspeed_knap.data.mixes import sample_shapes
@@ -405,23 +412,27 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", default="g4n2", help="auto, or bags of the emulated balance group")
-    parser.add_argument("--gpus", type=int, default=8, help="emulated GPUs of topology auto")
+    parser.add_argument("--gpus", type=positive_int, default=8, help="emulated GPUs of topology auto")
     add_mix_argument(parser, "kf_image_video")
     parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=[s for s in SOLVERS if s != "none"])
-    parser.add_argument("--steps", type=int, default=3, help="sampled steps (seeds 0..steps-1)")
-    parser.add_argument("--token-scale", type=float, default=1 / 16, help="scale the mix's lengths (CPU: small)")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (at least the largest bag)")
-    parser.add_argument("--head-dim", type=int, default=32, help="channels per head")
+    parser.add_argument("--steps", type=positive_int, default=3, help="sampled steps (seeds 0..steps-1)")
+    parser.add_argument(
+        "--token-scale", type=positive_float, default=1 / 16, help="scale the mix's lengths (CPU: small)"
+    )
+    parser.add_argument("--heads", type=positive_int, default=8, help="attention heads (at least the largest bag)")
+    parser.add_argument("--head-dim", type=positive_int, default=32, help="channels per head")
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
-    parser.add_argument("--double-blocks", type=int, default=19, help="double-stream blocks of the model")
-    parser.add_argument("--single-blocks", type=int, default=38, help="single-stream blocks of the model")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per rank (median)")
+    parser.add_argument("--double-blocks", type=nonnegative_int, default=19, help="double-stream blocks of the model")
+    parser.add_argument("--single-blocks", type=nonnegative_int, default=38, help="single-stream blocks of the model")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per rank (median)")
     parser.add_argument("--calibration", metavar="FILE.json", help="a, b and overhead from deepspeed-knap calibrate")
     parser.add_argument(
         "--alltoall-gbps", type=float, default=DEFAULT_ALLTOALL_GBPS, help="bandwidth model, per GPU, GB/s"
     )
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
-    parser.add_argument("--json", metavar="OUT.json", help="write every per-rank figure")
-    parser.add_argument("--plot", metavar="OUT.png", help="per-rank measured vs modeled seconds, last step")
+    parser.add_argument("--json", type=output_file, metavar="OUT.json", help="write every per-rank figure")
+    parser.add_argument(
+        "--plot", type=output_file, metavar="OUT.png", help="per-rank measured vs modeled seconds, last step"
+    )

@@ -37,8 +37,9 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from deepspeed_knap.commands.options import add_mix_argument
+from deepspeed_knap.commands.options import add_mix_argument, output_file, positive_float, positive_int
 from deepspeed_knap.planner.solve import plan_loads
+from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 
 MODES = ("off", "knapformer", "refine", "auto")
@@ -126,7 +127,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     for mode in options["modes"]:
         torch.manual_seed(0)  # every mode trains the same initial weights
         model = PackedFluxTransformer(**dims)
-        config = ds_config(mode, options["topology"], world, options["workload_model"], options["online"])
+        config = ds_config(mode, options["topology"], world, options["cost_model"], options["online"])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine, _, _, _, balancer = deepspeed_knap.initialize(model=model, optimizer=optimizer, config=config)
         unlink_own_shm_buffer(rank)
@@ -208,7 +209,7 @@ def bench_train(options: dict) -> dict:
                           "compute_s": compute, "compute_imbalance": max(compute) / (sum(compute) / len(compute)),
                           "model_error": errors, "phases": [r["phases"] for r in ranks], "speeds": ranks[0]["speeds"],
                           "tokens": [r["tokens"] for r in ranks]})  # fmt: skip
-    return {"options": {k: v for k, v in options.items() if k != "workload_model"}, "steps": steps}
+    return {"options": {k: v for k, v in options.items() if k != "cost_model"}, "steps": steps}
 
 
 def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
@@ -308,11 +309,14 @@ def run(args: argparse.Namespace) -> int:
     if args.slow_rank is not None and (args.slow_rank[0] >= args.ranks or torch.cuda.is_available()):
         raise ValueError(f"--slow-rank {args.slow_rank[0]}:{args.slow_rank[1]:g} needs a rank below --ranks "
                          f"{args.ranks}, on CPU ranks (it sleeps on the host)")  # fmt: skip
+    topology = args.topology or f"g{args.ranks}n1"
+    if any(mode in ("knapformer", "refine") for mode in modes):
+        build_topology(topology, args.ranks)  # a topology the ranks cannot form is refused before they start
     cost_model = {"model": "flux-tiny"}
     if args.calibration:
         cost_model = {"calibration_file": str(Path(args.calibration).resolve())}
     options = {"ranks": args.ranks, "mix": args.mix, "token_scale": args.token_scale, "steps": args.steps,
-               "modes": modes, "topology": args.topology or f"g{args.ranks}n1", "slow_rank": args.slow_rank,
+               "modes": modes, "topology": topology, "slow_rank": args.slow_rank,
                "online": args.online, "flux_dims": args.flux_dims, "threads": args.threads,
                "cost_model": cost_model}  # fmt: skip
     report = bench_train(options)
@@ -327,10 +331,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="local processes (one GPU each on CUDA)")
+    parser.add_argument("--ranks", type=positive_int, default=2, help="local processes (one GPU each on CUDA)")
     add_mix_argument(parser, "long_video")
-    parser.add_argument("--token-scale", type=float, default=1 / 16, help="scale the mix's lengths (CPU: small)")
-    parser.add_argument("--steps", type=int, default=6, help="training steps per mode (the first is not summarised)")
+    parser.add_argument(
+        "--token-scale", type=positive_float, default=1 / 16, help="scale the mix's lengths (CPU: small)"
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, default=6, help="training steps per mode (the first is not summarised)"
+    )
     parser.add_argument("--modes", default="off,knapformer,refine,auto", help="comma-separated, from " + ", ".join(
         ["off", "knapformer", "refine", "auto"]))  # fmt: skip
     parser.add_argument(
@@ -341,6 +349,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--online", action="store_true", help="refit the cost model online (not knapformer)")
     parser.add_argument("--calibration", metavar="FILE.json", help="cost model from deepspeed-knap calibrate")
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPUs)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--json", metavar="OUT.json", help="write every per-step, per-rank figure")
-    parser.add_argument("--plot", metavar="OUT.png", help="step times and the last step's phases per rank")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    parser.add_argument("--json", type=output_file, metavar="OUT.json", help="write every per-step, per-rank figure")
+    parser.add_argument(
+        "--plot", type=output_file, metavar="OUT.png", help="step times and the last step's phases per rank"
+    )

@@ -9,24 +9,31 @@ import argparse
 
 import numpy as np
 
+from deepspeed_knap.commands.options import device, nonnegative_int, output_file, positive_int, seq_lens
+from deepspeed_knap.cost.calibrate import check_fits_memory
+
 HELP = "fit the cost model to timed blocks on this device"
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the fitted model")
-    parser.add_argument("--seq-lens", default="256,512,1024,2048,4096", help="comma-separated lengths to time")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per length (median)")
+    parser.add_argument(
+        "--out", required=True, type=output_file, metavar="FILE.json", help="where to write the fitted model"
+    )
+    parser.add_argument(
+        "--seq-lens", type=seq_lens, default="256,512,1024,2048,4096", help="comma-separated lengths to time"
+    )
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per length (median)")
     parser.add_argument("--callable", metavar="MODULE:FN", help="time FN(seq_len) instead of FLUX blocks")
-    parser.add_argument("--heads", type=int, default=4, help="FLUX blocks: attention heads")
-    parser.add_argument("--head-dim", type=int, default=32, help="FLUX blocks: channels per head")
+    parser.add_argument("--heads", type=positive_int, default=4, help="FLUX blocks: attention heads")
+    parser.add_argument("--head-dim", type=positive_int, default=32, help="FLUX blocks: channels per head")
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
-    parser.add_argument("--double-blocks", type=int, default=19, help="double-stream blocks of the model")
-    parser.add_argument("--single-blocks", type=int, default=38, help="single-stream blocks of the model")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--double-blocks", type=nonnegative_int, default=19, help="double-stream blocks of the model")
+    parser.add_argument("--single-blocks", type=nonnegative_int, default=38, help="single-stream blocks of the model")
+    parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
-    parser.add_argument("--plot", metavar="OUT.png", help="plot measured and fitted seconds")
+    parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="plot measured and fitted seconds")
     parser.add_argument("--degrees", default=None, metavar="2,4,8",
                         help="also time emulated members of bags of these sizes and fit their efficiency")  # fmt: skip
 
@@ -36,13 +43,16 @@ def run(args: argparse.Namespace) -> int:
 
     from deepspeed_knap.cost.calibrate import calibrate, flux_blocks_step, load_callable, write_calibration
 
-    seq_lens = [int(s) for s in args.seq_lens.split(",")]
-    if len(set(seq_lens)) < 4 or min(seq_lens) < 1:
+    lengths = args.seq_lens
+    if len(set(lengths)) < 4:
         raise ValueError(
-            f"--seq-lens {args.seq_lens!r}: give at least 4 positive lengths to fit overhead, a and b with one to spare"
+            f"--seq-lens {','.join(map(str, lengths))}: give at least 4 different lengths to fit overhead, a and b "
+            "with one to spare"
         )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     heads, head_dim = (24, 128) if args.flux_dims else (args.heads, args.head_dim)
+    if not args.callable:
+        check_fits_memory(max(lengths), heads, head_dim, getattr(torch, args.dtype), device)
     if args.callable:
         step, about = load_callable(args.callable), {"callable": args.callable}
     else:
@@ -50,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                                 getattr(torch, args.dtype), args.backend)  # fmt: skip
         about = {"blocks": f"FLUX {args.double_blocks}+{args.single_blocks} blocks, {heads}x{head_dim} heads"}
     about.update(device=torch.cuda.get_device_name() if device.startswith("cuda") else device, dtype=args.dtype)
-    model, times, fit = calibrate(step, seq_lens, args.repeats)
+    model, times, fit = calibrate(step, lengths, args.repeats)
     degrees = [int(g) for g in args.degrees.split(",")] if args.degrees else []
     if degrees:
         if args.callable:
@@ -59,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
 
         timer = FluxBlockTimer(heads, head_dim, args.double_blocks, args.single_blocks, torch.device(device),
                                getattr(torch, args.dtype), args.backend, args.repeats)  # fmt: skip
-        efficiency, by_degree = calibrate_degrees(timer, seq_lens, degrees, model, fit["overhead_s"])
+        efficiency, by_degree = calibrate_degrees(timer, lengths, degrees, model, fit["overhead_s"])
         about["degree_efficiency"] = [[g, e] for g, e in efficiency.items()]
         about["degree_seconds"] = {str(g): t for g, t in by_degree.items()}
-    write_calibration(args.out, model, seq_lens, times, fit, about)
+    write_calibration(args.out, model, lengths, times, fit, about)
 
     print(f"{'seq_len':>8}{'measured s':>13}{'model s':>13}{'rel err':>9}")
-    for s, t in zip(seq_lens, times, strict=True):
+    for s, t in zip(lengths, times, strict=True):
         fitted = fit["overhead_s"] + model.linear_coef * s + model.quadratic_coef * s * s
         print(f"{s:>8}{t:>13.5g}{fitted:>13.5g}{(fitted - t) / t:>9.1%}")
     print(f"a = {model.linear_coef:.4g} s/token, b = {model.quadratic_coef:.4g} s/token^2, per-step overhead "
@@ -80,9 +90,9 @@ def run(args: argparse.Namespace) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        grid = np.linspace(0, max(seq_lens), 200)
+        grid = np.linspace(0, max(lengths), 200)
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(seq_lens, times, "o", label="measured")
+        ax.plot(lengths, times, "o", label="measured")
         fitted = fit["overhead_s"] + model.linear_coef * grid + model.quadratic_coef * grid**2
         ax.plot(grid, fitted, label="overhead + a*s + b*s^2")
         ax.set(xlabel="sequence length (tokens)", ylabel="seconds (forward + backward)", title=about.get("blocks", ""))

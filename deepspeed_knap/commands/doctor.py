@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from deepspeed_knap.commands.options import device, nonnegative_int, positive_int, seq_lens
 from deepspeed_knap.cost.calibrate import calibrate, flux_blocks_step, write_calibration
 from deepspeed_knap.runtime.attention import BACKENDS, VarlenAttention, VarlenSeqs
 
@@ -261,29 +262,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", default="doctor", metavar="DIR", help="writes doctor.json, doctor.txt, calibration.json"
     )
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="default: bfloat16 on CUDA, float32 on CPU")  # fmt: skip
-    parser.add_argument("--heads", type=int, default=None, help="attention heads (default: 24 on CUDA, 4 on CPU)")
     parser.add_argument(
-        "--head-dim", type=int, default=None, help="channels per head (default: 128 on CUDA, 32 on CPU)"
+        "--heads", type=positive_int, default=None, help="attention heads (default: 24 on CUDA, 4 on CPU)"
     )
-    parser.add_argument("--double-blocks", type=int, default=19, help="double-stream blocks of the model")
-    parser.add_argument("--single-blocks", type=int, default=38, help="single-stream blocks of the model")
-    parser.add_argument("--seq-lens", default=None, help="calibration lengths (default: 1k-16k on CUDA, 64-512 on CPU)")
     parser.add_argument(
-        "--compare-lens", default=None, help="lengths to compare kernels at (default: 4096,32768 on CUDA)"
+        "--head-dim", type=positive_int, default=None, help="channels per head (default: 128 on CUDA, 32 on CPU)"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
+    parser.add_argument("--double-blocks", type=nonnegative_int, default=19, help="double-stream blocks of the model")
+    parser.add_argument("--single-blocks", type=nonnegative_int, default=38, help="single-stream blocks of the model")
+    parser.add_argument(
+        "--seq-lens", type=seq_lens, default=None, help="calibration lengths (default: 1k-16k on CUDA, 64-512 on CPU)"
+    )
+    parser.add_argument(
+        "--compare-lens",
+        type=seq_lens,
+        default=None,
+        help="lengths to compare kernels at (default: 4096,32768 on CUDA)",
+    )
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per measurement (median)")
 
 
 def run(args: argparse.Namespace) -> int:
-    def lengths(text: str | None) -> list[int] | None:
-        return [int(s) for s in text.split(",")] if text else None
-
     report = run_doctor(args.out, args.device, getattr(torch, args.dtype) if args.dtype else None, args.heads,
-                        args.head_dim, args.double_blocks, args.single_blocks, lengths(args.seq_lens),
-                        lengths(args.compare_lens), args.repeats)  # fmt: skip
+                        args.head_dim, args.double_blocks, args.single_blocks, args.seq_lens,
+                        args.compare_lens, args.repeats)  # fmt: skip
     print((Path(args.out) / "doctor.txt").read_text(), end="")
     print(f"report written to {Path(args.out) / 'doctor.json'} and doctor.txt")
     return 0 if report["ok"] else 1

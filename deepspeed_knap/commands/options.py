@@ -1,8 +1,10 @@
-"""Options that several commands share: the data-mix flag and the help formatter."""
+"""Options that several commands share: the data-mix flag, the help formatter, and argparse types that
+refuse a bad value as a usage error (exit 2) before any work starts."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from deepspeed_knap.data.mixes import MIXES
@@ -37,3 +39,80 @@ def add_mix_argument(parser: argparse.ArgumentParser, default: str | list[str], 
                         help="bundled data mix" + ("es" if many else "") + f": {', '.join(MIXES)}")  # fmt: skip
     parser.add_argument(old, dest=dest, nargs=nargs, choices=list(MIXES), metavar="MIX", action=_DeprecatedSpelling,
                         new=new, default=argparse.SUPPRESS, help=f"deprecated spelling of {new}")  # fmt: skip
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (``--repeat 0`` is a usage error, not a failure later)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (``inf`` and ``nan`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number > 0")
+    return value
+
+
+# The longest sequence a timing command takes: 2**20 tokens (a 16-minute 720p clip is ~1.2M tokens,
+# past what one block's attention holds on any GPU; longer is a typo).
+MAX_TIMED_SEQ_LEN = 2**20
+
+
+def seq_lens(text: str) -> list[int]:
+    """An argparse type: comma-separated lengths, each in [1, MAX_TIMED_SEQ_LEN]."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated whole numbers, e.g. 256,512,1024")
+    lengths = [int(part) for part in parts]
+    if not all(1 <= length <= MAX_TIMED_SEQ_LEN for length in lengths):
+        raise argparse.ArgumentTypeError(f"{text!r}: every length must be in [1, {MAX_TIMED_SEQ_LEN:,}] tokens")
+    return lengths
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file path whose folder exists (checked before any work, not after it)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: the folder {folder} does not exist; create it first")
+    return text
+
+
+def device(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N``, refused when this torch sees no such device."""
+    import torch  # here, not at the top: ``deepspeed-knap plan`` imports this module and never torch
+
+    if text == "cpu":
+        return text
+    if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(text[5:]) if ":" in text else 0
+        if index >= count:
+            why = (
+                "this torch is built without CUDA"
+                if torch.version.cuda is None
+                else f"{count} CUDA devices are visible"
+            )
+            raise argparse.ArgumentTypeError(f"{text}: {why}; leave --device out to use what is here")
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: give cpu, cuda or cuda:N")

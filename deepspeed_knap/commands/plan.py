@@ -13,7 +13,14 @@ import sys
 from pathlib import Path
 
 from deepspeed_knap.bench.planner import timed_plan
-from deepspeed_knap.commands.options import DefaultsHelp, add_mix_argument
+from deepspeed_knap.commands.options import (
+    DefaultsHelp,
+    add_mix_argument,
+    nonnegative_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, DEFAULT_TFLOPS, MODEL_PRESETS, default_cost_model
 from deepspeed_knap.data.mixes import sample_mix
 from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, lower_bound
@@ -157,24 +164,28 @@ def _flexible_bound(lengths, topology, cost_model, cap) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", default="g8n4", help="auto, or bags such as g8n4 or g1n8+g2n4")
-    parser.add_argument("--gpus", type=int, default=32, help="GPUs of topology auto (with --mix)")
-    parser.add_argument("--max-degree", type=int, default=None,
+    parser.add_argument("--gpus", type=positive_int, default=32, help="GPUs of topology auto (with --mix)")
+    parser.add_argument("--max-degree", type=positive_int, default=None,
                         help="topology auto: the largest group (8, or the node if smaller, when not given); "
                              "above the node, groups of whole nodes for sequences the cap keeps out of a node")  # fmt: skip
     source = parser.add_mutually_exclusive_group()
     add_mix_argument(source, "kf_image_video")
     source.add_argument("--lengths", metavar="FILE.json", help="JSON list of per-rank lists of sequence lengths")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the bundled data mix")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the bundled data mix")
     parser.add_argument("--solver", default="all", choices=["all", *SOLVERS],
                         help=f"'all', or one solver to run next to 'none' ('{DEFAULT_SOLVER}' is the one training uses)")  # fmt: skip
     parser.add_argument("--model", type=parse_model, default="flux-dev",
                         help="preset or dims: hidden=3072,double_blocks=19,single_blocks=38,mlp_ratio=4")  # fmt: skip
-    parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="sustained TFLOP/s per GPU")
+    parser.add_argument("--tflops", type=positive_float, default=DEFAULT_TFLOPS, help="sustained TFLOP/s per GPU")
     parser.add_argument(
         "--alltoall-gbps", type=float, default=DEFAULT_ALLTOALL_GBPS, help="per-GPU all-to-all GB/s inside a bag"
     )
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="keep bags inside nodes of this many GPUs")
-    parser.add_argument("--max-tokens-per-gpu", type=int, default=None, help="hard memory cap on routed tokens")
-    parser.add_argument("--repeat", type=int, default=5, help="solves per solver; the median time is reported")
+    parser.add_argument(
+        "--gpus-per-node", type=positive_int, default=None, help="keep bags inside nodes of this many GPUs"
+    )
+    parser.add_argument(
+        "--max-tokens-per-gpu", type=positive_int, default=None, help="hard memory cap on routed tokens"
+    )
+    parser.add_argument("--repeat", type=positive_int, default=5, help="solves per solver; the median time is reported")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    parser.add_argument("--plot", metavar="OUT.png", help="write per-GPU loads before and after")
+    parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="write per-GPU loads before and after")

@@ -123,9 +123,10 @@ class CostModel:
             gpu_speed: see the class attributes.
             frozen_base: the base weights are frozen (LoRA, adapters).
         """
-        if min(hidden, double_blocks + single_blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element) <= 0:
+        dims = (hidden, double_blocks + single_blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element)
+        if not all(np.isfinite(dims)) or min(dims) <= 0:
             raise ValueError(
-                "model dims must be positive: got "
+                "model dims must be finite and positive: got "
                 f"hidden={hidden}, blocks={double_blocks}+{single_blocks}, mlp_ratio={mlp_ratio}, "
                 f"tflops={tflops}, alltoall_gbps={alltoall_gbps}, bytes_per_element={bytes_per_element}"
             )

@@ -53,11 +53,11 @@ class KnapOnlineConfig(DeepSpeedConfigModel):
     """Turn the refit on (an ``"online"`` object asks for it unless this is false)."""
     warmup_steps: int = Field(OnlineSettings.warmup_steps, ge=1)
     """Steps measured before the first refit."""
-    forgetting: float = Field(OnlineSettings.forgetting, gt=0, le=1)
+    forgetting: float = Field(OnlineSettings.forgetting, gt=0, le=1, allow_inf_nan=False)
     """Weight of a step relative to the next newer one."""
     refit_interval: int = Field(OnlineSettings.refit_interval, ge=1)
     """Refit every this many steps."""
-    max_speed_ratio: float = Field(OnlineSettings.max_speed_ratio, gt=1)
+    max_speed_ratio: float = Field(OnlineSettings.max_speed_ratio, gt=1, allow_inf_nan=False)
     """A rank's speed factor stays within this factor of the median rank's."""
 
     @model_validator(mode="before")
@@ -93,17 +93,17 @@ class KnapCostModelConfig(DeepSpeedConfigModel):
     """Override the preset's double-stream block count."""
     single_blocks: int | None = Field(None, ge=0)
     """Override the preset's single-stream block count."""
-    mlp_ratio: float | None = Field(None, gt=0)
+    mlp_ratio: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Override the preset's MLP ratio."""
-    tflops: float = Field(DEFAULT_TFLOPS, gt=0)
+    tflops: float = Field(DEFAULT_TFLOPS, gt=0, allow_inf_nan=False)
     """Sustained TFLOP/s per GPU assumed by the preset model."""
-    alltoall_gbps: float = Field(DEFAULT_ALLTOALL_GBPS, gt=0)
+    alltoall_gbps: float = Field(DEFAULT_ALLTOALL_GBPS, gt=0, allow_inf_nan=False)
     """All-to-all bandwidth per GPU (GB/s) assumed by the preset model."""
-    linear_coef: float | None = Field(None, ge=0)
+    linear_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Measured ``a`` (seconds per token on one GPU); give with ``quadratic_coef``."""
-    quadratic_coef: float | None = Field(None, ge=0)
+    quadratic_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Measured ``b`` (seconds per token squared); give with ``linear_coef``."""
-    alltoall_coef: float | None = Field(None, ge=0)
+    alltoall_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Measured ``c`` (seconds per token of Ulysses traffic); optional with coefficients."""
     calibration_file: str | None = None
     """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef`` and
@@ -259,10 +259,24 @@ class KnapFormerConfig(DeepSpeedConfigModel):
 
 
 def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    """A DeepSpeed config given as a dict or a JSON file path, as a dict."""
+    """A DeepSpeed config given as a dict or a JSON file path, as a dict.
+
+    Raises:
+        ValueError: the file is unreadable or not a JSON object, naming the file and where.
+    """
     if isinstance(config, Mapping):
         return dict(config)
-    return json.loads(Path(config).read_text())
+    try:
+        loaded = json.loads(Path(config).read_text())
+    except OSError as error:
+        raise ValueError(f"cannot read the DeepSpeed config {config}: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"the DeepSpeed config {config} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+        ) from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"the DeepSpeed config {config} must hold a JSON object; it holds a {type(loaded).__name__}")
+    return loaded
 
 
 def get_knapformer_config(param_dict: Mapping[str, Any]) -> KnapFormerConfig:

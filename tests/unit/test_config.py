@@ -87,12 +87,13 @@ def test_calibration_file(tmp_path):
         ({"topology": "g8n4", "max_degree": 8}, '"max_degree": 8 applies to "topology": "auto" only'),
         ({"topology": "auto", "max_degree": 6}, '"max_degree": 6 must be a power of two'),
         ({"topology": "auto", "max_degree": 0}, "knapformer.max_degree = 0: Input should be greater than 0"),
-        ({"timeout_s": 0}, "knapformer.timeout_s = 0: Input should be greater than 0"),
+        ({"timeout_s": 0}, "knapformer.timeout_s = 0: Input should be greater than or equal to 1"),
         ({"solver": "knapformer", "max_tokens_per_gpu": 8192}, '"solver": "knapformer" cannot honour'),
         ({"topology": "auto", "solver": "knapformer"}, '"solver": "knapformer" needs a fixed topology'),
         ({"cost_model": {"linear_coef": 1, "quadratic_coef": 1, "frozen_base": True}}, "frozen_base adjusts a preset"),
         ({"cost_model": {"online": {"forgetting": 1.5}}}, "knapformer.cost_model.online.forgetting = 1.5"),
         ({"cost_model": {"online": {"max_speed_ratio": 1}}}, "knapformer.cost_model.online.max_speed_ratio = 1"),
+        ({"timeout_s": 1e15}, "knapformer.timeout_s = 1000000000000000.0: Input should be less than or equal to 86400"),
     ],
 )
 def test_bad_blocks_name_the_key_and_value(fields, message):
@@ -129,3 +130,24 @@ def test_every_field_is_documented_in_the_config_page():
                 assert f"`{name}` is the deprecated spelling" in page, prefix + name
             else:
                 assert f"| `{prefix}{name}` |" in page, prefix + name
+
+
+def test_a_bad_config_file_is_named(tmp_path):
+    from deepspeed_knap.runtime.config import load_ds_config
+
+    (tmp_path / "ds.json").write_text('{"train_batch_size": 8,,}')
+    with pytest.raises(ValueError, match=r"ds.json is not valid JSON: .* line 1, column 24"):
+        load_ds_config(tmp_path / "ds.json")
+    with pytest.raises(ValueError, match=r"cannot read the DeepSpeed config .*missing.json: No such file"):
+        load_ds_config(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError, match="must hold a JSON object; it holds a list"):
+        load_ds_config(tmp_path / "list.json")
+
+
+@pytest.mark.parametrize("key", ["tflops", "alltoall_gbps"])
+def test_infinite_dims_are_refused_naming_the_key(key):
+    with pytest.raises(ValueError, match=f"knapformer.cost_model.{key} = inf: Input should be a finite number"):
+        block(cost_model={key: float("inf")})
+    with pytest.raises(ValueError, match=f"{key}=inf"):
+        default_cost_model("flux-dev", **{key: float("inf")})
