@@ -6,8 +6,8 @@ Computed exactly from the plans (the same split sizes the all-to-alls use), for 
 mixes. Bytes are what GPUs send to *other* GPUs.
 
 * Ulysses: q, k, v out and the attention output back inside the bags, over all layers, forward.
-  ``tests/test_routing.py`` checks :func:`step_traffic` against the bytes real exchanges send.
-* Route, for the packed FLUX models, before and after routing less (``tests/test_flux.py`` checks
+  ``tests/multirank/test_routing.py`` checks :func:`step_traffic` against the bytes real exchanges send.
+* Route, for the packed FLUX models, before and after routing less (``tests/unit/test_flux.py`` checks
   :func:`flux_route_bytes` against the bytes the models really send, forward and backward):
 
   - *before*: the route carried each token's ``D``-wide hidden state (the embedders ran at home), and

@@ -431,7 +431,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
+    parser.add_argument("--backend", default="auto", help="attention kernel (docs/integration.md, Attention kernels)")
     parser.add_argument("--json", type=output_file, metavar="OUT.json", help="write every per-rank figure")
     parser.add_argument(
         "--plot", type=output_file, metavar="OUT.png", help="per-rank measured vs modeled seconds, last step"

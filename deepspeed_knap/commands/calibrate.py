@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--single-blocks", type=nonnegative_int, default=38, help="single-stream blocks of the model")
     parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--backend", default="auto", help="attention kernel (see the README's backends)")
+    parser.add_argument("--backend", default="auto", help="attention kernel (docs/integration.md, Attention kernels)")
     parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="plot measured and fitted seconds")
     parser.add_argument("--degrees", default=None, metavar="2,4,8",
                         help="also time emulated members of bags of these sizes and fit their efficiency")  # fmt: skip

@@ -10,7 +10,7 @@
     }
 
 Validated before any process group exists; an unknown key or bad value raises ``ValueError``
-naming it. Every field is documented in the README with its default.
+naming it. Every field is documented in docs/config.md with its default.
 """
 
 from __future__ import annotations
@@ -205,9 +205,12 @@ class KnapFormerConfig(DeepSpeedConfigModel):
     """Local attention kernel of every ``KnapDistributedAttention`` in the model."""
     log_interval: int = Field(10, ge=0)
     """Log balancing metrics every this many steps (0: never)."""
-    timeout_s: float = Field(300.0, gt=0)
-    """Seconds a collective of ours (the lengths gather, the routes, the Ulysses all-to-alls) waits
-    for a stuck or dead rank before the job fails; DeepSpeed's own default is 10 minutes."""
+    timeout_s: float = Field(300.0, ge=1, le=86400, allow_inf_nan=False)
+    """Seconds any collective of the job waits for a stuck, stopped or dead rank before the job fails:
+    ours (the start-up checks, the lengths gather, the routes, the Ulysses all-to-alls) and, when the
+    block is enabled or gives this key, DeepSpeed's too (ZeRO's gathers and reductions), set by
+    ``deepspeed_knap.initialize``. From 1 s to 86,400 s (a day): gloo rounds less than a millisecond
+    to no wait at all, and ``datetime.timedelta`` overflows far above it."""
 
     @field_validator("workload", mode="before")
     @classmethod

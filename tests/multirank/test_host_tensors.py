@@ -1,5 +1,5 @@
-"""tests/host_tensors.py fails on gloo where NCCL would: a collective given a tensor never put on
-the accelerator. (tests/test_train_flux.py runs the FLUX example under it.)"""
+"""tests/support/host_tensors.py fails on gloo where NCCL would: a collective given a tensor never put on
+the accelerator. (tests/e2e/test_train_flux.py runs the FLUX example under it.)"""
 
 from tests.support.distributed import run_distributed
 

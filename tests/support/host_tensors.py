@@ -14,7 +14,7 @@ and unmarks a tensor moved with ``.to(device)`` or ``.cuda()``. While it is acti
 
 Run a training script under it with the deepspeed launcher's ``--module``:
 
-    deepspeed --num_gpus 4 --module tests.host_tensors examples/train_flux.py --deepspeed_config ...
+    deepspeed --num_gpus 4 --module tests.support.host_tensors examples/train_flux.py --deepspeed_config ...
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def check_collectives() -> None:
 
 
 def main() -> None:
-    """``python -m tests.host_tensors [--local_rank=N] SCRIPT.py ARGS``: run SCRIPT as ``__main__``."""
+    """``python -m tests.support.host_tensors [--local_rank=N] SCRIPT.py ARGS``: run SCRIPT as ``__main__``."""
     script = next(arg for arg in sys.argv[1:] if arg.endswith(".py"))
     sys.argv = [script, *(arg for arg in sys.argv[1:] if arg != script)]
     check_collectives()

@@ -13,7 +13,7 @@ as timestep, guidance and pooled text (per sample), and none of it needs a gradi
 backward pass sends nothing back along the route. Text tokens travel as whichever is fewer bytes in
 training: the text-encoder rows (``Dj`` wide, no gradient) or their embedding (``D`` wide, plus its
 ``D``-wide gradient back): raw for FLUX.1 (4096 < 2 * 3072), embedded for FLUX.2 [dev]
-(15360 > 2 * 6144). ``python -m deepspeed_knap.bench.routing`` reports the bytes.
+(15360 > 2 * 6144). ``deepspeed-knap bench routing`` reports the bytes.
 
 Shapes: ``N`` samples on a rank, ``T`` tokens (``Tt`` text, ``Ti`` image/video), ``C`` latent
 channels, ``Dj`` text-encoder width, ``A`` position axes, ``D`` model width, ``n`` chunks held after

@@ -1,5 +1,5 @@
 """Train TinyDiT balanced; rank 1 raises in the middle of step 1. The job must exit non-zero with
-that error instead of hanging (tests/test_launch.py)."""
+that error instead of hanging (tests/e2e/test_launch.py)."""
 
 import argparse
 
