@@ -77,7 +77,7 @@ def lora_runs(tmp_path_factory):
     (d / "prompts.txt").write_text("a red cat\n\na blue dog on grass\n")
     on = train(d, "on", True, *COMMON, *LORA, "--export-dir", str(d / "on"), "--validation-every", "3",
                "--validation-prompts", str(d / "prompts.txt"), "--validation-dir", str(d / "images"),
-               module="tests.host_tensors")  # fmt: skip
+               module="tests.support.host_tensors")  # fmt: skip
     off = train(d, "off", False, *COMMON, *LORA, "--export-dir", str(d / "off"), stage=2)
     return d, on, off
 
