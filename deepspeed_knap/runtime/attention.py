@@ -71,25 +71,23 @@ def _torch_varlen() -> Callable | None:
     return varlen_attn
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, scale: float | None) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, scale: float | None, kv: VarlenSeqs) -> Tensor:
     """Per-sequence ``scaled_dot_product_attention``: runs everywhere, the reference and CPU path."""
     # [1, H, L, Dh]: PyTorch's fused CPU kernel needs a batch dimension; 3-d inputs take the math
     # path, which keeps the [H, L, L] probabilities for backward.
-    outs = [
-        F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv), scale=scale)[0]
-        for qkv in zip(*(torch.split(t, list(seqs.seq_lens)) for t in (q, k, v)), strict=True)
-    ]
-    return torch.cat([o.transpose(0, 1) for o in outs]) if outs else q + k + v
+    pieces = zip(torch.split(q, list(seqs.seq_lens)), *(torch.split(t, list(kv.seq_lens)) for t in (k, v)), strict=True)
+    outs = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv), scale=scale)[0] for qkv in pieces]
+    return torch.cat([o.transpose(0, 1) for o in outs]) if outs else q + k.sum() + v.sum()
 
 
-def _flash(q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, scale: float | None) -> Tensor:
-    cu, n = seqs.cu_seqlens, seqs.max_seqlen
-    return _flash_varlen()(q, k, v, cu, cu, n, n, softmax_scale=scale)
+def _flash(q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, scale: float | None, kv: VarlenSeqs) -> Tensor:
+    return _flash_varlen()(q, k, v, seqs.cu_seqlens, kv.cu_seqlens, seqs.max_seqlen, kv.max_seqlen,
+                           softmax_scale=scale)  # fmt: skip
 
 
-def _torch_varlen_attn(q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, scale: float | None) -> Tensor:
-    cu, n = seqs.cu_seqlens, seqs.max_seqlen
-    return _torch_varlen()(q, k, v, cu, cu, n, n, scale=scale)
+def _torch_varlen_attn(q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, scale: float | None,
+                       kv: VarlenSeqs) -> Tensor:  # fmt: skip
+    return _torch_varlen()(q, k, v, seqs.cu_seqlens, kv.cu_seqlens, seqs.max_seqlen, kv.max_seqlen, scale=scale)
 
 
 _KERNELS = {"flash": _flash, "torch_varlen": _torch_varlen_attn, "sdpa": _sdpa}
@@ -157,10 +155,13 @@ class VarlenAttention:
             self._resolved[key] = choice
         return self._resolved[key]
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs) -> Tensor:
-        """``q, k, v``: ``[L, h, Dh]`` whole sequences back to back. Returns ``[L, h, Dh]``."""
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, seqs: VarlenSeqs, kv_seqs: VarlenSeqs | None = None) -> Tensor:
+        """``q, k, v``: ``[L, h, Dh]`` whole sequences back to back. Returns ``[L, h, Dh]``.
+
+        With ``kv_seqs``, cross-attention: query sequence ``i`` (``seqs``) attends to key/value
+        sequence ``i`` (``kv_seqs``, as many, each at least one token), ``k, v`` ``[Lk, h, Dh]``."""
         kernel = _KERNELS[self.resolve(q.device, q.dtype)]
-        return kernel(q.contiguous(), k.contiguous(), v.contiguous(), seqs, self.softmax_scale)
+        return kernel(q.contiguous(), k.contiguous(), v.contiguous(), seqs, self.softmax_scale, kv_seqs or seqs)
 
 
 def head_splits(num_heads: int, group_size: int) -> list[int]:

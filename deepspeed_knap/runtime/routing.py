@@ -11,7 +11,8 @@ order):
   and one for the rest.
 * :func:`reverse_route` moves routed rows ``[T_routed, ...]`` back to their home rank and order;
   :func:`route_subset_rows` sends rows that only some tokens have (e.g. text states) the way the
-  route sent those tokens.
+  route sent those tokens; :func:`route_sample_rows` sends a sequence's own rows (e.g. the text a
+  video's tokens cross-attend to) to every GPU that holds a chunk of it.
 
 All of them run on :func:`exchange`, the one all-to-all primitive, whose backward is the reverse
 exchange. Dimension names: ``T`` tokens, ``D`` model width, ``S`` GPUs of the balance group.
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.runtime.groups import ProcessGroups, text_digest
-from deepspeed_knap.runtime.layout import GpuLayout, gpu_layout, local_layout
+from deepspeed_knap.runtime.layout import GpuLayout, _ranges, gpu_layout, local_layout
 from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.timing import StepTimes
 
@@ -386,3 +387,37 @@ def route_subset_rows(rows: Tensor, home_selected: np.ndarray, routed: RoutedBat
     recv_counts = np.bincount(source_of_routed[routed_selected.cpu().numpy()], minlength=layout.num_gpus)
     send = rows.index_select(0, torch.as_tensor(sent[keep], device=rows.device))
     return exchange(send, send_counts, recv_counts, routed.groups.balance_group, "route")
+
+
+def route_sample_rows(rows: Tensor, row_counts: np.ndarray, routed: RoutedBatch, routed_counts: np.ndarray) -> Tensor:
+    """A variable number of rows per sequence (e.g. the text tokens a video's tokens cross-attend
+    to), sent to every GPU that holds a chunk of the sequence: a sequence split over a group of
+    ``G`` GPUs has its rows on each of the ``G``. Collective over the balance group when ``routed``
+    was routed (every rank calls it); local otherwise.
+
+    They travel like the per-sample rows of :func:`route` (one copy per sequence and destination,
+    destination by destination), each copy ``row_counts[i]`` rows long, so what arrives is in the
+    order of the chunks held.
+
+    Args:
+        rows: ``[sum(row_counts), W]`` the home sequences' rows, sequence after sequence (differentiable).
+        row_counts: ``[N_home]`` rows of each home sequence.
+        routed: the step's routed batch.
+        routed_counts: ``[n]`` rows of the sequence of each chunk held (e.g. a count routed as
+            ``sample_data``), in held order.
+
+    Returns:
+        ``[sum(routed_counts), W]`` rows, chunk after chunk in held order.
+    """
+    if routed.groups is None:
+        return rows
+    layout = routed.layout
+    row_counts, routed_counts = np.asarray(row_counts, dtype=np.int64), np.asarray(routed_counts, dtype=np.int64)
+    gpus = np.arange(layout.num_gpus)
+    sent = layout.sample_send_index  # home sequence of every copy sent, destination by destination
+    send_rows = _ranges((np.cumsum(row_counts) - row_counts)[sent], row_counts[sent])
+    send_counts = np.bincount(np.repeat(gpus, layout.sample_send_counts), row_counts[sent], layout.num_gpus)
+    recv_counts = np.bincount(np.repeat(gpus, layout.sample_recv_counts), routed_counts, layout.num_gpus)
+    send = rows.index_select(0, torch.as_tensor(send_rows, device=rows.device))
+    return exchange(send, send_counts.astype(np.int64), recv_counts.astype(np.int64), routed.groups.balance_group,
+                    "route")  # fmt: skip
