@@ -41,9 +41,11 @@ The solver:
    that finishes earliest, or swap it with a sequence of a light group, while every load it touches
    ends below the current maximum (so the sorted load vector falls lexicographically: no cycles, and
    the step time never rises). The best start, and those close behind it, then also try two-step
-   chains when stuck.
+   chains when stuck. The loop and when it stops are the fixed solver's too
+   (:func:`~deepspeed_knap.planner.search.local_search`).
 5. **Exact search** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences (besides short ones that
-   cost next to nothing): branch and bound over every group, within a node budget.
+   cost next to nothing): branch and bound over every group, within ``ELASTIC_EXACT_NODE_BUDGET``
+   nodes, on the fixed solver's driver (:class:`~deepspeed_knap.planner.search.BranchAndBound`).
 6. **Locality:** single-GPU sequences go back to their home GPU, or trade places with a guest there,
    wherever that keeps the step time. Then, with equal speeds and overheads, a symmetry of the
    groups (blocks of one size traded, the halves of any group traded) that permutes the GPUs, and
@@ -59,48 +61,51 @@ import bisect
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from deepspeed_knap.planner.fixed import _refine  # the elastic planner builds on the fixed one
 from deepspeed_knap.planner.problem import Problem
+from deepspeed_knap.planner.search import (
+    BIG,
+    CHAIN_STARTS,
+    ELASTIC_EXACT_NODE_BUDGET,
+    EXACT_MAX_SEQUENCES,
+    SEARCH_TOLERANCE,
+    STALL_WINDOW,
+    SWAP_ITEMS,
+    BranchAndBound,
+    local_search,
+)
 
 # Packing starts: split sequences until their per-GPU cost is at most this fraction of the bound.
 PIECE_FRACTIONS = (1.05, 1.0, 0.5, 0.25, 0.125)
-EXACT_MAX_SEQUENCES = 16
-# ... not counting short ones (costing under 1/EXACT_SHORT of the bound), up to EXACT_SHORT_TOTAL in all.
+# The exact search takes steps of at most EXACT_MAX_SEQUENCES sequences not counting short ones
+# (costing under 1/EXACT_SHORT of the bound), up to EXACT_SHORT_TOTAL in all.
 EXACT_SHORT = 1000
 EXACT_SHORT_TOTAL = 64
-EXACT_NODE_BUDGET = 2_000
 # Hill-climbing steps over mixes of group sizes (fixed topologies of the family).
 TILING_ROUNDS = 4
-# Local search: stop within this fraction of the bound, or when a window of steps cut the max by
-# less than it (the step budget is plan_routing's refine_steps).
-SEARCH_STEPS = 256
-SEARCH_TOLERANCE = 1e-3
 # Starts whose packed step time is this much above the best searched one are not searched.
 SEARCH_SLACK = 0.08
-STALL_WINDOW = 32
 # The first search of each start (no chains: it only has to show which start wins) checks for a stall
 # after this many steps, at the same rate: many GPUs near the max make steps cheap to stall on.
 EXPLORE_WINDOW = 8
 # Per local-search step: groups per class outside the busiest GPU's block that are move targets and
-# whose sequences are swap partners, how many of those partners and of the busiest GPU's sequences
-# are paired, and how many of the best swaps are checked against the cap.
+# whose sequences are swap partners (sampled down to SWAP_ITEMS), and how many of the best swaps are
+# checked against the cap.
 SWAP_GROUPS_PER_CLASS = 16
-SWAP_ITEMS = 64
 SWAP_TRIES = 32
-# Two-step chains start from this many of the busiest GPU's costliest sequences; they are tried on
-# the best searched start and on those whose step time is at most this much above it.
-CHAIN_STARTS = 4
+# Chains (from CHAIN_STARTS sequences) are tried on the best searched start and on those whose step
+# time is at most this much above it.
 CHAIN_SLACK = 0.02
 # Passes of bringing single-GPU sequences home: a later pass finds room that the first one made.
 KEEP_HOME_PASSES = 2
 # Blocks each block's contents are priced in for trading them home (besides its own).
 TRADE_CANDIDATES = 2
 
-_BIG = np.iinfo(np.int64).max
 # The cost of a sequence in a class the cap bars: a load plus it is never below the step time, and
 # never overflows (loads stay below 2**62, see _local_search).
 _BARRED = 2**61
@@ -296,7 +301,7 @@ class _State:
         return [i for group in self.levels.groups_of_gpu[gpu] for i in self.members[group]]
 
 
-def solve_elastic(problem: Problem, steps: int = SEARCH_STEPS) -> np.ndarray | None:
+def solve_elastic(problem: Problem, steps: int) -> np.ndarray | None:
     """``[N]`` group (index into the problem's groups) of every sequence, or ``None`` when no
     assignment found keeps every GPU under the memory cap. ``steps`` bounds each local search."""
     n = len(problem.seq_lens)
@@ -308,9 +313,9 @@ def solve_elastic(problem: Problem, steps: int = SEARCH_STEPS) -> np.ndarray | N
         return None
     # Sequences that cost next to nothing mostly end up spread over single GPUs at the leaves (see
     # _exact_search): only the others count, up to a few times as many sequences in all.
-    cheapest = np.where(problem.allowed, problem.cost, _BIG).min(axis=1)
+    cheapest = np.where(problem.allowed, problem.cost, BIG).min(axis=1)
     if n <= EXACT_SHORT_TOTAL and int((cheapest * EXACT_SHORT > problem.lower_bound).sum()) <= EXACT_MAX_SEQUENCES:
-        exact = _exact_search(problem, levels, best.group_of_seq, EXACT_NODE_BUDGET)
+        exact = _exact_search(problem, levels, best.group_of_seq)
         best = _State(problem, levels)
         best.place_all(np.arange(n), exact)
     return _trade_groups_home(problem, levels, _keep_home(best))
@@ -321,7 +326,7 @@ def _best_start(problem: Problem, levels: _Levels, steps: int) -> _State | None:
     ``None`` if the cap defeats every one."""
     n = len(problem.seq_lens)
     # [N, V] per level, the cheapest cost and GPU-seconds of each sequence among its allowed classes.
-    level_cost = np.full((n, len(levels.sizes)), _BIG, dtype=np.int64)
+    level_cost = np.full((n, len(levels.sizes)), BIG, dtype=np.int64)
     level_gpu_seconds = level_cost.copy()
     for c, level in enumerate(levels.level_of_class.tolist()):
         ok = problem.allowed[:, c]
@@ -333,8 +338,8 @@ def _best_start(problem: Problem, levels: _Levels, steps: int) -> _State | None:
     def bound(cost: np.ndarray, gpu_seconds: np.ndarray) -> int:
         """Step time no plan with these ``[N]`` least costs and GPU-seconds beats: the costliest
         sequence (or fixed overhead), the mean GPU."""
-        if cost.max() >= _BIG:
-            return _BIG
+        if cost.max() >= BIG:
+            return BIG
         return max(int(cost.max()), int(base.max()), -(-int(gpu_seconds.sum() + base.sum()) // problem.num_gpus))
 
     rows = np.arange(n)
@@ -348,10 +353,10 @@ def _best_start(problem: Problem, levels: _Levels, steps: int) -> _State | None:
     for tiling in tilings:
         classes = np.unique(problem.bag_class[tiling])
         barred = ~problem.allowed[:, classes]
-        starts.append((bound(np.where(barred, _BIG, problem.cost[:, classes]).min(axis=1),
-                             np.where(barred, _BIG, problem.gpu_seconds[:, classes]).min(axis=1)), None, tiling))  # fmt: skip
+        starts.append((bound(np.where(barred, BIG, problem.cost[:, classes]).min(axis=1),
+                             np.where(barred, BIG, problem.gpu_seconds[:, classes]).min(axis=1)), None, tiling))  # fmt: skip
     # Packed starts, the best packed step time, and the best tiling start (tiling, state) to climb from.
-    packed, best_packed, best_tiling = [], _BIG, None
+    packed, best_packed, best_tiling = [], BIG, None
     good_enough = problem.lower_bound * (1 + SEARCH_TOLERANCE)
     for start_bound, level_of_seq, tiling in sorted(starts, key=lambda start: start[0]):  # stable: larger pieces first
         if start_bound >= best_packed:
@@ -374,7 +379,7 @@ def _best_start(problem: Problem, levels: _Levels, steps: int) -> _State | None:
     if not packed:  # only under a tight cap
         state = _pack_for_cap(problem, levels)
         if state is None and n <= EXACT_SHORT_TOTAL:  # bin packing can miss: small steps search exactly
-            found = _exact_search(problem, levels, None, EXACT_NODE_BUDGET)
+            found = _exact_search(problem, levels, None)
             if found is not None:
                 state = _State(problem, levels)
                 state.place_all(np.arange(n), found)
@@ -818,14 +823,14 @@ def _degrees(problem: Problem, levels: _Levels) -> list[np.ndarray]:
     taking the cheapest GPU-seconds among the classes that fit, ties to the smaller group (classes are
     sorted by size, then speed). With few sequences per GPU, smaller pieces pack tighter than the
     GPU-seconds they add."""
-    cost = np.where(problem.allowed, problem.cost, _BIG)
-    gpu_seconds = np.where(problem.allowed, problem.gpu_seconds, _BIG)
+    cost = np.where(problem.allowed, problem.cost, BIG)
+    gpu_seconds = np.where(problem.allowed, problem.gpu_seconds, BIG)
     shortest = cost.argmin(axis=1)
     found, seen = [], set()
     for piece in PIECE_FRACTIONS:
         fits = cost <= int(problem.lower_bound * piece)
         level_of_seq = levels.level_of_class[
-            np.where(fits.any(axis=1), np.where(fits, gpu_seconds, _BIG).argmin(axis=1), shortest)
+            np.where(fits.any(axis=1), np.where(fits, gpu_seconds, BIG).argmin(axis=1), shortest)
         ]
         if level_of_seq.tobytes() not in seen:  # the same split as a larger piece gives the same plan
             seen.add(level_of_seq.tobytes())
@@ -837,41 +842,31 @@ def _degrees(problem: Problem, levels: _Levels) -> list[np.ndarray]:
 # Local search.
 
 
-def _local_search(state: _State, steps: int = SEARCH_STEPS, chains: bool = True) -> None:
-    """Lower the busiest GPU by moves and swaps, in place (see the module docstring).
+def _local_search(state: _State, steps: int, chains: bool = True) -> None:
+    """Lower the busiest GPU by moves and swaps, in place (see the module docstring), by
+    :func:`~deepspeed_knap.planner.search.local_search`, which says when it stops; without
+    ``chains`` (a first search) the stall window is ``EXPLORE_WINDOW`` steps, its tolerance pro rata.
 
     A step takes the busiest GPU (lowest id among equals) and applies the best move or swap of a
     sequence touching it, judged by the largest load it leaves on the GPUs it touches; a step is
-    applied only if that is below the current maximum. Stops within ``SEARCH_TOLERANCE`` of the lower
-    bound, when no step improves, or when ``STALL_WINDOW`` steps in a row cut the max by less than
-    that tolerance (without ``chains``, a first search: ``EXPLORE_WINDOW`` steps, pro rata).
+    applied only if that is below the current maximum.
 
     Steps rank groups by keys ``load * (B + 1) + id`` (:func:`_lightest_outside`); loads only fall, and
     a chain raises one group by at most the largest cost, so the keys fit int64 unless the busiest GPU
     starts above ``2**63 / (B + 1)`` minus that cost: millions of sequences per GPU, then not searched.
     """
     problem = state.problem
-    good_enough = problem.lower_bound + int(problem.lower_bound * SEARCH_TOLERANCE)
-    window_start_max = int(state.loads.max())
-    if (window_start_max + int(problem.cost.max())) * (problem.num_bags + 1) >= _BIG:
+    if (int(state.loads.max()) + int(problem.cost.max())) * (problem.num_bags + 1) >= BIG:
         return
     state.group_max = state.loads[state.levels.padded_gpus].max(axis=1)
-    state.group_key = np.append(state.group_max * state.levels.key_scale + state.levels.group_index, _BIG)
+    state.group_key = np.append(state.group_max * state.levels.key_scale + state.levels.group_index, BIG)
     window = STALL_WINDOW if chains else EXPLORE_WINDOW
-    stall_fraction = SEARCH_TOLERANCE * window / STALL_WINDOW
-    for step in range(steps):
-        gpu = int(np.argmax(state.loads))
-        top = int(state.loads[gpu])
-        if top <= good_enough:
-            return
-        if step and step % window == 0:
-            if window_start_max - top <= int(window_start_max * stall_fraction):
-                return
-            window_start_max = top
-        moves = _best_step(state, gpu, top) or (_best_chain(state, gpu, top) if chains else None)
-        if moves is None:
-            return
-        state.apply(moves)
+
+    def improve(gpu: int, top: int) -> list[tuple[int, int]] | None:
+        return _best_step(state, gpu, top) or (_best_chain(state, gpu, top) if chains else None)
+
+    local_search(state.loads, problem.lower_bound, steps, improve, state.apply, window,
+                 SEARCH_TOLERANCE * window / STALL_WINDOW)  # fmt: skip
 
 
 def _best_chain(state: _State, gpu: int, top: int) -> list[tuple[int, int]] | None:
@@ -956,12 +951,12 @@ def _lightest_outside(state: _State, block: int) -> np.ndarray:
     pack a group's busiest GPU's load and its id into one int64 (see :func:`_local_search` for why
     they cannot overflow)."""
     levels = state.levels
-    table = state.group_key[levels.class_table]  # [C, n], padded with _BIG
-    table[levels.table_position[block]] = _BIG
+    table = state.group_key[levels.class_table]  # [C, n], padded with BIG
+    table[levels.table_position[block]] = BIG
     if table.shape[1] > SWAP_GROUPS_PER_CLASS:
         table = np.partition(table, SWAP_GROUPS_PER_CLASS - 1, axis=1)[:, :SWAP_GROUPS_PER_CLASS]
     table.sort(axis=1)
-    return table[table < _BIG] % levels.key_scale
+    return table[table < BIG] % levels.key_scale
 
 
 def _move_inside(state: _State, block: int, items: np.ndarray, group_a: np.ndarray, cost_items: np.ndarray,
@@ -974,7 +969,7 @@ def _move_inside(state: _State, block: int, items: np.ndarray, group_a: np.ndarr
     in_a = member[levels.inside_position[group_a]]  # [I, b]
     left = state.loads[first : first + size] - cost_a[:, None] * in_a  # [I, b] once the item leaves
     score = (left[:, None, :] + cost_items[:, problem.bag_class[inside]][:, :, None] * member).max(axis=2)  # [I, K]
-    score[inside[None, :] == group_a[:, None]] = _BIG
+    score[inside[None, :] == group_a[:, None]] = BIG
     if problem.cap is not None:
         seq_lens = problem.seq_lens[items]
         gpus = np.arange(first, first + size)
@@ -985,7 +980,7 @@ def _move_inside(state: _State, block: int, items: np.ndarray, group_a: np.ndarr
             _chunks(seq_lens[:, None, None], problem.bag_size[inside][None, :, None], rank_in_k[None]) * member[None]
         )
         tokens = state.tokens[first : first + size][None, None, :] - chunks_a[:, None, :] + chunks_k
-        score[tokens.max(axis=2) > problem.cap] = _BIG
+        score[tokens.max(axis=2) > problem.cap] = BIG
     k, g = divmod(int(np.argmin(score)), len(inside))
     return int(score[k, g]), [(int(items[k]), int(inside[g]))]
 
@@ -1032,7 +1027,7 @@ def _trade_outside(state: _State, block: int, limit: int, items: np.ndarray, gro
         i, j, a, b = int(items[k]), int(js[jj]), int(group_a[k]), int(group_b[jj])
         if problem.cap is None or _swap_fits(state, i, a, j, b):
             return int(score[k, jj]), [(i, b)] if j == len(problem.seq_lens) else [(i, b), (j, a)]
-        score[k, jj] = _BIG
+        score[k, jj] = BIG
     return None
 
 
@@ -1058,94 +1053,110 @@ def _swap_fits(state: _State, i: int, a: int, j: int, b: int) -> bool:
 # Exact search for small steps.
 
 
-def _exact_search(
-    problem: Problem, levels: _Levels, incumbent: np.ndarray | None, node_budget: int
-) -> np.ndarray | None:
-    """The best assignment branch and bound finds within ``node_budget`` nodes, or ``incumbent``
-    (with none: any assignment that fits the memory cap, and the best of those, or ``None``).
+def _exact_search(problem: Problem, levels: _Levels, incumbent: np.ndarray | None) -> np.ndarray | None:
+    """The best assignment branch and bound finds within ``ELASTIC_EXACT_NODE_BUDGET`` nodes, or
+    ``incumbent`` (with none: any assignment that fits the memory cap, and the best of those, or
+    ``None``).
 
-    Sequences go in descending order of their cheapest cost, each into every group of an allowed
-    class; a branch is cut when a GPU reaches the incumbent's step time, or when even the cheapest
-    GPU-seconds of the remaining sequences cannot fit under it on ``S`` GPUs. Groups are tried once
-    per symmetry class: two groups whose placement leads to mirror-image states (same place inside
-    top-level groups with identical loads, tokens and speeds, or, without a cap, inside sibling
-    halves whose contents are identical) give the same best completion; sequences of equal length go
-    to groups in ascending order. When the remaining sequences fit on single GPUs (each where it
-    finishes first) without raising the branch's step time, that completes the branch: no completion
-    does better, and short sequences (which cost next to nothing anywhere) would otherwise multiply
-    the branches. Exact when the budget suffices; only run for small balance groups (``S <= 64``),
-    where a state is cheap to compare.
+    Sequences go in descending order of their cheapest cost over the classes allowed to them, each
+    into every group of an allowed class. Besides the cuts of :class:`~deepspeed_knap.planner.search.BranchAndBound`, a branch is
+    cut when a GPU reaches the incumbent's step time, or (with unequal speeds) when the least work at
+    speed 1 of the remaining sequences cannot fit under it. Groups are tried once per symmetry class:
+    two groups whose placement leads to mirror-image states (same place inside top-level groups with
+    identical loads, tokens and speeds, or, without a cap, inside sibling halves whose contents are
+    identical) give the same best completion; sequences of equal length go to groups in ascending
+    order. When the remaining sequences fit on single GPUs (each where it finishes first) without
+    raising the branch's step time, that completes the branch: no completion does better, and short
+    sequences (which cost next to nothing anywhere) would otherwise multiply the branches. Only run
+    for small balance groups (``S <= 64``), where a state is cheap to compare.
     """
-    n, num_gpus, cap = len(problem.seq_lens), problem.num_gpus, problem.cap
-    if num_gpus > 64:
+    if problem.num_gpus > 64:
         return incumbent
-    state = _State(problem, levels)
-    best_max = _BIG
+    incumbent_max = BIG
     if incumbent is not None:
-        state.place_all(np.arange(n), incumbent)
-        best_max = int(state.loads.max())
-    masked_cost = np.where(problem.allowed, problem.cost, _BIG)
-    order = np.lexsort((np.arange(n), -masked_cost.min(axis=1))).tolist()
-    cheapest = np.where(problem.allowed, problem.gpu_seconds, _BIG).min(axis=1)[order]
-    rest = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()
-    # With unequal speeds, the same test on work at speed 1 (a slow GPU does less of it per load).
-    # [S] speeds, or None when all are equal (then they neither bound nor tell states apart).
-    speeds = problem.gpu_speed.tolist() if problem.gpu_speed is not None else None
-    if speeds is not None:
-        least_work = np.where(problem.allowed, problem.speed_work, np.inf).min(axis=1)[order].tolist()
-        # Plain Python sums in a fixed order (and math.fsum): the same on every rank's CPU.
-        rest_work = [*reversed(list(itertools.accumulate(reversed(least_work)))), 0.0]
-        speed_sum = math.fsum(speeds)
-    # What each sequence costs alone on each GPU (None: the cap bars it), and the least of it.
-    single_class = problem.bag_class[levels.group_at[-1]]  # [S] the class of each GPU alone
-    alone_cost = np.where(problem.allowed[:, single_class], problem.cost[:, single_class], -1)[order].tolist()
-    alone_cost = [[None if c < 0 else c for c in row] for row in alone_cost]
-    cheapest_alone = [min((c for c in row if c is not None), default=_BIG) for row in alone_cost]
-    seq_lens = problem.seq_lens[order].tolist()
-    single_group = levels.group_at[-1].tolist()
-    # Equal lengths cost the same everywhere: a run of them is placed in ascending group ids only
-    # (run 2: not the run's first), which leaves one order of each placement. Mirror-image groups
-    # are then skipped only for sequences outside runs (run 0): a mirror image could break the order.
-    same = [False] + [seq_lens[k] == seq_lens[k - 1] for k in range(1, n)] + [False]
-    run = [2 if same[k] else 1 if same[k + 1] else 0 for k in range(n)]
-    candidates = []
-    for i in order:
-        options = []
-        for g in np.flatnonzero(problem.allowed[i, problem.bag_class]).tolist():
-            first, size = int(problem.bag_first[g]), int(problem.bag_size[g])
-            chunks = chunk_tokens(int(problem.seq_lens[i]), size).tolist()
-            options.append((g, first, size, state.cost(i, g), chunks, int(problem.bag_class[g])))
-        candidates.append(options)
-    top_of_gpu = [None] * num_gpus
-    for first, size in zip(problem.topology.bag_first_rank, problem.topology.bag_sizes, strict=True):
-        for gpu in range(first, first + size):
-            top_of_gpu[gpu] = (first, size)
+        state = _State(problem, levels)
+        state.place_all(np.arange(len(problem.seq_lens)), incumbent)
+        incumbent_max = int(state.loads.max())
     loads = problem.gpu_start_load.tolist()
-    tokens = [0] * num_gpus
-    assign = [0] * n
-    best_assign, nodes = None, 0
+    found = _GroupSearch(problem, levels, incumbent_max).solve(max(loads), sum(loads))
+    return incumbent if found is None else found
 
-    def signature(lo: int, size: int) -> tuple:
-        return (tuple(loads[lo : lo + size]), tuple(tokens[lo : lo + size]) if cap is not None else (),
-                tuple(speeds[lo : lo + size]) if speeds is not None else ())  # fmt: skip
 
-    def canonical(first: int, size: int, c: int) -> tuple:
-        top_first, top_size = top_of_gpu[first]
+class _GroupSearch(BranchAndBound):
+    """The branch and bound of :func:`_exact_search`: a place is a group, and the state every GPU's
+    load and tokens, as lists (read one entry at a time)."""
+
+    def __init__(self, problem: Problem, levels: _Levels, incumbent_max: int):
+        n = len(problem.seq_lens)
+        order = np.lexsort((np.arange(n), -np.where(problem.allowed, problem.cost, BIG).min(axis=1)))
+        super().__init__(problem, order, incumbent_max, ELASTIC_EXACT_NODE_BUDGET)
+        self.cap = problem.cap
+        # With unequal speeds, the GPU-seconds test on work at speed 1 too (a slow GPU does less of it
+        # per load). [S] speeds, or None when all are equal (then they neither bound nor tell states apart).
+        self.speeds = problem.gpu_speed.tolist() if problem.gpu_speed is not None else None
+        if self.speeds is not None:
+            least_work = np.where(problem.allowed, problem.speed_work, np.inf).min(axis=1)[order].tolist()
+            # Plain Python sums in a fixed order (and math.fsum): the same on every rank's CPU.
+            self.work_left = [*reversed(list(itertools.accumulate(reversed(least_work)))), 0.0]
+            self.speed_sum = math.fsum(self.speeds)
+        # What each sequence costs alone on each GPU (None: the cap bars it), and the least of it.
+        single_class = problem.bag_class[levels.group_at[-1]]  # [S] the class of each GPU alone
+        alone_cost = np.where(problem.allowed[:, single_class], problem.cost[:, single_class], -1)[order].tolist()
+        self.alone_cost = [[None if c < 0 else c for c in row] for row in alone_cost]
+        self.cheapest_alone = [min((c for c in row if c is not None), default=BIG) for row in self.alone_cost]
+        self.seq_lens = seq_lens = problem.seq_lens[order].tolist()
+        self.single_group = levels.group_at[-1].tolist()
+        # Equal lengths cost the same everywhere: a run of them is placed in ascending group ids only
+        # (run 2: not the run's first), which leaves one order of each placement. Mirror-image groups
+        # are then skipped only for sequences outside runs (run 0): a mirror image could break the order.
+        same = [False] + [seq_lens[k] == seq_lens[k - 1] for k in range(1, n)] + [False]
+        self.run = [2 if same[k] else 1 if same[k + 1] else 0 for k in range(n)]
+        # Per sequence of the order, every group it may go to: (group, first GPU, size, cost, [size]
+        # tokens of each member, class).
+        self.candidates = []
+        for i in order.tolist():
+            options = []
+            for g in np.flatnonzero(problem.allowed[i, problem.bag_class]).tolist():
+                first, size, c = int(problem.bag_first[g]), int(problem.bag_size[g]), int(problem.bag_class[g])
+                options.append(
+                    (g, first, size, int(problem.cost[i, c]), chunk_tokens(int(problem.seq_lens[i]), size).tolist(), c)
+                )
+            self.candidates.append(options)
+        self.top_of_gpu = [None] * problem.num_gpus  # the (first GPU, size) of each GPU's top-level group
+        for first, size in zip(problem.topology.bag_first_rank, problem.topology.bag_sizes, strict=True):
+            for gpu in range(first, first + size):
+                self.top_of_gpu[gpu] = (first, size)
+        # [S] every GPU's load and tokens on the current branch.
+        self.loads = problem.gpu_start_load.tolist()
+        self.tokens = [0] * problem.num_gpus
+
+    def _signature(self, lo: int, size: int) -> tuple:
+        """What tells the GPUs ``lo .. lo + size - 1`` apart from others for the search."""
+        hi = lo + size
+        return (tuple(self.loads[lo:hi]), tuple(self.tokens[lo:hi]) if self.cap is not None else (),
+                tuple(self.speeds[lo:hi]) if self.speeds is not None else ())  # fmt: skip
+
+    def _canonical(self, first: int, size: int, c: int) -> tuple:
+        """A key equal for two groups whose placement leads to mirror-image states."""
+        signature, halves_mirror = self._signature, self.cap is None
+        top_first, top_size = self.top_of_gpu[first]
         path, lo, span = [], top_first, top_size
         while span > size:
             half = span // 2
             right = first >= lo + half
             # Mirror-image halves: either one leads to the same completions, so name the left one.
             # Not under a cap: a group spanning both gives its first GPUs a sequence's odd tokens.
-            path.append(0 if cap is None and signature(lo, half) == signature(lo + half, half) else int(right))
+            mirror = halves_mirror and signature(lo, half) == signature(lo + half, half)
+            path.append(0 if mirror else int(right))
             lo, span = (lo + half if right else lo), half
         return c, top_size, signature(top_first, top_size), tuple(path)
 
-    def spread(k: int) -> tuple[int, list[int]] | None:
+    def _spread(self, k: int) -> tuple[int, list[int]] | None:
         """The sequences from the ``k``-th on on single GPUs, each where it finishes first: the step
         time that gives and their groups (``None`` if the cap leaves one without room)."""
+        loads, tokens, cap, num_gpus = self.loads, self.tokens, self.cap, self.problem.num_gpus
         extra, extra_tokens, placed, top = [0] * num_gpus, [0] * num_gpus, [], 0
-        for costs, length in zip(alone_cost[k:], seq_lens[k:], strict=True):
+        for costs, length in zip(self.alone_cost[k:], self.seq_lens[k:], strict=True):
             fitting = [g for g, cost in enumerate(costs) if cost is not None
                        and (cap is None or tokens[g] + extra_tokens[g] + length <= cap)]  # fmt: skip
             if not fitting:
@@ -1153,41 +1164,41 @@ def _exact_search(
             finish, gpu = min((loads[g] + extra[g] + costs[g], g) for g in fitting)
             extra[gpu] += costs[gpu]
             extra_tokens[gpu] += length
-            placed.append(single_group[gpu])
+            placed.append(self.single_group[gpu])
             top = max(top, finish)
         return top, placed
 
-    def search(k: int, current_max: int, used: int) -> None:
-        nonlocal best_max, best_assign, nodes
-        if k == n:
-            best_max, best_assign = current_max, list(assign)
-            return
-        # Short sequences on single GPUs complete the branch: no completion beats the step time so
-        # far, and a completion just above it is still a good incumbent that cuts other branches.
-        if cheapest_alone[k] + min(loads) < best_max:
-            completion = spread(k)
-            if completion is not None and max(current_max, completion[0]) < best_max:
-                best_max, best_assign = max(current_max, completion[0]), assign[:k] + completion[1]
-                if best_max == current_max:
-                    return
-        if nodes >= node_budget or best_max <= problem.lower_bound:
-            return
-        if -(-(used + rest[k]) // num_gpus) >= best_max:
-            return
-        if speeds is not None:  # rounded down: float error must not cut the best branch
-            work = sum(load * v for load, v in zip(loads, speeds, strict=True))
-            if math.floor((work + rest_work[k]) / speed_sum) >= best_max:
-                return
+    def completes(self, k: int, current_max: int) -> bool:
+        """Short sequences on single GPUs complete the branch: no completion beats the step time so
+        far, and a completion just above it is still a good incumbent that cuts other branches."""
+        if self.cheapest_alone[k] + min(self.loads) < self.best_max:
+            completion = self._spread(k)
+            if completion is not None and max(current_max, completion[0]) < self.best_max:
+                self.best_max, self.best_assign = max(current_max, completion[0]), self.assign[:k] + completion[1]
+                return self.best_max == current_max
+        return False
+
+    def cuts(self, k: int) -> bool:
+        """With unequal speeds: whether the least work of the sequences left cannot fit under the
+        incumbent (rounded down: float error must not cut the best branch)."""
+        if self.speeds is None:
+            return False
+        work = sum(load * v for load, v in zip(self.loads, self.speeds, strict=True))
+        return math.floor((work + self.work_left[k]) / self.speed_sum) >= self.best_max
+
+    def branches(self, k: int, current_max: int) -> Iterator[tuple[int, int, int]]:
+        loads, tokens, cap, run, canonical = self.loads, self.tokens, self.cap, self.run[k], self._canonical
+        best_max, previous = self.best_max, self.assign[k - 1]  # neither changes until the options are placed
         seen, options = set(), []
-        for g, first, size, cost, chunks, c in candidates[k]:
-            if run[k] == 2 and g < assign[k - 1]:
+        for g, first, size, cost, chunks, c in self.candidates[k]:
+            if run == 2 and g < previous:
                 continue
             new_max = max(loads[first : first + size]) + cost
             if new_max >= best_max:
                 continue
             if cap is not None and any(t + x > cap for t, x in zip(tokens[first : first + size], chunks, strict=True)):
                 continue
-            if run[k] == 0:
+            if run == 0:
                 key = canonical(first, size, c)
                 if key in seen:
                     continue
@@ -1195,22 +1206,13 @@ def _exact_search(
             options.append((max(current_max, new_max), size * cost, g, first, size, cost, chunks))
         # Most promising first (lowest step time so far, then fewest GPU-seconds): a good incumbent
         # early cuts the most branches.
-        for new_max, _, g, first, size, cost, chunks in sorted(options):
-            if new_max >= best_max:
+        for new_max, gpu_seconds, g, first, size, cost, chunks in sorted(options):
+            if new_max >= self.best_max:
                 continue
-            nodes += 1
             for m in range(size):
                 loads[first + m] += cost
                 tokens[first + m] += chunks[m]
-            assign[k] = g
-            search(k + 1, new_max, used + size * cost)
+            yield g, new_max, gpu_seconds
             for m in range(size):
                 loads[first + m] -= cost
                 tokens[first + m] -= chunks[m]
-
-    search(0, max(loads), sum(loads))
-    if best_assign is None:
-        return incumbent
-    group_of_seq = np.empty(n, dtype=np.int64)
-    group_of_seq[order] = best_assign
-    return group_of_seq

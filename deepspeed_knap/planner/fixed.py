@@ -1,5 +1,6 @@
 """Solvers over a fixed topology's bags: the finish-time greedy, the ``knapformer`` greedy, first fit
-decreasing, and ``refine`` (the best start, local search, exact search for small steps).
+decreasing, and ``refine`` (the best start, local search, exact search for small steps; the loop of
+the one and the driver of the other are :mod:`~deepspeed_knap.planner.search`'s).
 """
 
 from __future__ import annotations
@@ -7,28 +8,26 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
 from deepspeed_knap.planner.problem import _COST_UNITS, Problem
+from deepspeed_knap.planner.search import (
+    BIG,
+    CHAIN_STARTS,
+    EXACT_MAX_SEQUENCES,
+    FIXED_EXACT_NODE_BUDGET,
+    SEARCH_TOLERANCE,
+    STALL_WINDOW,
+    SWAP_ITEMS,
+    BranchAndBound,
+    local_search,
+)
 
-# Local search stops once the max load is within this fraction of the lower bound: the workload
-# model is far coarser than that.
-REFINE_TOLERANCE = 1e-3
-# ... and once this many steps in a row (or B, if fewer bags) cut the max by less than that.
-STALL_WINDOW = 32
-# Swaps are tried with the sequences of the least-loaded bags, the likeliest partners, up to this many.
-SWAP_CANDIDATES = 64
 # Bags of a class are interchangeable for a move, so only the lightest few of each class are tried
 # (more than one: under a memory cap the lightest may lack room).
 MOVE_TARGETS_PER_CLASS = 4
-# Two-step chains start from this many of the busiest bag's largest sequences (a chain costs a full
-# step search per try).
-CHAIN_STARTS = 4
-# Steps with at most this many sequences are finished by an exact branch and bound (few sequences
-# per GPU is where one bad placement costs the most), within a node budget.
-EXACT_MAX_SEQUENCES = 16
-EXACT_NODE_BUDGET = 20_000
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -187,9 +186,7 @@ def _first_fit_decreasing(problem: Problem) -> np.ndarray | None:
     Used only when the cap (or :attr:`Problem.allowed`) defeats every load-driven start.
     """
     # Without a cap only allowed matters (groups of whole nodes): room is endless.
-    room = (
-        np.full(problem.num_bags, np.iinfo(np.int64).max) if problem.cap is None else problem.cap - problem.start_tokens
-    )
+    room = np.full(problem.num_bags, BIG) if problem.cap is None else problem.cap - problem.start_tokens
     need = problem.tokens[:, problem.bag_class]  # [N, B] tokens on the busiest GPU of each bag
     bag_of_seq = np.empty(len(problem.seq_lens), dtype=np.int64)
     for i in np.lexsort((np.arange(len(problem.seq_lens)), -problem.tokens.min(axis=1))).tolist():
@@ -219,7 +216,7 @@ def _refine(problem: Problem, steps: int) -> np.ndarray | None:
     if not feasible:  # only under a tight cap: fall back to bin packing, then to the exact search
         packed = _first_fit_decreasing(problem)
         if packed is None and len(problem.seq_lens) <= EXACT_MAX_SEQUENCES:
-            packed = _exact_search(problem, None, EXACT_NODE_BUDGET)
+            packed = _exact_search(problem, None)
         feasible = [packed] if packed is not None else []
     if not feasible:
         return None
@@ -227,102 +224,82 @@ def _refine(problem: Problem, steps: int) -> np.ndarray | None:
     bag_of_seq = min(feasible, key=lambda s: int(problem.bag_loads(s).max())).copy()
     _local_search(problem, bag_of_seq, steps)
     if len(bag_of_seq) <= EXACT_MAX_SEQUENCES:
-        bag_of_seq = _exact_search(problem, bag_of_seq, EXACT_NODE_BUDGET)
+        bag_of_seq = _exact_search(problem, bag_of_seq)
     return _keep_tokens_home(problem, bag_of_seq)
 
 
-def _exact_search(problem: Problem, incumbent: np.ndarray | None, node_budget: int) -> np.ndarray | None:
-    """The best assignment found by branch and bound within ``node_budget`` nodes, or ``incumbent``.
+def _exact_search(problem: Problem, incumbent: np.ndarray | None) -> np.ndarray | None:
+    """The best assignment branch and bound finds within ``FIXED_EXACT_NODE_BUDGET`` nodes, or
+    ``incumbent`` (with none: any assignment that fits the memory cap, and the best of those, or
+    ``None``).
 
-    With no incumbent it looks for any assignment that fits the memory cap, and the best of those.
-
-    Sequences go in descending cost order; of several empty bags of one class only the first is
-    tried (they are interchangeable); a branch is cut when its busiest bag reaches the incumbent, or
-    when even the cheapest placement of the remaining sequences cannot fit under it (GPU-seconds
-    over ``S`` GPUs). Stops at the lower bound. Exact when the budget suffices.
+    Sequences go in descending order of their cheapest cost (over every class, allowed or not); of
+    several empty bags of one class only the first is tried (they are interchangeable). Besides the cuts of :class:`BranchAndBound`, a
+    branch is cut when a bag reaches the incumbent's max load or the memory cap.
     """
-    n, num_bags = len(problem.seq_lens), problem.num_bags
-    order = np.lexsort((np.arange(n), -problem.cost.min(axis=1)))
-    cost, allowed, need = (problem.cost[order].tolist(), problem.allowed[order].tolist(),
-                           problem.tokens[order].tolist())  # fmt: skip
-    cheapest = np.where(problem.allowed, problem.gpu_seconds, np.iinfo(np.int64).max).min(axis=1)[order]
-    cheapest_rest = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()  # of sequences k..N-1
-    bag_class, class_size = problem.bag_class.tolist(), problem.class_size.tolist()
-    group_size, cap = problem.num_gpus, problem.cap
-    loads, tokens = problem.start_load.tolist(), problem.start_tokens.tolist()
-    counts, assign = [0] * num_bags, [0] * n
-    interchangeable = problem.interchangeable.tolist()
-    no_incumbent = np.iinfo(np.int64).max
-    best_max = no_incumbent if incumbent is None else int(problem.bag_loads(incumbent).max())
-    best_assign, nodes = None, 0
+    incumbent_max = BIG if incumbent is None else int(problem.bag_loads(incumbent).max())
+    found = _BagSearch(problem, incumbent_max).solve(
+        int(problem.start_load.max()), int((problem.start_load * problem.bag_size).sum())
+    )
+    return incumbent if found is None else found
 
-    def search(k: int, current_max: int, used: int) -> None:
-        nonlocal best_max, best_assign, nodes
-        if k == n:
-            best_max, best_assign = current_max, list(assign)
-            return
-        if nodes >= node_budget or best_max <= problem.lower_bound:
-            return
-        if best_max != no_incumbent and -(-(used + cheapest_rest[k]) // group_size) >= best_max:
-            return
+
+class _BagSearch(BranchAndBound):
+    """The branch and bound of :func:`_exact_search`: a place is a bag, whose load and tokens are
+    lists here (read one entry at a time)."""
+
+    def __init__(self, problem: Problem, incumbent_max: int):
+        n = len(problem.seq_lens)
+        order = np.lexsort((np.arange(n), -problem.cost.min(axis=1)))
+        super().__init__(problem, order, incumbent_max, FIXED_EXACT_NODE_BUDGET)
+        # [N, C] per sequence of the order: its cost, whether it is allowed, and its tokens per class.
+        self.cost, self.allowed, self.need = (problem.cost[order].tolist(), problem.allowed[order].tolist(),
+                                              problem.tokens[order].tolist())  # fmt: skip
+        self.bag_class, self.class_size = problem.bag_class.tolist(), problem.class_size.tolist()
+        self.interchangeable = problem.interchangeable.tolist()
+        # [B] each bag's load, tokens and sequences on the current branch.
+        self.loads, self.tokens = problem.start_load.tolist(), problem.start_tokens.tolist()
+        self.counts = [0] * problem.num_bags
+
+    def branches(self, k: int, current_max: int) -> Iterator[tuple[int, int, int]]:
+        loads, tokens, counts, cap = self.loads, self.tokens, self.counts, self.problem.cap
+        cost, allowed, need = self.cost[k], self.allowed[k], self.need[k]
+        bag_class, class_size, interchangeable = self.bag_class, self.class_size, self.interchangeable
         empty_classes_tried = set()
-        for b in range(num_bags):
+        for b in range(len(loads)):
             c = bag_class[b]
             if counts[b] == 0:  # empty bags that are interchangeable: trying one is enough
                 if interchangeable[b] in empty_classes_tried:
                     continue
                 empty_classes_tried.add(interchangeable[b])
-            new_load = loads[b] + cost[k][c]
-            if not allowed[k][c] or new_load >= best_max or (cap is not None and tokens[b] + need[k][c] > cap):
+            new_load = loads[b] + cost[c]
+            if not allowed[c] or new_load >= self.best_max or (cap is not None and tokens[b] + need[c] > cap):
                 continue
-            nodes += 1
-            loads[b], tokens[b], counts[b], assign[k] = new_load, tokens[b] + need[k][c], counts[b] + 1, b
-            search(k + 1, max(current_max, new_load), used + class_size[c] * cost[k][c])
-            loads[b], tokens[b], counts[b] = loads[b] - cost[k][c], tokens[b] - need[k][c], counts[b] - 1
-
-    search(0, max(loads), int((problem.start_load * problem.bag_size).sum()))
-    if best_assign is None:
-        return incumbent
-    bag_of_seq = np.empty(n, dtype=np.int64)
-    bag_of_seq[order] = best_assign
-    return bag_of_seq
+            loads[b], tokens[b], counts[b] = new_load, tokens[b] + need[c], counts[b] + 1
+            yield b, max(current_max, new_load), class_size[c] * cost[c]
+            loads[b], tokens[b], counts[b] = loads[b] - cost[c], tokens[b] - need[c], counts[b] - 1
 
 
 def _local_search(problem: Problem, bag_of_seq: np.ndarray, steps: int) -> None:
-    """Lower the busiest bag's load by moves, swaps and two-step chains, in place, for <= ``steps`` steps.
+    """Lower the busiest bag's load by moves, swaps and two-step chains, in place, for <= ``steps``
+    steps, by :func:`~deepspeed_knap.planner.search.local_search` (which says when it stops; here the
+    stall window is ``min(B, STALL_WINDOW)`` steps).
 
     A step takes the busiest bag ``A`` (lowest id among equals) and applies the best of: moving one of
     its sequences to a light bag of any class, or swapping one with a sequence of the least-loaded bags
-    (up to ``SWAP_CANDIDATES`` of them), judged by the larger of the new loads. When neither helps, a
+    (up to ``SWAP_ITEMS`` of them), judged by the larger of the new loads. When neither helps, a
     chain: move a sequence of ``A`` into a bag ``B`` even if that overloads ``B``, then the best move or
     swap out of ``B`` (never back into ``A``). A step is applied only if every load it touches ends
-    below ``A``'s load, so the sorted load vector decreases lexicographically: no cycles, and the max
-    load never rises. Stops early within ``REFINE_TOLERANCE`` of the lower bound, when no step
-    improves, or when ``min(B, STALL_WINDOW)`` steps in a row cut the max by less than
-    ``REFINE_TOLERANCE``.
+    below ``A``'s load.
     """
     state = _Assignment(problem, bag_of_seq)
-    good_enough = problem.lower_bound + int(problem.lower_bound * REFINE_TOLERANCE)
-    window = min(problem.num_bags, STALL_WINDOW)
-    window_start_max = int(state.loads.max())
-    for step in range(steps):
-        a = int(np.argmax(state.loads))
-        load_a = int(state.loads[a])
-        if load_a <= good_enough:
-            return
-        # A step lowers one busiest bag; a window of steps that did not cut the max by
-        # REFINE_TOLERANCE means the search is stalled on small lexicographic gains.
-        if step and step % window == 0:
-            if window_start_max - load_a <= int(window_start_max * REFINE_TOLERANCE):
-                return
-            window_start_max = load_a
-        found = state.best_step(a, load_a, exclude=(a,))
-        if found is None:
-            found = state.best_chain(a, load_a)
-            if found is None:
-                return
-        for i, to_bag in found[1]:
-            state.move(i, to_bag)
+
+    def improve(a: int, load_a: int) -> list[tuple[int, int]] | None:
+        found = state.best_step(a, load_a, exclude=(a,)) or state.best_chain(a, load_a)
+        return None if found is None else found[1]
+
+    local_search(state.loads, problem.lower_bound, steps, improve, state.apply, min(problem.num_bags, STALL_WINDOW),
+                 SEARCH_TOLERANCE)  # fmt: skip
 
 
 class _Assignment:
@@ -331,8 +308,6 @@ class _Assignment:
     ``bag_of_seq`` is updated in place; ``loads`` (quantised) and ``bag_tokens`` (tokens on each
     bag's busiest GPU) follow every move.
     """
-
-    _BIG = np.iinfo(np.int64).max
 
     def __init__(self, problem: Problem, bag_of_seq: np.ndarray):
         self.problem = problem
@@ -357,6 +332,11 @@ class _Assignment:
         self.members[to_bag].append(i)
         self.bag_of_seq[i] = to_bag
 
+    def apply(self, moves: list[tuple[int, int]]) -> None:
+        """:meth:`move` each ``(sequence, to_bag)`` of ``moves``, in order."""
+        for i, to_bag in moves:
+            self.move(i, to_bag)
+
     def best_step(self, a: int, limit: int, exclude: tuple[int, ...]) -> tuple[int, list[tuple[int, int]]] | None:
         """Best move or swap of a sequence of bag ``a`` with bags not in ``exclude``.
 
@@ -364,7 +344,7 @@ class _Assignment:
         the bags it touches) is below ``limit``, else ``None``.
         """
         problem, loads, bag_tokens = self.problem, self.loads, self.bag_tokens
-        bag_class, cost, tokens, cap, big = problem.bag_class, problem.cost, problem.tokens, problem.cap, self._BIG
+        bag_class, cost, tokens, cap, big = problem.bag_class, problem.cost, problem.tokens, problem.cap, BIG
         if not self.members[a]:
             return None
         items = np.asarray(self.members[a])
@@ -391,15 +371,16 @@ class _Assignment:
             k, t = divmod(flat, len(targets))
             best = (int(move_score.flat[flat]), [(int(items[k]), int(targets[t]))])
 
-        # Swaps: an item of a with sequence j of a light partner bag. A useful swap trades costs that
-        # differ by about half the load gap, so a sample of a's items spread evenly by cost will do.
+        # Swaps: an item of a with sequence j of a light partner bag, for a sample of a's items spread
+        # evenly by cost (float positions, rounded down: elastic's integer ones differ for some
+        # lengths, and so would plans).
         swap_items = items
-        if len(items) > SWAP_CANDIDATES:
+        if len(items) > SWAP_ITEMS:
             by_cost = np.argsort(cost[items, class_a], kind="stable")
-            swap_items = items[by_cost[np.linspace(0, len(items) - 1, SWAP_CANDIDATES).astype(np.int64)]]
+            swap_items = items[by_cost[np.linspace(0, len(items) - 1, SWAP_ITEMS).astype(np.int64)]]
         js = []
-        for b in np.argsort(loads, kind="stable")[: SWAP_CANDIDATES + len(exclude)].tolist():
-            if len(js) >= SWAP_CANDIDATES:
+        for b in np.argsort(loads, kind="stable")[: SWAP_ITEMS + len(exclude)].tolist():
+            if len(js) >= SWAP_ITEMS:
                 break
             if b not in exclude:
                 js.extend(self.members[b])
