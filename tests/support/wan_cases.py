@@ -35,13 +35,14 @@ I2V_TEXT, I2V_IMAGE = 512, 9
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
-# Parameters whose gradient diffusers rounds to fp32 even in an fp64 model, after a sum over tokens
-# that packing and balancing partition differently: FP32LayerNorm's weights (weight.float(), summed
-# in fp32) and the timestep embedders (temb.float() in every block, its gradient summed over a
-# sample's tokens, or per token for TI2V, then rounded). Here they are summed and passed on in fp64
-# (models/wan/layers.py), so they differ from diffusers' by its fp32 rounding, and balanced from
-# unbalanced by fp64 rounding only.
-FP32_ROUNDED = ("norm2.weight", "norm2.bias", "image_embedder.norm1", "image_embedder.norm2",
+# Gradients diffusers rounds to fp32 even in an fp64 model after a sum over tokens that packing and
+# balancing partition differently: FP32LayerNorm's weights (weight.float(), summed in fp32), the
+# timestep embedders (temb.float() in every block: its gradient summed over a sample's tokens, or per
+# token for TI2V, then rounded) and the I2V image embedder (its output rows' gradient is a sum over
+# the sample's query tokens, rounded by its FP32LayerNorms). Here they are summed and passed on in
+# fp64 (models/wan/layers.py): they differ from diffusers' by its fp32 rounding, and balanced from
+# unbalanced by fp64 rounding only. The image context's input gradient is one of them.
+FP32_ROUNDED = ("norm2.weight", "norm2.bias", "condition_embedder.image_embedder",
                 "condition_embedder.time_embedder", "condition_embedder.time_proj")  # fmt: skip
 
 
@@ -57,17 +58,19 @@ def reference_model(case: str, dtype: torch.dtype, seed: int = 0):
     return model
 
 
-def random_samples(case: str, shapes, seed: int, dtype: torch.dtype, requires_grad: bool = False) -> list[dict]:
+def random_samples(
+    case: str, shapes, seed: int, dtype: torch.dtype, requires_grad: bool = False, i2v_text: int = I2V_TEXT
+) -> list[dict]:
     """Samples as diffusers' pipelines give them. Wan 2.2 TI2V: a timestep per latent token, the
     pipeline's ``expand_timesteps`` (0 on the first, conditioning, frame of a video; ``t`` elsewhere),
-    and one sample with a random timestep on every token."""
+    and one sample with a random timestep on every token. I2V samples have ``i2v_text`` text rows."""
     config = CONFIGS[case]
     g = torch.Generator().manual_seed(seed)
     pt, ph, pw = config["patch_size"]
     samples = []
     for index, (frames, height, width, text) in enumerate(shapes):
         if "image_dim" in config:
-            text = I2V_TEXT
+            text = i2v_text
         sample = {
             "hidden_states": torch.randn(config["in_channels"], frames, height, width, generator=g, dtype=dtype),
             "encoder_hidden_states": torch.randn(text, config["text_dim"], generator=g, dtype=dtype),

@@ -68,9 +68,10 @@ def test_packed_outputs_and_gradients_equal_diffusers_per_sample_fp64(case):
         (expected * weight).sum().backward()
 
     for ours, theirs in zip(ours_in, theirs_in, strict=True):
-        for key in ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_image"):
-            if key in ours:
-                assert relative_error(ours[key].grad, theirs[key].grad) <= TOLERANCE[torch.float64], key
+        for key, tolerance in (("hidden_states", 1e-10), ("encoder_hidden_states", 1e-10),
+                               ("encoder_hidden_states_image", 1e-6)):  # fmt: skip
+            if key in ours:  # the image context's gradient diffusers rounds (tests/support/wan_cases.py)
+                assert relative_error(ours[key].grad, theirs[key].grad) <= tolerance, key
     ours_grads, theirs_grads = grads(model), grads(ref)
     for name in theirs_grads:
         # diffusers rounds these to fp32 even in fp64 (tests/support/wan_cases.py).

@@ -34,42 +34,65 @@ from deepspeed_knap.runtime.routing import RoutedBatch
 
 
 class _FP32AffineLayerNorm(torch.autograd.Function):
-    """diffusers' ``FP32LayerNorm`` with a weight and a bias, on an input already cast to fp32.
+    """diffusers' ``FP32LayerNorm`` with a weight and a bias: ``layer_norm(x.float(), weight.float(),
+    bias.float())`` in fp32, back to ``x``'s dtype. Forward is that kernel call.
 
-    Forward is the same kernel call (``layer_norm(x, weight.float(), bias.float())`` in fp32). The
-    weight and bias gradients sum over every token; the kernel sums them in fp32, so the sum would
-    depend on how tokens are split into calls (whole sequences, chunks of a Ulysses group, one call
-    per sample in diffusers) at fp32 rounding. Where the parameters are wider than fp32 (fp64 models,
-    as in the conformance tests) this backward sums in the parameters' dtype instead, so that the
-    balanced and the unbalanced model agree to fp64 rounding; with fp32 or bf16 parameters it is the
+    Backward differs only for dtypes wider than fp32 (fp64 models: the conformance tests), where
+    diffusers rounds to fp32 a gradient that is a sum over tokens, which packing and balancing
+    partition differently (a sample's tokens are split over the GPUs of its group):
+
+    * the weight and bias gradients (the kernel sums them over every row in fp32): with wider
+      parameters they are summed in the parameters' dtype;
+    * with ``unrounded_input_grad``, the input's gradient too: for the I2V image embedder, whose
+      output rows are attended to by every query token of the sample, so the gradient arriving at
+      them is a sum over the query tokens this GPU holds. It is then computed in ``x``'s dtype, from
+      the fp32 statistics of the forward.
+
+    So the balanced and the unbalanced model agree to fp64 rounding. With fp32 or bf16 it is the
     kernel's own backward.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-        weight32, bias32 = weight.float(), bias.float()
-        out, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight32, bias32, eps)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        return out
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float, unrounded_input_grad: bool) -> Tensor:
+        x32, weight32, bias32 = x.float(), weight.float(), bias.float()
+        out, mean, rstd = torch.native_layer_norm(x32, (x.shape[-1],), weight32, bias32, eps)
+        ctx.save_for_backward(x32, weight, bias, mean, rstd)
+        ctx.dtype, ctx.unrounded_input_grad = x.dtype, unrounded_input_grad
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
+        x32, weight, bias, mean, rstd = ctx.saved_tensors
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-        wide = torch.promote_types(weight.dtype, torch.float32) != torch.float32
-        mask = [need_x, need_weight and not wide, need_bias and not wide]
+        wide_params = _wider_than_fp32(weight.dtype)
+        wide_x = need_x and ctx.unrounded_input_grad and _wider_than_fp32(ctx.dtype)
+        mask = [need_x and not wide_x, need_weight and not wide_params, need_bias and not wide_params]
+        grad32 = grad.float()
         grad_x, grad_weight, grad_bias = torch.ops.aten.native_layer_norm_backward(
-            grad, x, [x.shape[-1]], mean, rstd, weight.float(), bias.float(), mask
+            grad32, x32, [x32.shape[-1]], mean, rstd, weight.float(), bias.float(), mask
         )
-        if wide:
-            wide_grad = grad.to(weight.dtype)
-            if need_weight:
-                normed = (x.to(weight.dtype) - mean.to(weight.dtype)) * rstd.to(weight.dtype)
-                grad_weight = (wide_grad * normed).sum(0)
-            grad_bias = wide_grad.sum(0) if need_bias else None
+        if wide_params or wide_x:
+            wide = torch.promote_types(weight.dtype, ctx.dtype)
+            normed = (x32.to(wide) - mean.to(wide)) * rstd.to(wide)
+            wide_grad = grad.to(wide) if wide_x else grad32.to(wide)  # diffusers' rounding, where it is kept
+            if wide_params:
+                grad_weight = (wide_grad * normed).sum(0) if need_weight else None
+                grad_bias = wide_grad.sum(0) if need_bias else None
+            if wide_x:
+                grad_normed = wide_grad * weight.float().to(wide)
+                grad_x = rstd.to(wide) * (
+                    grad_normed
+                    - grad_normed.mean(-1, keepdim=True)
+                    - normed * (grad_normed * normed).mean(-1, keepdim=True)
+                )
+        grad_x = grad_x.to(ctx.dtype) if need_x else None
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
-        return grad_x if need_x else None, grad_weight, grad_bias, None
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def _wider_than_fp32(dtype: torch.dtype) -> bool:
+    return torch.promote_types(dtype, torch.float32) != torch.float32
 
 
 class _RoundToFP32(torch.autograd.Function):
@@ -93,9 +116,7 @@ def summed_fp32(x: Tensor) -> Tensor:
     rounds the gradient to fp32 after summing it over the tokens it holds together, which packing
     and balancing change (a sample's tokens are split over the GPUs of its group): here the gradient
     passes unrounded, so that the balanced and the unbalanced model agree to fp64 rounding."""
-    if torch.promote_types(x.dtype, torch.float32) == torch.float32:
-        return x.float()
-    return _RoundToFP32.apply(x)
+    return _RoundToFP32.apply(x) if _wider_than_fp32(x.dtype) else x.float()
 
 
 def fp32_layer_norm(x: Tensor, eps: float) -> Tensor:
@@ -105,10 +126,15 @@ def fp32_layer_norm(x: Tensor, eps: float) -> Tensor:
 
 class FP32LayerNorm(nn.LayerNorm):
     """diffusers' ``FP32LayerNorm`` with weights (``norm2`` of a block, the I2V image embedder's
-    norms): LayerNorm in fp32, back to the input's dtype."""
+    norms): LayerNorm in fp32, back to the input's dtype. ``unrounded_input_grad``: see
+    :class:`_FP32AffineLayerNorm` (for inputs whose rows many query tokens attend to)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, unrounded_input_grad: bool = False) -> None:
+        super().__init__(dim, eps)
+        self.unrounded_input_grad = unrounded_input_grad
 
     def forward(self, x: Tensor) -> Tensor:
-        return _FP32AffineLayerNorm.apply(x.float(), self.weight, self.bias, self.eps).to(x.dtype)
+        return _FP32AffineLayerNorm.apply(x, self.weight, self.bias, self.eps, self.unrounded_input_grad)
 
 
 def rope_axes(head_dim: int) -> tuple[int, int, int]:
@@ -253,9 +279,11 @@ class ImageEmbedding(nn.Module):
 
     def __init__(self, in_dim: int, dim: int) -> None:
         super().__init__()
-        self.norm1 = FP32LayerNorm(in_dim)
+        # Every query token of a sample attends to these rows: the gradient arriving at them is a sum
+        # that balancing partitions, kept unrounded in fp64 models (_FP32AffineLayerNorm).
+        self.norm1 = FP32LayerNorm(in_dim, unrounded_input_grad=True)
         self.ff = FeedForward(in_dim, in_dim, dim, approximate="none")
-        self.norm2 = FP32LayerNorm(dim)
+        self.norm2 = FP32LayerNorm(dim, unrounded_input_grad=True)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.norm2(self.ff(self.norm1(x)))

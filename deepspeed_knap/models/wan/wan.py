@@ -147,6 +147,14 @@ class WanInputs:
         return [unpatchify(p, grid, self.patch_size) for p, grid in zip(pieces, self.grids, strict=True)]
 
 
+def _context_column(name: str, context: Tensor) -> str:
+    """The name of the per-sample column counting a context's rows. It says whether the context
+    needs a gradient: that gradient goes back through an all-to-all every rank must join, and the
+    route refuses, on every rank, ranks whose columns differ (a rank whose context needs none, e.g.
+    one with no samples, would otherwise leave the others waiting in backward)."""
+    return f"{name}_rows" + ("_with_grad" if context.requires_grad else "")
+
+
 class PackedWanTransformer(nn.Module):
     """Wan 2.x (Wan 2.1 T2V/I2V, Wan 2.2 TI2V-5B and each A14B expert) over packed samples, balanced or not.
 
@@ -398,48 +406,52 @@ class PackedWanTransformer(nn.Module):
         a ``balancer`` the blocks run on the tokens the step's plan gives this GPU (collective: every
         rank calls it every step, even with no samples)."""
         device = inputs.hidden_states.device
+        text, image = inputs.encoder_hidden_states, inputs.encoder_hidden_states_image
+        if self.embed_text_before_routing:
+            text = self.condition_embedder.text_embedder(text)
         # What travels: latent patches, positions and timesteps per token (none needs a gradient),
         # and per sample the context lengths, so a GPU knows how many context rows come with a chunk.
-        sample_data = {"text_len": torch.tensor(inputs.text_lens, dtype=torch.int64, device=device)}
-        if inputs.encoder_hidden_states_image is not None:
-            sample_data["image_len"] = torch.tensor(inputs.image_lens, dtype=torch.int64, device=device)
+        text_key = _context_column("text", text)
+        sample_data = {text_key: torch.tensor(inputs.text_lens, dtype=torch.int64, device=device)}
+        image_key = None if image is None else _context_column("image", image)
+        if image is not None:
+            sample_data[image_key] = torch.tensor(inputs.image_lens, dtype=torch.int64, device=device)
         batch = PackedBatch(
             tokens=inputs.hidden_states,
             seq_lens=inputs.seq_lens,
             token_data={"position": inputs.positions.to(device), "timestep": inputs.timestep.to(device)},
             sample_data=sample_data,
         )
-        text = inputs.encoder_hidden_states
-        if self.embed_text_before_routing:
-            text = self.condition_embedder.text_embedder(text)
-        blocks = functools.partial(self._blocks, text=text, inputs=inputs)
+        blocks = functools.partial(self._blocks, inputs=inputs, text=(text, text_key), image=(image, image_key))
         return balanced_forward(batch, blocks, balancer)
 
-    def _blocks(self, routed: RoutedBatch, text: Tensor, inputs: WanInputs) -> Tensor:
-        """Embed this GPU's routed tokens, bring each held chunk its sample's context, run the
-        blocks and the output layer: ``[T, P * C_out]`` in routed order."""
+    def _blocks(self, routed: RoutedBatch, inputs: WanInputs, text: tuple[Tensor, str],
+                image: tuple[Tensor | None, str | None]) -> Tensor:  # fmt: skip
+        """Embed this GPU's routed tokens, bring each held chunk its sample's context (``text``,
+        ``image``: the home rows and their per-sample column), run the blocks and the output layer:
+        ``[T, P * C_out]`` in routed order."""
         batch = routed.batch
         embedder = self.condition_embedder
         timesteps, cond_index = torch.unique(batch.token_data["timestep"], return_inverse=True)
         # diffusers casts temb to the dtype of the text it is given.
         temb, timestep_proj = embedder.embed_timesteps(timesteps, inputs.encoder_hidden_states.dtype)
 
-        held_text_lens = batch.sample_data["text_len"].cpu().numpy()
-        text = route_sample_rows(text, np.array(inputs.text_lens, dtype=np.int64), routed, held_text_lens)
+        held_text_lens = batch.sample_data[text[1]].cpu().numpy()
+        text = route_sample_rows(text[0], np.array(inputs.text_lens, dtype=np.int64), routed, held_text_lens)
         if not self.embed_text_before_routing:
             text = embedder.text_embedder(text)
-        image = image_seqs = None
+        image_rows = image_seqs = None
         if embedder.image_embedder is not None:
-            held_image_lens = batch.sample_data["image_len"].cpu().numpy()
-            image = route_sample_rows(inputs.encoder_hidden_states_image,
-                                      np.array(inputs.image_lens, dtype=np.int64), routed, held_image_lens)  # fmt: skip
-            image = embedder.image_embedder(image)
+            held_image_lens = batch.sample_data[image[1]].cpu().numpy()
+            image_rows = route_sample_rows(image[0], np.array(inputs.image_lens, dtype=np.int64), routed,
+                                           held_image_lens)  # fmt: skip
+            image_rows = embedder.image_embedder(image_rows)
             image_seqs = varlen_seqs(routed, "image", held_image_lens)
 
         cos, sin = rotary_cos_sin(batch.token_data["position"], self.config["attention_head_dim"])
         step = WanStep(routed, self.attention, cond_index, temb, timestep_proj, cos, sin,
                        varlen_seqs(routed, "chunks", batch.seq_lens), text, varlen_seqs(routed, "text", held_text_lens),
-                       image, image_seqs)  # fmt: skip
+                       image_rows, image_seqs)  # fmt: skip
         x = self.patch_embedding(batch.tokens)
         for block in self.blocks:
             x = self._run(block, x, step)
