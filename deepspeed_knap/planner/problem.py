@@ -4,12 +4,14 @@ Determinism: modeled costs are quantised once to int64 units (rounded down; the 
 cost is 2**32 units), and every load, comparison and tie-break after that is exact integer
 arithmetic ordered by ids. Float noise, such as a SIMD reduction order that differs between two
 CPUs, cannot change a plan. Guarantees about max loads hold exactly in these units, so in
-seconds to within one unit (2**-32 of the largest cost) per sequence.
+seconds to within one unit (2**-32 of the largest cost) per sequence. Lengths are integers taken
+as they are, within limits that keep every sum exact (``MAX_STEP_TOKENS``), or refused.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -21,6 +23,13 @@ from deepspeed_knap.planner.topology import Topology
 
 # Largest quantised sequence cost. Sums of up to 2**20 such costs stay exact in float64 bincounts.
 _COST_UNITS = 2**32
+# The most tokens and sequences one step may hold, so that every sum the planner takes is exact: it
+# sums token counts in int64 and in float64 (np.bincount, exact below 2**53), squares lengths in
+# float64 (b * s**2, at most b * 2**80: far from overflow), and sums quantised costs, in float64
+# bincounts too, of at most 2**20 sequences. 2**40 tokens (10**12) is some 10**5 times a large step.
+MAX_STEP_TOKENS = 2**40
+MAX_STEP_SEQUENCES = 2**20
+_STEP_LIMIT = "the most the planner takes in a step (its sums stay exact below it)"
 
 
 def _group_loads(
@@ -383,37 +392,91 @@ def _pigeonhole_bound(costs: np.ndarray, bags: int) -> int:
 
 
 def _flatten_lengths(seq_lens_per_rank, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
-    """``[N]`` lengths and ``[N]`` home ranks, validated; errors name the rank and the bad value."""
+    """``[N]`` int64 lengths and ``[N]`` home ranks, validated: every length an integer (a Python or
+    NumPy one: a float or a bool is refused, never cast) from 1 to ``MAX_STEP_TOKENS``, and at most
+    ``MAX_STEP_TOKENS`` tokens and ``MAX_STEP_SEQUENCES`` sequences in all. An error names the rank,
+    the index and the value, on one line."""
     if len(seq_lens_per_rank) != topology.group_size:
         raise ValueError(
             f"got sequence lengths for {len(seq_lens_per_rank)} ranks, but topology {topology.spec!r} has "
             f"{topology.group_size} GPUs per balance group; pass one list per rank of the balance group"
         )
-    per_rank = []
+    per_rank, num_tokens, num_seqs = [], 0, 0
     for rank, lengths in enumerate(seq_lens_per_rank):
-        try:
-            array = np.asarray(lengths)
-        except ValueError:  # ragged nesting
-            array = np.asarray(lengths, dtype=object)
-        if array.ndim != 1 or (array.size and array.dtype.kind not in "iuf"):
+        values = _rank_lengths(rank, lengths)
+        if num_seqs + len(values) > MAX_STEP_SEQUENCES:
             raise ValueError(
-                f"rank {rank}: sequence lengths must be a flat list of token counts, one per sequence; got {lengths!r}"
+                f"rank {rank}: sequence {MAX_STEP_SEQUENCES - num_seqs} brings the step to {MAX_STEP_SEQUENCES + 1} "
+                f"sequences, over 2**{MAX_STEP_SEQUENCES.bit_length() - 1}, {_STEP_LIMIT}; plan fewer sequences per step"
             )
-        if array.size and array.dtype.kind == "f":
-            fractional = np.flatnonzero(array != np.round(array))
-            if fractional.size:
-                index = int(fractional[0])
-                raise ValueError(
-                    f"rank {rank}: sequence {index} has length {lengths[index]!r}; lengths are whole token counts"
-                )
-            array = array.astype(np.int64)
-        if array.size and array.min() <= 0:
-            index = int(np.argmin(array))
+        num_seqs += len(values)
+        # Exact: Python ints, or at most 2**20 NumPy integers of at most 2**40.
+        rank_tokens = int(values.sum()) if isinstance(values, np.ndarray) else sum(values)
+        if num_tokens + rank_tokens > MAX_STEP_TOKENS:
+            running = num_tokens + np.cumsum(values, dtype=np.int64)
+            index = int(np.argmax(running > MAX_STEP_TOKENS))
             raise ValueError(
-                f"rank {rank}: sequence {index} has length {int(array[index])}; every length must be a "
-                "positive token count (drop empty samples before planning; a rank may have no sequences)"
+                f"rank {rank}: sequence {index} brings the step to {int(running[index])} tokens, over "
+                f"2**{MAX_STEP_TOKENS.bit_length() - 1}, {_STEP_LIMIT}; plan fewer or shorter sequences per step"
             )
-        per_rank.append(array.astype(np.int64))
-    seq_lens = np.concatenate(per_rank) if per_rank else np.zeros(0, dtype=np.int64)
-    src = np.repeat(np.arange(len(per_rank), dtype=np.int64), [len(a) for a in per_rank])
+        num_tokens += rank_tokens
+        per_rank.append(values)
+    # One conversion for all ranks: each value is an integer of at most 2**40, so none is cast.
+    seq_lens = np.fromiter(itertools.chain.from_iterable(per_rank), dtype=np.int64, count=num_seqs)
+    src = np.repeat(np.arange(len(per_rank), dtype=np.int64), [len(values) for values in per_rank])
     return seq_lens, src
+
+
+def _rank_lengths(rank: int, lengths) -> list | np.ndarray:
+    """One rank's lengths, each checked to be an integer from 1 to ``MAX_STEP_TOKENS`` before any
+    cast: a NumPy integer array as it is (compared in its own dtype), anything else as a list."""
+    if isinstance(lengths, np.ndarray) and lengths.ndim == 1 and lengths.dtype.kind in "iu":
+        values = lengths
+        out_of_range = bool(values.size) and (values.min() < 1 or values.max() > MAX_STEP_TOKENS)
+    else:
+        try:
+            values = lengths if isinstance(lengths, list) else list(lengths)
+        except TypeError:  # not a list at all
+            raise _nesting_error(rank, lengths) from None
+        if set(map(type, values)) - {int}:  # not all Python ints: the first that is no integer is refused
+            for index, value in enumerate(values):
+                if isinstance(value, (list, tuple, np.ndarray)):
+                    raise _nesting_error(rank, lengths)
+                if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                    raise _not_an_integer_error(rank, index, value)
+        out_of_range = bool(values) and (min(values) < 1 or max(values) > MAX_STEP_TOKENS)
+    if out_of_range:
+        index = next(k for k, value in enumerate(values) if not 1 <= value <= MAX_STEP_TOKENS)
+        value = int(values[index])
+        if value < 1:
+            raise ValueError(
+                f"rank {rank}: sequence {index} has length {value}; every length must be a positive token count "
+                "(drop empty samples before planning; a rank may have no sequences)"
+            )
+        raise ValueError(
+            f"rank {rank}: sequence {index} has length {value}, over 2**{MAX_STEP_TOKENS.bit_length() - 1} tokens, "
+            f"{_STEP_LIMIT}; split or drop this sequence"
+        )
+    return values
+
+
+def _not_an_integer_error(rank: int, index: int, value) -> ValueError:
+    shown = value.item() if isinstance(value, np.generic) else value
+    if isinstance(shown, bool):
+        fix = " (a bool is none): pass the sequence's token count"
+    elif isinstance(shown, float) and shown.is_integer() and 1 <= shown <= MAX_STEP_TOKENS:
+        fix = f" (a float is refused, not cast): pass int(length), {int(shown)}"
+    else:
+        fix = ": fix what computed it"
+    return ValueError(
+        f"rank {rank}: sequence {index} has length {shown!r} (a {type(value).__name__}); a length must be an integer "
+        f"token count (int or NumPy integer) from 1 to 2**{MAX_STEP_TOKENS.bit_length() - 1}{fix}"
+    )
+
+
+def _nesting_error(rank: int, lengths) -> ValueError:
+    shown = " ".join(repr(lengths).split())  # on one line, at most 80 characters
+    return ValueError(
+        f"rank {rank}: sequence lengths must be a flat list of token counts, one per sequence; got "
+        f"{shown if len(shown) <= 80 else shown[:77] + '...'}"
+    )

@@ -61,7 +61,9 @@ def plan_routing(
 
     Args:
         seq_lens_per_rank: ``S`` lists, one per rank of the balance group, of that rank's sequence
-            lengths (tokens). An empty list is a rank with nothing this step.
+            lengths (tokens): Python or NumPy integers from 1 to 2**40, at most 2**40 tokens and 2**20
+            sequences in all (``MAX_STEP_TOKENS`` and ``MAX_STEP_SEQUENCES`` of
+            :mod:`~deepspeed_knap.planner.problem`). An empty list is a rank with nothing this step.
         topology: bag layout; only its balance group (``topology.group_size`` ranks) is planned.
         cost_model: the cost model (:class:`~deepspeed_knap.cost.model.CostModel`).
         solver: one of :data:`SOLVERS`.
@@ -72,8 +74,9 @@ def plan_routing(
             deterministic).
 
     Raises:
-        ValueError: wrong number of ranks, non-positive or non-integer lengths, an unknown solver, a
-            sequence no bag can hold under the cap, or a cap the planner finds no assignment for.
+        ValueError: wrong number of ranks, lengths that are no integers (floats and bools are
+            refused, not cast) or out of those limits, an unknown solver, a sequence no bag can hold
+            under the cap, or a cap the planner finds no assignment for.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")

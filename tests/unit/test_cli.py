@@ -127,3 +127,30 @@ def test_console_entry_point_runs_as_a_module():
         [sys.executable, "-m", "deepspeed_knap.cli", "plan", "--help"], capture_output=True, text=True
     )
     assert result.returncode == 0 and "--max-tokens-per-gpu" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "content, topology, message",
+    [
+        (
+            "[[9223372036854775807], [5]]",
+            "g1n2",
+            "rank 0: sequence 0 has length 9223372036854775807, over 2**40 tokens",
+        ),
+        ("[[1e300]]", "g1n1", "rank 0: sequence 0 has length 1e+300 (a float)"),
+        ("[[Infinity]]", "g1n1", "rank 0: sequence 0 has length inf (a float)"),
+        (
+            "[[4611686018427387904, 4611686018427387904]]",
+            "g1n1",
+            "sequence 0 has length 4611686018427387904, over 2**40",
+        ),
+        ("[[true]]", "g1n1", "rank 0: sequence 0 has length True (a bool)"),
+        ("[[2.5]]", "g1n1", "rank 0: sequence 0 has length 2.5 (a float)"),
+    ],
+)
+def test_lengths_that_are_no_integers_in_range_exit_2_on_one_line(tmp_path, capsys, content, topology, message):
+    """Issue 22: such lengths were cast (a negative token total, -2**63 for a huge float); now refused."""
+    lengths = tmp_path / "bad.json"
+    lengths.write_text(content)
+    code, out, err = run_cli(capsys, "plan", "--topology", topology, "--lengths", str(lengths), "--repeat", "1")
+    assert code == 2 and out == "" and message in err and err.count("\n") == 1

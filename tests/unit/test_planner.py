@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import multiprocessing as mp
+import re
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from deepspeed_knap.cost.model import CostModel, default_cost_model
 from deepspeed_knap.data.mixes import MIXES, sample_mix
-from deepspeed_knap.planner import SOLVERS, plan_loads, plan_routing
+from deepspeed_knap.planner import SOLVERS, lower_bound, plan_loads, plan_routing
 from deepspeed_knap.planner.topology import build_topology
 from tests.support.plans import check_plan_covers_every_token, per_rank_lengths
 
@@ -323,11 +324,8 @@ def test_bad_input_errors_name_the_problem():
         plan_routing([[1], [2], [3]], topology, FLUX)
     with pytest.raises(ValueError, match=r"rank 2: sequence 1 has length 0"):
         plan_routing([[5], [6], [7, 0], []], topology, FLUX)
-    with pytest.raises(ValueError, match=r"rank 1: sequence 0 has length 6.5; lengths are whole token counts"):
-        plan_routing([[5], [6.5], [], []], topology, FLUX)
     with pytest.raises(ValueError, match=r"rank 2: sequence lengths must be a flat list of token counts"):
         plan_routing([[5], [6], [[7, 8]], []], topology, FLUX)
-    assert plan_routing([[5], [6.0], [], []], topology, FLUX).seq_lens.tolist() == [5, 6]  # whole floats are fine
     # A cap the solver cannot honour is an error, never silently ignored (an out-of-memory on a GPU).
     with pytest.raises(ValueError, match=r"'knapformer' cannot honour max_tokens_per_gpu=100"):
         plan_routing([[5], [], [], []], topology, FLUX, "knapformer", max_tokens_per_gpu=100)
@@ -338,6 +336,51 @@ def test_bad_input_errors_name_the_problem():
         plan_routing([[5], [], [], []], topology, FLUX, "greedy")
     with pytest.raises(ValueError, match=r"max_tokens_per_gpu must be a positive integer"):
         plan_routing([[5], [], [], []], topology, FLUX, max_tokens_per_gpu=0)
+
+
+@pytest.mark.parametrize(
+    "lengths, message",
+    [
+        # Out of range, none wrapped around or clipped: a length, then the step's tokens and sequences.
+        ([[9223372036854775807], [5]], "rank 0: sequence 0 has length 9223372036854775807, over 2**40 tokens"),
+        ([[], [2**62, 2**62]], "rank 1: sequence 0 has length 4611686018427387904, over 2**40 tokens"),
+        ([[np.uint64(2**63)], []], "rank 0: sequence 0 has length 9223372036854775808, over 2**40 tokens"),
+        ([[5], np.array([2**41], dtype=np.uint64)], "rank 1: sequence 0 has length 2199023255552, over 2**40 tokens"),
+        ([[2**40, 1], []], "rank 0: sequence 1 brings the step to 1099511627777 tokens, over 2**40"),
+        ([[2**39, 2**39], [1]], "rank 1: sequence 0 brings the step to 1099511627777 tokens, over 2**40"),
+        ([[1] * 2**19, [1] * (2**19 + 1)], "rank 1: sequence 524288 brings the step to 1048577 sequences, over 2**20"),
+        ([[-3], []], "rank 0: sequence 0 has length -3; every length must be a positive token count"),
+        # Not integers: floats (whole, huge and infinite ones too, Python or NumPy), bools, strings.
+        ([[1e300], []], "rank 0: sequence 0 has length 1e+300 (a float)"),
+        ([[float("inf")], []], "rank 0: sequence 0 has length inf (a float)"),
+        ([[5], [2.5]], "rank 1: sequence 0 has length 2.5 (a float)"),
+        ([[5, 6.0], []], "rank 0: sequence 1 has length 6.0 (a float)"),
+        ([[np.float64(7)], []], "rank 0: sequence 0 has length 7.0 (a float64)"),
+        ([np.array([5.0]), []], "rank 0: sequence 0 has length 5.0 (a float64)"),
+        ([[True], []], "rank 0: sequence 0 has length True (a bool)"),
+        ([[5, True], []], "rank 0: sequence 1 has length True (a bool)"),
+        ([np.array([True]), []], "rank 0: sequence 0 has length True (a bool)"),
+        ([["5"], []], "rank 0: sequence 0 has length '5' (a str)"),
+    ],
+)
+def test_lengths_are_integers_in_range_or_refused_naming_the_value(lengths, message):
+    """Issue 22: no length is cast (a float, a bool, a value past int64) and no sum overflows; the
+    error names the rank, the index and the value, on one line."""
+    topology = build_topology("g1n2")
+    for entry in (plan_routing, lower_bound):
+        with pytest.raises(ValueError, match=re.escape(message)) as error:
+            entry(lengths, topology, FLUX)
+        assert "\n" not in str(error.value)
+
+
+def test_lengths_may_be_python_or_numpy_integers_up_to_the_limits():
+    topology = build_topology("g1n2")
+    plan = plan_routing([np.array([5, 6], dtype=np.int32), [np.uint64(7), 2**40 - 18]], topology, FLUX)
+    assert plan.seq_lens.dtype == np.int64 and plan.seq_lens.tolist() == [5, 6, 7, 2**40 - 18]
+    assert int(plan.gpu_tokens.sum()) == 2**40 and np.isfinite(plan.max_load) and plan.max_load > 0
+    assert plan_routing(np.array([[5, 6], [7, 8]]), topology, FLUX).seq_lens.tolist() == [5, 6, 7, 8]
+    many = plan_routing([[1] * 2**19, [1] * 2**19], topology, FLUX, "none")
+    assert many.seq_lens.size == 2**20
 
 
 def test_sequence_that_fits_no_bag_is_named_with_the_cap():
