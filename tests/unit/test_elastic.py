@@ -44,22 +44,22 @@ def check_groups_aligned_and_nested(plan, topology):
         assert disjoint or nested
 
 
-def brute_force_elastic(lengths, topology, workload, cap=None):
+def brute_force_elastic(lengths, topology, cost_model, cap=None):
     """Best step time over every choice of group (any size, any aligned start) per sequence. A group
     runs at its slowest GPU's speed, and every GPU ``g`` also spends ``overhead_s / speed[g]``. Groups
     larger than a node only take sequences whose share in a node's group is over the cap."""
     flat = [s for rank in lengths for s in rank]
     groups = list(topology.groups)
-    speed = np.asarray(workload.gpu_speed or [1.0] * topology.group_size)
+    speed = np.asarray(cost_model.gpu_speed or [1.0] * topology.group_size)
     node = topology.gpus_per_node or topology.group_size
     choices = [[g for g, (_, size) in enumerate(groups) if size <= node or (cap is not None and -(-s // node) > cap)]
                for s in flat]  # fmt: skip
     best = np.inf
     for assignment in itertools.product(*choices):
-        loads, tokens = workload.overhead_s / speed, np.zeros(topology.group_size)
+        loads, tokens = cost_model.overhead_s / speed, np.zeros(topology.group_size)
         for s, g in zip(flat, assignment, strict=True):
             start, size = groups[g]
-            loads[start : start + size] += workload.per_gpu_time(s, size, speed[start : start + size].min())
+            loads[start : start + size] += cost_model.per_gpu_time(s, size, speed[start : start + size].min())
             tokens[start : start + size] += s // size + (np.arange(size) < s % size)
         if cap is None or tokens.max() <= cap:
             best = min(best, loads.max())
@@ -76,26 +76,26 @@ def auto_instances(draw, max_per_rank=4):
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(instance=auto_instances(), workload=st.sampled_from([FLUX, PRICED_ALLTOALL]))
-def test_auto_plans_cover_every_token_in_aligned_nested_groups(instance, workload):
+@given(instance=auto_instances(), cost_model=st.sampled_from([FLUX, PRICED_ALLTOALL]))
+def test_auto_plans_cover_every_token_in_aligned_nested_groups(instance, cost_model):
     topology, lengths = instance
-    plan = plan_routing(lengths, topology, workload)
+    plan = plan_routing(lengths, topology, cost_model)
     check_plan_covers_every_token(plan, lengths, topology)
     check_groups_aligned_and_nested(plan, topology)
     assert plan.lower_bound <= plan.max_load * (1 + 1e-9)
-    assert plan.max_load <= plan_routing(lengths, topology, workload, "none").max_load * (1 + 1e-7)
-    assert plan_routing(lengths, topology, workload) == plan  # deterministic
+    assert plan.max_load <= plan_routing(lengths, topology, cost_model, "none").max_load * (1 + 1e-7)
+    assert plan_routing(lengths, topology, cost_model) == plan  # deterministic
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(instance=auto_instances(max_per_rank=3), workload=st.sampled_from([FLUX, PRICED_ALLTOALL]))
-def test_auto_is_never_worse_than_refine_on_any_fixed_topology_of_its_sizes(instance, workload):
+@given(instance=auto_instances(max_per_rank=3), cost_model=st.sampled_from([FLUX, PRICED_ALLTOALL]))
+def test_auto_is_never_worse_than_refine_on_any_fixed_topology_of_its_sizes(instance, cost_model):
     topology, lengths = instance
-    ours = plan_routing(lengths, topology, workload).max_load
+    ours = plan_routing(lengths, topology, cost_model).max_load
     for spec in fixed_topologies(topology.group_size, topology.max_degree):
         fixed = build_topology(spec, gpus_per_node=topology.gpus_per_node)
         if fixed.node_aligned:  # auto's groups never cross a node; a fixed bag that does is not in its family
-            assert ours <= plan_routing(lengths, fixed, workload).max_load * (1 + 1e-7), spec
+            assert ours <= plan_routing(lengths, fixed, cost_model).max_load * (1 + 1e-7), spec
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -103,14 +103,14 @@ def test_auto_is_never_worse_than_refine_on_any_fixed_topology_of_its_sizes(inst
     lengths=st.lists(st.lists(lengths_strategy, max_size=2), min_size=4, max_size=4).filter(
         lambda ls: 1 <= sum(map(len, ls)) <= 5
     ),
-    workload=st.sampled_from([FLUX, PRICED_ALLTOALL]),
+    cost_model=st.sampled_from([FLUX, PRICED_ALLTOALL]),
 )
-def test_auto_is_optimal_on_tiny_steps_and_the_bound_never_exceeds_the_optimum(lengths, workload):
+def test_auto_is_optimal_on_tiny_steps_and_the_bound_never_exceeds_the_optimum(lengths, cost_model):
     topology = build_topology("auto", 4)
-    optimum = brute_force_elastic(lengths, topology, workload)
-    plan = plan_routing(lengths, topology, workload)
+    optimum = brute_force_elastic(lengths, topology, cost_model)
+    plan = plan_routing(lengths, topology, cost_model)
     assert plan.lower_bound <= optimum * (1 + 1e-9)
-    assert lower_bound(lengths, topology, workload) == plan.lower_bound
+    assert lower_bound(lengths, topology, cost_model) == plan.lower_bound
     assert plan.max_load <= optimum * (1 + 1e-6)  # exact search within its budget: optimal here
 
 
@@ -126,10 +126,10 @@ def test_auto_gives_a_slow_gpu_less_work_for_its_larger_fixed_overhead(lengths, 
     """Every GPU pays ``overhead_s / speed`` per step whatever its tokens: optimal against brute force."""
     topology = build_topology("auto", 4)
     mean_work = sum(float(PRICED_ALLTOALL.per_gpu_time(s, 1)) for rank in lengths for s in rank) / 4
-    workload = dataclasses.replace(PRICED_ALLTOALL, gpu_speed=tuple(speeds), overhead_s=overhead_share * mean_work)
-    optimum = brute_force_elastic(lengths, topology, workload)
-    plan = plan_routing(lengths, topology, workload)
-    np.testing.assert_allclose(plan_loads(plan, workload), plan.gpu_loads, rtol=1e-12)
+    cost_model = dataclasses.replace(PRICED_ALLTOALL, gpu_speed=tuple(speeds), overhead_s=overhead_share * mean_work)
+    optimum = brute_force_elastic(lengths, topology, cost_model)
+    plan = plan_routing(lengths, topology, cost_model)
+    np.testing.assert_allclose(plan_loads(plan, cost_model), plan.gpu_loads, rtol=1e-12)
     assert plan.lower_bound <= optimum * (1 + 1e-9) and plan.max_load <= optimum * (1 + 1e-6)
 
 
@@ -178,7 +178,7 @@ def test_groups_of_whole_nodes_take_only_sequences_no_node_holds_under_the_cap(l
 
 
 @pytest.mark.parametrize(
-    "num_gpus, node, lengths, cap, workload",
+    "num_gpus, node, lengths, cap, cost_model",
     [
         (6, 2, [[2870, 2475], [], [], [3749], [1041, 1008], []], None, FLUX),
         # 2476 tokens need the group of both nodes (310 per GPU); nothing else may join it.
@@ -186,12 +186,12 @@ def test_groups_of_whole_nodes_take_only_sequences_no_node_holds_under_the_cap(l
          549, PRICED_ALLTOALL),
     ],
 )  # fmt: skip
-def test_groups_of_whole_nodes_stay_barred_in_every_stage_of_the_search(num_gpus, node, lengths, cap, workload):
+def test_groups_of_whole_nodes_stay_barred_in_every_stage_of_the_search(num_gpus, node, lengths, cap, cost_model):
     """The fixed-topology stages of the search see a group across nodes next to groups inside one,
     and once put sequences there that a node holds (from their home GPUs, or by local search), under
     a lower bound the plan then undercut."""
     topology = build_topology("auto", num_gpus, gpus_per_node=node, max_degree=2 * node)
-    plan = plan_routing(lengths, topology, workload, max_tokens_per_gpu=cap)
+    plan = plan_routing(lengths, topology, cost_model, max_tokens_per_gpu=cap)
     check_plan_covers_every_token(plan, lengths, topology)
     across = plan.seq_group_size > node
     assert (-(-plan.seq_lens[across] // node) > (cap or np.inf)).all() and plan.lower_bound <= plan.max_load
@@ -241,7 +241,7 @@ def test_auto_meets_tight_caps_that_brute_force_meets(num_gpus, lengths, cap):
 
 
 @pytest.mark.parametrize(
-    "topology, lengths, workload, fixed",
+    "topology, lengths, cost_model, fixed",
     [
         # A degree start lands within 0.1% of the bound; the topology's own bags are still solved.
         (build_topology("auto", 4), [[75333, 65536, 71254, 11180, 65536, 16384], [17394, 65536],
@@ -252,19 +252,19 @@ def test_auto_meets_tight_caps_that_brute_force_meets(num_gpus, lengths, cap):
          [1362, 313], [30410, 13038, 4054], [73122, 61203], [3276, 6, 39384]], FLUX, "g2n2+g4n1"),
     ],
 )  # fmt: skip
-def test_auto_is_not_worse_than_fixed_topologies_that_beat_it_before(topology, lengths, workload, fixed):
-    ours = plan_routing(lengths, topology, workload).max_load
-    assert ours <= plan_routing(lengths, build_topology(fixed), workload).max_load * (1 + 1e-9)
+def test_auto_is_not_worse_than_fixed_topologies_that_beat_it_before(topology, lengths, cost_model, fixed):
+    ours = plan_routing(lengths, topology, cost_model).max_load
+    assert ours <= plan_routing(lengths, build_topology(fixed), cost_model).max_load * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("workload_name", MIXES)
-def test_auto_on_bundled_workloads_is_near_the_bound_and_never_above_the_best_fixed_topology(workload_name):
+@pytest.mark.parametrize("mix", MIXES)
+def test_auto_on_bundled_mixes_is_near_the_bound_and_never_above_the_best_fixed_topology(mix):
     """At 32 GPUs (nodes of 8), two steps each: no slower than refine on flat, g2, g4 or g8 bags or
     the benchmark's mix of all four, and within 5% of the flexible bound (the benchmark reports the
     medians: 0.03% to 2.4%)."""
     fixed = [f"g{g}n{32 // g}" for g in (1, 2, 4, 8)] + ["g1n8+g2n4+g4n2+g8n1"]
     for seed in range(2):
-        lengths = sample_mix(workload_name, 32, seed)
+        lengths = sample_mix(mix, 32, seed)
         plan = plan_routing(lengths, build_topology("auto", 32, gpus_per_node=8), FLUX)
         assert plan.max_load <= plan.lower_bound * 1.05
         best_fixed = min(plan_routing(lengths, build_topology(spec), FLUX).max_load for spec in fixed)
@@ -301,7 +301,7 @@ def test_auto_topology_layout_and_errors():
 def _random_state(num_gpus, node, lengths, seed):
     """Every sequence in a random group of topology auto, as a planner state."""
     from deepspeed_knap.planner.elastic import _Levels, _State
-    from deepspeed_knap.planner.fixed import Problem
+    from deepspeed_knap.planner.problem import Problem
 
     problem = Problem.build(lengths, build_topology("auto", num_gpus, node), FLUX, None)
     levels = _Levels.build(problem)

@@ -72,7 +72,7 @@ def test_memory_cap_holds_or_the_error_says_why(instance, cap_scale):
     assert plan.gpu_tokens.max(initial=0) <= cap
 
 
-def brute_force_optimum(lengths, topology, workload, cap=None):
+def brute_force_optimum(lengths, topology, cost_model, cap=None):
     """Best max load over every assignment of sequences to bags, and over keeping all at home.
 
     With ``cap``, only assignments whose busiest GPU holds at most ``cap`` tokens count; ``inf`` if none.
@@ -80,16 +80,16 @@ def brute_force_optimum(lengths, topology, workload, cap=None):
     """
     flat = [s for rank in lengths for s in rank]
     num_gpus = topology.group_size
-    speed = np.asarray(workload.gpu_speed or [1.0] * num_gpus)
-    overhead = workload.overhead_s / speed  # [S]
+    speed = np.asarray(cost_model.gpu_speed or [1.0] * num_gpus)
+    overhead = cost_model.overhead_s / speed  # [S]
     home_loads, home_tokens = overhead.copy(), np.zeros(num_gpus)
     for rank, rank_lengths in enumerate(lengths):
         for s in rank_lengths:
-            home_loads[rank] += workload.per_gpu_time(s, 1, speed[rank])
+            home_loads[rank] += cost_model.per_gpu_time(s, 1, speed[rank])
             home_tokens[rank] += s
     best = home_loads.max(initial=0.0) if cap is None or home_tokens.max(initial=0) <= cap else np.inf
     bags = list(zip(topology.bag_first_rank, topology.bag_sizes, strict=True))
-    cost = np.array([[workload.per_gpu_time(s, g, speed[f : f + g].min()) for f, g in bags] for s in flat])  # [N, B]
+    cost = np.array([[cost_model.per_gpu_time(s, g, speed[f : f + g].min()) for f, g in bags] for s in flat])  # [N, B]
     tokens = np.array([[-(-s // g) for g in topology.bag_sizes] for s in flat])  # busiest GPU's share
     bag_overhead = np.array([overhead[f : f + g].max() for f, g in bags])
     for assignment in itertools.product(range(topology.num_bags), repeat=len(flat)):
@@ -175,13 +175,13 @@ def test_regressions_found_in_review():
     assert sorted(plan.gpu_tokens.tolist()) == [12, 13]
     # The bound must not round above the optimum when an all-to-all-heavy class sets the cost scale.
     topology, lengths = build_topology("g1n2+g2n1"), [[], [], [1, 1], []]
-    workload = CostModel(1e-9, 0.0, 0.01)
-    assert plan_routing(lengths, topology, workload).lower_bound <= brute_force_optimum(lengths, topology, workload)
+    cost_model = CostModel(1e-9, 0.0, 0.01)
+    assert plan_routing(lengths, topology, cost_model).lower_bound <= brute_force_optimum(lengths, topology, cost_model)
 
 
-def _plan_in_subprocess(spec: str, workload: str, seed: int):
+def _plan_in_subprocess(spec: str, mix: str, seed: int):
     topology = build_topology(spec)
-    return plan_routing(sample_mix(workload, topology.group_size, seed), topology, FLUX, "refine")
+    return plan_routing(sample_mix(mix, topology.group_size, seed), topology, FLUX, "refine")
 
 
 def test_plans_are_bit_identical_across_processes():
@@ -231,11 +231,11 @@ def test_refine_gives_a_slow_gpu_less_work_for_its_larger_fixed_overhead(instanc
     if not any(lengths):
         return
     mean_work = sum(float(FLUX.per_gpu_time(s, 1)) for rank in lengths for s in rank) / topology.group_size
-    workload = dataclasses.replace(FLUX, gpu_speed=tuple(speeds[: topology.group_size]),
+    cost_model = dataclasses.replace(FLUX, gpu_speed=tuple(speeds[: topology.group_size]),
                                    overhead_s=overhead_share * mean_work)  # fmt: skip
-    optimum = brute_force_optimum(lengths, topology, workload)
-    plan = plan_routing(lengths, topology, workload, "refine")
-    np.testing.assert_allclose(plan_loads(plan, workload), plan.gpu_loads, rtol=1e-12)
+    optimum = brute_force_optimum(lengths, topology, cost_model)
+    plan = plan_routing(lengths, topology, cost_model, "refine")
+    np.testing.assert_allclose(plan_loads(plan, cost_model), plan.gpu_loads, rtol=1e-12)
     assert plan.lower_bound <= optimum * (1 + 1e-9)
     assert plan.max_load <= optimum * (1 + 1e-6)  # small steps are solved exactly
 
@@ -244,13 +244,13 @@ def test_a_slow_gpus_overhead_moves_work_off_it():
     """Rank 1 runs at a third of the speed (0.1 s a sequence on rank 0, 0.3 s on rank 1): balancing
     work alone gives it 4 of 16 sequences, but its overhead, three times rank 0's, leaves room for 3."""
     lengths = [[1_000] * 8, [1_000] * 8]
-    workload = CostModel(1e-4, 0.0, gpu_speed=(1.0, 1 / 3), overhead_s=0.2)
-    plan = plan_routing(lengths, build_topology("g1n2"), workload, "refine")
+    cost_model = CostModel(1e-4, 0.0, gpu_speed=(1.0, 1 / 3), overhead_s=0.2)
+    plan = plan_routing(lengths, build_topology("g1n2"), cost_model, "refine")
     assert np.bincount(plan.seq_group_start, minlength=2).tolist() == [13, 3]
     np.testing.assert_allclose(plan.gpu_loads, [0.2 + 1.3, 0.6 + 0.9])
-    unaware = plan_routing(lengths, build_topology("g1n2"), dataclasses.replace(workload, overhead_s=0.0), "refine")
+    unaware = plan_routing(lengths, build_topology("g1n2"), dataclasses.replace(cost_model, overhead_s=0.0), "refine")
     assert np.bincount(unaware.seq_group_start, minlength=2).tolist() == [12, 4]
-    np.testing.assert_allclose(plan_loads(unaware, workload), [0.2 + 1.2, 0.6 + 1.2])
+    np.testing.assert_allclose(plan_loads(unaware, cost_model), [0.2 + 1.2, 0.6 + 1.2])
 
 
 def test_overhead_review_regressions():
@@ -258,15 +258,15 @@ def test_overhead_review_regressions():
     # and refine came out 1.4% above knapformer here).
     lengths = [[8], [87523, 3044, 35714], [599, 25833, 3], [30032], [57207, 6, 60408, 2242], [1, 3768], [],
                [10, 4675, 6]]  # fmt: skip
-    workload = dataclasses.replace(FLUX, gpu_speed=(1,) * 7 + (0.97,), overhead_s=0.86)
+    cost_model = dataclasses.replace(FLUX, gpu_speed=(1,) * 7 + (0.97,), overhead_s=0.86)
     topology = build_topology("g4n2")
-    refine, knapformer = (plan_routing(lengths, topology, workload, solver) for solver in ("refine", "knapformer"))
+    refine, knapformer = (plan_routing(lengths, topology, cost_model, solver) for solver in ("refine", "knapformer"))
     assert refine.max_load <= knapformer.max_load * (1 + 1e-12)
     # A slow GPU's overhead worth more than 256 sequences is still planned in full (a fixed cap of
     # 2**40 units gave it 229 sequences: 165.8 s against the optimum's 200 and 160 s).
-    workload = CostModel(1e-4, 0.0, gpu_speed=(1.0, 0.5), overhead_s=60.0)
+    cost_model = CostModel(1e-4, 0.0, gpu_speed=(1.0, 0.5), overhead_s=60.0)
     for topology in (build_topology("g1n2"), build_topology("auto", 2, None, 1)):
-        plan = plan_routing([[1000] * 1200, []], topology, workload)
+        plan = plan_routing([[1000] * 1200, []], topology, cost_model)
         assert np.bincount(plan.seq_group_start, minlength=2).tolist() == [1000, 200]
         assert plan.max_load == pytest.approx(160.0)
 
