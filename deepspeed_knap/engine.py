@@ -15,11 +15,15 @@ import copy
 import datetime
 import json
 import os
+import socket
+from collections.abc import Mapping
 from typing import Any
 
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.constants import default_pg_timeout
+from pydantic import ValidationError
 from torch import Tensor, nn
 
 from deepspeed_knap.cost.model import CostModel
@@ -27,39 +31,112 @@ from deepspeed_knap.planner.topology import AUTO, Topology, build_topology, defa
 from deepspeed_knap.runtime.attention import KnapDistributedAttention, backend_problem
 from deepspeed_knap.runtime.balancer import KnapBalancer
 from deepspeed_knap.runtime.config import KNAPFORMER, KnapFormerConfig, get_knapformer_config, load_ds_config
-from deepspeed_knap.runtime.groups import check_same_on_every_rank, create_process_groups
+from deepspeed_knap.runtime.groups import (
+    check_same_on_every_rank,
+    create_process_groups,
+    raise_together,
+    set_collective_timeout,
+)
+from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, config: Any = None, **kwargs: Any):
     """``deepspeed.initialize`` plus the balancer its config's ``"knapformer"`` block asks for.
 
     Takes the same arguments as ``deepspeed.initialize`` (the config as ``config=`` or as
-    ``args.deepspeed_config``). The block is validated, and the topology checked against the world
-    size, node size and the model's attention heads, before DeepSpeed builds the engine; a bad block
-    raises the same ``ValueError`` on every rank. So does a setting that differs between ranks (the
-    block itself, the node size the launcher reports, the calibration file, whether the attention
-    kernel is installed, the model's parameters): one collective compares them first. Every
-    ``KnapDistributedAttention`` in ``model`` gets the block's ``attention_backend``.
+    ``args.deepspeed_config``). Every rank first joins the process group, whatever its config says,
+    so that a config bad on one node cannot leave the others waiting in the rendezvous; then the
+    config is read and the block validated on every rank, and the ranks agree in one collective: a
+    config unreadable or a block invalid on any rank raises the same ``ValueError`` on every rank,
+    naming the node and ranks and the key. The topology is checked against the world size, node size
+    and the model's attention heads before DeepSpeed builds the engine, with the same error
+    everywhere. So is a setting that differs between ranks (the block itself, the node size the
+    launcher reports, the calibration file, whether the attention kernel is installed, the model's
+    parameters): one collective compares them first. Every ``KnapDistributedAttention`` in ``model``
+    gets the block's ``attention_backend``.
+
+    Deadlines (``timeout_s``, 300 s unless the block gives it): when the block is enabled or gives
+    ``timeout_s``, every collective of the job waits that long at most for a stuck, stopped or dead
+    rank, then raises on the ranks waiting: the start-up agreement, the balancer's (lengths, routes,
+    Ulysses all-to-alls) and DeepSpeed's (ZeRO's gathers and reductions, in the groups that exist when
+    ``deepspeed.initialize`` returns). The rendezvous waits ``timeout_s`` or DeepSpeed's default
+    (``DEEPSPEED_TIMEOUT`` minutes, 10 unless set), whichever is longer: nodes may start minutes apart.
+    Otherwise (no block, or disabled without ``timeout_s``) DeepSpeed's and torch's defaults stand.
+
+    A start-up that fails after the process group exists removes this rank's DeepSpeed CPU all-reduce
+    buffer (``/dev/shm``, ~69 MB) before raising.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler, balancer)``: DeepSpeed's four results, and a
         :class:`~deepspeed_knap.runtime.balancer.KnapBalancer`, or ``None`` when the block is absent or
-        ``"enabled": false`` (then nothing extra is created and nothing extra communicates).
+        ``"enabled": false`` (then nothing extra is created, and nothing extra communicates after the
+        start-up agreement).
     """
     if config is None:
         if args is None or getattr(args, "deepspeed_config", None) is None:
             raise ValueError("no DeepSpeed config: pass config= or args with --deepspeed_config")
         config, args = args.deepspeed_config, copy.copy(args)
         args.deepspeed_config = None  # DeepSpeed refuses a config given both ways
-    ds_config = load_ds_config(config)
-    knap = get_knapformer_config(ds_config)
-    plain_config = {key: value for key, value in ds_config.items() if key != KNAPFORMER}
+    # A config that fails here may fail on one node only (a file missing or edited there): it is
+    # reported once every rank can hear of it, below, not raised before the rendezvous.
+    try:
+        ds_config, problem = load_ds_config(config), None
+    except ValueError as error:  # names the file
+        ds_config, problem = {}, str(error)
+    except (OSError, TypeError) as error:
+        ds_config, problem = {}, f"cannot read the DeepSpeed config {config!r}: {error}"
+    timeout = _collective_timeout(ds_config.get(KNAPFORMER))
 
     # Under mpirun, DeepSpeed discovers ranks through mpi4py and would take port 29500 unless told.
-    deepspeed.init_distributed(distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    if timeout is None:
+        deepspeed.init_distributed(distributed_port=port)
+    else:
+        # The rendezvous (torch's store) takes this timeout too: never shorter than DeepSpeed's.
+        deepspeed.init_distributed(distributed_port=port, timeout=max(timeout, default_pg_timeout))
+    rank = dist.get_rank()
+    try:
+        return _initialize(args, model, ds_config, problem, timeout, kwargs)
+    except BaseException:
+        # Every rank joined the group, so mapped every rank's buffer, before the first collective
+        # returned anywhere; an error before it (binding the device) ends the job on this node anyway.
+        unlink_own_shm_buffer(rank)
+        raise
+
+
+_DEFAULT_TIMEOUT_S = KnapFormerConfig.model_fields["timeout_s"].default
+
+
+def _collective_timeout(block: Any) -> datetime.timedelta | None:
+    """The collective timeout the raw ``"knapformer"`` block asks for, read before the block is
+    validated (the process group takes it when it starts): ``timeout_s`` when the block is enabled or
+    gives it, ``None`` (DeepSpeed's defaults) otherwise. A value the block's validation refuses gives
+    the default; that validation, agreed by every rank, reports it."""
+    if not isinstance(block, Mapping) or (block.get("enabled") is not True and "timeout_s" not in block):
+        return None
+    try:
+        seconds = KnapFormerConfig(strict=True, timeout_s=block.get("timeout_s", _DEFAULT_TIMEOUT_S)).timeout_s
+    except ValidationError:
+        seconds = _DEFAULT_TIMEOUT_S
+    return datetime.timedelta(seconds=seconds)
+
+
+def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: str | None,
+                timeout: datetime.timedelta | None, kwargs: dict) -> tuple:  # fmt: skip
+    """:func:`initialize` once the process group exists."""
     # Our set-up collectives run before DeepSpeed's engine binds this rank to its GPU: bind it now,
     # or every rank would hand NCCL a tensor on GPU 0.
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if timeout is not None:
+        set_collective_timeout(timeout)  # the world group: the agreement below waits this long at most
+    knap = None
+    if problem is None:
+        try:
+            knap = get_knapformer_config(ds_config)
+        except ValueError as error:
+            problem = str(error)
+    raise_together(problem and f"{_this_node()}: {problem}", "reading the DeepSpeed config on every rank")
+    plain_config = {key: value for key, value in ds_config.items() if key != KNAPFORMER}
     topology = cost_model = None
     if knap.enabled:
         attention = [m for m in model.modules() if isinstance(m, KnapDistributedAttention)] if model is not None else []
@@ -74,6 +151,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
     engine, optimizer, dataloader, lr_scheduler = deepspeed.initialize(
         args=args, model=model, config=plain_config, **kwargs
     )
+    if timeout is not None:
+        set_collective_timeout(timeout)  # DeepSpeed's own groups: ZeRO-1/2 reduce gradients in one
     if topology is None:
         return engine, optimizer, dataloader, lr_scheduler, None
     balancer = KnapBalancer(
@@ -86,6 +165,19 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
         knap.cost_model.online_settings(),
     )
     return engine, optimizer, dataloader, lr_scheduler, balancer
+
+
+# Environment variables holding this node's index in the job, by launcher.
+NODE_RANK_VARIABLES = ("CROSS_RANK", "GROUP_RANK", "SLURM_NODEID")
+
+
+def _this_node() -> str:
+    """``node N (host H)``, or ``host H`` where no launcher says which node this is."""
+    host = socket.gethostname()
+    for name in NODE_RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return f"node {os.environ[name]} (host {host})"
+    return f"host {host}"
 
 
 def _rank_views(knap: KnapFormerConfig, ds_config: dict, model: nn.Module | None,

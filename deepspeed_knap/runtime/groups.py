@@ -95,6 +95,38 @@ def create_process_groups(topology: Topology, timeout: datetime.timedelta | None
     return ProcessGroups(topology, rank, replica, group_rank, balance_group, attention_groups, timeout)
 
 
+def set_collective_timeout(timeout: datetime.timedelta) -> int:
+    """Give every process group this rank is in (the world's, DeepSpeed's, ours) the collective timeout
+    ``timeout``; returns how many groups were set. Local: no communication.
+
+    ``deepspeed.init_distributed(timeout=...)`` reaches the world group only (where ZeRO-3 gathers
+    parameters): DeepSpeed makes its other groups with ``new_group`` and no timeout, which gives
+    torch's default whatever the world's is (30 minutes on gloo, 10 on NCCL), and ZeRO-1/2 reduce
+    gradients in one of them (its clone of the world group). Groups made after this call keep the
+    timeout they were made with.
+    """
+    import warnings
+
+    from torch.distributed import distributed_c10d
+
+    # Private in torch (since 2.3), and the only way to change an existing group's timeout.
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        warnings.warn(
+            f"this torch cannot change a process group's timeout: DeepSpeed's collectives keep torch's default "
+            f"instead of {timeout.total_seconds():g} s (knapformer.timeout_s); a stopped rank holds the job that long",
+            stacklevel=2,
+        )
+        return 0
+    count = 0
+    for group in list(distributed_c10d._world.pg_map):
+        if distributed_c10d._rank_not_in_group(group):
+            continue
+        set_timeout(timeout, group)
+        count += 1
+    return count
+
+
 def check_same_on_every_rank(views: dict[str, str]) -> None:
     """Raise the same ``ValueError`` on every rank when ranks see a setting differently.
 

@@ -83,15 +83,27 @@ def _zero_worker(rank: int, world: int, stage: int, monitor_dir: str) -> dict:
     assert balancer is None  # disabled: plain DeepSpeed, no balancer, no extra groups or collectives
     off_losses = run_steps(engine, balancer, rank, range(STEPS))
     off_params = parameters(engine)
+    off_timeouts = group_timeouts()
     on_config = ds_config(stage, KNAP_ON)
     on_config["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": f"zero{stage}"}
     on_losses, on_params = train(rank, on_config)
     result = {"off": off_losses, "on": on_losses, "param_err": float((on_params - off_params).abs().max()),
-              "param_change": float((on_params - _initial_params()).abs().max())}  # fmt: skip
+              "param_change": float((on_params - _initial_params()).abs().max()),
+              "off_timeouts": off_timeouts, "on_timeouts": group_timeouts()}  # fmt: skip
     if stage == 3:
         auto_losses, auto_params = train(rank, ds_config(stage, KNAP_AUTO))
         result.update(auto=auto_losses, auto_param_err=float((auto_params - off_params).abs().max()))
     return result
+
+
+def group_timeouts() -> dict[str, float]:
+    """The collective timeout (seconds) of every process group this rank is in, by group name."""
+    from torch.distributed import distributed_c10d
+
+    return {
+        str(group.group_name): group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for group in distributed_c10d._world.pg_map
+    }
 
 
 def _initial_params() -> torch.Tensor:
@@ -112,6 +124,13 @@ def test_zero_training_with_balancing_equals_without(stage, tmp_path):
             assert result["auto"] == pytest.approx(result["off"], rel=1e-5, abs=1e-6)
             assert result["auto_param_err"] <= 1e-5
     assert results[0]["off"] == results[1]["off"]  # a global mean: the same on every rank
+    for result in results:
+        # Balancing off, no timeout_s: DeepSpeed's and torch's timeouts stand (the harness's world group,
+        # DeepSpeed's clone of it: torch's 30 minutes on gloo). On: every group, DeepSpeed's included
+        # (ZeRO-1/2 reduce gradients in its clone), waits the block's timeout_s (default 300 s).
+        assert 300.0 not in result["off_timeouts"].values(), result["off_timeouts"]
+        assert len(result["on_timeouts"]) > len(result["off_timeouts"]) >= 2
+        assert set(result["on_timeouts"].values()) == {300.0}, result["on_timeouts"]
     # log_interval 1: every step's balancing metrics reached DeepSpeed's CSV monitor.
     written = sorted(p.name for p in (tmp_path / f"zero{stage}").rglob("knapformer_*.csv"))
     names = ("imbalance_after", "imbalance_before", "measured_imbalance", "planned_ahead", "prediction_error",
@@ -166,6 +185,10 @@ def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
         "auto_not_a_power_of_two": ({"topology": "auto", "max_degree": 3}, 6, {}),
         # A calibration file only ranks 0 and 1 have: every rank must raise, naming 2 and 3.
         "file_on_some_nodes": ({"topology": "g2n2", "cost_model": {"calibration_file": calibration}}, 6, {}),
+        # Ranks 2 and 3 (node 1 of 2) have a typo, or no config file at all; ranks 0 and 1 are fine.
+        # Before, ranks 2 and 3 raised alone and ranks 0 and 1 waited for them.
+        "typo_on_some_nodes": ({"topology": "g2n2"}, 6, {"CROSS_RANK": str(rank // 2)}),
+        "config_missing_on_some_nodes": ({"topology": "g2n2"}, 6, {}),
     }
     errors = {}
     for name, (block, heads, env) in cases.items():
@@ -174,8 +197,13 @@ def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
         os.environ.update(env)
         if name == "file_on_some_nodes" and rank >= 2:
             block = {**block, "cost_model": {"calibration_file": calibration + ".missing-on-this-node"}}
+        if name == "typo_on_some_nodes" and rank >= 2:
+            block = {**block, "topolgy": "g2n2"}
+        config = ds_config(1, {"enabled": True, **block})
+        if name == "config_missing_on_some_nodes" and rank >= 2:
+            config = calibration + ".no-config-on-this-node.json"
         try:
-            deepspeed_knap.initialize(model=model, config=ds_config(1, {"enabled": True, **block}))
+            deepspeed_knap.initialize(model=model, config=config)
         except ValueError as error:
             errors[name] = str(error)
         finally:
@@ -201,3 +229,8 @@ def test_config_errors_before_the_first_step_on_every_rank(tmp_path):
     assert "ranks see different settings" in errors["file_on_some_nodes"]
     assert '"knapformer" block (ranks [2, 3] differ from rank 0)' in errors["file_on_some_nodes"]
     assert "cost model (calibration_file) (ranks [2, 3] differ from rank 0)" in errors["file_on_some_nodes"]
+    typo = errors["typo_on_some_nodes"]
+    assert typo.startswith("reading the DeepSpeed config on every rank failed:\nrank(s) [2, 3]: node 1 (host "), typo
+    assert "unknown key 'knapformer.topolgy'" in typo and "[0, 1]" not in typo
+    missing = errors["config_missing_on_some_nodes"]
+    assert "rank(s) [2, 3]: host " in missing and ".no-config-on-this-node.json" in missing, missing

@@ -409,7 +409,7 @@ class PackedWanTransformer(nn.Module):
         text, image = inputs.encoder_hidden_states, inputs.encoder_hidden_states_image
         if self.embed_text_before_routing:
             text = self.condition_embedder.text_embedder(text)
-        # What travels: latent patches, positions and timesteps per token (none needs a gradient),
+        # What travels: latent patches, positions and timesteps per token (no gradient in training),
         # and per sample the context lengths, so a GPU knows how many context rows come with a chunk.
         text_key = _context_column("text", text)
         sample_data = {text_key: torch.tensor(inputs.text_lens, dtype=torch.int64, device=device)}
