@@ -41,4 +41,4 @@ def test_flux_blocks_on_cpu_smoke(tmp_path):
 
 def test_too_few_lengths_is_a_clear_error(tmp_path, capsys):
     assert main(["calibrate", "--out", str(tmp_path / "x.json"), "--seq-lens", "16,32,64,64"]) == 2
-    assert "give at least 4 positive lengths" in capsys.readouterr().err
+    assert "give at least 4 different lengths" in capsys.readouterr().err

@@ -35,7 +35,7 @@ def test_on_cpu_it_reports_versions_kernels_speed_and_a_calibration(tmp_path, ca
 def test_a_kernel_that_computes_wrong_fails_the_check(tmp_path, monkeypatch):
     """An sdpa that forgets the softmax scale (an easy slip) is caught against float64."""
     right = attention._KERNELS["sdpa"]
-    monkeypatch.setitem(attention._KERNELS, "sdpa", lambda q, k, v, seqs, scale: right(q, k, v, seqs, 1.0))
+    monkeypatch.setitem(attention._KERNELS, "sdpa", lambda q, k, v, seqs, scale, kv: right(q, k, v, seqs, 1.0, kv))
     check = kernel_check("sdpa", 2, 16, torch.device("cpu"), torch.float32)
     assert not check["ok"] and check["errors"]["output"] > 1e-2
     report = run_doctor(tmp_path, compare_lens=(48,), **SMALL)
