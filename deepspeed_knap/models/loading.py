@@ -22,6 +22,7 @@ Peak host memory per rank while loading is measured (Linux ``VmHWM``) and printe
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import resource
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -450,3 +451,64 @@ def _diffusers_version() -> str:
         return version("diffusers")
     except Exception:  # diffusers is optional; any recent version reads the files
         return "0.36.0"
+
+
+# Constructor arguments of a packed model that are not diffusers' config: how it runs here.
+EXTRA_ARGS = ("attention_backend", "topology", "gradient_checkpointing")
+
+
+class DiffusersCheckpoint:
+    """The diffusers checkpoint contract every packed model family shares (a mixin for an
+    ``nn.Module`` whose constructor takes diffusers' config arguments plus :data:`EXTRA_ARGS`, keeps
+    them in ``self.config``, and names its modules as diffusers does): copy a diffusers model, load
+    and save diffusers checkpoint directories, with ZeRO-3 partitioned loading.
+
+    A family sets ``diffusers_class`` (``config.json``'s ``_class_name``)."""
+
+    diffusers_class: ClassVar[str]
+
+    @classmethod
+    def config_keys(cls) -> tuple[str, ...]:
+        """diffusers' config arguments of this family (the constructor's, less :data:`EXTRA_ARGS`)."""
+        names = inspect.signature(cls.__init__).parameters
+        return tuple(name for name in names if name != "self" and name not in EXTRA_ARGS)
+
+    @classmethod
+    def from_diffusers(cls, model: nn.Module, **kwargs: Any):
+        """A copy of a diffusers model of this family (same weights, dtype and device).
+        ``kwargs``: :data:`EXTRA_ARGS`."""
+        config = {key: model.config[key] for key in cls.config_keys()}
+        parameter = next(model.parameters())
+        packed = cls(**config, **kwargs).to(dtype=parameter.dtype, device=parameter.device)
+        packed.load_state_dict(model.state_dict(), strict=True)
+        return packed
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, torch_dtype: torch.dtype | None = None, ds_config: Any = None, **kwargs: Any
+    ):
+        """Load a diffusers checkpoint directory (``config.json`` and ``diffusion_pytorch_model``
+        ``.safetensors``, single or sharded with its ``.index.json``; or a pipeline directory with
+        them under ``transformer/``). Tensors are read lazily, shard by shard.
+
+        Args:
+            torch_dtype: cast to this dtype (default: the stored dtype; under ZeRO-3, DeepSpeed's).
+            ds_config: the DeepSpeed config (dict or JSON path) the model will train with. With it,
+                loading is collective (every rank calls it): ranks agree on the checkpoint's checks
+                and raise the same error, and under ZeRO-3 the model is built inside
+                ``deepspeed.zero.Init`` and each rank reads only the slices of the tensors it keeps,
+                so no rank ever holds the whole model. Rank 0 prints every rank's peak host memory.
+            kwargs: :data:`EXTRA_ARGS`.
+        """
+        return load_checkpoint(cls, path, torch_dtype, ds_config, **kwargs)[0]
+
+    def save_pretrained(
+        self, path: str | Path, state_dict: Mapping[str, Tensor] | None = None, max_shard_size: int = 10 * 2**30
+    ) -> Path:
+        """Write ``config.json`` and the weights as diffusers writes them (one
+        ``diffusion_pytorch_model.safetensors``, or shards of at most ``max_shard_size`` bytes with an
+        index), which diffusers' ``from_pretrained`` loads. Pass ``state_dict`` when the parameters
+        are partitioned (ZeRO-3: the engine's consolidated state dict, on the rank that has it)."""
+        config = {"_class_name": self.diffusers_class, **self.config}
+        return save_checkpoint(Path(path), config, self.state_dict() if state_dict is None else state_dict,
+                               max_shard_size)  # fmt: skip

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -36,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspeed_knap.models.flux.layers import FluxStep
+from deepspeed_knap.models.loading import DiffusersCheckpoint
 from deepspeed_knap.planner.topology import Topology
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
 from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
@@ -43,7 +42,6 @@ from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import RoutedBatch, route_subset_rows
 
 # Constructor arguments that are ours, not diffusers' config.
-EXTRA_ARGS = ("attention_backend", "topology", "gradient_checkpointing")
 # Every attention projection of both streams of a double-stream block, by diffusers' names (the same
 # in FLUX.1 and FLUX.2): the start of each family's default LoRA targets.
 JOINT_ATTENTION_PROJECTIONS = (
@@ -144,7 +142,7 @@ def route_text_embedded(text_dim: int, dim: int) -> bool:
     return text_dim > 2 * dim
 
 
-class PackedFluxBase(nn.Module):
+class PackedFluxBase(DiffusersCheckpoint, nn.Module):
     """A FLUX family over packed samples, balanced or not; subclasses define the layers.
 
     Subclass contract:
@@ -183,12 +181,6 @@ class PackedFluxBase(nn.Module):
             config["num_attention_heads"], backend=attention_backend, topology=topology
         )
 
-    @classmethod
-    def config_keys(cls) -> tuple[str, ...]:
-        """diffusers' config arguments of this family (the constructor's, less :data:`EXTRA_ARGS`)."""
-        names = inspect.signature(cls.__init__).parameters
-        return tuple(name for name in names if name != "self" and name not in EXTRA_ARGS)
-
     @property
     def embed_text_before_routing(self) -> bool:
         """Whether text tokens travel embedded (:func:`route_text_embedded`)."""
@@ -206,52 +198,6 @@ class PackedFluxBase(nn.Module):
         """The blocks and the output layers: embedded ``txt [Tt, D]`` and ``img [Ti, D]`` of this
         GPU's routed tokens -> ``[Ti, patch^2 * C_out]`` predictions."""
         raise NotImplementedError
-
-    # ---- diffusers checkpoints ----
-
-    @classmethod
-    def from_diffusers(cls, model: nn.Module, **kwargs: Any):
-        """A copy of a diffusers model of this family (same weights, dtype and device).
-        ``kwargs``: :data:`EXTRA_ARGS`."""
-        config = {key: model.config[key] for key in cls.config_keys()}
-        parameter = next(model.parameters())
-        packed = cls(**config, **kwargs).to(dtype=parameter.dtype, device=parameter.device)
-        packed.load_state_dict(model.state_dict(), strict=True)
-        return packed
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str | Path, torch_dtype: torch.dtype | None = None, ds_config: Any = None, **kwargs: Any
-    ):
-        """Load a diffusers checkpoint directory (``config.json`` and ``diffusion_pytorch_model``
-        ``.safetensors``, single or sharded with its ``.index.json``; or a pipeline directory with
-        them under ``transformer/``). Tensors are read lazily, shard by shard.
-
-        Args:
-            torch_dtype: cast to this dtype (default: the stored dtype; under ZeRO-3, DeepSpeed's).
-            ds_config: the DeepSpeed config (dict or JSON path) the model will train with. With it,
-                loading is collective (every rank calls it): ranks agree on the checkpoint's checks
-                and raise the same error, and under ZeRO-3 the model is built inside
-                ``deepspeed.zero.Init`` and each rank reads only the slices of the tensors it keeps,
-                so no rank ever holds the whole model. Rank 0 prints every rank's peak host memory.
-            kwargs: :data:`EXTRA_ARGS`.
-        """
-        from deepspeed_knap.models.loading import load_checkpoint
-
-        return load_checkpoint(cls, path, torch_dtype, ds_config, **kwargs)[0]
-
-    def save_pretrained(
-        self, path: str | Path, state_dict: Mapping[str, Tensor] | None = None, max_shard_size: int = 10 * 2**30
-    ) -> Path:
-        """Write ``config.json`` and the weights as diffusers writes them (one
-        ``diffusion_pytorch_model.safetensors``, or shards of at most ``max_shard_size`` bytes with an
-        index), which diffusers' ``from_pretrained`` loads. Pass ``state_dict`` when the parameters
-        are partitioned (ZeRO-3: the engine's consolidated state dict, on the rank that has it)."""
-        from deepspeed_knap.models.loading import save_checkpoint
-
-        config = {"_class_name": self.diffusers_class, **self.config}
-        return save_checkpoint(Path(path), config, self.state_dict() if state_dict is None else state_dict,
-                               max_shard_size)  # fmt: skip
 
     # ---- packing ----
 

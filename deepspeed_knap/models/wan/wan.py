@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,8 +41,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from deepspeed_knap.models.flux.base import EXTRA_ARGS, route_text_embedded
+from deepspeed_knap.models.flux.base import route_text_embedded
 from deepspeed_knap.models.flux.layers import modulate
+from deepspeed_knap.models.loading import DiffusersCheckpoint
 from deepspeed_knap.models.wan.layers import (
     PatchEmbedding,
     TimeTextImageEmbedding,
@@ -155,7 +154,7 @@ def _context_column(name: str, context: Tensor) -> str:
     return f"{name}_rows" + ("_with_grad" if context.requires_grad else "")
 
 
-class PackedWanTransformer(nn.Module):
+class PackedWanTransformer(DiffusersCheckpoint, nn.Module):
     """Wan 2.x (Wan 2.1 T2V/I2V, Wan 2.2 TI2V-5B and each A14B expert) over packed samples, balanced or not.
 
     The constructor takes ``WanTransformer3DModel``'s config, so ``state_dict`` names and shapes are
@@ -241,12 +240,6 @@ class PackedWanTransformer(nn.Module):
         # decides its groups. Cross-attention uses its local kernel (varlen_attn).
         self.attention = KnapDistributedAttention(num_attention_heads, backend=attention_backend, topology=topology)
 
-    @classmethod
-    def config_keys(cls) -> tuple[str, ...]:
-        """diffusers' config arguments (the constructor's, less :data:`~deepspeed_knap.models.flux.base.EXTRA_ARGS`)."""
-        names = inspect.signature(cls.__init__).parameters
-        return tuple(name for name in names if name != "self" and name not in EXTRA_ARGS)
-
     @property
     def embed_text_before_routing(self) -> bool:
         """Whether text travels embedded (``D`` wide, its gradient sent back) rather than as
@@ -254,42 +247,6 @@ class PackedWanTransformer(nn.Module):
         (:func:`~deepspeed_knap.models.flux.base.route_text_embedded`). Wan 2.1 1.3B yes
         (4096 > 2 * 1536), 14B and 2.2 TI2V-5B no."""
         return route_text_embedded(self.config["text_dim"], self.inner_dim)
-
-    # ---- diffusers checkpoints (the same contract as the FLUX families') ----
-
-    @classmethod
-    def from_diffusers(cls, model: nn.Module, **kwargs: Any) -> PackedWanTransformer:
-        """A copy of a diffusers ``WanTransformer3DModel`` (same weights, dtype and device).
-        ``kwargs``: :data:`~deepspeed_knap.models.flux.base.EXTRA_ARGS`."""
-        config = {key: model.config[key] for key in cls.config_keys()}
-        parameter = next(model.parameters())
-        packed = cls(**config, **kwargs).to(dtype=parameter.dtype, device=parameter.device)
-        packed.load_state_dict(model.state_dict(), strict=True)
-        return packed
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str | Path, torch_dtype: torch.dtype | None = None, ds_config: Any = None, **kwargs: Any
-    ) -> PackedWanTransformer:
-        """Load a diffusers checkpoint directory (or a pipeline directory with it under
-        ``transformer/``), lazily, shard by shard; with ``ds_config`` collective, and under ZeRO-3
-        each rank reads only its partitions. Arguments as
-        :meth:`~deepspeed_knap.models.flux.base.PackedFluxBase.from_pretrained`'s."""
-        from deepspeed_knap.models.loading import load_checkpoint
-
-        return load_checkpoint(cls, path, torch_dtype, ds_config, **kwargs)[0]
-
-    def save_pretrained(
-        self, path: str | Path, state_dict: Mapping[str, Tensor] | None = None, max_shard_size: int = 10 * 2**30
-    ) -> Path:
-        """Write ``config.json`` and the weights as diffusers writes them, which diffusers'
-        ``WanTransformer3DModel.from_pretrained`` loads. Pass ``state_dict`` when the parameters are
-        partitioned (ZeRO-3: the engine's consolidated state dict)."""
-        from deepspeed_knap.models.loading import save_checkpoint
-
-        config = {"_class_name": self.diffusers_class, **self.config}
-        return save_checkpoint(Path(path), config, self.state_dict() if state_dict is None else state_dict,
-                               max_shard_size)  # fmt: skip
 
     # ---- packing ----
 
