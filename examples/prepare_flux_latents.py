@@ -5,9 +5,13 @@
     # synthetic data of a bundled mix's sizes (no weights needed)
     python examples/prepare_flux_latents.py --out /tmp/latents --synthetic kf_mixed_res --count 64
 
-The file format is documented in deepspeed_knap/models/flux_data.py. Encoding needs diffusers,
+The file format is documented in deepspeed_knap/models/flux/data.py. Encoding needs diffusers,
 transformers and the pipeline's weights, and runs once, before training, on one GPU. Images keep
 their own sizes and aspect ratios: packing trains every size as it is, with no aspect-ratio buckets.
+
+After the samples, ``manifest.json`` is written (each file's size and sha256): train_flux.py checks
+the files each rank reads against it, so a copy that changed, or differs between nodes, is refused
+instead of trained. It is removed first and written last: a run that did not finish leaves none.
 """
 
 import argparse
@@ -17,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 from deepspeed_knap.data.mixes import sample_shapes
-from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples
+from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples, write_latent_manifest
+from deepspeed_knap.runtime.manifest import MANIFEST
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--out", required=True, help="directory to write the samples to")
@@ -36,6 +41,8 @@ args = parser.parse_args()
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
+# The manifest of what was there before would describe files this run rewrites.
+(out / MANIFEST).unlink(missing_ok=True)
 
 
 def write_synthetic() -> None:
@@ -102,4 +109,5 @@ if args.synthetic:
     write_synthetic()
 else:
     encode_images()
-print(f"wrote {len(list(out.glob('*.safetensors')))} samples to {out}")
+manifest = write_latent_manifest(out)  # over every sample in the directory: training reads them all
+print(f"wrote {len(list(out.glob('*.safetensors')))} samples to {out}, and their sizes and sha256 to {manifest}")

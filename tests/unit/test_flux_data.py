@@ -1,22 +1,33 @@
 """LatentDirectory's start-up checks: every bad file is named, ranks split the work and any rank's
-finding becomes one message, too few files are refused unless asked to repeat."""
+finding becomes one message, too few files are refused unless asked to repeat. Contents: a directory
+with a manifest (prepare_flux_latents.py writes one) is checked against it, sizes at start-up and each
+file's sha256 when a rank reads it; without one, the ranks compare a sampled digest of every file.
+Copies that differ between ranks are refused with one message on every rank (2 gloo ranks)."""
 
+import shutil
+
+import pytest
 import torch
 
 from deepspeed_knap.data.mixes import SampleShape
 from deepspeed_knap.models.flux.data import (
     LatentDirectory,
+    LatentFileError,
     check_latent_file,
     latent_directory_error,
     save_latent_sample,
     synthetic_samples,
+    write_latent_manifest,
 )
+from deepspeed_knap.runtime.manifest import MANIFEST
+from tests.support.distributed import run_distributed
 
 CONFIG = {"in_channels": 16, "joint_attention_dim": 32, "pooled_projection_dim": 16, "axes_dims_rope": (4, 6, 6)}
 
 
 def write_samples(directory, count: int) -> list:
     shapes = [SampleShape(text=3 + i, visual=5 + 2 * i, frames=1) for i in range(count)]
+    directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for index, sample in enumerate(synthetic_samples(shapes, CONFIG, seed=0)):
         paths.append(directory / f"{index:03d}.safetensors")
@@ -79,3 +90,107 @@ def test_ranks_that_see_different_files_are_named(tmp_path):
     reports[3] = LatentDirectory(tmp_path).check(3, 4, CONFIG)
     message = latent_directory_error(reports)
     assert "ranks [0, 1, 2] see 4 files; ranks [3] see 3 files" in message
+
+
+def scaled_copy(source, destination, index: int):
+    """A copy of a latent directory whose file ``index`` holds the same tensors times 2 (same names,
+    same size): what a node with a diverging copy sees."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(source, destination)
+    file = sorted(destination.glob("*.safetensors"))[index]
+    save_latent_sample(file, {key: 2 * t for key, t in load_file(file).items()})
+    return file
+
+
+def test_a_manifest_lists_the_samples_and_a_file_changed_since_is_refused_when_read(tmp_path):
+    paths = write_samples(tmp_path / "data", 4)
+    write_latent_manifest(tmp_path / "data")
+    (tmp_path / "data" / "notes.txt").write_text("not a sample")
+    data = LatentDirectory(tmp_path / "data")
+    assert sorted(data.manifest["files"]) == [p.name for p in paths]
+    assert simulate_ranks(data, 2) is None
+    changed = scaled_copy(tmp_path / "data", tmp_path / "copy", 1)
+    copy = LatentDirectory(tmp_path / "copy")
+    assert simulate_ranks(copy, 2) is None  # same names, same sizes: only the contents differ
+    copy.read(0, 1)
+    with pytest.raises(LatentFileError, match=f"{changed}: sha256 [0-9a-f]{{16}}..., {MANIFEST} says ") as error:
+        copy.read(1, 1)
+    assert "copy it again from the original" in str(error.value)
+
+
+def test_files_that_do_not_match_the_manifest_are_named_at_start_up(tmp_path):
+    paths = write_samples(tmp_path, 6)
+    write_latent_manifest(tmp_path)
+    good = paths[3].read_bytes()
+    paths[3].write_bytes(good[:-10])  # truncated, and not a readable file any more
+    paths[5].unlink()
+    save_latent_sample(tmp_path / "new.safetensors", synthetic_samples([SampleShape(2, 3, 1)], CONFIG, seed=5)[0])
+    message = simulate_ranks(LatentDirectory(tmp_path), 2)
+    assert message.startswith(f"{tmp_path} does not match its {MANIFEST}: 1 listed file is missing (005.safetensors)")
+    assert "1 file is not in it (new.safetensors)" in message
+    paths[5].write_bytes(b"")
+    (tmp_path / "new.safetensors").unlink()
+    message = simulate_ranks(LatentDirectory(tmp_path), 2)
+    assert f"{paths[3]}: {len(good) - 10:,} bytes, {MANIFEST} says {len(good):,}" in message
+
+
+def test_ranks_with_different_manifests_are_named(tmp_path):
+    write_samples(tmp_path / "a", 2)
+    write_latent_manifest(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "b" / MANIFEST).unlink()
+    reports = [LatentDirectory(tmp_path / d).check(rank, 2, CONFIG) for rank, d in enumerate("ab")]
+    message = latent_directory_error(reports)
+    assert message.startswith(f"the ranks see different manifests in {tmp_path / 'a'}: rank 0 has one with sha256 ")
+    assert ", rank 1 has none; every rank must read the same directory, manifest.json included" in message
+
+
+def test_without_a_manifest_the_ranks_compare_a_sampled_digest_of_every_file(tmp_path):
+    write_samples(tmp_path / "data", 3)
+    changed = scaled_copy(tmp_path / "data", tmp_path / "copy", 2)
+    reports = [LatentDirectory(tmp_path / d).check(rank, 2, CONFIG) for rank, d in enumerate(("data", "copy"))]
+    message = latent_directory_error(reports)
+    assert message.startswith(f"the ranks' copies of {tmp_path / 'data'} differ: {changed.name}: rank 0 / rank 1")
+    assert "a manifest" in message
+
+
+def _diverging_copies_worker(rank: int, world: int, root: str, manifest: bool) -> str:
+    """Rank 1 reads a copy whose second file is scaled by 2; both do what train_flux.py does: agree on
+    the start-up check, then read their step-0 file and agree on what they found."""
+    import deepspeed.comm as dist
+
+    from deepspeed_knap.models.flux.data import check_latent_directory
+    from deepspeed_knap.runtime.groups import raise_together
+
+    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    data = LatentDirectory(f"{root}/{'copy' if rank == 1 else 'data'}")
+    try:
+        check_latent_directory(data, CONFIG)
+        try:
+            data.read(rank, 1)
+            problem = None
+        except LatentFileError as error:
+            problem = str(error)
+        raise_together(problem, "reading latent samples")
+    except ValueError as error:
+        return str(error).replace(f"{root}/copy", f"{root}/data")
+    return "trained"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no manifest"])
+def test_diverging_copies_on_two_ranks_are_refused_on_both(tmp_path, manifest):
+    write_samples(tmp_path / "data", 2)
+    if manifest:
+        write_latent_manifest(tmp_path / "data")
+    changed = scaled_copy(tmp_path / "data", tmp_path / "copy", 1)
+    messages = run_distributed(_diverging_copies_worker, 2, args=(str(tmp_path), manifest), timeout=120)
+    assert messages[0] == messages[1], messages
+    name = f"{tmp_path / 'data' / changed.name}"
+    if manifest:  # found by rank 1 when it reads the file
+        assert messages[0].startswith(f"reading latent samples failed:\nrank(s) [1]: {name}: sha256 "), messages[0]
+    else:  # found at start-up
+        assert messages[0].startswith(
+            f"the ranks' copies of {tmp_path / 'data'} differ: {changed.name}: rank 0 / rank 1"
+        )
