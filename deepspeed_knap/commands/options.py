@@ -41,26 +41,23 @@ def add_mix_argument(parser: argparse.ArgumentParser, default: str | list[str], 
                         new=new, default=argparse.SUPPRESS, help=f"deprecated spelling of {new}")  # fmt: skip
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (``--repeat 0`` is a usage error, not a failure later)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type: a whole number >= ``minimum`` (``--repeat 0`` is a usage error, not a failure later)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not >= {minimum}")
+        return value
+
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
-    return value
+positive_int = _int_at_least(1)
+nonnegative_int = _int_at_least(0)
 
 
 def positive_float(text: str) -> float:
