@@ -30,21 +30,27 @@ HELP = "solve one step and compare solvers"
 FORMATTER = DefaultsHelp
 
 _MODEL_KEYS = ("hidden", "double_blocks", "single_blocks", "mlp_ratio")
+_WAN_KEYS = ("dim", "ffn_dim", "num_heads", "num_layers", "text_len")
 
 
 def parse_model(text: str) -> dict[str, int]:
-    """``flux-dev`` (a preset) or ``hidden=3072,double_blocks=19,single_blocks=38[,mlp_ratio=4]``."""
+    """A preset (``flux-dev``, ``wan2.1-14b``, ...), FLUX dims over flux-dev's
+    (``hidden=3072,double_blocks=19,single_blocks=38[,mlp_ratio=4]``) or Wan dims over wan2.1-14b's
+    (``dim=5120,ffn_dim=13824,num_heads=40,num_layers=40[,text_len=512]``)."""
     if text in MODEL_PRESETS:
         return dict(MODEL_PRESETS[text])
-    dims = dict(MODEL_PRESETS["flux-dev"])
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
+    items = [item.partition("=") for item in text.split(",")]
+    wan = any(key.strip() in _WAN_KEYS for key, _, _ in items)
+    keys = _WAN_KEYS if wan else _MODEL_KEYS
+    dims = dict(MODEL_PRESETS["wan2.1-14b" if wan else "flux-dev"])
+    for (key, sep, value), item in zip(items, text.split(","), strict=True):
         number = value.strip()
         valid = number.isdigit() or (key.strip() == "mlp_ratio" and number.replace(".", "", 1).isdigit())
-        if not sep or key.strip() not in _MODEL_KEYS or not valid:
+        if not sep or key.strip() not in keys or not valid:
             raise argparse.ArgumentTypeError(
-                f"bad --model part {item!r}: give a preset ({', '.join(MODEL_PRESETS)}) or "
-                f"key=int pairs with keys {', '.join(_MODEL_KEYS)} (mlp_ratio may be fractional)"
+                f"bad --model part {item!r}: give a preset ({', '.join(MODEL_PRESETS)}), or key=int pairs with "
+                f"FLUX's keys {', '.join(_MODEL_KEYS)} (mlp_ratio may be fractional) or Wan's {', '.join(_WAN_KEYS)}, "
+                "not both"
             )
         dims[key.strip()] = float(number) if key.strip() == "mlp_ratio" else int(number)
     return dims

@@ -3,10 +3,17 @@
 For a sequence of ``s`` tokens run with Ulysses degree ``G`` (a bag of ``G`` GPUs), every GPU of the
 bag spends::
 
-    time(s, G) = (a * s + b * s**2) / (G * speed * efficiency(G))  +  c * s * (G - 1) / G**2
+    time(s, G) = (a * s + b * s**2 * heads(G)) / (G * speed * efficiency(G))  +  e / speed
+                 +  c * s * (G - 1) / G**2,         heads(G) = ceil(H / G) * G / H
 
 * ``a * s``: token-wise work (projections, MLP); ``b * s**2``: attention. Both split evenly over the
   bag: Ulysses gives each GPU ``s / G`` tokens for the linear layers and ``H / G`` heads of attention.
+* Heads the degree does not divide (``num_heads`` ``H``, when known): Ulysses gives a member of a bag
+  of ``G`` ``floor(H/G)`` or ``ceil(H/G)`` heads, and the bag moves at its ``ceil`` members' pace, so
+  the attention term costs ``ceil(H/G) * G / H`` times the even split (12 heads in a bag of 8: each
+  member waits for 2/12 of the attention, not 1.5/12: 4/3 times). 1 where ``G`` divides ``H``.
+* ``e``: work every GPU of the bag repeats whatever ``G`` (Wan: each member projects the sample's
+  text to cross-attention keys and values itself); 0 for FLUX.
 * ``c * s * (G-1) / G**2``: the Ulysses all-to-alls. Each GPU holds ``s / G`` tokens and sends the
   fraction ``(G-1)/G`` of them away, for q, k, v and the output, forward and backward. Zero at G=1.
 * ``speed``: relative speed of the bag, the slowest of its GPUs (a bag moves in lockstep).
@@ -19,7 +26,8 @@ launches, Python: every rank runs every block, with or without tokens), ``speed_
 With equal speeds that is the same on every GPU and changes no plan; on a slow GPU it is larger,
 and the plan gives that GPU less work to make up for it. The online refit learns it; 0 unless given.
 
-Defaults come from FLOP counts of the model's dimensions (:meth:`CostModel.from_model_dims`);
+Defaults come from FLOP counts of the model's dimensions (:meth:`CostModel.from_model_dims` for
+FLUX-style DiTs, :meth:`CostModel.from_wan_dims` for Wan);
 :func:`fit_cost_model` fits ``a, b, c`` to measured (length, bag size, time) triples by non-negative
 least squares.
 """
@@ -39,7 +47,19 @@ MODEL_PRESETS: dict[str, dict[str, float]] = {
     "flux-tiny": {"hidden": 64, "double_blocks": 2, "single_blocks": 2, "mlp_ratio": 4},
     # FLUX.2 [dev]: a SwiGLU MLP 3x wide has 2 * 3 + 3 = 9 d^2 matrices, what mlp_ratio 4.5 counts.
     "flux2-dev": {"hidden": 6144, "double_blocks": 8, "single_blocks": 48, "mlp_ratio": 4.5},
+    # Wan 2.x (CostModel.from_wan_dims), in the names of Wan's own configs: dim, ffn_dim, num_heads,
+    # num_layers (Wan-Video/Wan2.1 wan/configs/wan_t2v_1_3B.py and wan_t2v_14B.py; Wan-Video/Wan2.2
+    # wan/configs/wan_ti2v_5B.py), and text_len 512 (wan/configs/shared_config.py: the umT5 prompt
+    # padded to 512; diffusers' WanPipeline max_sequence_length=512). diffusers' WanTransformer3DModel
+    # configs agree: num_attention_heads x attention_head_dim 128 = dim (12, 40, 24 heads), ffn_dim,
+    # num_layers. Wan 2.2 A14B's two experts each have the 14B shape.
+    "wan2.1-1.3b": {"dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30, "text_len": 512},
+    "wan2.1-14b": {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40, "text_len": 512},
+    "wan2.2-ti2v-5b": {"dim": 3072, "ffn_dim": 14336, "num_heads": 24, "num_layers": 30, "text_len": 512},
 }
+# The keys that make a dims dict Wan's (the others are FLUX's: hidden, double_blocks, single_blocks, mlp_ratio).
+WAN_DIM_KEYS = ("dim", "ffn_dim", "num_heads", "num_layers", "text_len")
+FLUX_DIM_KEYS = ("hidden", "double_blocks", "single_blocks", "mlp_ratio")
 
 # The defaults of from_model_dims, the config block and the CLI: an H100 in bf16, NVLink all-to-alls.
 DEFAULT_TFLOPS = 400.0
@@ -65,6 +85,10 @@ class CostModel:
         degree_efficiency: ``((G, efficiency), ...)``: the fraction of the ideal ``1/G`` of the work
             a member of a bag of ``G`` GPUs achieves; degrees not listed (and ``G = 1``) have 1.
         overhead_s: seconds a GPU of speed 1 spends per step whatever its tokens (module docstring).
+        num_heads: ``H``, the attention heads Ulysses splits over a bag; prices the bags whose size
+            does not divide it (module docstring). ``None``: unknown, priced as if every size divided it.
+        sequence_coef: ``e``, seconds of speed 1 each GPU of a bag spends on a sequence whatever the
+            bag's size (module docstring); 0 unless given.
     """
 
     linear_coef: float
@@ -73,9 +97,15 @@ class CostModel:
     gpu_speed: tuple[float, ...] | None = None
     degree_efficiency: tuple[tuple[int, float], ...] | None = None
     overhead_s: float = 0.0
+    num_heads: int | None = None
+    sequence_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("linear_coef", "quadratic_coef", "alltoall_coef", "overhead_s"):
+        if self.num_heads is not None and (
+            isinstance(self.num_heads, bool) or not isinstance(self.num_heads, (int, np.integer)) or self.num_heads < 1
+        ):
+            raise ValueError(f"cost model num_heads must be a positive integer or None; got {self.num_heads!r}")
+        for name in ("linear_coef", "quadratic_coef", "alltoall_coef", "overhead_s", "sequence_coef"):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"cost model {name} must be a finite number >= 0; got {value!r}")
@@ -103,6 +133,7 @@ class CostModel:
         bytes_per_element: int = 2,
         gpu_speed: tuple[float, ...] | None = None,
         frozen_base: bool = False,
+        num_heads: int | None = None,
     ) -> CostModel:
         """FLOP-based defaults for a FLUX-style DiT (defaults: FLUX.1-dev on an H100 in bf16).
 
@@ -122,6 +153,8 @@ class CostModel:
             bytes_per_element: activation dtype size moved by the all-to-alls.
             gpu_speed: see the class attributes.
             frozen_base: the base weights are frozen (LoRA, adapters).
+            num_heads: attention heads (:attr:`num_heads`); ``None`` (the FLUX presets) prices every
+                bag size as if it divided them.
         """
         dims = (hidden, double_blocks + single_blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element)
         if not all(np.isfinite(dims)) or min(dims) <= 0:
@@ -137,7 +170,82 @@ class CostModel:
         quadratic = _ATTENTION_TRAIN_FACTOR * 2 * 2 * hidden * blocks / flops_per_s
         # q, k, v in and the output back, forward and backward: 8 all-to-alls of hidden-wide tokens.
         alltoall = 8 * hidden * bytes_per_element * blocks / (alltoall_gbps * 1e9)
-        return cls(linear, quadratic, alltoall, gpu_speed)
+        return cls(linear, quadratic, alltoall, gpu_speed, num_heads=num_heads)
+
+    @classmethod
+    def from_wan_dims(
+        cls,
+        dim: int = 5120,
+        ffn_dim: int = 13824,
+        num_heads: int = 40,
+        num_layers: int = 40,
+        text_len: int = 512,
+        tflops: float = DEFAULT_TFLOPS,
+        alltoall_gbps: float = DEFAULT_ALLTOALL_GBPS,
+        bytes_per_element: int = 2,
+        gpu_speed: tuple[float, ...] | None = None,
+        frozen_base: bool = False,
+    ) -> CostModel:
+        """FLOP-based defaults for a Wan 2.x DiT (defaults: Wan 2.1 14B on an H100 in bf16).
+
+        A Wan block is self-attention over the video tokens, cross-attention from them to the
+        sample's ``text_len`` text rows, and a GELU FFN ``ffn_dim`` wide. The balancer plans video
+        tokens only (the text is not in the sequence; docs/design.md, "Wan: cross-attention under
+        Ulysses"). Per block, forward, in multiply-adds:
+
+        * per video token, linear layers: ``4 d^2`` (self-attention q, k, v, output) + ``2 d^2``
+          (cross-attention q, output) + ``2 d ffn_dim`` (FFN);
+        * per video token, cross-attention scores and values over the text: ``2 text_len d``. Linear
+          in the tokens for a fixed text length, so it folds into ``a`` (with attention's 3.5x
+          forward + backward factor); the text length is the pipeline's 512, padding included;
+        * per pair of video tokens, self-attention: ``2 s d`` per token, the ``b`` term;
+        * per sequence, the text keys and values: ``2 text_len d^2``. The text travels with its
+          sequence and every member of the bag projects it itself, so this does not shrink with the
+          bag: it is ``e``, the per-sequence term (at ``d = 5120`` some 90 video tokens' worth of
+          linear work per block: 6% of a 1,560-token 480p image at degree 1, 1% of each member's
+          share of a 75,600-token 720p clip at degree 8). Counted with the linear layers' factor.
+
+        x2 FLOPs per multiply-add; forward + backward 3x (linear, 2x with ``frozen_base``) and 3.5x
+        (attention), as for FLUX. The Ulysses all-to-alls are self-attention's (cross-attention runs
+        locally): 8 of ``d``-wide tokens per block, as for FLUX. Left out as small: norms,
+        modulation, RoPE, patch embedding and head, the time and text embedders (once per model, not
+        per block), and I2V's image context (257 more cross-attention rows through ``add_k_proj``).
+
+        Args:
+            dim, ffn_dim, num_heads, num_layers, text_len: Wan's config names (MODEL_PRESETS).
+            Others: as :meth:`from_model_dims`.
+        """
+        dims = (dim, ffn_dim, num_heads, num_layers, tflops, alltoall_gbps, bytes_per_element)
+        if not all(np.isfinite(dims)) or min(dims) <= 0 or not np.isfinite(text_len) or text_len < 0:
+            raise ValueError(
+                "Wan dims must be finite and positive (text_len >= 0): got "
+                f"dim={dim}, ffn_dim={ffn_dim}, num_heads={num_heads}, num_layers={num_layers}, text_len={text_len}, "
+                f"tflops={tflops}, alltoall_gbps={alltoall_gbps}, bytes_per_element={bytes_per_element}"
+            )
+        if dim % num_heads:
+            raise ValueError(f"Wan dims: dim={dim} is not a whole number of heads ({num_heads})")
+        flops_per_s = tflops * 1e12
+        train_factor = _LINEAR_FROZEN_FACTOR if frozen_base else _LINEAR_TRAIN_FACTOR
+        linear_macs = 6 * dim**2 + 2 * dim * ffn_dim
+        linear = (
+            (train_factor * 2 * linear_macs + _ATTENTION_TRAIN_FACTOR * 2 * 2 * text_len * dim)
+            * num_layers
+            / flops_per_s
+        )
+        quadratic = _ATTENTION_TRAIN_FACTOR * 2 * 2 * dim * num_layers / flops_per_s
+        sequence = train_factor * 2 * 2 * text_len * dim**2 * num_layers / flops_per_s
+        alltoall = 8 * dim * bytes_per_element * num_layers / (alltoall_gbps * 1e9)
+        return cls(linear, quadratic, alltoall, gpu_speed, num_heads=int(num_heads), sequence_coef=sequence)
+
+    def head_factor(self, bag_size: np.ndarray | int) -> np.ndarray:
+        """``[...]`` ``ceil(H / G) * G / H`` of each bag size ``G``: how much longer a bag's attention
+        takes than an even split of the heads (1 where ``G`` divides ``H``, or ``H`` is unknown)."""
+        g = np.asarray(bag_size)
+        if self.num_heads is None:
+            return np.ones(g.shape, dtype=np.float64)
+        g = g.astype(np.int64)
+        heads = int(self.num_heads)
+        return (-(-heads // g) * g).astype(np.float64) / heads
 
     def per_gpu_time(
         self, seq_lens: np.ndarray, bag_size: np.ndarray | int, bag_speed: np.ndarray | float = 1.0
@@ -154,7 +262,12 @@ class CostModel:
         """
         s = np.asarray(seq_lens, dtype=np.float64)
         g = np.asarray(bag_size, dtype=np.float64)
-        compute = (self.linear_coef * s + self.quadratic_coef * s * s) / (g * bag_speed * self.efficiency(bag_size))
+        quadratic = self.quadratic_coef * s * s
+        if self.num_heads is not None:  # the bag waits for its members with ceil(H / G) heads
+            quadratic = quadratic * self.head_factor(bag_size)
+        compute = (self.linear_coef * s + quadratic) / (g * bag_speed * self.efficiency(bag_size))
+        if self.sequence_coef:  # repeated by every member, whatever G
+            compute = compute + self.sequence_coef / np.asarray(bag_speed, dtype=np.float64)
         return compute + self.alltoall_coef * s * (g - 1.0) / (g * g)
 
     def efficiency(self, bag_size: np.ndarray | int) -> np.ndarray:
@@ -194,7 +307,14 @@ class CostModel:
 
 
 def default_cost_model(model: str | dict[str, int] = "flux-dev", **overrides: float) -> CostModel:
-    """FLOP-based cost model of a named preset (:data:`MODEL_PRESETS`) or a dict of model dims."""
+    """FLOP-based cost model of a named preset (:data:`MODEL_PRESETS`) or a dict of model dims: Wan's
+    (:data:`WAN_DIM_KEYS`, :meth:`CostModel.from_wan_dims`) or FLUX's (:meth:`CostModel.from_model_dims`).
+    ``overrides`` replace dims of the same family, or set ``tflops``, ``alltoall_gbps``, ``frozen_base``
+    and the like.
+
+    Raises:
+        ValueError: an unknown preset, or Wan and FLUX dims mixed.
+    """
     if isinstance(model, str):
         if model not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {model!r}; choose one of {sorted(MODEL_PRESETS)} or give dims")
@@ -202,7 +322,13 @@ def default_cost_model(model: str | dict[str, int] = "flux-dev", **overrides: fl
     else:
         dims = dict(model)
     dims.update(overrides)
-    return CostModel.from_model_dims(**dims)
+    wan, flux = sorted(set(dims) & set(WAN_DIM_KEYS)), sorted(set(dims) & set(FLUX_DIM_KEYS))
+    if wan and flux:
+        raise ValueError(
+            f"model dims mix Wan's ({', '.join(wan)}) and FLUX's ({', '.join(flux)}); a Wan model takes "
+            f"{', '.join(WAN_DIM_KEYS)}, a FLUX-style one {', '.join(FLUX_DIM_KEYS)}"
+        )
+    return CostModel.from_wan_dims(**dims) if wan else CostModel.from_model_dims(**dims)
 
 
 def fit_cost_model(

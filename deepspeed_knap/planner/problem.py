@@ -93,6 +93,9 @@ class Problem:
         class_speed = np.array([k[1] for k in keys])
         class_count = np.bincount(bag_class, minlength=len(keys)).astype(np.int64)
 
+        # Every (length, degree) pair is priced here, and in _group_loads (a plan's loads), by the same
+        # per_gpu_time: heads a degree does not divide (cost_model.num_heads) and per-sequence work
+        # every member repeats (sequence_coef) included.
         cost_s = cost_model.per_gpu_time(seq_lens[:, None], class_size[None, :], class_speed[None, :])
         scale = _COST_UNITS / cost_s.max() if seq_lens.size else 1.0
         # Rounding down keeps every quantised cost <= the true one, so bounds on them bound the truth.

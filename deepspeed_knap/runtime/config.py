@@ -85,8 +85,9 @@ class KnapCostModelConfig(DeepSpeedConfigModel):
     it is refit online."""
 
     model: str | None = None
-    """Preset name (``flux-dev``, ``flux-schnell``, ``flux-tiny``, ``flux2-dev``); the default when nothing
-    else is given."""
+    """Preset name (``flux-dev``, ``flux-schnell``, ``flux-tiny``, ``flux2-dev``; Wan: ``wan2.1-1.3b``,
+    ``wan2.1-14b``, ``wan2.2-ti2v-5b``); the default when nothing else is given. The dims overrides
+    below are FLUX's: a Wan preset takes none (another Wan size: calibrate, or give coefficients)."""
     hidden: int | None = Field(None, gt=0)
     """Override the preset's model width."""
     double_blocks: int | None = Field(None, ge=0)
@@ -138,6 +139,12 @@ class KnapCostModelConfig(DeepSpeedConfigModel):
             raise ValueError("coefficients need both linear_coef and quadratic_coef")
         if self.model is not None and self.model not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {self.model!r}; choose one of {sorted(MODEL_PRESETS)}")
+        if self.model is not None and dims and "dim" in MODEL_PRESETS[self.model]:
+            raise ValueError(
+                f"{', '.join(dims)} override a FLUX-style preset's dims; Wan preset {self.model!r} takes none (its "
+                "sizes are the wan2.1-1.3b, wan2.1-14b and wan2.2-ti2v-5b presets; for another, calibrate or give "
+                "linear_coef and quadratic_coef)"
+            )
         if self.frozen_base and (coefs or self.calibration_file):
             raise ValueError("frozen_base adjusts a preset; measured coefficients already say what they measured")
         return self

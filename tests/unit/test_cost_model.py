@@ -1,10 +1,14 @@
-"""Workload model: the formula, FLOP-derived defaults, and the NNLS fit against scipy's."""
+"""Cost model: the formula (heads the degree does not divide included), FLOP-derived defaults (FLUX
+and Wan), and the NNLS fit against scipy's."""
+
+import argparse
+import dataclasses
 
 import numpy as np
 import pytest
 from scipy.optimize import nnls
 
-from deepspeed_knap.cost.model import CostModel, default_cost_model, fit_cost_model
+from deepspeed_knap.cost.model import MODEL_PRESETS, CostModel, default_cost_model, fit_cost_model
 
 
 def test_formula_splits_compute_and_adds_alltoall_only_for_bags():
@@ -83,3 +87,108 @@ def test_fit_rejects_bad_measurements():
         fit_cost_model([1, 2, 3], [1.0, 2.0])
     with pytest.raises(ValueError, match="positive lengths"):
         fit_cost_model([0, 2, 3], [1.0, 2.0, 3.0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Heads the degree does not divide (issue 23, item 3) and the Wan presets (item 4).
+
+
+def _busiest_member_heads(heads: int, group: int) -> int:
+    """Heads of a group's busiest member, split near-equally as KnapDistributedAttention does."""
+    return max(heads // group + (member < heads % group) for member in range(group))
+
+
+def test_attention_over_heads_the_degree_does_not_divide_runs_at_the_busiest_members_pace():
+    a, b, c, s = 2e-6, 3e-10, 1e-7, 50_000.0
+    model = CostModel(a, b, c, num_heads=12)
+    for g in (1, 2, 3, 4, 5, 6, 8, 12):
+        # Each member spends a*s/G on its tokens and b*s^2 * h/H on its h heads of attention; the
+        # group waits for its member with the most heads.
+        expected = a * s / g + b * s * s * _busiest_member_heads(12, g) / 12 + c * s * (g - 1) / g**2
+        assert model.per_gpu_time(np.array([s]), g)[0] == pytest.approx(expected, rel=1e-12), g
+    # 12 heads in a group of 8: members of 2 heads and of 1; the group runs at the 2-head pace,
+    # 4/3 of an even split's attention.
+    assert model.head_factor(np.array([1, 2, 3, 4, 8])).tolist() == [1.0, 1.0, 1.0, 1.0, 4 / 3]
+    assert model.head_factor(8) == pytest.approx(np.ceil(12 / 8) * 8 / 12)
+
+
+def test_unknown_or_divisible_heads_price_exactly_as_before():
+    even = CostModel(2e-6, 3e-10, 1e-7, degree_efficiency=((4, 0.9),))
+    lengths = np.array([[1.0], [257.0], [4096.0], [75_600.0]])
+    sizes = np.array([[1, 2, 4, 8]])
+    for heads in (8, 24, 40 * 8):  # divisible by every size here: bit-identical, not approximately
+        assert np.array_equal(dataclasses.replace(even, num_heads=heads).per_gpu_time(lengths, sizes),
+                              even.per_gpu_time(lengths, sizes))  # fmt: skip
+    assert np.array_equal(even.head_factor(sizes), np.ones((1, 4)))
+    assert np.all(CostModel(2e-6, 3e-10, num_heads=12).per_gpu_time(lengths, sizes)[:, -1] >
+                  even.per_gpu_time(lengths, sizes)[:, -1] - 1e-7 * lengths[:, 0] * 7 / 64)  # fmt: skip
+
+
+@pytest.mark.parametrize("heads", [0, -3, 2.5, True, "12"])
+def test_bad_head_counts_are_refused(heads):
+    with pytest.raises(ValueError, match="num_heads must be a positive integer"):
+        CostModel(1.0, 1.0, num_heads=heads)
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "ffn", "heads", "layers"),
+    [("wan2.1-1.3b", 1536, 8960, 12, 30), ("wan2.1-14b", 5120, 13824, 40, 40), ("wan2.2-ti2v-5b", 3072, 14336, 24, 30)],
+)
+def test_wan_presets_follow_the_flop_count(name, d, ffn, heads, layers):
+    model = default_cost_model(name)
+    flops, text = 400e12, 512
+    # Per video token and block: 4 d^2 (self-attention projections) + 2 d^2 (cross-attention q, out)
+    # + 2 d ffn (FFN), x2 FLOPs, x3 forward + backward; cross-attention over 512 text rows, 2 * 512 * d
+    # multiply-adds, x2, x3.5 like attention.
+    assert model.linear_coef == pytest.approx(
+        (3 * 2 * (6 * d * d + 2 * d * ffn) + 3.5 * 2 * 2 * text * d) * layers / flops
+    )
+    assert model.quadratic_coef == pytest.approx(3.5 * 2 * 2 * d * layers / flops)
+    # Every member projects the text to keys and values itself: 2 * 512 * d^2 per block, whatever G.
+    assert model.sequence_coef == pytest.approx(3 * 2 * 2 * text * d * d * layers / flops)
+    assert model.alltoall_coef == pytest.approx(8 * d * 2 * layers / 150e9)
+    assert model.num_heads == heads
+    # The per-sequence term is on every GPU of the group, undivided.
+    s = np.array([32_760.0])
+    for g in (1, 2, 4, 8):
+        expected = (model.linear_coef * s + model.quadratic_coef * s * s * model.head_factor(g)) / g
+        expected += model.sequence_coef + model.alltoall_coef * s * (g - 1) / g**2
+        assert model.per_gpu_time(s, g) == pytest.approx(expected, rel=1e-12)
+    lora = default_cost_model(name, frozen_base=True)
+    assert lora.sequence_coef == pytest.approx(model.sequence_coef * 2 / 3)
+    assert lora.quadratic_coef == model.quadratic_coef
+
+
+def test_wan_14b_magnitudes_match_the_design_notes():
+    model = default_cost_model("wan2.1-14b")
+    # docs/design.md: the text K/V projection is 53.7 GFLOP per block forward, 6.4 TFLOP per step
+    # with backward over 40 blocks: at 400 TFLOP/s, 16 ms per sequence and member.
+    assert model.sequence_coef == pytest.approx(6.44e12 / 400e12, rel=0.01)
+    # Cross-attention over 512 text rows is about 2% of a video token's linear work.
+    d, ffn = 5120, 13824
+    cross = 3.5 * 2 * 2 * 512 * d / (3 * 2 * (6 * d * d + 2 * d * ffn))
+    assert 0.015 < cross < 0.025
+
+
+def test_wan_dims_and_flux_dims_do_not_mix():
+    assert default_cost_model({"dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30}).num_heads == 12
+    with pytest.raises(ValueError, match=r"mix Wan's \(dim, .*\) and FLUX's \(hidden\)"):
+        default_cost_model("wan2.1-14b", hidden=64)
+    with pytest.raises(ValueError, match="not a whole number of heads"):
+        CostModel.from_wan_dims(dim=1000, num_heads=12)
+
+
+def test_the_config_block_and_the_cli_take_wan_presets():
+    from deepspeed_knap.commands.plan import parse_model
+    from deepspeed_knap.runtime.config import KnapCostModelConfig
+
+    assert KnapCostModelConfig(model="wan2.1-14b").build() == default_cost_model("wan2.1-14b")
+    lora = KnapCostModelConfig(model="wan2.1-1.3b", frozen_base=True, tflops=200).build()
+    assert lora == default_cost_model("wan2.1-1.3b", frozen_base=True, tflops=200)
+    with pytest.raises(ValueError, match=r"Wan preset 'wan2\.1-14b' takes none"):
+        KnapCostModelConfig(model="wan2.1-14b", hidden=4096)
+    assert parse_model("wan2.2-ti2v-5b") == MODEL_PRESETS["wan2.2-ti2v-5b"]
+    assert parse_model("num_layers=20") == {**MODEL_PRESETS["wan2.1-14b"], "num_layers": 20}
+    assert parse_model("hidden=64") == {**MODEL_PRESETS["flux-dev"], "hidden": 64}
+    with pytest.raises(argparse.ArgumentTypeError, match="not both"):
+        parse_model("hidden=64,dim=128")
