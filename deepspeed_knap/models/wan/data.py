@@ -1,0 +1,314 @@
+"""Prepared data for Wan: video files and images -> one ``.safetensors`` file of latents and text
+embeddings per sample (``examples/prepare_video_latents.py`` writes them; docs/models.md, "Preparing
+video data", has the rules).
+
+A *video latent sample* on disk holds exactly two tensors, unbatched, each sample at its own size:
+
+===========================  ================  =============================================
+key                          shape             what
+===========================  ================  =============================================
+``latents``                  ``[C, F, H, W]``  ``AutoencoderKLWan`` latents, normalised as
+                                               ``WanPipeline`` un-normalises them (an image is
+                                               ``F = 1``)
+``encoder_hidden_states``    ``[Lt, Dj]``      ``WanPipeline.encode_prompt``'s text rows (zero
+                                               padded to ``max_sequence_length``, 512)
+===========================  ================  =============================================
+
+and, as string metadata in its header, where it came from (``source``, ``caption``, the source's and
+the kept frame count and size). ``PackedWanTransformer`` takes ``latents`` as ``hidden_states``. The
+directory holds a ``manifest.json`` (:mod:`deepspeed_knap.runtime.manifest`), as FLUX's prepared data
+does, written after every sample.
+
+The rules that turn a source into pixels the VAE takes (:func:`read_source`):
+
+* **Frames**: ``AutoencoderKLWan`` encodes ``1 + 4k`` frames into ``1 + k`` latent frames; a clip keeps
+  its first ``max(4k + 1 <= frames)`` frames (and at most ``max_frames``, itself ``4k + 1``); the
+  frames dropped are reported.
+* **Size**: a frame larger than ``max_area`` pixels is first scaled down (aspect ratio kept, bilinear
+  with antialiasing); then each side is **center-cropped** to the largest multiple of
+  ``multiple`` (the VAE's spatial factor times the transformer's patch: 8 x 2 = 16 for Wan 2.1) that
+  fits: at most ``multiple - 1`` pixels of a side are cut, split between its two ends, and no pixel is
+  resampled. Every sample keeps its own size: no buckets.
+* **Captions**: a sidecar text file, ``clip.mp4`` -> ``clip.txt`` (the convention of FLUX's
+  ``prepare_flux_latents.py`` and most video trainers' datasets).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CAPTION_SUFFIX",
+    "IMAGE_SUFFIXES",
+    "VIDEO_LATENT_KEYS",
+    "VIDEO_SUFFIXES",
+    "Refused",
+    "SourcePixels",
+    "center_crop_multiple",
+    "frames_to_keep",
+    "load_video_sample",
+    "read_caption",
+    "read_source",
+    "save_video_sample",
+    "write_tiny_wan_pipeline",
+]
+
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+CAPTION_SUFFIX = ".txt"
+VIDEO_LATENT_KEYS = ("latents", "encoder_hidden_states")
+
+
+class Refused(ValueError):
+    """A source file that cannot be prepared. ``kind`` groups reasons in the summary (``"unreadable"``,
+    ``"no video frames"``, ``"no caption"``, ...); the message says what is wrong and the fix."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def read_caption(source: Path) -> str:
+    """The caption of ``source``: the text of its sidecar ``.txt`` (same name, ``.txt`` suffix), stripped.
+
+    Raises:
+        Refused: there is no sidecar file, it cannot be read, or it is empty.
+    """
+    sidecar = source.with_suffix(CAPTION_SUFFIX)
+    if not sidecar.is_file():
+        raise Refused("no caption", f"no caption: write it in {sidecar.name} next to it")
+    try:
+        caption = sidecar.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise Refused("no caption", f"its caption {sidecar.name} cannot be read as UTF-8 text ({error})") from None
+    if not caption:
+        raise Refused("no caption", f"its caption {sidecar.name} is empty")
+    return caption
+
+
+def frames_to_keep(count: int, temporal: int = 4, max_frames: int | None = None) -> int:
+    """The largest ``temporal * k + 1 <= min(count, max_frames)``: how many leading frames of a clip of
+    ``count`` frames the VAE encodes (0 when ``count`` is 0)."""
+    limit = count if max_frames is None else min(count, max_frames)
+    return 0 if limit < 1 else (limit - 1) // temporal * temporal + 1
+
+
+def center_crop_multiple(height: int, width: int, multiple: int) -> tuple[int, int, int, int]:
+    """``(top, left, height', width')``: the centered crop of each side to the largest multiple of
+    ``multiple`` that fits (0 when a side is smaller than ``multiple``)."""
+    new_h, new_w = height // multiple * multiple, width // multiple * multiple
+    return (height - new_h) // 2, (width - new_w) // 2, new_h, new_w
+
+
+@dataclass
+class SourcePixels:
+    """One source made ready for the VAE.
+
+    Attributes:
+        pixels: ``[3, F, H, W]`` float32 in ``[-1, 1]`` (``F = 1`` for an image).
+        is_video: a video file (else an image).
+        source_frames: frames read from the file (with ``max_frames``: at most one past the limit, so
+            ``source_frames > frames`` says frames were left).
+        source_size: ``(height, width)`` as decoded.
+        fps: the frame rate of ``pixels`` (``None``: an image, or a stream that gives none).
+        notes: what was done to it, for the summary: ``"fps"`` (subsampled), ``"frames"`` (4k+1 rule
+            or ``max_frames``), ``"scaled"`` (``max_area``), ``"cropped"`` (to the multiple), each a
+            short description.
+    """
+
+    pixels: Tensor
+    is_video: bool
+    source_frames: int
+    source_size: tuple[int, int]
+    fps: float | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def frames(self) -> int:
+        return self.pixels.shape[1]
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return tuple(self.pixels.shape[2:])
+
+
+def _decode_video(
+    path: Path, read_limit: int | None, fps: float | None
+) -> tuple[list[np.ndarray], float | None, str | None]:
+    """RGB frames ``[H, W, 3]`` uint8 of the first video stream, at most ``read_limit`` (kept after
+    ``fps`` subsampling), the rate they are at, and a note when they were subsampled."""
+    import av
+
+    try:
+        container = av.open(str(path))
+    except (av.FFmpegError, OSError) as error:
+        raise Refused("unreadable", f"unreadable: PyAV cannot open it ({error})") from None
+    frames: list[np.ndarray] = []
+    with container:
+        if not container.streams.video:
+            raise Refused("no video frames", "no video frames: the file has no video stream")
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        rate = float(stream.average_rate) if stream.average_rate else None
+        step = None if fps is None or rate is None or fps >= rate else 1.0 / fps
+        next_time = 0.0
+        try:
+            for index, frame in enumerate(container.decode(stream)):
+                if step is not None:
+                    time = frame.time if frame.time is not None else index / rate
+                    if time + 1e-6 < next_time:
+                        continue  # dropped to reach ``fps``: the next kept frame is the first at or after next_time
+                    next_time += step * (math.floor((time + 1e-6 - next_time) / step) + 1)
+                frames.append(frame.to_ndarray(format="rgb24"))
+                if read_limit is not None and len(frames) >= read_limit:
+                    break
+        except av.FFmpegError as error:
+            if frames:  # a damaged clip is refused, not trained cut short
+                raise Refused(
+                    "unreadable", f"unreadable: decoding failed after {len(frames)} frames ({error})"
+                ) from None
+            raise Refused("no video frames", f"no video frames: decoding found none ({error})") from None
+    if not frames:
+        raise Refused("no video frames", "no video frames: the video stream holds none")
+    shapes = {frame.shape for frame in frames}
+    if len(shapes) > 1:
+        sizes = sorted(f"{h}x{w}" for h, w, _ in shapes)
+        raise Refused("unreadable", f"unreadable: its frames change size mid-clip ({', '.join(sizes)})")
+    if step is None:
+        return frames, rate, None
+    return frames, fps, f"{rate:g} -> {fps:g} fps ({index + 1} frames read, {len(frames)} kept)"
+
+
+def _load_image(path: Path) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        raise Refused("unreadable", f"unreadable: not an image PIL can read ({error})") from None
+
+
+def read_source(
+    path: str | Path,
+    multiple: int = 16,
+    temporal: int = 4,
+    max_frames: int | None = 81,
+    max_area: int | None = None,
+    fps: float | None = None,
+) -> SourcePixels:
+    """Decode a video (PyAV) or an image (PIL) and apply the frame and size rules (module docstring).
+
+    Args:
+        multiple: each side of the kept frames is a multiple of it (VAE spatial factor x patch).
+        temporal: the VAE's temporal factor (``4k + 1`` frames).
+        max_frames: at most this many frames (``temporal * k + 1``); ``None``: all.
+        max_area: scale frames with more pixels than this down to it first; ``None``: never.
+        fps: subsample a video to at most this frame rate (dropping frames); ``None``: its own rate.
+
+    Raises:
+        Refused: unreadable, no frames, or smaller than ``multiple`` on a side.
+    """
+    path = Path(path)
+    is_video = path.suffix.lower() in VIDEO_SUFFIXES
+    if max_frames is not None and (max_frames < 1 or (max_frames - 1) % temporal):
+        raise ValueError(f"max_frames={max_frames} must be {temporal}k + 1 (1, {temporal + 1}, ..., 81)")
+    if is_video:
+        frames, rate, subsampled = _decode_video(path, None if max_frames is None else max_frames + 1, fps)
+    else:
+        frames, rate, subsampled = [_load_image(path)], None, None
+    source_frames, (height, width) = len(frames), frames[0].shape[:2]
+    notes = {"fps": subsampled} if subsampled else {}
+    keep = frames_to_keep(source_frames, temporal, max_frames)
+    if keep < source_frames:
+        if max_frames is not None and source_frames > max_frames:
+            notes["frames"] = f"more than {max_frames} -> the first {keep} frames (max_frames)"
+        else:
+            notes["frames"] = f"{source_frames} -> {keep} frames ({temporal}k+1)"
+    pixels = torch.from_numpy(np.stack(frames[:keep])).permute(3, 0, 1, 2).float()  # [3, F, H, W], 0-255
+    if max_area is not None and height * width > max_area:
+        scale = math.sqrt(max_area / (height * width))
+        size = (max(1, int(height * scale)), max(1, int(width * scale)))
+        pixels = torch.nn.functional.interpolate(
+            pixels.permute(1, 0, 2, 3), size=size, mode="bilinear", antialias=True, align_corners=False
+        ).permute(1, 0, 2, 3)
+        notes["scaled"] = f"{height}x{width} -> {size[0]}x{size[1]} (max area {max_area})"
+    h, w = pixels.shape[2:]
+    top, left, new_h, new_w = center_crop_multiple(h, w, multiple)
+    if new_h == 0 or new_w == 0:
+        raise Refused(
+            "too small",
+            f"too small: {h}x{w} pixels (HxW), each side must be at least {multiple} (the VAE's "
+            "spatial factor times the patch)",
+        )
+    if (new_h, new_w) != (h, w):
+        pixels = pixels[:, :, top : top + new_h, left : left + new_w]
+        notes["cropped"] = f"{h}x{w} -> {new_h}x{new_w}"
+    pixels = (pixels / 127.5 - 1).clamp(-1, 1).contiguous()
+    return SourcePixels(pixels, is_video, source_frames, (height, width), rate, notes)
+
+
+def save_video_sample(path: str | Path, sample: Mapping[str, Tensor], metadata: Mapping[str, object] = ()) -> None:
+    """Write one video latent sample (:data:`VIDEO_LATENT_KEYS`) as ``.safetensors``, ``metadata``
+    (stringified) in its header."""
+    from safetensors.torch import save_file
+
+    missing = [key for key in VIDEO_LATENT_KEYS if key not in sample]
+    if missing:
+        raise ValueError(f"a video latent sample needs {list(VIDEO_LATENT_KEYS)}; missing {missing}")
+    latents, text = sample["latents"], sample["encoder_hidden_states"]
+    if latents.dim() != 4 or text.dim() != 2:
+        raise ValueError(f"latents {list(latents.shape)} must be [C, F, H, W], text {list(text.shape)} [Lt, Dj]")
+    tensors = {key: sample[key].detach().contiguous().cpu() for key in VIDEO_LATENT_KEYS}
+    save_file(tensors, str(path), metadata={str(k): str(v) for k, v in dict(metadata).items()})
+
+
+def load_video_sample(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``(tensors, metadata)`` of a file :func:`save_video_sample` wrote."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
+        metadata = handle.metadata() or {}
+    missing = [key for key in VIDEO_LATENT_KEYS if key not in tensors]
+    if missing:
+        raise ValueError(f"{path}: not a video latent sample (no {missing}); write it with prepare_video_latents.py")
+    return tensors, metadata
+
+
+def write_tiny_wan_pipeline(directory: str | Path, text_dim: int = 24, z_dim: int = 4, seed: int = 0) -> Path:
+    """A ``WanPipeline`` folder of tiny random components for tests, built offline: an
+    ``AutoencoderKLWan`` (spatial 8, temporal 4, ``z_dim`` channels), a 2-layer ``UMT5EncoderModel``
+    of width ``text_dim``, a word-level tokenizer made with ``tokenizers`` (no download), a UniPC
+    scheduler, no transformer. ``text_dim``/``z_dim`` match ``wan.TINY_WAN``."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    vocabulary = "a an the of on in and with red green blue cat dog bird clip video image"
+    words = ["<pad>", "</s>", "<unk>", *vocabulary.split(" ")]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(words), d_model=text_dim, d_kv=8, d_ff=2 * text_dim, num_layers=2, num_heads=3,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16,
+    ))  # fmt: skip
+    vae = AutoencoderKLWan(base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.1] * z_dim,
+                           latents_std=[2.0] * z_dim)  # fmt: skip
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=None,
+                       scheduler=UniPCMultistepScheduler())  # fmt: skip
+    pipe.save_pretrained(str(directory))
+    return Path(directory)

@@ -1,0 +1,188 @@
+"""Write Wan latent samples from video files and images: one .safetensors file per sample, and a manifest.
+
+    python examples/prepare_video_latents.py --pretrained /models/Wan2.1-T2V-1.3B-Diffusers \\
+        --inputs /data/clips --out /data/wan_latents
+
+Every ``.mp4 .webm .mkv .mov .avi`` (decoded with PyAV) and ``.png .jpg .jpeg .webp`` in ``--inputs``
+(name order, not recursive) is one sample, captioned by its sidecar text file (``clip.mp4`` ->
+``clip.txt``). Latents come from the pipeline's ``AutoencoderKLWan`` (the mode of its posterior,
+normalised with the VAE's ``latents_mean``/``latents_std`` as ``WanPipeline`` un-normalises them),
+text rows from ``WanPipeline.encode_prompt`` (UMT5, zero-padded to ``--max-sequence-length``). The
+file format and the frame and size rules are documented in deepspeed_knap/models/wan/data.py and
+docs/models.md ("Preparing video data"): each sample keeps its own frame count (the first 4k+1) and
+size (center-cropped to a multiple of 16 for Wan 2.1): no buckets.
+
+A file that cannot be prepared (unreadable, no video frames, no caption, smaller than 16 pixels) is
+refused with its reason and the others go on; the run ends with a summary of what it refused, trimmed,
+scaled and cropped, and exits 1 if it refused anything. ``manifest.json`` (each sample's size and
+sha256, and the summary in its metadata) is written last: a run that did not finish leaves none.
+Needs diffusers, transformers and PyAV (``pip install -e .[diffusers,video]``).
+"""
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from deepspeed_knap.models.wan.data import (
+    CAPTION_SUFFIX,
+    IMAGE_SUFFIXES,
+    VIDEO_SUFFIXES,
+    Refused,
+    read_caption,
+    read_source,
+    save_video_sample,
+)
+from deepspeed_knap.runtime.manifest import MANIFEST, build_manifest, write_manifest
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument(
+    "--pretrained", required=True, help="a local diffusers Wan pipeline folder (its vae/, text_encoder/, tokenizer/)"
+)
+parser.add_argument("--inputs", required=True, help="a directory of videos and images, each with a .txt caption")
+parser.add_argument("--out", required=True, help="directory to write the samples to (empty, or --overwrite)")
+parser.add_argument(
+    "--overwrite", action="store_true", help="remove the .safetensors samples and manifest in --out first"
+)
+parser.add_argument(
+    "--max-frames", type=int, default=81, help="at most this many frames per clip, 4k+1 (Wan: 81); 0: all"
+)
+parser.add_argument(
+    "--max-area",
+    type=int,
+    default=1280 * 720,
+    help="scale frames with more pixels down to this many first, aspect kept (default 720p); 0: never",
+)
+parser.add_argument("--fps", type=float, default=None, help="subsample clips above this frame rate to it (Wan: 16)")
+parser.add_argument("--max-sequence-length", type=int, default=512, help="UMT5 tokens per caption (Wan: 512)")
+parser.add_argument("--vae-tiling", action="store_true", help="encode in spatial tiles (less memory at 720p and up)")
+args = parser.parse_args()
+
+
+def sources(directory: Path) -> tuple[list[Path], list[Path]]:
+    """``(videos and images, other files)`` of ``directory`` in name order; captions are neither."""
+    if not directory.is_dir():
+        parser.error(f"--inputs {directory} is not a directory")
+    files = sorted(p for p in directory.iterdir() if p.is_file())
+    media = [p for p in files if p.suffix.lower() in VIDEO_SUFFIXES + IMAGE_SUFFIXES]
+    other = [p for p in files if p not in media and p.suffix.lower() != CAPTION_SUFFIX]
+    return media, other
+
+
+def patch_size(pretrained: Path) -> list[int]:
+    """The transformer's patch from the pipeline folder (Wan 2.x: ``[1, 2, 2]`` when it has none)."""
+    config = pretrained / "transformer" / "config.json"
+    return json.loads(config.read_text()).get("patch_size", [1, 2, 2]) if config.is_file() else [1, 2, 2]
+
+
+def main() -> int:
+    from diffusers import WanPipeline
+
+    out, inputs, pretrained = Path(args.out), Path(args.inputs), Path(args.pretrained)
+    max_frames = args.max_frames or None
+    if max_frames is not None and (max_frames - 1) % 4:
+        parser.error(f"--max-frames {max_frames} must be 4k+1 (e.g. 33, 49, 81): the VAE encodes 1 + 4k frames")
+    media, other = sources(inputs)
+    out.mkdir(parents=True, exist_ok=True)
+    existing = sorted(out.glob("*.safetensors"))
+    if existing and not args.overwrite:
+        parser.error(f"--out {out} already holds {len(existing)} samples; give an empty directory, or --overwrite")
+    # The manifest of what was there before would describe files this run rewrites.
+    (out / MANIFEST).unlink(missing_ok=True)
+    for file in existing:
+        file.unlink()
+
+    refused: dict[str, Refused] = {}
+    captions = {}
+    for path in media:  # every missing caption before the encoders load
+        try:
+            captions[path] = read_caption(path)
+        except Refused as error:
+            refused[path.name] = error
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    # The VAE in fp32, as Wan's pipelines run it; the text encoder in bf16 on a GPU.
+    pipe = WanPipeline.from_pretrained(pretrained, transformer=None, transformer_2=None,
+                                       torch_dtype={"vae": torch.float32, "default": dtype})  # fmt: skip
+    pipe.vae.to(device)
+    pipe.text_encoder.to(device)
+    if args.vae_tiling:
+        pipe.vae.enable_tiling()
+    vae = pipe.vae.config
+    multiple = pipe.vae_scale_factor_spatial * patch_size(pretrained)[1]
+    mean = torch.tensor(vae.latents_mean, device=device).view(-1, 1, 1, 1)
+    std = torch.tensor(vae.latents_std, device=device).view(-1, 1, 1, 1)
+
+    written: dict[str, str] = {}  # {sample file: its source}
+    notes: dict[str, list[str]] = {"fps": [], "frames": [], "scaled": [], "cropped": []}
+    start = time.time()
+    for path, caption in captions.items():
+        try:
+            source = read_source(path, multiple, pipe.vae_scale_factor_temporal, max_frames, args.max_area or None,
+                                 args.fps)  # fmt: skip
+            with torch.no_grad():
+                try:
+                    z = pipe.vae.encode(source.pixels[None].to(device)).latent_dist.mode()[0]
+                except torch.OutOfMemoryError:
+                    raise Refused("out of memory", f"out of memory encoding {source.frames} frames of "
+                                  f"{source.size[0]}x{source.size[1]}; lower --max-area or --max-frames, or "
+                                  "pass --vae-tiling") from None  # fmt: skip
+                text, _ = pipe.encode_prompt(caption, do_classifier_free_guidance=False,
+                                             max_sequence_length=args.max_sequence_length, device=device)  # fmt: skip
+        except Refused as error:
+            refused[path.name] = error
+            print(f"refused {path.name}: {error}", file=sys.stderr)
+            continue
+        latents = (z.float() - mean) / std  # WanPipeline decodes latents * std + mean
+        name = f"{len(written):08d}.safetensors"
+        save_video_sample(out / name, {"latents": latents, "encoder_hidden_states": text[0]}, {
+            "source": path.name, "caption": caption, "kind": "video" if source.is_video else "image",
+            "source_frames": source.source_frames, "frames": source.frames, "fps": source.fps or "",
+            "source_size": "x".join(map(str, source.source_size)), "size": "x".join(map(str, source.size)),
+        })  # fmt: skip
+        written[name] = path.name
+        for key, note in source.notes.items():
+            notes[key].append(f"{path.name} {note}")
+        print(f"{name} <- {path.name}: {source.frames} frames of {source.size[0]}x{source.size[1]} -> latents "
+              f"{list(latents.shape)}")  # fmt: skip
+
+    metadata = {
+        "prepared_by": "examples/prepare_video_latents.py",
+        "pretrained": str(pretrained),
+        "sources": written,
+        "refused": {name: str(error) for name, error in refused.items()},
+        **{key: value for key, value in notes.items() if value},
+    }
+    manifest = write_manifest(out, build_manifest(out, list(written), metadata))
+    print(summary(len(media), written, refused, notes, other, out, manifest, time.time() - start, multiple))
+    return 1 if refused else 0
+
+
+def summary(total, written, refused, notes, other, out, manifest, seconds, multiple) -> str:
+    lines = [f"prepared {len(written)} of {total} files into {out} in {seconds:.1f} s; sizes and sha256 in {manifest}"]
+    described = {
+        "fps": "subsampled to --fps",
+        "frames": "trimmed to their first 4k+1 frames (the VAE encodes 1 + 4k) and at most --max-frames",
+        "scaled": "scaled down to --max-area",
+        "cropped": f"center-cropped to multiples of {multiple} pixels",
+    }
+    for key, what in described.items():
+        if notes[key]:
+            lines.append(f"{what} ({len(notes[key])}): " + "; ".join(notes[key]))
+    if other:
+        lines.append(f"ignored {len(other)} files that are neither videos nor images: "
+                     + ", ".join(p.name for p in other))  # fmt: skip
+    if refused:
+        kinds = Counter(error.kind for error in refused.values())
+        lines.append(f"REFUSED {len(refused)} files (" + ", ".join(f"{k}: {n}" for k, n in kinds.items()) + "):")
+        lines += [f"  {name}: {error}" for name, error in refused.items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""examples/prepare_video_latents.py on CPU: videos and an image this test writes with PyAV and PIL, a
+tiny random Wan pipeline (VAE, UMT5, an offline tokenizer) -> samples that load, have the VAE's latent
+shapes, match the pipeline's own encoding, and run through PackedWanTransformer; bad files refused with
+their reasons in the summary, and exit code 1."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+av = pytest.importorskip("av")
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from deepspeed_knap.models.wan.data import (  # noqa: E402
+    center_crop_multiple,
+    frames_to_keep,
+    load_video_sample,
+    write_tiny_wan_pipeline,
+)
+from deepspeed_knap.runtime.manifest import read_manifest, verify_files  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "prepare_video_latents.py"
+
+
+def write_video(path: Path, frames: int, height: int, width: int, codec: str, seed: int) -> None:
+    """``frames`` frames of a moving pattern plus noise, ``height x width``, at 8 fps."""
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=8)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for index in range(frames):
+            y, x = np.mgrid[:height, :width]
+            pattern = ((x + y + 4 * index) % 32 * 8)[..., None] * np.array([1, 0.5, 0.25])
+            pixels = np.clip(pattern + rng.integers(0, 40, (height, width, 3)), 0, 255).astype(np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+
+
+def test_frame_and_crop_rules():
+    assert [frames_to_keep(n) for n in (0, 1, 2, 4, 5, 7, 9, 10, 100)] == [0, 1, 1, 1, 5, 5, 9, 9, 97]
+    assert frames_to_keep(100, max_frames=81) == 81 and frames_to_keep(7, max_frames=81) == 5
+    assert center_crop_multiple(40, 56, 16) == (4, 4, 32, 48)
+    assert center_crop_multiple(32, 48, 16) == (0, 0, 32, 48)
+    assert center_crop_multiple(15, 48, 16)[2] == 0
+
+
+def test_prepare_videos_and_images(tmp_path):
+    from PIL import Image
+
+    pipeline = write_tiny_wan_pipeline(tmp_path / "pipe")
+    inputs, out = tmp_path / "inputs", tmp_path / "out"
+    inputs.mkdir()
+    # name: (frames, H, W) of the source; expected (frames kept, H, W) after the 4k+1 rule and the crop.
+    expected = {"a_clip.mp4": (9, 32, 48), "b_clip.webm": (5, 48, 32), "c_still.png": (1, 16, 32)}
+    write_video(inputs / "a_clip.mp4", 9, 32, 48, "libx264", seed=0)  # 4k+1, multiples of 16 already
+    write_video(inputs / "b_clip.webm", 7, 56, 40, "libvpx-vp9", seed=1)  # 7 frames -> 5; 56x40 -> 48x32
+    Image.fromarray(np.random.default_rng(2).integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(inputs / "c_still.png")
+    write_video(inputs / "d_nocaption.mp4", 5, 32, 32, "libx264", seed=3)
+    (inputs / "e_corrupt.mp4").write_bytes(b"\x00not a video" * 64)
+    with av.open(str(inputs / "f_empty.mp4"), "w") as container:  # a container with no frames
+        stream = container.add_stream("libx264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        container.start_encoding()
+    (inputs / "notes.md").write_text("not media")
+    captions = {"a_clip": "a red cat", "b_clip": "a blue dog on the grass", "c_still": "an image of a bird",
+                "e_corrupt": "a video", "f_empty": "a video"}  # fmt: skip
+    for stem, caption in captions.items():
+        (inputs / f"{stem}.txt").write_text(caption + "\n")
+
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--pretrained", str(pipeline), "--inputs", str(inputs), "--out", str(out),
+         "--max-sequence-length", "16"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    log = run.stdout + run.stderr
+    assert run.returncode == 1, log
+    summary = run.stdout[run.stdout.index("prepared ") :]
+    assert "prepared 3 of 6 files" in summary, log
+    assert "REFUSED 3 files (no caption: 1, unreadable: 1, no video frames: 1)" in summary, log
+    assert "d_nocaption.mp4: no caption: write it in d_nocaption.txt" in summary, log
+    assert "e_corrupt.mp4: unreadable: PyAV cannot open it" in summary, log
+    assert "f_empty.mp4: no video frames" in summary, log
+    assert "b_clip.webm 7 -> 5 frames (4k+1)" in summary, log
+    assert "b_clip.webm 56x40 -> 48x32" in summary and "c_still.png 24x40 -> 16x32" in summary, log
+    assert "ignored 1 files that are neither videos nor images: notes.md" in summary, log
+
+    manifest = read_manifest(out)
+    assert verify_files(out, manifest) == []
+    assert sorted(manifest["files"]) == [f"{i:08d}.safetensors" for i in range(3)]
+    assert set(manifest["metadata"]["refused"]) == {"d_nocaption.mp4", "e_corrupt.mp4", "f_empty.mp4"}
+
+    from diffusers import WanPipeline
+
+    from deepspeed_knap.models.wan.wan import TINY_WAN, PackedWanTransformer
+
+    pipe = WanPipeline.from_pretrained(pipeline, transformer=None, transformer_2=None)
+    samples, z_dim = [], pipe.vae.config.z_dim
+    for name in sorted(manifest["files"]):
+        tensors, meta = load_video_sample(out / name)
+        frames, height, width = expected[meta["source"]]
+        latents, text = tensors["latents"], tensors["encoder_hidden_states"]
+        assert list(latents.shape) == [z_dim, 1 + (frames - 1) // 4, height // 8, width // 8], meta
+        assert (int(meta["frames"]), meta["size"]) == (frames, f"{height}x{width}")
+        caption = captions[Path(meta["source"]).stem]
+        reference, _ = pipe.encode_prompt(caption, do_classifier_free_guidance=False, max_sequence_length=16)
+        torch.testing.assert_close(text, reference[0])  # fp32, another process
+        samples.append({"hidden_states": latents, "encoder_hidden_states": text, "timestep": torch.tensor(500.0)})
+        if meta["source"] == "c_still.png":  # lossless: the latents are the pipeline VAE's, normalised
+            pixels = np.asarray(Image.open(inputs / "c_still.png").convert("RGB"))[4:20, 4:36]
+            x = torch.from_numpy(pixels.copy()).permute(2, 0, 1)[None, :, None].float() / 127.5 - 1
+            with torch.no_grad():
+                z = pipe.vae.encode(x).latent_dist.mode()[0]
+            config = pipe.vae.config
+            mean, std = (torch.tensor(v).view(-1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
+            torch.testing.assert_close(latents, (z - mean) / std)
+
+    model = PackedWanTransformer(**{**TINY_WAN, "in_channels": z_dim, "out_channels": z_dim})
+    with torch.no_grad():
+        outputs = model.forward_samples(samples)
+    assert [o.shape for o in outputs] == [s["hidden_states"].shape for s in samples]
+    assert all(torch.isfinite(o).all() for o in outputs)
+    sources = json.loads((out / "manifest.json").read_text())["metadata"]["sources"]
+    assert sources == {"00000000.safetensors": "a_clip.mp4", "00000001.safetensors": "b_clip.webm",
+                       "00000002.safetensors": "c_still.png"}  # fmt: skip
