@@ -16,7 +16,7 @@ A file that cannot be prepared (unreadable, no video frames, no caption, smaller
 refused with its reason and the others go on; the run ends with a summary of what it refused, trimmed,
 scaled and cropped, and exits 1 if it refused anything. ``manifest.json`` (each sample's size and
 sha256, and the summary in its metadata) is written last: a run that did not finish leaves none.
-Needs diffusers, transformers and PyAV (``pip install -e .[diffusers,video]``).
+Needs diffusers, transformers and PyAV (``pip install -e .[diffusers]`` installs them).
 """
 
 import argparse
