@@ -26,6 +26,16 @@ frame, ``(frames - 1) / 4 + 1``. A sequence is its text tokens plus its image/vi
   1 to 4 reference images (each a bucket, at most 1024x1024 px as the pipeline resizes them:
   4,096 tokens) and 512 text tokens; ``frames`` counts the images. Each rank holds samples until
   its image tokens reach 16,384.
+* ``wan_image_video``: Wan 2.1 joint image + video training at 480p and 720p. The planner's
+  sequence is the video tokens alone: Wan's text enters by cross-attention, not in the sequence, so
+  a sample's 512 text rows are :attr:`SampleShape.cross_text` and its ``text`` is 0. Each sample is
+  480p (832x480: 30 x 52 = 1,560 tokens per latent frame) or 720p (1280x720: 45 x 80 = 3,600),
+  even odds, and an image (one latent frame) with probability 0.3, else a clip of ``4k + 1`` frames:
+  81 (Wan's 5-second clips at 16 fps; 21 latent frames: 32,760 or 75,600 tokens) with probability
+  0.5, else 17 to 77 (5 to 20 latent frames) uniformly. A rank draws samples until one would take
+  its video tokens over 75,600 (one 720p 81-frame clip), and drops that one (its first sample always
+  stays); images fill the gaps clips leave, so about 40% of the samples a step holds are images. Sources
+  and assumptions at :func:`_wan_image_video`.
 """
 
 from __future__ import annotations
@@ -42,11 +52,14 @@ PAPER_GPUS = 32
 @dataclass(frozen=True)
 class SampleShape:
     """One sample's tokens: ``text`` text tokens and ``visual`` image/video latent tokens over
-    ``frames`` latent frames (1 for an image)."""
+    ``frames`` latent frames (1 for an image), which make up its sequence; and ``cross_text`` text
+    tokens it attends to by cross-attention, outside the sequence (Wan: 512; 0 for the FLUX mixes,
+    whose text is in the sequence)."""
 
     text: int
     visual: int
     frames: int
+    cross_text: int = 0
 
     @property
     def length(self) -> int:
@@ -55,7 +68,8 @@ class SampleShape:
     def scaled(self, token_scale: float) -> SampleShape:
         """Text and visual tokens times ``token_scale``, rounded, keeping at least one visual token
         (small stand-ins for CPU runs of the same mix)."""
-        return SampleShape(round(self.text * token_scale), max(1, round(self.visual * token_scale)), self.frames)
+        return SampleShape(round(self.text * token_scale), max(1, round(self.visual * token_scale)), self.frames,
+                           round(self.cross_text * token_scale))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -159,12 +173,65 @@ def _long_video(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShap
     return shapes
 
 
+# Wan 2.1 joint image + video training. Sources: the Wan technical report (arXiv 2503.20314, section
+# "Image-video joint training"): after 256px text-to-image pre-training, joint training of images
+# and 5-second videos in stages of rising resolution, 256px/192px, then 480px, then 720px, images and
+# videos at the same resolution; the released models generate 832x480 and 1280x720 at 16 fps, 81
+# frames (Wan-Video/Wan2.1 README and generate.py; wan/configs/shared_config.py: sample_fps 16,
+# text_len 512). Wan's VAE compresses 4x in time and 8x in space, and the DiT patches (1, 2, 2):
+# (1 + (frames - 1) / 4) * (H / 16) * (W / 16) tokens, e.g. 81 frames at 720p = 21 * 45 * 80 =
+# 75,600, and an image (1 frame) one latent frame. (Wan 2.2 TI2V-5B's VAE compresses 16x in space:
+# a quarter of these tokens.) Assumptions, not from the report, which gives no ratios: the image
+# share (0.3 of the samples), 480p and 720p at even odds (a fine-tuning mix of both stages' data), and
+# half the clips shorter than 81 frames (short source videos kept whole, 4k + 1 frames, as trainers
+# such as musubi-tuner's frame buckets do), and the 75,600-token budget per rank.
+WAN_TEXT_TOKENS = 512
+WAN_IMAGE_SHARE = 0.3
+_WAN_TOKENS_PER_LATENT_FRAME = (30 * 52, 45 * 80)  # 832x480, 1280x720 over 16x16 pixels per token
+_WAN_RANK_TOKENS = 21 * 45 * 80
+
+
+def wan_tokens(frames: int, height: int, width: int) -> int:
+    """Wan 2.1's video tokens of ``frames`` frames (``4k + 1``) of ``height x width`` pixels
+    (multiples of 16): ``(1 + (frames - 1) / 4) * (height / 16) * (width / 16)``."""
+    if frames < 1 or (frames - 1) % 4 or height % 16 or width % 16:
+        raise ValueError(f"Wan takes 4k + 1 frames of multiples of 16 pixels; got {frames} frames of {height}x{width}")
+    return (1 + (frames - 1) // 4) * (height // 16) * (width // 16)
+
+
+def _wan_sample(rng: np.random.Generator) -> SampleShape:
+    per_latent_frame = _WAN_TOKENS_PER_LATENT_FRAME[int(rng.integers(2))]
+    if rng.random() < WAN_IMAGE_SHARE:
+        latent_frames = 1
+    elif rng.random() < 0.5:
+        latent_frames = 21  # 81 frames
+    else:
+        latent_frames = int(rng.integers(5, 21))  # 17 to 77 frames
+    return SampleShape(0, per_latent_frame * latent_frames, latent_frames, WAN_TEXT_TOKENS)
+
+
+def _wan_image_video(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape]]:
+    shapes = []
+    for _ in range(num_gpus):
+        samples = [_wan_sample(rng)]
+        tokens = samples[0].visual
+        while True:
+            sample = _wan_sample(rng)
+            if tokens + sample.visual > _WAN_RANK_TOKENS:
+                break
+            samples.append(sample)
+            tokens += sample.visual
+        shapes.append(samples)
+    return shapes
+
+
 MIXES: dict[str, Callable[[int, np.random.Generator], list[list[SampleShape]]]] = {
     **{name: _paper_mix(codes) for name, codes in _PAPER_MIXES.items()},
     "flux_buckets": _flux_buckets,
     "long_video": _long_video,
     "flux2_buckets": _flux2_buckets,
     "flux2_edit": _flux2_edit,
+    "wan_image_video": _wan_image_video,
 }
 
 

@@ -415,3 +415,28 @@ def test_auto_with_uneven_heads_is_optimal_on_tiny_steps_against_an_independent_
     plan = plan_routing(lengths, topology, CostModel(a, b, num_heads=heads))
     assert plan.lower_bound <= optimum * (1 + 1e-9)
     assert plan.max_load <= optimum * (1 + 1e-6)
+
+
+def test_the_wan_image_video_mix_holds_wan_shapes():
+    """Video tokens only (the 512 text rows are cross-attention's, outside the sequence), Wan 2.1's
+    token counts of 480p and 720p images and 4k + 1 frame clips up to 81 frames, about 30% images,
+    and ranks filled up to one 720p 81-frame clip."""
+    from deepspeed_knap.data.mixes import sample_shapes, wan_tokens
+
+    assert wan_tokens(81, 720, 1280) == 21 * 45 * 80 == 75_600 and wan_tokens(81, 480, 832) == 32_760
+    assert wan_tokens(1, 480, 832) == 1_560
+    with pytest.raises(ValueError, match="4k \\+ 1 frames"):
+        wan_tokens(80, 480, 832)
+    allowed = {wan_tokens(frames, h, w) for frames in range(1, 82, 4) for h, w in ((480, 832), (720, 1280))}
+    samples = []
+    for seed in range(20):
+        shapes = sample_shapes("wan_image_video", 32, seed)
+        assert [[s.length for s in rank] for rank in shapes] == sample_mix("wan_image_video", 32, seed)
+        for rank in shapes:
+            assert len(rank) == 1 or sum(s.visual for s in rank) <= 75_600
+        samples += [s for rank in shapes for s in rank]
+    assert all(s.text == 0 and s.cross_text == 512 and s.visual in allowed and s.length == s.visual for s in samples)
+    assert all(s.visual % s.frames == 0 and s.visual // s.frames in (1_560, 3_600) for s in samples)
+    images = sum(s.frames == 1 for s in samples) / len(samples)
+    assert 0.3 < images < 0.5  # 0.3 of the draws; images fill the gaps clips leave: about 0.4 of those kept
+    assert max(s.visual for s in samples) == 75_600
