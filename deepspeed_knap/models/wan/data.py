@@ -235,7 +235,7 @@ def read_source(
     pixels = torch.from_numpy(np.stack(frames[:keep])).permute(3, 0, 1, 2).float()  # [3, F, H, W], 0-255
     if max_area is not None and height * width > max_area:
         scale = math.sqrt(max_area / (height * width))
-        size = (max(1, int(height * scale)), max(1, int(width * scale)))
+        size = (max(1, math.floor(height * scale + 1e-6)), max(1, math.floor(width * scale + 1e-6)))  # no 719 for 720
         pixels = torch.nn.functional.interpolate(
             pixels.permute(1, 0, 2, 3), size=size, mode="bilinear", antialias=True, align_corners=False
         ).permute(1, 0, 2, 3)
