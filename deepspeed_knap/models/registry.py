@@ -16,11 +16,13 @@ from typing import Any
 from deepspeed_knap.models.flux.base import PackedFluxBase
 from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
 from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
+from deepspeed_knap.models.flux3.flux3 import PackedFlux3Transformer
 from deepspeed_knap.models.loading import CONFIG_NAME, CheckpointError, checked, plain_ds_config, transformer_dir
 from deepspeed_knap.models.wan.wan import PackedWanTransformer
 
 FAMILIES: dict[str, type[PackedFluxBase | PackedWanTransformer]] = {
-    cls.family: cls for cls in (PackedFluxTransformer, PackedFlux2Transformer, PackedWanTransformer)
+    cls.family: cls
+    for cls in (PackedFluxTransformer, PackedFlux2Transformer, PackedFlux3Transformer, PackedWanTransformer)
 }
 
 

@@ -14,6 +14,12 @@ group it belongs to (one bag, in plans of :func:`~deepspeed_knap.planner.plan_ro
 4. one all-to-all back, and concatenate the heads again.
 
 A group of one GPU runs step 3 alone, with no communication.
+
+A sequence may carry several attention segments (FLUX.3's modes: text, image, reference images,
+each attending only within itself in its per-mode blocks). Given ``segments``, a table of segment
+lengths per sequence, step 1 is unchanged (one all-to-all carries the whole sequence) and step 3
+runs over the segments as if they were sequences of their own: ``cu_seqlens`` over segments, exact
+block-diagonal attention with no mask.
 """
 
 from __future__ import annotations
@@ -290,9 +296,13 @@ class KnapDistributedAttention(DistributedAttention):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """Attention of every token over its whole sequence.
 
-        Packed: ``forward(query, key, value, routed)``, ``[T, H, Dh]`` tensors in ``routed.batch``
-        order, ``routed`` what :func:`~deepspeed_knap.runtime.routing.route` (or ``local_batch``) returned this
-        step. Drop-in: DeepSpeed's ``forward(query, key, value, batch_dim_idx, rotary_pos_emb=None,
+        Packed: ``forward(query, key, value, routed, segments=None)``, ``[T, H, Dh]`` tensors in
+        ``routed.batch`` order, ``routed`` what :func:`~deepspeed_knap.runtime.routing.route` (or ``local_batch``)
+        returned this step. ``segments``: ``[N, K]`` int lengths of ``K`` consecutive attention
+        segments of every sequence of the step, by sequence id (the plan's, or the local batch's
+        order: :func:`~deepspeed_knap.runtime.routing.gather_sample_ints` builds it), each row summing
+        to its sequence's length, zeros for absent segments; attention then runs within each segment
+        only (block-diagonal), still with one all-to-all per group and direction. Drop-in: DeepSpeed's ``forward(query, key, value, batch_dim_idx, rotary_pos_emb=None,
         *args, **kwargs)`` (see the class docstring).
 
         Returns:
@@ -304,7 +314,7 @@ class KnapDistributedAttention(DistributedAttention):
         """
         routed = kwargs.pop("routed", args[0] if args and isinstance(args[0], RoutedBatch) else None)
         if routed is not None:
-            return self._packed(query, key, value, routed, self.num_heads)
+            return self._packed(query, key, value, routed, self.num_heads, kwargs.pop("segments", None))
         step = _balanced_step
         if step is None or self.num_heads is not None:
             return super().forward(query, key, value, *args, **kwargs)
@@ -329,8 +339,9 @@ class KnapDistributedAttention(DistributedAttention):
         q, k, v = (t.squeeze(batch_dim_idx) for t in (query, key, value))
         return self._packed(q, k, v, step, q.shape[1]).unsqueeze(batch_dim_idx)
 
-    def _packed(self, query: Tensor, key: Tensor, value: Tensor, routed: RoutedBatch, num_heads: int) -> Tensor:
-        """``[T, H, Dh]`` attention over the routed batch's whole sequences."""
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, routed: RoutedBatch, num_heads: int,
+                segments: np.ndarray | None = None) -> Tensor:  # fmt: skip
+        """``[T, H, Dh]`` attention over the routed batch's whole sequences (or their ``segments``)."""
         expected = (routed.batch.num_tokens, num_heads)
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != 3 or tuple(t.shape[:2]) != expected or t.shape != query.shape:
@@ -351,30 +362,47 @@ class KnapDistributedAttention(DistributedAttention):
         if not groups:  # no tokens here: an empty result that still depends on q, k and v for autograd
             return query + key + value
         # In the layout's global (start, size) order: deadlock-free however groups nest (GpuLayout).
-        outputs = [self._group_attention(query, key, value, routed, index, num_heads) for index in range(len(groups))]
+        outputs = [
+            self._group_attention(query, key, value, routed, index, num_heads, segments) for index in range(len(groups))
+        ]
         if len(groups) == 1 and groups[0].rows is None:
             return outputs[0]
         rows = np.concatenate([group.rows for group in groups])
         return torch.cat(outputs).index_select(0, routed.device_array("attention_rows", np.argsort(rows)))
 
     def _group_attention(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int,
-                         num_heads: int) -> Tensor:  # fmt: skip
+                         num_heads: int, segments: np.ndarray | None = None) -> Tensor:  # fmt: skip
         group = routed.layout.attention_groups[index]
         if group.rows is not None:
             rows = routed.device_array(("rows", index), group.rows)
             q, k, v = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
-        seqs = self._varlen_seqs(routed, index, group)
+        seqs = self._varlen_seqs(routed, index, group, segments)
         if group.size == 1:
             return self.varlen_attn(q, k, v, seqs)
         return self._ulysses(q, k, v, routed, index, group, seqs, num_heads)
 
     @staticmethod
-    def _varlen_seqs(routed: RoutedBatch, index: int, group: AttentionGroup) -> VarlenSeqs:
-        cu_seqlens = np.concatenate([[0], np.cumsum(group.seq_lens)])
+    def _varlen_seqs(
+        routed: RoutedBatch, index: int, group: AttentionGroup, segments: np.ndarray | None = None
+    ) -> VarlenSeqs:
+        """The kernel's sequences: the group's whole sequences, or with ``segments`` their non-empty
+        segments, sequence by sequence (what the all-to-all assembles is sequence-major, and a
+        sequence's segments are consecutive in it)."""
+        lens, key = group.seq_lens, ("cu_seqlens", index)
+        if segments is not None:
+            table = np.asarray(segments, dtype=np.int64)[group.seq_ids]  # [m, K]
+            if not np.array_equal(table.sum(axis=1), group.seq_lens):
+                raise ValueError(
+                    f"attention segments {table.tolist()} of sequences {group.seq_ids.tolist()} do not sum to their "
+                    f"lengths {group.seq_lens.tolist()}; segments are [N, K] lengths by sequence id"
+                )
+            lens = table[table > 0]  # row-major: each sequence's segments in order, empty ones dropped
+            key = ("cu_seqlens", index, lens.tobytes())  # one table per segmentation and step
+        cu_seqlens = np.concatenate([[0], np.cumsum(lens)])
         return VarlenSeqs(
-            tuple(group.seq_lens.tolist()),
-            routed.device_array(("cu_seqlens", index), cu_seqlens, torch.int32),
-            int(group.seq_lens.max(initial=0)),
+            tuple(lens.tolist()),
+            routed.device_array(key, cu_seqlens, torch.int32),
+            int(lens.max(initial=0)),
         )
 
     def _ulysses(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int, group: AttentionGroup,

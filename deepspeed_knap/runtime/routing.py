@@ -223,6 +223,37 @@ def _all_gather_ints(values: list[int], device: torch.device, group: Any) -> lis
     return [t.tolist() for t in gathered]
 
 
+def gather_sample_ints(rows: np.ndarray, routed: RoutedBatch) -> np.ndarray:
+    """A few integers per home sequence (e.g. the lengths of its attention segments), for every
+    sequence of the step, by sequence id. Collective over the balance group when ``routed`` was
+    routed (every rank calls it); local otherwise.
+
+    Per-sample rows of :func:`route` reach only the GPUs holding a non-empty chunk of a sequence,
+    but a member of a group with an empty chunk still runs attention over the whole sequence, so
+    what attention needs of a sequence travels to everyone: one small all-gather.
+
+    Args:
+        rows: ``[N_home, K]`` integers of this rank's sequences, in order.
+        routed: the step's routed batch.
+
+    Returns:
+        ``[N, K]`` int64: the rows of every sequence of the step (local: ``rows``).
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if routed.groups is None:
+        return rows
+    plan, width = routed.plan, rows.shape[1]
+    home_counts = np.bincount(plan.seq_src_rank, minlength=plan.num_gpus)  # every rank knows them from the plan
+    padded = np.zeros((int(home_counts.max(initial=0)), width), dtype=np.int64)
+    padded[: len(rows)] = rows
+    if padded.size == 0:
+        return np.zeros((0, width), dtype=np.int64)
+    gathered = _all_gather_ints(padded.ravel().tolist(), routed.batch.tokens.device, routed.groups.balance_group)
+    return np.concatenate(
+        [np.array(g, dtype=np.int64).reshape(-1, width)[:count] for g, count in zip(gathered, home_counts, strict=True)]
+    )
+
+
 def route(batch: PackedBatch, plan: RoutingPlan, groups: ProcessGroups) -> RoutedBatch:
     """Move this rank's sequences to the GPUs ``plan`` gives them. Collective over the balance group.
 
