@@ -84,7 +84,7 @@ def main() -> int:
 
     out, inputs, pretrained = Path(args.out), Path(args.inputs), Path(args.pretrained)
     max_frames = args.max_frames or None
-    if max_frames is not None and (max_frames - 1) % 4:
+    if max_frames is not None and (max_frames < 1 or (max_frames - 1) % 4):
         parser.error(f"--max-frames {max_frames} must be 4k+1 (e.g. 33, 49, 81): the VAE encodes 1 + 4k frames")
     media, other = sources(inputs)
     out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def main() -> int:
             with torch.no_grad():
                 try:
                     z = pipe.vae.encode(source.pixels[None].to(device)).latent_dist.mode()[0]
-                except torch.OutOfMemoryError:
+                except torch.cuda.OutOfMemoryError:
                     raise Refused("out of memory", f"out of memory encoding {source.frames} frames of "
                                   f"{source.size[0]}x{source.size[1]}; lower --max-area or --max-frames, or "
                                   "pass --vae-tiling") from None  # fmt: skip

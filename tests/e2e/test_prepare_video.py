@@ -50,6 +50,21 @@ def test_frame_and_crop_rules():
     assert center_crop_multiple(15, 48, 16)[2] == 0
 
 
+def test_read_source_rate_and_limits(tmp_path):
+    from deepspeed_knap.models.wan.data import Refused, read_source
+
+    write_video(tmp_path / "clip.mp4", 10, 40, 56, "libx264", seed=0)
+    source = read_source(tmp_path / "clip.mp4", fps=4)  # 8 fps: every other frame, 5 kept (4k+1)
+    assert (source.frames, source.size, source.fps) == (5, (32, 48), 4)
+    assert source.notes == {"fps": "8 -> 4 fps (10 frames read, 5 kept)", "cropped": "40x56 -> 32x48"}
+    source = read_source(tmp_path / "clip.mp4", max_frames=5, max_area=20 * 28)
+    assert (source.frames, source.size) == (5, (16, 16)) and source.notes["frames"].startswith("more than 5")
+    assert source.notes["scaled"] == "40x56 -> 20x28 (max area 560)"
+    with pytest.raises(Refused, match="too small: 40x56 pixels"):
+        read_source(tmp_path / "clip.mp4", multiple=64)
+    assert source.pixels.min() >= -1 and source.pixels.max() <= 1
+
+
 def test_prepare_videos_and_images(tmp_path):
     from PIL import Image
 
