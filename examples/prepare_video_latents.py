@@ -59,6 +59,9 @@ parser.add_argument(
 )
 parser.add_argument("--fps", type=float, default=None, help="subsample clips above this frame rate to it (Wan: 16)")
 parser.add_argument("--max-sequence-length", type=int, default=512, help="UMT5 tokens per caption (Wan: 512)")
+parser.add_argument(
+    "--device", help="where to encode (default: cuda if there is one, else cpu; bf16 text encoder on cuda)"
+)
 parser.add_argument("--vae-tiling", action="store_true", help="encode in spatial tiles (less memory at 720p and up)")
 args = parser.parse_args()
 
@@ -104,8 +107,8 @@ def main() -> int:
         except Refused as error:
             refused[path.name] = error
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # The VAE in fp32, as Wan's pipelines run it; the text encoder in bf16 on a GPU.
     pipe = WanPipeline.from_pretrained(pretrained, transformer=None, transformer_2=None,
                                        torch_dtype={"vae": torch.float32, "default": dtype})  # fmt: skip

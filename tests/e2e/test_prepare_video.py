@@ -90,7 +90,7 @@ def test_prepare_videos_and_images(tmp_path):
 
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--pretrained", str(pipeline), "--inputs", str(inputs), "--out", str(out),
-         "--max-sequence-length", "16"],
+         "--max-sequence-length", "16", "--device", "cpu"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     log = run.stdout + run.stderr
