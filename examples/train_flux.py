@@ -12,8 +12,15 @@ steps on the global token-mean loss. Rank 0 shows a progress bar and prints, per
 the step time, tokens per second and the modeled imbalance before and after balancing.
 
 ``--lora-rank`` trains LoRA adapters (peft) instead of every weight; ``--resume`` continues a run
-from its last checkpoint with the same losses it would have had; ``--validation-every`` renders
+from its newest complete checkpoint (or the one given) with the same losses it would have had; ``--validation-every`` renders
 images with diffusers' ``FluxPipeline`` from the current weights.
+
+Each checkpoint tag gets a ``manifest.json`` (every file's size and sha256, hashed by the rank that
+wrote it) after all its files, and ``latest`` names the tag only then; ``--resume`` has every rank
+check the files it sees against the manifest and the ranks agree before DeepSpeed reads anything, so
+a missing, truncated or changed file, or a tag whose save did not finish, is one error on every rank
+naming the tag and the file (see ``deepspeed_knap/runtime/manifest.py``). ``--data-dir`` files are
+checked against the manifest ``prepare_flux_latents.py`` writes, each when a rank reads it.
 """
 
 import argparse
@@ -22,6 +29,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 # transformers (under peft and the validation pipeline) notes optional packages it does not need
 # here; it reads this when first imported.
@@ -35,7 +43,13 @@ from tqdm import tqdm
 import deepspeed_knap
 from deepspeed_knap.commands.options import add_mix_argument
 from deepspeed_knap.models.flux.base import FluxInputs
-from deepspeed_knap.models.flux.data import LatentDirectory, SyntheticLatents, latent_directory_error, rectified_flow
+from deepspeed_knap.models.flux.data import (
+    LatentDirectory,
+    LatentFileError,
+    SyntheticLatents,
+    check_latent_directory,
+    rectified_flow,
+)
 from deepspeed_knap.models.flux.finetune import (
     TINY_FLUX,
     adapter_state_dict,
@@ -50,6 +64,12 @@ from deepspeed_knap.models.flux.finetune import (
 from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
 from deepspeed_knap.models.registry import family_class, from_pretrained
 from deepspeed_knap.runtime.config import load_ds_config
+from deepspeed_knap.runtime.manifest import (
+    ManifestError,
+    find_checkpoint,
+    prepare_checkpoint_save,
+    write_checkpoint_manifest,
+)
 from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
 # ZeRO-3 calls two torch.distributed functions that torch deprecated, on every rank, every step.
@@ -82,7 +102,7 @@ parser.add_argument(
 )
 parser.add_argument("--checkpoint-every", type=int, default=0, help="with --save-dir: also every this many steps")
 parser.add_argument(
-    "--resume", metavar="DIR", help="continue from a --save-dir (its latest checkpoint) or one stepN in it"
+    "--resume", metavar="DIR", help="continue from a --save-dir (its newest complete checkpoint) or one stepN in it"
 )
 parser.add_argument("--export-dir", help="write the trained weights (or the LoRA adapter) here in diffusers format")
 parser.add_argument("--validation-every", type=int, default=0, help="render validation images every this many steps")
@@ -119,11 +139,9 @@ dtype = next(flux.parameters()).dtype  # bf16 under a "bf16" config: inputs must
 guidance = args.guidance if flux.config["guidance_embeds"] else None
 
 
-def gather_objects(obj) -> list:
-    """``obj`` of every rank, in rank order (collective)."""
-    objects = [None] * world
-    dist.all_gather_object(objects, obj)
-    return objects
+def fail(error: Exception | str) -> NoReturn:
+    """Exit with ``error``, which every rank raises alike (each prints it, naming itself)."""
+    raise SystemExit(f"train_flux: error (rank {rank}): {error}")
 
 
 def raise_together(problem: str | None) -> None:
@@ -132,25 +150,20 @@ def raise_together(problem: str | None) -> None:
     try:
         deepspeed_knap.raise_together(problem, "train_flux")
     except ValueError as error:
-        raise SystemExit(f"train_flux: error: {error}") from None
+        fail(error)
 
 
-def checkpoint_to_load(path: str) -> tuple[str, str | None, str | None]:
-    """``(load_dir, tag, problem)`` for ``--resume``: a save dir (its ``latest``) or one tag in it."""
-    directory = Path(path)
-    if (directory / "latest").is_file():
-        return str(directory), None, None
-    if (directory.parent / "latest").is_file():
-        return str(directory.parent), directory.name, None
-    return str(directory), None, f"--resume {path} is neither a --save-dir with a 'latest' file nor a checkpoint in one"
-
-
-# ---- data: every rank checks its share of the files' headers; all ranks agree before training ----
+# ---- data: every rank checks its share of the files' headers and sizes; all ranks agree before training ----
 if args.data_dir:
     data = LatentDirectory(args.data_dir, args.samples_per_rank, repeat=args.repeat_data)
-    problem = latent_directory_error(gather_objects(data.check(rank, world, flux.config)))
-    if problem:
-        raise SystemExit(f"train_flux: error on every rank: {problem}")
+    try:
+        check_latent_directory(data, flux.config)
+    except ValueError as error:
+        fail(error)
+    if rank == 0 and data.manifest is None:
+        print(f"note: {args.data_dir} has no manifest.json: the ranks compared a sampled digest of each file; "
+              "prepare_flux_latents.py writes one (or python -m deepspeed_knap.runtime.manifest DIR) to have "
+              "each file's sha256 checked when it is read", flush=True)  # fmt: skip
 else:
     data = SyntheticLatents(args.mix, flux.config, args.token_scale, args.seed)
 
@@ -167,16 +180,30 @@ def step_samples(step: int, position: int) -> tuple[list[str], list[dict]]:
 # ---- resume: DeepSpeed's checkpoint plus where the loop and the data were ----
 start_step, position = 0, 0  # steps done; files consumed by all ranks together
 if args.resume:
-    load_dir, tag, problem = checkpoint_to_load(args.resume)
-    raise_together(problem)
-    _, client_state = engine.load_checkpoint(load_dir, tag)
+    try:  # every rank checks the files it sees against the tag's manifest; the ranks agree before any load
+        choice = find_checkpoint(args.resume)
+    except ManifestError as error:
+        fail(f"--resume {args.resume}: {error}")
+    if rank == 0:  # say which tag, and why newer ones were not taken
+        for tag, why in choice.skipped:
+            print(f"--resume: skipped checkpoint {tag}: {why}", flush=True)
+        print(f"--resume: loading checkpoint {choice.tag} from {choice.load_dir}"
+              + ("" if choice.given else ", the newest complete one"), flush=True)  # fmt: skip
+    _, client_state = engine.load_checkpoint(choice.load_dir, choice.tag)
     raise_together(None if client_state else f"DeepSpeed found no checkpoint to load in {args.resume}")
     start_step, position = client_state["step"], client_state["data_position"]
 
 
 def save_checkpoint(steps_done: int) -> None:
+    tag = f"step{steps_done}"
     client_state = {"step": steps_done, "data_position": position}
-    engine.save_checkpoint(args.save_dir, tag=f"step{steps_done}", client_state=client_state)
+    prepare_checkpoint_save(args.save_dir, tag)  # a save over an older tag must not look complete half-way
+    # 'latest' is written with the manifest, after it: DeepSpeed's own would name the tag before that.
+    engine.save_checkpoint(args.save_dir, tag=tag, client_state=client_state, save_latest=False)
+    try:  # each rank hashes the files it wrote; the ranks write the manifest, then 'latest'
+        write_checkpoint_manifest(args.save_dir, tag, client_state)
+    except ManifestError as error:
+        fail(error)
 
 
 # ---- validation images: diffusers' FluxPipeline on rank 0 with the current weights ----
@@ -239,40 +266,51 @@ def render_validation_images(steps_done: int, state: dict) -> None:
     pipe.to("cpu")  # the text encoders and VAE wait on the CPU, off the training GPU
 
 
-def step_inputs(step: int, position: int) -> tuple[list[str], FluxInputs, list[torch.Tensor]]:
+def step_inputs(step: int, position: int) -> tuple[tuple[list[str], FluxInputs, list[torch.Tensor]] | None, str | None]:
     """This rank's ``(sample names, packed noised inputs, flow-matching targets)`` of a step, on the
-    CPU (the next step's wait there while this one runs)."""
-    names, latents = step_samples(step, position)
+    CPU (the next step's wait there while this one runs), and ``None``; or ``None`` and why a file
+    could not be used (unreadable, or not what its manifest says): the ranks agree on it before
+    anyone trains on that step (the step before's all-reduce carries the count)."""
+    try:
+        names, latents = step_samples(step, position)
+    except LatentFileError as error:
+        return None, str(error)
     samples, targets = rectified_flow(
         latents, torch.Generator().manual_seed((args.seed * 7919 + step) * 4099 + rank), guidance
     )
-    return names, flux.pack(samples), targets
+    return (names, flux.pack(samples), targets), None
 
 
 # ---- training ----
 progress = tqdm(range(start_step, args.steps), desc="train_flux", disable=rank != 0, file=sys.stdout,
                 initial=start_step, total=args.steps)  # fmt: skip
 
-next_inputs = step_inputs(start_step, position) if start_step < args.steps else None
+next_inputs, unusable = step_inputs(start_step, position) if start_step < args.steps else (None, None)
+raise_together(unusable)
 for step in progress:
     start = time.perf_counter()
     names, inputs, targets = next_inputs
     inputs = inputs.to(engine.device)
     position += world * args.samples_per_rank  # the next step's first file
+    unusable = None
     if step + 1 < args.steps:
-        next_inputs = step_inputs(step + 1, position)
+        next_inputs, unusable = step_inputs(step + 1, position)
         if balancer is not None:  # the next step's plan is solved in a worker process while this one runs
-            balancer.prefetch(next_inputs[1].seq_lens, engine.device)
+            # Collective: a rank whose next samples are unusable still takes part (with none); this
+            # step's all-reduce then stops every rank.
+            balancer.prefetch([] if next_inputs is None else next_inputs[1].seq_lens, engine.device)
     prediction = engine(inputs, balancer)  # [tokens, C] for this rank's image/video tokens
     target = torch.cat(targets).to(prediction.device) if targets else torch.zeros_like(prediction)
     per_token = (prediction.float() - target.float()).square().mean(dim=-1)  # [tokens]
     nonfinite = [name for name, rows in zip(names, inputs.split(per_token), strict=True) if not rows.isfinite().all()]
     # Collectives take tensors on the engine's device: NCCL refuses CPU tensors.
-    totals = torch.tensor([sum(inputs.img_lens) + sum(inputs.txt_lens), len(nonfinite)], dtype=torch.float64,
-                          device=engine.device)  # fmt: skip
+    totals = torch.tensor([sum(inputs.img_lens) + sum(inputs.txt_lens), len(nonfinite), unusable is not None],
+                          dtype=torch.float64, device=engine.device)  # fmt: skip
     dist.all_reduce(totals)
-    if totals[1].item() > 0:  # every rank sees the count, so every rank raises, naming the samples
-        raise_together(f"non-finite loss at step {step} in {nonfinite}" if nonfinite else None)
+    if totals[1].item() + totals[2].item() > 0:  # every rank sees the counts, so every rank raises, naming the files
+        found = [f"non-finite loss at step {step} in {nonfinite}"] if nonfinite else []
+        found += [f"step {step + 1}'s data: {unusable}"] if unusable else []
+        raise_together("; ".join(found) or None)
     loss = deepspeed_knap.token_mean_loss(per_token)
     engine.backward(loss)
     engine.step()

@@ -2,16 +2,21 @@
 ``auto`` (groups of 1 and 2 GPUs), and 4 for the README's job.
 
 Full fine-tuning: ZeRO-3 with balancing on gives the losses of balancing off, the exported weights
-load into diffusers, and a run resumed from a mid-run checkpoint continues with the uninterrupted
-run's losses and ends with its weights. LoRA: ZeRO-3 balanced equals ZeRO-2 unbalanced, the exported
-adapter loads into diffusers' FluxPipeline with load_lora_weights and gives what peft's LoRA on our
-model gives, and validation images are written. Real-image data: examples/prepare_flux_latents.py
-encodes a folder of mixed-size captioned images with tiny local encoders, the files train, and a
-file holding a NaN is named by every rank. The launcher runs are shared by module-scoped fixtures.
+load into diffusers, and a run resumed from its save directory takes the newest complete checkpoint
+(saying why it skipped a partial and a damaged newer one), continues with the uninterrupted run's
+losses and ends with its weights; a tag with a shard deleted or truncated, or without its manifest,
+is one error on every rank naming the file and the tag. LoRA: ZeRO-3 balanced equals ZeRO-2
+unbalanced, the exported adapter loads into diffusers' FluxPipeline with load_lora_weights and gives
+what peft's LoRA on our model gives, and validation images are written. Real-image data:
+examples/prepare_flux_latents.py encodes a folder of mixed-size captioned images with tiny local
+encoders and writes their manifest, the files train, and a file holding a NaN and a file changed
+after the manifest are named by every rank. The launcher runs are shared by module-scoped fixtures;
+the damaged checkpoints are copies of one of their tags.
 """
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -28,16 +33,18 @@ SCRIPT = ROOT / "examples" / "train_flux.py"
 DEMO_CONFIG = json.loads((ROOT / "ds_configs" / "flux_cpu_demo.json").read_text())
 COMMON = ("--tiny", "--token-scale", "0.015625", "--steps", "3", "--lr", "1e-3")
 LORA = ("--lora-rank", "4", "--lora-alpha", "8")
+SHARD = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # rank r's ZeRO-3 optimizer shard
 STEP_LINE = re.compile(
     r"^step (\d+) loss (\S+) time \S+ tokens/s \S+(?: modeled imbalance (\S+) -> (\S+)( \(planned ahead\))?)?$", re.M
 )
 
 
 def train(directory, name: str, balanced: bool, *args: str, stage: int = 3, module: str | None = None,
-          ranks: int = 2):  # fmt: skip
+          ranks: int = 2, rank_logs=None):  # fmt: skip
     """Run the script with the demo config (balancing on or off, a ZeRO stage) on ``ranks`` ranks,
     with topology ``auto`` on 2 (half the time of 4 on 2 cores); returns the completed process and
-    ``{step: loss}``. ``module`` runs the script under that module."""
+    ``{step: loss}``. ``module`` runs the script under that module; ``rank_logs``: a directory where
+    the launcher writes each rank's output to a file of its own (``*_rank{r}.log``) instead."""
     topology = "auto" if ranks == 2 else DEMO_CONFIG["knapformer"]["topology"]
     config = {**DEMO_CONFIG, "zero_optimization": {"stage": stage},
               "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": balanced, "topology": topology}}  # fmt: skip
@@ -46,6 +53,8 @@ def train(directory, name: str, balanced: bool, *args: str, stage: int = 3, modu
     command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(config_path), *args, ranks=ranks)
     if module:
         command[command.index(str(SCRIPT)) : command.index(str(SCRIPT))] = ["--module", module]
+    if rank_logs:
+        command.insert(1, f"--enable_each_rank_log={rank_logs}")
     result = run(command)
     steps = STEP_LINE.findall(result.stdout)
     if balanced:
@@ -103,14 +112,33 @@ def test_zero3_balanced_training_matches_unbalanced_and_exports_to_diffusers(ful
 
 
 def test_resumed_run_continues_with_the_uninterrupted_losses_and_weights(full_runs):
-    """The balanced ZeRO-3 run saved a checkpoint after every step; one resumed after step 0 (as if
-    killed there) must print the same later losses and end with the same weights."""
+    """The balanced ZeRO-3 run saved a checkpoint after every step, each with its manifest; resumed
+    from the save directory where the newer two are a partial save (no manifest) and a damaged one (a
+    shard deleted), the run takes step1 (as if killed after step 0), says why it skipped the others,
+    prints the same later losses and ends with the same weights."""
+    from deepspeed_knap.runtime.manifest import MANIFEST, read_manifest
+
     d, _, (on_run, on) = full_runs
     check(on_run)
     assert sorted(p.name for p in (d / "ckpt").glob("step*")) == ["step1", "step2", "step3"]
+    assert (d / "ckpt" / "latest").read_text() == "step3"
+    manifest = read_manifest(d / "ckpt" / "step3")
+    assert manifest["metadata"] == {"step": 3, "data_position": 6}
+    assert sorted(manifest["files"]) == [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
+                                         for r in (0, 1) for kind in ("model", "optim")]  # fmt: skip
+    for tag in ("step1", "step2", "step3"):
+        shutil.copytree(d / "ckpt" / tag, d / "mixed" / tag)
+    (d / "mixed" / "latest").write_text("step3")
+    (d / "mixed" / "step2" / MANIFEST).unlink()
+    (d / "mixed" / "step3" / SHARD.format(1)).unlink()
     resumed_run, resumed = train(d, "resumed", True, *COMMON, "--gradient-checkpointing",
-                                 "--resume", str(d / "ckpt" / "step1"), "--export-dir", str(d / "resumed"))  # fmt: skip
+                                 "--resume", str(d / "mixed"), "--export-dir", str(d / "resumed"))  # fmt: skip
     check(resumed_run)
+    assert (
+        f"--resume: skipped checkpoint step2: partial: no {MANIFEST} (its save did not finish)\n"
+        f"--resume: skipped checkpoint step3: {SHARD.format(1)} is missing on rank 1, which loads it\n"
+        f"--resume: loading checkpoint step1 from {d / 'mixed'}, the newest complete one\n"
+    ) in resumed_run.stdout
     assert resumed == {step: on[step] for step in (1, 2)}
 
     from safetensors.torch import load_file
@@ -120,6 +148,39 @@ def test_resumed_run_continues_with_the_uninterrupted_losses_and_weights(full_ru
     )
     assert uninterrupted.keys() == continued.keys()
     assert all(torch.equal(continued[name], tensor) for name, tensor in uninterrupted.items())
+
+
+@pytest.mark.parametrize("damage", ["shards deleted and truncated", "partial tag"])
+def test_a_damaged_or_partial_checkpoint_is_one_error_on_every_rank_naming_the_file(full_runs, damage):
+    """A copy of the balanced run's step1, damaged, given to --resume: every rank prints the same
+    error naming the tag and each file (each rank's own log), before DeepSpeed reads anything. One
+    launch shows a deleted and a truncated shard (each named), to spare a launch of the example
+    (tests/multirank/test_checkpoint_manifest.py checks each damage alone)."""
+    from deepspeed_knap.runtime.manifest import MANIFEST
+
+    d, _, (on_run, _) = full_runs
+    check(on_run)
+    name = damage.replace(" ", "_")
+    tag = shutil.copytree(d / "ckpt" / "step1", d / name / "step1")
+    if damage == "partial tag":
+        (tag / MANIFEST).unlink()
+        expected = f"checkpoint {tag} is partial: no {MANIFEST} (its save did not finish), which a save writes"
+    else:
+        (tag / SHARD.format(1)).unlink()
+        size = (tag / SHARD.format(0)).stat().st_size
+        with open(tag / SHARD.format(0), "r+b") as handle:
+            handle.truncate(size // 2)
+        expected = (f"cannot load checkpoint {tag}: {SHARD.format(0)} is {size // 2:,} bytes on every rank, the "
+                    f"manifest says {size:,} (truncated, or written by another save); {SHARD.format(1)} is missing "
+                    "on rank 1, which loads it; restore the files, or load another tag")  # fmt: skip
+    result, losses = train(d / name, "damaged", False, *COMMON, "--resume", str(tag), rank_logs=d / name / "logs")
+    assert result.returncode != 0 and losses == {}
+    for rank in (0, 1):
+        (log,) = (d / name / "logs").glob(f"*_rank{rank}.log")
+        output = log.read_text()
+        line = f"train_flux: error (rank {rank}): --resume {tag}: {expected}"
+        assert line in output, output[-3000:]
+        assert "Traceback" not in output and "Connection closed" not in output, output[-3000:]
 
 
 def test_lora_balanced_on_zero3_equals_unbalanced_on_zero2_and_writes_validation_images(lora_runs):
@@ -198,8 +259,9 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
     from PIL import Image
     from safetensors.torch import load_file
 
-    from deepspeed_knap.models.flux.data import save_latent_sample
+    from deepspeed_knap.models.flux.data import save_latent_sample, write_latent_manifest
     from deepspeed_knap.models.flux.finetune import TINY_FLUX, tiny_pipeline_components
+    from deepspeed_knap.runtime.manifest import read_manifest, verify_files
 
     FluxPipeline(**tiny_pipeline_components(TINY_FLUX), transformer=None).save_pretrained(tmp_path / "pipeline")
     sizes = {"wide": (40, 24), "tall": (24, 36), "square": (32, 32), "panorama": (64, 16)}  # width, height
@@ -217,6 +279,8 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
     # image keeps its aspect ratio, one latent token per 4x4 px.
     expected = {"panorama": (32, 8), "square": (32, 32), "tall": (20, 32), "wide": (32, 20)}
     files = sorted((tmp_path / "data").glob("*.safetensors"))
+    assert sorted(read_manifest(tmp_path / "data")["files"]) == [file.name for file in files]
+    assert verify_files(tmp_path / "data", read_manifest(tmp_path / "data")) == []
     for file, (width, height) in zip(files, (expected[name] for name in sorted(sizes)), strict=True):
         sample = load_file(file)
         assert sample["latents"].shape == (width // 4 * (height // 4), 16)
@@ -230,13 +294,26 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
     assert synthetic.returncode == 0, synthetic.stderr[-3000:]
     poisoned = load_file(tmp_path / "synthetic" / "00000000.safetensors")
     poisoned["latents"][0, 0] = float("nan")
-    # Two ranks read files 0 and 1 at step 0, then 2 and 3: the poisoned file is rank 0's at step 1.
-    save_latent_sample(tmp_path / "data" / "00000002.safetensors", poisoned)
+    # Two ranks read files 0 and 1 at step 0, then 2 and 3, then 4 and 5: the poisoned file is rank 0's
+    # at step 1, and the file changed after the manifest is rank 1's at step 2, read during step 1.
+    data = tmp_path / "data"
+    save_latent_sample(data / "00000002.safetensors", poisoned)
+    for source, copy in ((0, 4), (1, 5)):
+        shutil.copy(data / f"0000000{source}.safetensors", data / f"0000000{copy}.safetensors")
+    write_latent_manifest(data)  # as prepared: a NaN made by the encoder, not a changed copy
+    changed = load_file(data / "00000005.safetensors")
+    save_latent_sample(data / "00000005.safetensors", {key: 2 * t for key, t in changed.items()})
 
-    result, losses = train(tmp_path, "images", True, "--tiny", "--data-dir", str(tmp_path / "data"), "--steps", "2")
+    result, losses = train(tmp_path, "images", True, "--tiny", "--data-dir", str(data), "--steps", "3")
     assert result.returncode != 0 and list(losses) == [0] and losses[0] > 0
-    message = f"rank(s) [0]: non-finite loss at step 1 in ['{tmp_path / 'data' / '00000002.safetensors'}']"
-    assert (result.stdout + result.stderr).count(message) == 2, result.stderr[-3000:]
+    # One error, printed by both ranks, naming each rank's finding: the NaN, and the changed file
+    # (refused before it trains, on the all-reduce of the step before).
+    output = result.stdout + result.stderr
+    message = f"rank(s) [0]: non-finite loss at step 1 in ['{data / '00000002.safetensors'}']"
+    assert output.count(message) == 2, result.stderr[-3000:]
+    message = f"rank(s) [1]: step 2's data: {data / '00000005.safetensors'}: sha256 "
+    assert output.count(message) == 2, result.stderr[-3000:]
+    assert all(f"train_flux: error (rank {rank}): train_flux failed:" in output for rank in (0, 1))
 
 
 def test_readme_main_job_trains_and_prints_loss_and_modeled_imbalance():
