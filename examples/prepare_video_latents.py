@@ -67,12 +67,13 @@ args = parser.parse_args()
 
 
 def sources(directory: Path) -> tuple[list[Path], list[Path]]:
-    """``(videos and images, other files)`` of ``directory`` in name order; captions are neither."""
+    """``(videos and images, other entries)`` of ``directory`` in name order; captions are neither, and
+    subdirectories are others (not read: say so rather than skip them silently)."""
     if not directory.is_dir():
         parser.error(f"--inputs {directory} is not a directory")
-    files = sorted(p for p in directory.iterdir() if p.is_file())
-    media = [p for p in files if p.suffix.lower() in VIDEO_SUFFIXES + IMAGE_SUFFIXES]
-    other = [p for p in files if p not in media and p.suffix.lower() != CAPTION_SUFFIX]
+    entries = sorted(directory.iterdir())
+    media = [p for p in entries if p.is_file() and p.suffix.lower() in VIDEO_SUFFIXES + IMAGE_SUFFIXES]
+    other = [p for p in entries if p not in media and not (p.is_file() and p.suffix.lower() == CAPTION_SUFFIX)]
     return media, other
 
 
@@ -178,8 +179,8 @@ def summary(total, written, refused, notes, other, out, manifest, seconds, multi
         if notes[key]:
             lines.append(f"{what} ({len(notes[key])}): " + "; ".join(notes[key]))
     if other:
-        lines.append(f"ignored {len(other)} files that are neither videos nor images: "
-                     + ", ".join(p.name for p in other))  # fmt: skip
+        lines.append(f"ignored {len(other)} files that are neither videos nor images (or directories, not read): "
+                     + ", ".join(p.name + "/" * p.is_dir() for p in other))  # fmt: skip
     if refused:
         kinds = Counter(error.kind for error in refused.values())
         lines.append(f"REFUSED {len(refused)} files (" + ", ".join(f"{k}: {n}" for k, n in kinds.items()) + "):")

@@ -83,6 +83,7 @@ def test_prepare_videos_and_images(tmp_path):
         stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
         container.start_encoding()
     (inputs / "notes.md").write_text("not media")
+    (inputs / "more").mkdir()
     captions = {"a_clip": "a red cat", "b_clip": "a blue dog on the grass", "c_still": "an image of a bird",
                 "e_corrupt": "a video", "f_empty": "a video"}  # fmt: skip
     for stem, caption in captions.items():
@@ -103,7 +104,9 @@ def test_prepare_videos_and_images(tmp_path):
     assert "f_empty.mp4: no video frames" in summary, log
     assert "b_clip.webm 7 -> 5 frames (4k+1)" in summary, log
     assert "b_clip.webm 56x40 -> 48x32" in summary and "c_still.png 24x40 -> 16x32" in summary, log
-    assert "ignored 1 files that are neither videos nor images: notes.md" in summary, log
+    assert (
+        "ignored 2 files that are neither videos nor images (or directories, not read): more/, notes.md" in summary
+    ), log
 
     manifest = read_manifest(out)
     assert verify_files(out, manifest) == []
