@@ -214,7 +214,8 @@ class PackedFlux3Transformer(PackedFluxBase):
             return torch.cat(rows) if rows else torch.zeros(0, width, dtype=dtype)
 
         def stack(key: str) -> Tensor:
-            return torch.stack([torch.as_tensor(s[key]).reshape(()) for s in samples]) if samples else torch.zeros(0)
+            rows = [torch.as_tensor(s[key]).reshape(()) for s in samples]
+            return torch.stack(rows) if rows else torch.zeros(0, dtype=dtype)  # the dtype others route
 
         def count(key: str) -> tuple[int, ...]:
             return tuple(int(s[key].shape[0]) if s.get(key) is not None else 0 for s in samples)
