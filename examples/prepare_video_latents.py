@@ -146,7 +146,7 @@ def main() -> int:
         name = f"{len(written):08d}.safetensors"
         save_video_sample(out / name, {"latents": latents, "encoder_hidden_states": text[0]}, {
             "source": path.name, "caption": caption, "kind": "video" if source.is_video else "image",
-            "source_frames": source.source_frames, "frames": source.frames, "fps": source.fps or "",
+            "frames_read": source.source_frames, "frames": source.frames, "fps": source.fps or "",
             "source_size": "x".join(map(str, source.source_size)), "size": "x".join(map(str, source.size)),
         })  # fmt: skip
         written[name] = path.name

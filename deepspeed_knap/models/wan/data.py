@@ -14,8 +14,8 @@ key                          shape             what
                                                padded to ``max_sequence_length``, 512)
 ===========================  ================  =============================================
 
-and, as string metadata in its header, where it came from (``source``, ``caption``, the source's and
-the kept frame count and size). ``PackedWanTransformer`` takes ``latents`` as ``hidden_states``. The
+and, as string metadata in its header, where it came from (``source``, ``caption``, ``kind``,
+``frames_read``: frames decoded, at most ``max_frames + 1``; ``frames``, ``fps``, ``source_size``, ``size``). ``PackedWanTransformer`` takes ``latents`` as ``hidden_states``. The
 directory holds a ``manifest.json`` (:mod:`deepspeed_knap.runtime.manifest`), as FLUX's prepared data
 does, written after every sample.
 
