@@ -15,9 +15,10 @@ key                          shape             what
 ===========================  ================  =============================================
 
 and, as string metadata in its header, where it came from (``source``, ``caption``, ``kind``,
-``frames_read``: frames decoded, at most ``max_frames + 1``; ``frames``, ``fps``, ``source_size``, ``size``). ``PackedWanTransformer`` takes ``latents`` as ``hidden_states``. The
-directory holds a ``manifest.json`` (:mod:`deepspeed_knap.runtime.manifest`), as FLUX's prepared data
-does, written after every sample.
+``frames_read``: frames decoded, at most ``max_frames + 1``; ``frames``, ``fps``, ``source_size``,
+``size``). ``PackedWanTransformer`` takes ``latents`` as ``hidden_states``. The directory holds a
+``manifest.json`` (:mod:`deepspeed_knap.runtime.manifest`), as FLUX's prepared data does, written
+after every sample.
 
 The rules that turn a source into pixels the VAE takes (:func:`read_source`):
 
