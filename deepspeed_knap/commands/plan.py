@@ -181,7 +181,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--solver", default="all", choices=["all", *SOLVERS],
                         help=f"'all', or one solver to run next to 'none' ('{DEFAULT_SOLVER}' is the one training uses)")  # fmt: skip
     parser.add_argument("--model", type=parse_model, default="flux-dev",
-                        help="preset or dims: hidden=3072,double_blocks=19,single_blocks=38,mlp_ratio=4")  # fmt: skip
+                        help=f"a preset ({', '.join(MODEL_PRESETS)}) or dims: FLUX's hidden=3072,double_blocks=19,"
+                             "single_blocks=38,mlp_ratio=4, or Wan's dim=,ffn_dim=,num_heads=,num_layers=,text_len=")  # fmt: skip
     parser.add_argument("--tflops", type=positive_float, default=DEFAULT_TFLOPS, help="sustained TFLOP/s per GPU")
     parser.add_argument(
         "--alltoall-gbps", type=float, default=DEFAULT_ALLTOALL_GBPS, help="per-GPU all-to-all GB/s inside a bag"

@@ -5,10 +5,13 @@ backward, Ulysses exchanges excluded: :mod:`~deepspeed_knap.runtime.timing`) and
 with the next step's lengths. Every rank therefore sees the same (plan, measured microseconds per
 GPU) every step and refits the same model from them:
 
-    measured[g] = (overhead + a * X[g] + b * Y[g]) / speed[g]
+    measured[g] = (overhead + a * X[g] + b * Y[g] + e * W[g]) / speed[g]
 
-where ``X[g] = sum s / (G * efficiency(G))`` and ``Y[g] = sum s**2 / (G * efficiency(G))`` over the
-sequences whose group holds GPU ``g`` (the planner's own per-GPU terms), ``speed[g]`` is a per-rank
+where ``X[g] = sum s / (G * efficiency(G))`` and ``Y[g] = sum s**2 * heads(G) / (G * efficiency(G))``
+over the sequences whose group holds GPU ``g`` (the planner's own per-GPU terms; ``heads(G)`` the
+cost model's :meth:`~deepspeed_knap.cost.model.CostModel.head_factor`), ``W[g]`` the number of
+those sequences and ``e`` the prior's per-sequence cost every member repeats (``sequence_coef``,
+known, not refit: Wan's text projections), ``speed[g]`` is a per-rank
 speed factor (a throttled GPU, an older GPU in a mixed pool) and ``overhead`` the fixed cost of a
 rank per step (launches, Python; on a slow rank it is larger, so the planner gives that rank less
 work: :attr:`~deepspeed_knap.cost.model.CostModel.overhead_s`). Past steps count with weight
@@ -74,24 +77,27 @@ class OnlineSettings:
             )
 
 
-def plan_terms(plan: RoutingPlan, cost_model: CostModel) -> tuple[list[float], list[float], list[float]]:
-    """Per GPU ``X, Y, Z`` (module docstring) of ``plan``, in plain floats, sequence by sequence."""
-    linear, quadratic, alltoall = ([0.0] * plan.num_gpus for _ in range(3))
+def plan_terms(plan: RoutingPlan, cost_model: CostModel) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per GPU ``X, Y, Z, W`` (module docstring) of ``plan``, in plain floats, sequence by sequence."""
+    linear, quadratic, alltoall, sequences = ([0.0] * plan.num_gpus for _ in range(4))
     efficiency = {int(g): float(e) for g, e in cost_model.degree_efficiency or ()}
     for s, start, size in zip(plan.seq_lens.tolist(), plan.seq_group_start.tolist(), plan.seq_group_size.tolist(),
                               strict=True):  # fmt: skip
         share = size * efficiency.get(size, 1.0)
-        x, y, z = s / share, s * s / share, s * (size - 1) / (size * size)
+        heads = float(cost_model.head_factor(size))
+        x, y, z = s / share, s * s * heads / share, s * (size - 1) / (size * size)
         for gpu in range(start, start + size):
             linear[gpu] += x
             quadratic[gpu] += y
             alltoall[gpu] += z
-    return linear, quadratic, alltoall
+            sequences[gpu] += 1.0
+    return linear, quadratic, alltoall, sequences
 
 
 # Per-GPU running sums, each over past steps weighted by forgetting ** age: the weight, the terms and
 # the measured seconds (t) of every busy, measured step, and their products.
-_SUMS = ("w", "x", "y", "xx", "xy", "yy", "t", "tx", "ty", "tt")
+# The W terms (u) enter only through the known e * W, moved to the measured side of the fit.
+_SUMS = ("w", "x", "y", "xx", "xy", "yy", "t", "tx", "ty", "tt", "u", "ux", "uy", "ut", "uu")
 
 
 class OnlineCostModel:
@@ -117,12 +123,12 @@ class OnlineCostModel:
         """Add one step: ``plan`` and the microseconds every GPU measured for it (negative: none).
         Refits when due."""
         forgetting = self.settings.forgetting
-        linear, quadratic, alltoall = plan_terms(plan, self.current)
+        linear, quadratic, alltoall, sequences = plan_terms(plan, self.current)
         # Once refit, a step counts at most max_speed_ratio times off the model's prediction: one
         # stalled step cannot swing a rank's speed (before, the prior's scale may be anything).
         predicted = self.predicted_s(plan) if self.current is not self.prior else None
         bound = self.settings.max_speed_ratio
-        for gpu, (x, y, t_us) in enumerate(zip(linear, quadratic, compute_us, strict=True)):
+        for gpu, (x, y, u, t_us) in enumerate(zip(linear, quadratic, sequences, compute_us, strict=True)):
             sums = self.sums[gpu]
             for key in _SUMS:
                 sums[key] *= forgetting
@@ -130,7 +136,8 @@ class OnlineCostModel:
                 t = t_us / 1e6
                 if predicted is not None and predicted[gpu] > 0:
                     t = min(max(t, predicted[gpu] / bound), predicted[gpu] * bound)
-                for key, value in zip(_SUMS, (1.0, x, y, x * x, x * y, y * y, t, t * x, t * y, t * t), strict=True):
+                values = (1.0, x, y, x * x, x * y, y * y, t, t * x, t * y, t * t, u, u * x, u * y, u * t, u * u)
+                for key, value in zip(_SUMS, values, strict=True):
                     sums[key] += value
         rates = [u / 1e6 / z for z, u in zip(alltoall, ulysses_us, strict=True) if u >= 0 and z > 0]
         self.alltoall_sums = [self.alltoall_sums[0] * forgetting, self.alltoall_sums[1] * forgetting]
@@ -153,11 +160,11 @@ class OnlineCostModel:
     def predicted_s(self, plan: RoutingPlan) -> list[float]:
         """``[S]`` seconds the current model predicts each GPU computes under ``plan``, its fixed
         overhead included (an idle GPU still runs every block)."""
-        linear, quadratic, _ = plan_terms(plan, self.current)
+        linear, quadratic, _, sequences = plan_terms(plan, self.current)
         m = self.current
         return [
-            (m.overhead_s + m.linear_coef * x + m.quadratic_coef * y) / speed
-            for x, y, speed in zip(linear, quadratic, self.speeds, strict=True)
+            (m.overhead_s + m.linear_coef * x + m.quadratic_coef * y + m.sequence_coef * u) / speed
+            for x, y, u, speed in zip(linear, quadratic, sequences, self.speeds, strict=True)
         ]
 
     def _refit(self) -> None:
@@ -179,15 +186,16 @@ class OnlineCostModel:
                                            overhead_s=coef[0])  # fmt: skip
 
     def _fit_coefficients(self, busy: list[int], speeds: list[float]) -> list[float] | None:
-        """``[overhead, a, b]`` for ``measured * speed = overhead + a*X + b*Y``, from the running sums."""
+        """``[overhead, a, b]`` for ``measured * speed - e*W = overhead + a*X + b*Y``, from the running sums."""
+        e = self.prior.sequence_coef
         total = dict.fromkeys(_SUMS, 0.0)
         for g in busy:
-            v = speeds[g]
+            v, sums = speeds[g], self.sums[g]
             for key in ("w", "x", "y", "xx", "xy", "yy"):
-                total[key] += self.sums[g][key]
-            for key in ("t", "tx", "ty"):
-                total[key] += v * self.sums[g][key]
-            total["tt"] += v * v * self.sums[g]["tt"]
+                total[key] += sums[key]
+            for key, known in (("t", "u"), ("tx", "ux"), ("ty", "uy")):
+                total[key] += v * sums[key] - e * sums[known]
+            total["tt"] += v * v * sums["tt"] - 2 * v * e * sums["ut"] + e * e * sums["uu"]
         gram = [[total["w"], total["x"], total["y"]], [total["x"], total["xx"], total["xy"]],
                 [total["y"], total["xy"], total["yy"]]]  # fmt: skip
         rhs = [total["t"], total["tx"], total["ty"]]
@@ -205,7 +213,8 @@ class OnlineCostModel:
         for g in busy:
             sums = self.sums[g]
             if sums["t"] > 0:
-                raw[g] = (coef[0] * sums["w"] + coef[1] * sums["x"] + coef[2] * sums["y"]) / sums["t"]
+                predicted = coef[0] * sums["w"] + coef[1] * sums["x"] + coef[2] * sums["y"]
+                raw[g] = (predicted + self.prior.sequence_coef * sums["u"]) / sums["t"]
         known = sorted(r for r in raw if r is not None)
         median = known[len(known) // 2] if known else 1.0
         bound = self.settings.max_speed_ratio

@@ -20,7 +20,7 @@ SPEEDS = (1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 2.0, 1.0)  # rank 2 throttled to half, r
 
 def measure(plan, truth=TRUTH, speeds=SPEEDS, overhead_s=0.01):
     """What each GPU would measure under ``truth``: compute microseconds (overhead on busy GPUs)."""
-    linear, quadratic, _ = plan_terms(plan, truth)
+    linear, quadratic, _, _ = plan_terms(plan, truth)
     return [round((overhead_s + truth.linear_coef * x + truth.quadratic_coef * y) / v * 1e6) if x > 0 else 0
             for x, y, v in zip(linear, quadratic, speeds, strict=True)]  # fmt: skip
 
@@ -77,6 +77,30 @@ def test_one_noisy_step_moves_a_speed_little_and_speeds_stay_bounded():
     # Bounded, then rounded to the grid of 1/32 the planner sees.
     assert min(online.model().gpu_speed) == pytest.approx(1 / 1.5, abs=1 / 64) and max(online.model().gpu_speed) == 1.5
     assert all(v * 32 == round(v * 32) for v in online.model().gpu_speed)
+
+
+def test_refit_prices_uneven_heads_and_a_known_per_sequence_cost():
+    """A Wan-like model (6 heads: a group of 4 runs at its 2-head members' pace; every member repeats a
+    per-sequence text projection e): measured times from the cost model's own per-GPU seconds
+    (plan_loads, not the refit's terms), and the refit recovers a, b and the overhead with e kept."""
+    from deepspeed_knap.planner import plan_loads
+
+    truth = CostModel(2e-5, 3e-9, num_heads=6, sequence_coef=0.004)
+    topology = build_topology("auto", 8)
+    prior = dataclasses.replace(truth, linear_coef=1e-5, quadratic_coef=1e-8)
+    online = OnlineCostModel(prior, 8, OnlineSettings(warmup_steps=3))
+    degrees = set()
+    for step in range(10):
+        plan = plan_routing(sample_mix("long_video", 8, step), topology, online.model())
+        degrees |= set(plan.seq_group_size.tolist())
+        seconds = plan_loads(plan, dataclasses.replace(truth, overhead_s=0.01))  # equal speeds: plan_loads
+        # runs a group at its slowest member's pace, where the refit sees each GPU's own compute
+        online.observe(plan, [round(s * 1e6) for s in seconds], [0] * 8)
+    assert 4 in degrees, "no group of 4: the head factor was not exercised"
+    model = online.model()
+    assert model.linear_coef == pytest.approx(truth.linear_coef, rel=1e-3)
+    assert model.quadratic_coef == pytest.approx(truth.quadratic_coef, rel=1e-3)
+    assert model.overhead_s == pytest.approx(0.01, rel=1e-2) and model.sequence_coef == truth.sequence_coef
 
 
 def test_refit_is_bit_identical_in_another_process():
