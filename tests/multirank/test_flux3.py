@@ -25,6 +25,9 @@ RANK_SHAPES = [
     [(4, 4, 4, ((3, 4),)), (2, 3, 2, ((2, 2),)), (1, 2, 2, ())],
     [(3, 4, 4, ((1, 2), (1, 2)))],
 ]  # fmt: skip
+# A plan no solver makes: sample 0 (1 text, 1 image, 1 reference token) on all 4 GPUs, so GPU 3 holds an
+# empty chunk of it yet runs its attention by segment; the others alone at home.
+EDGE_SHAPES = [[(1, 1, 1, ((1, 1),))], [], [(2, 2, 2, ())], [(2, 2, 3, ((1, 2),))]]
 COST_MODEL = dict(linear_coef=1.0, quadratic_coef=0.05, alltoall_coef=0.5)
 CASES = ("flux3", "flux3_flow_map", "flux3_narrow_refs")
 INPUTS = ("hidden_states", "encoder_hidden_states", "image_cond_hidden_states")
@@ -35,6 +38,7 @@ def _worker(rank: int, world: int) -> dict:
     import warnings
 
     import deepspeed.comm as dist
+    import numpy as np
 
     from deepspeed_knap.cost.model import CostModel
     from deepspeed_knap.models.flux3 import PackedFlux3Transformer
@@ -56,13 +60,25 @@ def _worker(rank: int, world: int) -> dict:
     unlink_own_shm_buffer(rank)
     topology = build_topology("auto", world, max_degree=world)
     groups = create_process_groups(topology)
+
+    class EdgePlan(KnapBalancer):
+        def plan(self, batch):
+            from deepspeed_knap.planner.problem import Problem
+
+            lens = [[sum(h * w for h, w in refs) + h * w + t for h, w, t, refs in shapes] for shapes in EDGE_SHAPES]
+            problem = Problem.build(lens, topology, self.cost_model, None)
+            self.plans = [problem.make_plan("edge", np.array([0, 2, 3]), np.array([4, 1, 1]))]
+            return self.plans[0]
+
     results = {}
-    for case in CASES:
-        ref = reference_model(case, torch.float64)
+    for case in (*CASES, "edge"):
+        config, shapes = (case, RANK_SHAPES) if case != "edge" else ("flux3", EDGE_SHAPES)
+        ref = reference_model(config, torch.float64)
         runs = []
-        for balancer in (None, RecordingBalancer(groups, CostModel(**COST_MODEL), solver="refine")):
+        chosen = (EdgePlan if case == "edge" else RecordingBalancer)(groups, CostModel(**COST_MODEL), solver="refine")
+        for balancer in (None, chosen):
             model = PackedFlux3Transformer.from_diffusers(ref, attention_backend="sdpa", topology=topology)
-            samples = random_samples(case, RANK_SHAPES[rank], 10 + rank, torch.float64, requires_grad=True)
+            samples = random_samples(config, shapes[rank], 10 + rank, torch.float64, requires_grad=True)
             inputs = model.pack(samples)
             if not samples:  # ranks must agree on which routed inputs need a gradient, even one with none
                 inputs = dataclasses.replace(
@@ -82,7 +98,7 @@ def _worker(rank: int, world: int) -> dict:
             return max((relative_error(a, b) for a, b in pairs), default=0.0)
 
         plan = balancer.plans[0]
-        has_refs = [bool(shape[3]) for shapes in RANK_SHAPES for shape in shapes]  # by sequence id
+        has_refs = [bool(shape[3]) for per_rank in shapes for shape in per_rank]  # by sequence id
         ref_groups = [int(size) for size, refs in zip(plan.seq_group_size, has_refs, strict=True) if refs]
         results[case] = {
             "out_err": worst(zip(balanced, plain, strict=True)),
@@ -91,6 +107,7 @@ def _worker(rank: int, world: int) -> dict:
             "diffusers_err": worst(zip(balanced, [diffusers_output(ref, s) for s in samples], strict=True)),
             "group_sizes": sorted(set(plan.seq_group_size.tolist())),
             "reference_group_sizes": ref_groups,
+            "chunks": plan.chunk_len.tolist(),
         }
     return results
 
@@ -99,11 +116,13 @@ def _worker(rank: int, world: int) -> dict:
 def test_balanced_auto_plans_splitting_samples_with_references_equal_the_unbalanced_model():
     """Outputs per rank, input gradients per sample and rank-summed parameter gradients of the balanced
     model equal the unbalanced one at fp64 (1e-10), on a plan that mixes groups of 1, 2 and 4 GPUs and
-    splits samples with references over 2 and 4 GPUs; the balanced outputs also equal diffusers'."""
+    splits samples with references over 2 and 4 GPUs; the balanced outputs also equal diffusers'. Also
+    on a hand-made plan where a GPU runs attention by segment over a sample it holds no token of."""
     results = run_distributed(_worker, 4, timeout=300)
     for case in CASES:
         assert results[0][case]["group_sizes"] == [1, 2, 4], "the plan must mix degrees 1, 2 and 4 in one step"
         assert {2, 4} <= set(results[0][case]["reference_group_sizes"]), results[0][case]
+    assert results[0]["edge"]["chunks"][:4] == [1, 1, 1, 0], "GPU 3 must hold an empty chunk of sample 0"
     for rank, result in enumerate(results):
         for case, measured in result.items():
             for key in ("out_err", "grad_err", "input_grad_err", "diffusers_err"):
