@@ -270,10 +270,14 @@ def write_checkpoint_manifest(save_dir: str | Path, tag: str, metadata: Mapping 
     rank = dist.get_rank()
     tag_dir = Path(save_dir) / tag
     host = socket.gethostname()
-    seen = _files_seen(tag_dir)
+    try:
+        seen, problem = _files_seen(tag_dir), None
+    except OSError as error:  # reported by every rank, not raised here alone
+        seen, problem = {}, f"cannot list {tag_dir}: {error}"
+    raise_together_manifest(problem, f"writing the manifest of checkpoint {tag_dir}")
     views = _gather_json({"host": host, "time": time.time(), "files": seen})
     names = sorted({name for view in views for name in view["files"]})
-    mine, problem = {}, None
+    mine = {}
     for index, name in enumerate(names):
         seers = [r for r, view in enumerate(views) if name in view["files"]]
         owner = checkpoint_file_rank(name)
@@ -342,9 +346,15 @@ def find_checkpoint(path: str | Path) -> CheckpointChoice:
 
     world = dist.get_world_size()
     path = Path(path)
-    kind, directories = _checkpoint_kind(path)
-    local = {name: _tag_view(directory) for name, directory in directories.items()}
+    try:
+        kind, directories = _checkpoint_kind(path)
+        local = {name: _tag_view(directory) for name, directory in directories.items()}
+    except OSError as error:  # reported by every rank below, not raised here alone
+        kind, local = f"error: {error}", {}
     views = _gather_json({"host": socket.gethostname(), "kind": kind, "tags": local})
+    unreadable = [f"rank {rank}: {view['kind']}" for rank, view in enumerate(views) if view["kind"].startswith("error")]
+    if unreadable:
+        raise ManifestError(f"cannot read checkpoint {path}: {'; '.join(unreadable)}")
     kinds = {}
     for rank, view in enumerate(views):
         kinds.setdefault(view["kind"], []).append(rank)
