@@ -173,3 +173,26 @@ def test_bad_samples_name_the_sample_and_the_problem():
     for model, samples, message in cases:
         with pytest.raises(ValueError, match=message):
             model.pack(samples)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen"])
+def test_gpu_varlen_kernels_attend_by_segment(backend):
+    """The varlen kernels take the segments as sequences: bf16 on CUDA against fp64 sdpa by segment."""
+    from deepspeed_knap.runtime.attention import KnapDistributedAttention
+    from deepspeed_knap.runtime.packing import PackedBatch
+    from deepspeed_knap.runtime.routing import local_batch
+
+    try:
+        attention = KnapDistributedAttention(8, backend=backend)
+    except ValueError as unavailable:
+        pytest.skip(str(unavailable))
+    seq_lens, segments = (4608, 1200), np.array([[512, 4096, 0], [200, 700, 300]])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(sum(seq_lens), 8, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = attention(q, k, v, local_batch(PackedBatch(torch.zeros(sum(seq_lens), 1, device="cuda"), seq_lens)),
+                    segments=segments)  # fmt: skip
+    routed = local_batch(PackedBatch(torch.zeros(sum(seq_lens), 1, device="cuda", dtype=torch.float64), seq_lens))
+    ref = KnapDistributedAttention(8, backend="sdpa")(q.double(), k.double(), v.double(), routed, segments=segments)
+    assert attention.varlen_attn.resolve(q.device, q.dtype) == backend
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
