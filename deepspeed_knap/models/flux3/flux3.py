@@ -113,7 +113,8 @@ class PackedFlux3Transformer(PackedFluxBase):
 
     family = "flux3"
     diffusers_class = "Flux3Transformer2DModel"
-    # diffusers 0.42 has no FLUX.3 pipeline; the name its LoRA loader would have.
+    # diffusers 0.42.1 has no FLUX.3 pipeline: this is the name one would have, and exporting a LoRA
+    # adapter through it (finetune.save_adapter) fails until it exists; training is issue 24, item 4.
     diffusers_pipeline = "Flux3Pipeline"
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.linear_in", "ff.linear_out")
 
