@@ -17,15 +17,17 @@ one is partial (a save or a ``prepare_*`` run that did not finish). Format (JSON
     }
 
 The digest is the sha256 of the whole file, as ``sha256sum`` prints it, so an operator can check a
-file by hand. Measured on this project's 2-core CI machine (OpenSSL with the SHA extensions): sha256
-hashes 1.67 GiB/s from memory, as fast as zlib's crc32 (1.80) and twice blake2b (0.72) or md5
-(0.70); a file streamed from the page cache hashes at 0.6-0.7 GiB/s, where the read itself runs at
-2.6 GiB/s. A non-cryptographic hash (xxh3) would be faster per core but is another dependency, and
-it would not make a checkpoint read faster than the disk. What keeps multi-GB ZeRO shards cheap is
-who hashes what: each file is hashed by one rank, the rank whose number DeepSpeed put in its name
-(the rank that wrote it at a save, right after writing, with the bytes in the page cache; and the
-rank that loads it at a resume, which then reads it from the page cache), so the ranks hash their own
-shards in parallel: a 20 GB optimizer shard per rank costs 15-30 s at a save and again before a load.
+file by hand. Measured on a 2-core x86 VM with the SHA extensions (OpenSSL through hashlib), best of
+4 over 256 MiB: sha256 1.68 GiB/s from memory; sha1 1.79, blake2b 0.72-0.88, md5 0.70, and zlib's
+crc32 1.8-3.9 (32 bits, not a strong digest). A 1 GiB file streamed from the page cache hashes at
+1.3 GiB/s (0.6-0.7 with the machine loaded), where reading it alone runs at 2.6 GiB/s. A faster
+non-cryptographic hash (xxh3) would be another dependency and still wait on the disk. What keeps
+multi-GB ZeRO shards cheap is who hashes what: each file is hashed by one rank, the rank whose number
+DeepSpeed put in its name (at a save, the rank that just wrote it, its bytes still in the page cache;
+at a resume, the rank that loads it, which then reads it from the page cache), so every rank hashes
+its own shards while the others hash theirs: a 20 GB optimizer shard per rank costs about 15 s at
+1.3 GiB/s at each save, and again before a load. A size that differs is found by a stat, before any
+hashing.
 
 Command line, for a directory written before manifests existed (trusting its files as they are)::
 

@@ -111,3 +111,15 @@ def test_a_sampled_digest_sees_a_rescaled_copy_and_is_the_same_from_bytes_or_a_f
     assert sampled_digest(data) != sampled_digest(data[:-1])
     with pytest.raises(OSError):
         sampled_digest(tmp_path / "missing")
+
+
+def test_the_command_line_writes_a_manifest_for_trusted_files_and_checks_one(tmp_path, capsys):
+    from deepspeed_knap.runtime.manifest import main
+
+    (tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 10)
+    assert main([str(tmp_path)]) == 0
+    assert list(read_manifest(tmp_path)["files"]) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert main(["--check", str(tmp_path)]) == 0
+    (tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 5)
+    assert main(["--check", str(tmp_path)]) == 1
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is 5 bytes, the manifest says 10" in capsys.readouterr().err
