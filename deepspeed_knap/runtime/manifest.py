@@ -398,7 +398,7 @@ def find_checkpoint(path: str | Path) -> CheckpointChoice:
         if not problems:
             problems = _digest_problems(load_dir / tag, views, tag)
         if not problems:
-            return CheckpointChoice(str(load_dir), tag, kind == "tag", skipped, read_manifest(load_dir / tag))
+            return CheckpointChoice(str(load_dir), tag, kind == "tag", skipped, local[tag]["parsed"])
         shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
         if kind == "tag":
             raise ManifestError(f"cannot load checkpoint {load_dir / tag}: {shown}; {_LOAD_FIX}")
@@ -438,8 +438,8 @@ def _files_seen(directory: Path) -> dict[str, list[int]]:
 
 def _tag_view(directory: Path) -> dict:
     """What this rank sees of one tag: its manifest's digest (``None``: none; ``"bad: ..."``: not a
-    manifest), and, with one, every listed file's ``[size, device, inode]`` (``None``: missing here) and
-    the files it does not list."""
+    manifest), and, with one, every listed file's ``[size, device, inode]`` (``None``: missing here), the
+    files it does not list, and the manifest itself."""
     try:
         text = (directory / MANIFEST).read_bytes()
     except FileNotFoundError:
@@ -456,7 +456,7 @@ def _tag_view(directory: Path) -> dict:
         "created": manifest["created"],
         "files": {name: seen.get(name) for name in manifest["files"]},
         "extra": sorted(set(seen) - set(manifest["files"])),
-        "expected": manifest["files"],
+        "parsed": manifest,
     }
 
 
@@ -484,7 +484,7 @@ def _stat_problems(tag: str, views: Sequence[Mapping], mine: Mapping) -> list[st
     """Files missing where they are loaded, of another size, or not listed, from every rank's stat."""
     world = len(views)
     problems = []
-    for name, entry in mine["expected"].items():
+    for name, entry in mine["parsed"]["files"].items():
         stats = [view["tags"][tag]["files"][name] for view in views]
         owner = checkpoint_file_rank(name)
         loaders = [owner] if owner is not None and owner < world else list(range(world))
@@ -515,7 +515,7 @@ def _digest_problems(tag_dir: Path, views: Sequence[Mapping], tag: str) -> list[
     import deepspeed.comm as dist
 
     rank, world = dist.get_rank(), len(views)
-    expected = views[rank]["tags"][tag]["expected"]
+    expected = views[rank]["tags"][tag]["parsed"]["files"]
     mine = {}
     for index, name in enumerate(sorted(expected)):
         copies = {}
