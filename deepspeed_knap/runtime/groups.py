@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,17 +152,31 @@ def check_same_on_every_rank(views: dict[str, str]) -> None:
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     table = torch.stack(gathered).cpu()  # [world, settings]
+    odd_ranks = {
+        name: torch.nonzero(table[:, column] != table[0, column]).flatten().tolist()
+        for column, name in enumerate(names)
+    }
+    odd_ranks = {name: odd for name, odd in odd_ranks.items() if odd}
+    if not odd_ranks:
+        return
+    # Every rank has the same table, so every rank is here: one more gather says what each saw
+    # (a missing calibration file reads as its error, not only as "differs").
+    seen = [json.loads(view) for view in all_gather_bytes(json.dumps([views[n] for n in odd_ranks]).encode())]
     differing = []
-    for column, name in enumerate(names):
-        odd = torch.nonzero(table[:, column] != table[0, column]).flatten().tolist()
-        if odd:
-            differing.append(f"{name} (ranks {odd} differ from rank 0)")
-    if differing:
-        raise ValueError(
-            "ranks see different settings, so they would act differently and the job would hang: "
-            + "; ".join(differing)
-            + ". Make the nodes' files, installed packages, environment and configs identical"
-        )
+    for index, (name, odd) in enumerate(odd_ranks.items()):
+        first = odd[0]
+        differing.append(f"{name} (ranks {odd} differ from rank 0): rank 0 sees {_short(seen[0][index])}, rank "
+                         f"{first} sees {_short(seen[first][index])}")  # fmt: skip
+    raise ValueError(
+        "ranks see different settings, so they would act differently and the job would hang: "
+        + "; ".join(differing)
+        + ". Make the nodes' files, installed packages, environment and configs identical"
+    )
+
+
+def _short(view: str, limit: int = 400) -> str:
+    """A setting's view for an error message, cut to ``limit`` characters."""
+    return repr(view if len(view) <= limit else view[: limit - 3] + "...")
 
 
 def text_digest(text: str) -> int:

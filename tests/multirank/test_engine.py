@@ -229,6 +229,11 @@ def test_config_errors_before_the_first_step_on_every_rank(tmp_path):
     assert "ranks see different settings" in errors["file_on_some_nodes"]
     assert '"knapformer" block (ranks [2, 3] differ from rank 0)' in errors["file_on_some_nodes"]
     assert "cost model (calibration_file) (ranks [2, 3] differ from rank 0)" in errors["file_on_some_nodes"]
+    # ... and says what rank 2 saw: its file is missing
+    assert (
+        "rank 2 sees" in errors["file_on_some_nodes"]
+        and "is unreadable ([Errno 2] No such file" in errors["file_on_some_nodes"]
+    )
     typo = errors["typo_on_some_nodes"]
     assert typo.startswith("reading the DeepSpeed config on every rank failed:\nrank(s) [2, 3]: node 1 (host "), typo
     assert "unknown key 'knapformer.topolgy'" in typo and "[0, 1]" not in typo
