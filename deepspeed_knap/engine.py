@@ -128,7 +128,10 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
     # or every rank would hand NCCL a tensor on GPU 0.
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if timeout is not None:
-        set_collective_timeout(timeout)  # the world group: the agreement below waits this long at most
+        # The world group waits at most this long in the agreement below, but never less than
+        # DeepSpeed's default until deepspeed.initialize returns: ranks may be slowed apart by start-up
+        # work of their own (a kernel import, an op build), as the rendezvous may.
+        set_collective_timeout(max(timeout, default_pg_timeout))
     knap = None
     if problem is None:
         try:
@@ -136,11 +139,14 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
         except ValueError as error:
             problem = str(error)
     raise_together(problem and f"{_this_node()}: {problem}", "reading the DeepSpeed config on every rank")
+    # Valid blocks may still differ between nodes; "enabled" decides which collectives a rank runs
+    # next, so the block is agreed on before anything branches on it.
+    check_same_on_every_rank({'"knapformer" block': json.dumps(ds_config.get(KNAPFORMER), sort_keys=True)})
     plain_config = {key: value for key, value in ds_config.items() if key != KNAPFORMER}
     topology = cost_model = None
     if knap.enabled:
         attention = [m for m in model.modules() if isinstance(m, KnapDistributedAttention)] if model is not None else []
-        cost_model, views = _rank_views(knap, ds_config, model, attention)
+        cost_model, views = _rank_views(knap, model, attention)
         check_same_on_every_rank(views)
         if isinstance(cost_model, Exception):  # the same on every rank, as just checked
             raise cost_model
@@ -180,7 +186,7 @@ def _this_node() -> str:
     return f"host {host}"
 
 
-def _rank_views(knap: KnapFormerConfig, ds_config: dict, model: nn.Module | None,
+def _rank_views(knap: KnapFormerConfig, model: nn.Module | None,
                 attention: list[KnapDistributedAttention]) -> tuple[CostModel | Exception, dict[str, str]]:  # fmt: skip
     """This rank's cost model (or the error building it) and what it sees of every setting that
     can differ between nodes, for :func:`~deepspeed_knap.runtime.groups.check_same_on_every_rank`."""
@@ -192,7 +198,6 @@ def _rank_views(knap: KnapFormerConfig, ds_config: dict, model: nn.Module | None
         (name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype)) for name, p in model.named_parameters()
     ]  # fmt: skip
     views = {
-        '"knapformer" block': json.dumps(ds_config.get(KNAPFORMER), sort_keys=True),
         "gpus per node from the launcher": str(launcher_gpus_per_node()),
         "cost model (calibration_file)": repr(cost_model),
         f"attention backend {knap.attention_backend!r}": str(backend_problem(knap.attention_backend)),

@@ -183,8 +183,12 @@ def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
         "auto_heads": ({"topology": "auto", "max_degree": 4}, 2, {}),
         "auto_node": ({"topology": "auto", "max_degree": 4}, 6, {"LOCAL_SIZE": "3"}),
         "auto_not_a_power_of_two": ({"topology": "auto", "max_degree": 3}, 6, {}),
-        # A calibration file only ranks 0 and 1 have: every rank must raise, naming 2 and 3.
-        "file_on_some_nodes": ({"topology": "g2n2", "cost_model": {"calibration_file": calibration}}, 6, {}),
+        # A calibration file only ranks 0 and 1 have (the same relative path, each "node" in its own
+        # working directory): every rank must raise, naming 2 and 3 and what they see.
+        "file_on_some_nodes": ({"topology": "g2n2", "cost_model": {"calibration_file": "calibration.json"}}, 6, {}),
+        # Valid blocks that differ: ranks 2 and 3 have balancing off. Before, they went on into
+        # DeepSpeed's start-up while ranks 0 and 1 waited in the agreement, and the job hung.
+        "enabled_on_some_nodes": ({"topology": "g2n2"}, 6, {}),
         # Ranks 2 and 3 (node 1 of 2) have a typo, or no config file at all; ranks 0 and 1 are fine.
         # Before, ranks 2 and 3 raised alone and ranks 0 and 1 waited for them.
         "typo_on_some_nodes": ({"topology": "g2n2"}, 6, {"CROSS_RANK": str(rank // 2)}),
@@ -195,11 +199,13 @@ def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
         model = TinyDiT(DIM, heads, COND)
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
-        if name == "file_on_some_nodes" and rank >= 2:
-            block = {**block, "cost_model": {"calibration_file": calibration + ".missing-on-this-node"}}
+        cwd = os.getcwd()
+        if name == "file_on_some_nodes":
+            os.chdir(os.path.dirname(calibration) if rank < 2 else os.path.dirname(os.path.dirname(calibration)))
+        enabled = not (name == "enabled_on_some_nodes" and rank >= 2)
         if name == "typo_on_some_nodes" and rank >= 2:
             block = {**block, "topolgy": "g2n2"}
-        config = ds_config(1, {"enabled": True, **block})
+        config = ds_config(1, {"enabled": enabled, **block})
         if name == "config_missing_on_some_nodes" and rank >= 2:
             config = calibration + ".no-config-on-this-node.json"
         try:
@@ -207,6 +213,7 @@ def _config_error_worker(rank: int, world: int, calibration: str) -> dict:
         except ValueError as error:
             errors[name] = str(error)
         finally:
+            os.chdir(cwd)
             for key, value in saved.items():
                 os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
     return errors
@@ -227,7 +234,8 @@ def test_config_errors_before_the_first_step_on_every_rank(tmp_path):
     assert "max_degree=4 is larger than a node of 3 GPUs: groups of whole nodes need" in errors["auto_node"]
     assert '"max_degree": 3 must be a power of two' in errors["auto_not_a_power_of_two"]
     assert "ranks see different settings" in errors["file_on_some_nodes"]
-    assert '"knapformer" block (ranks [2, 3] differ from rank 0)' in errors["file_on_some_nodes"]
+    assert '"knapformer" block' not in errors["file_on_some_nodes"]  # the same block everywhere
+    assert '"knapformer" block (ranks [2, 3] differ from rank 0)' in errors["enabled_on_some_nodes"]
     assert "cost model (calibration_file) (ranks [2, 3] differ from rank 0)" in errors["file_on_some_nodes"]
     # ... and says what rank 2 saw: its file is missing
     assert (
