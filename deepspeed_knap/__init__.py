@@ -63,6 +63,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _deprecated.RENAMED:
         return _deprecated.renamed(name)
+    if f"deepspeed_knap.{name}" in _deprecated.MOVED_MODULES:  # an old submodule: deepspeed_knap.topology
+        return importlib.import_module(f"deepspeed_knap.{name}")
     raise AttributeError(f"module 'deepspeed_knap' has no attribute {name!r}")
 
 

@@ -2,6 +2,7 @@
 names its replacement."""
 
 import importlib
+import json
 import subprocess
 import sys
 
@@ -12,25 +13,50 @@ from deepspeed_knap._deprecated import MOVED_MODULES, RENAMED
 from deepspeed_knap.cli import main
 
 
-def test_every_old_module_path_is_the_new_module_with_a_warning():
+def test_every_old_module_path_and_name_resolves_with_a_warning():
+    """In a fresh interpreter (no old path imported yet): every old module imports with a warning
+    naming its new path, its names are the new module's objects, every old or moved name in its
+    table is its new object with a warning, an old pickle loads, and the new module keeps its own
+    spec (reload works)."""
     code = (
-        "import importlib, json, sys, warnings\n"
+        "import importlib, json, pickle, warnings\n"
         "from deepspeed_knap._deprecated import MOVED_MODULES\n"
         "problems = []\n"
-        "for old, new in MOVED_MODULES.items():\n"
+        "for old, (new, names) in MOVED_MODULES.items():\n"
         "    with warnings.catch_warnings(record=True) as caught:\n"
         "        warnings.simplefilter('always')\n"
-        "        module = importlib.import_module(old)\n"
+        "        stand_in = importlib.import_module(old)\n"
+        "        target = importlib.import_module(new)\n"
+        "        public = [n for n in vars(target) if not n.startswith('_')][:5]\n"
+        "        same = all(getattr(stand_in, n) is getattr(target, n) for n in public)\n"
+        "        moved = all(getattr(stand_in, n) is getattr(importlib.import_module(m), to)\n"
+        "                    for n, (m, to) in names.items())\n"
         "    messages = [str(w.message) for w in caught if w.category is DeprecationWarning]\n"
-        "    if module is not importlib.import_module(new) or not any(old in m and new in m for m in messages):\n"
-        "        problems.append((old, messages))\n"
-        "print(json.dumps(problems))\n"
+        "    warned = any(old in m and new in m for m in messages)\n"
+        "    warned_names = all(any(f'{old}.{n} is now' in m for m in messages) for n in names)\n"
+        "    if not (same and moved and warned and warned_names and target.__spec__.name == new):\n"
+        "        problems.append([old, same, moved, warned, warned_names, target.__spec__.name])\n"
+        "old_pickle = pickle.loads(b'cdeepspeed_knap.workload\\nWorkloadModel\\n.')\n"
+        "from deepspeed_knap.cost.model import CostModel\n"
+        "import deepspeed_knap.runtime.routing as routing\n"
+        "importlib.reload(routing)\n"
+        "print(json.dumps([problems, old_pickle is CostModel]))\n"
     )
-    # a fresh interpreter, where no old path has been imported yet (a second import does not warn)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    problems, pickle_ok = json.loads(result.stdout.strip().splitlines()[-1])
+    assert problems == [] and pickle_ok
     assert len(MOVED_MODULES) == 21
+
+
+def test_old_names_that_the_engine_and_the_docs_used_import():
+    with pytest.warns(DeprecationWarning):
+        from deepspeed_knap.topology import create_process_groups  # split off to runtime.groups
+        from deepspeed_knap.workload import WorkloadModel
+    from deepspeed_knap.cost.model import CostModel
+    from deepspeed_knap.runtime.groups import create_process_groups as new_create
+
+    assert WorkloadModel is CostModel and create_process_groups is new_create
 
 
 def test_the_documented_model_paths_import():
