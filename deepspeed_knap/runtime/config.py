@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, StrictBool, ValidationError, field_validator, model_validator
+from deepspeed.utils import logger
+from pydantic import Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
 
 from deepspeed_knap.cost.model import (
     DEFAULT_ALLTOALL_GBPS,
@@ -44,7 +45,20 @@ _WORKLOAD_RENAMED = (
 _ONLINE_KNOBS = ("warmup_steps", "forgetting", "refit_interval", "max_speed_ratio")
 
 
-class KnapOnlineConfig(DeepSpeedConfigModel):
+class _KnapConfigModel(DeepSpeedConfigModel):
+    """A block of the ``"knapformer"`` config: besides DeepSpeed's rules (unknown keys refused), a
+    number field refuses a JSON boolean, which pydantic would take as 1 or 0 (``"timeout_s": true``
+    would wait one second)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation not in (bool, StrictBool):
+            raise ValueError(f"{str(value).lower()} is a boolean; give a number")
+        return value
+
+
+class KnapOnlineConfig(_KnapConfigModel):
     """The ``"online"`` refit of the cost model: ``a``, ``b``, ``c`` and a speed factor per rank fitted
     to the measured step times, every step, identically on every rank; the cost model's source is the
     prior. ``"online": true`` is this block with its defaults."""
@@ -79,7 +93,7 @@ class KnapOnlineConfig(DeepSpeedConfigModel):
         return OnlineSettings(self.warmup_steps, self.forgetting, self.refit_interval, self.max_speed_ratio)
 
 
-class KnapCostModelConfig(DeepSpeedConfigModel):
+class KnapCostModelConfig(_KnapConfigModel):
     """Where the planner's cost model comes from: exactly one of a model preset (FLOP-derived),
     measured coefficients, or a calibration file written by ``deepspeed-knap calibrate``; and whether
     it is refit online."""
@@ -180,7 +194,7 @@ def _read_calibration(path: str) -> CostModel:
         ) from None
 
 
-class KnapFormerConfig(DeepSpeedConfigModel):
+class KnapFormerConfig(_KnapConfigModel):
     """The ``"knapformer"`` block. With ``enabled: false`` (the default) nothing is balanced and nothing
     extra communicates."""
 
@@ -230,7 +244,10 @@ class KnapFormerConfig(DeepSpeedConfigModel):
         if not isinstance(online, bool):
             raise ValueError(f'"online" must be true or false beside the flat knobs {", ".join(flat)}; got {online!r}')
         rest = {key: v for key, v in value.items() if key not in flat and key != "online"}
-        return {**rest, "online": {"enabled": online, **flat}}
+        if not online:  # the old block read no knob with "online" off: a config that loaded still loads
+            logger.warning(f'knapformer.workload: {", ".join(flat)} ignored, as before: "online" is off')
+            return rest
+        return {**rest, "online": flat}
 
     @model_validator(mode="before")
     @classmethod

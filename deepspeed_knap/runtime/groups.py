@@ -222,4 +222,4 @@ def all_gather_bytes(data: bytes) -> list[bytes]:
     padded = padded.to(device)
     gathered = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(gathered, padded)
-    return [bytes(t[:size].cpu().tolist()) for t, size in zip(gathered, sizes, strict=True)]
+    return [t[:size].cpu().numpy().tobytes() for t, size in zip(gathered, sizes, strict=True)]

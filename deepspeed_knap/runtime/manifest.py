@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -174,6 +175,9 @@ def _parse_manifest(text: bytes, directory: str | Path) -> dict:
         for name, entry in manifest["files"].items():
             if not (isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
                 raise ValueError(f"its entry for {name!r} is {entry!r}, not a size and a sha256")
+        created = manifest.get("created")  # orders checkpoint tags: a number, or the manifest is not one
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+            raise ValueError(f"its 'created' is {created!r}, not a time in seconds")
     except (ValueError, AttributeError) as error:
         raise ManifestError(
             f"{path} is not a manifest ({error}); write it again with python -m deepspeed_knap.runtime.manifest "

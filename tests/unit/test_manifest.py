@@ -87,6 +87,13 @@ def test_a_missing_or_damaged_manifest_is_an_error_naming_the_file(directory, tm
     (directory / MANIFEST).write_text(json.dumps({"format": "something else", "files": {}}))
     with pytest.raises(ManifestError, match="not a manifest"):
         read_manifest(directory)
+    # No creation time (a hand-edited manifest): refused as a manifest error, which the ranks agree
+    # on, not a KeyError where checkpoint tags are ordered by it (review).
+    manifest = build_manifest(directory)
+    del manifest["created"]
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="its 'created' is None, not a time in seconds"):
+        read_manifest(directory)
 
 
 def test_writing_replaces_the_manifest_atomically_and_leaves_no_temporary_file(directory):
