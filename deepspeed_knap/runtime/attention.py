@@ -170,6 +170,22 @@ class VarlenAttention:
         return kernel(q.contiguous(), k.contiguous(), v.contiguous(), seqs, self.softmax_scale, kv_seqs or seqs)
 
 
+def _check_segments(segments: np.ndarray, routed: RoutedBatch) -> None:
+    """Raise on a segment table that does not cover every sequence of the step exactly: ``[N, K]``
+    non-negative lengths, each row summing to its sequence's length. The table and the lengths are
+    the same on every rank, so every rank raises, not only the members of the group holding a bad row.
+    """
+    lens = routed.plan.seq_lens if routed.plan is not None else np.asarray(routed.batch.seq_lens, dtype=np.int64)
+    table = np.asarray(segments)
+    if (table.ndim != 2 or len(table) != len(lens) or not np.issubdtype(table.dtype, np.integer) or np.any(table < 0)
+            or not np.array_equal(table.sum(axis=1), lens)):  # fmt: skip
+        raise ValueError(
+            f"attention segments of shape {table.shape} with row sums {table.sum(axis=-1).tolist()[:8]}... do not "
+            f"cover the step's {len(lens)} sequences of lengths {lens.tolist()[:8]}...; segments are [N, K] "
+            "non-negative integer lengths by sequence id, each row summing to its sequence's length"
+        )
+
+
 def head_splits(num_heads: int, group_size: int) -> list[int]:
     """Heads each member of a group of ``group_size`` runs: near-equal, the first ones one more."""
     base, extra = divmod(num_heads, group_size)
@@ -301,8 +317,9 @@ class KnapDistributedAttention(DistributedAttention):
         returned this step. ``segments``: ``[N, K]`` int lengths of ``K`` consecutive attention
         segments of every sequence of the step, by sequence id (the plan's, or the local batch's
         order: :func:`~deepspeed_knap.runtime.routing.gather_sample_ints` builds it), each row summing
-        to its sequence's length, zeros for absent segments; attention then runs within each segment
-        only (block-diagonal), still with one all-to-all per group and direction. Drop-in: DeepSpeed's ``forward(query, key, value, batch_dim_idx, rotary_pos_emb=None,
+        to its sequence's length, zeros for absent segments, the same table on every rank (every rank
+        checks the whole of it, so a bad table raises everywhere); attention then runs within each
+        segment only (block-diagonal), still with one all-to-all per group and direction. Drop-in: DeepSpeed's ``forward(query, key, value, batch_dim_idx, rotary_pos_emb=None,
         *args, **kwargs)`` (see the class docstring).
 
         Returns:
@@ -357,6 +374,8 @@ class KnapDistributedAttention(DistributedAttention):
                 f"the plan runs sequences on {largest_group} GPUs but attention has only {num_heads} heads; "
                 f"Ulysses needs at least one head per GPU. Use bags of at most {num_heads} GPUs"
             )
+        if segments is not None:  # the whole table, on every rank, before any group's all-to-all
+            _check_segments(segments, routed)
         self.varlen_attn.resolve(query.device, query.dtype)
         groups = routed.layout.attention_groups
         if not groups:  # no tokens here: an empty result that still depends on q, k and v for autograd
@@ -390,12 +409,7 @@ class KnapDistributedAttention(DistributedAttention):
         sequence's segments are consecutive in it)."""
         lens, key = group.seq_lens, ("cu_seqlens", index)
         if segments is not None:
-            table = np.asarray(segments, dtype=np.int64)[group.seq_ids]  # [m, K]
-            if not np.array_equal(table.sum(axis=1), group.seq_lens):
-                raise ValueError(
-                    f"attention segments {table.tolist()} of sequences {group.seq_ids.tolist()} do not sum to their "
-                    f"lengths {group.seq_lens.tolist()}; segments are [N, K] lengths by sequence id"
-                )
+            table = np.asarray(segments, dtype=np.int64)[group.seq_ids]  # [m, K], checked in _packed
             lens = table[table > 0]  # row-major: each sequence's segments in order, empty ones dropped
             key = ("cu_seqlens", index, lens.tobytes())  # one table per segmentation and step
         cu_seqlens = np.concatenate([[0], np.cumsum(lens)])

@@ -116,7 +116,7 @@ def test_attention_segments_are_block_diagonal_and_exact():
         probs = torch.softmax(torch.einsum("qhd,khd->hqk", qq, kk) / 2, dim=-1)
         assert torch.allclose(oo, torch.einsum("hqk,khd->qhd", probs, vv), rtol=1e-12, atol=1e-14)
     assert not torch.allclose(out, attention(q, k, v, routed))  # whole sequences differ
-    with pytest.raises(ValueError, match="do not sum to their lengths"):
+    with pytest.raises(ValueError, match=r"do not cover the step.s 2 sequences of lengths \[6, 5\]"):
         attention(q, k, v, routed, segments=np.array([[2, 3, 0], [1, 3, 1]]))
 
 
