@@ -37,17 +37,10 @@ def _worker(rank: int, world: int, cases=CASES, rank_shapes=None) -> dict:
     from deepspeed_knap.planner.topology import build_topology
     from deepspeed_knap.runtime.balancer import KnapBalancer
     from deepspeed_knap.runtime.groups import create_process_groups
-    from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
+    from tests.support.balancing import RecordingBalancer, join_gloo
     from tests.support.wan_cases import diffusers_output, random_samples, reference_model, relative_error
 
-    class RecordingBalancer(KnapBalancer):
-        def plan(self, batch):
-            self.plans = [*getattr(self, "plans", []), super().plan(batch)]
-            return self.plans[-1]
-
-    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    dist.barrier()  # every rank has mapped DeepSpeed's CPU all-reduce buffers: drop ours
-    unlink_own_shm_buffer(rank)
+    join_gloo(rank)
     rank_shapes = rank_shapes or RANK_SHAPES
     topology = build_topology("auto", world, max_degree=min(world, 8))
     groups = create_process_groups(topology)

@@ -241,19 +241,11 @@ def _balanced_worker(rank: int, world: int) -> dict:
     from deepspeed_knap.bench.routing import flux_route_bytes
     from deepspeed_knap.cost.model import CostModel
     from deepspeed_knap.planner.topology import build_topology
-    from deepspeed_knap.runtime.balancer import KnapBalancer
     from deepspeed_knap.runtime.groups import create_process_groups
     from deepspeed_knap.runtime.routing import record_traffic
-    from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
+    from tests.support.balancing import RecordingBalancer, join_gloo
 
-    class RecordingBalancer(KnapBalancer):
-        def plan(self, batch):
-            self.plans = [*getattr(self, "plans", []), super().plan(batch)]
-            return self.plans[-1]
-
-    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    dist.barrier()  # every rank has mapped DeepSpeed's CPU all-reduce buffers: drop ours
-    unlink_own_shm_buffer(rank)
+    join_gloo(rank)
     results = {}
     for family in FAMILIES:
         ref = reference_model(family, torch.float64)
