@@ -41,7 +41,6 @@ from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
 from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import RoutedBatch, route_subset_rows
 
-# Constructor arguments that are ours, not diffusers' config.
 # Every attention projection of both streams of a double-stream block, by diffusers' names (the same
 # in FLUX.1 and FLUX.2): the start of each family's default LoRA targets.
 JOINT_ATTENTION_PROJECTIONS = (
@@ -148,7 +147,7 @@ class PackedFluxBase(DiffusersCheckpoint, nn.Module):
     Subclass contract:
 
     * ``__init__`` takes diffusers' config arguments (same names and defaults) then
-      :data:`EXTRA_ARGS`, calls :meth:`_init_common`, and builds modules with diffusers' names,
+      :data:`~deepspeed_knap.models.loading.EXTRA_ARGS`, calls :meth:`_init_common`, and builds modules with diffusers' names,
       including ``x_embedder``, ``context_embedder``, ``norm_out`` and ``proj_out``.
     * :meth:`embed_conditioning` and :meth:`transform`.
     * ``family`` (the registry's name), ``diffusers_class`` (``config.json``'s ``_class_name``),
