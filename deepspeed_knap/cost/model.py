@@ -14,6 +14,12 @@ bag spends::
   member waits for 2/12 of the attention, not 1.5/12: 4/3 times). 1 where ``G`` divides ``H``.
 * ``e``: work every GPU of the bag repeats whatever ``G`` (Wan: each member projects the sample's
   text to cross-attention keys and values itself); 0 for FLUX.
+* Attention segments (FLUX.3's token modes): a sequence of segments ``l_1 .. l_K`` (summing to
+  ``s``) attends within each segment alone in some blocks and over all of ``s`` in the others. With
+  ``f`` (``segment_attention_share``) the share of ``b`` those per-segment blocks carry, its
+  attention term is ``b * (s**2 - f * (s**2 - sum_k l_k**2))``: ``b * s**2`` for the joint blocks'
+  share, ``b * sum_k l_k**2`` for the per-segment ones'. A sequence given without segments, or a
+  model with ``f = 0``, is priced ``b * s**2`` as before, bit for bit.
 * ``c * s * (G-1) / G**2``: the Ulysses all-to-alls. Each GPU holds ``s / G`` tokens and sends the
   fraction ``(G-1)/G`` of them away, for q, k, v and the output, forward and backward. Zero at G=1.
 * ``speed``: relative speed of the bag, the slowest of its GPUs (a bag moves in lockstep).
@@ -47,6 +53,12 @@ MODEL_PRESETS: dict[str, dict[str, float]] = {
     "flux-tiny": {"hidden": 64, "double_blocks": 2, "single_blocks": 2, "mlp_ratio": 4},
     # FLUX.2 [dev]: a SwiGLU MLP 3x wide has 2 * 3 + 3 = 9 d^2 matrices, what mlp_ratio 4.5 counts.
     "flux2-dev": {"hidden": 6144, "double_blocks": 8, "single_blocks": 48, "mlp_ratio": 4.5},
+    # FLUX.3 (diffusers 0.42.1 Flux3Transformer2DModel defaults): 24 heads x 128 = 3072 wide, every
+    # token through num_layers=5 blocks of its own mode (attending within its mode only) and
+    # num_single_layers=28 joint blocks; a SwiGLU MLP 3x wide (mlp_ratio=3.0: 2 * 3 + 3 = 9 d^2
+    # matrices, what mlp_ratio 4.5 counts), q, k, v, out without biases: 13 d^2 per token and block.
+    "flux3": {"hidden": 3072, "double_blocks": 0, "single_blocks": 28, "mode_blocks": 5, "mlp_ratio": 4.5,
+              "num_heads": 24},
     # Wan 2.x (CostModel.from_wan_dims), in the names of Wan's own configs: dim, ffn_dim, num_heads,
     # num_layers (Wan-Video/Wan2.1 wan/configs/wan_t2v_1_3B.py and wan_t2v_14B.py; Wan-Video/Wan2.2
     # wan/configs/wan_ti2v_5B.py), and text_len 512 (wan/configs/shared_config.py: the umT5 prompt
@@ -59,7 +71,7 @@ MODEL_PRESETS: dict[str, dict[str, float]] = {
 }
 # The keys that make a dims dict Wan's (the others are FLUX's: hidden, double_blocks, single_blocks, mlp_ratio).
 WAN_DIM_KEYS = ("dim", "ffn_dim", "num_heads", "num_layers", "text_len")
-FLUX_DIM_KEYS = ("hidden", "double_blocks", "single_blocks", "mlp_ratio")
+FLUX_DIM_KEYS = ("hidden", "double_blocks", "single_blocks", "mlp_ratio", "mode_blocks")
 
 # The defaults of from_model_dims, the config block and the CLI: an H100 in bf16, NVLink all-to-alls.
 DEFAULT_TFLOPS = 400.0
@@ -89,6 +101,10 @@ class CostModel:
             does not divide it (module docstring). ``None``: unknown, priced as if every size divided it.
         sequence_coef: ``e``, seconds of speed 1 each GPU of a bag spends on a sequence whatever the
             bag's size (module docstring); 0 unless given.
+        segment_attention_share: ``f`` in ``[0, 1]``, the share of ``quadratic_coef`` spent in blocks
+            that attend within each attention segment of a sequence alone (FLUX.3's per-mode blocks:
+            ``mode_blocks / (mode_blocks + joint blocks)``); prices the sequences the planner is given
+            segments of (module docstring). 0: every block attends over the whole sequence.
     """
 
     linear_coef: float
@@ -99,6 +115,7 @@ class CostModel:
     overhead_s: float = 0.0
     num_heads: int | None = None
     sequence_coef: float = 0.0
+    segment_attention_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_heads is not None and (
@@ -109,6 +126,12 @@ class CostModel:
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"cost model {name} must be a finite number >= 0; got {value!r}")
+        share = self.segment_attention_share
+        if isinstance(share, bool) or not isinstance(share, (int, float, np.floating)) or not 0 <= share <= 1:
+            raise ValueError(
+                f"cost model segment_attention_share must be a number from 0 to 1 (the share of the attention "
+                f"term in blocks that attend within each segment); got {share!r}"
+            )
         if self.linear_coef == 0 and self.quadratic_coef == 0:
             raise ValueError("cost model linear_coef and quadratic_coef are both 0: every sequence would cost nothing")
         if self.gpu_speed is not None:
@@ -134,19 +157,28 @@ class CostModel:
         gpu_speed: tuple[float, ...] | None = None,
         frozen_base: bool = False,
         num_heads: int | None = None,
+        mode_blocks: int = 0,
     ) -> CostModel:
         """FLOP-based defaults for a FLUX-style DiT (defaults: FLUX.1-dev on an H100 in bf16).
 
         Per block and token (forward), a FLUX double- or single-stream block does
         ``(4 + 2 * mlp_ratio) * hidden**2`` multiply-adds in its linear layers (q, k, v, output, MLP;
         the single-stream block fuses the same matrices) and ``2 * s * hidden`` in attention.
+        FLUX.3's per-mode blocks (``mode_blocks``: every token runs through that many blocks of its
+        own mode, text, image or references) have the same linear layers and attend within the
+        token's mode only: ``2 * l * hidden`` per token of a mode of ``l`` tokens. They count in
+        ``a`` and ``b`` like the others, and their share of ``b`` is
+        :attr:`segment_attention_share`, which prices a sequence by its segments (the module
+        docstring) when the planner is given them.
         With ``frozen_base`` (LoRA: the base weights take no gradient) a linear layer's backward
         skips its weight-gradient matmul: forward + backward is 2 forwards' worth instead of 3 (on
         the CPU the LoRA calibration measured ``a`` at 0.64 of full fine-tuning's).
 
         Args:
             hidden: model width ``d``.
-            double_blocks, single_blocks: number of each block type; all attend over the whole sequence.
+            double_blocks, single_blocks: number of each block type; both attend over the whole sequence.
+            mode_blocks: blocks every token runs through that attend within its attention segment
+                only (FLUX.3's per-mode blocks, ``num_layers``); 0 for FLUX.1 and FLUX.2.
             mlp_ratio: MLP hidden size over ``d`` (a gated MLP counts its gate: SwiGLU 3x wide is 4.5).
             tflops: sustained training throughput of one GPU, in 10**12 FLOP/s (H100 bf16 ~ 400).
             alltoall_gbps: per-GPU all-to-all bandwidth inside a bag, in 10**9 bytes/s.
@@ -156,21 +188,23 @@ class CostModel:
             num_heads: attention heads (:attr:`num_heads`); ``None`` (the FLUX presets) prices every
                 bag size as if it divided them.
         """
-        dims = (hidden, double_blocks + single_blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element)
-        if not all(np.isfinite(dims)) or min(dims) <= 0:
+        blocks = double_blocks + single_blocks + mode_blocks
+        dims = (hidden, blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element)
+        if not all(np.isfinite(dims)) or min(dims) <= 0 or min(double_blocks, single_blocks, mode_blocks) < 0:
             raise ValueError(
-                "model dims must be finite and positive: got "
-                f"hidden={hidden}, blocks={double_blocks}+{single_blocks}, mlp_ratio={mlp_ratio}, "
-                f"tflops={tflops}, alltoall_gbps={alltoall_gbps}, bytes_per_element={bytes_per_element}"
+                "model dims must be finite and positive (block counts >= 0, at least one block): got "
+                f"hidden={hidden}, blocks={double_blocks}+{single_blocks}+{mode_blocks} (double+single+mode), "
+                f"mlp_ratio={mlp_ratio}, tflops={tflops}, alltoall_gbps={alltoall_gbps}, "
+                f"bytes_per_element={bytes_per_element}"
             )
-        blocks = double_blocks + single_blocks
         flops_per_s = tflops * 1e12
         train_factor = _LINEAR_FROZEN_FACTOR if frozen_base else _LINEAR_TRAIN_FACTOR
         linear = train_factor * 2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s
         quadratic = _ATTENTION_TRAIN_FACTOR * 2 * 2 * hidden * blocks / flops_per_s
         # q, k, v in and the output back, forward and backward: 8 all-to-alls of hidden-wide tokens.
         alltoall = 8 * hidden * bytes_per_element * blocks / (alltoall_gbps * 1e9)
-        return cls(linear, quadratic, alltoall, gpu_speed, num_heads=num_heads)
+        return cls(linear, quadratic, alltoall, gpu_speed, num_heads=num_heads,
+                   segment_attention_share=mode_blocks / blocks if mode_blocks else 0.0)  # fmt: skip
 
     @classmethod
     def from_wan_dims(
@@ -247,8 +281,30 @@ class CostModel:
         heads = int(self.num_heads)
         return (-(-heads // g) * g).astype(np.float64) / heads
 
+    def attention_squares(self, seq_lens: np.ndarray, segment_squares: np.ndarray | None = None) -> np.ndarray:
+        """``[...]`` float64 the squared length each sequence's attention term is priced at:
+        ``s**2 - f * (s**2 - sum_k l_k**2)`` (module docstring), ``s**2`` where ``segment_squares`` is
+        ``None`` or ``f`` is 0.
+
+        Args:
+            seq_lens: ``[...]`` token counts ``s``.
+            segment_squares: ``[...]`` ``sum_k l_k**2`` of each sequence's segments
+                (:func:`segment_square_sums`; ``s**2`` for a sequence of one segment), or ``None``.
+        """
+        s = np.asarray(seq_lens, dtype=np.float64)
+        if segment_squares is None or not self.segment_attention_share:
+            return s * s
+        # Elementwise only (no reduction whose order could differ between CPUs): the same bits on
+        # every rank. A sequence of one segment gives s*s - f*0 = s*s exactly.
+        whole = s * s
+        return whole - self.segment_attention_share * (whole - np.asarray(segment_squares, dtype=np.float64))
+
     def per_gpu_time(
-        self, seq_lens: np.ndarray, bag_size: np.ndarray | int, bag_speed: np.ndarray | float = 1.0
+        self,
+        seq_lens: np.ndarray,
+        bag_size: np.ndarray | int,
+        bag_speed: np.ndarray | float = 1.0,
+        segment_squares: np.ndarray | None = None,
     ) -> np.ndarray:
         """Modeled seconds each GPU of the bag spends on each sequence.
 
@@ -256,13 +312,19 @@ class CostModel:
             seq_lens: ``[...]`` token counts.
             bag_size: Ulysses degree ``G``, broadcastable against ``seq_lens``.
             bag_speed: relative bag speed, broadcastable against ``seq_lens``.
+            segment_squares: ``[...]`` like ``seq_lens``: ``sum_k l_k**2`` over each sequence's
+                attention segments (:func:`segment_square_sums`), priced by
+                :attr:`segment_attention_share`; ``None``: one segment each.
 
         Returns:
             ``[...]`` float64 seconds, the broadcast shape.
         """
         s = np.asarray(seq_lens, dtype=np.float64)
         g = np.asarray(bag_size, dtype=np.float64)
-        quadratic = self.quadratic_coef * s * s
+        if segment_squares is None:
+            quadratic = self.quadratic_coef * s * s
+        else:
+            quadratic = self.quadratic_coef * self.attention_squares(seq_lens, segment_squares)
         if self.num_heads is not None:  # the bag waits for its members with ceil(H / G) heads
             quadratic = quadratic * self.head_factor(bag_size)
         compute = (self.linear_coef * s + quadratic) / (g * bag_speed * self.efficiency(bag_size))
@@ -306,6 +368,23 @@ class CostModel:
         return self.overhead_s / self.group_speeds(np.arange(num_gpus), np.ones(num_gpus, dtype=np.int64), num_gpus)
 
 
+def segment_square_sums(segments: np.ndarray) -> np.ndarray:
+    """``[N]`` float64 ``sum_k l_k**2`` of each sequence's attention segments, the input of
+    :meth:`CostModel.per_gpu_time`'s ``segment_squares``.
+
+    Args:
+        segments: ``[N, K]`` non-negative integer segment lengths per sequence (zeros for absent
+            segments; e.g. ``Flux3Inputs.segments``: text, image, references).
+
+    Exact Python integers, each sum rounded once to float64: the same value on every machine, and
+    ``s**2`` exactly (as ``s * s`` in float64) for a sequence of one segment.
+    """
+    rows = segments.tolist() if isinstance(segments, np.ndarray) else [list(row) for row in segments]
+    if isinstance(segments, np.ndarray) and segments.ndim != 2:
+        raise ValueError(f"segments must be an [N, K] table of segment lengths; got shape {segments.shape}")
+    return np.array([float(sum(int(v) * int(v) for v in row)) for row in rows], dtype=np.float64)
+
+
 def default_cost_model(model: str | dict[str, int] = "flux-dev", **overrides: float) -> CostModel:
     """FLOP-based cost model of a named preset (:data:`MODEL_PRESETS`) or a dict of model dims: Wan's
     (:data:`WAN_DIM_KEYS`, :meth:`CostModel.from_wan_dims`) or FLUX's (:meth:`CostModel.from_model_dims`).
@@ -322,7 +401,9 @@ def default_cost_model(model: str | dict[str, int] = "flux-dev", **overrides: fl
     else:
         dims = dict(model)
     dims.update(overrides)
-    wan, flux = sorted(set(dims) & set(WAN_DIM_KEYS)), sorted(set(dims) & set(FLUX_DIM_KEYS))
+    # num_heads is both families' (FLUX's from_model_dims takes it too): it decides neither.
+    wan = sorted(set(dims) & (set(WAN_DIM_KEYS) - {"num_heads"}))
+    flux = sorted(set(dims) & set(FLUX_DIM_KEYS))
     if wan and flux:
         raise ValueError(
             f"model dims mix Wan's ({', '.join(wan)}) and FLUX's ({', '.join(flux)}); a Wan model takes "

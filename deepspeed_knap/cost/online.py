@@ -77,15 +77,25 @@ class OnlineSettings:
             )
 
 
-def plan_terms(plan: RoutingPlan, cost_model: CostModel) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Per GPU ``X, Y, Z, W`` (module docstring) of ``plan``, in plain floats, sequence by sequence."""
+def plan_terms(
+    plan: RoutingPlan, cost_model: CostModel, segment_squares: list[float] | None = None
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per GPU ``X, Y, Z, W`` (module docstring) of ``plan``, in plain floats, sequence by sequence.
+    ``segment_squares``: ``[N]`` ``sum_k l_k**2`` of each sequence's attention segments
+    (:func:`~deepspeed_knap.cost.model.segment_square_sums`), or ``None``: ``Y`` then sums the
+    squared lengths the planner priced (:meth:`~deepspeed_knap.cost.model.CostModel.attention_squares`,
+    with the prior's ``segment_attention_share``, kept as it is)."""
     linear, quadratic, alltoall, sequences = ([0.0] * plan.num_gpus for _ in range(4))
     efficiency = {int(g): float(e) for g, e in cost_model.degree_efficiency or ()}
-    for s, start, size in zip(plan.seq_lens.tolist(), plan.seq_group_start.tolist(), plan.seq_group_size.tolist(),
-                              strict=True):  # fmt: skip
+    seq_lens = plan.seq_lens.tolist()
+    # Without segments, s * s in Python floats as before; with them, the squares the planner priced.
+    squares = ([s * s for s in seq_lens] if segment_squares is None
+               else cost_model.attention_squares(plan.seq_lens, segment_squares).tolist())  # fmt: skip
+    for s, square, start, size in zip(seq_lens, squares, plan.seq_group_start.tolist(), plan.seq_group_size.tolist(),
+                                      strict=True):  # fmt: skip
         share = size * efficiency.get(size, 1.0)
         heads = float(cost_model.head_factor(size))
-        x, y, z = s / share, s * s * heads / share, s * (size - 1) / (size * size)
+        x, y, z = s / share, square * heads / share, s * (size - 1) / (size * size)
         for gpu in range(start, start + size):
             linear[gpu] += x
             quadratic[gpu] += y
@@ -119,14 +129,16 @@ class OnlineCostModel:
         self.speeds = [1.0] * num_gpus
         self.current = prior
 
-    def observe(self, plan: RoutingPlan, compute_us: list[int], ulysses_us: list[int]) -> None:
+    def observe(self, plan: RoutingPlan, compute_us: list[int], ulysses_us: list[int],
+                segment_squares: list[float] | None = None) -> None:  # fmt: skip
         """Add one step: ``plan`` and the microseconds every GPU measured for it (negative: none).
+        ``segment_squares``: the step's attention segments, as :func:`plan_terms` takes them.
         Refits when due."""
         forgetting = self.settings.forgetting
-        linear, quadratic, alltoall, sequences = plan_terms(plan, self.current)
+        linear, quadratic, alltoall, sequences = plan_terms(plan, self.current, segment_squares)
         # Once refit, a step counts at most max_speed_ratio times off the model's prediction: one
         # stalled step cannot swing a rank's speed (before, the prior's scale may be anything).
-        predicted = self.predicted_s(plan) if self.current is not self.prior else None
+        predicted = self.predicted_s(plan, segment_squares) if self.current is not self.prior else None
         bound = self.settings.max_speed_ratio
         for gpu, (x, y, u, t_us) in enumerate(zip(linear, quadratic, sequences, compute_us, strict=True)):
             sums = self.sums[gpu]
@@ -157,10 +169,11 @@ class OnlineCostModel:
         """The fitted fixed seconds of a rank of speed 1 per step (0 until the first refit)."""
         return self.current.overhead_s
 
-    def predicted_s(self, plan: RoutingPlan) -> list[float]:
+    def predicted_s(self, plan: RoutingPlan, segment_squares: list[float] | None = None) -> list[float]:
         """``[S]`` seconds the current model predicts each GPU computes under ``plan``, its fixed
-        overhead included (an idle GPU still runs every block)."""
-        linear, quadratic, _, sequences = plan_terms(plan, self.current)
+        overhead included (an idle GPU still runs every block). ``segment_squares``: as
+        :func:`plan_terms`'s."""
+        linear, quadratic, _, sequences = plan_terms(plan, self.current, segment_squares)
         m = self.current
         return [
             (m.overhead_s + m.linear_coef * x + m.quadratic_coef * y + m.sequence_coef * u) / speed

@@ -135,7 +135,8 @@ def _knapformer_greedy(problem: Problem) -> np.ndarray:
     n = len(problem.seq_lens)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    w_s = problem.cost_model.per_gpu_time(problem.seq_lens, 1)  # at G=1 there is no all-to-all term
+    # At G=1 there is no all-to-all term; attention priced by segment where the problem has them.
+    w_s = problem.cost_model.per_gpu_time(problem.seq_lens, 1, 1.0, problem.segment_squares)
     w = np.rint(w_s * (_COST_UNITS / w_s.max())).astype(np.int64)
     sizes = np.unique(problem.bag_size)
     heaps = _BagHeaps([np.flatnonzero(problem.bag_size == g).tolist() for g in sizes])

@@ -33,15 +33,17 @@ _STEP_LIMIT = "the most the planner takes in a step (its sums stay exact below i
 
 
 def _group_loads(
-    cost_model: CostModel, seq_lens: np.ndarray, group_start: np.ndarray, group_size: np.ndarray, num_gpus: int
+    cost_model: CostModel, seq_lens: np.ndarray, group_start: np.ndarray, group_size: np.ndarray, num_gpus: int,
+    segment_squares: np.ndarray | None = None,
 ) -> np.ndarray:
-    """``[S]`` modeled seconds: every GPU of a sequence's group spends the sequence's per-GPU time."""
+    """``[S]`` modeled seconds: every GPU of a sequence's group spends the sequence's per-GPU time
+    (``segment_squares`` ``[N]``: :meth:`CostModel.per_gpu_time`'s, or ``None``)."""
     speeds: np.ndarray | float = 1.0
     if cost_model.gpu_speed is not None:  # a group runs at its slowest GPU's speed
         gpu_speed = np.asarray(cost_model.gpu_speed, dtype=np.float64)
         pairs, inverse = np.unique(np.stack([group_start, group_size]), axis=1, return_inverse=True)
         speeds = np.array([gpu_speed[s : s + g].min() for s, g in pairs.T])[inverse.ravel()]
-    per_gpu_s = cost_model.per_gpu_time(seq_lens, group_size, speeds)
+    per_gpu_s = cost_model.per_gpu_time(seq_lens, group_size, speeds, segment_squares)
     gpu_of_member = np.repeat(group_start, group_size) + (
         np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)
     )
@@ -77,10 +79,19 @@ class Problem:
     # With topology auto (whose groups overlap): the load every GPU holds before any sequence, its
     # fixed overhead above the least one (CostModel.overhead_s); None when all are equal.
     gpu_base: np.ndarray | None = None  # [S] int64
+    # sum_k l_k**2 over each sequence's attention segments, what the cost model prices its attention
+    # by (CostModel.per_gpu_time); None when no segments were given (every sequence one segment).
+    segment_squares: np.ndarray | None = None  # [N] float64
 
     @classmethod
-    def build(cls, seq_lens_per_rank, topology: Topology, cost_model: CostModel, cap: int | None) -> Problem:
+    def build(cls, seq_lens_per_rank, topology: Topology, cost_model: CostModel, cap: int | None,
+              seq_segments_per_rank=None) -> Problem:  # fmt: skip
+        """The step's problem. ``seq_segments_per_rank``: ``None``, or per rank (as the lengths) one
+        ``[K]`` row of attention-segment lengths per sequence, summing to its length
+        (:func:`_flatten_segments`)."""
         seq_lens, src = _flatten_lengths(seq_lens_per_rank, topology)
+        segment_squares = None if seq_segments_per_rank is None else _flatten_segments(
+            seq_segments_per_rank, seq_lens, src, topology.group_size)  # fmt: skip
         # Bags of a fixed topology; with ``auto``, every group a sequence may run in (they overlap).
         groups = np.asarray(topology.groups, dtype=np.int64).reshape(-1, 2)
         bag_first, bag_size = groups[:, 0].copy(), groups[:, 1].copy()
@@ -96,7 +107,8 @@ class Problem:
         # Every (length, degree) pair is priced here, and in _group_loads (a plan's loads), by the same
         # per_gpu_time: heads a degree does not divide (cost_model.num_heads) and per-sequence work
         # every member repeats (sequence_coef) included.
-        cost_s = cost_model.per_gpu_time(seq_lens[:, None], class_size[None, :], class_speed[None, :])
+        cost_s = cost_model.per_gpu_time(seq_lens[:, None], class_size[None, :], class_speed[None, :],
+                                         None if segment_squares is None else segment_squares[:, None])  # fmt: skip
         scale = _COST_UNITS / cost_s.max() if seq_lens.size else 1.0
         # Rounding down keeps every quantised cost <= the true one, so bounds on them bound the truth.
         cost = np.floor(cost_s * scale).astype(np.int64)
@@ -124,7 +136,8 @@ class Problem:
             base_load = np.array([gpu_base[f : f + g].max() for f, g in zip(bag_first, bag_size, strict=True)])
             gpu_base = None
         return cls(topology, cost_model, cap, seq_lens, src, bag_size, bag_first, bag_class,
-                   class_size, class_count, cost, tokens, allowed, 1.0 / scale, base_load, None, gpu_base)  # fmt: skip
+                   class_size, class_count, cost, tokens, allowed, 1.0 / scale, base_load, None, gpu_base,
+                   segment_squares)  # fmt: skip
 
     @property
     def num_bags(self) -> int:
@@ -334,14 +347,16 @@ class Problem:
                         bag_class.ravel().astype(np.int64), self.class_size[classes],
                         np.bincount(bag_class.ravel(), minlength=len(classes)).astype(np.int64),
                         self.cost[seqs][:, classes], self.tokens[seqs][:, classes], self.allowed[seqs][:, classes],
-                        self.seconds_per_unit, base_load, base_tokens)  # fmt: skip
+                        self.seconds_per_unit, base_load, base_tokens, None,
+                        None if self.segment_squares is None else self.segment_squares[seqs])  # fmt: skip
 
     def make_home_plan(self, solver: str) -> RoutingPlan:
         """Every sequence alone on its home GPU (Ulysses degree 1, no bag)."""
         return self.make_plan(solver, self.src, np.ones_like(self.src))
 
     def _gpu_loads(self, group_start: np.ndarray, group_size: np.ndarray) -> np.ndarray:
-        return _group_loads(self.cost_model, self.seq_lens, group_start, group_size, self.topology.group_size)
+        return _group_loads(self.cost_model, self.seq_lens, group_start, group_size, self.topology.group_size,
+                            self.segment_squares)  # fmt: skip
 
     @functools.cached_property
     def home_max_load_s(self) -> float:
@@ -428,6 +443,46 @@ def _flatten_lengths(seq_lens_per_rank, topology: Topology) -> tuple[np.ndarray,
     seq_lens = np.fromiter(itertools.chain.from_iterable(per_rank), dtype=np.int64, count=num_seqs)
     src = np.repeat(np.arange(len(per_rank), dtype=np.int64), [len(values) for values in per_rank])
     return seq_lens, src
+
+
+def _flatten_segments(seq_segments_per_rank, seq_lens: np.ndarray, src: np.ndarray, num_gpus: int) -> np.ndarray:
+    """``[N]`` float64 ``sum_k l_k**2`` of every sequence's attention segments, validated: one row
+    per sequence of each rank (a list or an ``[N_r, K]`` integer array), each row of non-negative
+    integers that sums to the sequence's length. An error names the rank, the index and the row."""
+    if len(seq_segments_per_rank) != num_gpus:
+        raise ValueError(
+            f"got attention segments for {len(seq_segments_per_rank)} ranks, but the balance group has {num_gpus} "
+            "GPUs; pass one list of segment rows per rank, as the lengths"
+        )
+    squares = np.empty(len(seq_lens), dtype=np.float64)
+    counts = np.bincount(src, minlength=num_gpus)
+    first = 0
+    for rank, rows in enumerate(seq_segments_per_rank):
+        rows = list(rows)
+        if len(rows) != counts[rank]:
+            raise ValueError(
+                f"rank {rank}: {len(rows)} rows of attention segments for {counts[rank]} sequences; give one row "
+                "(the sequence's segment lengths) per sequence"
+            )
+        for index, row in enumerate(rows):
+            values = list(row) if np.ndim(row) else [row]
+            if not values or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0
+                                 for v in values):  # fmt: skip
+                raise ValueError(
+                    f"rank {rank}: sequence {index} has attention segments {values!r}; a row is one or more "
+                    "non-negative integer token counts (0 for an absent segment)"
+                )
+            length = int(seq_lens[first + index])
+            if sum(int(v) for v in values) != length:
+                raise ValueError(
+                    f"rank {rank}: sequence {index} has attention segments {[int(v) for v in values]} summing to "
+                    f"{sum(int(v) for v in values)}, but its length is {length}; the segments must cover the "
+                    "sequence exactly"
+                )
+            # As segment_square_sums: exact Python integers, rounded once to float64.
+            squares[first + index] = float(sum(int(v) * int(v) for v in values))
+        first += len(rows)
+    return squares
 
 
 def _rank_lengths(rank: int, lengths) -> list | np.ndarray:

@@ -41,7 +41,7 @@ from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.planner.elastic import solve_elastic
 from deepspeed_knap.planner.fixed import _knapformer_greedy, _refine
 from deepspeed_knap.planner.plan import RoutingPlan
-from deepspeed_knap.planner.problem import Problem, _group_loads
+from deepspeed_knap.planner.problem import Problem, _flatten_segments, _group_loads
 from deepspeed_knap.planner.topology import Topology
 
 SOLVERS = ("none", "knapformer", "refine")
@@ -56,6 +56,7 @@ def plan_routing(
     solver: str = DEFAULT_SOLVER,
     max_tokens_per_gpu: int | None = None,
     refine_steps: int = DEFAULT_REFINE_STEPS,
+    seq_segments_per_rank: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> RoutingPlan:
     """Plan one step for one balance group.
 
@@ -72,11 +73,18 @@ def plan_routing(
             raises when given one.
         refine_steps: local-search step budget of ``refine`` (a count, not a time, so plans stay
             deterministic).
+        seq_segments_per_rank: ``None``, or ``S`` lists (as ``seq_lens_per_rank``) of one row per
+            sequence: the lengths of its attention segments, non-negative integers summing to its
+            length (FLUX.3: text, image, references; ``Flux3Inputs.segments``). The cost model
+            prices each sequence's attention by them (``segment_attention_share``: the blocks
+            attending within each segment pay ``sum_k l_k**2``, the others ``s**2``). ``None``:
+            every sequence one segment, the plans of before bit for bit.
 
     Raises:
         ValueError: wrong number of ranks, lengths that are no integers (floats and bools are
-            refused, not cast) or out of those limits, an unknown solver, a sequence no bag can hold
-            under the cap, or a cap the planner finds no assignment for.
+            refused, not cast) or out of those limits, segments that do not sum to their sequence's
+            length, an unknown solver, a sequence no bag can hold under the cap, or a cap the
+            planner finds no assignment for.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -89,7 +97,8 @@ def plan_routing(
     if refine_steps < 0:
         raise ValueError(f"refine_steps must be >= 0; got {refine_steps}")
     with _gc_paused():
-        return _solve(seq_lens_per_rank, topology, cost_model, solver, max_tokens_per_gpu, refine_steps)
+        return _solve(seq_lens_per_rank, topology, cost_model, solver, max_tokens_per_gpu, refine_steps,
+                      seq_segments_per_rank)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -108,7 +117,7 @@ def _gc_paused():
 
 
 def _solve(seq_lens_per_rank, topology: Topology, cost_model: CostModel, solver: str,
-           max_tokens_per_gpu: int | None, refine_steps: int) -> RoutingPlan:  # fmt: skip
+           max_tokens_per_gpu: int | None, refine_steps: int, seq_segments_per_rank=None) -> RoutingPlan:  # fmt: skip
     if topology.elastic and solver == "knapformer":
         raise ValueError(
             "solver 'knapformer' needs a fixed topology (it assigns sequences to bags of one size each); "
@@ -119,7 +128,7 @@ def _solve(seq_lens_per_rank, topology: Topology, cost_model: CostModel, solver:
             f"solver 'knapformer' cannot honour max_tokens_per_gpu={max_tokens_per_gpu} (the published greedy knows "
             "no memory); use solver 'refine', or drop the cap"
         )
-    problem = Problem.build(seq_lens_per_rank, topology, cost_model, max_tokens_per_gpu)
+    problem = Problem.build(seq_lens_per_rank, topology, cost_model, max_tokens_per_gpu, seq_segments_per_rank)
     if solver == "none":
         if not problem.fits_cap_at_home():  # nothing moves: the cap holds or it is an error, never an OOM
             home_tokens = np.bincount(problem.src, weights=problem.seq_lens, minlength=problem.num_gpus)
@@ -162,21 +171,29 @@ def lower_bound(
     topology: Topology,
     cost_model: CostModel,
     max_tokens_per_gpu: int | None = None,
+    seq_segments_per_rank: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> float:
     """Modeled seconds no plan over ``topology``'s groups (or keeping every sequence home) can beat:
     the ``lower_bound`` every plan of these lengths carries, without solving. With topology ``auto``
-    it is the bound for giving every sequence its own Ulysses degree.
+    it is the bound for giving every sequence its own Ulysses degree. ``seq_segments_per_rank``: as
+    :func:`plan_routing`'s.
 
     Raises:
         ValueError: as :func:`plan_routing`, for bad lengths or a sequence no group holds under the cap.
     """
     with _gc_paused():
-        return Problem.build(seq_lens_per_rank, topology, cost_model, max_tokens_per_gpu).lower_bound_s
+        return Problem.build(seq_lens_per_rank, topology, cost_model, max_tokens_per_gpu,
+                             seq_segments_per_rank).lower_bound_s
 
 
-def plan_loads(plan: RoutingPlan, cost_model: CostModel) -> np.ndarray:
+def plan_loads(
+    plan: RoutingPlan, cost_model: CostModel, seq_segments_per_rank: Sequence[Sequence[Sequence[int]]] | None = None
+) -> np.ndarray:
     """``[S]`` modeled seconds per GPU of running ``plan`` under ``cost_model``, which may differ from
     the model the plan was solved with: what a plan made with a wrong model really costs.
+    ``seq_segments_per_rank``: the step's attention segments (as :func:`plan_routing`'s), priced by
+    ``cost_model``; ``None``: one segment per sequence. A plan solved without segments, priced with
+    them, is what ignoring them costs.
 
     Raises:
         ValueError: ``cost_model.gpu_speed`` does not list one speed per GPU of the plan.
@@ -185,4 +202,8 @@ def plan_loads(plan: RoutingPlan, cost_model: CostModel) -> np.ndarray:
         raise ValueError(
             f"gpu_speed has {len(cost_model.gpu_speed)} entries but the plan has {plan.num_gpus} GPUs; give one per GPU"
         )
-    return _group_loads(cost_model, plan.seq_lens, plan.seq_group_start, plan.seq_group_size, plan.num_gpus)
+    squares = None
+    if seq_segments_per_rank is not None:  # plan order is rank 0's sequences, then rank 1's, ...
+        squares = _flatten_segments(seq_segments_per_rank, plan.seq_lens, plan.seq_src_rank, plan.num_gpus)
+    return _group_loads(cost_model, plan.seq_lens, plan.seq_group_start, plan.seq_group_size, plan.num_gpus,
+                        squares)  # fmt: skip
