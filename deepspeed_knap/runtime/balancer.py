@@ -19,24 +19,25 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 from torch import Tensor
 
-from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.cost.model import CostModel, segment_square_sums
 from deepspeed_knap.cost.online import OnlineCostModel, OnlineSettings
 from deepspeed_knap.planner.plan import RoutingPlan
-from deepspeed_knap.planner.solve import DEFAULT_SOLVER, plan_loads, plan_routing
+from deepspeed_knap.planner.solve import DEFAULT_REFINE_STEPS, DEFAULT_SOLVER, plan_loads, plan_routing
 from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError
 from deepspeed_knap.runtime.attention import balanced_step_in_flight, set_balanced_step
 from deepspeed_knap.runtime.groups import ProcessGroups
 from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import (
+    GatheredStep,
     RoutedBatch,
     gather_ints,
-    gather_lengths,
-    gather_step,
+    gather_step_inputs,
     local_batch,
     reverse_route,
     route,
@@ -62,6 +63,8 @@ class _PlanAhead:
     model: CostModel  # the cost model it is solved with
     ticket: int  # the worker's job
     seq_lens: list[int]  # this rank's: a forward whose batch has these lengths may use the plan
+    segments_per_rank: list[list[list[int]]] | None = None  # every rank's attention segments, or None
+    segments: list[list[int]] | None = None  # this rank's: a forward must give these too
     reply: tuple[RoutingPlan, float] | str | None = None  # (plan, solve seconds) or the failure, once read
 
     def read(self, worker: PlanWorker, timeout_s: float) -> tuple[RoutingPlan, float] | str:
@@ -116,14 +119,19 @@ class KnapBalancer:
         self.steps = 0
         self.last_times: dict[str, float] | None = None  # this rank's breakdown of the last finished step
         self._last: _Planned | None = None
-        self._in_flight: tuple[StepTimes, RoutingPlan, CostModel] | None = None
-        self._closed: tuple[RoutingPlan, CostModel] | None = None  # the step close_step() ended
+        self._last_segments: list[list[list[int]]] | None = None  # the attention segments _last was planned with
+        # The step in flight and the step close_step() ended: plan, model, and the attention segments
+        # per rank it was planned with (None: without), to price it.
+        self._in_flight: tuple[StepTimes, RoutingPlan, CostModel, list | None] | None = None
+        self._closed: tuple[RoutingPlan, CostModel, list | None] | None = None
         self._report = [-1, -1]  # this rank's [compute, ulysses] microseconds, shipped with the next lengths
         self._routed: RoutedBatch | None = None  # the step in flight, current for drop-in attention
         self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
         self._worker: PlanWorker | None = None  # started by the first prefetch
         self._prefetches = 0  # prefetch() calls so far: a prefetched plan's id, the same on every rank
         self._ahead: dict[int, _PlanAhead] = {}  # by id, oldest first; at most _MAX_AHEAD
+        # What forward() was given for the step it plans (attention segments, the model's problem).
+        self._step_inputs: tuple[np.ndarray | None, str | None] = (None, None)
 
     @property
     def _worker_timeout_s(self) -> float:
@@ -140,25 +148,53 @@ class KnapBalancer:
         """The cost model the next step is planned with."""
         return self.online.model() if self.online is not None else self.cost_model
 
-    def plan(self, batch: PackedBatch) -> RoutingPlan:
+    def plan(
+        self, batch: PackedBatch, segments: np.ndarray | None = None, problem: str | None = None
+    ) -> RoutingPlan:
         """Gather every rank's lengths (and last step's times) and solve; every rank gets the same
         plan. Collective. A plan :meth:`prefetch` solved for lengths equal to this batch's, on every
-        rank, is used instead."""
+        rank, is used instead.
+
+        Args:
+            batch: this rank's packed batch.
+            segments: ``[N, K]`` attention segments of the batch's sequences (FLUX.3's modes: text,
+                image, references; see :func:`~deepspeed_knap.runtime.routing.gather_step_inputs`),
+                gathered with the lengths and priced by the cost model's
+                ``segment_attention_share``; ``None``: one segment each. Every rank gives ``K``
+                columns, or none. Default: what :meth:`forward` was given.
+            problem: why this rank's input is bad (e.g. a model's check of its samples, naming the
+                sample), or ``None``. It rides the lengths gather, the step's first collective: every
+                rank raises the same error naming it. Default: what :meth:`forward` was given.
+
+        Raises:
+            ValueError: on every rank, the same message, when any rank has a problem (its input's,
+                or its batch's :meth:`PackedBatch.problem`).
+        """
+        pending, self._step_inputs = self._step_inputs, (None, None)
+        segments = pending[0] if segments is None else segments
+        problem = problem or pending[1] or batch.problem()
         self.close_step()
-        found = self._plan_ahead(batch) if self._ahead else None  # _ahead: the same keys on every rank
+        found = self._plan_ahead(batch, segments, problem) if self._ahead else None  # the same keys on every rank
         if found is None:
-            seq_lens_per_rank = self._gather(gather_step, batch)
+            gathered = self._gather(batch.seq_lens, segments, problem, batch.tokens.device)
             model = self.model
             start = time.perf_counter()
-            plan = plan_routing(seq_lens_per_rank, self.groups.topology, model, self.solver, self.max_tokens_per_gpu)
-            found = (seq_lens_per_rank, plan, time.perf_counter() - start, False, model)
+            plan = plan_routing(gathered.seq_lens_per_rank, self.groups.topology, model, self.solver,
+                                self.max_tokens_per_gpu, DEFAULT_REFINE_STEPS, gathered.segments_per_rank)  # fmt: skip
+            found = (gathered.seq_lens_per_rank, plan, time.perf_counter() - start, False, model)
+            self._last_segments = gathered.segments_per_rank
         self._last = found
         self.steps += 1
         if self.log_interval and self.steps % self.log_interval == 0 and self.groups.rank == 0:
             self._log(self.metrics())
         return found[1]
 
-    def prefetch(self, next_seq_lens: Sequence[int], device: torch.device | str | None = None) -> None:
+    def prefetch(
+        self,
+        next_seq_lens: Sequence[int],
+        device: torch.device | str | None = None,
+        next_segments: np.ndarray | None = None,
+    ) -> None:
         """Start planning the *next* step now: gather its lengths (of the batch the step after the
         one about to run will get, e.g. ``PackedBatch.seq_lens`` or ``FluxInputs.seq_lens``) and
         solve its plan in a worker process (:class:`~deepspeed_knap.planner.worker.PlanWorker`) while
@@ -177,8 +213,13 @@ class KnapBalancer:
         validation loss through the balancer), costs that forward its plan ahead and nothing more.
         The last two prefetched plans not used yet are kept.
 
+        ``next_segments``: that batch's attention segments (``[N, K]``, as :meth:`plan` takes them;
+        FLUX.3: ``next_inputs.segments``), or ``None``. A forward uses the plan only if it gives
+        the same segments.
+
         Raises:
-            ValueError: on every rank, when any rank's lengths are not non-negative integers.
+            ValueError: on every rank, when any rank's lengths are not non-negative integers, or its
+                segments do not cover them.
         """
         seq_lens = list(next_seq_lens)
         problem = None
@@ -186,37 +227,45 @@ class KnapBalancer:
             problem = f"prefetch: next_seq_lens must be non-negative integers below 2**62; got {seq_lens}"
         device = torch.device(get_accelerator().current_device_name() if device is None else device)
         self.close_step()
-        seq_lens_per_rank = self._gather(gather_lengths, seq_lens, problem, device)
+        gathered = self._gather(seq_lens, next_segments, problem, device)
         if self._worker is None:
             self._worker = PlanWorker()
             weakref.finalize(self, self._worker.close)
         model = self.model
-        ticket = self._worker.submit(seq_lens_per_rank, self.groups.topology, model, self.solver,
-                                     self.max_tokens_per_gpu, timeout_s=self._worker_timeout_s)  # fmt: skip
-        self._ahead[self._prefetches] = _PlanAhead(seq_lens_per_rank, model, ticket, [int(n) for n in seq_lens])
+        ticket = self._worker.submit(gathered.seq_lens_per_rank, self.groups.topology, model, self.solver,
+                                     self.max_tokens_per_gpu, DEFAULT_REFINE_STEPS, gathered.segments_per_rank,
+                                     timeout_s=self._worker_timeout_s)  # fmt: skip
+        self._ahead[self._prefetches] = _PlanAhead(
+            gathered.seq_lens_per_rank, model, ticket, [int(n) for n in seq_lens], gathered.segments_per_rank,
+            None if next_segments is None else np.asarray(next_segments, dtype=np.int64).tolist(),
+        )
         self._prefetches += 1
         while len(self._ahead) > _MAX_AHEAD:
             self._worker.discard(self._ahead.pop(next(iter(self._ahead))).ticket)
 
-    def _gather(self, gather: Callable[..., tuple[list[list[int]], list[list[int]]]], *args: Any) -> list[list[int]]:
-        """Every rank's lengths, by ``gather(*args, groups, report)`` (:mod:`~deepspeed_knap.runtime.routing`),
+    def _gather(
+        self, seq_lens: Sequence[int], segments: np.ndarray | None, problem: str | None, device: torch.device
+    ) -> GatheredStep:
+        """Every rank's lengths and segments (:func:`~deepspeed_knap.runtime.routing.gather_step_inputs`),
         shipping this rank's times of the last closed step and recording every rank's (and the online
         refit). Collective."""
         previous, report = self._closed, self._report
         self._closed, self._report = None, [-1, -1]
-        seq_lens_per_rank, reports = gather(*args, self.groups, report)
+        gathered = gather_step_inputs(seq_lens, segments, problem, device, self.groups, report)
         if previous is not None:
-            self._record(*previous, reports)
-        return seq_lens_per_rank
+            self._record(*previous, gathered.reports)
+        return gathered
 
-    def _plan_ahead(self, batch: PackedBatch) -> _Planned | None:
+    def _plan_ahead(self, batch: PackedBatch, segments: np.ndarray | None, problem: str | None) -> _Planned | None:
         """``(lengths, plan, solve seconds, True, model)`` of the oldest plan prefetched for this
         batch's lengths on every rank, or ``None`` if the ranks find none (they log why). The plans
         older than the newest any rank found are dropped, and the one used. Collective: which plan
         matches, and whether a worker failed, differ between ranks."""
-        chosen, failure, bad_batch = -1, None, batch.problem() is not None  # a bad batch: the fallback raises
+        chosen, failure, bad_batch = -1, None, problem is not None  # a bad batch: the fallback raises
         seq_lens = list(batch.seq_lens)
-        match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens), None)
+        rows = None if segments is None else np.asarray(segments, dtype=np.int64).tolist()
+        match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens and ahead.segments == rows),
+                     None)  # fmt: skip
         if match is not None and not bad_batch:
             reply = self._ahead[match].read(self._worker, self._worker_timeout_s)
             chosen, failure = (match, None) if isinstance(reply, tuple) else (-1, reply)
@@ -229,6 +278,7 @@ class KnapBalancer:
             self._worker.discard(self._ahead.pop(i).ticket)  # its reply, if read already, is dropped
         if agreed:
             plan, solve_s = used.reply
+            self._last_segments = used.segments_per_rank
             return used.seq_lens_per_rank, plan, solve_s, True, used.model
         # A forward no rank prefetched for (the first, a validation loss) is planned in the step
         # silently; a worker's failure, or ranks finding different plans, is worth a line.
@@ -250,9 +300,9 @@ class KnapBalancer:
         :meth:`plan` calls it if the training loop did not, and ships the result to every rank."""
         if self._in_flight is None:
             return self.last_times
-        times, plan, model = self._in_flight
+        times, plan, model, segments_per_rank = self._in_flight
         # A new step's report replaces any not shipped yet (a prefetched step gathers nothing).
-        self._in_flight, self._closed, self._report = None, (plan, model), [-1, -1]
+        self._in_flight, self._closed, self._report = None, (plan, model, segments_per_rank), [-1, -1]
         time_exchanges(None, times)
         if balanced_step_in_flight() is self._routed:
             set_balanced_step(None)
@@ -271,14 +321,20 @@ class KnapBalancer:
                 logger.warning(f"knapformer rank {self.groups.rank}: step timer read {seconds}; step not measured")
         return seconds
 
-    def _record(self, plan: RoutingPlan, model: CostModel, reports: list[list[int]]) -> None:
-        """Every rank's measured times of the step planned by ``plan`` (with ``model``)."""
+    def _record(self, plan: RoutingPlan, model: CostModel, segments_per_rank: list | None,
+                reports: list[list[int]]) -> None:  # fmt: skip
+        """Every rank's measured times of the step planned by ``plan`` (with ``model`` and
+        ``segments_per_rank``, or ``None``)."""
         compute_us = [report[0] for report in reports]
         if self.online is not None:
-            predicted = self.online.predicted_s(plan)
-            self.online.observe(plan, compute_us, [report[1] for report in reports])
+            squares = None
+            if segments_per_rank is not None:
+                squares = segment_square_sums([row for rows in segments_per_rank for row in rows]).tolist()
+            predicted = self.online.predicted_s(plan, squares)
+            self.online.observe(plan, compute_us, [report[1] for report in reports], squares)
         else:
-            predicted = plan_loads(plan, dataclasses.replace(model, alltoall_coef=0.0)).tolist()
+            compute_model = dataclasses.replace(model, alltoall_coef=0.0)
+            predicted = plan_loads(plan, compute_model, segments_per_rank).tolist()
         self._measured = (compute_us, predicted)
 
     def metrics(self) -> dict[str, float]:
@@ -291,7 +347,8 @@ class KnapBalancer:
         if self._last is None:
             raise RuntimeError("no step has been planned yet; call metrics() after the model's forward")
         seq_lens_per_rank, plan, solve_s, ahead, model = self._last
-        unbalanced = plan_routing(seq_lens_per_rank, self.groups.topology, model, "none")
+        unbalanced = plan_routing(seq_lens_per_rank, self.groups.topology, model, "none", None, DEFAULT_REFINE_STEPS,
+                                  self._last_segments)  # fmt: skip
         metrics = {
             "knapformer/imbalance_before": unbalanced.imbalance,
             "knapformer/imbalance_after": plan.imbalance,
@@ -333,10 +390,18 @@ class KnapBalancer:
     def route(self, batch: PackedBatch, plan: RoutingPlan) -> RoutedBatch:
         return route(batch, plan, self.groups)
 
-    def forward(self, batch: PackedBatch, blocks: Callable[[RoutedBatch], Tensor]) -> Tensor:
+    def forward(
+        self,
+        batch: PackedBatch,
+        blocks: Callable[[RoutedBatch], Tensor],
+        segments: np.ndarray | None = None,
+        problem: str | None = None,
+    ) -> Tensor:
         """Run ``blocks`` on the balanced tokens and return its ``[T_routed, ...]`` output as
         ``[T, ...]`` rows in ``batch``'s order. The block stack is stamped at both ends, forward and
-        backward, for the step's measured compute time.
+        backward, for the step's measured compute time. ``segments`` and ``problem``: as
+        :meth:`plan` takes them (the step's attention segments; why this rank's input is bad, raised
+        on every rank by the first collective).
 
         Raises:
             RuntimeError: naming the step and this rank, when a collective fails (a rank died, or one
@@ -349,9 +414,12 @@ class KnapBalancer:
             time_exchanges(times)
             times.mark("plan_start")
             model = self.model
+            self._step_inputs = (segments, problem)  # for plan(), which a subclass may override
             plan = self.plan(batch)  # a subclass may plan otherwise: the plan routed is the one timed
             times.mark("plan_end")
-            self._in_flight = (times, plan, model)
+            # The segments the plan was made with (a subclass's own plan: none known).
+            planned = self._last is not None and self._last[1] is plan
+            self._in_flight = (times, plan, model, self._last_segments if planned else None)
             routed = self.route(batch, plan)
             routed = routed.with_tokens(stamp(routed.batch.tokens, times, "blocks_start", "blocks_grad_end"))
             self._routed = routed
@@ -363,10 +431,15 @@ class KnapBalancer:
 
 
 def balanced_forward(
-    batch: PackedBatch, blocks: Callable[[RoutedBatch], Tensor], balancer: KnapBalancer | None = None
+    batch: PackedBatch,
+    blocks: Callable[[RoutedBatch], Tensor],
+    balancer: KnapBalancer | None = None,
+    segments: np.ndarray | None = None,
+    problem: str | None = None,
 ) -> Tensor:
-    """``balancer.forward(batch, blocks)``, or with ``balancer=None`` ``blocks`` on this rank's own
-    sequences: the same model without balancing and without communication.
+    """``balancer.forward(batch, blocks, segments, problem)``, or with ``balancer=None`` ``blocks`` on
+    this rank's own sequences: the same model without balancing and without communication (a
+    ``problem`` then raises here, there being no other rank to tell).
 
     The backward pass runs the route's all-to-alls in reverse, so every rank must backpropagate
     through its output, even a rank with no tokens: ``blocks`` must return a tensor computed by the
@@ -375,5 +448,9 @@ def balanced_forward(
     waiting in the backward all-to-all).
     """
     if balancer is None:
+        if problem:
+            raise ValueError(problem)
         return blocks(local_batch(batch))
-    return balancer.forward(batch, blocks)
+    if segments is None and problem is None:  # a subclass's forward(batch, blocks) of before still runs
+        return balancer.forward(batch, blocks)
+    return balancer.forward(batch, blocks, segments, problem)

@@ -193,20 +193,98 @@ def gather_lengths(
     ``None``), with collectives on ``device``.
 
     Raises:
-        ValueError: on every rank, when any rank has a ``problem``.
+        ValueError: on every rank, the same message, when any rank has a ``problem``.
     """
-    header = _all_gather_ints([len(seq_lens), problem is not None, *report], device, groups.balance_group)
-    bad_ranks = [r for r, (_, bad, *_) in enumerate(header) if bad]
-    if bad_ranks:
+    gathered = gather_step_inputs(seq_lens, None, problem, device, groups, report)
+    return gathered.seq_lens_per_rank, gathered.reports
+
+
+@dataclass(frozen=True)
+class GatheredStep:
+    """What :func:`gather_step_inputs` gathered, by rank of the balance group.
+
+    Attributes:
+        seq_lens_per_rank: ``S`` lists of sequence lengths: the planner's input.
+        segments_per_rank: ``S`` lists of ``[K]`` attention-segment rows, one per sequence (the
+            planner's ``seq_segments_per_rank``), or ``None`` when no rank gave segments.
+        reports: ``S`` reports.
+    """
+
+    seq_lens_per_rank: list[list[int]]
+    segments_per_rank: list[list[list[int]]] | None
+    reports: list[list[int]]
+
+
+def gather_step_inputs(
+    seq_lens: Sequence[int],
+    segments: np.ndarray | None,
+    problem: str | None,
+    device: torch.device,
+    groups: ProcessGroups,
+    report: Sequence[int],
+) -> GatheredStep:
+    """Every rank's lengths, attention segments and report, and every rank's ``problem``: the
+    step's first collective. On the good path two all-gathers (a header, then the lengths with
+    their segments), whatever ``K``; a problem anywhere costs a third, on the failure path only,
+    where every rank is: the problems' text, so every rank raises the same error, naming the rank
+    and what it found (e.g. FLUX.3's bad sample), together and before any other collective.
+
+    Args:
+        seq_lens: ``[N]`` this rank's sequence lengths.
+        segments: ``[N, K]`` non-negative integer lengths of each sequence's attention segments
+            (summing to its length; e.g. ``Flux3Inputs.segments``), or ``None``. Every rank must
+            give segments of the same ``K``, or none (a rank with no sequences gives ``[0, K]``).
+        problem: why this rank's input is bad (a message naming the sample), or ``None``.
+        device: where the collectives run.
+        groups: the process groups.
+        report: a few integers every rank gives (the same count on every rank).
+
+    Raises:
+        ValueError: on every rank, the same message, when any rank has a problem, or the ranks
+            disagree on ``K``.
+    """
+    problem = problem or None
+    if segments is not None and problem is None:
+        table = np.asarray(segments)
+        if table.ndim != 2 or table.shape[0] != len(seq_lens) or (table.size and table.dtype.kind not in "iu"):
+            problem = (f"attention segments of shape {table.shape} ({table.dtype}); expected an [N, K] integer table, "
+                       f"one row per sequence ({len(seq_lens)})")  # fmt: skip
+        elif table.size and (table.min() < 0 or (table.sum(axis=1) != np.asarray(seq_lens)).any()):
+            bad = int(np.flatnonzero((table < 0).any(axis=1) | (table.sum(axis=1) != np.asarray(seq_lens)))[0])
+            problem = (f"sequence {bad} has attention segments {table[bad].tolist()}, which do not sum to its length "
+                       f"{int(seq_lens[bad])} with non-negative counts")  # fmt: skip
+    width = -1 if segments is None else int(np.shape(segments)[1]) if np.ndim(segments) == 2 else 0
+    encoded = (problem or "").encode()
+    header = _all_gather_ints([len(seq_lens), len(encoded), width, *report], device, groups.balance_group)
+    widths = sorted({w for _, _, w, *_ in header})
+    if any(size for _, size, *_ in header):
+        longest = max(size for _, size, *_ in header)
+        texts = _all_gather_ints(list(encoded) + [0] * (longest - len(encoded)), device, groups.balance_group)
+        by_message: dict[str, list[int]] = {}
+        for rank, (row, (_, size, *_)) in enumerate(zip(texts, header, strict=True)):
+            if size:
+                by_message.setdefault(bytes(row[:size]).decode(errors="replace"), []).append(rank)
+        details = "; ".join(f"balance-group rank(s) {ranks}: {message}" for message, ranks in by_message.items())
+        raise ValueError(f"invalid input, so no rank runs this step: {details}")
+    if len(widths) > 1:
         raise ValueError(
-            f"invalid packed batch on balance-group rank(s) {bad_ranks}"
-            + (f"; here (rank {groups.group_rank}): {problem}" if problem else "; see those ranks' errors")
+            f"ranks disagree on attention segments (columns per sequence by balance-group rank, -1: none): "
+            f"{[w for _, _, w, *_ in header]}; every rank must give segments of the same width, or none"
         )
-    width = max(count for count, *_ in header)
-    padded = list(seq_lens) + [0] * (width - len(seq_lens))
-    rows = _all_gather_ints(padded, device, groups.balance_group) if width else [[] for _ in header]
-    lengths = [row[:count] for row, (count, *_) in zip(rows, header, strict=True)]
-    return lengths, [list(rest) for _, _, *rest in header]
+    width = widths[0]
+    per_row = 1 + max(width, 0)
+    count = max(n for n, *_ in header)
+    rows = np.zeros((count, per_row), dtype=np.int64)
+    rows[: len(seq_lens), 0] = np.asarray(seq_lens, dtype=np.int64)
+    if width > 0:
+        rows[: len(seq_lens), 1:] = np.asarray(segments, dtype=np.int64)
+    gathered = _all_gather_ints(rows.ravel().tolist(), device, groups.balance_group) if count else [[] for _ in header]
+    tables = [np.array(row, dtype=np.int64).reshape(-1, per_row)[:n] for row, (n, *_) in zip(gathered, header, strict=True)]  # fmt: skip
+    return GatheredStep(
+        seq_lens_per_rank=[table[:, 0].tolist() for table in tables],
+        segments_per_rank=None if width < 0 else [table[:, 1:].tolist() for table in tables],
+        reports=[list(rest) for _, _, _, *rest in header],
+    )
 
 
 def gather_ints(value: int, device: torch.device, groups: ProcessGroups) -> list[int]:
