@@ -10,9 +10,19 @@ the output. Modulation is per token: image tokens at the flow timestep, text and
 each mode with its own heads (early and single-stream); a flow-map checkpoint (``flow_map``) adds
 the embedding of the target timestep to all of them.
 
-Here a sample is one balanced sequence ``[text, image, references]``: the planner and the route see
-its total length, and the per-mode blocks attend by segment (``KnapDistributedAttention``'s
-``segments``: one all-to-all carries the whole sequence, attention is block-diagonal by mode).
+Here a sample is one balanced sequence ``[text, image, references]``: the route sees its total
+length, the planner its length and its segments (``Flux3Inputs.segments``, gathered with the
+lengths; the ``flux3`` cost model prices the per-mode blocks' attention by mode and the joint
+blocks' by the whole sequence), and the per-mode blocks attend by segment
+(``KnapDistributedAttention``'s ``segments``: one all-to-all carries the whole sequence, attention
+is block-diagonal by mode).
+
+Bad input (a reference without its ids, a missing or unexpected ``target_timestep``, a text of zero
+tokens, ids of the wrong width, ...): :meth:`PackedFlux3Transformer.pack` raises, naming the sample.
+Balanced, that would leave the other ranks waiting in the step's first collective, so
+:meth:`~PackedFlux3Transformer.forward_samples` (or ``pack(samples, on_problem="carry")``, then
+``forward``) carries the problem into that collective instead (the lengths gather): every rank
+raises the same error, naming the rank and the sample, together.
 
 A sample (:meth:`PackedFlux3Transformer.pack`), diffusers' forward-argument names, unbatched:
 ``hidden_states [L, C]``, ``encoder_hidden_states [Lt, Dj]`` (at least one row), ``img_ids [L, 4]``,
@@ -61,6 +71,9 @@ class Flux3Inputs:
         img_ids, txt_ids, image_cond_ids: ``[Ti, 4]``, ``[Tt, 4]``, ``[Tr, 4]`` positions.
         img_lens, txt_lens, ref_lens: ``N`` per-sample token counts of each mode.
         target_timestep: ``[N]`` for flow-map models, else ``None``.
+        problem: why the samples given could not be packed (naming the sample), or ``None``; inputs
+            with a problem hold no samples, and :meth:`PackedFlux3Transformer.forward` raises it on
+            every rank of the step (``pack(samples, on_problem="carry")``).
     """
 
     hidden_states: Tensor
@@ -74,6 +87,7 @@ class Flux3Inputs:
     txt_lens: tuple[int, ...]
     ref_lens: tuple[int, ...]
     target_timestep: Tensor | None = None
+    problem: str | None = None
 
     @property
     def num_samples(self) -> int:
@@ -195,18 +209,29 @@ class PackedFlux3Transformer(PackedFluxBase):
             shapes["target_timestep"] = ()
         return shapes
 
-    def pack(self, samples: Sequence[Mapping[str, Tensor]]) -> Flux3Inputs:
+    def pack(self, samples: Sequence[Mapping[str, Tensor]], on_problem: str = "raise") -> Flux3Inputs:
         """Pack per-sample diffusers arguments (unbatched; see the module docstring) into
         :class:`Flux3Inputs`. No samples gives an empty batch with the right columns.
 
+        Args:
+            samples: this rank's samples.
+            on_problem: ``"raise"``: raise on a bad sample, here (local). ``"carry"``: return empty
+                inputs whose ``problem`` names it, for :meth:`forward` to raise on every rank of a
+                balanced step together (what :meth:`forward_samples` does).
+
         Raises:
-            ValueError: naming the sample, before any collective: a missing key, reference latents
+            ValueError: naming the sample (with ``"raise"``): a missing key, reference latents
                 without their ids (or ids without them), ``target_timestep`` missing on a flow-map
                 model or given to another, a text or image of zero tokens, a shape (ids of the wrong
                 width included) that does not fit the config.
         """
-        for index, sample in enumerate(samples):
-            self._check_sample(index, sample)
+        if on_problem not in ("raise", "carry"):
+            raise ValueError(f"on_problem must be 'raise' or 'carry'; got {on_problem!r}")
+        problem = self.check_samples(samples)
+        if problem is not None:
+            if on_problem == "raise":
+                raise ValueError(problem)
+            return dataclasses.replace(self.pack([]), problem=problem)
         config, axes = self.config, len(self.config["axes_dims_rope"])
         dtype = next(self.parameters()).dtype
 
@@ -234,6 +259,30 @@ class PackedFlux3Transformer(PackedFluxBase):
             ref_lens=count("image_cond_hidden_states"),
             target_timestep=stack("target_timestep") if config["flow_map"] else None,
         )
+
+    def check_samples(self, samples: Sequence[Mapping[str, Tensor]]) -> str | None:
+        """Why ``samples`` cannot be packed, naming the first bad sample (:meth:`pack`'s errors), or
+        ``None``. Local: no collective."""
+        for index, sample in enumerate(samples):
+            try:
+                self._check_sample(index, sample)
+            except (ValueError, TypeError, AttributeError, RuntimeError) as error:  # a non-tensor value, too
+                return str(error) if isinstance(error, ValueError) else f"sample {index}: {type(error).__name__}: {error}"
+        return None
+
+    def forward_samples(
+        self, samples: Sequence[Mapping[str, Tensor]], balancer: KnapBalancer | None = None
+    ) -> list[Tensor]:
+        """:meth:`pack`, :meth:`forward`, split: one ``[L_i, C]`` output per sample, what diffusers
+        returns for that sample alone. Collective when ``balancer`` is given: a bad sample on any
+        rank raises on every rank, the same error naming the rank and the sample, in the step's
+        first collective (unbalanced: here).
+
+        Raises:
+            ValueError: a bad sample (:meth:`pack`), on every rank of the step.
+        """
+        inputs = self.pack(samples, on_problem="carry" if balancer is not None else "raise")
+        return inputs.split(self(inputs, balancer))
 
     def _check_sample(self, index: int, sample: Mapping[str, Tensor]) -> None:
         required = ["hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids"]
@@ -279,7 +328,13 @@ class PackedFlux3Transformer(PackedFluxBase):
     def forward(self, inputs: Flux3Inputs, balancer: KnapBalancer | None = None) -> Tensor:
         """``[Ti, C]`` predictions for ``inputs.hidden_states``' tokens, in their order. With a
         ``balancer`` the blocks run on the tokens the step's plan gives this GPU (collective: every
-        rank calls it every step, even with no samples)."""
+        rank calls it every step, even with no samples), planned with the samples' segments.
+
+        Raises:
+            ValueError: ``inputs.problem`` (a bad sample :meth:`pack` carried): here without a
+                balancer; with one, on every rank, by the step's first collective (this rank runs the
+                same collectives as the others up to it, on no samples).
+        """
         latents, refs = inputs.hidden_states, inputs.image_cond_hidden_states
         device = latents.device
         segments = inputs.segments  # [N, 3]
@@ -315,7 +370,8 @@ class PackedFlux3Transformer(PackedFluxBase):
         if self.embed_text_before_routing:
             text = self.context_embedder(text)
         blocks = functools.partial(self._blocks, text=text, home_is_text=mode == 0, segments=segments)
-        return balanced_forward(batch, blocks, balancer).index_select(0, rows_t[1])
+        out = balanced_forward(batch, blocks, balancer, segments=segments, problem=inputs.problem)
+        return out.index_select(0, rows_t[1])
 
     def embed_timesteps(self, conditioning: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(image_temb, zero_temb) [n, D]``: the conditioning of image tokens (flow timestep) and of
