@@ -36,6 +36,14 @@ frame, ``(frames - 1) / 4 + 1``. A sequence is its text tokens plus its image/vi
   its video tokens over 75,600 (one 720p 81-frame clip), and drops that one (its first sample always
   stays); images fill the gaps clips leave, so about 40% of the samples a step holds are images. Sources
   and assumptions at :func:`_wan_image_video`.
+* ``flux3_edit``: FLUX.3 text-to-image plus editing with 1 to 3 reference images at mixed
+  resolutions. A sample is text (a prompt's chat-templated tokens right-padded to a multiple of 80),
+  a target image and its references, three attention segments (:attr:`SampleShape.segments`: the
+  per-mode blocks attend within each). Half the samples are text-to-image (a bucket as above); the
+  edits have one reference (0.5), kept whole up to 4 megapixels (16,384 tokens) with the target on
+  its canvas, or two (0.3) or three (0.2), each fitted under 1 megapixel (4,096 tokens) with the
+  target a bucket. Each rank holds samples until its image tokens (targets and references) reach
+  16,384. Sources and assumptions at :data:`FLUX3_TEXT_PAD`.
 """
 
 from __future__ import annotations
@@ -60,16 +68,25 @@ class SampleShape:
     visual: int
     frames: int
     cross_text: int = 0
+    reference: int = 0  # of the visual tokens, those of reference images (FLUX.3 editing; 0 elsewhere)
 
     @property
     def length(self) -> int:
         return self.text + self.visual
 
+    @property
+    def segments(self) -> tuple[int, int, int]:
+        """``(text, image, reference)`` tokens: the sequence's attention segments in FLUX.3's order
+        (``Flux3Inputs.segments``), summing to :attr:`length`."""
+        return self.text, self.visual - self.reference, self.reference
+
     def scaled(self, token_scale: float) -> SampleShape:
         """Text and visual tokens times ``token_scale``, rounded, keeping at least one visual token
-        (small stand-ins for CPU runs of the same mix)."""
-        return SampleShape(round(self.text * token_scale), max(1, round(self.visual * token_scale)), self.frames,
-                           round(self.cross_text * token_scale))  # fmt: skip
+        (and one image token beside the references; small stand-ins for CPU runs of the same mix)."""
+        reference = round(self.reference * token_scale)
+        visual = max(reference + 1 if self.reference else 1, round(self.visual * token_scale))
+        return SampleShape(round(self.text * token_scale), visual, self.frames, round(self.cross_text * token_scale),
+                           reference)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -225,6 +242,55 @@ def _wan_image_video(num_gpus: int, rng: np.random.Generator) -> list[list[Sampl
     return shapes
 
 
+# FLUX.3. Sources: diffusers 0.42.1's FLUX.3 modular pipeline (diffusers/modular_pipelines/flux3):
+# the text encoder step (Qwen3-VL, encoders.py) right-pads the chat-templated prompt to a multiple of
+# 80 tokens (pad_multiple=80; the transformer attends to the padding), capped at 8,192; one
+# reference image is kept whole, downscaled only to fit its 16-pixel-grid canvas under 4 megapixels
+# (sides at most 4,096 px: 16,384 tokens), and the generation defaults to that canvas; each of
+# several references is fitted under 1 megapixel (4,096 tokens) and cropped to the grid
+# (image_processor.py, Flux3ProcessImagesInputStep). Tokens: 16x16 pixels each (8x VAE, 2x2
+# patches, as FLUX.2). Assumptions, not from the pipeline, which gives no training data: half the
+# samples text-to-image; edits with 1, 2 or 3 references at 0.5 / 0.3 / 0.2; a single reference a
+# bucket as flux_buckets' (512 / 768 / 1024 px base) or, with probability 0.25, a 2048 px-base one
+# (about 4 megapixels, the pipeline's limit); prompts of 20 to 400 tokens before padding; 16,384
+# image tokens per rank, as flux2_edit.
+FLUX3_TEXT_PAD = 80
+FLUX3_EDIT_SHARE = 0.5
+_FLUX3_REFERENCE_COUNTS = ((1, 0.5), (2, 0.3), (3, 0.2))
+_FLUX3_WHOLE_REFERENCE_TOKENS = 4 * 1024 * 1024 // 256  # 4 megapixels over 16x16 pixels per token
+_FLUX3_REFERENCE_TOKENS = 1024 * 1024 // 256  # 1 megapixel
+
+
+def _flux3_sample(rng: np.random.Generator) -> SampleShape:
+    text = -(-int(rng.integers(20, 401)) // FLUX3_TEXT_PAD) * FLUX3_TEXT_PAD
+    if rng.random() >= FLUX3_EDIT_SHARE:
+        return SampleShape(text, _bucket_tokens(rng), 1)
+    counts, odds = zip(*_FLUX3_REFERENCE_COUNTS, strict=True)
+    references = int(rng.choice(counts, p=odds))
+    if references == 1:  # kept whole on its canvas, and the target on the same canvas
+        if rng.random() < 0.25:
+            wide, tall = _ASPECTS[rng.integers(len(_ASPECTS))]
+            scale = 2048 / np.sqrt(wide * tall)
+            width, height = (round(side * scale / 64) * 64 for side in (wide, tall))
+            tokens = min((width // 16) * (height // 16), _FLUX3_WHOLE_REFERENCE_TOKENS)
+        else:
+            tokens = _bucket_tokens(rng)
+        return SampleShape(text, 2 * tokens, 2, reference=tokens)
+    reference = sum(min(_FLUX3_REFERENCE_TOKENS, _bucket_tokens(rng)) for _ in range(references))
+    return SampleShape(text, _bucket_tokens(rng) + reference, 1 + references, reference=reference)
+
+
+def _flux3_edit(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape]]:
+    shapes = []
+    for _ in range(num_gpus):
+        samples, visual_total = [], 0
+        while not samples or visual_total < 16384:
+            samples.append(_flux3_sample(rng))
+            visual_total += samples[-1].visual
+        shapes.append(samples)
+    return shapes
+
+
 MIXES: dict[str, Callable[[int, np.random.Generator], list[list[SampleShape]]]] = {
     **{name: _paper_mix(codes) for name, codes in _PAPER_MIXES.items()},
     "flux_buckets": _flux_buckets,
@@ -232,6 +298,7 @@ MIXES: dict[str, Callable[[int, np.random.Generator], list[list[SampleShape]]]] 
     "flux2_buckets": _flux2_buckets,
     "flux2_edit": _flux2_edit,
     "wan_image_video": _wan_image_video,
+    "flux3_edit": _flux3_edit,
 }
 
 
@@ -244,6 +311,13 @@ def sample_mix(name: str, num_gpus: int, seed: int | np.random.Generator = 0) ->
         seed: seed or generator; the same seed gives the same lengths.
     """
     return [[shape.length for shape in rank] for rank in sample_shapes(name, num_gpus, seed)]
+
+
+def sample_segments(name: str, num_gpus: int, seed: int | np.random.Generator = 0) -> list[list[tuple[int, int, int]]]:
+    """:func:`sample_mix`'s sequences as attention segments, ``(text, image, reference)`` tokens each
+    (:attr:`SampleShape.segments`; the planner's ``seq_segments_per_rank``). Same arguments, same
+    lengths."""
+    return [[shape.segments for shape in rank] for rank in sample_shapes(name, num_gpus, seed)]
 
 
 def sample_shapes(name: str, num_gpus: int, seed: int | np.random.Generator = 0) -> list[list[SampleShape]]:
