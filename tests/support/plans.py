@@ -34,25 +34,29 @@ def plan_digests() -> dict[str, str]:
     """A digest of every plan of the bundled mixes (seed 0) at 8, 16 and 32 GPUs: topology ``auto``
     and three fixed topologies, each solver, with equal speeds and with the last GPU at half speed.
     ``tests/support/plan_digests.json`` holds them as the planner gave them before the package was
-    reorganised (issue 21); a refactor must leave every one unchanged."""
+    reorganised (issue 21); a refactor must leave every one unchanged. ``flux3_edit`` (60 keys, added
+    with it) is planned with the ``flux3`` cost model and its samples' attention segments."""
     import dataclasses
     import hashlib
 
     from deepspeed_knap import MIXES, build_topology, default_cost_model, plan_routing, sample_mix
+    from deepspeed_knap.data.mixes import sample_segments
 
     digests = {}
     for gpus in (8, 16, 32):
         specs = ["auto", f"g{gpus // 4}n4", f"g1n{gpus // 2}+g{gpus // 4}n2", f"g8n{gpus // 8}"]
         for mix in MIXES:
             lengths = sample_mix(mix, gpus, 0)
+            segmented = mix == "flux3_edit"
+            segments = sample_segments(mix, gpus, 0) if segmented else None
             for speeds in ("even", "slow"):
-                model = default_cost_model("flux-dev")
+                model = default_cost_model("flux3" if segmented else "flux-dev")
                 if speeds == "slow":
                     model = dataclasses.replace(model, gpu_speed=(1.0,) * (gpus - 1) + (0.5,))
                 for spec in specs:
                     topology = build_topology(spec, gpus if spec == "auto" else None)
                     for solver in ("none", "refine") if spec == "auto" else ("none", "knapformer", "refine"):
-                        plan = plan_routing(lengths, topology, model, solver)
+                        plan = plan_routing(lengths, topology, model, solver, seq_segments_per_rank=segments)
                         digest = hashlib.sha256()
                         for field in dataclasses.fields(plan):
                             value = getattr(plan, field.name)
