@@ -1,0 +1,159 @@
+"""The forward-only balancer of generation: one plan and one route per request set, reused every step.
+
+In training each step has new lengths, so each step gathers them, solves, and prepares its route
+(checks agreed in an all-gather, the GPU's layout, index tensors). In generation a request's
+length is fixed over its denoising steps, and every rank knows the step's set from the
+:class:`~deepspeed_knap.generation.schedule.StepBatcher`, so :class:`ReusingBalancer` takes the
+batcher's plan, prepares the route at the set's first step (the training path, checks included),
+and at the set's later steps only moves the tokens: the same index tensors, split sizes, layout
+and attention index arrays, no planning collective. ``reuse=False`` is the training path at every
+step (gather, solve, prepare), kept to measure what reuse saves.
+
+Forward only: the caller runs the model under ``torch.no_grad()``; nothing here keeps autograd state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.runtime.balancer import KnapBalancer
+from deepspeed_knap.runtime.groups import ProcessGroups
+from deepspeed_knap.runtime.packing import PackedBatch
+from deepspeed_knap.runtime.routing import RoutedBatch, _exchange_columns, exchange
+
+# FLUX-style forward FLOPs per token and block: (4 + 2 * mlp_ratio) * D^2 multiply-adds in the linear
+# layers, 2 * L * D in attention; Ulysses moves q, k, v in and the output back (forward only: 4).
+_ULYSSES_EXCHANGES_FORWARD = 4
+
+
+def forward_cost_model(config: dict, tflops: float = 400.0, alltoall_gbps: float = 150.0,
+                       bytes_per_element: int = 2) -> CostModel:  # fmt: skip
+    """The FLOP cost model of one *forward* of a FLUX-family transformer ``config`` (diffusers'
+    names), for the planner: training's :meth:`CostModel.from_model_dims` counts forward and backward
+    (3x the linear layers, 3.5x attention, twice the all-to-alls), which would price the Ulysses
+    all-to-all too cheaply against compute here."""
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    blocks = config["num_layers"] + config["num_single_layers"]
+    mlp_ratio = config.get("mlp_ratio", 4.0)
+    flops_per_s = tflops * 1e12
+    return CostModel(
+        linear_coef=2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s,
+        quadratic_coef=2 * 2 * hidden * blocks / flops_per_s,
+        alltoall_coef=_ULYSSES_EXCHANGES_FORWARD * hidden * bytes_per_element * blocks / (alltoall_gbps * 1e9),
+        num_heads=config["num_attention_heads"],
+    )
+
+
+@dataclasses.dataclass
+class _PreparedRoute:
+    """What the route of a set's first step left to reuse: its routed batch (layout, plan, groups,
+    attention index arrays) and the index tensors that pick each destination's rows."""
+
+    routed: RoutedBatch
+    seq_lens: tuple[int, ...]  # this rank's home lengths the route was made for
+    send_rows: torch.Tensor  # [T_home] home token rows, destination by destination
+    sample_rows: torch.Tensor  # [copies] home sequence of each per-sample row sent
+
+
+class ReusingBalancer(KnapBalancer):
+    """A :class:`~deepspeed_knap.runtime.balancer.KnapBalancer` for the steps of a request set.
+
+    Before each forward the generation loop calls :meth:`begin_step` with the step's set (the
+    same on every rank) and the batcher's plan of it. ``plan_s`` and ``route_s`` list, per forward,
+    this rank's seconds from the start of planning to the plan, and from the plan to the routed
+    batch (preparation and the route's all-to-alls); ``solves`` counts the plans solved here.
+
+    Args:
+        groups, cost_model, solver, max_tokens_per_gpu: as :class:`KnapBalancer`'s.
+        reuse: reuse the plan and the route while the set is unchanged; ``False``: gather, solve
+            and prepare at every step, as training does.
+    """
+
+    def __init__(self, groups: ProcessGroups, cost_model: CostModel, solver: str = "refine",
+                 max_tokens_per_gpu: int | None = None, reuse: bool = True) -> None:  # fmt: skip
+        super().__init__(groups, cost_model, solver=solver, max_tokens_per_gpu=max_tokens_per_gpu)
+        self.reuse = reuse
+        self.solves = 0
+        self.plan_s: list[float] = []
+        self.route_s: list[float] = []
+        self._set: tuple[int, ...] | None = None
+        self._set_plan: tuple[list[list[int]], RoutingPlan] | None = None
+        self._prepared: _PreparedRoute | None = None
+
+    def begin_step(self, request_set: tuple[int, ...], plan: RoutingPlan, seq_lens_per_rank: list[list[int]]) -> None:
+        """The next forward runs ``request_set`` (request indices, identical on every rank) under
+        ``plan``, made from ``seq_lens_per_rank``. A set other than the last drops the prepared route."""
+        if request_set != self._set:
+            self._set, self._prepared = request_set, None
+        self._set_plan = (seq_lens_per_rank, plan)
+
+    def plan(self, batch: PackedBatch) -> RoutingPlan:
+        """The step's plan: the batcher's (no collective), or with ``reuse=False`` gathered and solved
+        here as in training (collective)."""
+        start = time.perf_counter()
+        if not self.reuse:
+            plan = super().plan(batch)
+            self.solves += 1
+        else:
+            if self._set_plan is None:
+                raise RuntimeError("ReusingBalancer: call begin_step(request_set, plan, lengths) before each forward")
+            self.close_step()
+            seq_lens_per_rank, plan = self._set_plan
+            self._last = (seq_lens_per_rank, plan, 0.0, True, self.cost_model)  # for metrics()
+            self.steps += 1
+        self.plan_s.append(time.perf_counter() - start)
+        return plan
+
+    def route(self, batch: PackedBatch, plan: RoutingPlan) -> RoutedBatch:
+        """Route ``batch`` by ``plan``: prepared as in training at a set's first step (or every step
+        without reuse), then only the exchanges of the tokens and their columns."""
+        start = time.perf_counter()
+        prepared = self._prepared
+        if not self.reuse or prepared is None or prepared.routed.plan is not plan:
+            routed = super().route(batch, plan)
+            layout = routed.layout
+            device = batch.tokens.device
+            self._prepared = _PreparedRoute(routed, tuple(batch.seq_lens),
+                                            torch.as_tensor(layout.send_rows).to(device),
+                                            torch.as_tensor(layout.sample_send_index).to(device))  # fmt: skip
+        else:
+            routed = self._reroute(batch, prepared)
+        self.route_s.append(time.perf_counter() - start)
+        return routed
+
+    def _reroute(self, batch: PackedBatch, prepared: _PreparedRoute) -> RoutedBatch:
+        """The set's route again, for this step's tokens and columns: the three all-to-alls of
+        :func:`~deepspeed_knap.runtime.routing.route` (tokens, per-token columns, per-sample rows)
+        with its split sizes and index tensors. The attention index arrays of the first step's routed
+        batch (``device_array``) are kept: they depend only on the layout."""
+        if tuple(batch.seq_lens) != prepared.seq_lens:
+            # The set is the same on every rank, so a rank's lengths can change only by a bug in the
+            # loop that packs it; the others would wait in the exchange below, hence the clear error.
+            raise RuntimeError(f"rank {self.groups.rank}: the request set {self._set} packed lengths "
+                               f"{list(batch.seq_lens)} here, but its route was made for {list(prepared.seq_lens)}")  # fmt: skip
+        layout, group = prepared.routed.layout, self.groups.balance_group
+        send, recv = layout.send_counts, layout.recv_counts
+        moved = PackedBatch(
+            tokens=exchange(batch.tokens.index_select(0, prepared.send_rows), send, recv, group, "route"),
+            seq_lens=prepared.routed.batch.seq_lens,
+            token_data=_exchange_columns(batch.token_data, prepared.send_rows, send, recv, group),
+            sample_data=_exchange_columns(
+                batch.sample_data, prepared.sample_rows, layout.sample_send_counts, layout.sample_recv_counts, group
+            ),
+        )
+        return dataclasses.replace(prepared.routed, batch=moved)
+
+    def forward_seconds(self) -> dict[str, float]:
+        """This rank's seconds in the forward just run: ``compute`` (the block stack less its Ulysses
+        all-to-alls, which include waiting for peers) and ``exchange`` (the all-to-alls of every
+        kind). Local."""
+        times = self._in_flight[0]
+        marks = times.marks
+        blocks = marks["blocks_start"].seconds_until(marks["blocks_end"])
+        by_kind = {kind: sum(a.seconds_until(b) for a, b in pairs) for kind, pairs in times.spans.items()}
+        return {"compute": blocks - by_kind.get("ulysses", 0.0), "exchange": float(sum(by_kind.values()))}

@@ -1,0 +1,118 @@
+"""Generation requests: one JSON object per line of a request file, checked before any work.
+
+    {"id": "cat", "prompt": "a cat on a mat", "height": 1024, "width": 768, "steps": 28, "guidance": 3.5, "seed": 7}
+    {"embeddings": "emb/dog.safetensors", "height": 512, "width": 512, "steps": 4}
+
+A request names its text by ``prompt`` (the rank that owns it runs the family's text encoders) or by
+``embeddings``, a safetensors file of precomputed text embeddings (FLUX.1: ``prompt_embeds [Tt, Dj]``
+and ``pooled_prompt_embeds [Dp]``). ``height`` and ``width`` (pixels) are required; ``steps``
+(default 28), ``guidance`` (3.5), ``seed`` (0), ``max_sequence_length`` (512: the text tokens a
+prompt is padded to, as diffusers' pipelines do) and ``id`` (default ``line{N}``) are optional.
+Unknown keys are refused, so a typo (``"step": 4``) is not silently a default.
+
+Pure Python, no torch: what a family checks of a request (its sizes, its embeddings file) is in
+the family's module, and the agreement between ranks in :mod:`~deepspeed_knap.generation.intake`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULTS = {"steps": 28, "guidance": 3.5, "seed": 0, "max_sequence_length": 512}
+_KEYS = ("id", "prompt", "embeddings", "height", "width", "steps", "guidance", "seed", "max_sequence_length")
+
+
+class RequestError(ValueError):
+    """A request line that cannot be generated; the message names the line."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One image to generate.
+
+    Attributes:
+        index: position among the file's requests (its non-blank lines), from 0; the rank
+            ``index % world_size`` owns it (encodes it, holds its latents, decodes it).
+        line: the line number in the file, from 1.
+        id: the output's name (``{id}.png``).
+        prompt: the text, or ``None`` when ``embeddings`` is given.
+        embeddings: path of a safetensors file of precomputed text embeddings (relative paths are
+            the request file's directory's), or ``None``.
+        height, width: pixels.
+        steps: denoising steps.
+        guidance: the guidance scale (embedded, for guidance-distilled models such as FLUX.1-dev).
+        seed: of the initial noise (``torch.Generator().manual_seed(seed)``, as given to diffusers).
+        max_sequence_length: text tokens a prompt is padded to (ignored with ``embeddings``).
+    """
+
+    index: int
+    line: int
+    id: str
+    prompt: str | None
+    embeddings: str | None
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    seed: int
+    max_sequence_length: int
+
+
+def request_lines(path: str | Path) -> list[tuple[int, str]]:
+    """``(line number, text)`` of every non-blank line of a request file.
+
+    Raises:
+        ValueError: the file cannot be read (the message names it).
+    """
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read the request file {path}: {error}") from None
+    return [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+
+
+def parse_request(index: int, line: int, text: str, directory: str | Path = ".") -> Request:
+    """The request of one line; a relative ``embeddings`` path is taken from ``directory`` (the
+    request file's).
+
+    Raises:
+        RequestError: malformed JSON, an unknown key, a missing or ill-typed value; the message
+            starts with ``line {line}``.
+    """
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RequestError(f"line {line}: not JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(fields, dict):
+        raise RequestError(f"line {line}: a request is a JSON object, e.g. {{\"prompt\": ..., \"height\": ...}}; "
+                           f"got {type(fields).__name__}")  # fmt: skip
+    unknown = sorted(set(fields) - set(_KEYS))
+    if unknown:
+        raise RequestError(f"line {line}: unknown key(s) {unknown}; a request takes {', '.join(_KEYS)}")
+    if ("prompt" in fields) == ("embeddings" in fields):
+        raise RequestError(f"line {line}: give exactly one of 'prompt' (text) and 'embeddings' (a safetensors file "
+                           "of precomputed text embeddings)")  # fmt: skip
+    for key in ("prompt", "embeddings", "id"):
+        if key in fields and not (isinstance(fields[key], str) and fields[key]):
+            raise RequestError(f"line {line}: {key!r} must be a non-empty string; got {fields[key]!r}")
+    request_id = fields.get("id", f"line{line}")
+    if "/" in request_id or request_id in (".", ".."):
+        raise RequestError(f"line {line}: id {request_id!r} names the output file {request_id}.png: no '/' in it")
+    values = {**DEFAULTS, **fields}
+    for key in ("height", "width", "steps", "seed", "max_sequence_length"):
+        if key not in values:
+            raise RequestError(f'line {line}: {key!r} is required (pixels); e.g. "{key}": 1024')
+        value = values[key]
+        lowest = 0 if key == "seed" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            raise RequestError(f"line {line}: {key!r} must be a whole number >= {lowest}; got {value!r}")
+    guidance = values["guidance"]
+    if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance):
+        raise RequestError(f"line {line}: 'guidance' must be a finite number; got {guidance!r}")
+    return Request(index=index, line=line, id=request_id, prompt=fields.get("prompt"),
+                   embeddings=str(Path(directory, fields["embeddings"])) if "embeddings" in fields else None, height=values["height"], width=values["width"],
+                   steps=values["steps"], guidance=float(guidance), seed=values["seed"],
+                   max_sequence_length=values["max_sequence_length"])  # fmt: skip

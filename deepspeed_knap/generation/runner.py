@@ -1,0 +1,297 @@
+"""Balanced generation: the intake of a request file and the denoising loop every rank runs.
+
+    generator = load_flux_generator(path, torch.bfloat16, device)  # a family's generator
+    balancer = generation_balancer(generator.model, max_tokens_per_gpu=65536)  # collective
+    report = generate("requests.jsonl", generator, balancer, on_image=write_png)
+
+**Intake** (:func:`take_requests`, collective): every rank reads the request file and checks the
+requests it owns (request ``i`` is rank ``i % world_size``'s: it parses the line and asks the family
+for its tokens, which checks the size and any embeddings file); one all-gather then gives every
+rank the same table of every request's tokens and steps, or why it was refused. What only the table
+shows is decided from it alike everywhere: an id used twice, a request over the budget even alone
+on the largest group. A file that differs between ranks, or that a rank cannot read, is one error
+on every rank. Refused requests are reported; the others are generated.
+
+**Loop** (:func:`generate`): every rank steps the same :class:`~deepspeed_knap.generation.schedule.StepBatcher`
+(joins and leaves at step boundaries under the token budget, a plan per set). Each step a rank
+packs its own running requests, the transformer runs them balanced with every other rank's
+(:class:`~deepspeed_knap.generation.balancer.ReusingBalancer`, under ``torch.no_grad``), and each
+request takes its scheduler step at home; a request that finishes is decoded there and handed to
+``on_image``. A rank with nothing running still joins every step's collectives.
+
+A family's generator (:class:`~deepspeed_knap.models.flux.generate.FluxGenerator` for FLUX.1) gives
+``model`` (the packed transformer), ``request_tokens(request)`` (raises ``RequestError``),
+``start(request)`` (a state with ``sample()``, ``advance(prediction)``, ``done``) and ``decode(state)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deepspeed_knap.generation.balancer import ReusingBalancer, forward_cost_model
+from deepspeed_knap.generation.requests import Request, RequestError, parse_request, request_lines
+from deepspeed_knap.generation.schedule import Job, StepBatcher
+from deepspeed_knap.runtime.groups import all_gather_bytes, text_digest
+
+
+def _world() -> tuple[int, int]:
+    """``(rank, world size)``; ``(0, 1)`` in a process that joined no process group."""
+    import deepspeed.comm as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_gather_json(value: Any) -> list[Any]:
+    """Every rank's JSON-able ``value``, by rank. Collective when a process group exists."""
+    if _world()[1] == 1:
+        return [value]
+    return [json.loads(data) for data in all_gather_bytes(json.dumps(value).encode())]
+
+
+@dataclass
+class Intake:
+    """The agreed request table (identical on every rank) and this rank's requests.
+
+    Attributes:
+        jobs: every accepted request, in file order (for the batcher).
+        ids: every accepted request's id, by index.
+        mine: this rank's accepted requests, by index.
+        refused: every refused request, in file order: ``{"line", "id", "reason"}``.
+        count: requests in the file.
+    """
+
+    jobs: list[Job]
+    ids: dict[int, str]
+    mine: dict[int, Request]
+    refused: list[dict]
+    count: int
+
+
+def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | None = None,
+                  max_degree: int = 1) -> Intake:  # fmt: skip
+    """Read and check the request file, and agree on the table. Collective.
+
+    Args:
+        path: the JSONL request file.
+        generator: the family's generator (``request_tokens``).
+        max_tokens_per_gpu: the per-GPU token budget, or ``None``.
+        max_degree: the largest group a request may be split over (its GPUs hold it together).
+
+    Raises:
+        ValueError: on every rank, when a rank cannot read the file or ranks read different files.
+    """
+    rank, world = _world()
+    problem, lines, digest = None, [], 0
+    try:
+        lines = request_lines(path)
+        digest = text_digest(json.dumps(lines))
+    except ValueError as error:
+        problem = str(error)
+    entries = []
+    for index in range(rank, len(lines), world):
+        number, text = lines[index]
+        entry = {"index": index, "line": number, "id": f"line{number}", "tokens": 0, "steps": 0, "reason": None}
+        try:
+            request = parse_request(index, number, text, Path(path).parent)
+            entry.update(id=request.id, tokens=generator.request_tokens(request), steps=request.steps)
+            entry["request"] = request
+        except RequestError as error:
+            entry["reason"] = str(error)
+        entries.append(entry)
+    views = all_gather_json({"problem": problem, "digest": digest, "entries": [_public(e) for e in entries]})
+    problems = {r: view["problem"] for r, view in enumerate(views) if view["problem"]}
+    if problems:
+        raise ValueError("; ".join(f"rank {r}: {message}" for r, message in problems.items()))
+    if len({view["digest"] for view in views}) > 1:
+        raise ValueError(f"the request file {path} differs between ranks (digests by rank: "
+                         f"{[view['digest'] for view in views]}); give every rank the same file")  # fmt: skip
+    table = sorted((entry for view in views for entry in view["entries"]), key=lambda e: e["index"])
+    mine = {e["index"]: e["request"] for e in entries if e["reason"] is None}
+    seen: dict[str, int] = {}
+    limit = None if max_tokens_per_gpu is None else max_tokens_per_gpu * max_degree
+    jobs, ids, refused = [], {}, []
+    for entry in table:
+        reason = entry["reason"]
+        if reason is None and entry["id"] in seen:
+            reason = (f"line {entry['line']}: id {entry['id']!r} is line {seen[entry['id']]}'s too; ids name the "
+                      "output files: make them unique")  # fmt: skip
+        elif reason is None and limit is not None and entry["tokens"] > limit:
+            reason = (f"line {entry['line']}: {entry['tokens']} tokens exceed what the largest group holds under "
+                      f"the budget, {max_tokens_per_gpu} per GPU x {max_degree} GPUs = {limit}; make the image "
+                      "smaller, or raise --max-tokens-per-gpu")  # fmt: skip
+        if reason is None:
+            seen[entry["id"]] = entry["line"]
+            jobs.append(Job(entry["index"], entry["index"] % world, entry["tokens"], entry["steps"]))
+            ids[entry["index"]] = entry["id"]
+        else:
+            refused.append({"line": entry["line"], "id": entry["id"], "reason": reason})
+            mine.pop(entry["index"], None)
+    return Intake(jobs, ids, mine, refused, len(table))
+
+
+def _public(entry: dict) -> dict:
+    """An intake entry without the parsed request (which stays on its rank)."""
+    return {key: value for key, value in entry.items() if key != "request"}
+
+
+def generation_balancer(model: torch.nn.Module, max_tokens_per_gpu: int | None = None, reuse: bool = True,
+                        cost_model: Any = None) -> ReusingBalancer:  # fmt: skip
+    """Process groups of topology ``auto`` over the world (groups up to the model's heads, inside
+    nodes: :func:`gpus_per_node`) and a :class:`ReusingBalancer` with the forward-only cost model of
+    ``model.config`` unless ``cost_model`` is given. Collective: every rank calls it, after joining
+    the process group."""
+    import deepspeed.comm as dist
+
+    from deepspeed_knap.planner.topology import build_topology, default_max_degree
+    from deepspeed_knap.runtime.groups import create_process_groups
+
+    world, node = dist.get_world_size(), gpus_per_node()
+    heads = model.config["num_attention_heads"]
+    topology = build_topology("auto", world, node, max_degree=default_max_degree(world, node, heads))  # fmt: skip
+    groups = create_process_groups(topology)
+    model.attention.configure(topology)  # checks the heads against the groups
+    cost_model = forward_cost_model(model.config) if cost_model is None else cost_model
+    return ReusingBalancer(groups, cost_model, max_tokens_per_gpu=max_tokens_per_gpu, reuse=reuse)
+
+
+@dataclass
+class GenerationReport:
+    """One rank's run.
+
+    Attributes:
+        rank: global rank.
+        requests: this rank's generated requests: ``id``, ``line``, ``tokens``, ``steps``, ``first_step``
+            and ``last_step`` (of the run), ``encode_s``, ``denoise_s`` (from its first step's start
+            to its last step's end), ``decode_s``.
+        refused: every rank's refused requests (:attr:`Intake.refused`).
+        count: requests in the file.
+        steps: denoising steps the run took (each runs every running request once).
+        set_changes: steps whose request set differs from the step before's (the first included).
+        solves: plans solved (once per change of the request set; with ``reuse=False`` every step too).
+        wall_s: from the intake to the last image, this rank.
+        busy_s: this rank's own work in that time: encoding, packing, the transformer's compute
+            (less its all-to-alls and the waits in them), scheduler steps, decoding.
+        plan_s, route_s: per step, this rank's seconds to get the plan and to route (balanced runs).
+    """
+
+    rank: int
+    requests: list[dict]
+    refused: list[dict]
+    count: int
+    steps: int = 0
+    set_changes: int = 0
+    solves: int = 0
+    wall_s: float = 0.0
+    busy_s: float = 0.0
+    plan_s: list[float] = field(default_factory=list)
+    route_s: list[float] = field(default_factory=list)
+
+
+def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None = None,
+             on_image: Callable[[Request, np.ndarray], None] | None = None, max_tokens_per_gpu: int | None = None,
+             progress: bool = True) -> GenerationReport:  # fmt: skip
+    """Generate every acceptable request of ``path``. Collective: every rank calls it.
+
+    Args:
+        path: the JSONL request file (:mod:`~deepspeed_knap.generation.requests`).
+        generator: the family's generator, the same weights on every rank.
+        balancer: from :func:`generation_balancer`; ``None``: each rank runs its own requests alone
+            (no communication in the transformer).
+        on_image: called on the home rank with each request and its ``[H, W, 3]`` image in ``[0, 1]``.
+        max_tokens_per_gpu: the per-GPU token budget of the running set (the balancer's, when given).
+        progress: a tqdm bar on rank 0 (request-steps done of all).
+
+    Raises:
+        ValueError: on every rank, for a request file that ranks cannot read alike.
+    """
+    from tqdm import tqdm
+
+    rank, world = _world()
+    start = time.perf_counter()
+    if balancer is not None:
+        max_tokens_per_gpu = balancer.max_tokens_per_gpu
+    topology = None if balancer is None else balancer.groups.topology
+    max_degree = 1 if topology is None else max(size for _, size in topology.groups)
+    busy = time.perf_counter()
+    intake = take_requests(path, generator, max_tokens_per_gpu, max_degree)
+    busy = time.perf_counter() - busy  # the intake's own checks; the gather is shared waiting
+    batcher = StepBatcher(intake.jobs, world, max_tokens_per_gpu, _solver(balancer))
+    report = GenerationReport(rank, [], intake.refused, intake.count)
+    states: dict[int, Any] = {}
+    records: dict[int, dict] = {}
+    model = generator.model
+    bar = tqdm(total=batcher.total_request_steps, disable=not progress or rank != 0, unit="step",
+               desc=f"generate ({len(intake.jobs)} images, {world} ranks)")  # fmt: skip
+    while (step := batcher.next_step()) is not None:
+        step_start = time.perf_counter()
+        report.set_changes += step.changed
+        for index in step.joined:
+            if index in intake.mine:
+                request = intake.mine[index]
+                records[index] = {"id": request.id, "line": request.line, "tokens": batcher.jobs[index].tokens,
+                                  "steps": request.steps, "first_step": step.number, "started_at": step_start}  # fmt: skip
+                clock = time.perf_counter()
+                states[index] = generator.start(request)
+                records[index]["encode_s"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        mine = [index for index in step.active if index in states]
+        inputs = model.pack([states[index].sample() for index in mine]).to(generator.device)
+        if balancer is not None:
+            balancer.begin_step(step.active, step.plan, batcher.seq_lens_per_rank(step.active))
+        busy += time.perf_counter() - clock
+        clock = time.perf_counter()
+        with torch.no_grad():
+            predictions = inputs.split(model(inputs, balancer))
+        busy += balancer.forward_seconds()["compute"] if balancer is not None else time.perf_counter() - clock
+        clock = time.perf_counter()
+        for index, prediction in zip(mine, predictions, strict=True):
+            states[index].advance(prediction)
+        busy += time.perf_counter() - clock
+        for index in [index for index in mine if states[index].done]:
+            clock = time.perf_counter()
+            image = generator.decode(states.pop(index))
+            record = records[index]
+            record.update(last_step=step.number, denoise_s=clock - record.pop("started_at"),
+                          decode_s=time.perf_counter() - clock)  # fmt: skip
+            busy += record["decode_s"]
+            if on_image is not None:
+                on_image(intake.mine[index], image)
+            report.requests.append(record)
+        bar.update(len(step.active))
+    bar.close()
+    report.steps, report.wall_s, report.busy_s = batcher.steps_taken, time.perf_counter() - start, busy
+    report.solves = batcher.solves + (balancer.solves if balancer is not None else 0)
+    if balancer is not None:
+        report.plan_s, report.route_s = list(balancer.plan_s), list(balancer.route_s)
+    return report
+
+
+def _solver(balancer: ReusingBalancer | None) -> Callable[[list[list[int]]], Any]:
+    """The batcher's ``solve``: the balancer's planner (solver, cost model, budget), or, unbalanced,
+    no plan (every request runs at home)."""
+    from deepspeed_knap.planner.solve import plan_routing
+
+    if balancer is None:
+        return lambda seq_lens_per_rank: None
+    return lambda seq_lens_per_rank: plan_routing(seq_lens_per_rank, balancer.groups.topology, balancer.cost_model,
+                                                  balancer.solver, balancer.max_tokens_per_gpu)  # fmt: skip
+
+
+def gpus_per_node() -> int | None:
+    """Ranks per node as the launchers tell them (``LOCAL_SIZE`` from deepspeed's launcher,
+    ``LOCAL_WORLD_SIZE`` from torchrun), or ``None``."""
+    for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
