@@ -321,10 +321,12 @@ class CostModel:
         """
         s = np.asarray(seq_lens, dtype=np.float64)
         g = np.asarray(bag_size, dtype=np.float64)
-        if segment_squares is None:
-            quadratic = self.quadratic_coef * s * s
-        else:
-            quadratic = self.quadratic_coef * self.attention_squares(seq_lens, segment_squares)
+        quadratic = self.quadratic_coef * s * s
+        if segment_squares is not None and self.segment_attention_share:
+            # Less the per-segment blocks' cross-segment pairs, as a difference, so that a sequence of
+            # one segment (s*s - sum_k l_k**2 = 0) keeps b * s * s to the last bit.
+            cross = s * s - np.asarray(segment_squares, dtype=np.float64)
+            quadratic = quadratic - self.quadratic_coef * self.segment_attention_share * cross
         if self.num_heads is not None:  # the bag waits for its members with ceil(H / G) heads
             quadratic = quadratic * self.head_factor(bag_size)
         compute = (self.linear_coef * s + quadratic) / (g * bag_speed * self.efficiency(bag_size))
