@@ -18,6 +18,7 @@ COMMANDS = {
     "plan": "deepspeed_knap.commands.plan",
     "calibrate": "deepspeed_knap.commands.calibrate",
     "doctor": "deepspeed_knap.commands.doctor",
+    "generate": "deepspeed_knap.commands.generate",
 }
 BENCHES = {
     "planner": "deepspeed_knap.bench.planner",
@@ -32,6 +33,7 @@ SUMMARIES = {
     "plan": "solve one step and compare solvers",
     "calibrate": "fit the cost model to timed blocks on this device",
     "doctor": "versions, attention kernels, a kernel check and a calibration here",
+    "generate": "images for a JSONL file of requests, balanced across the ranks",
     "bench": "benchmarks: the planner suite, measured step emulation, training steps",
     "bench planner": "plan quality and solve time over data mixes, topologies, GPU counts",
     "bench step": "measured step time of emulated ranks, balanced against not",

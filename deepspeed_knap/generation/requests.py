@@ -29,6 +29,10 @@ class RequestError(ValueError):
     """A request line that cannot be generated; the message names the line."""
 
 
+class RequestFileError(ValueError):
+    """A request file that some rank cannot read, or that differs between ranks."""
+
+
 @dataclass(frozen=True)
 class Request:
     """One image to generate.
@@ -65,12 +69,12 @@ def request_lines(path: str | Path) -> list[tuple[int, str]]:
     """``(line number, text)`` of every non-blank line of a request file.
 
     Raises:
-        ValueError: the file cannot be read (the message names it).
+        RequestFileError: the file cannot be read (the message names it).
     """
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read the request file {path}: {error}") from None
+        raise RequestFileError(f"cannot read the request file {path}: {error}") from None
     return [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
 
 

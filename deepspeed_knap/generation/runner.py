@@ -38,12 +38,12 @@ import numpy as np
 import torch
 
 from deepspeed_knap.generation.balancer import ReusingBalancer, forward_cost_model
-from deepspeed_knap.generation.requests import Request, RequestError, parse_request, request_lines
+from deepspeed_knap.generation.requests import Request, RequestError, RequestFileError, parse_request, request_lines
 from deepspeed_knap.generation.schedule import Job, StepBatcher
 from deepspeed_knap.runtime.groups import all_gather_bytes, text_digest
 
 
-def _world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
     """``(rank, world size)``; ``(0, 1)`` in a process that joined no process group."""
     import deepspeed.comm as dist
 
@@ -54,7 +54,7 @@ def _world() -> tuple[int, int]:
 
 def all_gather_json(value: Any) -> list[Any]:
     """Every rank's JSON-able ``value``, by rank. Collective when a process group exists."""
-    if _world()[1] == 1:
+    if rank_and_world()[1] == 1:
         return [value]
     return [json.loads(data) for data in all_gather_bytes(json.dumps(value).encode())]
 
@@ -89,14 +89,14 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
         max_degree: the largest group a request may be split over (its GPUs hold it together).
 
     Raises:
-        ValueError: on every rank, when a rank cannot read the file or ranks read different files.
+        RequestFileError: on every rank, when a rank cannot read the file or ranks read different files.
     """
-    rank, world = _world()
+    rank, world = rank_and_world()
     problem, lines, digest = None, [], 0
     try:
         lines = request_lines(path)
         digest = text_digest(json.dumps(lines))
-    except ValueError as error:
+    except RequestFileError as error:
         problem = str(error)
     entries = []
     for index in range(rank, len(lines), world):
@@ -112,9 +112,9 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
     views = all_gather_json({"problem": problem, "digest": digest, "entries": [_public(e) for e in entries]})
     problems = {r: view["problem"] for r, view in enumerate(views) if view["problem"]}
     if problems:
-        raise ValueError("; ".join(f"rank {r}: {message}" for r, message in problems.items()))
+        raise RequestFileError("; ".join(f"rank {r}: {message}" for r, message in problems.items()))
     if len({view["digest"] for view in views}) > 1:
-        raise ValueError(f"the request file {path} differs between ranks (digests by rank: "
+        raise RequestFileError(f"the request file {path} differs between ranks (digests by rank: "
                          f"{[view['digest'] for view in views]}); give every rank the same file")  # fmt: skip
     table = sorted((entry for view in views for entry in view["entries"]), key=lambda e: e["index"])
     mine = {e["index"]: e["request"] for e in entries if e["reason"] is None}
@@ -213,11 +213,11 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
         progress: a tqdm bar on rank 0 (request-steps done of all).
 
     Raises:
-        ValueError: on every rank, for a request file that ranks cannot read alike.
+        RequestFileError: on every rank, for a request file that ranks cannot read alike.
     """
     from tqdm import tqdm
 
-    rank, world = _world()
+    rank, world = rank_and_world()
     start = time.perf_counter()
     if balancer is not None:
         max_tokens_per_gpu = balancer.max_tokens_per_gpu
@@ -271,8 +271,8 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
         bar.update(len(step.active))
     bar.close()
     report.steps, report.wall_s, report.busy_s = batcher.steps_taken, time.perf_counter() - start, busy
-    report.solves = batcher.solves + (balancer.solves if balancer is not None else 0)
-    if balancer is not None:
+    if balancer is not None:  # unbalanced, the batcher's "solve" makes no plan
+        report.solves = batcher.solves + balancer.solves
         report.plan_s, report.route_s = list(balancer.plan_s), list(balancer.route_s)
     return report
 
