@@ -1,4 +1,4 @@
-"""Write latent samples for examples/train_flux.py: one .safetensors file per sample.
+"""Write latent samples for examples/train_dit.py: one .safetensors file per sample.
 
     # real data: images with a caption each (photo.jpg + photo.txt), encoded by a FLUX pipeline
     python examples/prepare_flux_latents.py --out /data/flux_latents --pipeline /models/FLUX.1-dev --images /data/photos
@@ -9,7 +9,7 @@ The file format is documented in deepspeed_knap/models/flux/data.py. Encoding ne
 transformers and the pipeline's weights, and runs once, before training, on one GPU. Images keep
 their own sizes and aspect ratios: packing trains every size as it is, with no aspect-ratio buckets.
 
-After the samples, ``manifest.json`` is written (each file's size and sha256): train_flux.py checks
+After the samples, ``manifest.json`` is written (each file's size and sha256): train_dit.py checks
 the files each rank reads against it, so a copy that changed, or differs between nodes, is refused
 instead of trained. It is removed first and written last: a run that did not finish leaves none.
 """
@@ -21,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 from deepspeed_knap.data.mixes import sample_shapes
-from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples, write_latent_manifest
+from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples
+from deepspeed_knap.models.latents import write_latent_manifest
 from deepspeed_knap.runtime.manifest import MANIFEST
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

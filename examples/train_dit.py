@@ -1,35 +1,44 @@
-"""Fine-tune FLUX with DeepSpeed (ZeRO-3) and KnapFormer balancing on mixed image + video latents.
+"""Fine-tune a diffusion transformer (FLUX.1, FLUX.2, Wan 2.x) with DeepSpeed (ZeRO-3) and KnapFormer
+balancing on mixed image + video latents.
 
-    deepspeed --num_gpus 4 examples/train_flux.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny
-    deepspeed --hostfile hosts examples/train_flux.py --deepspeed_config ds_configs/flux_zero3_knap.json \\
+    deepspeed --num_gpus 4 examples/train_dit.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny
+    deepspeed --num_gpus 2 examples/train_dit.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny --family wan
+    deepspeed --hostfile hosts examples/train_dit.py --deepspeed_config ds_configs/flux_zero3_knap.json \\
         --model-path /models/FLUX.1-dev --data-dir /data/flux_latents --export-dir out/flux-finetuned \\
         --lora-rank 16 --save-dir out/ckpt --checkpoint-every 500 --validation-every 500 --validation-prompts p.txt
+    deepspeed --hostfile hosts examples/train_dit.py --deepspeed_config ds_configs/wan14b_zero3_knap.json \\
+        --model-path /models/Wan2.1-T2V-14B-Diffusers --data-dir /data/wan_latents --lora-rank 32 \\
+        --gradient-checkpointing --save-dir out/ckpt --validation-every 500 --validation-prompts p.txt
 
-Each step every rank takes its samples (synthetic latents of a bundled data mix, or ``--data-dir``
-files written by ``examples/prepare_flux_latents.py``), draws the rectified-flow noise level per
-sample, runs the packed model (balanced when the config's ``"knapformer"`` block is enabled) and
-steps on the global token-mean loss. Rank 0 shows a progress bar and prints, per step, the loss,
-the step time, tokens per second and the modeled imbalance before and after balancing.
+The family comes from the checkpoint's ``config.json`` (``--family`` picks the ``--tiny`` one). Each
+step every rank takes its samples (synthetic latents of a bundled data mix, or ``--data-dir`` files
+written by ``examples/prepare_flux_latents.py`` for FLUX, ``examples/prepare_video_latents.py`` for
+Wan: videos and images, each at its own size), draws the flow-matching noise level per sample, runs
+the packed model (balanced when the config's ``"knapformer"`` block is enabled) and steps on the
+global token-mean loss. Rank 0 shows a progress bar and prints, per step, the loss, the step time,
+tokens per second and the modeled imbalance before and after balancing.
 
 ``--lora-rank`` trains LoRA adapters (peft) instead of every weight; ``--resume`` continues a run
-from its newest complete checkpoint (or the one given) with the same losses it would have had; ``--validation-every`` renders
-images with diffusers' ``FluxPipeline`` from the current weights.
+from its newest complete checkpoint (or the one given) with the same losses it would have had;
+``--validation-every`` renders with diffusers' own pipeline from the current weights: images through
+``FluxPipeline`` (FLUX.1), clips through ``WanPipeline`` written as GIFs (Wan).
 
 Each checkpoint tag gets a ``manifest.json`` (every file's size and sha256, hashed by the rank that
 wrote it) after all its files, and ``latest`` names the tag only then; ``--resume`` has every rank
 check the files it sees against the manifest and the ranks agree before DeepSpeed reads anything, so
 a missing, truncated or changed file, or a tag whose save did not finish, is one error on every rank
 naming the tag and the file (see ``deepspeed_knap/runtime/manifest.py``). ``--data-dir`` files are
-checked against the manifest ``prepare_flux_latents.py`` writes, each when a rank reads it.
+checked against the manifest the preparing script writes, each when a rank reads it.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # transformers (under peft and the validation pipeline) notes optional packages it does not need
 # here; it reads this when first imported.
@@ -42,27 +51,23 @@ from tqdm import tqdm
 
 import deepspeed_knap
 from deepspeed_knap.commands.options import add_mix_argument
-from deepspeed_knap.models.flux.base import FluxInputs
-from deepspeed_knap.models.flux.data import (
-    LatentDirectory,
-    LatentFileError,
-    SyntheticLatents,
-    check_latent_directory,
-    rectified_flow,
-)
+from deepspeed_knap.models.flux import data as flux_data
+from deepspeed_knap.models.flux import finetune as flux_finetune
 from deepspeed_knap.models.flux.finetune import (
     TINY_FLUX,
     adapter_state_dict,
     add_lora,
     base_state_dict,
-    diffusers_transformer,
     lora_config,
     read_prompts,
     save_adapter,
-    tiny_pipeline_components,
 )
 from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
+from deepspeed_knap.models.latents import LatentFileError, check_latent_directory
 from deepspeed_knap.models.registry import family_class, from_pretrained
+from deepspeed_knap.models.wan import data as wan_data
+from deepspeed_knap.models.wan import finetune as wan_finetune
+from deepspeed_knap.models.wan.wan import TINY_WAN
 from deepspeed_knap.runtime.config import load_ds_config
 from deepspeed_knap.runtime.manifest import (
     ManifestError,
@@ -78,14 +83,15 @@ warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 model_source = parser.add_mutually_exclusive_group(required=True)
-model_source.add_argument("--model-path", help="diffusers FLUX checkpoint: a pipeline or transformer directory")
-model_source.add_argument("--tiny", action="store_true", help="a small random FLUX for CPU runs")
-parser.add_argument("--family", default="flux", choices=["flux", "flux2"],
-                    help="with --tiny: FLUX.1 or FLUX.2 (a checkpoint's family comes from its config.json)")  # fmt: skip
+model_source.add_argument("--model-path", help="diffusers checkpoint (FLUX.1, FLUX.2, Wan 2.x): a pipeline or "
+                          "transformer directory")  # fmt: skip
+model_source.add_argument("--tiny", action="store_true", help="a small random model of --family for CPU runs")
+parser.add_argument("--family", default="flux", choices=["flux", "flux2", "wan"],
+                    help="with --tiny: FLUX.1, FLUX.2 or Wan 2.1 (a checkpoint's family comes from its config.json)")  # fmt: skip
 parser.add_argument("--data-dir", help="latent samples (.safetensors); default: synthetic latents of --mix")
 parser.add_argument("--samples-per-rank", type=int, default=1, help="with --data-dir: files per rank per step")
 parser.add_argument("--repeat-data", action="store_true", help="with --data-dir: allow fewer files than one step needs")
-add_mix_argument(parser, "kf_image_video")  # synthetic data
+add_mix_argument(parser, None)  # synthetic data; default: kf_image_video (FLUX), wan_image_video (Wan)
 parser.add_argument("--token-scale", type=float, default=1.0, help="synthetic data: shrink sample sizes (CPU: 1/64)")
 parser.add_argument("--steps", type=int, default=10, help="train until this many steps are done (resumed ones count)")
 parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (unless the config has an optimizer)")
@@ -96,7 +102,8 @@ parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapter
 parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale is alpha / rank (default alpha = rank)")
 parser.add_argument("--lora-targets", default=None, help="comma-separated layer names as diffusers names them "
                     "(default: the family's lora_targets; FLUX.1: every attention projection and the double blocks' "
-                    "feed-forwards; FLUX.2: those and the single blocks' fused input and output)")  # fmt: skip
+                    "feed-forwards; FLUX.2: those and the single blocks' fused input and output; Wan: the self- and "
+                    "cross-attention projections and the feed-forward)")  # fmt: skip
 parser.add_argument(
     "--save-dir", help="save DeepSpeed checkpoints here (tag stepN), at the end and every --checkpoint-every"
 )
@@ -105,12 +112,20 @@ parser.add_argument(
     "--resume", metavar="DIR", help="continue from a --save-dir (its newest complete checkpoint) or one stepN in it"
 )
 parser.add_argument("--export-dir", help="write the trained weights (or the LoRA adapter) here in diffusers format")
-parser.add_argument("--validation-every", type=int, default=0, help="render validation images every this many steps")
+parser.add_argument("--validation-every", type=int, default=0, help="render validation images (Wan: clips) every "
+                    "this many steps")  # fmt: skip
 parser.add_argument("--validation-prompts", metavar="FILE", help="validation prompts, one per line")
-parser.add_argument("--validation-dir", default="validation_images", help="where validation PNGs are written")
-parser.add_argument("--validation-resolution", type=int, default=None, help="image side in pixels (1024; --tiny: 32)")
-parser.add_argument("--validation-inference-steps", type=int, default=None, help="denoising steps (28; --tiny: 2)")
-parser.add_argument("--validation-guidance", type=float, default=3.5, help="guidance scale of validation images")
+parser.add_argument(
+    "--validation-dir", default="validation_images", help="where validation PNGs (Wan: GIFs) are written"
+)
+parser.add_argument("--validation-resolution", type=int, default=None,
+                    help="image (Wan: frame) height in pixels (FLUX: 1024, Wan: 480; --tiny: 32)")  # fmt: skip
+parser.add_argument("--validation-width", type=int, default=None,
+                    help="width in pixels (FLUX: the height, Wan: 832; --tiny: 32)")  # fmt: skip
+parser.add_argument("--validation-frames", type=int, default=None, help="Wan: frames per clip, 4k+1 (81; --tiny: 5)")
+parser.add_argument("--validation-inference-steps", type=int, default=None,
+                    help="denoising steps (FLUX: 28, Wan: 50; --tiny: 2)")  # fmt: skip
+parser.add_argument("--validation-guidance", type=float, default=None, help="guidance scale (FLUX: 3.5, Wan: 5.0)")
 parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
@@ -122,7 +137,9 @@ options = dict(gradient_checkpointing=args.gradient_checkpointing)
 if args.model_path:  # the family from config.json; under ZeRO-3 each rank reads only the partitions it keeps
     model = from_pretrained(args.model_path, ds_config=args.deepspeed_config, **options)
 else:
-    model = family_class(args.family)(**{"flux": TINY_FLUX, "flux2": TINY_FLUX2}[args.family], **options)
+    model = family_class(args.family)(
+        **{"flux": TINY_FLUX, "flux2": TINY_FLUX2, "wan": TINY_WAN}[args.family], **options
+    )
 if args.lora_rank:
     add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets.split(",") if args.lora_targets else None)
 trainable = [p for p in model.parameters() if p.requires_grad]
@@ -134,38 +151,50 @@ else:
 rank, world = dist.get_rank(), dist.get_world_size()
 dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the files can go
 unlink_own_shm_buffer(rank)
-flux = engine.module
-dtype = next(flux.parameters()).dtype  # bf16 under a "bf16" config: inputs must match
-guidance = args.guidance if flux.config["guidance_embeds"] else None
+dit = engine.module
+video = dit.family == "wan"
+dtype = next(dit.parameters()).dtype  # bf16 under a "bf16" config: inputs must match
+guidance = args.guidance if dit.config.get("guidance_embeds") else None
 
 
 def fail(error: Exception | str) -> NoReturn:
     """Exit with ``error``, which every rank raises alike (each prints it, naming itself)."""
-    raise SystemExit(f"train_flux: error (rank {rank}): {error}")
+    raise SystemExit(f"train_dit: error (rank {rank}): {error}")
 
 
 def raise_together(problem: str | None) -> None:
     """Raise the same error on every rank when any rank found a problem (files, paths, data): a rank
     raising alone would leave the others waiting in their next collective."""
     try:
-        deepspeed_knap.raise_together(problem, "train_flux")
+        deepspeed_knap.raise_together(problem, "train_dit")
     except ValueError as error:
         fail(error)
 
 
+if dit.family not in ("flux", "flux2", "wan"):  # the same config.json on every rank: the same answer
+    fail(f"{args.model_path} is a {dit.family!r} checkpoint; this script trains flux, flux2 and wan")
+if video and dit.config["image_dim"] is not None:
+    fail(f"{args.model_path} is a Wan image-to-video model (image_dim={dit.config['image_dim']}); this script trains "
+         "text-to-video models (Wan 2.1 T2V, Wan 2.2 TI2V-5B and T2V-A14B experts) from prepare_video_latents.py's "
+         "samples, which hold no image context")  # fmt: skip
+
+
 # ---- data: every rank checks its share of the files' headers and sizes; all ranks agree before training ----
+family_data = wan_data if video else flux_data
 if args.data_dir:
-    data = LatentDirectory(args.data_dir, args.samples_per_rank, repeat=args.repeat_data)
+    data = family_data.latent_directory(args.data_dir, args.samples_per_rank, repeat=args.repeat_data)
     try:
-        check_latent_directory(data, flux.config)
+        check_latent_directory(data, dit.config)
     except ValueError as error:
         fail(error)
     if rank == 0 and data.manifest is None:
         print(f"note: {args.data_dir} has no manifest.json: the ranks compared a sampled digest of each file; "
-              "prepare_flux_latents.py writes one (or python -m deepspeed_knap.runtime.manifest DIR) to have "
+              f"{data.writer} writes one (or python -m deepspeed_knap.runtime.manifest DIR) to have "
               "each file's sha256 checked when it is read", flush=True)  # fmt: skip
+elif video:
+    data = wan_data.SyntheticVideoLatents(args.mix or "wan_image_video", dit.config, args.token_scale, args.seed)
 else:
-    data = SyntheticLatents(args.mix, flux.config, args.token_scale, args.seed)
+    data = flux_data.SyntheticLatents(args.mix or "kf_image_video", dit.config, args.token_scale, args.seed)
 
 
 def step_samples(step: int, position: int) -> tuple[list[str], list[dict]]:
@@ -206,19 +235,40 @@ def save_checkpoint(steps_done: int) -> None:
         fail(error)
 
 
-# ---- validation images: diffusers' FluxPipeline on rank 0 with the current weights ----
+# ---- validation: diffusers' own pipeline on rank 0 with the current weights (FLUX.1: images, Wan: clips) ----
 if args.validation_every:
     try:
         prompts, problem = read_prompts(args.validation_prompts), None
     except (OSError, ValueError) as error:
         prompts, problem = [], f"--validation-prompts: {error}"
-    if flux.family != "flux":  # FLUX.2's pipeline (Mistral text encoder, another VAE) is not wired up yet
-        problem = f"--validation-every renders with diffusers' FluxPipeline, FLUX.1 only; this model is {flux.family!r}"
-    if args.model_path and not problem and not (Path(args.model_path) / "model_index.json").is_file():
-        problem = f"--validation-every needs --model-path to be a FLUX pipeline directory (with model_index.json); {args.model_path} is not"
+    pipeline_class = "WanPipeline" if video else "FluxPipeline"
+    if dit.family == "flux2":  # FLUX.2's pipeline (Mistral text encoder, another VAE) is not wired up yet
+        problem = (
+            "--validation-every renders with diffusers' FluxPipeline (FLUX.1) or WanPipeline; this model is FLUX.2"
+        )
+    index_file = Path(args.model_path or ".") / "model_index.json"
+    if args.model_path and not problem and not index_file.is_file():
+        problem = (f"--validation-every needs --model-path to be a {pipeline_class} directory (with model_index.json); "
+                   f"{args.model_path} is not")  # fmt: skip
+    if args.model_path and not problem and (json.loads(index_file.read_text()).get("transformer_2") or [None])[0]:
+        problem = (f"--validation-every: {args.model_path} is a two-expert Wan 2.2 pipeline (transformer_2); this "
+                   "script trains one expert, and its clips alone would not show the pipeline's output")  # fmt: skip
     raise_together(problem)
-    resolution = args.validation_resolution or (32 if args.tiny else 1024)
-    inference_steps = args.validation_inference_steps or (2 if args.tiny else 28)
+    if video:
+        pipeline_options = dict(wan_finetune.TINY_WAN_VALIDATION if args.tiny else wan_finetune.WAN_VALIDATION)
+        if args.validation_resolution:
+            pipeline_options.update(height=args.validation_resolution)
+        if args.validation_width:
+            pipeline_options.update(width=args.validation_width)
+        if args.validation_frames:
+            pipeline_options.update(num_frames=args.validation_frames)
+    else:
+        side = args.validation_resolution or (32 if args.tiny else 1024)
+        pipeline_options = dict(height=side, width=args.validation_width or side, num_inference_steps=28,
+                                max_sequence_length=32 if args.tiny else 512)  # fmt: skip
+    if args.validation_inference_steps or args.tiny:
+        pipeline_options.update(num_inference_steps=args.validation_inference_steps or 2)
+    pipeline_options.update(guidance_scale=args.validation_guidance or (5.0 if video else 3.5))
     pipeline_parts = None  # VAE, text encoders, tokenizers, scheduler: loaded once, on rank 0, kept on the CPU
 
 
@@ -226,47 +276,55 @@ def current_state_dict() -> dict | None:
     """The full current weights on rank 0 (ZeRO-3: gathered layer by layer; collective), else ``None``."""
     if engine.zero_optimization_stage() == 3:
         return engine._zero3_consolidated_16bit_state_dict()
-    return {name: t.detach().cpu() for name, t in flux.state_dict().items()} if rank == 0 else None
+    return {name: t.detach().cpu() for name, t in dit.state_dict().items()} if rank == 0 else None
 
 
 @torch.no_grad()
-def render_validation_images(steps_done: int, state: dict) -> None:
-    """Rank 0: one PNG per prompt through diffusers' own pipeline, with the trained LoRA adapter
-    loaded the way a user would load the exported one."""
+def render_validation(steps_done: int, state: dict) -> None:
+    """Rank 0: one PNG (Wan: one GIF clip) per prompt through diffusers' own pipeline, with the
+    trained LoRA adapter loaded the way a user would load the exported one."""
     global pipeline_parts
     # Quiet diffusers' note that the text encoders get no LoRA weights (we train none).
     import diffusers
-    from diffusers import FluxPipeline
 
     diffusers.utils.logging.set_verbosity_error()
-
+    pipeline_type = getattr(diffusers, pipeline_class)
     if pipeline_parts is None:
-        if args.tiny:
-            pipeline_parts = tiny_pipeline_components(flux.config, args.seed)
+        if args.tiny and video:
+            pipeline_parts = wan_data.tiny_wan_pipeline(
+                dit.config["text_dim"], dit.config["in_channels"], args.seed
+            ).components
+        elif args.tiny:
+            pipeline_parts = flux_finetune.tiny_pipeline_components(dit.config, args.seed)
         else:
-            pipeline_parts = FluxPipeline.from_pretrained(
+            pipeline_parts = pipeline_type.from_pretrained(
                 args.model_path, transformer=None, torch_dtype=dtype
             ).components
-            pipeline_parts.pop("transformer")
+        pipeline_parts.pop("transformer", None)
     out = Path(args.validation_dir)
-    lora = lora_config(flux)
-    transformer = diffusers_transformer(flux.config, base_state_dict(state) if lora else state)
-    pipe = FluxPipeline(**pipeline_parts, transformer=transformer).to(engine.device)
+    lora = lora_config(dit)
+    finetune = wan_finetune if video else flux_finetune
+    transformer = finetune.diffusers_transformer(dit.config, base_state_dict(state) if lora else state)
+    pipe = pipeline_type(**pipeline_parts, transformer=transformer).to(engine.device)
     pipe.set_progress_bar_config(disable=True)  # one line per image instead
     if lora:
-        adapter_dir = save_adapter(out / f"step{steps_done:06d}_adapter", adapter_state_dict(flux, state), lora).parent
-        pipe.load_lora_weights(adapter_dir)
+        adapter = adapter_state_dict(dit, state)
+        pipe.load_lora_weights(
+            save_adapter(out / f"step{steps_done:06d}_adapter", adapter, lora, pipeline_class).parent
+        )
     for index, prompt in enumerate(prompts):
-        image = pipe(prompt, height=resolution, width=resolution, num_inference_steps=inference_steps,
-                     guidance_scale=args.validation_guidance, max_sequence_length=32 if args.tiny else 512,
-                     generator=torch.Generator().manual_seed(args.seed + index)).images[0]  # fmt: skip
-        path = out / f"step{steps_done:06d}_prompt{index:02d}.png"
-        image.save(path)
-        progress.write(f"validation image {path} after step {steps_done - 1}: {prompt!r}")
+        generator = torch.Generator().manual_seed(args.seed + index)
+        if video:
+            clip = pipe(prompt, generator=generator, output_type="np", **pipeline_options).frames[0]
+            path = wan_finetune.write_gif(clip, out / f"step{steps_done:06d}_prompt{index:02d}.gif")
+        else:
+            path = out / f"step{steps_done:06d}_prompt{index:02d}.png"
+            pipe(prompt, generator=generator, **pipeline_options).images[0].save(path)
+        progress.write(f"validation {'clip' if video else 'image'} {path} after step {steps_done - 1}: {prompt!r}")
     pipe.to("cpu")  # the text encoders and VAE wait on the CPU, off the training GPU
 
 
-def step_inputs(step: int, position: int) -> tuple[tuple[list[str], FluxInputs, list[torch.Tensor]] | None, str | None]:
+def step_inputs(step: int, position: int) -> tuple[tuple[list[str], Any, list[torch.Tensor]] | None, str | None]:
     """This rank's ``(sample names, packed noised inputs, flow-matching targets)`` of a step, on the
     CPU (the next step's wait there while this one runs), and ``None``; or ``None`` and why a file
     could not be used (unreadable, or not what its manifest says): the ranks agree on it before
@@ -275,14 +333,16 @@ def step_inputs(step: int, position: int) -> tuple[tuple[list[str], FluxInputs, 
         names, latents = step_samples(step, position)
     except LatentFileError as error:
         return None, str(error)
-    samples, targets = rectified_flow(
-        latents, torch.Generator().manual_seed((args.seed * 7919 + step) * 4099 + rank), guidance
-    )
-    return (names, flux.pack(samples), targets), None
+    generator = torch.Generator().manual_seed((args.seed * 7919 + step) * 4099 + rank)
+    if video:
+        samples, targets = wan_finetune.flow_matching(latents, generator, dit.config["patch_size"])
+    else:
+        samples, targets = flux_data.rectified_flow(latents, generator, guidance)
+    return (names, dit.pack(samples), targets), None
 
 
 # ---- training ----
-progress = tqdm(range(start_step, args.steps), desc="train_flux", disable=rank != 0, file=sys.stdout,
+progress = tqdm(range(start_step, args.steps), desc="train_dit", disable=rank != 0, file=sys.stdout,
                 initial=start_step, total=args.steps)  # fmt: skip
 
 next_inputs, unusable = step_inputs(start_step, position) if start_step < args.steps else (None, None)
@@ -299,12 +359,13 @@ for step in progress:
             # Collective: a rank whose next samples are unusable still takes part (with none); this
             # step's all-reduce then stops every rank.
             balancer.prefetch([] if next_inputs is None else next_inputs[1].seq_lens, engine.device)
-    prediction = engine(inputs, balancer)  # [tokens, C] for this rank's image/video tokens
+    prediction = engine(inputs, balancer)  # [tokens, C] for this rank's image/video tokens (Wan: [tokens, P * C])
     target = torch.cat(targets).to(prediction.device) if targets else torch.zeros_like(prediction)
     per_token = (prediction.float() - target.float()).square().mean(dim=-1)  # [tokens]
-    nonfinite = [name for name, rows in zip(names, inputs.split(per_token), strict=True) if not rows.isfinite().all()]
+    per_sample = per_token.split([len(rows) for rows in targets]) if targets else ()
+    nonfinite = [name for name, rows in zip(names, per_sample, strict=True) if not rows.isfinite().all()]
     # Collectives take tensors on the engine's device: NCCL refuses CPU tensors.
-    totals = torch.tensor([sum(inputs.img_lens) + sum(inputs.txt_lens), len(nonfinite), unusable is not None],
+    totals = torch.tensor([sum(inputs.seq_lens), len(nonfinite), unusable is not None],
                           dtype=torch.float64, device=engine.device)  # fmt: skip
     dist.all_reduce(totals)
     if totals[1].item() + totals[2].item() > 0:  # every rank sees the counts, so every rank raises, naming the files
@@ -334,22 +395,22 @@ for step in progress:
     if args.validation_every and steps_done % args.validation_every == 0:
         state = current_state_dict()
         if rank == 0:
-            render_validation_images(steps_done, state)
+            render_validation(steps_done, state)
         dist.barrier()
 
 if args.export_dir:
     if args.lora_rank:
-        lora_parameters = [p for p in flux.parameters() if p.requires_grad]
+        lora_parameters = [p for p in dit.parameters() if p.requires_grad]
         with deepspeed.zero.GatheredParameters(lora_parameters):  # ZeRO-3 partitions them; no-op otherwise
             if rank == 0:
-                state = {name: p.detach().cpu().clone() for name, p in flux.named_parameters() if p.requires_grad}
-                path = save_adapter(args.export_dir, adapter_state_dict(flux, state), lora_config(flux),
-                                    flux.diffusers_pipeline)  # fmt: skip
+                state = {name: p.detach().cpu().clone() for name, p in dit.named_parameters() if p.requires_grad}
+                path = save_adapter(args.export_dir, adapter_state_dict(dit, state), lora_config(dit),
+                                    dit.diffusers_pipeline)  # fmt: skip
                 print(f"exported the LoRA adapter to {path}", flush=True)
     else:
         state = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_stage() == 3 else None
         if rank == 0:
-            flux.save_pretrained(args.export_dir, state)
+            dit.save_pretrained(args.export_dir, state)
             print(f"exported diffusers weights to {args.export_dir}", flush=True)
 
 # DeepSpeed 0.19's ZeRO-3 on gloo CPU ranks aborts in C++ teardown at exit in about one run in five

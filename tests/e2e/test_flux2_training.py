@@ -1,4 +1,4 @@
-"""examples/train_flux.py with FLUX.2 on 4 CPU ranks under the deepspeed launcher, ZeRO-3: the tiny
+"""examples/train_dit.py with FLUX.2 on 4 CPU ranks under the deepspeed launcher, ZeRO-3: the tiny
 FLUX.2 balanced trains to the losses of the same weights loaded from a checkpoint (partitioned as
 read) and trained unbalanced; the 16-bit export loads in diffusers' ``Flux2Transformer2DModel``, and
 DeepSpeed's ``zero_to_fp32`` recovers the same weights from the saved checkpoint."""
@@ -15,7 +15,7 @@ from tests.support.launch import ROOT, deepspeed_launch, run
 
 diffusers = pytest.importorskip("diffusers")
 
-SCRIPT = ROOT / "examples" / "train_flux.py"
+SCRIPT = ROOT / "examples" / "train_dit.py"
 DEMO_CONFIG = json.loads((ROOT / "ds_configs" / "flux_cpu_demo.json").read_text())
 COMMON = ("--mix", "flux2_edit", "--token-scale", "0.015625", "--steps", "3", "--lr", "1e-3")
 

@@ -23,23 +23,10 @@ from deepspeed_knap.models.wan.data import (  # noqa: E402
     write_tiny_wan_pipeline,
 )
 from deepspeed_knap.runtime.manifest import read_manifest, verify_files  # noqa: E402
+from tests.support.videos import write_video  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "prepare_video_latents.py"
-
-
-def write_video(path: Path, frames: int, height: int, width: int, codec: str, seed: int) -> None:
-    """``frames`` frames of a moving pattern plus noise, ``height x width``, at 8 fps."""
-    rng = np.random.default_rng(seed)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream(codec, rate=8)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for index in range(frames):
-            y, x = np.mgrid[:height, :width]
-            pattern = ((x + y + 4 * index) % 32 * 8)[..., None] * np.array([1, 0.5, 0.25])
-            pixels = np.clip(pattern + rng.integers(0, 40, (height, width, 3)), 0, 255).astype(np.uint8)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
-        container.mux(stream.encode())
 
 
 def test_frame_and_crop_rules():

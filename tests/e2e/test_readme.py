@@ -14,7 +14,7 @@ COMMANDS = re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())
 
 def test_readme_opens_with_the_main_job_then_the_test_command():
     main_job, test_command = COMMANDS[0], COMMANDS[1]
-    assert "pip install torch==2.13.0" in main_job and "examples/train_flux.py" in main_job
+    assert "pip install torch==2.13.0" in main_job and "examples/train_dit.py" in main_job
     assert "pip install torch==2.13.0" in test_command and "pytest" in test_command
 
 

@@ -1,4 +1,4 @@
-"""examples/train_flux.py on CPU ranks under the deepspeed launcher: 2 ranks planned by topology
+"""examples/train_dit.py on CPU ranks under the deepspeed launcher: 2 ranks planned by topology
 ``auto`` (groups of 1 and 2 GPUs), and 4 for the README's job.
 
 Full fine-tuning: ZeRO-3 with balancing on gives the losses of balancing off, the exported weights
@@ -29,7 +29,7 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-SCRIPT = ROOT / "examples" / "train_flux.py"
+SCRIPT = ROOT / "examples" / "train_dit.py"
 DEMO_CONFIG = json.loads((ROOT / "ds_configs" / "flux_cpu_demo.json").read_text())
 COMMON = ("--tiny", "--token-scale", "0.015625", "--steps", "3", "--lr", "1e-3")
 LORA = ("--lora-rank", "4", "--lora-alpha", "8")
@@ -178,7 +178,7 @@ def test_a_damaged_or_partial_checkpoint_is_one_error_on_every_rank_naming_the_f
     for rank in (0, 1):
         (log,) = (d / name / "logs").glob(f"*_rank{rank}.log")
         output = log.read_text()
-        line = f"train_flux: error (rank {rank}): --resume {tag}: {expected}"
+        line = f"train_dit: error (rank {rank}): --resume {tag}: {expected}"
         assert line in output, output[-3000:]
         assert "Traceback" not in output and "Connection closed" not in output, output[-3000:]
 
@@ -259,8 +259,9 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
     from PIL import Image
     from safetensors.torch import load_file
 
-    from deepspeed_knap.models.flux.data import save_latent_sample, write_latent_manifest
+    from deepspeed_knap.models.flux.data import save_latent_sample
     from deepspeed_knap.models.flux.finetune import TINY_FLUX, tiny_pipeline_components
+    from deepspeed_knap.models.latents import write_latent_manifest
     from deepspeed_knap.runtime.manifest import read_manifest, verify_files
 
     FluxPipeline(**tiny_pipeline_components(TINY_FLUX), transformer=None).save_pretrained(tmp_path / "pipeline")
@@ -313,7 +314,7 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
     assert output.count(message) == 2, result.stderr[-3000:]
     message = f"rank(s) [1]: step 2's data: {data / '00000005.safetensors'}: sha256 "
     assert output.count(message) == 2, result.stderr[-3000:]
-    assert all(f"train_flux: error (rank {rank}): train_flux failed:" in output for rank in (0, 1))
+    assert all(f"train_dit: error (rank {rank}): train_dit failed:" in output for rank in (0, 1))
 
 
 def test_readme_main_job_trains_and_prints_loss_and_modeled_imbalance():

@@ -14,7 +14,7 @@ and unmarks a tensor moved with ``.to(device)`` or ``.cuda()``. While it is acti
 
 Run a training script under it with the deepspeed launcher's ``--module``:
 
-    deepspeed --num_gpus 4 --module tests.support.host_tensors examples/train_flux.py --deepspeed_config ...
+    deepspeed --num_gpus 4 --module tests.support.host_tensors examples/train_dit.py --deepspeed_config ...
 """
 
 from __future__ import annotations

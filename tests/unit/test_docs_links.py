@@ -78,7 +78,7 @@ def test_the_docs_pages_are_linked_from_the_readme():
 def test_slugs_are_githubs():
     assert slug("Planning ahead: `deepspeed-knap bench ahead`") == "planning-ahead-deepspeed-knap-bench-ahead"
     assert slug("FLUX.2 [dev] on 4 nodes x 8 H100") == "flux2-dev-on-4-nodes-x-8-h100"
-    assert slug("Training: `examples/train_flux.py`") == "training-examplestrain_fluxpy"
+    assert slug("Training: `examples/train_dit.py`") == "training-examplestrain_ditpy"
     assert slug('The `"knapformer"` block') == "the-knapformer-block"
     assert slug("See [the docs](docs/x.md) here") == "see-the-docs-here"
     assert anchors("# A\n## A\n```\n# not a heading\n```\n## A\n") == {"a", "a-1", "a-2"}

@@ -10,13 +10,11 @@ import pytest
 import torch
 
 from deepspeed_knap.data.mixes import SampleShape
-from deepspeed_knap.models.flux.data import (
+from deepspeed_knap.models.flux.data import check_latent_file, latent_directory, save_latent_sample, synthetic_samples
+from deepspeed_knap.models.latents import (
     LatentDirectory,
     LatentFileError,
-    check_latent_file,
     latent_directory_error,
-    save_latent_sample,
-    synthetic_samples,
     write_latent_manifest,
 )
 from deepspeed_knap.runtime.manifest import MANIFEST
@@ -42,7 +40,7 @@ def simulate_ranks(data: LatentDirectory, world_size: int) -> str | None:
 
 def test_good_files_pass_and_read_in_order_across_epochs(tmp_path):
     paths = write_samples(tmp_path, 4)
-    data = LatentDirectory(tmp_path, samples_per_rank=2)
+    data = latent_directory(tmp_path, samples_per_rank=2)
     assert simulate_ranks(data, 2) is None
     names, samples = data.read(3, 2)  # position 3 then 4, which wraps to the first file
     assert names == [str(paths[3]), str(paths[0])]
@@ -62,7 +60,7 @@ def test_every_bad_file_is_named_whichever_rank_checks_it(tmp_path):
     save_file({key: t for key, t in sample.items() if key != "txt_ids"}, str(paths[6]))  # a key missing
     save_file({**sample, "img_ids": torch.zeros(4, 3)}, str(paths[7]))  # ids that do not match the latents
 
-    data = LatentDirectory(tmp_path)
+    data = latent_directory(tmp_path)
     reports = [data.check(rank, 4, CONFIG) for rank in range(4)]
     # Each rank opened only its share: files rank, rank + 4.
     assert [len(r["problems"]) for r in reports] == [0, 2, 2, 1]
@@ -77,17 +75,17 @@ def test_every_bad_file_is_named_whichever_rank_checks_it(tmp_path):
 
 def test_too_few_files_for_one_step_are_refused_unless_repeating(tmp_path):
     write_samples(tmp_path, 3)
-    message = simulate_ranks(LatentDirectory(tmp_path, samples_per_rank=1), 4)
+    message = simulate_ranks(latent_directory(tmp_path, samples_per_rank=1), 4)
     assert "has 3 latent files but one step needs 4" in message and "--repeat-data" in message
-    assert simulate_ranks(LatentDirectory(tmp_path, samples_per_rank=1, repeat=True), 4) is None
-    assert "no .safetensors files" in simulate_ranks(LatentDirectory(tmp_path / "empty"), 2)
+    assert simulate_ranks(latent_directory(tmp_path, samples_per_rank=1, repeat=True), 4) is None
+    assert "no .safetensors files" in simulate_ranks(latent_directory(tmp_path / "empty"), 2)
 
 
 def test_ranks_that_see_different_files_are_named(tmp_path):
     write_samples(tmp_path, 4)
-    reports = [LatentDirectory(tmp_path).check(rank, 4, CONFIG) for rank in range(4)]
+    reports = [latent_directory(tmp_path).check(rank, 4, CONFIG) for rank in range(4)]
     (tmp_path / "003.safetensors").unlink()  # a node whose copy lacks a file
-    reports[3] = LatentDirectory(tmp_path).check(3, 4, CONFIG)
+    reports[3] = latent_directory(tmp_path).check(3, 4, CONFIG)
     message = latent_directory_error(reports)
     assert "ranks [0, 1, 2] see 4 files; ranks [3] see 3 files" in message
 
@@ -107,11 +105,11 @@ def test_a_manifest_lists_the_samples_and_a_file_changed_since_is_refused_when_r
     paths = write_samples(tmp_path / "data", 4)
     write_latent_manifest(tmp_path / "data")
     (tmp_path / "data" / "notes.txt").write_text("not a sample")
-    data = LatentDirectory(tmp_path / "data")
+    data = latent_directory(tmp_path / "data")
     assert sorted(data.manifest["files"]) == [p.name for p in paths]
     assert simulate_ranks(data, 2) is None
     changed = scaled_copy(tmp_path / "data", tmp_path / "copy", 1)
-    copy = LatentDirectory(tmp_path / "copy")
+    copy = latent_directory(tmp_path / "copy")
     assert simulate_ranks(copy, 2) is None  # same names, same sizes: only the contents differ
     copy.read(0, 1)
     with pytest.raises(LatentFileError, match=f"{changed}: sha256 [0-9a-f]{{16}}..., {MANIFEST} says ") as error:
@@ -126,12 +124,12 @@ def test_files_that_do_not_match_the_manifest_are_named_at_start_up(tmp_path):
     paths[3].write_bytes(good[:-10])  # truncated, and not a readable file any more
     paths[5].unlink()
     save_latent_sample(tmp_path / "new.safetensors", synthetic_samples([SampleShape(2, 3, 1)], CONFIG, seed=5)[0])
-    message = simulate_ranks(LatentDirectory(tmp_path), 2)
+    message = simulate_ranks(latent_directory(tmp_path), 2)
     assert message.startswith(f"{tmp_path} does not match its {MANIFEST}: 1 listed file is missing (005.safetensors)")
     assert "1 file is not in it (new.safetensors)" in message
     paths[5].write_bytes(b"")
     (tmp_path / "new.safetensors").unlink()
-    message = simulate_ranks(LatentDirectory(tmp_path), 2)
+    message = simulate_ranks(latent_directory(tmp_path), 2)
     assert f"{paths[3]}: {len(good) - 10:,} bytes, {MANIFEST} says {len(good):,}" in message
 
 
@@ -140,7 +138,7 @@ def test_ranks_with_different_manifests_are_named(tmp_path):
     write_latent_manifest(tmp_path / "a")
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     (tmp_path / "b" / MANIFEST).unlink()
-    reports = [LatentDirectory(tmp_path / d).check(rank, 2, CONFIG) for rank, d in enumerate("ab")]
+    reports = [latent_directory(tmp_path / d).check(rank, 2, CONFIG) for rank, d in enumerate("ab")]
     message = latent_directory_error(reports)
     assert message.startswith(f"the ranks see different manifests in {tmp_path / 'a'}: rank 0 has one with sha256 ")
     assert ", rank 1 has none; every rank must read the same directory, manifest.json included" in message
@@ -149,22 +147,22 @@ def test_ranks_with_different_manifests_are_named(tmp_path):
 def test_without_a_manifest_the_ranks_compare_a_sampled_digest_of_every_file(tmp_path):
     write_samples(tmp_path / "data", 3)
     changed = scaled_copy(tmp_path / "data", tmp_path / "copy", 2)
-    reports = [LatentDirectory(tmp_path / d).check(rank, 2, CONFIG) for rank, d in enumerate(("data", "copy"))]
+    reports = [latent_directory(tmp_path / d).check(rank, 2, CONFIG) for rank, d in enumerate(("data", "copy"))]
     message = latent_directory_error(reports)
     assert message.startswith(f"the ranks' copies of {tmp_path / 'data'} differ: {changed.name}: rank 0 / rank 1")
     assert "a manifest" in message
 
 
 def _diverging_copies_worker(rank: int, world: int, root: str, manifest: bool) -> str:
-    """Rank 1 reads a copy whose second file is scaled by 2; both do what train_flux.py does: agree on
+    """Rank 1 reads a copy whose second file is scaled by 2; both do what train_dit.py does: agree on
     the start-up check, then read their step-0 file and agree on what they found."""
     import deepspeed.comm as dist
 
-    from deepspeed_knap.models.flux.data import check_latent_directory
+    from deepspeed_knap.models.latents import check_latent_directory
     from deepspeed_knap.runtime.groups import raise_together
 
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    data = LatentDirectory(f"{root}/{'copy' if rank == 1 else 'data'}")
+    data = latent_directory(f"{root}/{'copy' if rank == 1 else 'data'}")
     try:
         check_latent_directory(data, CONFIG)
         try:

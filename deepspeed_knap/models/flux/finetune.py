@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-# A FLUX small enough for CPU ranks (``train_flux.py --tiny``): every kind of block and guidance, 4
+# A FLUX small enough for CPU ranks (``train_dit.py --tiny``): every kind of block and guidance, 4
 # heads for bags of up to 4; :func:`tiny_pipeline_components` fit it.
 TINY_FLUX = dict(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
                  joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))  # fmt: skip

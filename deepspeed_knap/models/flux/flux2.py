@@ -41,7 +41,7 @@ from deepspeed_knap.models.flux.layers import (
 )
 from deepspeed_knap.planner.topology import Topology
 
-# A FLUX.2 small enough for CPU ranks (``train_flux.py --tiny --family flux2``): every kind of block,
+# A FLUX.2 small enough for CPU ranks (``train_dit.py --tiny --family flux2``): every kind of block,
 # guidance, 4 position axes, 4 heads for bags of up to 4.
 TINY_FLUX2 = dict(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
                   joint_attention_dim=48, timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4),

@@ -45,6 +45,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from deepspeed_knap.data.mixes import SampleShape, sample_shapes
+from deepspeed_knap.models.latents import LatentDirectory
+
 __all__ = [
     "CAPTION_SUFFIX",
     "IMAGE_SUFFIXES",
@@ -52,12 +55,17 @@ __all__ = [
     "VIDEO_SUFFIXES",
     "Refused",
     "SourcePixels",
+    "SyntheticVideoLatents",
     "center_crop_multiple",
+    "check_video_latent_file",
     "frames_to_keep",
+    "latent_directory",
     "load_video_sample",
     "read_caption",
     "read_source",
     "save_video_sample",
+    "synthetic_video_samples",
+    "tiny_wan_pipeline",
     "write_tiny_wan_pipeline",
 ]
 
@@ -284,11 +292,11 @@ def load_video_sample(path: str | Path) -> tuple[dict[str, Tensor], dict[str, st
     return tensors, metadata
 
 
-def write_tiny_wan_pipeline(directory: str | Path, text_dim: int = 24, z_dim: int = 4, seed: int = 0) -> Path:
-    """A ``WanPipeline`` folder of tiny random components for tests, built offline: an
+def tiny_wan_pipeline(text_dim: int = 24, z_dim: int = 4, seed: int = 0):
+    """A ``WanPipeline`` of tiny random components for tests and CPU demos, built offline: an
     ``AutoencoderKLWan`` (spatial 8, temporal 4, ``z_dim`` channels), a 2-layer ``UMT5EncoderModel``
     of width ``text_dim``, a word-level tokenizer made with ``tokenizers`` (no download), a UniPC
-    scheduler, no transformer. ``text_dim``/``z_dim`` match ``wan.TINY_WAN``."""
+    scheduler, no transformer. ``text_dim``/``z_dim`` match ``wan.TINY_WAN``. A function of ``seed``."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
@@ -309,7 +317,101 @@ def write_tiny_wan_pipeline(directory: str | Path, text_dim: int = 24, z_dim: in
     vae = AutoencoderKLWan(base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True], latents_mean=[0.1] * z_dim,
                            latents_std=[2.0] * z_dim)  # fmt: skip
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=None,
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=None,
                        scheduler=UniPCMultistepScheduler())  # fmt: skip
-    pipe.save_pretrained(str(directory))
+
+
+def write_tiny_wan_pipeline(directory: str | Path, text_dim: int = 24, z_dim: int = 4, seed: int = 0) -> Path:
+    """:func:`tiny_wan_pipeline` saved as a pipeline folder (``model_index.json``, no transformer)."""
+    tiny_wan_pipeline(text_dim, z_dim, seed).save_pretrained(str(directory))
     return Path(directory)
+
+
+# ---- training on prepared (or synthetic) samples ----
+
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_video_latent_file(file: str | Path, config: Mapping) -> str | None:
+    """What is wrong with one video latent sample file for a ``PackedWanTransformer`` ``config``, or
+    ``None``. Reads only the header: an unreadable file, keys other than :data:`VIDEO_LATENT_KEYS`,
+    non-float tensors, latents that are not ``[in_channels, F, H, W]`` with ``F``, ``H``, ``W``
+    positive multiples of the patch (within the RoPE table), text that is not ``[Lt >= 1, text_dim]``."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = "rewrite it with examples/prepare_video_latents.py (the VAE and text encoder of this model) or remove it"
+    try:
+        with safe_open(str(file), "pt") as handle:
+            headers = {key: (tuple(handle.get_slice(key).get_shape()), handle.get_slice(key).get_dtype())
+                       for key in handle.keys()}  # noqa: SIM118 (not a dict)  # fmt: skip
+    except (SafetensorError, OSError) as error:
+        return f"{file}: not a readable .safetensors file ({error}); {fix}"
+    if sorted(headers) != sorted(VIDEO_LATENT_KEYS):
+        return (
+            f"{file}: has keys {sorted(headers)}; a video latent sample holds exactly {list(VIDEO_LATENT_KEYS)}; {fix}"
+        )
+    not_float = {key: dtype for key, (_, dtype) in headers.items() if dtype not in _FLOAT_DTYPES}
+    if not_float:
+        return f"{file}: tensors {not_float} are not floating point ({'/'.join(_FLOAT_DTYPES)}); {fix}"
+    latents, text = headers["latents"][0], headers["encoder_hidden_states"][0]
+    patch = config["patch_size"]
+    if len(latents) != 4 or latents[0] != config["in_channels"]:
+        return f"{file}: latents {list(latents)} must be [C, F, H, W] with C = in_channels = {config['in_channels']}; {fix}"
+    sizes = latents[1:]
+    bad = [f"{axis} {size}" for axis, size, p in zip(("frames", "height", "width"), sizes, patch, strict=True)
+           if size == 0 or size % p]  # fmt: skip
+    if bad:
+        return f"{file}: latents {list(latents)}: {', '.join(bad)} not a positive multiple of the patch {list(patch)}; {fix}"
+    grid = [size // p for size, p in zip(sizes, patch, strict=True)]
+    if max(grid) > config["rope_max_seq_len"]:
+        return (f"{file}: post-patch grid {grid} exceeds the model's rope_max_seq_len={config['rope_max_seq_len']} "
+                f"positions on an axis; prepare it smaller (--max-area, --max-frames)")  # fmt: skip
+    if len(text) != 2 or text[0] < 1 or text[1] != config["text_dim"]:
+        return f"{file}: encoder_hidden_states {list(text)} must be [Lt >= 1, text_dim = {config['text_dim']}]; {fix}"
+    return None
+
+
+def latent_directory(path: str | Path, samples_per_rank: int = 1, repeat: bool = False) -> LatentDirectory:
+    """A directory of video latent samples (as ``prepare_video_latents.py`` writes them), read and
+    verified by :class:`~deepspeed_knap.models.latents.LatentDirectory`."""
+    return LatentDirectory(path, samples_per_rank, repeat, check_file=check_video_latent_file,
+                           writer="prepare_video_latents.py")  # fmt: skip
+
+
+def synthetic_video_samples(
+    shapes: list[SampleShape], config: Mapping, seed: int, token_scale: float = 1.0, dtype=torch.float32
+) -> list[dict[str, Tensor]]:
+    """Random video latent samples (:data:`VIDEO_LATENT_KEYS`) of a data mix's sizes scaled by
+    ``token_scale``: each sample keeps its latent frames, and a frame's tokens are laid out as a
+    near-square post-patch grid (so a sample's video tokens are the mix's, scaled, to within
+    rounding); text rows are the sample's cross-attention text (its in-sequence text for a FLUX
+    mix), scaled, at least one. A function of ``seed`` only."""
+    generator = torch.Generator().manual_seed(seed)
+    pt, ph, pw = config["patch_size"]
+    samples = []
+    for shape in shapes:
+        scaled = shape.scaled(token_scale)
+        frames = max(1, min(shape.frames, scaled.visual))
+        per_frame = max(1, round(scaled.visual / frames))
+        height = max(1, math.isqrt(per_frame))
+        width = max(1, round(per_frame / height))
+        text = max(1, scaled.cross_text or scaled.text)
+        latents = torch.randn(config["in_channels"], frames * pt, height * ph, width * pw, generator=generator)
+        text_rows = torch.randn(text, config["text_dim"], generator=generator)
+        samples.append({"latents": latents.to(dtype), "encoder_hidden_states": text_rows.to(dtype)})
+    return samples
+
+
+class SyntheticVideoLatents:
+    """Each step, each rank's video latent samples drawn from a bundled data mix (``deepspeed-knap
+    plan --mix``'s names, e.g. ``wan_image_video``), with random latents and text."""
+
+    def __init__(self, mix: str, config: Mapping, token_scale: float = 1.0, seed: int = 0) -> None:
+        sample_shapes(mix, 1)  # an unknown name raises here, not at the first step
+        self.mix, self.config, self.token_scale, self.seed = mix, config, token_scale, seed
+
+    def step_samples(self, step: int, rank: int, world_size: int, dtype=torch.float32) -> list[dict[str, Tensor]]:
+        shapes = sample_shapes(self.mix, world_size, seed=self.seed * 100_003 + step)[rank]
+        return synthetic_video_samples(
+            shapes, self.config, (self.seed * 100_003 + step) * 4099 + rank, self.token_scale, dtype
+        )

@@ -1,0 +1,292 @@
+"""Directories of prepared latent samples, one ``.safetensors`` file each, for every model family:
+reading them in a fixed order by a global position, and the start-up and per-read checks that make
+every rank refuse the same bad data together.
+
+A family supplies what one file must hold (``check_file``: FLUX's
+:func:`~deepspeed_knap.models.flux.data.check_latent_file`, Wan's
+:func:`~deepspeed_knap.models.wan.data.check_video_latent_file`) and the script that writes such
+files (named in the errors). The directory holds a ``manifest.json``
+(:mod:`deepspeed_knap.runtime.manifest`: each file's size and sha256) written after the samples by
+:func:`write_latent_manifest`.
+
+Contents are verified where it costs no extra read of the data. With a manifest, the ranks agree at
+start-up that they hold the same manifest, that the directory lists exactly its files, and each rank
+compares the sizes of its share of them (a stat each); then each rank compares the sha256 of every
+file it reads, when it reads it (the bytes are in memory anyway: ~1.6 GiB/s of hashing, next to a
+training step on those samples), so a copy that differs is refused before it trains, whatever the
+dataset's size, and only files that would train are ever hashed. Without a manifest (data written
+before there was one, or by another tool) every rank computes a sampled digest of every file (its
+size and 4 KiB at the start, middle and end: 12 KiB of reads per file per rank) and the ranks compare
+them at start-up: that finds a copy rewritten, rescaled or truncated, not a change confined to bytes
+it does not read; write a manifest for the full check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from deepspeed_knap.runtime.manifest import (
+    MANIFEST,
+    ManifestError,
+    build_manifest,
+    read_manifest,
+    sampled_digest,
+    write_manifest,
+)
+
+__all__ = [
+    "LatentDirectory",
+    "LatentFileError",
+    "check_latent_directory",
+    "latent_directory_error",
+    "write_latent_manifest",
+]
+
+# What is wrong with one sample file for a model config, or None (reads the header only).
+FileCheck = Callable[[Path, Mapping], "str | None"]
+
+
+class LatentFileError(ValueError):
+    """A latent sample file cannot be read, or is not the file its directory's manifest describes. The
+    message names the file, what differs and the fix."""
+
+
+_MANIFEST_FIX = "write the manifest again with python -m deepspeed_knap.runtime.manifest {path}"
+
+
+class LatentDirectory:
+    """A directory of latent samples, one ``.safetensors`` file each, read in name order.
+
+    Samples are addressed by a global *position* that runs on across epochs: ``read(position, k)``
+    gives files ``position`` to ``position + k - 1``, wrapping. A training loop gives rank ``r`` of
+    ``W`` the files at ``position + r * k`` each step and advances ``position`` by ``W * k``; a
+    checkpoint that records ``position`` lets a resumed run continue with the next unseen file.
+
+    Start-up checks are split so that ranks can share the work and agree (see :meth:`check` and
+    :func:`latent_directory_error`); the class itself never communicates.
+
+    Args:
+        path: the directory.
+        samples_per_rank: ``k``, files each rank reads per step.
+        repeat: allow fewer files than one step needs (``world_size * k``), repeating files within
+            a step; without it that is an error, because it silently trains duplicates.
+        check_file: what is wrong with one file for a model config, or ``None``, from its header
+            alone (the family's format: FLUX's ``check_latent_file``, Wan's ``check_video_latent_file``).
+        writer: the script that writes this family's files, named in the errors' fixes.
+    """
+
+    def __init__(self, path: str | Path, samples_per_rank: int = 1, repeat: bool = False, *, check_file: FileCheck,
+                 writer: str) -> None:  # fmt: skip
+        if samples_per_rank < 1:
+            raise ValueError(f"samples_per_rank must be at least 1; got {samples_per_rank}")
+        self.path = Path(path)
+        self.check_file, self.writer = check_file, writer
+        self.files = sorted(self.path.glob("*.safetensors"))
+        self.samples_per_rank = samples_per_rank
+        self.repeat = repeat
+        # Read here, judged in check: what one rank finds must become every rank's error.
+        self.manifest: dict | None = None
+        self.manifest_digest: str | None = None  # sha256 of its contents; "bad: ..." when unreadable
+        if (self.path / MANIFEST).exists():
+            try:
+                self.manifest = read_manifest(self.path)
+            except ManifestError as error:
+                self.manifest_digest = f"bad: {error}"
+            else:
+                self.manifest_digest = hashlib.sha256(json.dumps(self.manifest, sort_keys=True).encode()).hexdigest()
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def check(self, rank: int, world_size: int, config: Mapping) -> dict:
+        """This rank's share of the start-up checks: every file ``rank::world_size`` is opened and its
+        header (keys, shapes, dtypes) checked against the model ``config`` without reading the
+        tensors, and its size compared with the manifest's. Returns a report for
+        :func:`latent_directory_error`: the file listing as this rank sees it (count and digest of the
+        names), the digest of its manifest, how the listing differs from the manifest, a sampled
+        digest of every file when there is no manifest, and one problem per bad file, each naming it."""
+        listing = "\n".join(file.name for file in self.files)
+        share = self.files[rank::world_size]
+        problems = [problem for file in share if (problem := self.check_file(file, config))]
+        unlisted, content = [], {}
+        if self.manifest is not None:
+            listed = {name: entry for name, entry in self.manifest["files"].items() if name.endswith(".safetensors")}
+            names = {file.name for file in self.files}
+            unlisted = [sorted(set(listed) - names), sorted(names - set(listed))]  # [missing, not in it]
+            for file in share:
+                expected = listed.get(file.name, {}).get("size")
+                try:
+                    size = file.stat().st_size
+                except OSError as error:
+                    problems.append(f"{file}: cannot be read ({error})")
+                    continue
+                if expected is not None and size != expected:
+                    problems.append(f"{file}: {size:,} bytes, {MANIFEST} says {expected:,} (truncated or replaced)")
+        else:
+            for file in self.files:  # ~30 bytes of report per file, gathered from every rank
+                try:
+                    content[file.name] = sampled_digest(file)
+                except OSError as error:
+                    content[file.name] = f"unreadable: {error}"
+        return {
+            "rank": rank,
+            "path": str(self.path),
+            "writer": self.writer,
+            "count": len(self.files),
+            "digest": hashlib.sha256(listing.encode()).hexdigest(),
+            "needed": world_size * self.samples_per_rank,
+            "repeat": self.repeat,
+            "problems": problems,
+            "manifest": self.manifest_digest,
+            "unlisted": unlisted,
+            "content": content,
+        }
+
+    def read(self, position: int, count: int, dtype=torch.float32) -> tuple[list[str], list[dict[str, Tensor]]]:
+        """The ``count`` samples from global position ``position`` on (wrapping), floating tensors
+        other than the ids in ``dtype``. With a manifest, each file's bytes are compared with it (size
+        and sha256) before they are used. Returns ``(file names, samples)``.
+
+        Raises:
+            LatentFileError: a file cannot be read or differs from the manifest (this rank only: the
+                caller agrees with the other ranks, as ``examples/train_dit.py`` does each step).
+        """
+        from safetensors.torch import load
+
+        files = [self.files[(position + i) % len(self.files)] for i in range(count)]
+        samples = []
+        for file in files:
+            try:
+                data = file.read_bytes()
+            except OSError as error:
+                raise LatentFileError(f"cannot read latent sample {file}: {error}") from error
+            if self.manifest is not None:
+                self._compare_with_manifest(file, data)
+            try:
+                sample = load(data)
+            except Exception as error:  # the safetensors error alone does not say which file
+                raise LatentFileError(f"cannot read latent sample {file}: {error}") from error
+            samples.append({key: t.to(dtype) if t.is_floating_point() and "ids" not in key else t
+                            for key, t in sample.items()})  # fmt: skip
+        return [str(file) for file in files], samples
+
+    def _compare_with_manifest(self, file: Path, data: bytes) -> None:
+        expected = self.manifest["files"].get(file.name)
+        fix = f"copy it again from the original, or, if the change was meant, {_MANIFEST_FIX.format(path=self.path)}"
+        if expected is None:
+            raise LatentFileError(f"{file}: not in {MANIFEST}; {fix}")
+        if len(data) != expected["size"]:
+            raise LatentFileError(f"{file}: {len(data):,} bytes, {MANIFEST} says {expected['size']:,}; {fix}")
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected["sha256"]:
+            raise LatentFileError(
+                f"{file}: sha256 {actual[:16]}..., {MANIFEST} says {expected['sha256'][:16]}...: this copy differs "
+                f"from the file {self.writer} wrote; {fix}"
+            )
+
+
+def write_latent_manifest(directory: str | Path) -> Path:
+    """Write ``directory``'s manifest of its ``.safetensors`` samples (after they are all written: a
+    directory without one is taken for unverified data)."""
+    directory = Path(directory)
+    names = sorted(file.name for file in directory.glob("*.safetensors"))
+    return write_manifest(directory, build_manifest(directory, names))
+
+
+def check_latent_directory(data: LatentDirectory, config: Mapping) -> None:
+    """Every rank's share of :meth:`LatentDirectory.check`, gathered and judged alike on every rank
+    (collective over the world: two all-gathers on the accelerator device).
+
+    Raises:
+        ValueError: the same on every rank, from :func:`latent_directory_error`.
+    """
+    import deepspeed.comm as dist
+
+    from deepspeed_knap.runtime.groups import all_gather_bytes
+
+    report = data.check(dist.get_rank(), dist.get_world_size(), config)
+    problem = latent_directory_error([json.loads(raw) for raw in all_gather_bytes(json.dumps(report).encode())])
+    if problem:
+        raise ValueError(problem)
+
+
+def latent_directory_error(reports: Sequence[Mapping], limit: int = 10) -> str | None:
+    """One message for every rank from every rank's :meth:`LatentDirectory.check` report, or
+    ``None`` when all is well: ranks that list different files, too few files for one step, and
+    the bad files (the first ``limit``, with a count of the rest)."""
+    first = reports[0]
+    views = {}
+    for report in reports:
+        views.setdefault((report["count"], report["digest"]), []).append(report["rank"])
+    if len(views) > 1:
+        seen = "; ".join(f"ranks {ranks} see {count} files" for (count, _), ranks in views.items())
+        return (f"the ranks see different files in {first['path']}: {seen}; every rank must read the same directory "
+                "(a shared file system, or identical copies on every node)")  # fmt: skip
+    manifests = {}
+    for report in reports:
+        manifests.setdefault(report.get("manifest"), []).append(report["rank"])
+    if len(manifests) > 1:
+        seen = ", ".join(f"{_ranks(ranks)} {_manifest_seen(digest)}" for digest, ranks in manifests.items())
+        return (f"the ranks see different manifests in {first['path']}: {seen}; every rank must read the same "
+                f"directory, {MANIFEST} included (copy it to every node)")  # fmt: skip
+    if (first.get("manifest") or "").startswith("bad: "):
+        return first["manifest"].removeprefix("bad: ")
+    if first["count"] == 0:
+        return f"no .safetensors files in {first['path']}; write some with examples/{first['writer']}"
+    if first["count"] < first["needed"] and not first["repeat"]:
+        return (f"{first['path']} has {first['count']} latent files but one step needs {first['needed']} "
+                "(ranks x samples per rank), so files would repeat within a step; add files, lower "
+                "--samples-per-rank, or pass --repeat-data to allow it")  # fmt: skip
+    missing, extra = first.get("unlisted") or ([], [])
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"{_count(len(missing), 'listed file is', 'listed files are')} missing ({_some(missing)})")
+        if extra:
+            parts.append(f"{_count(len(extra), 'file is', 'files are')} not in it ({_some(extra)})")
+        return (f"{first['path']} does not match its {MANIFEST}: {'; '.join(parts)}; rerun {first['writer']}, "
+                f"or, if the files are right, {_MANIFEST_FIX.format(path=first['path'])}")  # fmt: skip
+    if first.get("content"):
+        differing = []
+        for name in first["content"]:
+            copies = {}
+            for report in reports:
+                copies.setdefault(report["content"][name], []).append(report["rank"])
+            if len(copies) > 1:
+                differing.append(f"{name}: " + " / ".join(_ranks(ranks) for ranks in copies.values()))
+        if differing:
+            more = f"; and {len(differing) - limit} more" if len(differing) > limit else ""
+            return (f"the ranks' copies of {first['path']} differ: {'; '.join(differing[:limit])}{more} (a sampled "
+                    f"digest of each file: its size and 4 KiB at its start, middle and end); make the copies "
+                    f"identical, and write a manifest ({first['writer']} does; or "
+                    f"python -m deepspeed_knap.runtime.manifest {first['path']}) to have every byte each rank "
+                    "reads checked")  # fmt: skip
+    problems = [problem for report in reports for problem in report["problems"]]
+    if not problems:
+        return None
+    more = f"\n... and {len(problems) - limit} more" if len(problems) > limit else ""
+    return f"{len(problems)} bad latent files in {first['path']}:\n" + "\n".join(problems[:limit]) + more
+
+
+def _manifest_seen(digest: str | None) -> str:
+    if digest is None:
+        return "has none"
+    return "has an unreadable one" if digest.startswith("bad: ") else f"has one with sha256 {digest[:12]}..."
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
+def _count(count: int, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
+
+
+def _some(names: Sequence[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

@@ -1,0 +1,157 @@
+"""Wan end to end on CPU: video files and images this test writes (PyAV, PIL) -> examples/prepare_video_latents.py
+(a tiny random WanPipeline with a transformer) -> examples/train_dit.py on 2 ranks with ZeRO-3 and LoRA, the
+model loaded from that pipeline folder (partitioned), clips and images of mixed sizes in each step, topology
+``auto``.
+
+Balanced training gives the losses of unbalanced training; a run resumed from the step-2 checkpoint continues
+with the uninterrupted run's losses and ends with its adapter; validation clips are GIFs written through
+diffusers' WanPipeline; the exported adapter loads into WanPipeline with load_lora_weights, and its
+transformer then computes what our packed model computes with peft's LoRA holding the same weights. The
+launcher runs are shared by one module-scoped fixture.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support.launch import ROOT, deepspeed_launch, run
+
+pytest.importorskip("av")
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+SCRIPT = ROOT / "examples" / "train_dit.py"
+DEMO_CONFIG = json.loads((ROOT / "ds_configs" / "wan_cpu_demo.json").read_text())
+STEPS = 4
+COMMON = ("--lora-rank", "4", "--lora-alpha", "8", "--samples-per-rank", "2", "--steps", str(STEPS), "--lr", "1e-3")
+STEP_LINE = re.compile(r"^step (\d+) loss (\S+) time \S+ tokens/s \S+(?: modeled imbalance (\S+) -> (\S+))?", re.M)
+# source name: (frames, height, width), captions from the tiny tokenizer's words
+SOURCES = {"a_clip.mp4": (9, 32, 48), "b_clip.mp4": (13, 48, 64), "c_clip.mp4": (5, 32, 32),
+           "d_still.png": (1, 16, 32), "e_still.png": (1, 48, 48), "f_clip.mp4": (17, 32, 32)}  # fmt: skip
+
+
+def train(d, name: str, balanced: bool, *args: str) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
+    config = {**DEMO_CONFIG, "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": balanced}}
+    (d / f"{name}.json").write_text(json.dumps(config))
+    command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(d / f"{name}.json"), "--model-path", str(d / "pipe"),
+                               "--data-dir", str(d / "data"), *COMMON, *args, ranks=2)  # fmt: skip
+    result = run(command)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = STEP_LINE.findall(result.stdout)
+    assert all(bool(before) == balanced for _, _, before, _ in steps), result.stdout[-2000:]
+    return result, {int(step): float(loss) for step, loss, *_ in steps}
+
+
+@pytest.fixture(scope="module")
+def wan_job(tmp_path_factory):
+    """The pipeline folder, the prepared data, and the balanced (checkpointed, validated, exported),
+    unbalanced and resumed runs."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from PIL import Image
+
+    from deepspeed_knap.models.wan.data import tiny_wan_pipeline
+    from deepspeed_knap.models.wan.wan import TINY_WAN
+    from tests.support.videos import write_video
+
+    d = tmp_path_factory.mktemp("wan")
+    torch.manual_seed(0)
+    parts = tiny_wan_pipeline().components
+    parts["transformer"] = WanTransformer3DModel(**TINY_WAN)
+    WanPipeline(**parts).save_pretrained(d / "pipe")
+    inputs = d / "inputs"
+    inputs.mkdir()
+    words = ["a red cat", "the blue dog", "a green bird", "an image of a cat", "the red bird", "a video of a dog"]
+    for index, ((name, (frames, height, width)), caption) in enumerate(zip(SOURCES.items(), words, strict=True)):
+        if name.endswith(".png"):
+            pixels = np.random.default_rng(index).integers(0, 256, (height, width, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(inputs / name)
+        else:
+            write_video(inputs / name, frames, height, width, "libx264", seed=index)
+        (inputs / name).with_suffix(".txt").write_text(caption)
+    prepare = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "prepare_video_latents.py"), "--pretrained", str(d / "pipe"),
+         "--inputs", str(inputs), "--out", str(d / "data"), "--max-sequence-length", "16", "--device", "cpu"],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )  # fmt: skip
+    assert prepare.returncode == 0, prepare.stdout[-3000:] + prepare.stderr[-3000:]
+    (d / "prompts.txt").write_text("a red cat\nthe blue dog\n")
+    on = train(d, "on", True, "--save-dir", str(d / "ckpt"), "--checkpoint-every", "2", "--export-dir",
+               str(d / "on"), "--validation-every", str(STEPS), "--validation-prompts", str(d / "prompts.txt"),
+               "--validation-dir", str(d / "clips"), "--validation-resolution", "32",
+               "--validation-width", "32", "--validation-frames", "5", "--validation-inference-steps", "2")  # fmt: skip
+    off = train(d, "off", False)
+    resumed = train(d, "resumed", True, "--resume", str(d / "ckpt" / "step2"), "--export-dir", str(d / "resumed"))
+    return d, on, off, resumed
+
+
+def test_prepared_videos_and_images_train_balanced_as_unbalanced(wan_job):
+    _, (on_run, on), (_, off), _ = wan_job
+    assert sorted(on) == list(range(STEPS))
+    assert list(on.values()) == pytest.approx(list(off.values()), rel=1e-5)
+    # The steps mix clips and images of every prepared size; balancing moved work (imbalance fell).
+    imbalances = [(float(before), float(after)) for _, _, before, after in STEP_LINE.findall(on_run.stdout)]
+    assert any(after < before for before, after in imbalances), imbalances
+
+
+def test_resumed_run_continues_with_the_uninterrupted_losses_and_adapter(wan_job):
+    from safetensors.torch import load_file
+
+    from deepspeed_knap.models.flux.finetune import ADAPTER_FILE
+
+    d, (_, on), _, (resumed_run, resumed) = wan_job
+    assert f"--resume: loading checkpoint step2 from {d / 'ckpt'}\n" in resumed_run.stdout
+    assert resumed == {step: on[step] for step in range(2, STEPS)}
+    uninterrupted, continued = (load_file(d / name / ADAPTER_FILE) for name in ("on", "resumed"))
+    assert uninterrupted.keys() == continued.keys()
+    assert all(torch.equal(continued[name], tensor) for name, tensor in uninterrupted.items())
+
+
+def test_validation_clips_are_gifs_of_the_pipeline(wan_job):
+    from PIL import Image
+
+    d, (on_run, _), _, _ = wan_job
+    clips = sorted((d / "clips").glob("*.gif"))
+    assert [p.name for p in clips] == [f"step{STEPS:06d}_prompt00.gif", f"step{STEPS:06d}_prompt01.gif"]
+    for clip in clips:
+        with Image.open(clip) as gif:
+            assert (gif.size, gif.n_frames) == ((32, 32), 5)  # the tiny pipeline's 32 x 32, 5 frames
+    assert f"validation clip {clips[1]} after step {STEPS - 1}: 'the blue dog'" in on_run.stdout
+
+
+def test_exported_adapter_loads_into_wan_pipeline_as_peft_lora_on_our_model(wan_job):
+    """WanPipeline.load_lora_weights reads the adapter (every layer of it); its transformer then
+    computes what our packed model computes with peft's LoRA holding the same weights, and not the
+    base."""
+    from diffusers import WanPipeline
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from deepspeed_knap.models.flux.finetune import ADAPTER_FILE, add_lora
+    from deepspeed_knap.models.wan import PackedWanTransformer
+    from deepspeed_knap.models.wan.data import load_video_sample
+    from deepspeed_knap.models.wan.finetune import flow_matching
+    from tests.support.wan_cases import diffusers_output, relative_error
+
+    d, _, _, _ = wan_job
+    adapter = load_file(d / "on" / ADAPTER_FILE)
+    assert len(adapter) == 2 * 2 * len(PackedWanTransformer.lora_targets)  # A and B, 2 blocks
+    latents, _ = load_video_sample(sorted((d / "data").glob("*.safetensors"))[1])
+    (sample,), _ = flow_matching([latents], torch.Generator().manual_seed(0), [1, 2, 2])
+    pipe = WanPipeline.from_pretrained(d / "pipe")
+    with torch.no_grad():
+        before = diffusers_output(pipe.transformer, sample)
+        pipe.load_lora_weights(d / "on")
+        after = diffusers_output(pipe.transformer, sample)
+        ours = PackedWanTransformer.from_pretrained(d / "pipe", attention_backend="sdpa")
+        add_lora(ours, rank=4, alpha=8)
+        state = {name.removeprefix("transformer."): t for name, t in adapter.items()}
+        assert not set_peft_model_state_dict(ours, state).unexpected_keys
+        expected = ours.forward_samples([sample])[0]
+    assert relative_error(after, expected) < 1e-5
+    assert relative_error(after, before) > 1e-4
