@@ -1,0 +1,197 @@
+"""Generation without ranks: the request format, step-level batching (joins, leaves, the budget, one
+solve per set), the forward-only cost model, and ``deepspeed-knap generate`` in one process against
+diffusers' FluxPipeline."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from deepspeed_knap.generation.requests import RequestError, parse_request
+from deepspeed_knap.generation.schedule import Job, StepBatcher
+
+# ---- requests ----
+
+
+def test_a_request_line_with_defaults_and_a_relative_embeddings_path(tmp_path):
+    request = parse_request(3, 7, '{"embeddings": "e.safetensors", "height": 64, "width": 32}', tmp_path)
+    assert (request.index, request.line, request.id) == (3, 7, "line7")
+    assert request.embeddings == str(tmp_path / "e.safetensors") and request.prompt is None
+    assert (request.steps, request.guidance, request.seed, request.max_sequence_length) == (28, 3.5, 0, 512)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"prompt": "a", "height": 64', "line 5: not JSON"),
+        ('["prompt"]', "line 5: a request is a JSON object"),
+        ('{"prompt": "a", "height": 64, "width": 64, "step": 4}', "unknown key(s) ['step']"),
+        ('{"height": 64, "width": 64}', "exactly one of 'prompt'"),
+        ('{"prompt": "a", "embeddings": "e", "height": 64, "width": 64}', "exactly one of 'prompt'"),
+        ('{"prompt": "a", "width": 64}', "'height' is required"),
+        ('{"prompt": "a", "height": 64, "width": 64, "steps": 0}', "'steps' must be a whole number >= 1"),
+        ('{"prompt": "a", "height": 64.0, "width": 64}', "'height' must be a whole number"),
+        ('{"prompt": "a", "height": 64, "width": 64, "seed": true}', "'seed' must be a whole number >= 0"),
+        ('{"prompt": "a", "height": 64, "width": 64, "guidance": "high"}', "'guidance' must be a finite number"),
+        ('{"prompt": "a", "height": 64, "width": 64, "id": "x/y"}', "no '/' in it"),
+    ],
+)
+def test_a_bad_request_line_is_named_by_its_line_number(text, message):
+    with pytest.raises(RequestError) as error:
+        parse_request(0, 5, text)
+    assert str(error.value).startswith("line 5: ") and message in str(error.value)
+
+
+# ---- step-level batching ----
+
+
+def _record_solves():
+    solved = []
+
+    def solve(seq_lens_per_rank):
+        solved.append(seq_lens_per_rank)
+        return ("plan", len(solved))
+
+    return solved, solve
+
+
+def _run(batcher: StepBatcher) -> list:
+    steps = []
+    while (step := batcher.next_step()) is not None:
+        steps.append(step)
+    return steps
+
+
+def test_requests_join_under_the_budget_leave_when_done_and_each_set_is_solved_once():
+    jobs = [Job(0, 0, 100, 4), Job(1, 1, 50, 1), Job(2, 0, 40, 2), Job(3, 1, 120, 3)]
+    solved, solve = _record_solves()
+    steps = _run(StepBatcher(jobs, 2, 110, solve))  # 220 tokens at a time over 2 GPUs
+    assert [step.active for step in steps] == [(0, 1, 2), (0, 2), (0, 3), (0, 3), (3,)]
+    assert [step.joined for step in steps] == [(0, 1, 2), (), (3,), (), ()]  # 3 waits for room
+    assert [step.left for step in steps] == [(), (1,), (2,), (), (0,)]
+    # Every request ran its own steps, in a row.
+    ran = {job.index: [s.number for s in steps if job.index in s.active] for job in jobs}
+    assert all(ran[j.index] == list(range(ran[j.index][0], ran[j.index][0] + j.steps)) for j in jobs)
+    # One solve per set change, its plan reused until the next; each rank's tokens in index order.
+    assert [step.changed for step in steps] == [True, True, True, False, True]
+    assert solved == [[[100, 40], [50]], [[100, 40], []], [[100], [120]], [[], [120]]]
+    assert [step.plan for step in steps] == [("plan", 1), ("plan", 2), ("plan", 3), ("plan", 3), ("plan", 4)]
+
+
+def test_a_waiting_request_is_not_overtaken_by_a_smaller_one_behind_it():
+    _, solve = _record_solves()
+    steps = _run(StepBatcher([Job(0, 0, 100, 2), Job(1, 1, 150, 1), Job(2, 0, 10, 1)], 2, 100, solve))
+    assert [step.active for step in steps] == [(0,), (0,), (1, 2)]
+
+
+def test_without_a_budget_every_request_starts_at_once():
+    solved, solve = _record_solves()
+    steps = _run(StepBatcher([Job(0, 0, 500, 2), Job(1, 1, 900, 1)], 2, None, solve))
+    assert [step.active for step in steps] == [(0, 1), (0,)] and len(solved) == 2
+
+
+def test_a_request_over_the_budget_runs_alone_when_nothing_else_runs():
+    """The intake refuses what the largest group cannot hold; a request over the world's total alone
+    still runs, by itself."""
+    _, solve = _record_solves()
+    steps = _run(StepBatcher([Job(0, 0, 10, 1), Job(1, 1, 500, 1), Job(2, 0, 10, 1)], 2, 100, solve))
+    assert [step.active for step in steps] == [(0,), (1,), (2,)]
+
+
+def test_a_set_the_planner_refuses_gives_back_its_newest_joiners():
+    def solve(seq_lens_per_rank):
+        if sum(map(len, seq_lens_per_rank)) > 2:  # say, no plan packs three requests under the cap
+            raise ValueError("max_tokens_per_gpu could not be met")
+        return "plan"
+
+    batcher = StepBatcher([Job(i, i % 2, 10, 1) for i in range(4)], 2, 100, solve)
+    steps = _run(batcher)
+    assert [step.active for step in steps] == [(0, 1), (2, 3)]
+    assert batcher.solves == 4  # two refused sets, two plans
+
+
+def test_a_set_without_joiners_that_cannot_be_planned_raises():
+    def solve(seq_lens_per_rank):
+        raise ValueError("max_tokens_per_gpu could not be met")
+
+    with pytest.raises(ValueError, match="could not be met"):
+        StepBatcher([Job(0, 0, 10, 1)], 2, 100, solve).next_step()
+
+
+def test_the_forward_cost_model_prices_a_forward_not_a_training_step():
+    from deepspeed_knap.cost.model import CostModel
+    from deepspeed_knap.generation.balancer import forward_cost_model
+    from deepspeed_knap.models.flux.finetune import TINY_FLUX
+
+    config = {**TINY_FLUX, "num_attention_heads": 24, "attention_head_dim": 128, "num_layers": 19,
+              "num_single_layers": 38}  # fmt: skip
+    forward = forward_cost_model(config)
+    training = CostModel.from_model_dims(hidden=3072, double_blocks=19, single_blocks=38)
+    assert forward.linear_coef == pytest.approx(training.linear_coef / 3)
+    assert forward.quadratic_coef == pytest.approx(training.quadratic_coef / 3.5)
+    assert forward.alltoall_coef == pytest.approx(training.alltoall_coef / 2)
+    assert forward.num_heads == 24
+
+
+# ---- the command, one process ----
+
+
+def test_generate_command_in_one_process_writes_what_flux_pipeline_draws_and_refuses_bad_lines(tmp_path):
+    from diffusers import FluxPipeline
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from deepspeed_knap.cli import main
+    from deepspeed_knap.models.flux.finetune import TINY_FLUX, diffusers_transformer, tiny_pipeline_components
+    from deepspeed_knap.models.flux.generate import tiny_flux_generator
+
+    ours = tiny_flux_generator(torch.float64, "cpu", seed=3)
+    pipe = FluxPipeline(**tiny_pipeline_components(TINY_FLUX, 3),
+                        transformer=diffusers_transformer(TINY_FLUX, ours.model.state_dict())).to(torch.float64)  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    text, pooled, _ = pipe.encode_prompt("precomputed", prompt_2=None, max_sequence_length=6)
+    save_file({"prompt_embeds": text[0].contiguous(), "pooled_prompt_embeds": pooled[0].contiguous()},
+              tmp_path / "emb.safetensors")  # fmt: skip
+    save_file({"prompt_embeds": torch.zeros(6, 5)}, tmp_path / "wrong.safetensors")
+    lines = [
+        {"id": "prompted", "prompt": "a boat", "height": 24, "width": 16, "steps": 3, "seed": 9,
+         "max_sequence_length": 8},
+        {"id": "embedded", "embeddings": "emb.safetensors", "height": 16, "width": 28, "steps": 2, "seed": 4},
+        {"embeddings": "wrong.safetensors", "height": 16, "width": 16},
+        {"embeddings": "missing.safetensors", "height": 16, "width": 16},
+        {"prompt": "x", "height": 16, "width": 16, "max_sequence_length": 600},
+    ]  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--seed", "3",
+                 "--dtype", "float64", "--out", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    assert code == 1  # some lines refused
+    expected = {
+        "prompted": pipe("a boat", height=24, width=16, num_inference_steps=3, max_sequence_length=8,
+                         generator=torch.Generator().manual_seed(9)).images[0],
+        "embedded": pipe(prompt_embeds=text, pooled_prompt_embeds=pooled, height=16, width=28, num_inference_steps=2,
+                         generator=torch.Generator().manual_seed(4)).images[0],
+    }  # fmt: skip
+    for name, image in expected.items():
+        assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / f"{name}.png")), np.asarray(image)), name
+    timings = json.loads((tmp_path / "out" / "timings.json").read_text())
+    assert [r["id"] for r in timings["requests"]] == ["prompted", "embedded"]
+    assert [r["tokens"] for r in timings["requests"]] == [8 + 6 * 4, 6 + 4 * 7]
+    reasons = [r["reason"] for r in timings["refused"]]
+    assert reasons[0].startswith("line 3: embeddings") and "[Tt, 32]" in reasons[0]
+    assert reasons[1].startswith("line 4: cannot read embeddings")
+    assert reasons[2].startswith("line 5: max_sequence_length 600")
+    assert timings["ranks"][0]["images"] == 2 and timings["images_per_s"] > 0
+
+
+def test_generate_command_refuses_a_missing_model_path(tmp_path, capsys):
+    from deepspeed_knap.cli import main
+
+    (tmp_path / "requests.jsonl").write_text('{"prompt": "a", "height": 16, "width": 16}\n')
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--model-path", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code == 1
+    assert "no model_index.json there" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()  # refused before any work
