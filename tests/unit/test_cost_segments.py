@@ -189,3 +189,28 @@ def test_the_issue_example_sample():
     assert squares[0] == 4096**2 + 512**2 + 4096**2
     expected = model.linear_coef * 8704 + model.quadratic_coef * ((1 - share) * 8704**2 + share * squares[0])
     assert float(model.per_gpu_time(np.array([8704]), 1, 1.0, squares)[0]) == pytest.approx(expected, rel=1e-12)
+
+
+def test_flux3_zero3_config_prices_flux3_and_its_memory_arithmetic_holds():
+    """ds_configs/flux3_zero3_4x8.json: its cost model is the flux3 preset, priced by segment; its
+    groups fit FLUX.3's heads; P and the cap's activation rows are the docs' (docs/models.md, FLUX.3
+    on 4 x 8 H100); and the largest flux3_edit rank and sample fit the cap."""
+    from pathlib import Path
+
+    from deepspeed_knap.models.flux3 import PackedFlux3Transformer
+    from deepspeed_knap.runtime.config import get_knapformer_config, load_ds_config
+
+    root = Path(__file__).parents[2]
+    knap = get_knapformer_config(load_ds_config(str(root / "ds_configs" / "flux3_zero3_4x8.json")))
+    assert knap.cost_model.build() == default_cost_model("flux3")
+    topology = build_topology(knap.topology, 32, knap.gpus_per_node, max_degree=knap.max_degree)
+    with torch.device("meta"):
+        model = PackedFlux3Transformer(topology=topology)
+    parameters = sum(p.numel() for p in model.parameters())
+    assert parameters == pytest.approx(5.54e9, rel=1e-3)
+    assert 2 * parameters / 32 / 1e9 == pytest.approx(0.35, abs=0.005)  # each bf16 partition, GB
+    assert 12 * parameters / 32 / 1e9 == pytest.approx(2.08, abs=0.005)  # fp32 master, m, v
+    cap, width = knap.max_tokens_per_gpu, model.inner_dim
+    assert 33 * cap * width * 2 / 1e9 == pytest.approx(13.3, abs=0.05)  # checkpointed block inputs
+    shapes = [s for seed in range(8) for s in sample_shapes("flux3_edit", 32, seed)]
+    assert max(sum(s.length for s in rank) for rank in shapes) <= cap
