@@ -70,12 +70,15 @@ def timed_plan(
     solver: str,
     max_tokens_per_gpu: int | None = None,
     repeat: int = 1,
+    seq_segments_per_rank: list[list[tuple[int, ...]]] | None = None,
 ) -> tuple[RoutingPlan, float]:
-    """The plan and the median wall-clock milliseconds of ``repeat`` solves."""
+    """The plan and the median wall-clock milliseconds of ``repeat`` solves (``seq_segments_per_rank``:
+    :func:`~deepspeed_knap.planner.plan_routing`'s)."""
     times, plan = [], None
     for _ in range(repeat):
         start = time.perf_counter()
-        plan = plan_routing(seq_lens, topology, cost_model, solver, max_tokens_per_gpu)
+        plan = plan_routing(seq_lens, topology, cost_model, solver, max_tokens_per_gpu,
+                            seq_segments_per_rank=seq_segments_per_rank)  # fmt: skip
         times.append((time.perf_counter() - start) * 1e3)
     return plan, statistics.median(times)
 

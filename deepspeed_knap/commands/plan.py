@@ -22,7 +22,7 @@ from deepspeed_knap.commands.options import (
     positive_int,
 )
 from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, DEFAULT_TFLOPS, MODEL_PRESETS, default_cost_model
-from deepspeed_knap.data.mixes import sample_mix
+from deepspeed_knap.data.mixes import sample_mix, sample_segments
 from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, lower_bound
 from deepspeed_knap.planner.topology import AUTO, build_topology
 
@@ -107,13 +107,19 @@ def run(args: argparse.Namespace) -> int:
             f"{args.mix} (seed {args.seed})",
         )
     cost_model = default_cost_model(args.model, tflops=args.tflops, alltoall_gbps=args.alltoall_gbps)
+    # A model with blocks that attend by segment (flux3) prices a mix's samples by their segments
+    # (text, image, references); --lengths files carry none.
+    segments = None
+    if args.lengths is None and cost_model.segment_attention_share:
+        segments = sample_segments(args.mix, topology.group_size, args.seed)
+        source += ", priced by segment"
     available = [s for s in SOLVERS if not (auto and s == "knapformer")]  # knapformer needs fixed bags
     solvers = available if args.solver == "all" else sorted({"none", args.solver}, key=SOLVERS.index)
     plans, timings = {}, {}
     for solver in solvers:
         # The baselines cannot honour a cap: they are shown without it, to compare against.
         cap = args.max_tokens_per_gpu if solver == "refine" else None
-        plans[solver], timings[solver] = timed_plan(lengths, topology, cost_model, solver, cap, args.repeat)
+        plans[solver], timings[solver] = timed_plan(lengths, topology, cost_model, solver, cap, args.repeat, segments)
     baseline = plans["none"]
     report = {
         "topology": topology.spec,
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         "num_sequences": int(baseline.seq_lens.size),
         "num_tokens": int(baseline.seq_lens.sum()),
         "max_tokens_per_gpu": args.max_tokens_per_gpu,
-        "flexible_lower_bound": _flexible_bound(lengths, topology, cost_model, args.max_tokens_per_gpu),
+        "flexible_lower_bound": _flexible_bound(lengths, topology, cost_model, args.max_tokens_per_gpu, segments),
         "solvers": {name: _summary(plan, baseline, timings[name]) for name, plan in plans.items()},
     }
     if args.plot:
@@ -157,15 +163,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flexible_bound(lengths, topology, cost_model, cap) -> float:
+def _flexible_bound(lengths, topology, cost_model, cap, segments=None) -> float:
     """The modeled step time no plan can beat when every sequence may pick its own group of 1, 2, 4, ...
     GPUs up to the largest bag, within a node (the lower bound of topology ``auto`` on the same GPUs;
     for ``auto`` itself, its own, groups of whole nodes included)."""
     if topology.elastic:
-        return lower_bound(lengths, topology, cost_model, cap)
+        return lower_bound(lengths, topology, cost_model, cap, segments)
     largest = min(max(topology.bag_sizes), topology.gpus_per_node or topology.group_size)  # auto stays in nodes
     elastic = build_topology(AUTO, topology.group_size, topology.gpus_per_node, 1 << (largest.bit_length() - 1))
-    return lower_bound(lengths, elastic, cost_model, cap)
+    return lower_bound(lengths, elastic, cost_model, cap, segments)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -214,3 +214,21 @@ def test_flux3_zero3_config_prices_flux3_and_its_memory_arithmetic_holds():
     assert 33 * cap * width * 2 / 1e9 == pytest.approx(13.3, abs=0.05)  # checkpointed block inputs
     shapes = [s for seed in range(8) for s in sample_shapes("flux3_edit", 32, seed)]
     assert max(sum(s.length for s in rank) for rank in shapes) <= cap
+
+
+def test_plan_command_prices_a_mix_by_segment_with_the_flux3_model(capsys):
+    """``deepspeed-knap plan --mix flux3_edit --model flux3``: the refine plan's modeled step is the
+    planner's on the mix's segments (not on its lengths alone, which differs)."""
+    import json
+
+    from deepspeed_knap.cli import main
+
+    assert main(["plan", "--mix", "flux3_edit", "--model", "flux3", "--gpus", "16", "--topology", "auto",
+                 "--json"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    model, topology = default_cost_model("flux3"), build_topology("auto", 16)
+    lengths, segments = sample_mix("flux3_edit", 16, 0), sample_segments("flux3_edit", 16, 0)
+    by_segment = plan_routing(lengths, topology, model, seq_segments_per_rank=segments)
+    assert report["solvers"]["refine"]["max_load_s"] == pytest.approx(by_segment.max_load, rel=1e-12)
+    assert plan_routing(lengths, topology, model).max_load != pytest.approx(by_segment.max_load, rel=1e-3)
+    assert "priced by segment" in report["lengths"]
