@@ -27,6 +27,7 @@ BENCHES = {
     "ahead": "deepspeed_knap.bench.ahead",
     "train": "deepspeed_knap.bench.train",
     "flux": "deepspeed_knap.bench.flux",
+    "generate": "deepspeed_knap.bench.generate",
 }
 # One-line summaries, here so that `deepspeed-knap --help` imports no command module.
 SUMMARIES = {
@@ -41,6 +42,7 @@ SUMMARIES = {
     "bench ahead": "how long a step waits for its plan: solved in the step or ahead",
     "bench train": "measured training steps on local ranks: off, knapformer, refine, auto",
     "bench flux": "packed FLUX against diffusers sample by sample: time and memory",
+    "bench generate": "measured generation on local ranks: balanced, unbalanced, one pipeline call per request",
 }
 
 

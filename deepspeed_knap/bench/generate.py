@@ -1,0 +1,260 @@
+"""Measured generation on local ranks: balanced against unbalanced against one diffusers pipeline call
+per request, on the same request file and weights.
+
+    deepspeed-knap bench generate --ranks 2 --plot generate.png
+
+Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA) that generate the
+request file (``--requests``, or by default an imbalanced one: lines alternate a large and a small
+image, so that rank 0, which owns the even lines, gets every large one) with a random FLUX.1
+(``TINY_FLUX``; ``--heads``/``--head-dim`` widen it) in each mode:
+
+* ``balanced``: ``deepspeed-knap generate``'s path: topology ``auto``, plan and route reused per set;
+* ``no-reuse``: the same, but the plan gathered and solved, and the route prepared, every step (the
+  training path): what reuse saves, per step;
+* ``unbalanced``: each rank runs its own requests packed, with no communication;
+* ``pipeline``: each rank calls diffusers' ``FluxPipeline`` once per request it owns.
+
+Reported per mode: images per second (all images over the slowest rank's wall time), each rank's
+wall and busy seconds (its own work: encoding, compute less the all-to-alls and the waits in them,
+scheduler steps, decoding) and CPU seconds (the process's, all threads: on a CPU shared with other
+jobs the wall clock also counts their turns), and for the balanced modes the median per-step
+seconds to get the plan and to route.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from deepspeed_knap.bench.train import _free_port
+from deepspeed_knap.commands.options import output_file, positive_int
+from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
+
+MODES = ("balanced", "no-reuse", "unbalanced", "pipeline")
+HELP = "measured generation on local ranks: balanced, unbalanced, one pipeline call per request"
+FORMATTER = argparse.RawDescriptionHelpFormatter
+
+
+def imbalanced_requests(count: int, large: int, small: int, steps: tuple[int, int]) -> list[dict]:
+    """``count`` requests alternating a ``large`` and a ``small`` square image (pixels), steps
+    alternating ``steps[0]`` and ``steps[1]`` per pair, prompts and seeds all different."""
+    requests = []
+    for index in range(count):
+        side = large if index % 2 == 0 else small
+        requests.append({"id": f"r{index:03d}", "prompt": f"a picture number {index}", "height": side,
+                         "width": side, "steps": steps[(index // 2) % 2], "seed": index,
+                         "max_sequence_length": 16})  # fmt: skip
+    return requests
+
+
+def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(options["threads"])
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from deepspeed_knap.generation.runner import generate, generation_balancer
+    from deepspeed_knap.models.flux.finetune import TINY_FLUX
+    from deepspeed_knap.models.flux.generate import tiny_flux_generator
+    from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
+
+    deepspeed.init_distributed(verbose=False)
+    get_accelerator().set_device(rank)
+    dist.barrier()
+    unlink_own_shm_buffer(rank)
+    device = torch.device(get_accelerator().current_device_name())
+    dtype = getattr(torch, options["dtype"])
+    heads, head_dim = options["heads"], options["head_dim"]
+    config = {**TINY_FLUX, "num_attention_heads": heads, "attention_head_dim": head_dim,
+              "axes_dims_rope": _rope_axes(head_dim)}  # fmt: skip
+    generator = tiny_flux_generator(dtype, device, seed=0, config=config)
+    balancers = {
+        "balanced": generation_balancer(generator.model, options["max_tokens_per_gpu"], reuse=True),
+        "no-reuse": generation_balancer(generator.model, options["max_tokens_per_gpu"], reuse=False),
+    }
+    pipe = _reference_pipeline(generator, config) if "pipeline" in options["modes"] else None
+    records = {}
+    for mode in options["modes"]:
+        for _ in range(options["repeats"]):
+            dist.barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            if mode == "pipeline":
+                record = _pipeline_calls(pipe, options["requests"], rank, world)
+            else:
+                report = generate(options["requests"], generator, balancers.get(mode), progress=False,
+                                  max_tokens_per_gpu=options["max_tokens_per_gpu"])  # fmt: skip
+                record = {"images": len(report.requests), "busy_s": report.busy_s, "steps": report.steps,
+                          "solves": report.solves, "plan_s": report.plan_s, "route_s": report.route_s}  # fmt: skip
+            get_accelerator().synchronize()
+            record["wall_s"] = time.perf_counter() - start  # to this rank's end; the slowest rank's is the run's
+            record["cpu_s"] = time.process_time() - cpu_start
+            record.setdefault("busy_s", record["wall_s"])  # pipeline calls: all this rank's own work
+            dist.barrier()
+            if mode not in records or record["wall_s"] < records[mode]["wall_s"]:
+                records[mode] = record  # the best of the repeats: the first pays warm-up
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(records))
+    dist.barrier()
+
+
+def _rope_axes(head_dim: int) -> tuple[int, int, int]:
+    from deepspeed_knap.models.flux.flux1 import rope_axes
+
+    return rope_axes(head_dim)
+
+
+def _reference_pipeline(generator, config: dict):
+    """diffusers' ``FluxPipeline`` with the generator's parts and a diffusers transformer of its weights."""
+    from diffusers import FluxPipeline
+
+    from deepspeed_knap.models.flux.finetune import diffusers_transformer
+
+    transformer = diffusers_transformer(config, generator.model.state_dict()).to(generator.device)
+    parts = {name: getattr(generator.pipeline, name) for name in
+             ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")}  # fmt: skip
+    pipe = FluxPipeline(**parts, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _pipeline_calls(pipe, path: str, rank: int, world: int) -> dict:
+    """This rank's requests (lines ``rank``, ``rank + world``, ...), one pipeline call each."""
+    from deepspeed_knap.generation.requests import parse_request, request_lines
+
+    images = 0
+    for index, (number, text) in enumerate(request_lines(path)):
+        if index % world == rank:
+            r = parse_request(index, number, text)
+            pipe(r.prompt, height=r.height, width=r.width, num_inference_steps=r.steps, guidance_scale=r.guidance,
+                 max_sequence_length=r.max_sequence_length, generator=torch.Generator().manual_seed(r.seed))  # fmt: skip
+            images += 1
+    return {"images": images, "steps": 0, "solves": 0, "plan_s": [], "route_s": []}
+
+
+def bench_generate(options: dict) -> dict:
+    """Run the ranks; per mode, every rank's record."""
+    with tempfile.TemporaryDirectory(prefix="knap-bench-generate-") as out_dir:
+        if options["requests"] is None:
+            path = Path(out_dir, "requests.jsonl")
+            lines = imbalanced_requests(options["count"], options["large"], options["small"], (options["steps"],
+                                        options["steps"] * 2))  # fmt: skip
+            path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+            options = {**options, "requests": str(path)}
+        port = _free_port()
+        try:
+            mp.start_processes(_worker, args=(options["ranks"], port, options, out_dir), nprocs=options["ranks"],
+                               start_method="spawn")  # fmt: skip
+        finally:
+            remove_job_buffers(port)  # a rank that failed before unlinking its own leaves it
+        ranks = [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(options["ranks"])]
+    modes = {}
+    for mode in options["modes"]:
+        records = [rank[mode] for rank in ranks]
+        wall = max(r["wall_s"] for r in records)
+        images = sum(r["images"] for r in records)
+        modes[mode] = {"images": images, "wall_s": wall, "images_per_s": images / wall,
+                       "rank_wall_s": [r["wall_s"] for r in records], "rank_busy_s": [r["busy_s"] for r in records], "rank_cpu_s": [r["cpu_s"] for r in records],
+                       "rank_images": [r["images"] for r in records], "steps": records[0]["steps"],
+                       "solves": records[0]["solves"],
+                       "plan_ms": _median_ms(records[0]["plan_s"]), "route_ms": _median_ms(records[0]["route_s"])}  # fmt: skip
+    return {"options": {k: v for k, v in options.items() if k != "requests"}, "modes": modes}
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3 if seconds else float("nan")
+
+
+def format_report(report: dict) -> str:
+    options = report["options"]
+    lines = [f"{options['ranks']} ranks, {options['dtype']}, FLUX.1 {options['heads']} heads x {options['head_dim']}; "
+             f"best of {options['repeats']}; images/s = all images / the slowest rank's wall time", "",
+             f"{'mode':<11}{'images/s':>9}{'wall s':>8}{'steps':>6}{'solves':>7}{'plan ms/step':>13}"
+             f"{'route ms/step':>14}  per rank: images, busy s / wall s, CPU s"]  # fmt: skip
+    base = report["modes"].get("unbalanced", {}).get("images_per_s")
+    for mode, m in report["modes"].items():
+        ranks = ", ".join(f"{n} {b:.2f}/{w:.2f} {c:.2f}" for n, b, w, c in zip(m["rank_images"], m["rank_busy_s"],
+                          m["rank_wall_s"], m["rank_cpu_s"], strict=True))  # fmt: skip
+        speedup = f" ({m['images_per_s'] / base:.2f}x)" if base else ""
+        lines.append(f"{mode:<11}{m['images_per_s']:>9.2f}{m['wall_s']:>8.2f}{m['steps']:>6}{m['solves']:>7}"
+                     f"{m['plan_ms']:>13.2f}{m['route_ms']:>14.2f}  {ranks}{speedup}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: str | Path) -> None:
+    """Images per second by mode, and each rank's busy and waiting seconds by mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["modes"])
+    fig, (rate_ax, ranks_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    rate_ax.bar(modes, [report["modes"][m]["images_per_s"] for m in modes], color="tab:blue")
+    rate_ax.set(ylabel="images / s", title="throughput (slowest rank's wall time)")
+    ranks = report["options"]["ranks"]
+    width = 0.8 / ranks
+    for index, mode in enumerate(modes):
+        m = report["modes"][mode]
+        for rank in range(ranks):
+            x = index + (rank - (ranks - 1) / 2) * width
+            busy = m["rank_busy_s"][rank]
+            ranks_ax.bar(x, busy, width * 0.9, color="tab:green", label="busy" if (index, rank) == (0, 0) else None)
+            ranks_ax.bar(x, m["wall_s"] - busy, width * 0.9, bottom=busy, color="0.75",
+                         label="waiting or idle" if (index, rank) == (0, 0) else None)  # fmt: skip
+    ranks_ax.set_xticks(range(len(modes)), modes)
+    ranks_ax.set(ylabel="seconds (bars: ranks)", title="per-rank busy time of the run")
+    ranks_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",")]
+    if any(m not in MODES for m in modes):
+        raise ValueError(f"--modes {args.modes!r}: choose among {', '.join(MODES)}")
+    if args.head_dim % 2 or args.head_dim < 8:
+        raise ValueError(f"--head-dim {args.head_dim}: give an even number >= 8 (RoPE rotates channel pairs)")
+    for name in ("large", "small"):
+        if getattr(args, name) % 4:
+            raise ValueError(f"--{name} {getattr(args, name)}: the tiny VAE and patches need multiples of 4 px")
+    options = {"ranks": args.ranks, "requests": args.requests, "count": args.count, "large": args.large,
+               "small": args.small, "steps": args.steps, "modes": modes, "heads": args.heads,
+               "head_dim": args.head_dim, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
+               "max_tokens_per_gpu": args.max_tokens_per_gpu}  # fmt: skip
+    report = bench_generate(options)
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"figures written to {args.json}")
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=positive_int, default=2, help="local processes (one GPU each on CUDA)")
+    parser.add_argument("--requests", metavar="FILE.jsonl", help="request file (default: an imbalanced one)")
+    parser.add_argument("--count", type=positive_int, default=8, help="requests of the default file")
+    parser.add_argument("--large", type=positive_int, default=128, help="large images' side, pixels (default file)")
+    parser.add_argument("--small", type=positive_int, default=32, help="small images' side, pixels (default file)")
+    parser.add_argument("--steps", type=positive_int, default=4, help="steps of the default file (and twice that)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES))
+    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads of the random FLUX.1")
+    parser.add_argument("--head-dim", type=positive_int, default=16, help="channels per head")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
+    parser.add_argument("--max-tokens-per-gpu", type=positive_int, default=None, help="token budget per GPU")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="runs per mode (the best is reported)")
+    parser.add_argument("--json", type=output_file, metavar="OUT.json", help="write every figure")
+    parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="throughput and per-rank busy time")
