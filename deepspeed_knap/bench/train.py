@@ -2,10 +2,13 @@
 
     deepspeed-knap bench train --ranks 2 --mix long_video --token-scale 0.0625 --steps 8
     deepspeed-knap bench train --ranks 2 --mix kf_image_video --token-scale 0.03 --slow-rank 1:3 --online
+    deepspeed-knap bench train --ranks 2 --family wan --mix wan_image_video --token-scale 0.015625
 
 Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA) that train a tiny
-packed FLUX (``TINY_FLUX``; ``--flux-dims`` for FLUX.1's width on GPUs) with DeepSpeed, the real
-routes and Ulysses all-to-alls, on the same synthetic samples of ``--mix`` in every mode:
+packed FLUX (``TINY_FLUX``; ``--flux-dims`` for FLUX.1's width on GPUs) or, with ``--family wan``, a
+tiny packed Wan 2.1 (``TINY_WAN``: 12 heads, cross-attention to each sample's text, videos as
+``[C, F, H, W]`` latents) with DeepSpeed, the real routes and Ulysses all-to-alls, on the same
+synthetic samples of ``--mix`` in every mode:
 ``off`` (no balancing: every sequence stays home), ``knapformer`` and ``refine`` on ``--topology``
 (default: one bag of all ranks), and ``auto``. Per mode and step it reports the measured step time
 (slowest rank, synchronised), the speedup over ``off`` on the same step, the measured max/mean of the
@@ -115,34 +118,43 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     from deepspeed_knap.models.flux.data import SyntheticLatents, rectified_flow
     from deepspeed_knap.models.flux.finetune import TINY_FLUX
     from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
+    from deepspeed_knap.models.wan.data import SyntheticVideoLatents
+    from deepspeed_knap.models.wan.finetune import flow_matching
+    from deepspeed_knap.models.wan.wan import TINY_WAN, PackedWanTransformer
     from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
     deepspeed.init_distributed(verbose=False)
     get_accelerator().set_device(rank)  # one GPU each: bind before anything lands on a device
-    dims = dict(TINY_FLUX)
+    wan = options["family"] == "wan"
+    dims = dict(TINY_WAN if wan else TINY_FLUX)
     if options["flux_dims"]:
         dims.update(num_attention_heads=24, attention_head_dim=128, axes_dims_rope=(16, 56, 56))
     device = torch.device(get_accelerator().current_device_name())
     records = []
     for mode in options["modes"]:
         torch.manual_seed(0)  # every mode trains the same initial weights
-        model = PackedFluxTransformer(**dims)
+        model = (PackedWanTransformer if wan else PackedFluxTransformer)(**dims)
         config = ds_config(mode, options["topology"], world, options["cost_model"], options["online"])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine, _, _, _, balancer = deepspeed_knap.initialize(model=model, optimizer=optimizer, config=config)
         unlink_own_shm_buffer(rank)
-        flux = engine.module
+        dit = engine.module
         slow = None
         if options["slow_rank"] is not None and options["slow_rank"][0] == rank:
-            slow = _SlowDown([*flux.transformer_blocks, *flux.single_transformer_blocks], options["slow_rank"][1])
-        data = SyntheticLatents(options["mix"], flux.config, options["token_scale"], seed=0)
-        guidance = 1.0 if flux.config.get("guidance_embeds") else None
+            blocks = dit.blocks if wan else [*dit.transformer_blocks, *dit.single_transformer_blocks]
+            slow = _SlowDown(blocks, options["slow_rank"][1])
+        data = (SyntheticVideoLatents if wan else SyntheticLatents)(
+            options["mix"], dit.config, options["token_scale"], 0
+        )
+        guidance = 1.0 if dit.config.get("guidance_embeds") else None
         steps = range(options["steps"])
         for step in tqdm(steps, desc=f"bench train {mode}", disable=rank != 0, leave=False):
-            samples, targets = rectified_flow(
-                data.step_samples(step, rank, world), torch.Generator().manual_seed(step * 4099 + rank), guidance
-            )
-            inputs = flux.pack(samples).to(device)
+            latents, generator = data.step_samples(step, rank, world), torch.Generator().manual_seed(step * 4099 + rank)
+            if wan:
+                samples, targets = flow_matching(latents, generator, dit.config["patch_size"])
+            else:
+                samples, targets = rectified_flow(latents, generator, guidance)
+            inputs = dit.pack(samples).to(device)
             get_accelerator().synchronize()
             dist.barrier()  # every rank starts the step together: the step time is the slowest rank's
             start = time.perf_counter()
@@ -238,7 +250,7 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
 
 def format_report(report: dict) -> str:
     options = report["options"]
-    lines = [f"{options['ranks']} ranks, {options['mix']} x{options['token_scale']:g} tokens, topology "
+    lines = [f"{options['ranks']} ranks, tiny {options['family']}, {options['mix']} x{options['token_scale']:g} tokens, topology "
              f"{options['topology']} (knapformer, refine) and auto; off keeps every sequence home"
              + (f", rank {options['slow_rank'][0]} {options['slow_rank'][1]:g}x slower" if options["slow_rank"] else "")
              + (", online refit" if options["online"] else ""), "",
@@ -312,10 +324,13 @@ def run(args: argparse.Namespace) -> int:
     topology = args.topology or f"g{args.ranks}n1"
     if any(mode in ("knapformer", "refine") for mode in modes):
         build_topology(topology, args.ranks)  # a topology the ranks cannot form is refused before they start
-    cost_model = {"model": "flux-tiny"}
+    if args.flux_dims and args.family != "flux":
+        raise ValueError("--flux-dims sets FLUX.1's width: it goes with --family flux")
+    cost_model = {"model": f"{args.family}-tiny"}
     if args.calibration:
         cost_model = {"calibration_file": str(Path(args.calibration).resolve())}
-    options = {"ranks": args.ranks, "mix": args.mix, "token_scale": args.token_scale, "steps": args.steps,
+    mix = args.mix or ("wan_image_video" if args.family == "wan" else "long_video")
+    options = {"ranks": args.ranks, "family": args.family, "mix": mix, "token_scale": args.token_scale, "steps": args.steps,
                "modes": modes, "topology": topology, "slow_rank": args.slow_rank,
                "online": args.online, "flux_dims": args.flux_dims, "threads": args.threads,
                "cost_model": cost_model}  # fmt: skip
@@ -332,7 +347,9 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=positive_int, default=2, help="local processes (one GPU each on CUDA)")
-    add_mix_argument(parser, "long_video")
+    parser.add_argument("--family", default="flux", choices=["flux", "wan"],
+                        help="the tiny model trained: FLUX.1 (TINY_FLUX) or Wan 2.1 (TINY_WAN)")  # fmt: skip
+    add_mix_argument(parser, None)  # default: long_video (flux), wan_image_video (wan)
     parser.add_argument(
         "--token-scale", type=positive_float, default=1 / 16, help="scale the mix's lengths (CPU: small)"
     )

@@ -68,6 +68,8 @@ MODEL_PRESETS: dict[str, dict[str, float]] = {
     "wan2.1-1.3b": {"dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30, "text_len": 512},
     "wan2.1-14b": {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40, "text_len": 512},
     "wan2.2-ti2v-5b": {"dim": 3072, "ffn_dim": 14336, "num_heads": 24, "num_layers": 30, "text_len": 512},
+    # models/wan/wan.py TINY_WAN (bench train --family wan): 12 heads of 6, the text of a mix at 1/64.
+    "wan-tiny": {"dim": 72, "ffn_dim": 48, "num_heads": 12, "num_layers": 2, "text_len": 8},
 }
 # The keys that make a dims dict Wan's (the others are FLUX's: hidden, double_blocks, single_blocks, mlp_ratio).
 WAN_DIM_KEYS = ("dim", "ffn_dim", "num_heads", "num_layers", "text_len")

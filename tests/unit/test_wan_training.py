@@ -1,0 +1,103 @@
+"""Wan training pieces: the flow-matching objective against its definition, synthetic clips against the
+mix's sizes, the prepared-file check naming each bad file, and ds_configs/wan14b_zero3_knap.json against
+Wan 2.1 14B (its parameter count, its cost model, its cap on a full-size wan_image_video step)."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from deepspeed_knap.data.mixes import sample_shapes
+from deepspeed_knap.models.wan.data import SyntheticVideoLatents, check_video_latent_file, save_video_sample
+from deepspeed_knap.models.wan.finetune import flow_matching
+from deepspeed_knap.models.wan.wan import TINY_WAN, PackedWanTransformer, unpatchify
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_flow_matching_noises_each_sample_at_its_own_level_and_targets_the_velocity():
+    g = torch.Generator().manual_seed(0)
+    latents = [
+        {"latents": torch.randn(4, 3, 4, 6, generator=g), "encoder_hidden_states": torch.randn(5, 24, generator=g)},
+        {"latents": torch.randn(4, 1, 8, 2, generator=g), "encoder_hidden_states": torch.randn(2, 24, generator=g)},
+    ]
+    samples, targets = flow_matching(latents, torch.Generator().manual_seed(1), [1, 2, 2])
+    sigmas = []
+    for latent, sample, target in zip(latents, samples, targets, strict=True):
+        x0 = latent["latents"]
+        sigma = sample["timestep"] / 1000
+        grid = [x0.shape[1], x0.shape[2] // 2, x0.shape[3] // 2]
+        velocity = unpatchify(target, grid, [1, 2, 2])  # noise - x0, back in [C, F, H, W]
+        assert target.shape == (math.prod(grid), 4 * 4)
+        torch.testing.assert_close(sample["hidden_states"], x0 + sigma * velocity)  # (1 - s) x0 + s noise
+        assert sample["encoder_hidden_states"] is latent["encoder_hidden_states"]
+        sigmas.append(float(sigma))
+    assert min(sigmas) > 0 and max(sigmas) < 1 and sigmas[0] != sigmas[1]
+
+
+def test_synthetic_clips_have_the_mix_sizes_scaled():
+    config = {**TINY_WAN, "patch_size": [1, 2, 2]}
+    data = SyntheticVideoLatents("wan_image_video", config, token_scale=1 / 64, seed=3)
+    shapes = sample_shapes("wan_image_video", 2, seed=3 * 100_003 + 5)[1]
+    samples = data.step_samples(5, 1, 2)
+    assert len(samples) == len(shapes)
+    for shape, sample in zip(shapes, samples, strict=True):
+        channels, frames, height, width = sample["latents"].shape
+        tokens = frames * (height // 2) * (width // 2)
+        assert (channels, frames) == (4, shape.frames)
+        assert abs(tokens - shape.visual / 64) <= frames * (math.sqrt(shape.visual / 64 / frames) + 1), (shape, tokens)
+        assert sample["encoder_hidden_states"].shape == (shape.cross_text // 64, 24)
+    again = SyntheticVideoLatents("wan_image_video", config, token_scale=1 / 64, seed=3).step_samples(5, 1, 2)
+    assert all(torch.equal(a["latents"], b["latents"]) for a, b in zip(samples, again, strict=True))
+
+
+def test_prepared_file_check_names_each_problem(tmp_path):
+    config = {**TINY_WAN, "patch_size": [1, 2, 2]}
+    good = {"latents": torch.zeros(4, 2, 4, 6), "encoder_hidden_states": torch.zeros(16, 24)}
+    cases = {
+        "good": (good, None),
+        "channels": ({**good, "latents": torch.zeros(6, 2, 4, 6)}, "must be [C, F, H, W] with C = in_channels = 4"),
+        "odd": ({**good, "latents": torch.zeros(4, 2, 5, 6)}, "height 5 not a positive multiple of the patch"),
+        "text": ({**good, "encoder_hidden_states": torch.zeros(16, 32)}, "must be [Lt >= 1, text_dim = 24]"),
+        "rope": ({**good, "latents": torch.zeros(4, 65, 2, 2)}, "exceeds the model's rope_max_seq_len=64"),
+    }
+    for name, (sample, expected) in cases.items():
+        save_video_sample(tmp_path / f"{name}.safetensors", sample)
+        problem = check_video_latent_file(tmp_path / f"{name}.safetensors", config)
+        if expected is None:
+            assert problem is None
+        else:
+            assert problem.startswith(str(tmp_path / f"{name}.safetensors")) and expected in problem, problem
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    assert "not a readable .safetensors file" in check_video_latent_file(tmp_path / "junk.safetensors", config)
+    from safetensors.torch import save_file
+
+    save_file({**good, "img_ids": torch.zeros(3, 3)}, str(tmp_path / "flux.safetensors"))
+    assert "a video latent sample holds exactly" in check_video_latent_file(tmp_path / "flux.safetensors", config)
+
+
+def test_wan14b_config_fits_wan21_14b_and_its_cap_holds_a_full_size_step():
+    """docs/training.md's arithmetic: P is Wan 2.1 14B's, the config prices with its FLOP model, and a
+    full-size wan_image_video step on 4 x 8 GPUs (57.6k tokens per GPU on average: each rank's samples
+    fill up to one 720p 81-frame clip, 75,600 tokens) plans every GPU under the 76,800-token cap."""
+    from deepspeed_knap.cost.model import default_cost_model
+    from deepspeed_knap.data.mixes import sample_mix
+    from deepspeed_knap.planner.solve import plan_routing
+    from deepspeed_knap.planner.topology import build_topology
+    from deepspeed_knap.runtime.config import get_knapformer_config, load_ds_config
+
+    knap = get_knapformer_config(load_ds_config(str(ROOT / "ds_configs" / "wan14b_zero3_knap.json")))
+    ours, flops = knap.cost_model.build(), default_cost_model("wan2.1-14b")
+    assert (ours.linear_coef, ours.quadratic_coef, ours.num_heads) == (flops.linear_coef, flops.quadratic_coef, 40)
+    with torch.device("meta"):
+        model = PackedWanTransformer(num_attention_heads=40, attention_head_dim=128, text_dim=4096, ffn_dim=13824,
+                                     num_layers=40)  # fmt: skip
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(14.29e9, rel=1e-3)
+    topology = build_topology(knap.topology, 32, knap.gpus_per_node)
+    for seed in range(3):
+        seq_lens = sample_mix("wan_image_video", 32, seed=seed)
+        assert max(max(lens) for lens in seq_lens) <= 75_600
+        plan = plan_routing(seq_lens, topology, ours, knap.solver, knap.max_tokens_per_gpu)
+        assert np.max(plan.gpu_tokens) <= knap.max_tokens_per_gpu
