@@ -227,6 +227,8 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     intake = take_requests(path, generator, max_tokens_per_gpu, max_degree)
     busy = time.perf_counter() - busy  # the intake's own checks; the gather is shared waiting
     batcher = StepBatcher(intake.jobs, world, max_tokens_per_gpu, _solver(balancer))
+    # A balancer may serve several runs: this run's counts are what it adds.
+    solves_before, steps_before = (balancer.solves, len(balancer.plan_s)) if balancer is not None else (0, 0)
     report = GenerationReport(rank, [], intake.refused, intake.count)
     states: dict[int, Any] = {}
     records: dict[int, dict] = {}
@@ -272,8 +274,8 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     bar.close()
     report.steps, report.wall_s, report.busy_s = batcher.steps_taken, time.perf_counter() - start, busy
     if balancer is not None:  # unbalanced, the batcher's "solve" makes no plan
-        report.solves = batcher.solves + balancer.solves
-        report.plan_s, report.route_s = list(balancer.plan_s), list(balancer.route_s)
+        report.solves = batcher.solves + balancer.solves - solves_before
+        report.plan_s, report.route_s = balancer.plan_s[steps_before:], balancer.route_s[steps_before:]
     return report
 
 
