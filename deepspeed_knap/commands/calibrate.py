@@ -1,4 +1,4 @@
-"""``deepspeed-knap calibrate``: fit the cost model to FLUX blocks (or any callable) timed on this
+"""``deepspeed-knap calibrate``: fit the cost model to FLUX or Wan blocks (or any callable) timed on this
 device, and write it as JSON for ``"cost_model": {"calibration_file": ...}``
 (:func:`deepspeed_knap.cost.calibrate.calibrate` does the timing and the fit).
 """
@@ -11,6 +11,7 @@ import numpy as np
 
 from deepspeed_knap.commands.options import device, nonnegative_int, output_file, positive_int, seq_lens
 from deepspeed_knap.cost.calibrate import check_fits_memory
+from deepspeed_knap.cost.model import MODEL_PRESETS
 
 HELP = "fit the cost model to timed blocks on this device"
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=positive_int, default=4, help="FLUX blocks: attention heads")
     parser.add_argument("--head-dim", type=positive_int, default=32, help="FLUX blocks: channels per head")
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
+    parser.add_argument("--wan", metavar="PRESET", choices=[name for name in MODEL_PRESETS if name.startswith("wan")],
+                        help="time Wan blocks of a preset's dims instead of FLUX blocks: "
+                        + ", ".join(name for name in MODEL_PRESETS if name.startswith("wan")))  # fmt: skip
     parser.add_argument("--double-blocks", type=nonnegative_int, default=19, help="double-stream blocks of the model")
     parser.add_argument("--single-blocks", type=nonnegative_int, default=38, help="single-stream blocks of the model")
     parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
@@ -41,7 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from deepspeed_knap.cost.calibrate import calibrate, flux_blocks_step, load_callable, write_calibration
+    from deepspeed_knap.cost.calibrate import (
+        calibrate,
+        flux_blocks_step,
+        load_callable,
+        wan_blocks_step,
+        write_calibration,
+    )
 
     lengths = args.seq_lens
     if len(set(lengths)) < 4:
@@ -50,15 +60,26 @@ def run(args: argparse.Namespace) -> int:
             "with one to spare"
         )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.wan and (args.callable or args.flux_dims or args.degrees):
+        raise ValueError(f"--wan {args.wan} times Wan blocks; it goes without --callable, --flux-dims and --degrees")
+    wan = MODEL_PRESETS[args.wan] if args.wan else None
     heads, head_dim = (24, 128) if args.flux_dims else (args.heads, args.head_dim)
+    if wan:
+        heads, head_dim = wan["num_heads"], wan["dim"] // wan["num_heads"]
     if not args.callable:
         check_fits_memory(max(lengths), heads, head_dim, getattr(torch, args.dtype), device)
     if args.callable:
         step, about = load_callable(args.callable), {"callable": args.callable}
+    elif wan:
+        step = wan_blocks_step(heads, head_dim, wan["ffn_dim"], wan["num_layers"], wan["text_len"], device,
+                               getattr(torch, args.dtype), args.backend)  # fmt: skip
+        about = {"blocks": f"Wan {args.wan}: {wan['num_layers']} blocks, {heads}x{head_dim} heads, "
+                           f"{wan['text_len']} text rows", "num_heads": heads}  # fmt: skip
     else:
         step = flux_blocks_step(heads, head_dim, args.double_blocks, args.single_blocks, device,
                                 getattr(torch, args.dtype), args.backend)  # fmt: skip
-        about = {"blocks": f"FLUX {args.double_blocks}+{args.single_blocks} blocks, {heads}x{head_dim} heads"}
+        about = {"blocks": f"FLUX {args.double_blocks}+{args.single_blocks} blocks, {heads}x{head_dim} heads",
+                 "num_heads": heads}  # fmt: skip
     about.update(device=torch.cuda.get_device_name() if device.startswith("cuda") else device, dtype=args.dtype)
     model, times, fit = calibrate(step, lengths, args.repeats)
     degrees = [int(g) for g in args.degrees.split(",")] if args.degrees else []

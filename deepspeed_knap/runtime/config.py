@@ -183,13 +183,15 @@ def _read_calibration(path: str) -> CostModel:
     try:
         data = json.loads(Path(path).read_text())
         efficiency = data.get("degree_efficiency")
+        # num_heads: the heads of the blocks timed (calibrate writes it), pricing groups they do not divide.
         return CostModel(float(data["linear_coef"]), float(data["quadratic_coef"]),
                              float(data.get("alltoall_coef", 0.0)), None,
-                             tuple((int(g), float(e)) for g, e in efficiency) if efficiency else None)  # fmt: skip
+                             tuple((int(g), float(e)) for g, e in efficiency) if efficiency else None,
+                             num_heads=int(data["num_heads"]) if data.get("num_heads") else None)  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"knapformer.cost_model.calibration_file {path!r} is unreadable ({error}); it must be a JSON object with "
-            "linear_coef, quadratic_coef and optionally alltoall_coef and degree_efficiency, as deepspeed-knap "
+            "linear_coef, quadratic_coef and optionally alltoall_coef, degree_efficiency and num_heads, as deepspeed-knap "
             "calibrate writes"
         ) from None
 

@@ -42,3 +42,19 @@ def test_flux_blocks_on_cpu_smoke(tmp_path):
 def test_too_few_lengths_is_a_clear_error(tmp_path, capsys):
     assert main(["calibrate", "--out", str(tmp_path / "x.json"), "--seq-lens", "16,32,64,64"]) == 2
     assert "give at least 4 different lengths" in capsys.readouterr().err
+
+
+def test_wan_blocks_on_cpu_and_the_heads_reach_the_cost_model(tmp_path, capsys):
+    """--wan times a Wan block of a preset's dims (wan-tiny: 12 heads of 6, 2 layers, 8 text rows); the
+    file carries the heads, so groups they do not divide are priced (a group of 8 runs 2 of 12 heads)."""
+    out = tmp_path / "wan.json"
+    assert main(["calibrate", "--out", str(out), "--seq-lens", "64,128,256,512", "--repeats", "1",
+                 "--wan", "wan-tiny"]) == 0  # fmt: skip
+    written = json.loads(out.read_text())
+    assert written["blocks"] == "Wan wan-tiny: 2 blocks, 12x6 heads, 8 text rows" and written["num_heads"] == 12
+    assert all(t > 0 for t in written["seconds"]) and written["linear_coef"] + written["quadratic_coef"] > 0
+    model = get_knapformer_config({"knapformer": {"cost_model": {"calibration_file": str(out)}}}).cost_model.build()
+    assert model.num_heads == 12 and model.head_factor(8) == pytest.approx(2 * 8 / 12)
+    capsys.readouterr()
+    assert main(["calibrate", "--out", str(out), "--seq-lens", "64,128,256,1500", "--wan", "wan-tiny"]) == 2
+    assert "lengths above 1024 must be multiples of 1024; got 1500" in capsys.readouterr().err
