@@ -99,7 +99,7 @@ class KnapCostModelConfig(_KnapConfigModel):
     it is refit online."""
 
     model: str | None = None
-    """Preset name (``flux-dev``, ``flux-schnell``, ``flux-tiny``, ``flux2-dev``; Wan: ``wan2.1-1.3b``,
+    """Preset name (``flux-dev``, ``flux-schnell``, ``flux-tiny``, ``flux2-dev``, ``flux3``; Wan: ``wan2.1-1.3b``,
     ``wan2.1-14b``, ``wan2.2-ti2v-5b``, ``wan-tiny``); the default when nothing else is given. The dims overrides
     below are FLUX's: a Wan preset takes none (another Wan size: calibrate, or give coefficients)."""
     hidden: int | None = Field(None, gt=0)
