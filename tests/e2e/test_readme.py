@@ -57,6 +57,8 @@ def test_every_subcommand_is_found():
         "bench ahead",
         "bench train",
         "bench flux",
+        "bench generate",
+        "generate",
         "doctor",
     }
 
