@@ -88,6 +88,19 @@ def _worker(rank: int, world: int, cases=CASES, rank_shapes=None) -> dict:
         model(inputs, KnapBalancer(groups, CostModel(**COST_MODEL)))
     except ValueError as error:
         results["mismatch"] = str(error)
+    # A bad sample on one rank (latents whose width the patch does not divide): every rank raises the
+    # same error naming that rank and the sample, in the step's first collective; then a good step runs.
+    balancer = KnapBalancer(groups, CostModel(**COST_MODEL))
+    samples = random_samples("wan21", rank_shapes[rank], 10 + rank, torch.float64)
+    if rank == 2:
+        samples[1]["hidden_states"] = samples[1]["hidden_states"][..., :3]
+    results["bad_sample"] = "no error"
+    try:
+        model.forward_samples(samples, balancer)
+    except ValueError as error:
+        results["bad_sample"] = str(error)
+    good = random_samples("wan21", rank_shapes[rank], 10 + rank, torch.float64)
+    results["after"] = [tuple(out.shape) for out in model.forward_samples(good, balancer)]
     return results
 
 
@@ -104,12 +117,17 @@ def _needing_grad(inputs, keys):
 def test_balanced_auto_plans_mixing_degrees_equal_the_unbalanced_model():
     """Outputs per rank, input gradients per sample and rank-summed parameter gradients of the balanced
     model equal the unbalanced one at fp64 (1e-10), on plans that mix groups of 1, 2 and 4 GPUs; the
-    balanced outputs also equal diffusers' per sample (T2V, TI2V)."""
+    balanced outputs also equal diffusers' per sample (T2V, TI2V). A bad sample on one rank raises the
+    same error on every rank, naming it, and the next step runs."""
     results = run_distributed(_worker, 4, timeout=300)
+    message = results[0]["bad_sample"]
+    assert "rank(s) [2]: sample 1: latents [C, F, H, W] = [4, 3, 4, 3]: width 3 not a positive multiple" in message
     for case in CASES:
         assert results[0][case]["group_sizes"] == [1, 2, 4], "the plan must mix degrees 1, 2 and 4 in one step"
     for rank, result in enumerate(results):
         assert "carry different tokens or columns" in result.pop("mismatch"), rank
+        assert result.pop("bad_sample") == message, "every rank must raise the same message"
+        assert result.pop("after") == [(4, f, h, w) for f, h, w, _ in RANK_SHAPES[rank]], rank
         for case, measured in result.items():
             for key in ("out_err", "grad_err", "input_grad_err", "diffusers_err"):
                 assert measured[key] <= 1e-10, (rank, case, key, measured)

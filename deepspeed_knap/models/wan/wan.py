@@ -113,6 +113,9 @@ class WanInputs:
         text_lens: ``N`` text rows per sample.
         encoder_hidden_states_image: ``[Ti, Di]`` I2V image context rows, sample after sample, else ``None``.
         image_lens: ``N`` image context rows per sample (empty without).
+        problem: why the samples given could not be packed (naming the sample), or ``None``; inputs
+            with a problem hold no samples, and :meth:`PackedWanTransformer.forward` raises it on
+            every rank of the step (``pack(samples, on_problem="carry")``).
     """
 
     hidden_states: Tensor
@@ -124,6 +127,7 @@ class WanInputs:
     text_lens: tuple[int, ...]
     encoder_hidden_states_image: Tensor | None = None
     image_lens: tuple[int, ...] = ()
+    problem: str | None = None
 
     @property
     def num_samples(self) -> int:
@@ -250,16 +254,30 @@ class PackedWanTransformer(DiffusersCheckpoint, nn.Module):
 
     # ---- packing ----
 
-    def pack(self, samples: Sequence[Mapping[str, Tensor]]) -> WanInputs:
+    def pack(self, samples: Sequence[Mapping[str, Tensor]], on_problem: str = "raise") -> WanInputs:
         """Pack per-sample diffusers arguments (unbatched; see the module docstring) into
         :class:`WanInputs`. No samples gives an empty batch with the right columns (a rank may have
         none this step).
+
+        Args:
+            on_problem: ``"raise"``: raise on a bad sample, here (local). ``"carry"``: return empty
+                inputs whose ``problem`` names it, for a balanced :meth:`forward` to raise on every
+                rank together (raising here alone would leave the other ranks waiting in the step's
+                first collective).
 
         Raises:
             ValueError: naming the sample: a missing key, latents whose frames, height or width the
                 patch does not divide, a per-token timestep of the wrong length, a shape that does
                 not fit the config.
         """
+        if on_problem not in ("raise", "carry"):
+            raise ValueError(f"on_problem must be 'raise' or 'carry'; got {on_problem!r}")
+        if on_problem == "carry":
+            try:
+                return self.pack(samples)
+            except (ValueError, TypeError, AttributeError, RuntimeError) as error:  # a non-tensor value, too
+                problem = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+                return dataclasses.replace(self.pack([]), problem=problem)
         config = self.config
         patch = tuple(config["patch_size"])
         grids = tuple(self._check_sample(index, sample) for index, sample in enumerate(samples))
@@ -353,15 +371,22 @@ class PackedWanTransformer(DiffusersCheckpoint, nn.Module):
         self, samples: Sequence[Mapping[str, Tensor]], balancer: KnapBalancer | None = None
     ) -> list[Tensor]:
         """:meth:`pack`, :meth:`forward`, split: one ``[C_out, F, H, W]`` output per sample, what
-        diffusers returns for that sample alone. Collective when ``balancer`` is given."""
-        inputs = self.pack(samples)
+        diffusers returns for that sample alone. Collective when ``balancer`` is given: a bad sample
+        on any rank raises on every rank, the same error naming the rank and the sample, in the
+        step's first collective (unbalanced: here)."""
+        inputs = self.pack(samples, on_problem="carry" if balancer is not None else "raise")
         return inputs.split(self(inputs, balancer))
 
     def forward(self, inputs: WanInputs, balancer: KnapBalancer | None = None) -> Tensor:
         """``[T, P * C_out]`` predictions for ``inputs.hidden_states``' tokens, in their order
         (:meth:`WanInputs.split` unpatchifies them; :func:`output_rows` lays a target out alike). With
         a ``balancer`` the blocks run on the tokens the step's plan gives this GPU (collective: every
-        rank calls it every step, even with no samples)."""
+        rank calls it every step, even with no samples).
+
+        Raises:
+            ValueError: ``inputs.problem`` (a bad sample :meth:`pack` carried): here without a
+                balancer; with one, on every rank, by the step's first collective.
+        """
         device = inputs.hidden_states.device
         text, image = inputs.encoder_hidden_states, inputs.encoder_hidden_states_image
         if self.embed_text_before_routing:
@@ -380,7 +405,7 @@ class PackedWanTransformer(DiffusersCheckpoint, nn.Module):
             sample_data=sample_data,
         )
         blocks = functools.partial(self._blocks, inputs=inputs, text=(text, text_key), image=(image, image_key))
-        return balanced_forward(batch, blocks, balancer)
+        return balanced_forward(batch, blocks, balancer, problem=inputs.problem)
 
     def _blocks(self, routed: RoutedBatch, inputs: WanInputs, text: tuple[Tensor, str],
                 image: tuple[Tensor | None, str | None]) -> Tensor:  # fmt: skip
