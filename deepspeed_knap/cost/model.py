@@ -107,6 +107,11 @@ class CostModel:
             that attend within each attention segment of a sequence alone (FLUX.3's per-mode blocks:
             ``mode_blocks / (mode_blocks + joint blocks)``); prices the sequences the planner is given
             segments of (module docstring). 0: every block attends over the whole sequence.
+        route_coef: seconds of one token's round trip off its home GPU to another GPU of its node:
+            the route and the reverse route, forward and backward. The planner adds the route phase
+            to a plan's step (:mod:`~deepspeed_knap.planner.route`) and keeps a sequence home when
+            moving it costs more than it saves. 0 (the default): moving is free, as before.
+        inter_node_route_coef: the same to a GPU of another node; ``None``: ``route_coef``.
     """
 
     linear_coef: float
@@ -118,14 +123,19 @@ class CostModel:
     num_heads: int | None = None
     sequence_coef: float = 0.0
     segment_attention_share: float = 0.0
+    route_coef: float = 0.0
+    inter_node_route_coef: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads is not None and (
             isinstance(self.num_heads, bool) or not isinstance(self.num_heads, (int, np.integer)) or self.num_heads < 1
         ):
             raise ValueError(f"cost model num_heads must be a positive integer or None; got {self.num_heads!r}")
-        for name in ("linear_coef", "quadratic_coef", "alltoall_coef", "overhead_s", "sequence_coef"):
+        for name in ("linear_coef", "quadratic_coef", "alltoall_coef", "overhead_s", "sequence_coef", "route_coef",
+                     "inter_node_route_coef"):  # fmt: skip
             value = getattr(self, name)
+            if value is None and name == "inter_node_route_coef":  # None: as route_coef
+                continue
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"cost model {name} must be a finite number >= 0; got {value!r}")
         share = self.segment_attention_share
@@ -272,6 +282,17 @@ class CostModel:
         sequence = train_factor * 2 * 2 * text_len * dim**2 * num_layers / flops_per_s
         alltoall = 8 * dim * bytes_per_element * num_layers / (alltoall_gbps * 1e9)
         return cls(linear, quadratic, alltoall, gpu_speed, num_heads=int(num_heads), sequence_coef=sequence)
+
+    @property
+    def inter_node_route(self) -> float:
+        """Seconds of one token's round trip to another node: :attr:`inter_node_route_coef`, or
+        :attr:`route_coef` when that is ``None``."""
+        return self.route_coef if self.inter_node_route_coef is None else self.inter_node_route_coef
+
+    @property
+    def prices_routes(self) -> bool:
+        """Whether moving a token costs anything (a route coefficient above 0)."""
+        return self.route_coef > 0 or self.inter_node_route > 0
 
     def head_factor(self, bag_size: np.ndarray | int) -> np.ndarray:
         """``[...]`` ``ceil(H / G) * G / H`` of each bag size ``G``: how much longer a bag's attention

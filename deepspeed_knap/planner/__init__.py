@@ -10,6 +10,7 @@ for 1,024 simulated GPUs on a laptop.
 * :mod:`~deepspeed_knap.planner.search`: the exact and local search both solvers share.
 * :mod:`~deepspeed_knap.planner.fixed` and :mod:`~deepspeed_knap.planner.elastic`: the solvers for
   fixed bags and for topology ``auto``.
+* :mod:`~deepspeed_knap.planner.route`: the price of the tokens a plan moves, and keeping home what does not pay.
 * :mod:`~deepspeed_knap.planner.solve`: the entry points, :func:`plan_routing` and :func:`lower_bound`.
 * :mod:`~deepspeed_knap.planner.worker`: :class:`PlanWorker`, which solves the next step in a child process.
 """
@@ -21,6 +22,7 @@ from deepspeed_knap.planner.solve import (
     SOLVERS,
     lower_bound,
     plan_loads,
+    plan_route_s,
     plan_routing,
 )
 from deepspeed_knap.planner.topology import AUTO, Topology, build_topology, parse_topology_spec
@@ -36,5 +38,6 @@ __all__ = [
     "lower_bound",
     "parse_topology_spec",
     "plan_loads",
+    "plan_route_s",
     "plan_routing",
 ]

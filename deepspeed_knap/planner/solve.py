@@ -26,7 +26,9 @@ Solvers (``SOLVERS``):
   a budgeted exact branch and bound. If keeping every sequence alone on its home GPU (``none``) is no
   slower, that plan is returned instead: the all-to-all can cost more than balancing gains. Local
   search never raises the max load, so ``refine`` is never worse than ``knapformer`` or ``none`` in
-  modeled max load, and it honours ``max_tokens_per_gpu``.
+  modeled max load, and it honours ``max_tokens_per_gpu``. With a route coefficient in the cost
+  model, ``refine`` then brings home (alone on its home GPU) every sequence whose move costs more
+  route time than it saves compute (:mod:`~deepspeed_knap.planner.route`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from deepspeed_knap.planner.elastic import solve_elastic
 from deepspeed_knap.planner.fixed import _knapformer_greedy, _refine
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.problem import Problem, _flatten_segments, _group_loads
+from deepspeed_knap.planner.route import gpu_traffic, keep_home, route_seconds
 from deepspeed_knap.planner.topology import Topology
 
 SOLVERS = ("none", "knapformer", "refine")
@@ -160,10 +163,33 @@ def _solve(seq_lens_per_rank, topology: Topology, cost_model: CostModel, solver:
     # it (tiny sequences, where the all-to-all costs more than balancing wins), that is the plan.
     if bag_of_seq is None:
         return problem.make_home_plan(solver)
-    plan = problem.make_plan(solver, problem.bag_first[bag_of_seq], problem.bag_size[bag_of_seq])
-    if home_fits and problem.home_max_load_s <= plan.max_load:
+    group_start, group_size = problem.bag_first[bag_of_seq], problem.bag_size[bag_of_seq]
+    route_s = 0.0
+    if solver == "refine" and cost_model.prices_routes:  # moving tokens costs time: keep home what does not pay
+        group_start, group_size = _keep_home(problem, group_start, group_size)
+        route_s = route_seconds(cost_model, gpu_traffic(problem.seq_lens, problem.src, group_start, group_size,
+                                                        problem.num_gpus, topology.gpus_per_node))  # fmt: skip
+    plan = problem.make_plan(solver, group_start, group_size)
+    if home_fits and problem.home_max_load_s <= plan.max_load + route_s:
         return problem.make_home_plan(solver)
     return plan
+
+
+def _keep_home(problem: Problem, group_start: np.ndarray, group_size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~deepspeed_knap.planner.route.keep_home` of the plan of groups ``(group_start,
+    group_size)`` ``[N]``, with the problem's costs in its quantised units (rounded down, as the
+    problem's own)."""
+    model, unit = problem.cost_model, problem.seconds_per_unit
+    speed = np.ones(problem.num_gpus) if model.gpu_speed is None else np.asarray(model.gpu_speed, dtype=np.float64)
+    group_speed = np.array([speed[start : start + size].min() for start, size in
+                            zip(group_start.tolist(), group_size.tolist(), strict=True)])  # fmt: skip
+    load_units = np.floor(model.per_gpu_time(problem.seq_lens, group_size, group_speed, problem.segment_squares)
+                          / unit).astype(np.int64)  # fmt: skip
+    home_units = np.floor(model.per_gpu_time(problem.seq_lens, 1, speed[problem.src], problem.segment_squares)
+                          / unit).astype(np.int64)  # fmt: skip
+    base_units = np.floor(model.gpu_overhead_s(problem.num_gpus) / unit).astype(np.int64)
+    return keep_home(model, problem.seq_lens, problem.src, group_start, group_size, load_units, home_units, unit,
+                     base_units, problem.topology.gpus_per_node, problem.cap)  # fmt: skip
 
 
 def lower_bound(
@@ -207,3 +233,13 @@ def plan_loads(
         squares = _flatten_segments(seq_segments_per_rank, plan.seq_lens, plan.seq_src_rank, plan.num_gpus)
     return _group_loads(cost_model, plan.seq_lens, plan.seq_group_start, plan.seq_group_size, plan.num_gpus,
                         squares)  # fmt: skip
+
+
+def plan_route_s(plan: RoutingPlan, cost_model: CostModel, gpus_per_node: int | None = None) -> float:
+    """Modeled seconds of ``plan``'s route phase under ``cost_model``: the route and the reverse
+    route, forward and backward, of the tokens it moves (:mod:`~deepspeed_knap.planner.route`).
+    ``gpus_per_node``: where nodes end, for ``inter_node_route_coef``; ``None``: one node. The
+    plan's modeled step is ``plan.max_load + plan_route_s(plan, cost_model, gpus_per_node)``."""
+    traffic = gpu_traffic(plan.seq_lens, plan.seq_src_rank, plan.seq_group_start, plan.seq_group_size, plan.num_gpus,
+                          gpus_per_node)  # fmt: skip
+    return route_seconds(cost_model, traffic)

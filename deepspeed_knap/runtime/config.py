@@ -15,6 +15,7 @@ naming it. Every field is documented in docs/config.md with its default.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -120,6 +121,13 @@ class KnapCostModelConfig(_KnapConfigModel):
     """Measured ``b`` (seconds per token squared); give with ``linear_coef``."""
     alltoall_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Measured ``c`` (seconds per token of Ulysses traffic); optional with coefficients."""
+    route_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Seconds of one token's round trip off its home GPU to another GPU of its node (the route and
+    the reverse route, forward and backward), with any source: the planner adds the route phase to
+    a plan's modeled step and keeps a sequence home when moving it costs more than it saves. 0: moving
+    is free (the plans of before)."""
+    inter_node_route_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """The same to a GPU of another node; default: ``route_coef``."""
     calibration_file: str | None = None
     """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef`` and
     ``degree_efficiency``, as ``deepspeed-knap calibrate`` writes it."""
@@ -169,6 +177,10 @@ class KnapCostModelConfig(_KnapConfigModel):
 
     def build(self) -> CostModel:
         """The :class:`~deepspeed_knap.cost.model.CostModel` this section describes."""
+        return dataclasses.replace(self._compute_model(), route_coef=self.route_coef,
+                                   inter_node_route_coef=self.inter_node_route_coef)  # fmt: skip
+
+    def _compute_model(self) -> CostModel:
         if self.linear_coef is not None:
             return CostModel(self.linear_coef, self.quadratic_coef, self.alltoall_coef or 0.0)
         if self.calibration_file is not None:

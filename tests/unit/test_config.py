@@ -29,6 +29,19 @@ def test_cost_model_sources():
     assert block(cost_model={"linear_coef": 1e-6, "quadratic_coef": 1e-9}).cost_model.build() == CostModel(1e-6, 1e-9)
 
 
+def test_route_coefficients_go_with_any_source():
+    """The link is not the model: a preset, coefficients or a calibration file each take them."""
+    preset = block(cost_model={"model": "flux-tiny", "route_coef": 2e-6}).cost_model.build()
+    assert preset.route_coef == 2e-6 and preset.inter_node_route == 2e-6
+    assert preset.linear_coef == default_cost_model("flux-tiny").linear_coef
+    measured = block(cost_model={"linear_coef": 1e-6, "quadratic_coef": 1e-9, "route_coef": 1e-7,
+                                 "inter_node_route_coef": 4e-7}).cost_model.build()  # fmt: skip
+    assert measured == CostModel(1e-6, 1e-9, route_coef=1e-7, inter_node_route_coef=4e-7)
+    for bad in (-1e-6, True, "fast"):
+        with pytest.raises(ValueError, match=r"knapformer\.cost_model\.route_coef"):
+            block(cost_model={"route_coef": bad})
+
+
 def test_online_refit_and_frozen_base_settings():
     from deepspeed_knap.cost.online import OnlineSettings
 
