@@ -214,9 +214,9 @@ class KnapFormerConfig(_KnapConfigModel):
 
     enabled: StrictBool = False
     """Turn balancing on."""
-    topology: str | None = None
-    """``"auto"`` (every sequence gets its own Ulysses degree each step), or the bag layout of one
-    balance group, e.g. ``"g8n4"`` or ``"g1n8+g2n4"``; required when enabled."""
+    topology: str = AUTO
+    """``"auto"`` (the default: every sequence gets its own Ulysses degree each step), or the bag
+    layout of one balance group, e.g. ``"g8n4"`` or ``"g1n8+g2n4"``."""
     max_degree: int | None = Field(None, gt=0)
     """``auto`` only: the largest Ulysses group, a power of two; above a node, groups of whole nodes
     for sequences the cap keeps out of every group inside one. Default: the smallest of 8, the node
@@ -272,24 +272,24 @@ class KnapFormerConfig(_KnapConfigModel):
 
     @field_validator("topology")
     @classmethod
-    def _topology_grammar(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_topology_spec(value)
+    def _topology_grammar(cls, value: str) -> str:
+        parse_topology_spec(value)
         return value
 
     @model_validator(mode="after")
     def _topology_when_enabled(self) -> KnapFormerConfig:
-        if self.enabled and self.topology is None:
-            raise ValueError('"enabled": true needs a "topology": "auto", or bags such as "g8n4" (4 bags of 8 GPUs)')
         if self.solver == "knapformer" and self.max_tokens_per_gpu is not None:
             raise ValueError(
                 f'"solver": "knapformer" cannot honour "max_tokens_per_gpu": {self.max_tokens_per_gpu} (the published '
                 'greedy knows no memory); use "solver": "refine", or drop the cap'
             )
-        if self.topology is not None and self.topology.strip() == AUTO and self.solver == "knapformer":
-            raise ValueError('"solver": "knapformer" needs a fixed topology; "topology": "auto" is planned by "refine"')
+        if self.topology.strip() == AUTO and self.solver == "knapformer":
+            raise ValueError(
+                '"solver": "knapformer" needs a fixed topology, e.g. "topology": "g8n4"; "topology": "auto" (the '
+                'default) is planned by "refine"'
+            )
         if self.max_degree is not None:
-            if self.topology is None or self.topology.strip() != AUTO:
+            if self.topology.strip() != AUTO:
                 raise ValueError(
                     f'"max_degree": {self.max_degree} applies to "topology": "auto" only; a fixed topology '
                     f"({self.topology!r}) sets its bag sizes itself"

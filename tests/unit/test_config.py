@@ -15,7 +15,7 @@ def block(**fields):
 
 def test_absent_block_is_disabled_with_documented_defaults():
     config = get_knapformer_config({"train_batch_size": 8})
-    assert not config.enabled and config.topology is None and config.solver == "refine"
+    assert not config.enabled and config.topology == "auto" and config.solver == "refine"
     assert config.max_degree is None and config.timeout_s == 300.0
     assert config.attention_backend == "auto" and config.log_interval == 10 and config.max_tokens_per_gpu is None
     assert config.cost_model.build() == default_cost_model("flux-dev")
@@ -27,6 +27,13 @@ def test_cost_model_sources():
         "flux-dev", hidden=64, tflops=100
     )
     assert block(cost_model={"linear_coef": 1e-6, "quadratic_coef": 1e-9}).cost_model.build() == CostModel(1e-6, 1e-9)
+
+
+def test_topology_defaults_to_auto():
+    assert block(enabled=True).topology == "auto"
+    assert block(enabled=True, max_degree=4).max_degree == 4  # auto's knob, with auto by default
+    with pytest.raises(ValueError, match='"solver": "knapformer" needs a fixed topology'):
+        block(enabled=True, solver="knapformer")
 
 
 def test_route_coefficients_go_with_any_source():
@@ -75,7 +82,6 @@ def test_calibration_file(tmp_path):
     ("fields", "message"),
     [
         ({"toplogy": "g8n4"}, "unknown key 'knapformer.toplogy'; valid keys: enabled, topology"),
-        ({"enabled": True}, '"enabled": true needs a "topology"'),
         ({"topology": "g8x4"}, "knapformer.topology = 'g8x4': malformed topology term"),
         ({"solver": "greedy"}, "knapformer.solver = 'greedy': Input should be 'none', 'knapformer' or 'refine'"),
         ({"attention_backend": "xformers"}, "knapformer.attention_backend = 'xformers'"),
