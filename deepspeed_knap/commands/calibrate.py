@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         step = flux_blocks_step(heads, head_dim, args.double_blocks, args.single_blocks, device,
                                 getattr(torch, args.dtype), args.backend)  # fmt: skip
-        about = {"blocks": f"FLUX {args.double_blocks}+{args.single_blocks} blocks, {heads}x{head_dim} heads",
-                 "num_heads": heads}  # fmt: skip
+        # No num_heads: these blocks' heads are a timing stand-in (--heads), not the trained model's.
+        about = {"blocks": f"FLUX {args.double_blocks}+{args.single_blocks} blocks, {heads}x{head_dim} heads"}
     about.update(device=torch.cuda.get_device_name() if device.startswith("cuda") else device, dtype=args.dtype)
     model, times, fit = calibrate(step, lengths, args.repeats)
     degrees = [int(g) for g in args.degrees.split(",")] if args.degrees else []

@@ -79,9 +79,9 @@ def test_prepared_file_check_names_each_problem(tmp_path):
 
 
 def test_wan14b_config_fits_wan21_14b_and_its_cap_holds_a_full_size_step():
-    """docs/training.md's arithmetic: P is Wan 2.1 14B's, the config prices with its FLOP model, and a
-    full-size wan_image_video step on 4 x 8 GPUs (57.6k tokens per GPU on average: each rank's samples
-    fill up to one 720p 81-frame clip, 75,600 tokens) plans every GPU under the 76,800-token cap."""
+    """docs/training.md's premises: P is Wan 2.1 14B's, the config prices with its FLOP model, and
+    full-size wan_image_video steps on 4 x 8 GPUs (each rank's samples fill up to one 720p 81-frame
+    clip, 75,600 tokens) plan every GPU under the 76,800-token cap."""
     from deepspeed_knap.cost.model import default_cost_model
     from deepspeed_knap.data.mixes import sample_mix
     from deepspeed_knap.planner.solve import plan_routing
@@ -98,6 +98,5 @@ def test_wan14b_config_fits_wan21_14b_and_its_cap_holds_a_full_size_step():
     topology = build_topology(knap.topology, 32, knap.gpus_per_node)
     for seed in range(3):
         seq_lens = sample_mix("wan_image_video", 32, seed=seed)
-        assert max(max(lens) for lens in seq_lens) <= 75_600
         plan = plan_routing(seq_lens, topology, ours, knap.solver, knap.max_tokens_per_gpu)
         assert np.max(plan.gpu_tokens) <= knap.max_tokens_per_gpu

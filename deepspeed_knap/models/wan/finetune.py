@@ -47,11 +47,12 @@ def flow_matching(
     model_samples, targets = [], []
     for sample in samples:
         x0 = sample["latents"]
-        sigma = torch.sigmoid(torch.randn((), generator=generator))
+        # One sigma, in the data's dtype, for both the mix and the timestep (bf16 rounds it).
+        sigma = torch.sigmoid(torch.randn((), generator=generator)).to(x0.dtype)
         noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.dtype)
         model_samples.append({
-            "hidden_states": (1 - sigma.to(x0.dtype)) * x0 + sigma.to(x0.dtype) * noise,
-            "timestep": 1000 * sigma,
+            "hidden_states": (1 - sigma) * x0 + sigma * noise,
+            "timestep": 1000 * sigma.float(),
             "encoder_hidden_states": sample["encoder_hidden_states"],
         })  # fmt: skip
         targets.append(output_rows(noise - x0, patch_size))
