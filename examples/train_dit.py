@@ -1,8 +1,10 @@
-"""Fine-tune a diffusion transformer (FLUX.1, FLUX.2, Wan 2.x) with DeepSpeed (ZeRO-3) and KnapFormer
+"""Fine-tune a diffusion transformer (FLUX.1, FLUX.2, FLUX.3, Wan 2.x) with DeepSpeed (ZeRO-3) and KnapFormer
 balancing on mixed image + video latents.
 
     deepspeed --num_gpus 4 examples/train_dit.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny
     deepspeed --num_gpus 2 examples/train_dit.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny --family wan
+    deepspeed --num_gpus 4 examples/train_dit.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny --family flux3 \\
+        --token-scale 0.015625
     deepspeed --hostfile hosts examples/train_dit.py --deepspeed_config ds_configs/flux_zero3_knap.json \\
         --model-path /models/FLUX.1-dev --data-dir /data/flux_latents --export-dir out/flux-finetuned \\
         --lora-rank 16 --save-dir out/ckpt --checkpoint-every 500 --validation-every 500 --validation-prompts p.txt
@@ -13,7 +15,8 @@ balancing on mixed image + video latents.
 The family comes from the checkpoint's ``config.json`` (``--family`` picks the ``--tiny`` one). Each
 step every rank takes its samples (synthetic latents of a bundled data mix, or ``--data-dir`` files
 written by ``examples/prepare_flux_latents.py`` for FLUX, ``examples/prepare_video_latents.py`` for
-Wan: videos and images, each at its own size), draws the flow-matching noise level per sample, runs
+Wan: videos and images, each at its own size; for FLUX.3 files of precomputed latents, references and
+text embeddings, ``deepspeed_knap.models.flux3.data``'s format), draws the flow-matching noise level per sample, runs
 the packed model (balanced when the config's ``"knapformer"`` block is enabled) and steps on the
 global token-mean loss. Rank 0 shows a progress bar and prints, per step, the loss, the step time,
 tokens per second and the modeled imbalance before and after balancing.
@@ -21,7 +24,9 @@ tokens per second and the modeled imbalance before and after balancing.
 ``--lora-rank`` trains LoRA adapters (peft) instead of every weight; ``--resume`` continues a run
 from its newest complete checkpoint (or the one given) with the same losses it would have had;
 ``--validation-every`` renders with diffusers' own pipeline from the current weights: images through
-``FluxPipeline`` (FLUX.1), clips through ``WanPipeline`` written as GIFs (Wan).
+``FluxPipeline`` (FLUX.1), clips through ``WanPipeline`` written as GIFs (Wan). FLUX.3 trains by the
+image tokens' velocity (references and text are clean conditioning); diffusers 0.42.1 has no FLUX.3
+pipeline class, so it has no validation, and flow-map (step-distilled) checkpoints are refused.
 
 Each checkpoint tag gets a ``manifest.json`` (every file's size and sha256, hashed by the rank that
 wrote it) after all its files, and ``latest`` names the tag only then; ``--resume`` has every rank
@@ -46,6 +51,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import deepspeed
 import deepspeed.comm as dist
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -63,6 +69,8 @@ from deepspeed_knap.models.flux.finetune import (
     save_adapter,
 )
 from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
+from deepspeed_knap.models.flux3 import data as flux3_data
+from deepspeed_knap.models.flux3.flux3 import TINY_FLUX3
 from deepspeed_knap.models.latents import LatentFileError, check_latent_directory
 from deepspeed_knap.models.registry import family_class, from_pretrained
 from deepspeed_knap.models.wan import data as wan_data
@@ -83,15 +91,16 @@ warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 model_source = parser.add_mutually_exclusive_group(required=True)
-model_source.add_argument("--model-path", help="diffusers checkpoint (FLUX.1, FLUX.2, Wan 2.x): a pipeline or "
+model_source.add_argument("--model-path", help="diffusers checkpoint (FLUX.1, FLUX.2, FLUX.3, Wan 2.x): a pipeline or "
                           "transformer directory")  # fmt: skip
 model_source.add_argument("--tiny", action="store_true", help="a small random model of --family for CPU runs")
-parser.add_argument("--family", default="flux", choices=["flux", "flux2", "wan"],
-                    help="with --tiny: FLUX.1, FLUX.2 or Wan 2.1 (a checkpoint's family comes from its config.json)")  # fmt: skip
+parser.add_argument("--family", default="flux", choices=["flux", "flux2", "flux3", "wan"],
+                    help="with --tiny: FLUX.1, FLUX.2, FLUX.3 or Wan 2.1 (a checkpoint's family comes from its "
+                    "config.json)")  # fmt: skip
 parser.add_argument("--data-dir", help="latent samples (.safetensors); default: synthetic latents of --mix")
 parser.add_argument("--samples-per-rank", type=int, default=1, help="with --data-dir: files per rank per step")
 parser.add_argument("--repeat-data", action="store_true", help="with --data-dir: allow fewer files than one step needs")
-add_mix_argument(parser, None)  # synthetic data; default: kf_image_video (FLUX), wan_image_video (Wan)
+add_mix_argument(parser, None)  # synthetic data; default: kf_image_video (FLUX), flux3_edit, wan_image_video
 parser.add_argument("--token-scale", type=float, default=1.0, help="synthetic data: shrink sample sizes (CPU: 1/64)")
 parser.add_argument("--steps", type=int, default=10, help="train until this many steps are done (resumed ones count)")
 parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (unless the config has an optimizer)")
@@ -102,8 +111,9 @@ parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapter
 parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale is alpha / rank (default alpha = rank)")
 parser.add_argument("--lora-targets", default=None, help="comma-separated layer names as diffusers names them "
                     "(default: the family's lora_targets; FLUX.1: every attention projection and the double blocks' "
-                    "feed-forwards; FLUX.2: those and the single blocks' fused input and output; Wan: the self- and "
-                    "cross-attention projections and the feed-forward)")  # fmt: skip
+                    "feed-forwards; FLUX.2: those and the single blocks' fused input and output; FLUX.3: every block's "
+                    "attention projections and feed-forward; Wan: the self- and cross-attention projections and the "
+                    "feed-forward)")  # fmt: skip
 parser.add_argument(
     "--save-dir", help="save DeepSpeed checkpoints here (tag stepN), at the end and every --checkpoint-every"
 )
@@ -113,7 +123,7 @@ parser.add_argument(
 )
 parser.add_argument("--export-dir", help="write the trained weights (or the LoRA adapter) here in diffusers format")
 parser.add_argument("--validation-every", type=int, default=0, help="render validation images (Wan: clips) every "
-                    "this many steps")  # fmt: skip
+                    "this many steps (FLUX.1 and Wan)")  # fmt: skip
 parser.add_argument("--validation-prompts", metavar="FILE", help="validation prompts, one per line")
 parser.add_argument(
     "--validation-dir", default="validation_images", help="where validation PNGs (Wan: GIFs) are written"
@@ -138,7 +148,7 @@ if args.model_path:  # the family from config.json; under ZeRO-3 each rank reads
     model = from_pretrained(args.model_path, ds_config=args.deepspeed_config, **options)
 else:
     model = family_class(args.family)(
-        **{"flux": TINY_FLUX, "flux2": TINY_FLUX2, "wan": TINY_WAN}[args.family], **options
+        **{"flux": TINY_FLUX, "flux2": TINY_FLUX2, "flux3": TINY_FLUX3, "wan": TINY_WAN}[args.family], **options
     )
 if args.lora_rank:
     add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets.split(",") if args.lora_targets else None)
@@ -153,6 +163,7 @@ dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the 
 unlink_own_shm_buffer(rank)
 dit = engine.module
 video = dit.family == "wan"
+flux3 = dit.family == "flux3"
 dtype = next(dit.parameters()).dtype  # bf16 under a "bf16" config: inputs must match
 guidance = args.guidance if dit.config.get("guidance_embeds") else None
 
@@ -171,8 +182,12 @@ def raise_together(problem: str | None) -> None:
         fail(error)
 
 
-if dit.family not in ("flux", "flux2", "wan"):  # the same config.json on every rank: the same answer
-    fail(f"{args.model_path} is a {dit.family!r} checkpoint; this script trains flux, flux2 and wan")
+if dit.family not in ("flux", "flux2", "flux3", "wan"):  # the same config.json on every rank: the same answer
+    fail(f"{args.model_path} is a {dit.family!r} checkpoint; this script trains flux, flux2, flux3 and wan")
+if flux3 and dit.config["flow_map"]:
+    fail(f"{args.model_path} is a FLUX.3 flow-map (step-distilled) checkpoint (flow_map=True): it predicts the jump "
+         "to a target_timestep, an objective this script does not train (it trains the velocity of the base "
+         "model); fine-tune the base FLUX.3 checkpoint (flow_map=False)")  # fmt: skip
 if video and dit.config["image_dim"] is not None:
     fail(f"{args.model_path} is a Wan image-to-video model (image_dim={dit.config['image_dim']}); this script trains "
          "text-to-video models (Wan 2.1 T2V, Wan 2.2 TI2V-5B and T2V-A14B experts) from prepare_video_latents.py's "
@@ -180,7 +195,7 @@ if video and dit.config["image_dim"] is not None:
 
 
 # ---- data: every rank checks its share of the files' headers and sizes; all ranks agree before training ----
-family_data = wan_data if video else flux_data
+family_data = wan_data if video else flux3_data if flux3 else flux_data
 if args.data_dir:
     data = family_data.latent_directory(args.data_dir, args.samples_per_rank, repeat=args.repeat_data)
     try:
@@ -193,6 +208,8 @@ if args.data_dir:
               "each file's sha256 checked when it is read", flush=True)  # fmt: skip
 elif video:
     data = wan_data.SyntheticVideoLatents(args.mix or "wan_image_video", dit.config, args.token_scale, args.seed)
+elif flux3:  # text-to-image and edits with 1-3 references
+    data = flux3_data.SyntheticFlux3Latents(args.mix or "flux3_edit", dit.config, args.token_scale, args.seed)
 else:
     data = flux_data.SyntheticLatents(args.mix or "kf_image_video", dit.config, args.token_scale, args.seed)
 
@@ -246,6 +263,10 @@ if args.validation_every:
         problem = (
             "--validation-every renders with diffusers' FluxPipeline (FLUX.1) or WanPipeline; this model is FLUX.2"
         )
+    if flux3:  # the same config on every rank: every rank stops here with it
+        problem = ("--validation-every renders with diffusers' FluxPipeline (FLUX.1) or WanPipeline; this model is "
+                   "FLUX.3, for which diffusers 0.42.1 has no pipeline class (only the modular Flux3ModularPipeline, "
+                   "not wired up here): train without --validation-every and render the export yourself")  # fmt: skip
     index_file = Path(args.model_path or ".") / "model_index.json"
     if args.model_path and not problem and not index_file.is_file():
         problem = (f"--validation-every needs --model-path to be a {pipeline_class} directory (with model_index.json); "
@@ -328,7 +349,9 @@ def step_inputs(step: int, position: int) -> tuple[tuple[list[str], Any, list[to
     """This rank's ``(sample names, packed noised inputs, flow-matching targets)`` of a step, on the
     CPU (the next step's wait there while this one runs), and ``None``; or ``None`` and why a file
     could not be used (unreadable, or not what its manifest says): the ranks agree on it before
-    anyone trains on that step (the step before's all-reduce carries the count)."""
+    anyone trains on that step (the step before's all-reduce carries the count). FLUX.3 samples the
+    model cannot pack (a file changed after the start-up check) are that too, unbalanced; balanced,
+    the packed inputs carry the problem and the step's first collective raises it on every rank."""
     try:
         names, latents = step_samples(step, position)
     except LatentFileError as error:
@@ -336,6 +359,12 @@ def step_inputs(step: int, position: int) -> tuple[tuple[list[str], Any, list[to
     generator = torch.Generator().manual_seed((args.seed * 7919 + step) * 4099 + rank)
     if video:
         samples, targets = wan_finetune.flow_matching(latents, generator, dit.config["patch_size"])
+    elif flux3:  # image tokens only: references and text are clean conditioning
+        samples, targets = flux3_data.rectified_flow(latents, generator)
+        if balancer is None:
+            problem = dit.check_samples(samples)
+            return (None, f"{problem} (files {names})") if problem else ((names, dit.pack(samples), targets), None)
+        return (names, dit.pack(samples, on_problem="carry"), targets), None
     else:
         samples, targets = flux_data.rectified_flow(latents, generator, guidance)
     return (names, dit.pack(samples), targets), None
@@ -358,8 +387,17 @@ for step in progress:
         if balancer is not None:  # the next step's plan is solved in a worker process while this one runs
             # Collective: a rank whose next samples are unusable still takes part (with none); this
             # step's all-reduce then stops every rank.
-            balancer.prefetch([] if next_inputs is None else next_inputs[1].seq_lens, engine.device)
-    prediction = engine(inputs, balancer)  # [tokens, C] for this rank's image/video tokens (Wan: [tokens, P * C])
+            if next_inputs is None:
+                next_lens, next_segments = [], np.zeros((0, 3), dtype=np.int64) if flux3 else None
+            else:
+                next_lens, next_segments = next_inputs[1].seq_lens, next_inputs[1].segments if flux3 else None
+            balancer.prefetch(next_lens, engine.device, next_segments=next_segments)  # FLUX.3: [N, 3] by mode
+    try:  # [tokens, C] for this rank's image/video tokens (Wan: [tokens, P * C]; FLUX.3: image tokens only)
+        prediction = engine(inputs, balancer)
+    except ValueError as error:
+        if not (flux3 and balancer is not None):
+            raise
+        fail(error)  # a sample a rank could not pack, raised on every rank by the step's first collective
     target = torch.cat(targets).to(prediction.device) if targets else torch.zeros_like(prediction)
     per_token = (prediction.float() - target.float()).square().mean(dim=-1)  # [tokens]
     per_sample = per_token.split([len(rows) for rows in targets]) if targets else ()

@@ -238,7 +238,7 @@ def latent_directory_error(reports: Sequence[Mapping], limit: int = 10) -> str |
     if (first.get("manifest") or "").startswith("bad: "):
         return first["manifest"].removeprefix("bad: ")
     if first["count"] == 0:
-        return f"no .safetensors files in {first['path']}; write some with examples/{first['writer']}"
+        return f"no .safetensors files in {first['path']}; write some with {first['writer']}"
     if first["count"] < first["needed"] and not first["repeat"]:
         return (f"{first['path']} has {first['count']} latent files but one step needs {first['needed']} "
                 "(ranks x samples per rank), so files would repeat within a step; add files, lower "

@@ -179,4 +179,4 @@ def latent_directory(path: str | Path, samples_per_rank: int = 1, repeat: bool =
     """A directory of FLUX latent samples (:data:`LATENT_KEYS`, as ``prepare_flux_latents.py``
     writes them), read and verified by :class:`~deepspeed_knap.models.latents.LatentDirectory`."""
     return LatentDirectory(path, samples_per_rank, repeat, check_file=check_latent_file,
-                           writer="prepare_flux_latents.py")  # fmt: skip
+                           writer="examples/prepare_flux_latents.py")  # fmt: skip

@@ -84,11 +84,15 @@ def base_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def save_adapter(directory: str | Path, adapter: Mapping[str, Tensor], config, pipeline: str = "FluxPipeline") -> Path:
     """Write ``adapter`` (:func:`adapter_state_dict`) and its ``LoraConfig`` as diffusers'
     ``pipeline.save_lora_weights`` does (the model's ``diffusers_pipeline``: ``FluxPipeline``,
-    ``Flux2Pipeline``): ``directory/pytorch_lora_weights.safetensors``, which that pipeline's
-    ``load_lora_weights(directory)`` reads (alpha included, in the file's metadata)."""
+    ``Flux2Pipeline``, ``WanPipeline``, or for FLUX.3, which has no pipeline class, the LoRA loader
+    ``Flux3LoraLoaderMixin``): ``directory/pytorch_lora_weights.safetensors``, which that pipeline's
+    ``load_lora_weights(directory)`` reads (alpha included, in the file's metadata), and the diffusers
+    transformer's ``load_lora_adapter(directory, prefix="transformer")``."""
     import diffusers
+    import diffusers.loaders
 
-    getattr(diffusers, pipeline).save_lora_weights(
+    loader = getattr(diffusers, pipeline, None) or getattr(diffusers.loaders, pipeline)
+    loader.save_lora_weights(
         directory,
         transformer_lora_layers={name: t.detach().contiguous().cpu() for name, t in adapter.items()},
         transformer_lora_adapter_metadata=config.to_dict(),

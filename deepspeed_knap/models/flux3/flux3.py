@@ -55,7 +55,13 @@ from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
 from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import RoutedBatch, gather_sample_ints, route_subset_rows
 
-__all__ = ["Flux3Inputs", "PackedFlux3Transformer"]
+__all__ = ["TINY_FLUX3", "Flux3Inputs", "PackedFlux3Transformer"]
+
+# A FLUX.3 small enough for CPU ranks (``train_dit.py --tiny --family flux3``), sized like TINY_FLUX:
+# every kind of block, 4 heads for groups of up to 4, references as wide as the image latents.
+TINY_FLUX3 = dict(in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                  num_attention_heads=4, joint_attention_dim=32, timestep_channels=32, mlp_ratio=3.0,
+                  axes_dims_rope=(4, 4, 4, 4))  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,9 +133,9 @@ class PackedFlux3Transformer(PackedFluxBase):
 
     family = "flux3"
     diffusers_class = "Flux3Transformer2DModel"
-    # diffusers 0.42.1 has no FLUX.3 pipeline: this is the name one would have, and exporting a LoRA
-    # adapter through it (finetune.save_adapter) fails until it exists; training is issue 24, item 4.
-    diffusers_pipeline = "Flux3Pipeline"
+    # diffusers 0.42.1 has no FLUX.3 pipeline class, but its FLUX.3 LoRA loader writes and reads the
+    # adapter file (finetune.save_adapter); Flux3Transformer2DModel.load_lora_adapter loads it.
+    diffusers_pipeline = "Flux3LoraLoaderMixin"
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.linear_in", "ff.linear_out")
 
     def __init__(
@@ -267,7 +273,9 @@ class PackedFlux3Transformer(PackedFluxBase):
             try:
                 self._check_sample(index, sample)
             except (ValueError, TypeError, AttributeError, RuntimeError) as error:  # a non-tensor value, too
-                return str(error) if isinstance(error, ValueError) else f"sample {index}: {type(error).__name__}: {error}"
+                return (
+                    str(error) if isinstance(error, ValueError) else f"sample {index}: {type(error).__name__}: {error}"
+                )
         return None
 
     def forward_samples(

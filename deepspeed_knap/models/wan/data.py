@@ -375,7 +375,7 @@ def latent_directory(path: str | Path, samples_per_rank: int = 1, repeat: bool =
     """A directory of video latent samples (as ``prepare_video_latents.py`` writes them), read and
     verified by :class:`~deepspeed_knap.models.latents.LatentDirectory`."""
     return LatentDirectory(path, samples_per_rank, repeat, check_file=check_video_latent_file,
-                           writer="prepare_video_latents.py")  # fmt: skip
+                           writer="examples/prepare_video_latents.py")  # fmt: skip
 
 
 def synthetic_video_samples(

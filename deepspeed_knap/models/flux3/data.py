@@ -1,0 +1,230 @@
+"""Data for FLUX.3 training steps: precomputed latents and text embeddings per sample, synthetic (a
+bundled mix, references included) or from ``.safetensors`` files, and the rectified-flow objective.
+
+A *FLUX.3 latent sample* is a dict of unbatched tensors, named as
+:meth:`~deepspeed_knap.models.flux3.PackedFlux3Transformer.pack` takes them except ``latents`` (the
+clean image, which the objective noises into ``hidden_states``):
+
+============================  ===============  ===============================================
+key                           shape            what
+============================  ===============  ===============================================
+``latents``                   ``[L, C]``       packed VAE latents of the target image (FLUX.3:
+                                               2x2 patches, ``C = in_channels`` = 128)
+``img_ids``                   ``[L, 4]``       positions ``(0, h, w, 0)``
+``encoder_hidden_states``     ``[Lt, Dj]``     text-encoder rows (FLUX.3: Qwen3-VL, Dj = 20480),
+                                               ``Lt >= 1``
+``txt_ids``                   ``[Lt, 4]``      positions ``(0, 0, 0, l)``
+``image_cond_hidden_states``  ``[Lr, Cr]``     optional: packed latents of the reference images,
+                                               concatenated (``Cr = cond_in_channels``)
+``image_cond_ids``            ``[Lr, 4]``      with them: reference ``i`` at ``(10 + 10 i, h, w, 0)``
+============================  ===============  ===============================================
+
+On disk one sample is one ``.safetensors`` file holding exactly these keys, floating point (the
+references and their ids both or neither): :func:`save_flux3_sample` writes one,
+:func:`check_flux3_latent_file` says what is wrong with one, and :func:`latent_directory` reads a
+directory of them (:class:`~deepspeed_knap.models.latents.LatentDirectory`; write its manifest with
+:func:`write_latent_manifest`, re-exported here, after the samples). diffusers 0.42.1 has
+no FLUX.3 pipeline class (only the modular one), so there is no preparation script from images and
+captions here: the tensors come from your own encoding with FLUX.3's VAE and text encoder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from deepspeed_knap.data.mixes import SampleShape, sample_shapes
+from deepspeed_knap.models.flux.base import text_ids
+from deepspeed_knap.models.flux.flux2 import image_ids
+from deepspeed_knap.models.latents import LatentDirectory, write_latent_manifest
+
+__all__ = [
+    "FLUX3_LATENT_KEYS",
+    "FLUX3_REFERENCE_KEYS",
+    "SyntheticFlux3Latents",
+    "check_flux3_latent_file",
+    "flux3_sample_shapes",
+    "latent_directory",
+    "rectified_flow",
+    "save_flux3_sample",
+    "synthetic_flux3_samples",
+    "write_latent_manifest",
+]
+
+FLUX3_LATENT_KEYS = ("latents", "img_ids", "encoder_hidden_states", "txt_ids")
+FLUX3_REFERENCE_KEYS = ("image_cond_hidden_states", "image_cond_ids")  # optional, together
+WRITER = "save_flux3_sample and write_latent_manifest of deepspeed_knap.models.flux3.data"
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def flux3_sample_shapes(config: Mapping, image: int, text: int, reference: int = 0) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of one FLUX.3 latent sample with these token counts, for a model
+    ``config`` (the reference keys only when ``reference`` > 0)."""
+    axes = len(config["axes_dims_rope"])
+    shapes = {
+        "latents": (image, config["in_channels"]),
+        "img_ids": (image, axes),
+        "encoder_hidden_states": (text, config["joint_attention_dim"]),
+        "txt_ids": (text, axes),
+    }
+    if reference:
+        shapes.update(
+            image_cond_hidden_states=(reference, config["cond_in_channels"]), image_cond_ids=(reference, axes)
+        )
+    return shapes
+
+
+def check_flux3_latent_file(file: str | Path, config: Mapping) -> str | None:
+    """What is wrong with one FLUX.3 latent sample file for a ``PackedFlux3Transformer`` ``config``,
+    or ``None``. Reads only the header: an unreadable file, missing or unexpected keys, references
+    without their ids (or ids without them), non-float tensors, an image or text of zero tokens,
+    shapes that do not fit each other or the model."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = f"write it again with {WRITER} or remove it"
+    try:
+        with safe_open(str(file), "pt") as handle:
+            slices = {key: handle.get_slice(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
+            headers = {key: (tuple(piece.get_shape()), piece.get_dtype()) for key, piece in slices.items()}
+    except (SafetensorError, OSError) as error:
+        return f"{file}: not a readable .safetensors file ({error}); {fix}"
+    allowed = FLUX3_LATENT_KEYS + FLUX3_REFERENCE_KEYS
+    missing = [key for key in FLUX3_LATENT_KEYS if key not in headers]
+    extra = sorted(set(headers) - set(allowed))
+    if missing or extra:
+        return (f"{file}: has keys {sorted(headers)}, missing {missing}, unexpected {extra}; a FLUX.3 latent sample "
+                f"holds {list(FLUX3_LATENT_KEYS)} and optionally {list(FLUX3_REFERENCE_KEYS)}; {fix}")  # fmt: skip
+    refs = [key in headers for key in FLUX3_REFERENCE_KEYS]
+    if refs[0] != refs[1]:
+        given, absent = FLUX3_REFERENCE_KEYS[:: 1 if refs[0] else -1]
+        return f"{file}: has {given} without {absent}: reference latents and their position ids come together; {fix}"
+    not_float = {key: dtype for key, (_, dtype) in headers.items() if dtype not in _FLOAT_DTYPES}
+    if not_float:
+        return f"{file}: tensors {not_float} are not floating point ({'/'.join(_FLOAT_DTYPES)}); {fix}"
+    rows = {key: shape[0] if len(shape) == 2 else -1 for key, (shape, _) in headers.items()}
+    image, text, reference = rows["latents"], rows["encoder_hidden_states"], rows.get("image_cond_hidden_states", 0)
+    if min(image, text) < 1 or (refs[0] and reference < 1):
+        tensors = {key: list(headers[key][0]) for key in ("latents", "encoder_hidden_states", *FLUX3_REFERENCE_KEYS[:1])
+                   if key in headers}  # fmt: skip
+        return (f"{file}: {tensors} must be [L, C], [Lt, Dj] (and [Lr, Cr]) with at least one token each: FLUX.3 "
+                f"attends within each mode, so an empty image, text or reference has nothing to attend to; {fix}")  # fmt: skip
+    expected = flux3_sample_shapes(config, image, text, reference if refs[0] else 0)
+    wrong = {key: f"{list(headers[key][0])} (expected {list(shape)})" for key, shape in expected.items()
+             if headers[key][0] != shape}  # fmt: skip
+    if wrong:
+        dims = ", ".join(f"{key}={config[key]}" for key in ("in_channels", "cond_in_channels", "joint_attention_dim"))
+        return f"{file}: shapes {wrong} do not fit the model ({dims}, {len(config['axes_dims_rope'])} position axes); {fix}"
+    return None
+
+
+def save_flux3_sample(path: str | Path, sample: Mapping[str, Tensor]) -> None:
+    """Write one FLUX.3 latent sample (:data:`FLUX3_LATENT_KEYS`, and :data:`FLUX3_REFERENCE_KEYS`
+    when it has references) as a ``.safetensors`` file. Write the directory's manifest after the
+    last sample (:func:`write_latent_manifest`).
+
+    Raises:
+        ValueError: a missing key, references without their ids (or the reverse), or another key.
+    """
+    from safetensors.torch import save_file
+
+    missing = [key for key in FLUX3_LATENT_KEYS if sample.get(key) is None]
+    refs = [sample.get(key) is not None for key in FLUX3_REFERENCE_KEYS]
+    extra = sorted(set(sample) - set(FLUX3_LATENT_KEYS + FLUX3_REFERENCE_KEYS))
+    if missing or refs[0] != refs[1] or extra:
+        raise ValueError(f"a FLUX.3 latent sample holds {list(FLUX3_LATENT_KEYS)} and optionally both of "
+                         f"{list(FLUX3_REFERENCE_KEYS)}; this one has {sorted(sample)}")  # fmt: skip
+    keys = FLUX3_LATENT_KEYS + (FLUX3_REFERENCE_KEYS if refs[0] else ())
+    save_file({key: sample[key].detach().contiguous().cpu() for key in keys}, str(path))
+
+
+def latent_directory(path: str | Path, samples_per_rank: int = 1, repeat: bool = False) -> LatentDirectory:
+    """A directory of FLUX.3 latent samples (:func:`save_flux3_sample`'s files), read and verified by
+    :class:`~deepspeed_knap.models.latents.LatentDirectory`."""
+    return LatentDirectory(path, samples_per_rank, repeat, check_file=check_flux3_latent_file, writer=WRITER)
+
+
+def _grid(tokens: int) -> tuple[int, int]:
+    """``(height, width)`` of a near-square grid of exactly ``tokens`` cells (the widest divisor of
+    ``tokens`` up to its square root gives the height)."""
+    height = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
+    return height, tokens // height
+
+
+def synthetic_flux3_samples(
+    shapes: Sequence[SampleShape], config: Mapping, seed: int, token_scale: float = 1.0, dtype=torch.float32
+) -> list[dict[str, Tensor]]:
+    """Random FLUX.3 latent samples of a mix's sizes (``flux3_edit``: :attr:`SampleShape.segments`)
+    scaled by ``token_scale``: at least one text and one image token, and a sample with references
+    keeps ``frames - 1`` reference images (at most one per reference token), their tokens split
+    evenly; each image a near-square grid with the pipeline's ids. A function of ``seed`` only."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(dtype)
+
+    samples = []
+    for shape in shapes:
+        text, image, reference = shape.scaled(token_scale).segments
+        text = max(text, 1)
+        sample = {
+            "latents": randn(image, config["in_channels"]),
+            "img_ids": image_ids(*_grid(image)),
+            "encoder_hidden_states": randn(text, config["joint_attention_dim"]),
+            "txt_ids": text_ids(text),
+        }
+        if reference:
+            count = min(max(shape.frames - 1, 1), reference)
+            sizes = [reference // count + (i < reference % count) for i in range(count)]
+            sample["image_cond_hidden_states"] = randn(reference, config["cond_in_channels"])
+            sample["image_cond_ids"] = torch.cat([image_ids(*_grid(n), 10 + 10 * i) for i, n in enumerate(sizes)])
+        samples.append(sample)
+    return samples
+
+
+class SyntheticFlux3Latents:
+    """Each step, each rank's FLUX.3 latent samples drawn from a bundled data mix (``flux3_edit``:
+    text-to-image and edits with references), with random latents and text."""
+
+    def __init__(self, mix: str, config: Mapping, token_scale: float = 1.0, seed: int = 0) -> None:
+        sample_shapes(mix, 1)  # an unknown name raises here, not at the first step
+        self.mix, self.config, self.token_scale, self.seed = mix, config, token_scale, seed
+
+    def step_samples(self, step: int, rank: int, world_size: int, dtype=torch.float32) -> list[dict[str, Tensor]]:
+        shapes = sample_shapes(self.mix, world_size, seed=self.seed * 100_003 + step)[rank]
+        return synthetic_flux3_samples(
+            shapes, self.config, (self.seed * 100_003 + step) * 4099 + rank, self.token_scale, dtype
+        )
+
+
+def rectified_flow(
+    samples: Sequence[Mapping[str, Tensor]], generator: torch.Generator
+) -> tuple[list[dict[str, Tensor]], list[Tensor]]:
+    """The flow-matching objective of FLUX.3 fine-tuning, per latent sample: FLUX's (logit-normal
+    ``sigma = sigmoid(n)``, ``n ~ N(0, 1)``; ``noisy = (1 - sigma) * x0 + sigma * noise``; the model
+    sees ``noisy`` at timestep ``sigma``, diffusers' ``[0, 1]`` scale, and must predict ``noise - x0``,
+    the velocity the modular pipeline's Euler scheduler integrates) on the image tokens only: the
+    references and the text are clean conditioning, and the model gives no output for them.
+
+    Not for flow-map (step-distilled) checkpoints, which also take the timestep they jump to
+    (``target_timestep``) and learn another objective.
+
+    Returns:
+        ``(model_samples, targets)``: per-sample inputs for ``PackedFlux3Transformer.pack`` and the
+        ``[L, C]`` targets of the image tokens.
+    """
+    model_samples, targets = [], []
+    for sample in samples:
+        x0 = sample["latents"]
+        sigma = torch.sigmoid(torch.randn((), generator=generator)).to(x0.dtype)
+        noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.dtype)
+        model_samples.append({
+            "hidden_states": (1 - sigma) * x0 + sigma * noise,
+            "timestep": sigma,
+            **{key: sample[key] for key in FLUX3_LATENT_KEYS[1:] + FLUX3_REFERENCE_KEYS if key in sample},
+        })  # fmt: skip
+        targets.append(noise - x0)
+    return model_samples, targets
