@@ -46,7 +46,11 @@ from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 
 MODES = ("off", "knapformer", "refine", "auto")
-PHASES = ("plan", "route", "ulysses", "compute", "reverse_route")
+# The plan by part (the lengths gather, the solve or the wait for the worker's, the agreement on a
+# prefetched plan), then the exchanges and the compute, as the balancer measured them.
+PHASES = ("gather", "solve", "agree", "route", "ulysses", "compute", "reverse_route")
+# The balancer's own host time in a step (the overhead budget's numerator).
+OVERHEAD_PHASES = ("gather", "solve", "agree", "route", "reverse_route")
 
 HELP = "measured training steps on local ranks: off, knapformer, refine, auto"
 FORMATTER = argparse.RawDescriptionHelpFormatter
@@ -147,17 +151,24 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
             options["mix"], dit.config, options["token_scale"], 0
         )
         guidance = 1.0 if dit.config.get("guidance_embeds") else None
-        steps = range(options["steps"])
-        for step in tqdm(steps, desc=f"bench train {mode}", disable=rank != 0, leave=False):
+
+        def step_inputs(step: int, data=data, dit=dit, guidance=guidance):  # bound: this mode's
             latents, generator = data.step_samples(step, rank, world), torch.Generator().manual_seed(step * 4099 + rank)
             if wan:
                 samples, targets = flow_matching(latents, generator, dit.config["patch_size"])
             else:
                 samples, targets = rectified_flow(latents, generator, guidance)
-            inputs = dit.pack(samples).to(device)
+            return dit.pack(samples).to(device), targets
+
+        steps = range(options["steps"])
+        upcoming = step_inputs(0)
+        for step in tqdm(steps, desc=f"bench train {mode}", disable=rank != 0, leave=False):
+            (inputs, targets), upcoming = upcoming, step_inputs(step + 1) if step + 1 < options["steps"] else None
             get_accelerator().synchronize()
             dist.barrier()  # every rank starts the step together: the step time is the slowest rank's
             start = time.perf_counter()
+            if options["prefetch"] and upcoming is not None:  # as train_dit.py: the next plan solves during this step
+                balancer.prefetch(upcoming[0].seq_lens)
             prediction = engine(inputs, balancer)
             forward_end = time.perf_counter()
             target = torch.cat(targets).to(device) if targets else torch.zeros_like(prediction)
@@ -217,7 +228,9 @@ def bench_train(options: dict) -> dict:
             compute = [r["phases"].get("compute", float("nan")) for r in ranks]
             errors = [(r["predicted_s"] - c) / c if r["predicted_s"] is not None and c > 0 else None
                       for r, c in zip(ranks, compute, strict=True)]  # fmt: skip
-            steps.append({"mode": mode, "step": step, "step_s": max(r["step_s"] for r in ranks),
+            step_s = max(r["step_s"] for r in ranks)
+            overhead = [sum(r["phases"].get(p, 0.0) for p in OVERHEAD_PHASES) / step_s for r in ranks]
+            steps.append({"mode": mode, "step": step, "step_s": step_s, "overhead": max(overhead),
                           "compute_s": compute, "compute_imbalance": max(compute) / (sum(compute) / len(compute)),
                           "model_error": errors, "phases": [r["phases"] for r in ranks], "speeds": ranks[0]["speeds"],
                           "tokens": [r["tokens"] for r in ranks]})  # fmt: skip
@@ -226,8 +239,9 @@ def bench_train(options: dict) -> dict:
 
 def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
     """Per mode, over steps ``skip..`` (the first warms up and, online, learns): the median step
-    seconds, speedup over ``off`` on the same step and compute max/mean, the median |model error|, and
-    the speedup of the summed step times (what a training run of these steps gains)."""
+    seconds, speedup over ``off`` on the same step and compute max/mean, the median |model error|,
+    the speedup of the summed step times (what a training run of these steps gains), and the median
+    overhead budget (the busiest rank's balancer host seconds, :data:`OVERHEAD_PHASES`, over the step)."""
     by_mode: dict[str, list[dict]] = {}
     for row in report["steps"]:
         by_mode.setdefault(row["mode"], []).append(row)
@@ -244,6 +258,7 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
             ),
             "compute_imbalance": statistics.median(row["compute_imbalance"] for row in rows),
             "model_error": statistics.median(errors) if errors else float("nan"),
+            "overhead": statistics.median(row["overhead"] for row in rows),
         }
     return summary
 
@@ -253,7 +268,8 @@ def format_report(report: dict) -> str:
     lines = [f"{options['ranks']} ranks, tiny {options['family']}, {options['mix']} x{options['token_scale']:g} tokens, topology "
              f"{options['topology']} (knapformer, refine) and auto; off keeps every sequence home"
              + (f", rank {options['slow_rank'][0]} {options['slow_rank'][1]:g}x slower" if options["slow_rank"] else "")
-             + (", online refit" if options["online"] else ""), "",
+             + (", online refit" if options["online"] else "")
+             + (", plans solved a step ahead (prefetch)" if options["prefetch"] else ", plans solved in the step"), "",
              f"{'mode':<11}{'step':>5}{'step s':>9}{'speedup':>9}{'compute max/mean':>18}  tokens per rank (routed)"]  # fmt: skip
     off = {row["step"]: row["step_s"] for row in report["steps"] if row["mode"] == "off"}
     for row in report["steps"]:
@@ -261,10 +277,13 @@ def format_report(report: dict) -> str:
         lines.append(f"{row['mode']:<11}{row['step']:>5}{row['step_s']:>9.3f}{speedup}{row['compute_imbalance']:>18.3f}"
                      f"  {row['tokens']}")  # fmt: skip
     lines += ["", f"medians over steps 1..{options['steps'] - 1} (total: the summed step times):",
-              f"{'mode':<11}{'step s':>9}{'speedup':>9}{'total':>8}{'compute max/mean':>18}{'|model error|':>15}"]  # fmt: skip
+              f"{'mode':<11}{'step s':>9}{'speedup':>9}{'total':>8}{'compute max/mean':>18}{'|model error|':>15}"
+              f"{'overhead':>10}"]  # fmt: skip
     for mode, s in summarize(report).items():
         lines.append(f"{mode:<11}{s['step_s']:>9.3f}{s['speedup']:>8.2f}x{s['total_speedup']:>7.2f}x"
-                     f"{s['compute_imbalance']:>18.3f}{s['model_error']:>15.1%}")  # fmt: skip
+                     f"{s['compute_imbalance']:>18.3f}{s['model_error']:>15.1%}{s['overhead']:>10.1%}")  # fmt: skip
+    lines.append("overhead: the busiest rank's balancer host seconds (plan gather, solve wait, agreement, route, "
+                 "reverse route) over the step")  # fmt: skip
     last = [row for row in report["steps"] if row["step"] == options["steps"] - 1]
     lines += ["", f"seconds by phase, last step ({options['steps'] - 1}):",
               f"{'mode':<11}{'rank':>5}" + "".join(f"{p:>14}" for p in PHASES)]  # fmt: skip
@@ -293,7 +312,7 @@ def plot_report(report: dict, path: str | Path) -> None:
     last = [row for row in report["steps"] if row["step"] == report["options"]["steps"] - 1]
     ranks = report["options"]["ranks"]
     width = 0.8 / ranks
-    colors = dict(zip(PHASES, ("0.6", "tab:orange", "tab:red", "tab:blue", "tab:green"), strict=True))
+    colors = dict(zip(PHASES, ("0.8", "0.6", "0.4", "tab:orange", "tab:red", "tab:blue", "tab:green"), strict=True))
     for m, row in enumerate(last):
         for rank, phases in enumerate(row["phases"]):
             bottom = 0.0
@@ -329,10 +348,12 @@ def run(args: argparse.Namespace) -> int:
     cost_model = {"model": f"{args.family}-tiny"}
     if args.calibration:
         cost_model = {"calibration_file": str(Path(args.calibration).resolve())}
+    if args.route_coef:
+        cost_model["route_coef"] = args.route_coef
     mix = args.mix or ("wan_image_video" if args.family == "wan" else "long_video")
     options = {"ranks": args.ranks, "family": args.family, "mix": mix, "token_scale": args.token_scale, "steps": args.steps,
                "modes": modes, "topology": topology, "slow_rank": args.slow_rank,
-               "online": args.online, "flux_dims": args.flux_dims, "threads": args.threads,
+               "online": args.online, "flux_dims": args.flux_dims, "threads": args.threads, "prefetch": args.prefetch,
                "cost_model": cost_model}  # fmt: skip
     report = bench_train(options)
     print(format_report(report))
@@ -364,7 +385,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-rank", type=parse_slow_rank, default=None, metavar="R:F",
                        help="rank R computes F times slower (CPU ranks)")  # fmt: skip
     parser.add_argument("--online", action="store_true", help="refit the cost model online (not knapformer)")
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                        help="solve each step's plan a step ahead in the worker process, as examples/train_dit.py "
+                             "does (default); --no-prefetch solves in the step")  # fmt: skip
     parser.add_argument("--calibration", metavar="FILE.json", help="cost model from deepspeed-knap calibrate")
+    parser.add_argument("--route-coef", type=positive_float, default=None, metavar="S",
+                        help="seconds of one moved token's round trip: the planner prices routes (default: free)")  # fmt: skip
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPUs)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     parser.add_argument("--json", type=output_file, metavar="OUT.json", help="write every per-step, per-rank figure")

@@ -43,7 +43,10 @@ from deepspeed_knap.runtime.routing import (
     route,
     time_exchanges,
 )
-from deepspeed_knap.runtime.timing import StepTimes, stamp
+from deepspeed_knap.runtime.timing import PLAN_PARTS, StepTimes, stamp
+
+# The balancer's own host time in a step: the plan's parts and the two routes (StepTimes.seconds).
+_OVERHEAD_PHASES = (*PLAN_PARTS, "route", "reverse_route")
 
 # A step's plan with what it was made of: (lengths per rank, plan, solve seconds, solved ahead, the
 # cost model it was solved with).
@@ -132,6 +135,10 @@ class KnapBalancer:
         self._ahead: dict[int, _PlanAhead] = {}  # by id, oldest first; at most _MAX_AHEAD
         # What forward() was given for the step it plans (attention segments, the model's problem).
         self._step_inputs: tuple[np.ndarray | None, str | None] = (None, None)
+        # Host seconds of the next step's plan by part, until its forward takes them (a prefetch's
+        # gather happens before the forward it serves).
+        self._plan_parts = dict.fromkeys(PLAN_PARTS, 0.0)
+        self._last_close: float | None = None  # perf_counter at the last step's close: steps' wall time
 
     @property
     def _worker_timeout_s(self) -> float:
@@ -182,6 +189,7 @@ class KnapBalancer:
             plan = plan_routing(gathered.seq_lens_per_rank, self.groups.topology, model, self.solver,
                                 self.max_tokens_per_gpu, DEFAULT_REFINE_STEPS, gathered.segments_per_rank)  # fmt: skip
             found = (gathered.seq_lens_per_rank, plan, time.perf_counter() - start, False, model)
+            self._plan_parts["solve"] += found[2]
             self._last_segments = gathered.segments_per_rank
         self._last = found
         self.steps += 1
@@ -251,7 +259,9 @@ class KnapBalancer:
         refit). Collective."""
         previous, report = self._closed, self._report
         self._closed, self._report = None, [-1, -1]
+        start = time.perf_counter()
         gathered = gather_step_inputs(seq_lens, segments, problem, device, self.groups, report)
+        self._plan_parts["gather"] += time.perf_counter() - start
         if previous is not None:
             self._record(*previous, gathered.reports)
         return gathered
@@ -266,10 +276,14 @@ class KnapBalancer:
         rows = None if segments is None else np.asarray(segments, dtype=np.int64).tolist()
         match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens and ahead.segments == rows),
                      None)  # fmt: skip
+        start = time.perf_counter()
         if match is not None and not bad_batch:
             reply = self._ahead[match].read(self._worker, self._worker_timeout_s)
             chosen, failure = (match, None) if isinstance(reply, tuple) else (-1, reply)
+        agree_start = time.perf_counter()
+        self._plan_parts["solve"] += agree_start - start  # waiting for the worker's plan
         choices = gather_ints(chosen, batch.tokens.device, self.groups)
+        self._plan_parts["agree"] += time.perf_counter() - agree_start
         agreed = min(choices) == max(choices) >= 0
         used, prefetched = self._ahead.get(chosen), [ahead.seq_lens for ahead in self._ahead.values()]
         # Agreed: the plans up to the one used are done with. Not: those older than the newest any
@@ -296,7 +310,10 @@ class KnapBalancer:
     def close_step(self) -> dict[str, float] | None:
         """End the timing of the step in flight (once its backward is done) and return this rank's
         breakdown of it (:meth:`~deepspeed_knap.runtime.timing.StepTimes.seconds`), also kept as
-        :attr:`last_times`; ``None`` when unknown (no step, no backward, a timer that failed). The next
+        :attr:`last_times`; ``None`` when unknown (no step, no backward, a timer that failed). From
+        the second step on it also holds ``step``, the wall seconds since the last step's close, and
+        ``overhead``, the balancer's host seconds in the step (the plan's gather, solve wait and
+        agreement, the route and the reverse route) over ``step``: the overhead budget. The next
         :meth:`plan` calls it if the training loop did not, and ships the result to every rank."""
         if self._in_flight is None:
             return self.last_times
@@ -312,6 +329,12 @@ class KnapBalancer:
         except RuntimeError as error:  # a CUDA event that never recorded
             logger.warning(f"knapformer rank {self.groups.rank}: step timer failed ({error}); step not measured")
             seconds = None
+        now = time.perf_counter()
+        if seconds is not None and self._last_close is not None and now > self._last_close:
+            # The balancer's host time over the step's wall time (close to close: the whole loop).
+            seconds["step"] = now - self._last_close
+            seconds["overhead"] = sum(seconds[phase] for phase in _OVERHEAD_PHASES) / seconds["step"]
+        self._last_close = now
         self.last_times = seconds
         if seconds is not None:
             compute, ulysses = seconds["compute"], seconds["ulysses"]
@@ -341,7 +364,7 @@ class KnapBalancer:
         """The last plan's numbers (of this rank's balance group): modeled imbalance (max/mean GPU
         load) without and with balancing, solve time (``planned_ahead`` 1: solved in the worker
         process, during the step before), share of tokens moved; once a step has been
-        measured, that step's measured imbalance (max/mean of the ranks' compute seconds), the model's
+        measured, this rank's balancer overhead (``overhead``: :meth:`close_step`'s), that step's measured imbalance (max/mean of the ranks' compute seconds), the model's
         median relative error over ranks, and with online refit the smallest and largest rank speed.
         Local: no collective."""
         if self._last is None:
@@ -365,6 +388,8 @@ class KnapBalancer:
                 metrics["knapformer/measured_imbalance"] = max(measured) / (sum(measured) / len(measured))
             if errors:
                 metrics["knapformer/prediction_error"] = errors[len(errors) // 2]
+        if self.last_times is not None and "overhead" in self.last_times:
+            metrics["knapformer/overhead"] = self.last_times["overhead"]
         if self.online is not None:
             metrics["knapformer/speed_min"] = min(self.online.speeds)
             metrics["knapformer/speed_max"] = max(self.online.speeds)
@@ -381,6 +406,8 @@ class KnapBalancer:
             line += f"; last step measured imbalance {metrics['knapformer/measured_imbalance']:.3f}"
         if "knapformer/prediction_error" in metrics:
             line += f", model error {metrics['knapformer/prediction_error']:.1%}"
+        if "knapformer/overhead" in metrics:
+            line += f", balancer overhead {metrics['knapformer/overhead']:.1%} of the step"
         if "knapformer/speed_min" in metrics:
             line += f", rank speeds {metrics['knapformer/speed_min']:.2f}..{metrics['knapformer/speed_max']:.2f}"
         logger.info(line)
@@ -417,6 +444,7 @@ class KnapBalancer:
             self._step_inputs = (segments, problem)  # for plan(), which a subclass may override
             plan = self.plan(batch)  # a subclass may plan otherwise: the plan routed is the one timed
             times.mark("plan_end")
+            times.plan_parts, self._plan_parts = self._plan_parts, dict.fromkeys(PLAN_PARTS, 0.0)
             # The segments the plan was made with (a subclass's own plan: none known).
             planned = self._last is not None and self._last[1] is plan
             self._in_flight = (times, plan, model, self._last_segments if planned else None)

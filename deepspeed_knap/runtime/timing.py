@@ -20,6 +20,8 @@ from torch import Tensor
 
 # Exchange kinds as routing.exchange labels them.
 EXCHANGE_KINDS = ("route", "reverse_route", "ulysses")
+# The parts of a step's plan (StepTimes.plan_parts).
+PLAN_PARTS = ("gather", "solve", "agree")
 
 
 class _Stamp:
@@ -50,11 +52,16 @@ class StepTimes:
         marks: named stamps: ``plan_start``, ``plan_end``, ``blocks_start``, ``blocks_end``
             (forward), ``blocks_grad_start``, ``blocks_grad_end`` (backward).
         spans: per exchange kind, ``(start, end)`` stamps of every exchange, forward and backward.
+        plan_parts: host seconds of the plan by part (:data:`PLAN_PARTS`), the balancer's: ``gather``
+            (the lengths all-gather: in the step, or at the prefetch before it), ``solve`` (the solve
+            in the step, or the wait for the worker's plan) and ``agree`` (the all-gather that agrees
+            on a prefetched plan).
     """
 
     device: torch.device
     marks: dict[str, _Stamp] = field(default_factory=dict)
     spans: dict[str, list[tuple[_Stamp, _Stamp]]] = field(default_factory=lambda: defaultdict(list))
+    plan_parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PLAN_PARTS, 0.0))
 
     def mark(self, name: str) -> None:
         self.marks[name] = _Stamp(self.device)
@@ -68,7 +75,9 @@ class StepTimes:
     def seconds(self) -> dict[str, float] | None:
         """Seconds of this rank's step by phase, or ``None`` if a stamp is missing (e.g. no backward ran):
 
-        * ``plan``: the lengths gather and the solve;
+        * ``plan``: the lengths gather and the solve, as stamped in the step (a prefetch's gather,
+          before it, is not in it);
+        * ``gather``, ``solve``, ``agree``: :attr:`plan_parts`, host seconds;
         * ``route``, ``reverse_route``, ``ulysses``: the exchanges of each kind, forward and backward
           (including the time spent waiting for peers);
         * ``compute``: the block stack forward and backward, less the Ulysses exchanges inside it.
@@ -81,7 +90,7 @@ class StepTimes:
         blocks = m["blocks_start"].seconds_until(m["blocks_end"]) + m["blocks_grad_start"].seconds_until(
             m["blocks_grad_end"]
         )
-        return {"plan": m["plan_start"].seconds_until(m["plan_end"]), **exchanged,
+        return {"plan": m["plan_start"].seconds_until(m["plan_end"]), **self.plan_parts, **exchanged,
                 "compute": blocks - exchanged["ulysses"]}  # fmt: skip
 
 

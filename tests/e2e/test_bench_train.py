@@ -20,8 +20,14 @@ def test_bench_train_times_real_ranks_and_reports_every_phase(tmp_path, capsys):
     for row in report["steps"]:
         assert len(row["phases"]) == 2 and all(p["compute"] > 0 for p in row["phases"])
         assert row["step_s"] > 0 and row["compute_imbalance"] >= 1.0
+        assert all(set(bench_train.PHASES) <= set(p) for p in row["phases"]) and 0 < row["overhead"] < 1
     off = [r for r in report["steps"] if r["mode"] == "off"]
     assert all(sum(p["ulysses"] for p in r["phases"]) == 0 for r in off)  # nothing moves, no bags
+    # Prefetch (the default): step 1's plan was solved during step 0 and agreed on in step 1.
+    assert all(p["agree"] > 0 for r in report["steps"] if r["step"] == 1 for p in r["phases"])
+    # Step 0 gathers its own lengths and step 1's (the prefetch) and solves its plan in the step.
+    assert all(p["solve"] > 0 and p["gather"] > 0 for r in report["steps"] if r["step"] == 0 for p in r["phases"])
+    assert "overhead" in printed and "prefetch" in printed
     assert (tmp_path / "t.png").stat().st_size > 10_000
 
 
@@ -39,13 +45,14 @@ def test_slow_down_sleeps_factor_minus_one_times_each_blocks_forward_and_backwar
 
 
 def test_summary_speedup_is_per_step():
-    steps = [{"mode": "off", "step": s, "step_s": t, "compute_imbalance": 1.5, "model_error": [None, None]}
-             for s, t in enumerate([9.0, 4.0, 8.0])]  # fmt: skip
-    steps += [{"mode": "auto", "step": s, "step_s": t, "compute_imbalance": 1.1, "model_error": [0.1, -0.3]}
-              for s, t in enumerate([9.0, 2.0, 2.0])]  # fmt: skip
+    steps = [{"mode": "off", "step": s, "step_s": t, "compute_imbalance": 1.5, "model_error": [None, None],
+              "overhead": 0.01} for s, t in enumerate([9.0, 4.0, 8.0])]  # fmt: skip
+    steps += [{"mode": "auto", "step": s, "step_s": t, "compute_imbalance": 1.1, "model_error": [0.1, -0.3],
+               "overhead": o} for s, t, o in zip(range(3), [9.0, 2.0, 2.0], [0.5, 0.02, 0.04], strict=True)]  # fmt: skip
     summary = bench_train.summarize({"steps": steps})
     assert summary["auto"]["speedup"] == pytest.approx(3.0)  # median of 4/2 and 8/2, step 0 skipped
     assert summary["auto"]["model_error"] == pytest.approx(0.2)
+    assert summary["auto"]["overhead"] == pytest.approx(0.03)  # median of steps 1 and 2
 
 
 def test_bad_slow_rank_is_refused():
