@@ -2,7 +2,8 @@
 balancing on mixed image + video latents.
 
     deepspeed --num_gpus 4 examples/train_dit.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny
-    deepspeed --num_gpus 2 examples/train_dit.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny --family wan
+    deepspeed --num_gpus 2 examples/train_dit.py --deepspeed_config ds_configs/wan_cpu_demo.json --tiny --family wan \\
+        --token-scale 0.015625
     deepspeed --num_gpus 4 examples/train_dit.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny --family flux3 \\
         --token-scale 0.015625
     deepspeed --hostfile hosts examples/train_dit.py --deepspeed_config ds_configs/flux_zero3_knap.json \\
@@ -42,6 +43,7 @@ import os
 import sys
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -136,6 +138,8 @@ parser.add_argument("--validation-frames", type=int, default=None, help="Wan: fr
 parser.add_argument("--validation-inference-steps", type=int, default=None,
                     help="denoising steps (FLUX: 28, Wan: 50; --tiny: 2)")  # fmt: skip
 parser.add_argument("--validation-guidance", type=float, default=None, help="guidance scale (FLUX: 3.5, Wan: 5.0)")
+parser.add_argument("--validation-timeout", type=float, default=120.0, metavar="MINUTES",
+                    help="how long the other ranks wait for rank 0's validation renders")  # fmt: skip
 parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
@@ -190,8 +194,26 @@ if flux3 and dit.config["flow_map"]:
          "model); fine-tune the base FLUX.3 checkpoint (flow_map=False)")  # fmt: skip
 if video and dit.config["image_dim"] is not None:
     fail(f"{args.model_path} is a Wan image-to-video model (image_dim={dit.config['image_dim']}); this script trains "
-         "text-to-video models (Wan 2.1 T2V, Wan 2.2 TI2V-5B and T2V-A14B experts) from prepare_video_latents.py's "
-         "samples, which hold no image context")  # fmt: skip
+         "text-to-video models (Wan 2.1 T2V, Wan 2.2 TI2V-5B) from prepare_video_latents.py's samples, which hold no "
+         "image context")  # fmt: skip
+
+
+def two_expert_pipeline(path: str | None) -> str | None:
+    """Why ``path`` cannot be trained as one model: a Wan 2.2 A14B pipeline (``transformer_2``), whose
+    experts each serve one side of the pipeline's ``boundary_ratio`` of noise levels, where this script
+    draws them from all of (0, 1). Read per rank: the ranks agree on the answer."""
+    index = Path(path or ".") / "model_index.json"
+    try:
+        two = path is not None and index.is_file() and (json.loads(index.read_text()).get("transformer_2") or [None])[0]
+    except (OSError, ValueError) as error:
+        return f"--model-path {path}: cannot read {index} ({error})"
+    return (f"{path} is a two-expert Wan 2.2 pipeline (transformer_2): each expert trains on its own side of the "
+            "pipeline's boundary_ratio of noise levels, which this script does not do; train Wan 2.1 or Wan 2.2 "
+            "TI2V-5B") if two else None  # fmt: skip
+
+
+if video:
+    raise_together(two_expert_pipeline(args.model_path))
 
 
 # ---- data: every rank checks its share of the files' headers and sizes; all ranks agree before training ----
@@ -271,9 +293,6 @@ if args.validation_every:
     if args.model_path and not problem and not index_file.is_file():
         problem = (f"--validation-every needs --model-path to be a {pipeline_class} directory (with model_index.json); "
                    f"{args.model_path} is not")  # fmt: skip
-    if args.model_path and not problem and (json.loads(index_file.read_text()).get("transformer_2") or [None])[0]:
-        problem = (f"--validation-every: {args.model_path} is a two-expert Wan 2.2 pipeline (transformer_2); this "
-                   "script trains one expert, and its clips alone would not show the pipeline's output")  # fmt: skip
     raise_together(problem)
     if video:
         pipeline_options = dict(wan_finetune.TINY_WAN_VALIDATION if args.tiny else wan_finetune.WAN_VALIDATION)
@@ -289,7 +308,12 @@ if args.validation_every:
                                 max_sequence_length=32 if args.tiny else 512)  # fmt: skip
     if args.validation_inference_steps or args.tiny:
         pipeline_options.update(num_inference_steps=args.validation_inference_steps or 2)
-    pipeline_options.update(guidance_scale=args.validation_guidance or (5.0 if video else 3.5))
+    default_guidance = 5.0 if video else 3.5
+    guidance_scale = default_guidance if args.validation_guidance is None else args.validation_guidance
+    pipeline_options.update(guidance_scale=guidance_scale)
+    # Rank 0 renders while the others wait, longer than timeout_s allows a collective (a 14B clip of
+    # 81 frames takes minutes): they wait in a barrier of their own, on the host, with its own limit.
+    validation_wait = torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=args.validation_timeout))
     pipeline_parts = None  # VAE, text encoders, tokenizers, scheduler: loaded once, on rank 0, kept on the CPU
 
 
@@ -323,6 +347,7 @@ def render_validation(steps_done: int, state: dict) -> None:
             ).components
         pipeline_parts.pop("transformer", None)
     out = Path(args.validation_dir)
+    out.mkdir(parents=True, exist_ok=True)
     lora = lora_config(dit)
     finetune = wan_finetune if video else flux_finetune
     transformer = finetune.diffusers_transformer(dit.config, base_state_dict(state) if lora else state)
@@ -431,10 +456,14 @@ for step in progress:
     ):
         save_checkpoint(steps_done)
     if args.validation_every and steps_done % args.validation_every == 0:
-        state = current_state_dict()
+        state, problem = current_state_dict(), None
         if rank == 0:
-            render_validation(steps_done, state)
-        dist.barrier()
+            try:
+                render_validation(steps_done, state)
+            except Exception as error:  # the others wait in the barrier: tell them, rather than leave them there
+                problem = f"validation after step {step} failed on rank 0: {type(error).__name__}: {error}"
+        torch.distributed.barrier(group=validation_wait)
+        raise_together(problem)
 
 if args.export_dir:
     if args.lora_rank:

@@ -72,9 +72,11 @@ def check(result: subprocess.CompletedProcess) -> None:
 def full_runs(tmp_path_factory):
     """Full fine-tuning, balancing off, and on with a checkpoint after every step and an export."""
     d = tmp_path_factory.mktemp("full")
+    (d / "prompts.txt").write_text("a red cat\n")
     off = train(d, "off", False, *COMMON, "--gradient-checkpointing")
     on = train(d, "on", True, *COMMON, "--gradient-checkpointing", "--save-dir", str(d / "ckpt"),
-               "--checkpoint-every", "1", "--export-dir", str(d / "export"))  # fmt: skip
+               "--checkpoint-every", "1", "--export-dir", str(d / "export"), "--validation-every", "3",
+               "--validation-prompts", str(d / "prompts.txt"), "--validation-dir", str(d / "new" / "images"))  # fmt: skip
     return d, off, on
 
 
@@ -97,6 +99,8 @@ def test_zero3_balanced_training_matches_unbalanced_and_exports_to_diffusers(ful
     check(on_run)
     assert sorted(on) == [0, 1, 2]
     assert list(on.values()) == pytest.approx(list(off.values()), rel=1e-5)
+    # Full fine-tuning renders too, into a directory the script makes (LoRA's adapter save made it before).
+    assert [p.name for p in (d / "new" / "images").iterdir()] == ["step000003_prompt00.png"]
 
     from deepspeed_knap.models.flux import PackedFluxTransformer
 
