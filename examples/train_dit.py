@@ -4,7 +4,7 @@ balancing on mixed image + video latents.
     deepspeed --num_gpus 4 examples/train_dit.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny
     deepspeed --num_gpus 2 examples/train_dit.py --deepspeed_config ds_configs/wan_cpu_demo.json --tiny --family wan \\
         --token-scale 0.015625
-    deepspeed --num_gpus 4 examples/train_dit.py --deepspeed_config ds_configs/flux_cpu_demo.json --tiny --family flux3 \\
+    deepspeed --num_gpus 4 examples/train_dit.py --deepspeed_config ds_configs/flux3_cpu_demo.json --tiny --family flux3 \\
         --token-scale 0.015625
     deepspeed --hostfile hosts examples/train_dit.py --deepspeed_config ds_configs/flux_zero3_knap.json \\
         --model-path /models/FLUX.1-dev --data-dir /data/flux_latents --export-dir out/flux-finetuned \\

@@ -96,6 +96,10 @@ def test_zero3_balanced_equals_unbalanced_loaded_from_diffusers(full_runs):
     assert "ZeRO-3 partitioned" in off_log  # rank 0's loading report
     imbalances = [(float(before), float(after)) for _, _, before, after in STEP_LINE.findall(on_log)]
     assert any(after < before for before, after in imbalances), imbalances
+    # Every step's plan but the first was solved a step ahead with that step's segments: lengths or
+    # segments that did not match what the step packed would have it solved in the step instead.
+    ahead = ["(planned ahead)" in line for line in on_log.splitlines() if re.match(r"step \d+ loss", line)]
+    assert ahead == [False] + [True] * (STEPS - 1), on_log[-2000:]
 
 
 def test_export_loads_in_diffusers_with_the_trained_tensors(full_runs):
