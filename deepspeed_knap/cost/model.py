@@ -57,8 +57,14 @@ MODEL_PRESETS: dict[str, dict[str, float]] = {
     # token through num_layers=5 blocks of its own mode (attending within its mode only) and
     # num_single_layers=28 joint blocks; a SwiGLU MLP 3x wide (mlp_ratio=3.0: 2 * 3 + 3 = 9 d^2
     # matrices, what mlp_ratio 4.5 counts), q, k, v, out without biases: 13 d^2 per token and block.
-    "flux3": {"hidden": 3072, "double_blocks": 0, "single_blocks": 28, "mode_blocks": 5, "mlp_ratio": 4.5,
-              "num_heads": 24},
+    "flux3": {
+        "hidden": 3072,
+        "double_blocks": 0,
+        "single_blocks": 28,
+        "mode_blocks": 5,
+        "mlp_ratio": 4.5,
+        "num_heads": 24,
+    },
     # Wan 2.x (CostModel.from_wan_dims), in the names of Wan's own configs: dim, ffn_dim, num_heads,
     # num_layers (Wan-Video/Wan2.1 wan/configs/wan_t2v_1_3B.py and wan_t2v_14B.py; Wan-Video/Wan2.2
     # wan/configs/wan_ti2v_5B.py), and text_len 512 (wan/configs/shared_config.py: the umT5 prompt

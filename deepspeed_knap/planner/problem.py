@@ -33,7 +33,11 @@ _STEP_LIMIT = "the most the planner takes in a step (its sums stay exact below i
 
 
 def _group_loads(
-    cost_model: CostModel, seq_lens: np.ndarray, group_start: np.ndarray, group_size: np.ndarray, num_gpus: int,
+    cost_model: CostModel,
+    seq_lens: np.ndarray,
+    group_start: np.ndarray,
+    group_size: np.ndarray,
+    num_gpus: int,
     segment_squares: np.ndarray | None = None,
 ) -> np.ndarray:
     """``[S]`` modeled seconds: every GPU of a sequence's group spends the sequence's per-GPU time

@@ -208,8 +208,9 @@ def lower_bound(
         ValueError: as :func:`plan_routing`, for bad lengths or a sequence no group holds under the cap.
     """
     with _gc_paused():
-        return Problem.build(seq_lens_per_rank, topology, cost_model, max_tokens_per_gpu,
-                             seq_segments_per_rank).lower_bound_s
+        return Problem.build(
+            seq_lens_per_rank, topology, cost_model, max_tokens_per_gpu, seq_segments_per_rank
+        ).lower_bound_s
 
 
 def plan_loads(

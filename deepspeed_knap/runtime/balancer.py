@@ -155,9 +155,7 @@ class KnapBalancer:
         """The cost model the next step is planned with."""
         return self.online.model() if self.online is not None else self.cost_model
 
-    def plan(
-        self, batch: PackedBatch, segments: np.ndarray | None = None, problem: str | None = None
-    ) -> RoutingPlan:
+    def plan(self, batch: PackedBatch, segments: np.ndarray | None = None, problem: str | None = None) -> RoutingPlan:
         """Gather every rank's lengths (and last step's times) and solve; every rank gets the same
         plan. Collective. A plan :meth:`prefetch` solved for lengths equal to this batch's, on every
         rank, is used instead.
@@ -244,7 +242,11 @@ class KnapBalancer:
                                      self.max_tokens_per_gpu, DEFAULT_REFINE_STEPS, gathered.segments_per_rank,
                                      timeout_s=self._worker_timeout_s)  # fmt: skip
         self._ahead[self._prefetches] = _PlanAhead(
-            gathered.seq_lens_per_rank, model, ticket, [int(n) for n in seq_lens], gathered.segments_per_rank,
+            gathered.seq_lens_per_rank,
+            model,
+            ticket,
+            [int(n) for n in seq_lens],
+            gathered.segments_per_rank,
             None if next_segments is None else np.asarray(next_segments, dtype=np.int64).tolist(),
         )
         self._prefetches += 1

@@ -51,7 +51,9 @@ def _counted_flops(shape) -> tuple[float, float, list[tuple[int, int, int]]]:
     with FlopCounterMode(display=False) as counter, recorder:
         diffusers_output(model, sample)
     counts = counter.get_flop_counts()
-    block = re.compile(r"Flux3Transformer2DModel\.(txt_mode_blocks\.\d+|mode_blocks\.\w+\.\d+|single_transformer_blocks\.\d+)")
+    block = re.compile(
+        r"Flux3Transformer2DModel\.(txt_mode_blocks\.\d+|mode_blocks\.\w+\.\d+|single_transformer_blocks\.\d+)"
+    )
     linear = sum(sum(ops.values()) for name, ops in counts.items() if block.fullmatch(name))
     attention = sum(2 * 2 * lq * lk * width for lq, lk, width in recorder.calls)
     return float(linear), float(attention), recorder.calls
@@ -87,7 +89,9 @@ def test_per_segment_terms_equal_the_flops_diffusers_spends(shape):
     linear, attention, calls = _counted_flops(shape)
     config = CONFIGS["flux3"]
     modes = [n for n in segments if n]
-    expected_calls = sorted([(n, n) for n in modes] * config["num_layers"] + [(length, length)] * config["num_single_layers"])
+    expected_calls = sorted(
+        [(n, n) for n in modes] * config["num_layers"] + [(length, length)] * config["num_single_layers"]
+    )
     assert sorted((lq, lk) for lq, lk, _ in calls) == expected_calls
 
     model = _tiny_cost_model()
@@ -105,7 +109,9 @@ def test_per_segment_terms_equal_the_flops_diffusers_spends(shape):
 def test_the_flux3_preset_has_diffusers_default_dims():
     import diffusers
 
-    defaults = {k: p.default for k, p in inspect.signature(diffusers.Flux3Transformer2DModel.__init__).parameters.items()}
+    defaults = {
+        k: p.default for k, p in inspect.signature(diffusers.Flux3Transformer2DModel.__init__).parameters.items()
+    }
     preset = MODEL_PRESETS["flux3"]
     assert preset["hidden"] == defaults["num_attention_heads"] * defaults["attention_head_dim"]
     assert preset["num_heads"] == defaults["num_attention_heads"]
@@ -113,7 +119,9 @@ def test_the_flux3_preset_has_diffusers_default_dims():
     assert preset["single_blocks"] == defaults["num_single_layers"] and preset["double_blocks"] == 0
     assert preset["mlp_ratio"] == 1.5 * defaults["mlp_ratio"]  # SwiGLU: 2 * 3 + 3 = 9 d^2
     model = default_cost_model("flux3")
-    assert model.segment_attention_share == defaults["num_layers"] / (defaults["num_layers"] + defaults["num_single_layers"])
+    assert model.segment_attention_share == defaults["num_layers"] / (
+        defaults["num_layers"] + defaults["num_single_layers"]
+    )
     assert default_cost_model("flux-dev").segment_attention_share == 0
 
 
@@ -131,7 +139,9 @@ def test_one_segment_per_sequence_plans_as_no_segments_bit_for_bit():
 
 def test_segments_that_do_not_cover_their_sequence_are_refused_naming_it():
     model, topology = default_cost_model("flux3"), build_topology("g2n1")
-    with pytest.raises(ValueError, match=r"rank 1: sequence 0 has attention segments \[2, 3, 4\] summing to 9, but its length is 10"):
+    with pytest.raises(
+        ValueError, match=r"rank 1: sequence 0 has attention segments \[2, 3, 4\] summing to 9, but its length is 10"
+    ):
         plan_routing([[5], [10]], topology, model, seq_segments_per_rank=[[[5, 0, 0]], [[2, 3, 4]]])
     with pytest.raises(ValueError, match=r"rank 0: 2 rows of attention segments for 1 sequences"):
         plan_routing([[5], [10]], topology, model, seq_segments_per_rank=[[[5], [1]], [[10]]])
