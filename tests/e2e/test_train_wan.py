@@ -155,3 +155,20 @@ def test_exported_adapter_loads_into_wan_pipeline_as_peft_lora_on_our_model(wan_
         expected = ours.forward_samples([sample])[0]
     assert relative_error(after, expected) < 1e-5
     assert relative_error(after, before) > 1e-4
+
+
+def test_the_documented_cpu_demo_trains_synthetic_clips_and_renders_with_the_tiny_defaults(tmp_path):
+    """train_dit.py's Wan demo command (synthetic wan_image_video clips, the tiny model, full
+    fine-tuning) with validation at the tiny pipeline's defaults: 32 x 32, 5 frames."""
+    from PIL import Image
+
+    (tmp_path / "prompts.txt").write_text("a red cat\n")
+    command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(ROOT / "ds_configs" / "wan_cpu_demo.json"), "--tiny",
+                               "--family", "wan", "--token-scale", "0.015625", "--steps", "2", "--validation-every",
+                               "2", "--validation-prompts", str(tmp_path / "prompts.txt"), "--validation-dir",
+                               str(tmp_path / "clips"), ranks=2)  # fmt: skip
+    result = run(command)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [int(step) for step, *_ in STEP_LINE.findall(result.stdout)] == [0, 1]
+    with Image.open(tmp_path / "clips" / "step000002_prompt00.gif") as gif:
+        assert (gif.size, gif.n_frames) == ((32, 32), 5)
