@@ -5,14 +5,17 @@ per request, on the same request file and weights.
 
 Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA) that generate the
 request file (``--requests``, or by default an imbalanced one: lines alternate a large and a small
-image, so that rank 0, which owns the even lines, gets every large one) with a random FLUX.1
+image, and rank ``r`` owns lines ``r``, ``r + ranks``, ...: with ``--ranks 2`` rank 0 gets every large
+one, with any even number of ranks the even ranks get them) with a random FLUX.1
 (``TINY_FLUX``; ``--heads``/``--head-dim`` widen it) in each mode:
 
 * ``balanced``: ``deepspeed-knap generate``'s path: topology ``auto``, plan and route reused per set;
 * ``no-reuse``: the same, but the plan gathered and solved, and the route prepared, every step (the
   training path): what reuse saves, per step;
 * ``unbalanced``: each rank runs its own requests packed, with no communication;
-* ``pipeline``: each rank calls diffusers' ``FluxPipeline`` once per request it owns.
+* ``pipeline``: each rank calls diffusers' ``FluxPipeline`` once per request it owns (the requests
+  the balanced modes' intake accepts: its refusals are skipped; ``embeddings`` requests are given
+  their ``prompt_embeds``).
 
 Reported per mode: images per second (all images over the slowest rank's wall time), each rank's
 wall and busy seconds (its own work: encoding, compute less the all-to-alls and the waits in them,
@@ -63,7 +66,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    from deepspeed_knap.generation.runner import generate, generation_balancer
+    from deepspeed_knap.generation.runner import generate, generation_balancer, take_requests
     from deepspeed_knap.models.flux.finetune import TINY_FLUX
     from deepspeed_knap.models.flux.generate import tiny_flux_generator
     from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
@@ -82,14 +85,20 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
         "balanced": generation_balancer(generator.model, options["max_tokens_per_gpu"], reuse=True),
         "no-reuse": generation_balancer(generator.model, options["max_tokens_per_gpu"], reuse=False),
     }
-    pipe = _reference_pipeline(generator, config) if "pipeline" in options["modes"] else None
+    pipe, intake = None, None
+    if "pipeline" in options["modes"]:
+        pipe = _reference_pipeline(generator, config)
+        # The requests the balanced run accepts (the same intake, collective), refusals skipped.
+        topology = balancers["balanced"].groups.topology
+        intake = take_requests(options["requests"], generator, options["max_tokens_per_gpu"],
+                               max(size for _, size in topology.groups))  # fmt: skip
     records = {}
     for mode in options["modes"]:
         for _ in range(options["repeats"]):
             dist.barrier()
             start, cpu_start = time.perf_counter(), time.process_time()
             if mode == "pipeline":
-                record = _pipeline_calls(pipe, options["requests"], rank, world)
+                record = _pipeline_calls(pipe, intake.mine)
             else:
                 report = generate(options["requests"], generator, balancers.get(mode), progress=False,
                                   max_tokens_per_gpu=options["max_tokens_per_gpu"])  # fmt: skip
@@ -126,18 +135,26 @@ def _reference_pipeline(generator, config: dict):
     return pipe
 
 
-def _pipeline_calls(pipe, path: str, rank: int, world: int) -> dict:
-    """This rank's requests (lines ``rank``, ``rank + world``, ...), one pipeline call each."""
-    from deepspeed_knap.generation.requests import parse_request, request_lines
+def _pipeline_calls(pipe, mine: dict) -> dict:
+    """This rank's accepted requests (:attr:`~deepspeed_knap.generation.runner.Intake.mine`: parsed
+    with the request file's directory, refusals left out), one pipeline call each, in file order."""
+    for _, r in sorted(mine.items()):
+        pipe(**_pipeline_text(pipe, r), height=r.height, width=r.width, num_inference_steps=r.steps,
+             guidance_scale=r.guidance, generator=torch.Generator().manual_seed(r.seed))  # fmt: skip
+    return {"images": len(mine), "steps": 0, "solves": 0, "plan_s": [], "route_s": []}
 
-    images = 0
-    for index, (number, text) in enumerate(request_lines(path)):
-        if index % world == rank:
-            r = parse_request(index, number, text)
-            pipe(r.prompt, height=r.height, width=r.width, num_inference_steps=r.steps, guidance_scale=r.guidance,
-                 max_sequence_length=r.max_sequence_length, generator=torch.Generator().manual_seed(r.seed))  # fmt: skip
-            images += 1
-    return {"images": images, "steps": 0, "solves": 0, "plan_s": [], "route_s": []}
+
+def _pipeline_text(pipe, request) -> dict:
+    """A request's text arguments to ``FluxPipeline``: its prompt, or its precomputed embeddings
+    (batched, on the pipeline's device and in its dtype, as the generator reads them)."""
+    if request.prompt is not None:
+        return {"prompt": request.prompt, "max_sequence_length": request.max_sequence_length}
+    from safetensors.torch import load_file
+
+    saved = load_file(request.embeddings)
+    device, dtype = pipe.vae.device, pipe.vae.dtype
+    return {"prompt_embeds": saved["prompt_embeds"][None].to(device, dtype),
+            "pooled_prompt_embeds": saved["pooled_prompt_embeds"][None].to(device, dtype)}  # fmt: skip
 
 
 def bench_generate(options: dict) -> dict:

@@ -10,7 +10,8 @@ encodes and decodes lines ``r``, ``r + N``, ...; the transformer runs every rank
 together, balanced (topology ``auto``), and requests join and leave at step boundaries under the
 token budget. Writes ``OUT/{id}.png`` per request and ``OUT/timings.json`` (per request and per
 rank). Bad lines are refused before any work and the others generated; the exit code is then 1,
-as it is for a missing model. Launched without a launcher it runs as one rank, unbalanced.
+as it is for a missing model, and for an image that could not be written (the others still are).
+Launched without a launcher it runs as one rank, unbalanced.
 """
 
 from __future__ import annotations
@@ -56,35 +57,45 @@ def run(args: argparse.Namespace) -> int:
     if args.model_path and not (Path(args.model_path) / "model_index.json").is_file():
         problem = (f"--model-path {args.model_path}: no model_index.json there; give a diffusers FLUX.1 pipeline "
                    "directory (what FluxPipeline.save_pretrained writes), or --tiny")  # fmt: skip
+    out = Path(args.out)
+    if problem is None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            problem = f"cannot make --out {out}: {error}"
     generator = None
     if problem is None:
         try:
             generator = _load(args, dtype)
-        except (OSError, ValueError) as error:
-            problem = f"cannot load {args.model_path}: {error}"
+        except Exception as error:  # every rank must hear of it, or the others wait in the gather
+            problem = f"cannot load {args.model_path or 'the --tiny model'}: {type(error).__name__}: {error}"
     if _report_fatal(all_gather_json(problem), rank, "loading the model"):
         return 1
     balancer = generation_balancer(generator.model, args.max_tokens_per_gpu, not args.no_reuse) if world > 1 else None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    unwritten: list[dict] = []
 
     def write_png(request, image) -> None:
         from PIL import Image
 
-        # diffusers' numpy_to_pil: the same rounding as FluxPipeline's output_type="pil".
-        Image.fromarray((image * 255).round().astype("uint8")).save(out / f"{request.id}.png")
+        path = out / f"{request.id}.png"
+        try:
+            # diffusers' numpy_to_pil: the same rounding as FluxPipeline's output_type="pil".
+            Image.fromarray((image * 255).round().astype("uint8")).save(path)
+        except (OSError, ValueError) as error:  # a full disk, a name the file system refuses: go on
+            unwritten.append({"line": request.line, "id": request.id, "rank": rank,
+                              "reason": f"line {request.line}: cannot write {path}: {error}"})  # fmt: skip
 
     try:
         report = generate(args.requests, generator, balancer, write_png, args.max_tokens_per_gpu,
                           progress=not args.no_progress)  # fmt: skip
     except RequestFileError as error:  # the same error on every rank
         return 1 if _report_fatal([str(error)], rank, "reading the requests") else 0
-    reports = all_gather_json(dataclasses.asdict(report))
+    reports = all_gather_json({**dataclasses.asdict(report), "unwritten": unwritten})
     if rank == 0:
         summary = summarize(reports)
         (out / "timings.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(format_summary(summary, out))
-    return 1 if report.refused else 0
+    return 1 if report.refused or any(r["unwritten"] for r in reports) else 0
 
 
 def _join_launched_job() -> None:
@@ -135,11 +146,12 @@ def summarize(reports: list[dict]) -> dict:
     ranks = [{"rank": report["rank"], "wall_s": report["wall_s"], "busy_s": report["busy_s"],
               "images": len(report["requests"]), "plan_s": sum(report["plan_s"]), "route_s": sum(report["route_s"])}
              for report in reports]  # fmt: skip
+    unwritten = sorted((u for report in reports for u in report.get("unwritten", [])), key=lambda u: u["line"])
     first = reports[0]
     return {"images": len(requests), "requests_in_file": first["count"], "wall_s": wall,
             "images_per_s": len(requests) / wall if wall > 0 else 0.0, "steps": first["steps"],
-            "set_changes": first["set_changes"], "solves": first["solves"], "refused": first["refused"],
-            "requests": requests, "ranks": ranks}  # fmt: skip
+            "set_changes": first["set_changes"], "solves": first["solves"], "back_offs": first["back_offs"],
+            "refused": first["refused"], "unwritten": unwritten, "requests": requests, "ranks": ranks}  # fmt: skip
 
 
 def format_summary(summary: dict, out: Path) -> str:
@@ -153,5 +165,8 @@ def format_summary(summary: dict, out: Path) -> str:
     if summary["refused"]:
         lines.append(f"refused {len(summary['refused'])} request(s):")
         lines += [f"  {refusal['reason']}" for refusal in summary["refused"]]
+    if summary.get("unwritten"):
+        lines.append(f"could not write {len(summary['unwritten'])} image(s):")
+        lines += [f"  {failure['reason']}" for failure in summary["unwritten"]]
     lines.append(f"per-request and per-rank timings: {out / 'timings.json'}")
     return "\n".join(lines)

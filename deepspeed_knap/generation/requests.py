@@ -10,8 +10,13 @@ and ``pooled_prompt_embeds [Dp]``). ``height`` and ``width`` (pixels) are requir
 prompt is padded to, as diffusers' pipelines do) and ``id`` (default ``line{N}``) are optional.
 Unknown keys are refused, so a typo (``"step": 4``) is not silently a default.
 
+An ``id`` names the output file ``{id}.png``: no ``/`` and no control characters in it, and at most
+255 bytes (UTF-8) with the ``.png``. ``seed`` is ``0`` to ``2**64 - 1`` (what ``manual_seed`` takes);
+the other whole numbers are at most ``2**31 - 1``.
+
 Pure Python, no torch: what a family checks of a request (its sizes, its embeddings file) is in
-the family's module, and the agreement between ranks in :mod:`~deepspeed_knap.generation.intake`.
+the family's module, and the agreement between ranks in
+:func:`~deepspeed_knap.generation.runner.take_requests`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULTS = {"steps": 28, "guidance": 3.5, "seed": 0, "max_sequence_length": 512}
+# The largest value of each whole-number field: a seed is what torch.Generator.manual_seed takes; the
+# others are bounded so that what is derived from them (tokens) stays a plain number everywhere.
+LARGEST = {"seed": 2**64 - 1, "height": 2**31 - 1, "width": 2**31 - 1, "steps": 2**31 - 1,
+           "max_sequence_length": 2**31 - 1}  # fmt: skip
+MAX_FILE_NAME_BYTES = 255  # of "{id}.png", what common file systems take
 _KEYS = ("id", "prompt", "embeddings", "height", "width", "steps", "guidance", "seed", "max_sequence_length")
 
 
@@ -90,6 +100,10 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
         fields = json.loads(text)
     except json.JSONDecodeError as error:
         raise RequestError(f"line {line}: not JSON ({error.msg} at column {error.colno})") from None
+    except ValueError as error:  # e.g. a number of more digits than Python converts (4300)
+        raise RequestError(f"line {line}: not JSON that can be read ({error})") from None
+    except RecursionError:
+        raise RequestError(f"line {line}: not JSON that can be read (nested too deeply)") from None
     if not isinstance(fields, dict):
         raise RequestError(f"line {line}: a request is a JSON object, e.g. {{\"prompt\": ..., \"height\": ...}}; "
                            f"got {type(fields).__name__}")  # fmt: skip
@@ -102,17 +116,20 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
     for key in ("prompt", "embeddings", "id"):
         if key in fields and not (isinstance(fields[key], str) and fields[key]):
             raise RequestError(f"line {line}: {key!r} must be a non-empty string; got {fields[key]!r}")
+        if key in fields and not _encodable(fields[key]):  # a lone surrogate ("\\ud800") is valid JSON
+            raise RequestError(f"line {line}: {key!r} must be valid Unicode; got {fields[key]!r}")
     request_id = fields.get("id", f"line{line}")
-    if "/" in request_id or request_id in (".", ".."):
-        raise RequestError(f"line {line}: id {request_id!r} names the output file {request_id}.png: no '/' in it")
+    _check_id(line, request_id)
     values = {**DEFAULTS, **fields}
     for key in ("height", "width", "steps", "seed", "max_sequence_length"):
         if key not in values:
             raise RequestError(f'line {line}: {key!r} is required (pixels); e.g. "{key}": 1024')
         value = values[key]
         lowest = 0 if key == "seed" else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-            raise RequestError(f"line {line}: {key!r} must be a whole number >= {lowest}; got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= LARGEST[key]:
+            shown = repr(value) if not isinstance(value, int) or value.bit_length() <= 128 else "a larger number"
+            raise RequestError(f"line {line}: {key!r} must be a whole number from {lowest} to {LARGEST[key]}; "
+                               f"got {shown}")  # fmt: skip
     guidance = values["guidance"]
     if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance):
         raise RequestError(f"line {line}: 'guidance' must be a finite number; got {guidance!r}")
@@ -120,3 +137,28 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
                    embeddings=str(Path(directory, fields["embeddings"])) if "embeddings" in fields else None, height=values["height"], width=values["width"],
                    steps=values["steps"], guidance=float(guidance), seed=values["seed"],
                    max_sequence_length=values["max_sequence_length"])  # fmt: skip
+
+
+def _check_id(line: int, request_id: str) -> None:
+    """Refuse an id that cannot name the output file ``{id}.png`` in the output directory."""
+    name = f"{request_id}.png"
+    problem = None
+    if "/" in request_id or request_id in (".", ".."):
+        problem = "no '/' in it"
+    elif any(ord(character) < 32 or ord(character) == 127 for character in request_id):
+        problem = "no control characters (such as \\u0000) in it"
+    else:
+        size = len(name.encode())
+        if size > MAX_FILE_NAME_BYTES:
+            problem = f"at most {MAX_FILE_NAME_BYTES} bytes (UTF-8) with the '.png'; it has {size}"
+    if problem is not None:
+        shown = request_id if len(request_id) <= 40 else request_id[:40] + "..."
+        raise RequestError(f"line {line}: id {shown!r} names the output file {{id}}.png: {problem}")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -104,10 +104,14 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
         entry = {"index": index, "line": number, "id": f"line{number}", "tokens": 0, "steps": 0, "reason": None}
         try:
             request = parse_request(index, number, text, Path(path).parent)
-            entry.update(id=request.id, tokens=generator.request_tokens(request), steps=request.steps)
+            tokens = generator.request_tokens(request)
+            entry.update(id=request.id, tokens=int(tokens), steps=request.steps)
             entry["request"] = request
         except RequestError as error:
             entry["reason"] = str(error)
+        except Exception as error:  # raised here, it would leave the other ranks in the gather
+            entry.update(id=f"line{number}", tokens=0, steps=0, reason=f"line {number}: cannot take this request: "
+                         f"{type(error).__name__}: {error}")  # fmt: skip
         entries.append(entry)
     views = all_gather_json({"problem": problem, "digest": digest, "entries": [_public(e) for e in entries]})
     problems = {r: view["problem"] for r, view in enumerate(views) if view["problem"]}
@@ -179,6 +183,8 @@ class GenerationReport:
         steps: denoising steps the run took (each runs every running request once).
         set_changes: steps whose request set differs from the step before's (the first included).
         solves: plans solved (once per change of the request set; with ``reuse=False`` every step too).
+        back_offs: sets the planner refused, each giving back its newest joiner (then nothing joins
+            until a request leaves).
         wall_s: from the intake to the last image, this rank.
         busy_s: this rank's own work in that time: encoding, packing, the transformer's compute
             (less its all-to-alls and the waits in them), scheduler steps, decoding.
@@ -192,6 +198,7 @@ class GenerationReport:
     steps: int = 0
     set_changes: int = 0
     solves: int = 0
+    back_offs: int = 0
     wall_s: float = 0.0
     busy_s: float = 0.0
     plan_s: list[float] = field(default_factory=list)
@@ -226,7 +233,7 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     busy = time.perf_counter()
     intake = take_requests(path, generator, max_tokens_per_gpu, max_degree)
     busy = time.perf_counter() - busy  # the intake's own checks; the gather is shared waiting
-    batcher = StepBatcher(intake.jobs, world, max_tokens_per_gpu, _solver(balancer))
+    batcher = StepBatcher(intake.jobs, world, max_tokens_per_gpu, _solver(balancer, max_tokens_per_gpu))
     # A balancer may serve several runs: this run's counts are what it adds.
     solves_before, steps_before = (balancer.solves, len(balancer.plan_s)) if balancer is not None else (0, 0)
     report = GenerationReport(rank, [], intake.refused, intake.count)
@@ -273,19 +280,29 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
         bar.update(len(step.active))
     bar.close()
     report.steps, report.wall_s, report.busy_s = batcher.steps_taken, time.perf_counter() - start, busy
+    report.back_offs = batcher.back_offs
     if balancer is not None:  # unbalanced, the batcher's "solve" makes no plan
         report.solves = batcher.solves + balancer.solves - solves_before
         report.plan_s, report.route_s = balancer.plan_s[steps_before:], balancer.route_s[steps_before:]
     return report
 
 
-def _solver(balancer: ReusingBalancer | None) -> Callable[[list[list[int]]], Any]:
+def _solver(balancer: ReusingBalancer | None,
+            max_tokens_per_gpu: int | None = None) -> Callable[[list[list[int]]], Any]:  # fmt: skip
     """The batcher's ``solve``: the balancer's planner (solver, cost model, budget), or, unbalanced,
-    no plan (every request runs at home)."""
+    no plan (every request runs at home), refusing a set that puts more than ``max_tokens_per_gpu``
+    on any rank (the batcher's budget is the world's total, and unbalanced each rank holds its own)."""
     from deepspeed_knap.planner.solve import plan_routing
 
     if balancer is None:
-        return lambda seq_lens_per_rank: None
+
+        def unbalanced(seq_lens_per_rank: list[list[int]]) -> None:
+            loads = [sum(lengths) for lengths in seq_lens_per_rank]
+            if max_tokens_per_gpu is not None and max(loads) > max_tokens_per_gpu:
+                raise ValueError(f"unbalanced, the ranks would hold {loads} tokens; max_tokens_per_gpu "
+                                 f"{max_tokens_per_gpu} could not be met")  # fmt: skip
+
+        return unbalanced
     return lambda seq_lens_per_rank: plan_routing(seq_lens_per_rank, balancer.groups.topology, balancer.cost_model,
                                                   balancer.solver, balancer.max_tokens_per_gpu)  # fmt: skip
 

@@ -9,7 +9,9 @@ it is solved when the set changes and reused until it changes again (:attr:`Step
 
 A set whose plan the planner cannot make (the budget is per GPU, and a set whose total fits may
 still not pack) gives back its newest joiners, newest first, until it can: the planner is
-deterministic, so every rank backs off alike. Pure Python: ``solve`` is the planner.
+deterministic, so every rank backs off alike. After a back-off no request joins until one leaves
+(the set that was refused would be refused again), and a set that backed off to the last step's
+keeps that step's plan: no new plan, no change of the set. Pure Python: ``solve`` is the planner.
 """
 
 from __future__ import annotations
@@ -69,10 +71,13 @@ class StepBatcher:
         self.world_size = world_size
         self.capacity = None if max_tokens_per_gpu is None else max_tokens_per_gpu * world_size
         self.solve = solve
-        self.solves = 0  # plans solved: one per change of the set (and one per back-off)
+        self.solves = 0  # plans made: one per change of the set
+        self.back_offs = 0  # sets the planner refused (each gave back its newest joiner)
         self._waiting = deque(sorted(self.jobs))
         self._remaining: dict[int, int] = {}  # active request -> steps still to run, this one included
         self._plan: Any = None
+        self._active: tuple[int, ...] | None = None  # the last step's set, planned by self._plan
+        self._blocked = False  # a back-off since the last leave: nothing joins until a request leaves
         self._steps = 0
 
     @property
@@ -95,23 +100,26 @@ class StepBatcher:
         left = tuple(i for i, remaining in self._remaining.items() if remaining == 0)
         for index in left:
             del self._remaining[index]
+        if left:
+            self._blocked = False
         joined = []
         tokens = sum(self.jobs[i].tokens for i in self._remaining)
-        # The first waiting request joins while it fits the budget, or when nothing would run without it.
+        # The first waiting request joins while it fits the budget, or when nothing would run without
+        # it; after a back-off, only once a request has left.
         while self._waiting and (
-            self.capacity is None
-            or tokens + self.jobs[self._waiting[0]].tokens <= self.capacity
-            or (not self._remaining and not joined)
-        ):
+            (not self._remaining and not joined)
+            or (not self._blocked and (self.capacity is None or tokens + self.jobs[self._waiting[0]].tokens
+                                       <= self.capacity))
+        ):  # fmt: skip
             index = self._waiting.popleft()
             joined.append(index)
             tokens += self.jobs[index].tokens
         active = tuple(sorted([*self._remaining, *joined]))
         if not active:
             return None
-        changed = bool(left or joined) or self._plan is None
-        if changed:
-            active = self._solve(active, joined)
+        active = self._solve(active, joined)
+        changed = active != self._active
+        self._active = active
         self._remaining.update({i: self.jobs[i].steps for i in active if i not in self._remaining})
         for index in active:
             self._remaining[index] -= 1
@@ -119,19 +127,25 @@ class StepBatcher:
         return Step(self._steps - 1, active, tuple(i for i in joined if i in active), left, self._plan, changed)
 
     def _solve(self, active: tuple[int, ...], joined: list[int]) -> tuple[int, ...]:
-        """Plan ``active``; while the planner refuses it, give back the newest joiner (to the front
-        of the queue) and plan again. Returns the set planned."""
-        while True:
-            self.solves += 1
+        """Plan ``active`` unless it is the last step's set (whose plan stays); while the planner
+        refuses it, give back the newest joiner (to the front of the queue) and plan again. Returns
+        the set planned."""
+        while active != self._active:
             try:
-                self._plan = self.solve(self.seq_lens_per_rank(active))
-                return active
+                plan = self.solve(self.seq_lens_per_rank(active))
             except ValueError:
                 if not joined or len(active) == 1:
                     raise
+                self.back_offs += 1
+                self._blocked = True
                 newest = joined.pop()
                 self._waiting.appendleft(newest)
                 active = tuple(i for i in active if i != newest)
+            else:
+                self.solves += 1
+                self._plan = plan
+                return active
+        return active
 
     def seq_lens_per_rank(self, active: Sequence[int]) -> list[list[int]]:
         """The planner's input for a set: each rank's requests' tokens, in ascending index."""

@@ -41,14 +41,34 @@ def _write_requests(path, requests) -> str:
     return str(path)
 
 
-def _generate(rank: int, world: int, path: str, budget: int | None, reuse: bool, split: bool = False) -> dict:
+def _generate(rank: int, world: int, path: str, budget: int | None, reuse: bool, split: bool = False,
+              most_requests: int | None = None) -> dict:  # fmt: skip
     """Generate ``path`` balanced; ``split``: with a cost model of attention alone and free all-to-alls,
-    under which splitting a request over a group always pays."""
+    under which splitting a request over a group always pays; ``most_requests``: the planner refuses
+    a set of more (so the batcher backs off). Counts the batcher's planner calls (made and refused)
+    and the routes prepared (:meth:`KnapBalancer.route`, which ReusingBalancer calls to prepare)."""
+    import deepspeed_knap.planner.solve as solve_module
     from deepspeed_knap.cost.model import CostModel
     from deepspeed_knap.generation.runner import generate, generation_balancer
     from deepspeed_knap.models.flux.generate import tiny_flux_generator
+    from deepspeed_knap.runtime.balancer import KnapBalancer
     from tests.support.balancing import join_gloo
 
+    counts = {"planned": 0, "refused": 0, "prepared": 0}
+    plan_routing, route = solve_module.plan_routing, KnapBalancer.route
+
+    def counting_plan_routing(seq_lens_per_rank, *args, **kwargs):  # the batcher's solve (runner._solver)
+        if most_requests is not None and sum(map(len, seq_lens_per_rank)) > most_requests:
+            counts["refused"] += 1
+            raise ValueError("max_tokens_per_gpu could not be met (refused by the test)")
+        counts["planned"] += 1
+        return plan_routing(seq_lens_per_rank, *args, **kwargs)
+
+    def counting_route(self, batch, plan):
+        counts["prepared"] += 1
+        return route(self, batch, plan)
+
+    solve_module.plan_routing, KnapBalancer.route = counting_plan_routing, counting_route  # this spawned rank's own
     join_gloo(rank)
     generator = tiny_flux_generator(torch.float64, "cpu", seed=0)
     cost_model = CostModel(linear_coef=0.0, quadratic_coef=1.0) if split else None
@@ -64,7 +84,7 @@ def _generate(rank: int, world: int, path: str, budget: int | None, reuse: bool,
     images = {}
     report = generate(path, generator, balancer, on_image=lambda r, image: images.__setitem__(r.id, image),
                       progress=False)  # fmt: skip
-    return {"images": images, "report": dataclasses.asdict(report), "group_sizes": sorted(group_sizes)}
+    return {"images": images, "report": dataclasses.asdict(report), "group_sizes": sorted(group_sizes), **counts}
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +117,14 @@ def _check_images(results, references, expected_ids):
     assert np.abs(references["wide"] - references["wide"][::-1]).max() > 1e-2
 
 
-@pytest.mark.parametrize(("world", "budget"), [(2, BUDGET), (4, BUDGET // 2)])
-def test_joins_and_leaves_equal_diffusers_and_the_plan_is_solved_once_per_set(tmp_path, references, world, budget):
+@pytest.mark.parametrize(("world", "budget", "most_requests"), [(2, BUDGET, 3), (4, BUDGET // 2, None)])
+def test_joins_and_leaves_equal_diffusers_and_the_plan_is_solved_once_per_set(tmp_path, references, world, budget,
+                                                                              most_requests):  # fmt: skip
+    """On 2 ranks the planner also refuses sets of more than 3 requests (the budget's total admits 4):
+    the batcher backs off, and neither re-plans nor re-routes the running set while the refused
+    request waits."""
     path = _write_requests(tmp_path / "requests.jsonl", REQUESTS)
-    results = run_distributed(_generate, world, args=(path, budget, True, True), timeout=300)
+    results = run_distributed(_generate, world, args=(path, budget, True, True, most_requests), timeout=300)
     _check_images(results, references, [r["id"] for r in REQUESTS])
     reports = [result["report"] for result in results]
     records = {r["id"]: r for report in reports for r in report["requests"]}
@@ -112,10 +136,15 @@ def test_joins_and_leaves_equal_diffusers_and_the_plan_is_solved_once_per_set(tm
     assert max(r["first_step"] for r in records.values()) > 0
     assert len({r["last_step"] for r in records.values()}) > 2
     assert max(results[0]["group_sizes"]) > 1  # requests split over groups: Ulysses ran on reused routes
-    for report in reports:
+    if most_requests is not None:
+        assert reports[0]["back_offs"] > 0
+    for result, report in zip(results, reports, strict=True):
         assert report["steps"] == reports[0]["steps"] and report["refused"] == []
-        # One plan per request set: solved at each change, reused at the other steps.
+        # One plan per request set: solved at each change, reused at the other steps; the planner
+        # called once per set and once per back-off, the route prepared once per set.
         assert report["solves"] == report["set_changes"] < report["steps"]
+        assert result["planned"] == report["set_changes"] and result["refused"] == report["back_offs"]
+        assert result["prepared"] == report["set_changes"]
         assert len(report["plan_s"]) == len(report["route_s"]) == report["steps"]
 
 
@@ -135,6 +164,7 @@ def test_bad_lines_are_refused_on_every_rank_and_the_others_generated_without_re
     _check_images(results, references, [r["id"] for r in good])
     report = results[0]["report"]
     assert report["solves"] == report["set_changes"] + report["steps"]
+    assert results[0]["prepared"] == report["steps"]  # without reuse, every step prepares its route
     refused = results[0]["report"]["refused"]
     assert results[1]["report"]["refused"] == refused
     assert [r["line"] for r in refused] == [2, 3, 5, 7]

@@ -32,17 +32,58 @@ def test_a_request_line_with_defaults_and_a_relative_embeddings_path(tmp_path):
         ('{"height": 64, "width": 64}', "exactly one of 'prompt'"),
         ('{"prompt": "a", "embeddings": "e", "height": 64, "width": 64}', "exactly one of 'prompt'"),
         ('{"prompt": "a", "width": 64}', "'height' is required"),
-        ('{"prompt": "a", "height": 64, "width": 64, "steps": 0}', "'steps' must be a whole number >= 1"),
+        ('{"prompt": "a", "height": 64, "width": 64, "steps": 0}', "'steps' must be a whole number from 1 to"),
         ('{"prompt": "a", "height": 64.0, "width": 64}', "'height' must be a whole number"),
-        ('{"prompt": "a", "height": 64, "width": 64, "seed": true}', "'seed' must be a whole number >= 0"),
+        ('{"prompt": "a", "height": 64, "width": 64, "seed": true}', "'seed' must be a whole number from 0 to"),
         ('{"prompt": "a", "height": 64, "width": 64, "guidance": "high"}', "'guidance' must be a finite number"),
         ('{"prompt": "a", "height": 64, "width": 64, "id": "x/y"}', "no '/' in it"),
+        ('{"prompt": "a", "height": 64, "width": 64, "id": "x\\u0000y"}', "no control characters"),
+        ('{"prompt": "a", "height": 64, "width": 64, "id": "' + "x" * 252 + '"}', "at most 255 bytes"),
+        ('{"prompt": "a", "height": 64, "width": 64, "id": "' + "\u00e9" * 126 + '"}', "it has 256"),
+        ('{"prompt": "a", "height": 64, "width": 64, "id": "\\ud800"}', "'id' must be valid Unicode"),
+        ('{"prompt": "\\udfff", "height": 64, "width": 64}', "'prompt' must be valid Unicode"),
+        ('{"prompt": "a", "height": 64, "width": 64, "seed": 18446744073709551616}', "from 0 to 18446744073709551615"),
+        ('{"prompt": "a", "height": 64, "width": 64, "seed": -1}', "'seed' must be a whole number from 0"),
+        ('{"prompt": "a", "height": 64, "width": 64, "steps": 2147483648}', "'steps' must be a whole number from 1"),
+        ('{"prompt": "a", "height": 64, "width": 64, "seed": 1' + "0" * 5000 + "}", "not JSON that can be read"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ],
 )
 def test_a_bad_request_line_is_named_by_its_line_number(text, message):
     with pytest.raises(RequestError) as error:
         parse_request(0, 5, text)
     assert str(error.value).startswith("line 5: ") and message in str(error.value)
+
+
+def test_the_largest_seed_and_a_255_byte_file_name_are_taken():
+    request = parse_request(0, 1, json.dumps({"prompt": "a", "height": 8, "width": 8, "seed": 2**64 - 1,
+                                              "id": "x" * 251}))  # fmt: skip
+    assert request.seed == 2**64 - 1 and len(f"{request.id}.png") == 255
+    torch.Generator().manual_seed(request.seed)
+
+
+class _Tokens:
+    """A generator's ``request_tokens`` that fails as the family's checks are not meant to."""
+
+    def request_tokens(self, request):
+        if request.id == "boom":
+            raise RuntimeError("an unexpected failure")
+        return request.height
+
+
+def test_the_intake_refuses_a_line_whatever_its_check_raises(tmp_path):
+    """One process (no group): an unexpected error in a rank's checks is that line's refusal, so in
+    a group the rank still reaches the all-gather."""
+    from deepspeed_knap.generation.runner import take_requests
+
+    lines = [{"prompt": "a", "height": 8, "width": 8}, {"id": "boom", "prompt": "b", "height": 8, "width": 8}]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + "[" * 100_000 + "\n")
+    intake = take_requests(path, _Tokens())
+    assert [job.index for job in intake.jobs] == [0] and intake.count == 3
+    assert [r["line"] for r in intake.refused] == [2, 3]
+    assert intake.refused[0]["reason"] == "line 2: cannot take this request: RuntimeError: an unexpected failure"
+    assert "nested too deeply" in intake.refused[1]["reason"]
 
 
 # ---- step-level batching ----
@@ -94,8 +135,9 @@ def test_without_a_budget_every_request_starts_at_once():
 
 
 def test_a_request_over_the_budget_runs_alone_when_nothing_else_runs():
-    """The intake refuses what the largest group cannot hold; a request over the world's total alone
-    still runs, by itself."""
+    """The batcher alone (no intake: in a run the intake refuses a request over what the largest group
+    holds): a request over the world's total is not held back for ever; it runs by itself once
+    nothing else runs."""
     _, solve = _record_solves()
     steps = _run(StepBatcher([Job(0, 0, 10, 1), Job(1, 1, 500, 1), Job(2, 0, 10, 1)], 2, 100, solve))
     assert [step.active for step in steps] == [(0,), (1,), (2,)]
@@ -110,7 +152,49 @@ def test_a_set_the_planner_refuses_gives_back_its_newest_joiners():
     batcher = StepBatcher([Job(i, i % 2, 10, 1) for i in range(4)], 2, 100, solve)
     steps = _run(batcher)
     assert [step.active for step in steps] == [(0, 1), (2, 3)]
-    assert batcher.solves == 4  # two refused sets, two plans
+    assert (batcher.solves, batcher.back_offs) == (2, 2)  # two plans, two refused sets
+
+
+def test_after_a_back_off_nothing_joins_until_a_request_leaves_and_an_unchanged_set_keeps_its_plan():
+    """Multi-step requests under a budget whose token total admits three, and a planner that packs
+    two at most: the refused joiner waits for a leave instead of being tried (and the running set
+    re-planned) every step; one plan per set, the same plan object over the set's steps (what
+    ReusingBalancer keys its prepared route on)."""
+    planned = []
+
+    def solve(seq_lens_per_rank):
+        if sum(map(len, seq_lens_per_rank)) > 2:
+            raise ValueError("max_tokens_per_gpu could not be met")
+        planned.append(seq_lens_per_rank)
+        return object()
+
+    jobs = [Job(0, 0, 10, 3), Job(1, 1, 10, 6), Job(2, 0, 10, 2), Job(3, 1, 10, 2)]
+    batcher = StepBatcher(jobs, 2, 15, solve)  # 30 tokens: three requests fit the budget
+    steps = _run(batcher)
+    assert [step.active for step in steps] == [(0, 1), (0, 1), (0, 1), (1, 2), (1, 2), (1, 3), (3,)]
+    assert [step.changed for step in steps] == [True, False, False, True, False, True, True]
+    changes = sum(step.changed for step in steps)
+    assert batcher.solves == len(planned) == changes == 4
+    # Each refused join was tried once, at a step where a request had just left (or the first).
+    assert batcher.back_offs == 2
+    plans = [step.plan for step in steps]
+    assert all((plans[i] is plans[i - 1]) != steps[i].changed for i in range(1, len(steps)))
+
+
+def test_unbalanced_an_unchanged_set_is_not_a_change_and_no_rank_exceeds_its_budget():
+    """Unbalanced there is no plan (``None``), yet a set is a change only when it changes; each rank
+    runs its own requests, so a set over one rank's budget backs off though the world's total fits."""
+    from deepspeed_knap.generation.runner import _solver
+
+    jobs = [Job(0, 0, 60, 2), Job(1, 1, 10, 2), Job(2, 0, 60, 1), Job(3, 1, 10, 1)]
+    batcher = StepBatcher(jobs, 2, 100, _solver(None, 100))  # 200 tokens in all, 100 per rank
+    steps = _run(batcher)
+    assert [step.active for step in steps] == [(0, 1), (0, 1), (2, 3)]  # 2 waits: rank 0 would hold 120
+    assert [step.changed for step in steps] == [True, False, True]
+    assert batcher.back_offs == 2 and all(step.plan is None for step in steps)  # 3, then 2
+    with pytest.raises(ValueError, match="could not be met"):
+        _solver(None, 100)([[60, 60], [10]])
+    assert _solver(None, None)([[600], []]) is None
 
 
 def test_a_set_without_joiners_that_cannot_be_planned_raises():
@@ -195,3 +279,47 @@ def test_generate_command_refuses_a_missing_model_path(tmp_path, capsys):
     assert code == 1
     assert "no model_index.json there" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_generate_command_stops_every_rank_on_any_load_error_and_an_out_it_cannot_make(tmp_path, capsys, monkeypatch):
+    import deepspeed_knap.commands.generate as command
+    from deepspeed_knap.cli import main
+
+    (tmp_path / "requests.jsonl").write_text('{"prompt": "a", "height": 16, "width": 16}\n')
+    args = ["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--no-progress"]
+
+    def broken(args, dtype):
+        raise ImportError("no module named 'damaged'")
+
+    monkeypatch.setattr(command, "_load", broken)
+    assert main([*args, "--out", str(tmp_path / "out")]) == 1
+    assert "cannot load the --tiny model: ImportError: no module named 'damaged'" in capsys.readouterr().out
+    (tmp_path / "file").write_text("")
+    assert main([*args, "--out", str(tmp_path / "file" / "out")]) == 1
+    assert "cannot make --out" in capsys.readouterr().out
+
+
+def test_generate_command_goes_on_past_an_image_it_cannot_write(tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
+    from deepspeed_knap.cli import main
+
+    lines = [{"id": "lost", "prompt": "a", "height": 8, "width": 8, "steps": 1, "max_sequence_length": 4},
+             {"id": "kept", "prompt": "b", "height": 8, "width": 8, "steps": 1, "max_sequence_length": 4}]  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    save = Image.Image.save
+
+    def failing_save(image, path, *args, **kwargs):
+        if str(path).endswith("lost.png"):
+            raise OSError(28, "No space left on device")
+        return save(image, path, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", failing_save)
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--out", str(tmp_path / "out"),
+                 "--no-progress"])  # fmt: skip
+    assert code == 1
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["kept.png", "timings.json"]
+    timings = json.loads((tmp_path / "out" / "timings.json").read_text())
+    assert [u["id"] for u in timings["unwritten"]] == ["lost"] and timings["refused"] == []
+    assert "No space left on device" in timings["unwritten"][0]["reason"]
+    assert "could not write 1 image(s)" in capsys.readouterr().out

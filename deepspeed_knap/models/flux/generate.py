@@ -29,7 +29,7 @@ from torch import Tensor
 from deepspeed_knap.generation.requests import Request, RequestError
 from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
 
-MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses longer T5 prompts
+MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses a larger max_sequence_length (it truncates prompts)
 
 
 @dataclass
@@ -96,8 +96,8 @@ class FluxGenerator:
 
         Raises:
             RequestError: a size the VAE and the patching cannot take (the pipeline would silently
-                resize it), a prompt longer than T5 takes, an embeddings file that is unreadable or
-                does not fit the model.
+                resize it), a ``max_sequence_length`` over T5's 512 (a longer prompt is truncated, as
+                diffusers does), an embeddings file that is unreadable or does not fit the model.
         """
         patch, line = self.patch_pixels, request.line
         if request.height % patch or request.width % patch:
