@@ -214,9 +214,10 @@ class KnapFormerConfig(_KnapConfigModel):
 
     enabled: StrictBool = False
     """Turn balancing on."""
-    topology: str = AUTO
-    """``"auto"`` (the default: every sequence gets its own Ulysses degree each step), or the bag
-    layout of one balance group, e.g. ``"g8n4"`` or ``"g1n8+g2n4"``."""
+    topology: str | None = None
+    """``"auto"`` (every sequence gets its own Ulysses degree each step), or the bag layout of one
+    balance group, e.g. ``"g8n4"`` or ``"g1n8+g2n4"``. Absent or ``null``: ``"auto"`` when enabled
+    (the validated block then reads ``"auto"``); left ``None`` when disabled, where nothing reads it."""
     max_degree: int | None = Field(None, gt=0)
     """``auto`` only: the largest Ulysses group, a power of two; above a node, groups of whole nodes
     for sequences the cap keeps out of every group inside one. Default: the smallest of 8, the node
@@ -270,10 +271,21 @@ class KnapFormerConfig(_KnapConfigModel):
             raise ValueError('give "cost_model", not both it and its deprecated spelling "workload"')
         return values
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_when_enabled(cls, values: Any) -> Any:
+        """An enabled block without a topology (absent or ``null``) is planned ``auto``; a disabled one
+        keeps ``None``, so a block that loaded with balancing off before ``auto`` became the default
+        (``"solver": "knapformer"``, ``"max_degree"`` without a topology) still loads."""
+        if isinstance(values, Mapping) and values.get("enabled") is True and values.get("topology") is None:
+            return {**values, "topology": AUTO}
+        return values
+
     @field_validator("topology")
     @classmethod
-    def _topology_grammar(cls, value: str) -> str:
-        parse_topology_spec(value)
+    def _topology_grammar(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_topology_spec(value)
         return value
 
     @model_validator(mode="after")
@@ -283,6 +295,8 @@ class KnapFormerConfig(_KnapConfigModel):
                 f'"solver": "knapformer" cannot honour "max_tokens_per_gpu": {self.max_tokens_per_gpu} (the published '
                 'greedy knows no memory); use "solver": "refine", or drop the cap'
             )
+        if not self.enabled:  # nothing plans: the topology checks wait for a block that balances
+            return self
         if self.topology.strip() == AUTO and self.solver == "knapformer":
             raise ValueError(
                 '"solver": "knapformer" needs a fixed topology, e.g. "topology": "g8n4"; "topology": "auto" (the '

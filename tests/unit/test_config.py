@@ -15,7 +15,7 @@ def block(**fields):
 
 def test_absent_block_is_disabled_with_documented_defaults():
     config = get_knapformer_config({"train_batch_size": 8})
-    assert not config.enabled and config.topology == "auto" and config.solver == "refine"
+    assert not config.enabled and config.topology is None and config.solver == "refine"
     assert config.max_degree is None and config.timeout_s == 300.0
     assert config.attention_backend == "auto" and config.log_interval == 10 and config.max_tokens_per_gpu is None
     assert config.cost_model.build() == default_cost_model("flux-dev")
@@ -31,9 +31,23 @@ def test_cost_model_sources():
 
 def test_topology_defaults_to_auto():
     assert block(enabled=True).topology == "auto"
+    assert block(enabled=True, topology=None).topology == "auto"
     assert block(enabled=True, max_degree=4).max_degree == 4  # auto's knob, with auto by default
     with pytest.raises(ValueError, match='"solver": "knapformer" needs a fixed topology'):
         block(enabled=True, solver="knapformer")
+
+
+def test_disabled_blocks_that_loaded_before_auto_became_the_default_still_load():
+    """With balancing off nothing plans, so the topology checks wait for "enabled": true: a block
+    naming the published solver, or a null topology, loads as it did when the topology had no default."""
+    assert block(enabled=False, solver="knapformer").topology is None
+    assert block(topology=None).topology is None and not block(topology=None).enabled
+    assert block(enabled=False, max_degree=4).max_degree == 4
+    assert block(enabled=False, topology="g8n4", max_degree=8).topology == "g8n4"
+    with pytest.raises(ValueError, match=r"knapformer\.topology = 'g8x4': malformed topology term"):
+        block(enabled=False, topology="g8x4")  # the grammar is checked either way
+    with pytest.raises(ValueError, match='"solver": "knapformer" needs a fixed topology'):
+        block(enabled=True, topology=None, solver="knapformer")
 
 
 def test_route_coefficients_go_with_any_source():
@@ -104,12 +118,15 @@ def test_calibration_file(tmp_path):
         ({"cost_model": {"model": "flux-xl"}}, "unknown model preset 'flux-xl'"),
         ({"cost_model": {"linear_coef": 1.0}}, "coefficients need both linear_coef and quadratic_coef"),
         ({"cost_model": {"model": "flux-dev", "linear_coef": 1, "quadratic_coef": 1}}, "give one cost model source"),
-        ({"topology": "g8n4", "max_degree": 8}, '"max_degree": 8 applies to "topology": "auto" only'),
-        ({"topology": "auto", "max_degree": 6}, '"max_degree": 6 must be a power of two'),
+        ({"enabled": True, "topology": "g8n4", "max_degree": 8}, '"max_degree": 8 applies to "topology": "auto" only'),
+        ({"enabled": True, "topology": "auto", "max_degree": 6}, '"max_degree": 6 must be a power of two'),
         ({"topology": "auto", "max_degree": 0}, "knapformer.max_degree = 0: Input should be greater than 0"),
         ({"timeout_s": 0}, "knapformer.timeout_s = 0: Input should be greater than or equal to 1"),
         ({"solver": "knapformer", "max_tokens_per_gpu": 8192}, '"solver": "knapformer" cannot honour'),
-        ({"topology": "auto", "solver": "knapformer"}, '"solver": "knapformer" needs a fixed topology'),
+        (
+            {"enabled": True, "topology": "auto", "solver": "knapformer"},
+            '"solver": "knapformer" needs a fixed topology',
+        ),
         ({"cost_model": {"linear_coef": 1, "quadratic_coef": 1, "frozen_base": True}}, "frozen_base adjusts a preset"),
         ({"cost_model": {"online": {"forgetting": 1.5}}}, "knapformer.cost_model.online.forgetting = 1.5"),
         ({"cost_model": {"online": {"max_speed_ratio": 1}}}, "knapformer.cost_model.online.max_speed_ratio = 1"),
