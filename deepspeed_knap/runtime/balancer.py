@@ -16,7 +16,7 @@ import math
 import numbers
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,8 +45,29 @@ from deepspeed_knap.runtime.routing import (
 )
 from deepspeed_knap.runtime.timing import PLAN_PARTS, StepTimes, stamp
 
-# The balancer's own host time in a step: the plan's parts and the two routes (StepTimes.seconds).
-_OVERHEAD_PHASES = (*PLAN_PARTS, "route", "reverse_route")
+# The balancer's parts of a step (StepTimes.seconds) that are collectives: each rank's time in one
+# includes its wait for the ranks that arrive later (a slow rank's extra compute, shown as a fast
+# rank's route wait), so the overhead takes each one's least over ranks (the last to arrive waits
+# least). The solve (in the step, or the wait for the worker's plan) is each rank's own.
+OVERHEAD_COLLECTIVES = ("gather", "agree", "route", "reverse_route")
+OVERHEAD_LOCAL = ("solve",)
+# What a rank ships of its closed step with the next lengths gather (microseconds, -1: unknown).
+_REPORTED = ("compute", "ulysses", "step", *OVERHEAD_LOCAL, *OVERHEAD_COLLECTIVES)
+
+
+def balancer_overhead_s(phases_per_rank: Sequence[Mapping[str, float]]) -> float:
+    """Seconds the balancer added to a step, from every rank's breakdown of it
+    (:meth:`KnapBalancer.close_step`'s): the largest solve over ranks (work of its own, which holds
+    the other ranks back at the next collective), plus, per collective part (the lengths gather, the
+    agreement on a prefetched plan, the route and the reverse route), its least time over ranks. A
+    collective's time on one rank includes waiting for later ranks, which is their imbalance and not
+    the balancer's cost; the last rank to arrive waits least, so the least is the nearest to the
+    exchange itself (at worst, it still holds the last arrival's wait at another part). The plan
+    parts are host seconds (``time.perf_counter``); the routes are timed by device events (the
+    accelerator's clock, the host's on CPU)."""
+    local = sum(max(phases.get(part, 0.0) for phases in phases_per_rank) for part in OVERHEAD_LOCAL)
+    return local + sum(min(phases.get(part, 0.0) for phases in phases_per_rank) for part in OVERHEAD_COLLECTIVES)
+
 
 # A step's plan with what it was made of: (lengths per rank, plan, solve seconds, solved ahead, the
 # cost model it was solved with).
@@ -127,7 +148,7 @@ class KnapBalancer:
         # per rank it was planned with (None: without), to price it.
         self._in_flight: tuple[StepTimes, RoutingPlan, CostModel, list | None] | None = None
         self._closed: tuple[RoutingPlan, CostModel, list | None] | None = None
-        self._report = [-1, -1]  # this rank's [compute, ulysses] microseconds, shipped with the next lengths
+        self._report = [-1] * len(_REPORTED)  # this rank's _REPORTED microseconds, shipped with the next lengths
         self._routed: RoutedBatch | None = None  # the step in flight, current for drop-in attention
         self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
         self._worker: PlanWorker | None = None  # started by the first prefetch
@@ -135,10 +156,12 @@ class KnapBalancer:
         self._ahead: dict[int, _PlanAhead] = {}  # by id, oldest first; at most _MAX_AHEAD
         # What forward() was given for the step it plans (attention segments, the model's problem).
         self._step_inputs: tuple[np.ndarray | None, str | None] = (None, None)
-        # Host seconds of the next step's plan by part, until its forward takes them (a prefetch's
-        # gather happens before the forward it serves).
+        # Host seconds of the next forward's plan by part, until that forward takes them: a prefetch's
+        # gather is charged to the step of the forward that runs after it (prefetch(k + 1) comes just
+        # before forward(k), so step k carries the gather of the plan step k + 1 uses).
         self._plan_parts = dict.fromkeys(PLAN_PARTS, 0.0)
         self._last_close: float | None = None  # perf_counter at the last step's close: steps' wall time
+        self._overhead: float | None = None  # the last measured step's balancer overhead over its wall time
 
     @property
     def _worker_timeout_s(self) -> float:
@@ -260,7 +283,7 @@ class KnapBalancer:
         shipping this rank's times of the last closed step and recording every rank's (and the online
         refit). Collective."""
         previous, report = self._closed, self._report
-        self._closed, self._report = None, [-1, -1]
+        self._closed, self._report = None, [-1] * len(_REPORTED)
         start = time.perf_counter()
         gathered = gather_step_inputs(seq_lens, segments, problem, device, self.groups, report)
         self._plan_parts["gather"] += time.perf_counter() - start
@@ -313,15 +336,18 @@ class KnapBalancer:
         """End the timing of the step in flight (once its backward is done) and return this rank's
         breakdown of it (:meth:`~deepspeed_knap.runtime.timing.StepTimes.seconds`), also kept as
         :attr:`last_times`; ``None`` when unknown (no step, no backward, a timer that failed). From
-        the second step on it also holds ``step``, the wall seconds since the last step's close, and
-        ``overhead``, the balancer's host seconds in the step (the plan's gather, solve wait and
-        agreement, the route and the reverse route) over ``step``: the overhead budget. The next
-        :meth:`plan` calls it if the training loop did not, and ships the result to every rank."""
+        the second step on it also holds ``step``, the wall seconds since the last step's close. The
+        plan's parts (``gather``, ``solve``, ``agree``) are host seconds, the exchanges device-event
+        seconds, and this rank's collectives among them include its waits for slower ranks, so the
+        overhead budget is not this rank's sum: the next :meth:`plan` calls this if the training loop
+        did not and ships the result to every rank, and each then computes the step's overhead from
+        every rank's (:func:`balancer_overhead_s`, in :meth:`metrics`)."""
         if self._in_flight is None:
             return self.last_times
         times, plan, model, segments_per_rank = self._in_flight
         # A new step's report replaces any not shipped yet (a prefetched step gathers nothing).
-        self._in_flight, self._closed, self._report = None, (plan, model, segments_per_rank), [-1, -1]
+        self._in_flight, self._closed = None, (plan, model, segments_per_rank)
+        self._report = [-1] * len(_REPORTED)
         time_exchanges(None, times)
         if balanced_step_in_flight() is self._routed:
             set_balanced_step(None)
@@ -333,15 +359,13 @@ class KnapBalancer:
             seconds = None
         now = time.perf_counter()
         if seconds is not None and self._last_close is not None and now > self._last_close:
-            # The balancer's host time over the step's wall time (close to close: the whole loop).
-            seconds["step"] = now - self._last_close
-            seconds["overhead"] = sum(seconds[phase] for phase in _OVERHEAD_PHASES) / seconds["step"]
+            seconds["step"] = now - self._last_close  # close to close: the whole loop's wall time
         self._last_close = now
         self.last_times = seconds
         if seconds is not None:
-            compute, ulysses = seconds["compute"], seconds["ulysses"]
-            if math.isfinite(compute) and math.isfinite(ulysses) and compute >= 0 and ulysses >= 0:
-                self._report = [round(compute * 1e6), round(ulysses * 1e6)]
+            values = [seconds.get(name, -1.0) for name in _REPORTED]  # no "step" on the first: -1
+            if all(math.isfinite(v) for v in values) and seconds["compute"] >= 0 and seconds["ulysses"] >= 0:
+                self._report = [round(v * 1e6) if v >= 0 else -1 for v in values]
             else:
                 logger.warning(f"knapformer rank {self.groups.rank}: step timer read {seconds}; step not measured")
         return seconds
@@ -351,6 +375,12 @@ class KnapBalancer:
         """Every rank's measured times of the step planned by ``plan`` (with ``model`` and
         ``segments_per_rank``, or ``None``)."""
         compute_us = [report[0] for report in reports]
+        self._overhead = None
+        if reports and all(len(report) == len(_REPORTED) and min(report) >= 0 for report in reports):
+            per_rank = [dict(zip(_REPORTED, (us / 1e6 for us in report), strict=True)) for report in reports]
+            step_s = max(phases["step"] for phases in per_rank)
+            if step_s > 0:
+                self._overhead = balancer_overhead_s(per_rank) / step_s
         if self.online is not None:
             squares = None
             if segments_per_rank is not None:
@@ -366,8 +396,10 @@ class KnapBalancer:
         """The last plan's numbers (of this rank's balance group): modeled imbalance (max/mean GPU
         load) without and with balancing, solve time (``planned_ahead`` 1: solved in the worker
         process, during the step before), share of tokens moved; once a step has been
-        measured, this rank's balancer overhead (``overhead``: :meth:`close_step`'s), that step's measured imbalance (max/mean of the ranks' compute seconds), the model's
-        median relative error over ranks, and with online refit the smallest and largest rank speed.
+        measured, that step's measured imbalance (max/mean of the ranks' compute seconds), the model's
+        median relative error over ranks, the balancer's overhead in it (``overhead``: from the
+        second step, :func:`balancer_overhead_s` of every rank's times over the longest rank's step;
+        waits for slower ranks left out), and with online refit the smallest and largest rank speed.
         Local: no collective."""
         if self._last is None:
             raise RuntimeError("no step has been planned yet; call metrics() after the model's forward")
@@ -390,8 +422,8 @@ class KnapBalancer:
                 metrics["knapformer/measured_imbalance"] = max(measured) / (sum(measured) / len(measured))
             if errors:
                 metrics["knapformer/prediction_error"] = errors[len(errors) // 2]
-        if self.last_times is not None and "overhead" in self.last_times:
-            metrics["knapformer/overhead"] = self.last_times["overhead"]
+        if self._overhead is not None:
+            metrics["knapformer/overhead"] = self._overhead
         if self.online is not None:
             metrics["knapformer/speed_min"] = min(self.online.speeds)
             metrics["knapformer/speed_max"] = max(self.online.speeds)
@@ -409,7 +441,7 @@ class KnapBalancer:
         if "knapformer/prediction_error" in metrics:
             line += f", model error {metrics['knapformer/prediction_error']:.1%}"
         if "knapformer/overhead" in metrics:
-            line += f", balancer overhead {metrics['knapformer/overhead']:.1%} of the step"
+            line += f", balancer overhead {metrics['knapformer/overhead']:.1%} of that step"
         if "knapformer/speed_min" in metrics:
             line += f", rank speeds {metrics['knapformer/speed_min']:.2f}..{metrics['knapformer/speed_max']:.2f}"
         logger.info(line)

@@ -175,3 +175,7 @@ def test_a_slow_rank_is_learned_and_gets_less_work():
         assert result["shares"][-1] < 0.32  # after: about 1 / (1 + 3) of the tokens
         assert result["metrics"]["knapformer/measured_imbalance"] < 1.3
     assert results[0]["speeds"] == results[1]["speeds"]
+    # The overhead budget comes from every rank's times (shipped with the lengths), so it is the same
+    # on both ranks, and the fast rank's wait for the slow one is not in it.
+    overhead = results[0]["metrics"]["knapformer/overhead"]
+    assert overhead == results[1]["metrics"]["knapformer/overhead"] and 0 < overhead < 1
