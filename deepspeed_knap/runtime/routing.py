@@ -244,16 +244,24 @@ def gather_step_inputs(
             disagree on ``K``.
     """
     problem = problem or None
-    if segments is not None and problem is None:
-        table = np.asarray(segments)
-        if table.ndim != 2 or table.shape[0] != len(seq_lens) or (table.size and table.dtype.kind not in "iu"):
-            problem = (f"attention segments of shape {table.shape} ({table.dtype}); expected an [N, K] integer table, "
-                       f"one row per sequence ({len(seq_lens)})")  # fmt: skip
-        elif table.size and (table.min() < 0 or (table.sum(axis=1) != np.asarray(seq_lens)).any()):
-            bad = int(np.flatnonzero((table < 0).any(axis=1) | (table.sum(axis=1) != np.asarray(seq_lens)))[0])
-            problem = (f"sequence {bad} has attention segments {table[bad].tolist()}, which do not sum to its length "
-                       f"{int(seq_lens[bad])} with non-negative counts")  # fmt: skip
-    width = -1 if segments is None else int(np.shape(segments)[1]) if np.ndim(segments) == 2 else 0
+    width = -1
+    if segments is not None:
+        # Whatever this rank was given, it reaches the header gather below: a conversion that raised
+        # here (ragged rows) would leave the other ranks waiting in it. Its error is this rank's problem.
+        try:
+            table = np.asarray(segments)
+        except (ValueError, TypeError) as error:
+            table = None
+            problem = problem or f"attention segments are not an [N, K] table, one row per sequence ({error})"
+        width = int(table.shape[1]) if table is not None and table.ndim == 2 else 0
+        if table is not None and problem is None:
+            if table.ndim != 2 or table.shape[0] != len(seq_lens) or (table.size and table.dtype.kind not in "iu"):
+                problem = (f"attention segments of shape {table.shape} ({table.dtype}); expected an [N, K] integer "
+                           f"table, one row per sequence ({len(seq_lens)})")  # fmt: skip
+            elif table.size and (table.min() < 0 or (table.sum(axis=1) != np.asarray(seq_lens)).any()):
+                bad = int(np.flatnonzero((table < 0).any(axis=1) | (table.sum(axis=1) != np.asarray(seq_lens)))[0])
+                problem = (f"sequence {bad} has attention segments {table[bad].tolist()}, which do not sum to its "
+                           f"length {int(seq_lens[bad])} with non-negative counts")  # fmt: skip
     encoded = (problem or "").encode()
     header = _all_gather_ints([len(seq_lens), len(encoded), width, *report], device, groups.balance_group)
     widths = sorted({w for _, _, w, *_ in header})
