@@ -105,9 +105,9 @@ def keep_home(
     # Prefixes by moved tokens, fewest first: the step after each, and the best prefix's length.
     ascending = sorted((tokens, i) for i, tokens in state.moved())
     trial = state.copy()
-    best_step, best_count, count = state.step, 0, 0
+    best_step, best_count = state.step, 0
     for k, (tokens, i) in enumerate(ascending):
-        count += trial.bring_home(i)
+        trial.bring_home(i)
         last_of_threshold = k + 1 == len(ascending) or ascending[k + 1][0] != tokens
         if last_of_threshold and trial.step <= best_step:
             best_step, best_count = trial.step, k + 1

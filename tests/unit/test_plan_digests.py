@@ -1,6 +1,8 @@
 """Plans are bit-identical to the planner's before the package was reorganised (issue 21): every
 bundled mix at 8, 16 and 32 GPUs, topology ``auto`` and fixed topologies, every solver, with and
-without a slow GPU (480 plans; the Wan mix added 60 keys)."""
+without a slow GPU: 540 plans, 60 per mix (the first seven mixes' 420, then 60 for
+wan_image_video and 60 for flux3_edit, the latter planned with the flux3 cost model and its samples'
+attention segments)."""
 
 import json
 from pathlib import Path

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from deepspeed_knap import build_topology, default_cost_model, plan_routing
+from deepspeed_knap import build_topology, plan_routing
 from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.planner.solve import plan_route_s
 from tests.support.plans import check_plan_covers_every_token
@@ -90,17 +90,38 @@ def test_no_moved_sequence_costs_more_than_it_saves(spec, num_gpus, gpus_per_nod
     assert moved_somewhere > 10 and kept_home > 3
 
 
-def test_route_term_zero_plans_what_the_compute_only_planner_plans():
-    """route_coef 0 is the planner of before (tests/unit/test_plan_digests.py pins the default
-    model's plans); a positive route term changes plans only by what it prices."""
-    model = default_cost_model("flux-tiny")
+def test_a_route_term_changes_plans_only_by_the_sequences_it_keeps_home():
+    """A positive route term is the compute-only planner's plan (route_coef 0: the planner of before,
+    whose default-model plans tests/unit/test_plan_digests.py pins) with route.keep_home applied to its
+    groups, then the same check against keeping everything home: it changes plans only by what it
+    prices. The cases are drawn so that some moves pay and some do not."""
+    from deepspeed_knap.planner.problem import Problem
+    from deepspeed_knap.planner.solve import _keep_home
+
     rng = np.random.default_rng(3)
-    for spec in ("auto", "g2n2", "g1n2+g2n1"):
-        topology = build_topology(spec, 4)
+    changed = 0
+    for spec, num_gpus, gpus_per_node in TOPOLOGIES:
+        topology = build_topology(spec, num_gpus, gpus_per_node)
         for _ in range(20):
-            lengths = [rng.integers(1, 4000, rng.integers(0, 4)).tolist() for _ in range(4)]
-            zero = dataclasses.replace(model, route_coef=0.0, inter_node_route_coef=0.0)
-            assert plan_routing(lengths, topology, zero) == plan_routing(lengths, topology, model)
+            lengths, model = random_case(rng, num_gpus)
+            free = dataclasses.replace(model, route_coef=0.0, inter_node_route_coef=None)
+            zero, priced = plan_routing(lengths, topology, free), plan_routing(lengths, topology, model)
+            problem = Problem.build(lengths, topology, model, None)
+            if zero.tokens_moved == 0:  # nothing to keep home; the priced plan is no slower than home
+                assert (
+                    priced.max_load + plan_route_s(priced, model, topology.gpus_per_node)
+                    <= problem.home_max_load_s + 1e-12
+                )
+                continue
+            start, size = _keep_home(problem, zero.seq_group_start, zero.seq_group_size)
+            expected = problem.make_plan("refine", start, size)
+            if problem.fits_cap_at_home() and problem.home_max_load_s <= expected.max_load + plan_route_s(
+                expected, model, topology.gpus_per_node
+            ):
+                expected = problem.make_home_plan("refine")
+            assert priced == expected, (spec, lengths, model)
+            changed += priced != zero
+    assert changed > 5  # the route term did change plans: the check compares two different planners
 
 
 def test_a_route_dearer_than_any_saving_keeps_every_sequence_home():
