@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
             dist.barrier()
             start, cpu_start = time.perf_counter(), time.process_time()
             if mode == "pipeline":
-                record = _pipeline_calls(pipe, intake.mine)
+                record = _pipeline_calls(pipe, intake.mine, generator)
             else:
                 report = generate(options["requests"], generator, balancers.get(mode), progress=False,
                                   max_tokens_per_gpu=options["max_tokens_per_gpu"])  # fmt: skip
@@ -135,12 +135,13 @@ def _reference_pipeline(generator, config: dict):
     return pipe
 
 
-def _pipeline_calls(pipe, mine: dict) -> dict:
+def _pipeline_calls(pipe, mine: dict, generator) -> dict:
     """This rank's accepted requests (:attr:`~deepspeed_knap.generation.runner.Intake.mine`: parsed
-    with the request file's directory, refusals left out), one pipeline call each, in file order."""
+    with the request file's directory, refusals left out), one pipeline call each, in file order, at
+    the guidance ``generator`` gives each."""
     for _, r in sorted(mine.items()):
         pipe(**_pipeline_text(pipe, r), height=r.height, width=r.width, num_inference_steps=r.steps,
-             guidance_scale=r.guidance, generator=torch.Generator().manual_seed(r.seed))  # fmt: skip
+             guidance_scale=generator.guidance_scale(r), generator=torch.Generator().manual_seed(r.seed))  # fmt: skip
     return {"images": len(mine), "steps": 0, "solves": 0, "plan_s": [], "route_s": []}
 
 

@@ -3,10 +3,12 @@
     deepspeed --num_gpus 8 --no_local_rank --module deepspeed_knap.cli generate \\
         --requests prompts.jsonl --model-path /models/FLUX.1-dev --out images/ --max-tokens-per-gpu 65536
     deepspeed-knap generate --requests prompts.jsonl --tiny --out images/   # one process, a tiny random FLUX.1
+    deepspeed-knap generate --requests prompts.jsonl --tiny --family flux2 --out images/   # a tiny FLUX.2
 
 One request per line (``{"prompt": ..., "height": ..., "width": ..., "steps": ..., "guidance": ...,
 "seed": ...}``, or ``"embeddings"`` for precomputed text embeddings; docs/generation.md). Rank ``r``
-encodes and decodes lines ``r``, ``r + N``, ...; the transformer runs every rank's running requests
+encodes and decodes lines ``r``, ``r + N``, ...; the family (FLUX.1 or FLUX.2) is the model's:
+``--model-path``'s checkpoint, or ``--tiny --family``; the transformer runs every rank's running requests
 together, balanced (topology ``auto``), and requests join and leave at step boundaries under the
 token budget. Writes ``OUT/{id}.png`` per request and ``OUT/timings.json`` (per request and per
 rank). Bad lines are refused before any work and the others generated; the exit code is then 1,
@@ -33,8 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", required=True, metavar="FILE.jsonl", help="one JSON request per line")
     parser.add_argument("--out", required=True, metavar="DIR", help="where the PNGs and timings.json go")
     model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model-path", metavar="DIR", help="a diffusers FLUX.1 pipeline directory (model_index.json)")
-    model.add_argument("--tiny", action="store_true", help="a tiny random FLUX.1 pipeline (CPU demos, tests)")
+    model.add_argument("--model-path", metavar="DIR",
+                       help="a diffusers FLUX.1 or FLUX.2 pipeline directory (model_index.json); its family is its "
+                       "transformer's")  # fmt: skip
+    model.add_argument("--tiny", action="store_true", help="a tiny random pipeline of --family (CPU demos, tests)")
+    parser.add_argument("--family", choices=("flux", "flux2"), default=None,
+                        help="the --tiny model's family: flux (FLUX.1, the default) or flux2 (FLUX.2)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="of the --tiny weights")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--max-tokens-per-gpu", type=positive_int, default=None,
@@ -54,9 +60,12 @@ def run(args: argparse.Namespace) -> int:
     rank, world = rank_and_world()
     dtype = getattr(torch, args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32"))
     problem = None
-    if args.model_path and not (Path(args.model_path) / "model_index.json").is_file():
-        problem = (f"--model-path {args.model_path}: no model_index.json there; give a diffusers FLUX.1 pipeline "
-                   "directory (what FluxPipeline.save_pretrained writes), or --tiny")  # fmt: skip
+    if args.family is not None and not args.tiny:
+        problem = (f"--family {args.family} picks the --tiny model's family; --model-path {args.model_path}'s family "
+                   "is its checkpoint's: drop --family")  # fmt: skip
+    elif args.model_path and not (Path(args.model_path) / "model_index.json").is_file():
+        problem = (f"--model-path {args.model_path}: no model_index.json there; give a diffusers FLUX.1 or FLUX.2 "
+                   "pipeline directory (what FluxPipeline or Flux2Pipeline.save_pretrained writes), or --tiny")  # fmt: skip
     out = Path(args.out)
     if problem is None:
         try:
@@ -123,7 +132,7 @@ def _load(args: argparse.Namespace, dtype):
 
     device = torch.device(get_accelerator().current_device_name())
     if args.tiny:
-        return tiny_flux_generator(dtype, device, args.seed)
+        return tiny_flux_generator(dtype, device, args.seed, family=args.family or "flux")
     return load_flux_generator(args.model_path, dtype, device)
 
 

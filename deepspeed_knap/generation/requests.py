@@ -6,7 +6,7 @@
 A request names its text by ``prompt`` (the rank that owns it runs the family's text encoders) or by
 ``embeddings``, a safetensors file of precomputed text embeddings (FLUX.1: ``prompt_embeds [Tt, Dj]``
 and ``pooled_prompt_embeds [Dp]``). ``height`` and ``width`` (pixels) are required; ``steps``
-(default 28), ``guidance`` (3.5), ``seed`` (0), ``max_sequence_length`` (512: the text tokens a
+(default 28), ``guidance`` (the family's pipeline's default: FLUX.1 3.5, FLUX.2 4.0), ``seed`` (0), ``max_sequence_length`` (512: the text tokens a
 prompt is padded to, as diffusers' pipelines do) and ``id`` (default ``line{N}``) are optional.
 Unknown keys are refused, so a typo (``"step": 4``) is not silently a default.
 
@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULTS = {"steps": 28, "guidance": 3.5, "seed": 0, "max_sequence_length": 512}
+DEFAULTS = {"steps": 28, "seed": 0, "max_sequence_length": 512}  # guidance: the family's (generator's) default
 # The largest value of each whole-number field: a seed is what torch.Generator.manual_seed takes; the
 # others are bounded so that what is derived from them (tokens) stays a plain number everywhere.
 LARGEST = {"seed": 2**64 - 1, "height": 2**31 - 1, "width": 2**31 - 1, "steps": 2**31 - 1,
@@ -57,7 +57,8 @@ class Request:
             the request file's directory's), or ``None``.
         height, width: pixels.
         steps: denoising steps.
-        guidance: the guidance scale (embedded, for guidance-distilled models such as FLUX.1-dev).
+        guidance: the guidance scale (embedded, for guidance-distilled models such as FLUX.1 and
+            FLUX.2 [dev]), or ``None``: the family's pipeline's default (``guidance_scale``).
         seed: of the initial noise (``torch.Generator().manual_seed(seed)``, as given to diffusers).
         max_sequence_length: text tokens a prompt is padded to (ignored with ``embeddings``).
     """
@@ -70,7 +71,7 @@ class Request:
     height: int
     width: int
     steps: int
-    guidance: float
+    guidance: float | None
     seed: int
     max_sequence_length: int
 
@@ -130,12 +131,13 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
             shown = repr(value) if not isinstance(value, int) or value.bit_length() <= 128 else "a larger number"
             raise RequestError(f"line {line}: {key!r} must be a whole number from {lowest} to {LARGEST[key]}; "
                                f"got {shown}")  # fmt: skip
-    guidance = values["guidance"]
-    if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance):
+    guidance = values.get("guidance")
+    if guidance is not None and (isinstance(guidance, bool) or not isinstance(guidance, (int, float))
+                                 or not math.isfinite(guidance)):  # fmt: skip
         raise RequestError(f"line {line}: 'guidance' must be a finite number; got {guidance!r}")
     return Request(index=index, line=line, id=request_id, prompt=fields.get("prompt"),
                    embeddings=str(Path(directory, fields["embeddings"])) if "embeddings" in fields else None, height=values["height"], width=values["width"],
-                   steps=values["steps"], guidance=float(guidance), seed=values["seed"],
+                   steps=values["steps"], guidance=None if guidance is None else float(guidance), seed=values["seed"],
                    max_sequence_length=values["max_sequence_length"])  # fmt: skip
 
 

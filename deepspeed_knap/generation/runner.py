@@ -19,7 +19,8 @@ packs its own running requests, the transformer runs them balanced with every ot
 request takes its scheduler step at home; a request that finishes is decoded there and handed to
 ``on_image``. A rank with nothing running still joins every step's collectives.
 
-A family's generator (:class:`~deepspeed_knap.models.flux.generate.FluxGenerator` for FLUX.1) gives
+A family's generator (:class:`~deepspeed_knap.models.flux.generate.FluxGenerator` for FLUX.1,
+:class:`~deepspeed_knap.models.flux.generate.Flux2Generator` for FLUX.2) gives
 ``model`` (the packed transformer), ``request_tokens(request)`` (raises ``RequestError``),
 ``start(request)`` (a state with ``sample()``, ``advance(prediction)``, ``done``) and ``decode(state)``.
 """

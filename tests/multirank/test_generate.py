@@ -1,5 +1,5 @@
-"""Balanced generation on gloo ranks: every image equals diffusers' FluxPipeline run alone for that
-request with the same seed (fp64), with requests of mixed sizes and step counts joining and leaving
+"""Balanced generation on gloo ranks: every image equals diffusers' FluxPipeline (FLUX.1) or
+Flux2Pipeline (FLUX.2) run alone for that request with the same seed (fp64), with requests of mixed sizes and step counts joining and leaving
 mid-run under a token budget; the plan is solved once per change of the request set; bad lines are
 refused on every rank alike while the others are generated.
 
@@ -19,7 +19,8 @@ from tests.support.distributed import run_distributed
 
 pytest.importorskip("diffusers")
 
-# Tiny FLUX.1's VAE is 2x and its patches 2x2: sizes in multiples of 4 px, one token per 4x4 px.
+# Tiny FLUX.1's and FLUX.2's VAEs are 2x and their patches 2x2: sizes in multiples of 4 px, one token
+# per 4x4 px.
 # Mixed sizes (6 to 144 image tokens) and steps (2 to 5); text padded to 8 tokens.
 REQUESTS = [
     {"id": "wide", "prompt": "a wide red barn", "height": 32, "width": 48, "steps": 4, "seed": 1},
@@ -42,7 +43,7 @@ def _write_requests(path, requests) -> str:
 
 
 def _generate(rank: int, world: int, path: str, budget: int | None, reuse: bool, split: bool = False,
-              most_requests: int | None = None) -> dict:  # fmt: skip
+              most_requests: int | None = None, family: str = "flux") -> dict:  # fmt: skip
     """Generate ``path`` balanced; ``split``: with a cost model of attention alone and free all-to-alls,
     under which splitting a request over a group always pays; ``most_requests``: the planner refuses
     a set of more (so the batcher backs off). Counts the batcher's planner calls (made and refused)
@@ -70,7 +71,7 @@ def _generate(rank: int, world: int, path: str, budget: int | None, reuse: bool,
 
     solve_module.plan_routing, KnapBalancer.route = counting_plan_routing, counting_route  # this spawned rank's own
     join_gloo(rank)
-    generator = tiny_flux_generator(torch.float64, "cpu", seed=0)
+    generator = tiny_flux_generator(torch.float64, "cpu", seed=0, family=family)
     cost_model = CostModel(linear_coef=0.0, quadratic_coef=1.0) if split else None
     balancer = generation_balancer(generator.model, max_tokens_per_gpu=budget, reuse=reuse, cost_model=cost_model)
     group_sizes = set()
@@ -89,21 +90,47 @@ def _generate(rank: int, world: int, path: str, budget: int | None, reuse: bool,
 
 @pytest.fixture(scope="module")
 def references():
-    """diffusers' FluxPipeline (fp64, the tiny generator's weights) on each request alone."""
-    from diffusers import FluxPipeline
+    """``references(family)``: diffusers' pipeline of the family (fp64, the tiny generator's weights)
+    on each request alone, at the pipeline's default guidance where a request gives none; computed
+    once per family."""
+    images = {}
 
-    from deepspeed_knap.models.flux.finetune import TINY_FLUX, diffusers_transformer, tiny_pipeline_components
+    def of(family: str) -> dict:
+        if family not in images:
+            images[family] = _references(family)
+        return images[family]
+
+    return of
+
+
+def _references(family: str) -> dict:
+    from diffusers import Flux2Pipeline, Flux2Transformer2DModel, FluxPipeline
+
+    from deepspeed_knap.models.flux.finetune import (
+        TINY_FLUX,
+        diffusers_transformer,
+        tiny_flux2_pipeline_components,
+        tiny_pipeline_components,
+    )
+    from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
     from deepspeed_knap.models.flux.generate import tiny_flux_generator
 
-    ours = tiny_flux_generator(torch.float64, "cpu", seed=0)
-    transformer = diffusers_transformer(TINY_FLUX, ours.model.state_dict())
-    pipe = FluxPipeline(**tiny_pipeline_components(TINY_FLUX, 0), transformer=transformer).to(torch.float64)
+    ours = tiny_flux_generator(torch.float64, "cpu", seed=0, family=family)
+    if family == "flux":
+        transformer = diffusers_transformer(TINY_FLUX, ours.model.state_dict())
+        pipe = FluxPipeline(**tiny_pipeline_components(TINY_FLUX, 0), transformer=transformer)
+    else:
+        transformer = Flux2Transformer2DModel(**TINY_FLUX2)
+        transformer.load_state_dict(ours.model.state_dict())
+        pipe = Flux2Pipeline(**tiny_flux2_pipeline_components(TINY_FLUX2, 0), transformer=transformer)
+    pipe = pipe.to(torch.float64)
     pipe.set_progress_bar_config(disable=True)
     images = {}
     for r in REQUESTS:
-        images[r["id"]] = pipe(r["prompt"], height=r["height"], width=r["width"], num_inference_steps=r["steps"],
-                               guidance_scale=r.get("guidance", 3.5), max_sequence_length=TEXT_TOKENS,
-                               generator=torch.Generator().manual_seed(r["seed"]), output_type="np").images[0]  # fmt: skip
+        guidance = {"guidance_scale": r["guidance"]} if "guidance" in r else {}
+        images[r["id"]] = pipe(prompt=r["prompt"], height=r["height"], width=r["width"], num_inference_steps=r["steps"],
+                               max_sequence_length=TEXT_TOKENS, generator=torch.Generator().manual_seed(r["seed"]),
+                               output_type="np", **guidance).images[0]  # fmt: skip
     return images
 
 
@@ -117,15 +144,16 @@ def _check_images(results, references, expected_ids):
     assert np.abs(references["wide"] - references["wide"][::-1]).max() > 1e-2
 
 
-@pytest.mark.parametrize(("world", "budget", "most_requests"), [(2, BUDGET, 3), (4, BUDGET // 2, None)])
+@pytest.mark.parametrize(("world", "budget", "most_requests", "family"),
+                         [(2, BUDGET, 3, "flux"), (4, BUDGET // 2, None, "flux"), (2, BUDGET, 3, "flux2")])  # fmt: skip
 def test_joins_and_leaves_equal_diffusers_and_the_plan_is_solved_once_per_set(tmp_path, references, world, budget,
-                                                                              most_requests):  # fmt: skip
+                                                                              most_requests, family):  # fmt: skip
     """On 2 ranks the planner also refuses sets of more than 3 requests (the budget's total admits 4):
     the batcher backs off, and neither re-plans nor re-routes the running set while the refused
-    request waits."""
+    request waits. FLUX.2 on 2 ranks: its tokens are FLUX.1's, so the run's sets are the same."""
     path = _write_requests(tmp_path / "requests.jsonl", REQUESTS)
-    results = run_distributed(_generate, world, args=(path, budget, True, True, most_requests), timeout=300)
-    _check_images(results, references, [r["id"] for r in REQUESTS])
+    results = run_distributed(_generate, world, args=(path, budget, True, True, most_requests, family), timeout=300)
+    _check_images(results, references(family), [r["id"] for r in REQUESTS])
     reports = [result["report"] for result in results]
     records = {r["id"]: r for report in reports for r in report["requests"]}
     # Requests ran on their home ranks (line i on rank i % world), each its own steps in a row; some
@@ -161,7 +189,7 @@ def test_bad_lines_are_refused_on_every_rank_and_the_others_generated_without_re
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(lines) + "\n")
     results = run_distributed(_generate, 2, args=(str(path), BUDGET, False), timeout=300)
-    _check_images(results, references, [r["id"] for r in good])
+    _check_images(results, references("flux"), [r["id"] for r in good])
     report = results[0]["report"]
     assert report["solves"] == report["set_changes"] + report["steps"]
     assert results[0]["prepared"] == report["steps"]  # without reuse, every step prepares its route

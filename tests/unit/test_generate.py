@@ -1,6 +1,6 @@
 """Generation without ranks: the request format, step-level batching (joins, leaves, the budget, one
 solve per set), the forward-only cost model, and ``deepspeed-knap generate`` in one process against
-diffusers' FluxPipeline."""
+diffusers' FluxPipeline and Flux2Pipeline."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_a_request_line_with_defaults_and_a_relative_embeddings_path(tmp_path):
     request = parse_request(3, 7, '{"embeddings": "e.safetensors", "height": 64, "width": 32}', tmp_path)
     assert (request.index, request.line, request.id) == (3, 7, "line7")
     assert request.embeddings == str(tmp_path / "e.safetensors") and request.prompt is None
-    assert (request.steps, request.guidance, request.seed, request.max_sequence_length) == (28, 3.5, 0, 512)
+    assert (request.steps, request.guidance, request.seed, request.max_sequence_length) == (28, None, 0, 512)
 
 
 @pytest.mark.parametrize(
@@ -268,6 +268,105 @@ def test_generate_command_in_one_process_writes_what_flux_pipeline_draws_and_ref
     assert reasons[1].startswith("line 4: cannot read embeddings")
     assert reasons[2].startswith("line 5: max_sequence_length 600")
     assert timings["ranks"][0]["images"] == 2 and timings["images_per_s"] > 0
+
+
+def test_generate_command_with_a_tiny_flux2_writes_what_flux2_pipeline_draws_and_refuses_bad_lines(tmp_path):
+    """FLUX.2: the Mistral text encoder's embeddings and ids, its own shift (``compute_empirical_mu``
+    of image tokens and steps), patchified noise and ids, the guidance scale embedded, and the VAE's
+    batch-norm statistics undone before decoding: each image equals Flux2Pipeline's for the request
+    alone, to 1e-6 at fp64 (through the Python API) and to the byte as PNG (through the command)."""
+    from diffusers import Flux2Pipeline, Flux2Transformer2DModel
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from deepspeed_knap.cli import main
+    from deepspeed_knap.generation.runner import generate
+    from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components
+    from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
+    from deepspeed_knap.models.flux.generate import Flux2Generator, tiny_flux_generator
+
+    ours = tiny_flux_generator(torch.float64, "cpu", seed=3, family="flux2")
+    assert isinstance(ours, Flux2Generator)
+    transformer = Flux2Transformer2DModel(**TINY_FLUX2)
+    transformer.load_state_dict(ours.model.state_dict())
+    pipe = Flux2Pipeline(**tiny_flux2_pipeline_components(TINY_FLUX2, 3), transformer=transformer).to(torch.float64)
+    pipe.set_progress_bar_config(disable=True)
+    assert not torch.allclose(pipe.vae.bn.running_var, torch.ones(1, dtype=torch.float64))  # normalisation shows
+    text, _ = pipe.encode_prompt("precomputed", max_sequence_length=6)
+    save_file({"prompt_embeds": text[0].contiguous()}, tmp_path / "emb.safetensors")
+    save_file({"prompt_embeds": text[0, :, :5].contiguous()}, tmp_path / "wrong.safetensors")
+    lines = [
+        {"id": "prompted", "prompt": "a boat", "height": 24, "width": 16, "steps": 3, "seed": 9, "guidance": 2.0,
+         "max_sequence_length": 8},
+        {"id": "embedded", "embeddings": "emb.safetensors", "height": 16, "width": 28, "steps": 2, "seed": 4},
+        {"embeddings": "wrong.safetensors", "height": 16, "width": 16},
+        {"prompt": "x", "height": 18, "width": 16},
+        {"prompt": "x", "height": 16, "width": 16, "max_sequence_length": 600},
+    ]  # fmt: skip
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    expected = {
+        "prompted": pipe(prompt="a boat", height=24, width=16, num_inference_steps=3, guidance_scale=2.0,
+                         max_sequence_length=8, generator=torch.Generator().manual_seed(9), output_type="np"),
+        "embedded": pipe(prompt_embeds=text, height=16, width=28, num_inference_steps=2,  # its 4.0 guidance
+                         generator=torch.Generator().manual_seed(4), output_type="np"),
+    }  # fmt: skip
+    expected = {name: output.images[0] for name, output in expected.items()}
+    images = {}
+    report = generate(path, ours, on_image=lambda request, image: images.update({request.id: image}), progress=False)
+    assert sorted(images) == sorted(expected)
+    for name, image in expected.items():
+        assert image.std() > 0.01 and np.abs(images[name] - image).max() < 1e-6, name
+    code = main(["generate", "--requests", str(path), "--tiny", "--family", "flux2", "--seed", "3",
+                 "--dtype", "float64", "--out", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    assert code == 1  # some lines refused
+    for name, image in expected.items():
+        png = np.asarray(pipe.numpy_to_pil(image[None])[0])
+        assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / f"{name}.png")), png), name
+    timings = json.loads((tmp_path / "out" / "timings.json").read_text())
+    assert [r["tokens"] for r in timings["requests"]] == [8 + 6 * 4, 6 + 4 * 7]  # 2x VAE, 2x2 patches
+    reasons = [r["reason"] for r in timings["refused"]]
+    assert reasons == [r["reason"] for r in report.refused]
+    assert reasons[0].startswith("line 3: embeddings") and "{'prompt_embeds': '[Tt, 48]'}" in reasons[0]
+    assert reasons[1].startswith("line 4: 18x16 px: FLUX.2's VAE (2x)") and "e.g. 16x16" in reasons[1]
+    assert reasons[2] == "line 5: max_sequence_length 600 is over the text encoder's 512 that Flux2Pipeline takes"
+
+
+def test_generate_command_loads_a_flux2_pipeline_directory_by_its_transformer_family(tmp_path):
+    """``--model-path`` of a saved Flux2Pipeline: the checkpoint's family picks Flux2Pipeline and the
+    packed FLUX.2 transformer, and the image equals the loaded pipeline's."""
+    from diffusers import Flux2Pipeline, Flux2Transformer2DModel
+    from PIL import Image
+
+    from deepspeed_knap.cli import main
+    from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components
+    from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
+
+    torch.manual_seed(1)
+    saved = Flux2Pipeline(**tiny_flux2_pipeline_components(TINY_FLUX2, 5),
+                          transformer=Flux2Transformer2DModel(**TINY_FLUX2))  # fmt: skip
+    saved.save_pretrained(tmp_path / "model")
+    pipe = Flux2Pipeline.from_pretrained(tmp_path / "model", torch_dtype=torch.float64)
+    pipe.set_progress_bar_config(disable=True)
+    request = {"id": "a", "prompt": "a boat", "height": 24, "width": 16, "steps": 3, "seed": 9, "max_sequence_length": 8}  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text(json.dumps(request) + "\n")
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--model-path", str(tmp_path / "model"),
+                 "--dtype", "float64", "--out", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    assert code == 0
+    expected = pipe(prompt="a boat", height=24, width=16, num_inference_steps=3, max_sequence_length=8,
+                    generator=torch.Generator().manual_seed(9)).images[0]  # fmt: skip
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / "a.png")), np.asarray(expected))
+
+
+def test_generate_command_takes_family_with_tiny_only(tmp_path, capsys):
+    from deepspeed_knap.cli import main
+
+    (tmp_path / "requests.jsonl").write_text('{"prompt": "a", "height": 16, "width": 16}\n')
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--model-path", str(tmp_path),
+                 "--family", "flux2", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code == 1
+    assert "--family flux2 picks the --tiny model's family" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
 
 
 def test_generate_command_refuses_a_missing_model_path(tmp_path, capsys):

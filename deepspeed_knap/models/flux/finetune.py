@@ -157,6 +157,56 @@ def tiny_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> dict[s
     }
 
 
+def tiny_flux2_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Small random ``AutoencoderKLFlux2``, Mistral 3 text encoder, tokenizer and scheduler that fit a
+    packed FLUX.2 ``config`` (``in_channels`` = 4 x the VAE's latent channels, ``joint_attention_dim``
+    = 3 x the text encoder's width: ``Flux2Pipeline`` stacks its hidden states 10, 20 and 30, so it has
+    30 layers), built locally with no download: with a transformer they make a ``Flux2Pipeline`` for
+    CPU tests and demos. The VAE's batch-norm statistics are random (not 0 and 1), so that the
+    pipeline's latent normalisation shows. The tokenizer splits text into characters, and its chat
+    template keeps the user's text only (not ``Flux2Pipeline``'s long system message), so that a
+    short ``max_sequence_length`` still holds the prompt; the text encoder takes 512 positions."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        MistralConfig,
+        PixtralVisionConfig,
+        PreTrainedTokenizerFast,
+    )
+
+    if config["in_channels"] % 4 or config["joint_attention_dim"] % 3:
+        raise ValueError(f"in_channels={config['in_channels']} must be 4 x the VAE's latent channels (2x2 patches) "
+                         f"and joint_attention_dim={config['joint_attention_dim']} 3 x the text encoder's width "
+                         "(three stacked hidden states)")  # fmt: skip
+    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz0123456789 ")}}  # fmt: skip
+    characters = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    characters.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=characters, pad_token="<pad>", unk_token="<unk>",
+                                        eos_token="</s>", model_max_length=512)  # fmt: skip
+    tokenizer.chat_template = ("{% for message in messages %}{% if message['role'] == 'user' %}"
+                               "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}"
+                               "{% endif %}{% endfor %}")  # fmt: skip
+    torch.manual_seed(seed)
+    text = MistralConfig(vocab_size=len(vocab), hidden_size=config["joint_attention_dim"] // 3, intermediate_size=32,
+                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=512, pad_token_id=0)  # fmt: skip
+    vision = PixtralVisionConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1,
+                                 image_size=32, patch_size=16)  # fmt: skip
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision))
+    vae = AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             block_out_channels=(8, 16), layers_per_block=1, latent_channels=config["in_channels"] // 4,
+                             norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False)  # fmt: skip
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(std=0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    # Dynamic shifting as in FLUX.1's config; Flux2Pipeline gives mu itself (compute_empirical_mu).
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)  # fmt: skip
+    return {"scheduler": scheduler, "vae": vae.eval(), "text_encoder": text_encoder.eval(), "tokenizer": tokenizer}
+
+
 def read_prompts(path: str | Path) -> list[str]:
     """Validation prompts: one per non-empty line of a text file.
 

@@ -1,4 +1,5 @@
-"""FLUX.1 generation, request by request, around diffusers' own ``FluxPipeline`` parts.
+"""FLUX.1 and FLUX.2 generation, request by request, around diffusers' own ``FluxPipeline`` and
+``Flux2Pipeline`` parts.
 
 The packed transformer runs the requests of every rank together (balanced by
 :mod:`deepspeed_knap.generation`); everything else is the pipeline's own code, called per request on
@@ -10,8 +11,15 @@ post-processing. So an image equals what ``FluxPipeline(...)(prompt, height=...,
 num_inference_steps=..., guidance_scale=..., generator=torch.Generator().manual_seed(seed))`` gives
 for that request alone (tested at fp64 on gloo ranks).
 
-Shapes: ``L`` image tokens (``(height / 16) * (width / 16)`` for FLUX.1's 8x VAE and 2x2 patches),
-``C`` packed latent channels (64), ``Tt`` text tokens, ``Dj`` T5 width, ``Dp`` CLIP width.
+FLUX.2 (:class:`Flux2Generator`) the same way around ``Flux2Pipeline``: ``encode_prompt`` (the Mistral
+text encoder's stacked hidden states, position ids ``(0, 0, 0, l)``), ``prepare_latents`` (the noise
+already in 2x2 patches, ids ``(0, h, w, 0)``), the shift ``mu = compute_empirical_mu(image tokens,
+steps)``, and the decode: the latents un-normalised by the VAE's batch-norm statistics, unpatchified
+and decoded. Both families are guidance-distilled: the guidance scale goes into the transformer.
+
+Shapes: ``L`` image tokens (``(height / 16) * (width / 16)`` for an 8x VAE and 2x2 patches), ``C``
+packed latent channels (FLUX.1: 64, FLUX.2: 128), ``Tt`` text tokens, ``Dj`` text width (T5's;
+FLUX.2: 3 x Mistral's), ``Dp`` CLIP width (FLUX.1 only).
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ import torch
 from torch import Tensor
 
 from deepspeed_knap.generation.requests import Request, RequestError
+from deepspeed_knap.models.flux.base import PackedFluxBase
 from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
+from deepspeed_knap.models.flux.flux2 import TINY_FLUX2, PackedFlux2Transformer
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses a larger max_sequence_length (it truncates prompts)
 
@@ -42,7 +52,8 @@ class FluxDenoising:
         scheduler: the request's own flow-matching scheduler, its timesteps set.
         timesteps: ``[steps]`` the scheduler's timesteps.
         conditioning: the transformer's constant inputs: ``encoder_hidden_states [Tt, Dj]``,
-            ``pooled_projections [Dp]``, ``img_ids [L, 3]``, ``txt_ids [Tt, 3]``, ``guidance``.
+            ``img_ids [L, A]``, ``txt_ids [Tt, A]`` (``A`` position axes: FLUX.1 3, FLUX.2 4),
+            ``guidance``, and FLUX.1's ``pooled_projections [Dp]``.
         step: steps taken.
     """
 
@@ -79,8 +90,10 @@ class FluxGenerator:
     """
 
     family = "flux"
+    name = "FLUX.1"
+    default_guidance = 3.5  # FluxPipeline's guidance_scale
 
-    def __init__(self, pipeline: Any, model: PackedFluxTransformer) -> None:
+    def __init__(self, pipeline: Any, model: PackedFluxBase) -> None:
         self.pipeline = pipeline
         self.model = model
         parameter = next(model.parameters())
@@ -102,41 +115,79 @@ class FluxGenerator:
         patch, line = self.patch_pixels, request.line
         if request.height % patch or request.width % patch:
             fit = f"{_nearest(request.height, patch)}x{_nearest(request.width, patch)}"
-            raise RequestError(f"line {line}: {request.height}x{request.width} px: FLUX.1's VAE ({patch // 2}x) "
+            raise RequestError(f"line {line}: {request.height}x{request.width} px: {self.name}'s VAE ({patch // 2}x) "
                                f"and 2x2 patches need height and width in multiples of {patch} px; e.g. {fit}")  # fmt: skip
         image_tokens = (request.height // patch) * (request.width // patch)
         if request.embeddings is None:
-            if request.max_sequence_length > MAX_SEQUENCE_LENGTH:
-                raise RequestError(f"line {line}: max_sequence_length {request.max_sequence_length} is over T5's "
-                                   f"{MAX_SEQUENCE_LENGTH} that FluxPipeline takes")  # fmt: skip
+            most, encoder = self.text_positions
+            if request.max_sequence_length > most:
+                raise RequestError(f"line {line}: max_sequence_length {request.max_sequence_length} is over {encoder}'s "
+                                   f"{most} that {type(self.pipeline).__name__} takes")  # fmt: skip
             return request.max_sequence_length + image_tokens
         return self._embeddings_shape(request)[0] + image_tokens
+
+    @property
+    def text_positions(self) -> tuple[int, str]:
+        """The longest ``max_sequence_length`` a prompt may be padded to, and the text encoder's name."""
+        return MAX_SEQUENCE_LENGTH, "T5"
+
+    def _embeddings_shapes(self) -> dict[str, tuple[int | None, ...]]:
+        """The tensors an embeddings file holds and their shapes (``None``: any ``Tt``)."""
+        config = self.model.config
+        return {"prompt_embeds": (None, config["joint_attention_dim"]),
+                "pooled_prompt_embeds": (config["pooled_projection_dim"],)}  # fmt: skip
 
     def _embeddings_shape(self, request: Request) -> tuple[int, int]:
         """``(Tt, Dj)`` of a request's embeddings file, checked against the model."""
         from safetensors import safe_open
 
-        config, line = self.model.config, request.line
-        expected = {"prompt_embeds": f"[Tt, {config['joint_attention_dim']}]",
-                    "pooled_prompt_embeds": f"[{config['pooled_projection_dim']}]"}  # fmt: skip
+        line, wanted = request.line, self._embeddings_shapes()
+        expected = {key: "[" + ", ".join("Tt" if d is None else str(d) for d in shape) + "]"
+                    for key, shape in wanted.items()}  # fmt: skip
         try:
             with safe_open(request.embeddings, "pt") as file:
                 shapes = {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}  # noqa: SIM118
         except Exception as error:  # safetensors raises its own types for a missing or damaged file
             raise RequestError(f"line {line}: cannot read embeddings {request.embeddings}: {error}") from None
-        text, pooled = shapes.get("prompt_embeds"), shapes.get("pooled_prompt_embeds")
-        if (text is None or len(text) != 2 or text[1] != config["joint_attention_dim"]
-                or pooled != (config["pooled_projection_dim"],)):  # fmt: skip
+        fits = all(key in shapes and len(shapes[key]) == len(shape)
+                   and all(d is None or d == s for d, s in zip(shape, shapes[key], strict=True))
+                   for key, shape in wanted.items())  # fmt: skip
+        if not fits:
             raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; this model takes "
                                f"{expected} (one prompt, unbatched)")  # fmt: skip
-        return text[0], text[1]
+        return shapes["prompt_embeds"][0], shapes["prompt_embeds"][1]
+
+    def guidance_scale(self, request: Request) -> float:
+        """The request's guidance scale, or the pipeline's default where it gives none."""
+        return self.default_guidance if request.guidance is None else request.guidance
 
     @torch.no_grad()
     def start(self, request: Request) -> FluxDenoising:
         """Encode the prompt (or read the embeddings), draw the seeded noise and set the request's
-        own scheduler, as ``FluxPipeline.__call__`` does for it alone."""
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+        own scheduler, as the pipeline's ``__call__`` does for it alone."""
+        from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
+        pipe, device = self.pipeline, self.device
+        conditioning = self._encode(request)
+        generator = torch.Generator().manual_seed(request.seed)
+        latents, img_ids = pipe.prepare_latents(1, self.model.config["in_channels"] // 4, request.height, request.width,
+                                                conditioning["encoder_hidden_states"].dtype, device, generator)  # fmt: skip
+        latents, steps = latents[0], request.steps
+        sigmas = None if pipe.scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        scheduler = copy.deepcopy(pipe.scheduler)
+        timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=self._shift(len(latents), steps))
+        scheduler.set_begin_index(0)
+        conditioning["img_ids"] = img_ids.reshape(len(latents), -1)  # FLUX.2's come batched
+        if self.model.config["guidance_embeds"]:
+            # The pipeline's float32 guidance, in the latents' dtype as every rank packs it (an empty
+            # rank's columns are all in the model's dtype); the model casts it to that dtype anyway.
+            guidance = torch.tensor(self.guidance_scale(request), dtype=torch.float32, device=device)
+            conditioning["guidance"] = guidance.to(latents.dtype)
+        return FluxDenoising(request, latents, scheduler, timesteps, conditioning)
+
+    def _encode(self, request: Request) -> dict[str, Tensor]:
+        """The text conditioning of one request: ``encoder_hidden_states``, ``txt_ids`` and
+        ``pooled_projections``, from ``encode_prompt`` or the embeddings file."""
         pipe, device = self.pipeline, self.device
         if request.prompt is not None:
             text, pooled, text_ids = pipe.encode_prompt(prompt=request.prompt, prompt_2=None, device=device,
@@ -148,26 +199,16 @@ class FluxGenerator:
             text = saved["prompt_embeds"][None].to(self.dtype)
             pooled = saved["pooled_prompt_embeds"][None].to(self.dtype)
             text_ids = torch.zeros(text.shape[1], 3, device=device, dtype=self.dtype)
-        generator = torch.Generator().manual_seed(request.seed)
-        latents, img_ids = pipe.prepare_latents(1, self.model.config["in_channels"] // 4, request.height,
-                                                request.width, text.dtype, device, generator)  # fmt: skip
-        steps = request.steps
-        config = pipe.scheduler.config
-        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
-        mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))  # fmt: skip
-        scheduler = copy.deepcopy(pipe.scheduler)
-        timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        conditioning = {"encoder_hidden_states": text[0], "pooled_projections": pooled[0], "img_ids": img_ids,
-                        "txt_ids": text_ids}  # fmt: skip
-        if self.model.config["guidance_embeds"]:
-            # The pipeline's float32 guidance, in the latents' dtype as every rank packs it (an empty
-            # rank's columns are all in the model's dtype); the model casts it to that dtype anyway.
-            guidance = torch.tensor(request.guidance, dtype=torch.float32, device=device)
-            conditioning["guidance"] = guidance.to(latents.dtype)
-        return FluxDenoising(request, latents[0], scheduler, timesteps, conditioning)
+        return {"encoder_hidden_states": text[0], "pooled_projections": pooled[0], "txt_ids": text_ids}
+
+    def _shift(self, image_tokens: int, steps: int) -> float:
+        """``mu`` of the scheduler's resolution-dependent shift: ``FluxPipeline``'s ``calculate_shift``
+        from the scheduler's config."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.pipeline.scheduler.config
+        return calculate_shift(image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                               config.get("base_shift", 0.5), config.get("max_shift", 1.15))  # fmt: skip
 
     @torch.no_grad()
     def decode(self, state: FluxDenoising) -> np.ndarray:
@@ -180,41 +221,113 @@ class FluxGenerator:
         return pipe.image_processor.postprocess(image, output_type="np")[0]
 
 
+class Flux2Generator(FluxGenerator):
+    """FLUX.2 requests, around a diffusers ``Flux2Pipeline`` (its ``transformer`` may be ``None``) and
+    a :class:`~deepspeed_knap.models.flux.flux2.PackedFlux2Transformer`. An embeddings file holds
+    ``prompt_embeds [Tt, Dj]`` alone (FLUX.2 has no pooled text)."""
+
+    family = "flux2"
+    name = "FLUX.2"
+    default_guidance = 4.0  # Flux2Pipeline's guidance_scale
+
+    @property
+    def text_positions(self) -> tuple[int, str]:
+        """The text encoder's positions (``Flux2Pipeline`` pads a prompt to ``max_sequence_length``
+        tokens and refuses no length; past these positions the encoder was not trained)."""
+        return self.pipeline.text_encoder.config.text_config.max_position_embeddings, "the text encoder"
+
+    def _embeddings_shapes(self) -> dict[str, tuple[int | None, ...]]:
+        return {"prompt_embeds": (None, self.model.config["joint_attention_dim"])}
+
+    def _encode(self, request: Request) -> dict[str, Tensor]:
+        """``encoder_hidden_states`` and ``txt_ids`` from ``encode_prompt``, of the prompt or of the
+        embeddings file's ``prompt_embeds``."""
+        pipe, device = self.pipeline, self.device
+        if request.prompt is not None:
+            text, text_ids = pipe.encode_prompt(prompt=request.prompt, device=device,
+                                                max_sequence_length=request.max_sequence_length)  # fmt: skip
+        else:
+            from safetensors.torch import load_file
+
+            saved = load_file(request.embeddings, device=str(device))
+            text, text_ids = pipe.encode_prompt(prompt=None, device=device,
+                                                prompt_embeds=saved["prompt_embeds"][None].to(self.dtype))  # fmt: skip
+        return {"encoder_hidden_states": text[0], "txt_ids": text_ids[0]}
+
+    def _shift(self, image_tokens: int, steps: int) -> float:
+        """``Flux2Pipeline``'s ``mu = compute_empirical_mu(image tokens, steps)``."""
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        return compute_empirical_mu(image_seq_len=image_tokens, num_steps=steps)
+
+    @torch.no_grad()
+    def decode(self, state: FluxDenoising) -> np.ndarray:
+        """``[height, width, 3]`` float image in ``[0, 1]``: ``Flux2Pipeline``'s unpacking by the
+        position ids, the VAE batch-norm statistics undone, unpatchify, VAE decode, post-processing."""
+        pipe = self.pipeline
+        latents = pipe._unpack_latents_with_ids(state.latents[None], state.conditioning["img_ids"][None])
+        bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
+        mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(latents.device, latents.dtype)
+        latents = pipe._unpatchify_latents(latents * std + mean)
+        image = pipe.vae.decode(latents, return_dict=False)[0]
+        return pipe.image_processor.postprocess(image, output_type="np")[0]
+
+
 def _nearest(pixels: int, multiple: int) -> int:
     return max(multiple, round(pixels / multiple) * multiple)
 
 
+# The families deepspeed-knap generate runs, and their generators.
+GENERATORS = {"flux": FluxGenerator, "flux2": Flux2Generator}
+
+
 def load_flux_generator(model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> FluxGenerator:
-    """A diffusers FLUX.1 pipeline directory (``model_index.json``, ``transformer/``, text encoders,
-    VAE, scheduler) as a :class:`FluxGenerator`: the transformer packed, the rest diffusers' own.
+    """A diffusers FLUX.1 or FLUX.2 pipeline directory (``model_index.json``, ``transformer/``, text
+    encoders, VAE, scheduler) as a :class:`FluxGenerator` or :class:`Flux2Generator`, by the
+    transformer's family: the transformer packed, the rest diffusers' own (``FluxPipeline``,
+    ``Flux2Pipeline``).
 
     Raises:
-        ValueError: the checkpoint is another family's (FLUX.2 generation is not wired up yet).
+        ValueError: the checkpoint is another family's (FLUX.3, Wan).
     """
-    from diffusers import FluxPipeline
+    import diffusers
 
-    from deepspeed_knap.models.registry import checkpoint_family, from_pretrained
+    from deepspeed_knap.models.registry import checkpoint_family, family_class, from_pretrained
 
     family = checkpoint_family(model_path)
-    if family != "flux":
-        raise ValueError(f"{model_path} holds a {family!r} transformer; deepspeed-knap generate runs FLUX.1 "
-                         "pipelines (FluxPipeline) only so far")  # fmt: skip
-    pipeline = FluxPipeline.from_pretrained(model_path, transformer=None, torch_dtype=dtype).to(device)
+    if family not in GENERATORS:
+        raise ValueError(f"{model_path} holds a {family!r} transformer; deepspeed-knap generate runs "
+                         f"{sorted(GENERATORS)} pipelines so far")  # fmt: skip
+    pipeline_class = getattr(diffusers, family_class(family).diffusers_pipeline)
+    pipeline = pipeline_class.from_pretrained(model_path, transformer=None, torch_dtype=dtype).to(device)
     model = from_pretrained(model_path, torch_dtype=dtype).to(device).eval()
-    return FluxGenerator(pipeline, model)
+    return GENERATORS[family](pipeline, model)
 
 
 def tiny_flux_generator(dtype: torch.dtype, device: torch.device | str, seed: int = 0,
-                        config: Mapping[str, Any] | None = None) -> FluxGenerator:  # fmt: skip
+                        config: Mapping[str, Any] | None = None, family: str = "flux") -> FluxGenerator:  # fmt: skip
     """A tiny random FLUX.1 (``TINY_FLUX`` or ``config``) with
-    :func:`~deepspeed_knap.models.flux.finetune.tiny_pipeline_components`, the same on every rank for
-    a ``seed``: for CPU runs, tests and benchmarks without downloaded weights."""
-    from diffusers import FluxPipeline
+    :func:`~deepspeed_knap.models.flux.finetune.tiny_pipeline_components`, or with ``family="flux2"``
+    a FLUX.2 (``TINY_FLUX2`` or ``config``) with
+    :func:`~deepspeed_knap.models.flux.finetune.tiny_flux2_pipeline_components`, the same on every
+    rank for a ``seed``: for CPU runs, tests and benchmarks without downloaded weights.
 
-    from deepspeed_knap.models.flux.finetune import TINY_FLUX, tiny_pipeline_components
+    Raises:
+        ValueError: a family other than ``flux`` and ``flux2``.
+    """
+    import diffusers
 
-    config = dict(TINY_FLUX if config is None else config)
-    pipeline = FluxPipeline(**tiny_pipeline_components(config, seed), transformer=None).to(device, dtype)
+    from deepspeed_knap.models.flux.finetune import TINY_FLUX, tiny_flux2_pipeline_components, tiny_pipeline_components
+
+    tiny = {"flux": (TINY_FLUX, tiny_pipeline_components, PackedFluxTransformer),
+            "flux2": (TINY_FLUX2, tiny_flux2_pipeline_components, PackedFlux2Transformer)}  # fmt: skip
+    if family not in tiny:
+        raise ValueError(f"family {family!r}: deepspeed-knap generate runs {sorted(tiny)}; pick one of them")
+    default, components, model_class = tiny[family]
+    config = dict(default if config is None else config)
+    pipeline_class = getattr(diffusers, model_class.diffusers_pipeline)
+    pipeline = pipeline_class(**components(config, seed), transformer=None).to(device, dtype)
     torch.manual_seed(seed)
-    model = PackedFluxTransformer(**config).to(device, dtype).eval()
-    return FluxGenerator(pipeline, model)
+    model = model_class(**config).to(device, dtype).eval()
+    return GENERATORS[family](pipeline, model)
