@@ -22,6 +22,10 @@ bag spends::
   model with ``f = 0``, is priced ``b * s**2`` as before, bit for bit.
 * ``c * s * (G-1) / G**2``: the Ulysses all-to-alls. Each GPU holds ``s / G`` tokens and sends the
   fraction ``(G-1)/G`` of them away, for q, k, v and the output, forward and backward. Zero at G=1.
+  A group that spans nodes sends ``P/G`` of them to its ``P`` members on other nodes (``P = G - n``
+  for a group of whole nodes of ``n`` GPUs), at the inter-node rate ``c'``
+  (``inter_node_alltoall_coef``): ``(c * (G-1-P) + c' * P) * s / G**2``, the two shares one after
+  the other. ``c'`` unset: ``c`` for every peer, as before.
 * ``speed``: relative speed of the bag, the slowest of its GPUs (a bag moves in lockstep).
 * ``efficiency(G)``: how much of the ideal ``1/G`` share a member of a bag of ``G`` achieves (1 at
   ``G = 1``; below 1 where small chunks and narrow head slices run slower), calibrated per degree by
@@ -84,6 +88,10 @@ FLUX_DIM_KEYS = ("hidden", "double_blocks", "single_blocks", "mlp_ratio", "mode_
 # The defaults of from_model_dims, the config block and the CLI: an H100 in bf16, NVLink all-to-alls.
 DEFAULT_TFLOPS = 400.0
 DEFAULT_ALLTOALL_GBPS = 150.0
+# All-to-all GB/s per GPU to other nodes: H100 nodes with 8 x 400 Gb/s InfiniBand (NDR), one port per
+# GPU (the DGX H100's eight ConnectX-7 compute-fabric ports): 400 Gb/s = 50 GB/s per GPU and direction,
+# the line rate, a third of DEFAULT_ALLTOALL_GBPS (itself a third of NVLink 4's 450 GB/s per direction).
+DEFAULT_INTER_NODE_ALLTOALL_GBPS = 50.0
 
 # Forward + backward over forward FLOPs. Linear layers: backward is two matmuls per forward matmul.
 # Flash attention's backward also recomputes the scores: ~2.5 forward's worth.
@@ -118,6 +126,11 @@ class CostModel:
             to a plan's step (:mod:`~deepspeed_knap.planner.route`) and keeps a sequence home when
             moving it costs more than it saves. 0 (the default): moving is free, as before.
         inter_node_route_coef: the same to a GPU of another node; ``None``: ``route_coef``.
+        inter_node_alltoall_coef: ``c'``, seconds per token of Ulysses all-to-all traffic to members
+            of the group on other nodes (module docstring). ``None``: not priced apart, ``c`` for
+            every peer, and topology ``auto`` gives its groups of whole nodes only the sequences the
+            memory cap keeps out of every group inside a node (the model cannot tell what crossing
+            costs); set, they are a cost decision like any group.
     """
 
     linear_coef: float
@@ -131,6 +144,7 @@ class CostModel:
     segment_attention_share: float = 0.0
     route_coef: float = 0.0
     inter_node_route_coef: float | None = None
+    inter_node_alltoall_coef: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads is not None and (
@@ -138,9 +152,9 @@ class CostModel:
         ):
             raise ValueError(f"cost model num_heads must be a positive integer or None; got {self.num_heads!r}")
         for name in ("linear_coef", "quadratic_coef", "alltoall_coef", "overhead_s", "sequence_coef", "route_coef",
-                     "inter_node_route_coef"):  # fmt: skip
+                     "inter_node_route_coef", "inter_node_alltoall_coef"):  # fmt: skip
             value = getattr(self, name)
-            if value is None and name == "inter_node_route_coef":  # None: as route_coef
+            if value is None and name.startswith("inter_node_"):  # None: as the intra-node coefficient
                 continue
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"cost model {name} must be a finite number >= 0; got {value!r}")
@@ -176,6 +190,7 @@ class CostModel:
         frozen_base: bool = False,
         num_heads: int | None = None,
         mode_blocks: int = 0,
+        inter_node_alltoall_gbps: float | None = DEFAULT_INTER_NODE_ALLTOALL_GBPS,
     ) -> CostModel:
         """FLOP-based defaults for a FLUX-style DiT (defaults: FLUX.1-dev on an H100 in bf16).
 
@@ -199,30 +214,33 @@ class CostModel:
                 only (FLUX.3's per-mode blocks, ``num_layers``); 0 for FLUX.1 and FLUX.2.
             mlp_ratio: MLP hidden size over ``d`` (a gated MLP counts its gate: SwiGLU 3x wide is 4.5).
             tflops: sustained training throughput of one GPU, in 10**12 FLOP/s (H100 bf16 ~ 400).
-            alltoall_gbps: per-GPU all-to-all bandwidth inside a bag, in 10**9 bytes/s.
+            alltoall_gbps: per-GPU all-to-all bandwidth inside a node, in 10**9 bytes/s.
             bytes_per_element: activation dtype size moved by the all-to-alls.
             gpu_speed: see the class attributes.
             frozen_base: the base weights are frozen (LoRA, adapters).
             num_heads: attention heads (:attr:`num_heads`); ``None`` (the FLUX presets) prices every
                 bag size as if it divided them.
+            inter_node_alltoall_gbps: per-GPU all-to-all bandwidth to other nodes, in 10**9 bytes/s
+                (:attr:`inter_node_alltoall_coef`); ``None``: not priced apart.
         """
         blocks = double_blocks + single_blocks + mode_blocks
-        dims = (hidden, blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element)
+        dims = (hidden, blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element, inter_node_alltoall_gbps or 1.0)
         if not all(np.isfinite(dims)) or min(dims) <= 0 or min(double_blocks, single_blocks, mode_blocks) < 0:
             raise ValueError(
                 "model dims must be finite and positive (block counts >= 0, at least one block): got "
                 f"hidden={hidden}, blocks={double_blocks}+{single_blocks}+{mode_blocks} (double+single+mode), "
                 f"mlp_ratio={mlp_ratio}, tflops={tflops}, alltoall_gbps={alltoall_gbps}, "
-                f"bytes_per_element={bytes_per_element}"
+                f"bytes_per_element={bytes_per_element}, inter_node_alltoall_gbps={inter_node_alltoall_gbps}"
             )
         flops_per_s = tflops * 1e12
         train_factor = _LINEAR_FROZEN_FACTOR if frozen_base else _LINEAR_TRAIN_FACTOR
         linear = train_factor * 2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s
         quadratic = _ATTENTION_TRAIN_FACTOR * 2 * 2 * hidden * blocks / flops_per_s
         # q, k, v in and the output back, forward and backward: 8 all-to-alls of hidden-wide tokens.
-        alltoall = 8 * hidden * bytes_per_element * blocks / (alltoall_gbps * 1e9)
-        return cls(linear, quadratic, alltoall, gpu_speed, num_heads=num_heads,
-                   segment_attention_share=mode_blocks / blocks if mode_blocks else 0.0)  # fmt: skip
+        token_bytes = 8 * hidden * bytes_per_element * blocks
+        return cls(linear, quadratic, token_bytes / (alltoall_gbps * 1e9), gpu_speed, num_heads=num_heads,
+                   segment_attention_share=mode_blocks / blocks if mode_blocks else 0.0,
+                   inter_node_alltoall_coef=_per_token_s(token_bytes, inter_node_alltoall_gbps))  # fmt: skip
 
     @classmethod
     def from_wan_dims(
@@ -237,6 +255,7 @@ class CostModel:
         bytes_per_element: int = 2,
         gpu_speed: tuple[float, ...] | None = None,
         frozen_base: bool = False,
+        inter_node_alltoall_gbps: float | None = DEFAULT_INTER_NODE_ALLTOALL_GBPS,
     ) -> CostModel:
         """FLOP-based defaults for a Wan 2.x DiT (defaults: Wan 2.1 14B on an H100 in bf16).
 
@@ -267,12 +286,14 @@ class CostModel:
             dim, ffn_dim, num_heads, num_layers, text_len: Wan's config names (MODEL_PRESETS).
             Others: as :meth:`from_model_dims`.
         """
-        dims = (dim, ffn_dim, num_heads, num_layers, tflops, alltoall_gbps, bytes_per_element)
+        dims = (dim, ffn_dim, num_heads, num_layers, tflops, alltoall_gbps, bytes_per_element,
+                inter_node_alltoall_gbps or 1.0)  # fmt: skip
         if not all(np.isfinite(dims)) or min(dims) <= 0 or not np.isfinite(text_len) or text_len < 0:
             raise ValueError(
                 "Wan dims must be finite and positive (text_len >= 0): got "
                 f"dim={dim}, ffn_dim={ffn_dim}, num_heads={num_heads}, num_layers={num_layers}, text_len={text_len}, "
-                f"tflops={tflops}, alltoall_gbps={alltoall_gbps}, bytes_per_element={bytes_per_element}"
+                f"tflops={tflops}, alltoall_gbps={alltoall_gbps}, bytes_per_element={bytes_per_element}, "
+                f"inter_node_alltoall_gbps={inter_node_alltoall_gbps}"
             )
         if dim % num_heads:
             raise ValueError(f"Wan dims: dim={dim} is not a whole number of heads ({num_heads})")
@@ -286,14 +307,47 @@ class CostModel:
         )
         quadratic = _ATTENTION_TRAIN_FACTOR * 2 * 2 * dim * num_layers / flops_per_s
         sequence = train_factor * 2 * 2 * text_len * dim**2 * num_layers / flops_per_s
-        alltoall = 8 * dim * bytes_per_element * num_layers / (alltoall_gbps * 1e9)
-        return cls(linear, quadratic, alltoall, gpu_speed, num_heads=int(num_heads), sequence_coef=sequence)
+        token_bytes = 8 * dim * bytes_per_element * num_layers
+        return cls(linear, quadratic, token_bytes / (alltoall_gbps * 1e9), gpu_speed, num_heads=int(num_heads),
+                   sequence_coef=sequence, inter_node_alltoall_coef=_per_token_s(token_bytes, inter_node_alltoall_gbps))  # fmt: skip
 
     @property
     def inter_node_route(self) -> float:
         """Seconds of one token's round trip to another node: :attr:`inter_node_route_coef`, or
         :attr:`route_coef` when that is ``None``."""
         return self.route_coef if self.inter_node_route_coef is None else self.inter_node_route_coef
+
+    @property
+    def prices_inter_node_alltoall(self) -> bool:
+        """Whether the Ulysses all-to-all to other nodes has its own price
+        (:attr:`inter_node_alltoall_coef` is set): groups across nodes are then a cost decision."""
+        return self.inter_node_alltoall_coef is not None
+
+    def cross_node_peers(
+        self, group_start: np.ndarray, group_size: np.ndarray, gpus_per_node: int | None
+    ) -> np.ndarray:
+        """``[B]`` int64: of each group (GPUs ``group_start`` to ``group_start + group_size - 1``), how
+        many members on other nodes the member whose all-to-all takes longest exchanges with: the
+        ``P`` of the module docstring. That is the member whose node holds the fewest of the group
+        where the inter-node rate is the dearer (the most where it is the cheaper); ``G - n`` for a
+        group of whole nodes of ``n`` GPUs. All 0 where nodes are unknown (``gpus_per_node``
+        ``None``) or the model prices no inter-node all-to-all."""
+        starts = np.asarray(group_start, dtype=np.int64)
+        sizes = np.asarray(group_size, dtype=np.int64)
+        if gpus_per_node is None or not self.prices_inter_node_alltoall:
+            return np.zeros(sizes.shape, dtype=np.int64)
+        n = gpus_per_node
+        ends = starts + sizes  # one past the last GPU
+        first_node, last_node = starts // n, (ends - 1) // n
+        # Members on each node the group touches: the first and last nodes partly, those between wholly.
+        on_first = np.minimum(ends, (first_node + 1) * n) - starts
+        on_last = np.where(last_node > first_node, ends - last_node * n, on_first)
+        between = last_node - first_node >= 2
+        if self.inter_node_alltoall_coef >= self.alltoall_coef:  # the member with the fewest in its node
+            held = np.minimum(np.minimum(on_first, on_last), np.where(between, n, sizes))
+        else:
+            held = np.maximum(np.maximum(on_first, on_last), np.where(between, n, 0))
+        return sizes - held
 
     @property
     def prices_routes(self) -> bool:
@@ -334,6 +388,7 @@ class CostModel:
         bag_size: np.ndarray | int,
         bag_speed: np.ndarray | float = 1.0,
         segment_squares: np.ndarray | None = None,
+        cross_node_peers: np.ndarray | int | None = None,
     ) -> np.ndarray:
         """Modeled seconds each GPU of the bag spends on each sequence.
 
@@ -344,6 +399,9 @@ class CostModel:
             segment_squares: ``[...]`` like ``seq_lens``: ``sum_k l_k**2`` over each sequence's
                 attention segments (:func:`segment_square_sums`), priced by
                 :attr:`segment_attention_share`; ``None``: one segment each.
+            cross_node_peers: the bag's members on other nodes that its busiest member exchanges
+                with (:meth:`cross_node_peers`), broadcastable against ``seq_lens``, priced at
+                :attr:`inter_node_alltoall_coef`; ``None`` or 0: every peer in the node.
 
         Returns:
             ``[...]`` float64 seconds, the broadcast shape.
@@ -361,7 +419,12 @@ class CostModel:
         compute = (self.linear_coef * s + quadratic) / (g * bag_speed * self.efficiency(bag_size))
         if self.sequence_coef:  # repeated by every member, whatever G
             compute = compute + self.sequence_coef / np.asarray(bag_speed, dtype=np.float64)
-        return compute + self.alltoall_coef * s * (g - 1.0) / (g * g)
+        if cross_node_peers is None or not self.prices_inter_node_alltoall:
+            return compute + self.alltoall_coef * s * (g - 1.0) / (g * g)
+        # With no peer across (P = 0) this is c * s * (G - 1) + 0: the bits of the line above.
+        across = np.asarray(cross_node_peers, dtype=np.float64)
+        alltoall = self.alltoall_coef * s * (g - 1.0 - across) + self.inter_node_alltoall_coef * s * across
+        return compute + alltoall / (g * g)
 
     def efficiency(self, bag_size: np.ndarray | int) -> np.ndarray:
         """``[...]`` :attr:`degree_efficiency` of each bag size (1 where not listed)."""
@@ -397,6 +460,12 @@ class CostModel:
             ValueError: ``gpu_speed`` does not list one speed per GPU of the balance group.
         """
         return self.overhead_s / self.group_speeds(np.arange(num_gpus), np.ones(num_gpus, dtype=np.int64), num_gpus)
+
+
+def _per_token_s(token_bytes: float, gbps: float | None) -> float | None:
+    """Seconds per token of all-to-all traffic of ``token_bytes`` bytes at ``gbps`` 10**9 bytes/s;
+    ``None`` where no bandwidth is given."""
+    return None if gbps is None else token_bytes / (gbps * 1e9)
 
 
 def segment_square_sums(segments: np.ndarray) -> np.ndarray:

@@ -24,7 +24,8 @@ The solver:
    search across sizes rarely finds such plans of disjoint groups, often the best when images and
    videos mix. The first start within ``SEARCH_TOLERANCE`` of the bound ends the packing (but the
    largest groups are always solved: auto is never worse than the topology's own bags, with a
-   ``max_degree`` within a node; groups of whole nodes take only what the cap keeps out of a node).
+   ``max_degree`` within a node; a plan with groups of whole nodes is kept only where it beats the
+   plan inside nodes, :func:`~deepspeed_knap.planner.plan_routing`).
 2. **Packing, largest groups first.** Every group placed before a level is at least as large and
    aligned, so it covers whole groups of the level: within a level every group has one load, and
    packing the level is scheduling on identical machines (related ones with ``gpu_speed``). First

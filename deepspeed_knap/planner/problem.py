@@ -39,15 +39,21 @@ def _group_loads(
     group_size: np.ndarray,
     num_gpus: int,
     segment_squares: np.ndarray | None = None,
+    gpus_per_node: int | None = None,
 ) -> np.ndarray:
     """``[S]`` modeled seconds: every GPU of a sequence's group spends the sequence's per-GPU time
-    (``segment_squares`` ``[N]``: :meth:`CostModel.per_gpu_time`'s, or ``None``)."""
+    (``segment_squares`` ``[N]``: :meth:`CostModel.per_gpu_time`'s, or ``None``; ``gpus_per_node``:
+    where nodes end, for the inter-node all-to-all, ``None``: one node)."""
     speeds: np.ndarray | float = 1.0
-    if cost_model.gpu_speed is not None:  # a group runs at its slowest GPU's speed
-        gpu_speed = np.asarray(cost_model.gpu_speed, dtype=np.float64)
+    across = None
+    if cost_model.gpu_speed is not None or (gpus_per_node is not None and cost_model.prices_inter_node_alltoall):
         pairs, inverse = np.unique(np.stack([group_start, group_size]), axis=1, return_inverse=True)
-        speeds = np.array([gpu_speed[s : s + g].min() for s, g in pairs.T])[inverse.ravel()]
-    per_gpu_s = cost_model.per_gpu_time(seq_lens, group_size, speeds, segment_squares)
+        if cost_model.gpu_speed is not None:  # a group runs at its slowest GPU's speed
+            gpu_speed = np.asarray(cost_model.gpu_speed, dtype=np.float64)
+            speeds = np.array([gpu_speed[s : s + g].min() for s, g in pairs.T])[inverse.ravel()]
+        if gpus_per_node is not None and cost_model.prices_inter_node_alltoall:
+            across = cost_model.cross_node_peers(pairs[0], pairs[1], gpus_per_node)[inverse.ravel()]
+    per_gpu_s = cost_model.per_gpu_time(seq_lens, group_size, speeds, segment_squares, across)
     gpu_of_member = np.repeat(group_start, group_size) + (
         np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)
     )
@@ -100,28 +106,32 @@ class Problem:
         groups = np.asarray(topology.groups, dtype=np.int64).reshape(-1, 2)
         bag_first, bag_size = groups[:, 0].copy(), groups[:, 1].copy()
         bag_speed = cost_model.group_speeds(bag_first, bag_size, topology.group_size)
-        keys = sorted(set(zip(bag_size.tolist(), bag_speed.tolist(), strict=True)))
-        bag_class = np.array(
-            [keys.index(k) for k in zip(bag_size.tolist(), bag_speed.tolist(), strict=True)], dtype=np.int64
-        )
+        # A class is bags of one size, speed and share of peers on other nodes (0 within a node).
+        bag_across = cost_model.cross_node_peers(bag_first, bag_size, topology.gpus_per_node)
+        bag_keys = list(zip(bag_size.tolist(), bag_speed.tolist(), bag_across.tolist(), strict=True))
+        keys = sorted(set(bag_keys))
+        bag_class = np.array([keys.index(k) for k in bag_keys], dtype=np.int64)
         class_size = np.array([k[0] for k in keys], dtype=np.int64)
         class_speed = np.array([k[1] for k in keys])
+        class_across = np.array([k[2] for k in keys], dtype=np.int64)
         class_count = np.bincount(bag_class, minlength=len(keys)).astype(np.int64)
 
         # Every (length, degree) pair is priced here, and in _group_loads (a plan's loads), by the same
-        # per_gpu_time: heads a degree does not divide (cost_model.num_heads) and per-sequence work
-        # every member repeats (sequence_coef) included.
+        # per_gpu_time: heads a degree does not divide (cost_model.num_heads), per-sequence work
+        # every member repeats (sequence_coef) and the all-to-all to other nodes included.
         cost_s = cost_model.per_gpu_time(seq_lens[:, None], class_size[None, :], class_speed[None, :],
-                                         None if segment_squares is None else segment_squares[:, None])  # fmt: skip
+                                         None if segment_squares is None else segment_squares[:, None],
+                                         class_across[None, :] if class_across.any() else None)  # fmt: skip
         scale = _COST_UNITS / cost_s.max() if seq_lens.size else 1.0
         # Rounding down keeps every quantised cost <= the true one, so bounds on them bound the truth.
         cost = np.floor(cost_s * scale).astype(np.int64)
         tokens = -(-seq_lens[:, None] // class_size[None, :])
         allowed = np.ones_like(tokens, dtype=bool) if cap is None else tokens <= cap
         across = class_size > (topology.gpus_per_node or topology.world_size)
-        if topology.elastic and across.any():
-            # The cost model prices no all-to-all between nodes: groups of whole nodes are only
-            # for sequences that no group inside a node holds under the cap (none without a cap).
+        if topology.elastic and across.any() and not cost_model.prices_inter_node_alltoall:
+            # A model without an inter-node all-to-all price would price crossing nodes as NVLink:
+            # then groups of whole nodes are only for sequences that no group inside a node holds
+            # under the cap (none without a cap). With the price, they are chosen where they pay.
             allowed[:, across] &= ~allowed[:, ~across].any(axis=1, keepdims=True)
         if cap is not None and seq_lens.size and not allowed.any(axis=1).all():
             i = int(np.flatnonzero(~allowed.any(axis=1))[0])
@@ -346,7 +356,7 @@ class Problem:
         classes, bag_class = np.unique(self.bag_class[bags], return_inverse=True)
         bag_size, bag_first = self.bag_size[bags], self.bag_first[bags]
         topology = Topology(f"tiling of {self.topology.spec}", tuple(bag_size.tolist()), tuple(bag_first.tolist()),
-                            self.num_gpus, None, True)  # fmt: skip
+                            self.num_gpus, self.topology.gpus_per_node, True)  # fmt: skip
         return Problem(topology, self.cost_model, self.cap, self.seq_lens[seqs], self.src[seqs], bag_size, bag_first,
                         bag_class.ravel().astype(np.int64), self.class_size[classes],
                         np.bincount(bag_class.ravel(), minlength=len(classes)).astype(np.int64),
@@ -360,7 +370,7 @@ class Problem:
 
     def _gpu_loads(self, group_start: np.ndarray, group_size: np.ndarray) -> np.ndarray:
         return _group_loads(self.cost_model, self.seq_lens, group_start, group_size, self.topology.group_size,
-                            self.segment_squares)  # fmt: skip
+                            self.segment_squares, self.topology.gpus_per_node)  # fmt: skip
 
     @functools.cached_property
     def home_max_load_s(self) -> float:

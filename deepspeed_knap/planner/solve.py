@@ -28,7 +28,11 @@ Solvers (``SOLVERS``):
   search never raises the max load, so ``refine`` is never worse than ``knapformer`` or ``none`` in
   modeled max load, and it honours ``max_tokens_per_gpu``. With a route coefficient in the cost
   model, ``refine`` then brings home (alone on its home GPU) every sequence whose move costs more
-  route time than it saves compute (:mod:`~deepspeed_knap.planner.route`).
+  route time than it saves compute (:mod:`~deepspeed_knap.planner.route`). On topology ``auto``
+  with a ``max_degree`` above the node and a model that prices the all-to-all across nodes
+  (``inter_node_alltoall_coef``), ``refine`` also solves the step inside nodes alone and keeps the
+  plan with groups across nodes only when its modeled step is shorter: such a group is chosen only
+  when it pays.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from deepspeed_knap.planner.fixed import _knapformer_greedy, _refine
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.problem import Problem, _flatten_segments, _group_loads
 from deepspeed_knap.planner.route import gpu_traffic, keep_home, route_seconds
-from deepspeed_knap.planner.topology import Topology
+from deepspeed_knap.planner.topology import AUTO, Topology, build_topology
 
 SOLVERS = ("none", "knapformer", "refine")
 DEFAULT_SOLVER = "refine"
@@ -100,8 +104,36 @@ def plan_routing(
     if refine_steps < 0:
         raise ValueError(f"refine_steps must be >= 0; got {refine_steps}")
     with _gc_paused():
-        return _solve(seq_lens_per_rank, topology, cost_model, solver, max_tokens_per_gpu, refine_steps,
-                      seq_segments_per_rank)  # fmt: skip
+        plan, problem = _solve(seq_lens_per_rank, topology, cost_model, solver, max_tokens_per_gpu, refine_steps,
+                               seq_segments_per_rank)  # fmt: skip
+        if not _crosses_nodes_by_cost(topology, cost_model, solver):
+            return plan
+        # Groups across nodes only where they pay: the plan inside nodes unless this one is faster.
+        node = build_topology(AUTO, topology.world_size, topology.gpus_per_node, topology.gpus_per_node)
+        try:
+            inside, _ = _solve(seq_lens_per_rank, node, cost_model, solver, max_tokens_per_gpu, refine_steps,
+                               seq_segments_per_rank)  # fmt: skip
+        except ValueError:  # the cap: some sequence needs a group across nodes
+            return plan
+        nodes = topology.gpus_per_node
+        if _modeled_step(plan, cost_model, nodes) < _modeled_step(inside, cost_model, nodes):
+            return plan
+        return problem.make_plan(solver, inside.seq_group_start, inside.seq_group_size)
+
+
+def _crosses_nodes_by_cost(topology: Topology, cost_model: CostModel, solver: str) -> bool:
+    """Whether ``topology`` is ``auto`` with groups of whole nodes that ``refine`` gives by their
+    price (the model prices the all-to-all across nodes; without it they only take what the cap
+    keeps out of every node's group)."""
+    return (solver == "refine" and topology.elastic and topology.gpus_per_node is not None
+            and topology.max_degree > topology.gpus_per_node and cost_model.prices_inter_node_alltoall)  # fmt: skip
+
+
+def _modeled_step(plan: RoutingPlan, cost_model: CostModel, gpus_per_node: int | None) -> float:
+    """Seconds of ``plan``'s step: its busiest GPU's load and its route phase, if priced."""
+    if not cost_model.prices_routes:
+        return plan.max_load
+    return plan.max_load + plan_route_s(plan, cost_model, gpus_per_node)
 
 
 @contextlib.contextmanager
@@ -119,8 +151,9 @@ def _gc_paused():
             gc.enable()
 
 
-def _solve(seq_lens_per_rank, topology: Topology, cost_model: CostModel, solver: str,
-           max_tokens_per_gpu: int | None, refine_steps: int, seq_segments_per_rank=None) -> RoutingPlan:  # fmt: skip
+def _solve(seq_lens_per_rank, topology: Topology, cost_model: CostModel, solver: str, max_tokens_per_gpu: int | None,
+           refine_steps: int, seq_segments_per_rank=None) -> tuple[RoutingPlan, Problem]:  # fmt: skip
+    """The plan of one topology, and the problem it solved."""
     if topology.elastic and solver == "knapformer":
         raise ValueError(
             "solver 'knapformer' needs a fixed topology (it assigns sequences to bags of one size each); "
@@ -140,7 +173,7 @@ def _solve(seq_lens_per_rank, topology: Topology, cost_model: CostModel, solver:
                 f"solver 'none' keeps every sequence home, and rank {rank} holds {int(home_tokens[rank])} tokens, over "
                 f"max_tokens_per_gpu={max_tokens_per_gpu}; balance with solver 'refine', or raise the cap"
             )
-        return problem.make_home_plan(solver)
+        return problem.make_home_plan(solver), problem
     if topology.elastic:
         bag_of_seq = solve_elastic(problem, refine_steps)
     elif solver == "knapformer":
@@ -162,7 +195,7 @@ def _solve(seq_lens_per_rank, topology: Topology, cost_model: CostModel, solver:
     # Running every sequence alone on its home GPU needs no bag at all; when no topology plan beats
     # it (tiny sequences, where the all-to-all costs more than balancing wins), that is the plan.
     if bag_of_seq is None:
-        return problem.make_home_plan(solver)
+        return problem.make_home_plan(solver), problem
     group_start, group_size = problem.bag_first[bag_of_seq], problem.bag_size[bag_of_seq]
     route_s = 0.0
     if solver == "refine" and cost_model.prices_routes:  # moving tokens costs time: keep home what does not pay
@@ -171,8 +204,8 @@ def _solve(seq_lens_per_rank, topology: Topology, cost_model: CostModel, solver:
                                                         problem.num_gpus, topology.gpus_per_node))  # fmt: skip
     plan = problem.make_plan(solver, group_start, group_size)
     if home_fits and problem.home_max_load_s <= plan.max_load + route_s:
-        return problem.make_home_plan(solver)
-    return plan
+        return problem.make_home_plan(solver), problem
+    return plan, problem
 
 
 def _keep_home(problem: Problem, group_start: np.ndarray, group_size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -183,8 +216,9 @@ def _keep_home(problem: Problem, group_start: np.ndarray, group_size: np.ndarray
     speed = np.ones(problem.num_gpus) if model.gpu_speed is None else np.asarray(model.gpu_speed, dtype=np.float64)
     group_speed = np.array([speed[start : start + size].min() for start, size in
                             zip(group_start.tolist(), group_size.tolist(), strict=True)])  # fmt: skip
-    load_units = np.floor(model.per_gpu_time(problem.seq_lens, group_size, group_speed, problem.segment_squares)
-                          / unit).astype(np.int64)  # fmt: skip
+    across = model.cross_node_peers(group_start, group_size, problem.topology.gpus_per_node)
+    load_units = np.floor(model.per_gpu_time(problem.seq_lens, group_size, group_speed, problem.segment_squares,
+                                             across if across.any() else None) / unit).astype(np.int64)  # fmt: skip
     home_units = np.floor(model.per_gpu_time(problem.seq_lens, 1, speed[problem.src], problem.segment_squares)
                           / unit).astype(np.int64)  # fmt: skip
     base_units = np.floor(model.gpu_overhead_s(problem.num_gpus) / unit).astype(np.int64)
@@ -214,13 +248,18 @@ def lower_bound(
 
 
 def plan_loads(
-    plan: RoutingPlan, cost_model: CostModel, seq_segments_per_rank: Sequence[Sequence[Sequence[int]]] | None = None
+    plan: RoutingPlan,
+    cost_model: CostModel,
+    seq_segments_per_rank: Sequence[Sequence[Sequence[int]]] | None = None,
+    gpus_per_node: int | None = None,
 ) -> np.ndarray:
     """``[S]`` modeled seconds per GPU of running ``plan`` under ``cost_model``, which may differ from
     the model the plan was solved with: what a plan made with a wrong model really costs.
     ``seq_segments_per_rank``: the step's attention segments (as :func:`plan_routing`'s), priced by
     ``cost_model``; ``None``: one segment per sequence. A plan solved without segments, priced with
-    them, is what ignoring them costs.
+    them, is what ignoring them costs. ``gpus_per_node``: where nodes end, for the all-to-all of
+    groups across nodes (``inter_node_alltoall_coef``); ``None``: one node. A plan's own
+    ``gpu_loads`` are priced with its topology's nodes.
 
     Raises:
         ValueError: ``cost_model.gpu_speed`` does not list one speed per GPU of the plan.
@@ -233,7 +272,7 @@ def plan_loads(
     if seq_segments_per_rank is not None:  # plan order is rank 0's sequences, then rank 1's, ...
         squares = _flatten_segments(seq_segments_per_rank, plan.seq_lens, plan.seq_src_rank, plan.num_gpus)
     return _group_loads(cost_model, plan.seq_lens, plan.seq_group_start, plan.seq_group_size, plan.num_gpus,
-                        squares)  # fmt: skip
+                        squares, gpus_per_node)  # fmt: skip
 
 
 def plan_route_s(plan: RoutingPlan, cost_model: CostModel, gpus_per_node: int | None = None) -> float:

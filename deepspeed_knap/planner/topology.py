@@ -11,7 +11,8 @@ step each sequence runs in a group of its own size ``1, 2, 4, ...`` up to ``max_
 disjoint (a buddy system). The topology's "bags" are then the largest such groups, which tile the
 world; :attr:`Topology.groups` lists every group a plan may use. A ``max_degree`` above a node (of a
 power-of-two size) adds groups of whole nodes (2, 4, ... nodes, aligned likewise), which the planner
-gives only to sequences that no group inside a node holds under the memory cap.
+gives where their price pays (the cost model's inter-node all-to-all rate), or, under a model without
+one, only to sequences that no group inside a node holds under the memory cap.
 
 Ranks of a bag are contiguous. Given ``gpus_per_node``, bags are ordered so that none crosses a node
 boundary whenever such an order exists (bags larger than a node must then start on a node boundary and
@@ -147,8 +148,8 @@ def build_topology(
         gpus_per_node: when given, bags are ordered so none crosses a node boundary if any order allows;
             ``auto`` groups never cross one (but groups of whole nodes, see ``max_degree``).
         max_degree: ``auto`` only: the largest group, a power of two; above the node (whose size must
-            then be a power of two too), groups of whole nodes for sequences the memory cap keeps out
-            of every group inside a node. Default: the smallest of 8, the node and the world, rounded
+            then be a power of two too), groups of whole nodes, given where they pay (the module
+            docstring). Default: the smallest of 8, the node and the world, rounded
             down to a power of two (the model's heads bound it too: :func:`deepspeed_knap.initialize`
             passes them).
 

@@ -27,6 +27,7 @@ from pydantic import Field, StrictBool, ValidationError, ValidationInfo, field_v
 
 from deepspeed_knap.cost.model import (
     DEFAULT_ALLTOALL_GBPS,
+    DEFAULT_INTER_NODE_ALLTOALL_GBPS,
     DEFAULT_TFLOPS,
     MODEL_PRESETS,
     CostModel,
@@ -114,7 +115,12 @@ class KnapCostModelConfig(_KnapConfigModel):
     tflops: float = Field(DEFAULT_TFLOPS, gt=0, allow_inf_nan=False)
     """Sustained TFLOP/s per GPU assumed by the preset model."""
     alltoall_gbps: float = Field(DEFAULT_ALLTOALL_GBPS, gt=0, allow_inf_nan=False)
-    """All-to-all bandwidth per GPU (GB/s) assumed by the preset model."""
+    """All-to-all bandwidth per GPU (GB/s) inside a node assumed by the preset model."""
+    inter_node_alltoall_gbps: float | None = Field(DEFAULT_INTER_NODE_ALLTOALL_GBPS, gt=0, allow_inf_nan=False)
+    """All-to-all bandwidth per GPU (GB/s) to other nodes assumed by the preset model: the Ulysses
+    all-to-all of a group across nodes pays it for its peers there, and ``auto`` takes such a group
+    where that pays. ``null``: not priced apart (as ``alltoall_gbps``; ``auto``'s groups of whole nodes
+    then only take what the cap keeps out of every node's group)."""
     linear_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Measured ``a`` (seconds per token on one GPU); give with ``quadratic_coef``."""
     quadratic_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
@@ -128,6 +134,11 @@ class KnapCostModelConfig(_KnapConfigModel):
     is free (the plans of before)."""
     inter_node_route_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """The same to a GPU of another node; default: ``route_coef``."""
+    inter_node_alltoall_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """Measured ``c'`` (seconds per token of Ulysses traffic to a group's peers on other nodes), with
+    any source; with a preset it replaces what ``inter_node_alltoall_gbps`` gives. Default: the
+    preset's; none with coefficients or a calibration file (crossing nodes priced at ``c``, and
+    ``auto``'s groups of whole nodes only for the cap)."""
     calibration_file: str | None = None
     """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef`` and
     ``degree_efficiency``, as ``deepspeed-knap calibrate`` writes it."""
@@ -177,8 +188,11 @@ class KnapCostModelConfig(_KnapConfigModel):
 
     def build(self) -> CostModel:
         """The :class:`~deepspeed_knap.cost.model.CostModel` this section describes."""
-        return dataclasses.replace(self._compute_model(), route_coef=self.route_coef,
-                                   inter_node_route_coef=self.inter_node_route_coef)  # fmt: skip
+        model = dataclasses.replace(self._compute_model(), route_coef=self.route_coef,
+                                    inter_node_route_coef=self.inter_node_route_coef)  # fmt: skip
+        if self.inter_node_alltoall_coef is None:
+            return model
+        return dataclasses.replace(model, inter_node_alltoall_coef=self.inter_node_alltoall_coef)
 
     def _compute_model(self) -> CostModel:
         if self.linear_coef is not None:
@@ -188,7 +202,8 @@ class KnapCostModelConfig(_KnapConfigModel):
         dims = {k: getattr(self, k) for k in ("hidden", "double_blocks", "single_blocks", "mlp_ratio")}
         overrides = {k: v for k, v in dims.items() if v is not None}
         return default_cost_model(self.model or "flux-dev", tflops=self.tflops, alltoall_gbps=self.alltoall_gbps,
-                                frozen_base=self.frozen_base, **overrides)  # fmt: skip
+                                  inter_node_alltoall_gbps=self.inter_node_alltoall_gbps, frozen_base=self.frozen_base,
+                                  **overrides)  # fmt: skip
 
 
 def _read_calibration(path: str) -> CostModel:
@@ -219,8 +234,9 @@ class KnapFormerConfig(_KnapConfigModel):
     balance group, e.g. ``"g8n4"`` or ``"g1n8+g2n4"``. Absent or ``null``: ``"auto"`` when enabled
     (the validated block then reads ``"auto"``); left ``None`` when disabled, where nothing reads it."""
     max_degree: int | None = Field(None, gt=0)
-    """``auto`` only: the largest Ulysses group, a power of two; above a node, groups of whole nodes
-    for sequences the cap keeps out of every group inside one. Default: the smallest of 8, the node
+    """``auto`` only: the largest Ulysses group, a power of two; above a node, groups of whole nodes,
+    taken where the inter-node all-to-all price says they pay (``cost_model.inter_node_alltoall_gbps``).
+    Default: the smallest of 8, the node
     and the model's attention heads."""
     gpus_per_node: int | None = Field(None, gt=0)
     """GPUs per node: bags and groups stay inside nodes (but ``auto``'s groups of whole nodes, see

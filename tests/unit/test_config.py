@@ -63,6 +63,24 @@ def test_route_coefficients_go_with_any_source():
             block(cost_model={"route_coef": bad})
 
 
+def test_inter_node_all_to_all_bandwidth_and_coefficient():
+    """A preset prices peers on other nodes at 50 GB/s unless told otherwise; ``null`` leaves them
+    unpriced; a measured ``c'`` goes with any source and replaces the preset's."""
+    assert (
+        block().cost_model.build().inter_node_alltoall_coef == default_cost_model("flux-dev").inter_node_alltoall_coef
+    )
+    slower = block(cost_model={"inter_node_alltoall_gbps": 25}).cost_model.build()
+    assert slower == default_cost_model("flux-dev", inter_node_alltoall_gbps=25)
+    assert block(cost_model={"inter_node_alltoall_gbps": None}).cost_model.build().inter_node_alltoall_coef is None
+    measured = block(cost_model={"linear_coef": 1e-6, "quadratic_coef": 1e-9, "alltoall_coef": 1e-8,
+                                 "inter_node_alltoall_coef": 4e-8}).cost_model.build()  # fmt: skip
+    assert measured == CostModel(1e-6, 1e-9, 1e-8, inter_node_alltoall_coef=4e-8)
+    assert block(cost_model={"inter_node_alltoall_coef": 1e-7}).cost_model.build().inter_node_alltoall_coef == 1e-7
+    for key, bad in (("inter_node_alltoall_gbps", 0), ("inter_node_alltoall_coef", -1e-6)):
+        with pytest.raises(ValueError, match=rf"knapformer\.cost_model\.{key}"):
+            block(cost_model={key: bad})
+
+
 def test_online_refit_and_frozen_base_settings():
     from deepspeed_knap.cost.online import OnlineSettings
 

@@ -16,6 +16,9 @@ from deepspeed_knap.planner.topology import build_topology
 from tests.support.plans import check_plan_covers_every_token, lengths_strategy, per_rank_lengths
 
 FLUX = default_cost_model("flux-dev")
+# One all-to-all bandwidth, inside and across nodes: groups of whole nodes only for the cap (the rule
+# of a model without an inter-node price; tests/unit/test_inter_node_pricing.py tests the priced case).
+FLUX_ONE_LINK = dataclasses.replace(FLUX, inter_node_alltoall_coef=None)
 # Ulysses priced high enough that short sequences stay whole: plans mix group sizes.
 PRICED_ALLTOALL = CostModel(1.0, 0.05, 0.5)
 
@@ -158,14 +161,15 @@ def test_auto_honours_the_memory_cap_or_says_why(instance, cap_scale):
     cap_share=st.sampled_from([None, 0.3, 0.45, 0.6, 1.0]),
 )
 def test_groups_of_whole_nodes_take_only_sequences_no_node_holds_under_the_cap(lengths, cap_share):
-    """Nodes of 2 GPUs, ``max_degree`` 4: the group of both nodes takes a sequence only when half of
-    it is over the cap (never without a cap), and the plan is optimal among such plans (brute force)."""
+    """Nodes of 2 GPUs, ``max_degree`` 4, a model without an inter-node all-to-all price: the group
+    of both nodes takes a sequence only when half of it is over the cap (never without a cap), and
+    the plan is optimal among such plans (brute force)."""
     topology = build_topology("auto", 4, gpus_per_node=2, max_degree=4)
     assert topology.groups[0] == (0, 4)
     cap = None if cap_share is None else max(1, int(cap_share * max(s for rank in lengths for s in rank)))
-    optimum = brute_force_elastic(lengths, topology, FLUX, cap=cap)
+    optimum = brute_force_elastic(lengths, topology, FLUX_ONE_LINK, cap=cap)
     try:
-        plan = plan_routing(lengths, topology, FLUX, max_tokens_per_gpu=cap)
+        plan = plan_routing(lengths, topology, FLUX_ONE_LINK, max_tokens_per_gpu=cap)
     except ValueError as error:
         assert f"max_tokens_per_gpu={cap}" in str(error) and optimum == np.inf
         return
@@ -180,7 +184,7 @@ def test_groups_of_whole_nodes_take_only_sequences_no_node_holds_under_the_cap(l
 @pytest.mark.parametrize(
     "num_gpus, node, lengths, cap, cost_model",
     [
-        (6, 2, [[2870, 2475], [], [], [3749], [1041, 1008], []], None, FLUX),
+        (6, 2, [[2870, 2475], [], [], [3749], [1041, 1008], []], None, FLUX_ONE_LINK),
         # 2476 tokens need the group of both nodes (310 per GPU); nothing else may join it.
         (12, 4, [[2476, 698, 128], [61], [178], [73, 11], [1209, 892], [32], [], [49], [], [36], [153], [75, 72, 12]],
          549, PRICED_ALLTOALL),
@@ -200,13 +204,15 @@ def test_groups_of_whole_nodes_stay_barred_in_every_stage_of_the_search(num_gpus
 
 def test_a_cap_only_a_group_of_nodes_for_a_sequence_a_node_holds_would_meet_is_refused_saying_why():
     """Three 600-token sequences, 450 tokens per GPU, two nodes of 2: each fits a node's group of 2
-    alone but not all three; the group of both nodes would take one, the rule bars it."""
+    alone but not all three; the group of both nodes would take one, the rule (of a model without an
+    inter-node all-to-all price) bars it. With the price, that group is a cost decision and meets the cap."""
     topology = build_topology("auto", 4, gpus_per_node=2, max_degree=4)
     lengths = [[600], [600], [600], []]
-    assert brute_force_elastic(lengths, topology, FLUX, cap=450) == np.inf  # under the rule
-    assert brute_force_elastic(lengths, build_topology("auto", 4, max_degree=4), FLUX, cap=450) < np.inf
+    assert brute_force_elastic(lengths, topology, FLUX_ONE_LINK, cap=450) == np.inf  # under the rule
+    assert brute_force_elastic(lengths, build_topology("auto", 4, max_degree=4), FLUX_ONE_LINK, cap=450) < np.inf
     with pytest.raises(ValueError, match="groups of whole nodes take only sequences that no group inside a node"):
-        plan_routing(lengths, topology, FLUX, max_tokens_per_gpu=450)
+        plan_routing(lengths, topology, FLUX_ONE_LINK, max_tokens_per_gpu=450)
+    assert plan_routing(lengths, topology, FLUX, max_tokens_per_gpu=450).gpu_tokens.max() <= 450
 
 
 def test_a_cap_auto_cannot_meet_matches_brute_force():
