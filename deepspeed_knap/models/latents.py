@@ -1,6 +1,7 @@
-"""Directories of prepared latent samples, one ``.safetensors`` file each, for every model family:
-reading them in a fixed order by a global position, and the start-up and per-read checks that make
-every rank refuse the same bad data together.
+"""Latent samples for training, for every model family: directories of prepared samples, one
+``.safetensors`` file each (read in a fixed order by a global position, with the start-up and per-read
+checks that make every rank refuse the same bad data together), synthetic samples of a bundled data
+mix (:class:`SyntheticMixLatents`), and the noise of the flow-matching objective (:func:`flow_noise`).
 
 A family supplies what one file must hold (``check_file``: FLUX's
 :func:`~deepspeed_knap.models.flux.data.check_latent_file`, Wan's
@@ -27,10 +28,12 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from deepspeed_knap.data.mixes import SampleShape, sample_shapes
 from deepspeed_knap.runtime.manifest import (
     MANIFEST,
     ManifestError,
@@ -43,13 +46,45 @@ from deepspeed_knap.runtime.manifest import (
 __all__ = [
     "LatentDirectory",
     "LatentFileError",
+    "SyntheticMixLatents",
     "check_latent_directory",
+    "flow_noise",
     "latent_directory_error",
     "write_latent_manifest",
 ]
 
 # What is wrong with one sample file for a model config, or None (reads the header only).
 FileCheck = Callable[[Path, Mapping], "str | None"]
+
+
+def flow_noise(x0: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """``(sigma, noisy, velocity)`` of one sample's flow-matching step (FLUX's rectified flow, Wan's
+    flow matching): ``sigma = sigmoid(n)``, ``n ~ N(0, 1)`` (logit-normal), a 0-dim tensor in
+    ``x0``'s dtype, one value for the mix and the timestep; ``noisy = (1 - sigma) * x0 + sigma *
+    noise`` and the target ``velocity = noise - x0``, both shaped as ``x0``. Draws ``n``, then the
+    noise (fp32), from ``generator``."""
+    sigma = torch.sigmoid(torch.randn((), generator=generator)).to(x0.dtype)
+    noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.dtype)
+    return sigma, (1 - sigma) * x0 + sigma * noise, noise - x0
+
+
+class SyntheticMixLatents:
+    """Each step, each rank's latent samples drawn from a bundled data mix (``deepspeed-knap plan
+    --mix``'s names), with random contents: a family's subclass names its sample maker,
+    ``make_samples(shapes, config, seed, token_scale, dtype)``. A function of the seed, the step and
+    the rank only, so every rank draws the step's sizes alike and its own samples."""
+
+    make_samples: ClassVar[Callable[..., list[dict[str, Tensor]]]]
+
+    def __init__(self, mix: str, config: Mapping, token_scale: float = 1.0, seed: int = 0) -> None:
+        sample_shapes(mix, 1)  # an unknown name raises here, not at the first step
+        self.mix, self.config, self.token_scale, self.seed = mix, config, token_scale, seed
+
+    def step_samples(self, step: int, rank: int, world_size: int, dtype=torch.float32) -> list[dict[str, Tensor]]:
+        shapes: list[SampleShape] = sample_shapes(self.mix, world_size, seed=self.seed * 100_003 + step)[rank]
+        return self.make_samples(
+            shapes, self.config, (self.seed * 100_003 + step) * 4099 + rank, self.token_scale, dtype
+        )
 
 
 class LatentFileError(ValueError):

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from deepspeed_knap.data.mixes import SampleShape, sample_shapes
+from deepspeed_knap.data.mixes import SampleShape
 from deepspeed_knap.models.flux.base import position_ids
-from deepspeed_knap.models.latents import LatentDirectory
+from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents, flow_noise
 
 LATENT_KEYS = ("latents", "img_ids", "encoder_hidden_states", "txt_ids", "pooled_projections")
 
@@ -69,19 +69,11 @@ def synthetic_samples(
     return samples
 
 
-class SyntheticLatents:
+class SyntheticLatents(SyntheticMixLatents):
     """Each step, each rank's samples drawn from a bundled data mix (``deepspeed-knap plan
-    --mix``'s names): the same sizes the planner benchmarks, with random latents."""
+    --mix``'s names): the same sizes the planner benchmarks, with random latents (:func:`synthetic_samples`)."""
 
-    def __init__(self, mix: str, config: Mapping, token_scale: float = 1.0, seed: int = 0) -> None:
-        sample_shapes(mix, 1)  # an unknown name raises here, not at the first step
-        self.mix, self.config, self.token_scale, self.seed = mix, config, token_scale, seed
-
-    def step_samples(self, step: int, rank: int, world_size: int, dtype=torch.float32) -> list[dict[str, Tensor]]:
-        shapes = sample_shapes(self.mix, world_size, seed=self.seed * 100_003 + step)[rank]
-        return synthetic_samples(
-            shapes, self.config, (self.seed * 100_003 + step) * 4099 + rank, self.token_scale, dtype
-        )
+    make_samples = staticmethod(synthetic_samples)
 
 
 def latent_sample_shapes(config: Mapping, latent_len: int, text_len: int) -> dict[str, tuple[int, ...]]:
@@ -160,18 +152,16 @@ def rectified_flow(
     """
     model_samples, targets = [], []
     for sample in samples:
-        x0 = sample["latents"]
-        sigma = torch.sigmoid(torch.randn((), generator=generator)).to(x0.dtype)
-        noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.dtype)
+        sigma, noisy, velocity = flow_noise(sample["latents"], generator)
         model_sample = {
-            "hidden_states": (1 - sigma) * x0 + sigma * noise,
+            "hidden_states": noisy,
             "timestep": sigma,
             **{key: sample[key] for key in LATENT_KEYS[1:] if key in sample},  # FLUX.2 has no pooled text
         }
         if guidance is not None:
-            model_sample["guidance"] = torch.tensor(guidance, dtype=x0.dtype)
+            model_sample["guidance"] = torch.tensor(guidance, dtype=noisy.dtype)
         model_samples.append(model_sample)
-        targets.append(noise - x0)
+        targets.append(velocity)
     return model_samples, targets
 
 

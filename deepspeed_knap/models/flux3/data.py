@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from deepspeed_knap.data.mixes import SampleShape, sample_shapes
+from deepspeed_knap.data.mixes import SampleShape
 from deepspeed_knap.models.flux.base import text_ids
 from deepspeed_knap.models.flux.flux2 import image_ids
-from deepspeed_knap.models.latents import LatentDirectory, write_latent_manifest
+from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents, flow_noise, write_latent_manifest
 
 __all__ = [
     "FLUX3_LATENT_KEYS",
@@ -185,19 +185,11 @@ def synthetic_flux3_samples(
     return samples
 
 
-class SyntheticFlux3Latents:
+class SyntheticFlux3Latents(SyntheticMixLatents):
     """Each step, each rank's FLUX.3 latent samples drawn from a bundled data mix (``flux3_edit``:
-    text-to-image and edits with references), with random latents and text."""
+    text-to-image and edits with references), with random latents and text (:func:`synthetic_flux3_samples`)."""
 
-    def __init__(self, mix: str, config: Mapping, token_scale: float = 1.0, seed: int = 0) -> None:
-        sample_shapes(mix, 1)  # an unknown name raises here, not at the first step
-        self.mix, self.config, self.token_scale, self.seed = mix, config, token_scale, seed
-
-    def step_samples(self, step: int, rank: int, world_size: int, dtype=torch.float32) -> list[dict[str, Tensor]]:
-        shapes = sample_shapes(self.mix, world_size, seed=self.seed * 100_003 + step)[rank]
-        return synthetic_flux3_samples(
-            shapes, self.config, (self.seed * 100_003 + step) * 4099 + rank, self.token_scale, dtype
-        )
+    make_samples = staticmethod(synthetic_flux3_samples)
 
 
 def rectified_flow(
@@ -218,13 +210,11 @@ def rectified_flow(
     """
     model_samples, targets = [], []
     for sample in samples:
-        x0 = sample["latents"]
-        sigma = torch.sigmoid(torch.randn((), generator=generator)).to(x0.dtype)
-        noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.dtype)
+        sigma, noisy, velocity = flow_noise(sample["latents"], generator)
         model_samples.append({
-            "hidden_states": (1 - sigma) * x0 + sigma * noise,
+            "hidden_states": noisy,
             "timestep": sigma,
             **{key: sample[key] for key in FLUX3_LATENT_KEYS[1:] + FLUX3_REFERENCE_KEYS if key in sample},
         })  # fmt: skip
-        targets.append(noise - x0)
+        targets.append(velocity)
     return model_samples, targets

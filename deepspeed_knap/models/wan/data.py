@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from deepspeed_knap.data.mixes import SampleShape, sample_shapes
-from deepspeed_knap.models.latents import LatentDirectory
+from deepspeed_knap.data.mixes import SampleShape
+from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents
 
 __all__ = [
     "CAPTION_SUFFIX",
@@ -402,16 +402,9 @@ def synthetic_video_samples(
     return samples
 
 
-class SyntheticVideoLatents:
+class SyntheticVideoLatents(SyntheticMixLatents):
     """Each step, each rank's video latent samples drawn from a bundled data mix (``deepspeed-knap
-    plan --mix``'s names, e.g. ``wan_image_video``), with random latents and text."""
+    plan --mix``'s names, e.g. ``wan_image_video``), with random latents and text
+    (:func:`synthetic_video_samples`)."""
 
-    def __init__(self, mix: str, config: Mapping, token_scale: float = 1.0, seed: int = 0) -> None:
-        sample_shapes(mix, 1)  # an unknown name raises here, not at the first step
-        self.mix, self.config, self.token_scale, self.seed = mix, config, token_scale, seed
-
-    def step_samples(self, step: int, rank: int, world_size: int, dtype=torch.float32) -> list[dict[str, Tensor]]:
-        shapes = sample_shapes(self.mix, world_size, seed=self.seed * 100_003 + step)[rank]
-        return synthetic_video_samples(
-            shapes, self.config, (self.seed * 100_003 + step) * 4099 + rank, self.token_scale, dtype
-        )
+    make_samples = staticmethod(synthetic_video_samples)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from deepspeed_knap.models.latents import flow_noise
 from deepspeed_knap.models.wan.wan import output_rows
 
 __all__ = ["TINY_WAN_VALIDATION", "diffusers_transformer", "flow_matching", "write_gif"]
@@ -46,16 +47,14 @@ def flow_matching(
     """
     model_samples, targets = [], []
     for sample in samples:
-        x0 = sample["latents"]
         # One sigma, in the data's dtype, for both the mix and the timestep (bf16 rounds it).
-        sigma = torch.sigmoid(torch.randn((), generator=generator)).to(x0.dtype)
-        noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.dtype)
+        sigma, noisy, velocity = flow_noise(sample["latents"], generator)
         model_samples.append({
-            "hidden_states": (1 - sigma) * x0 + sigma * noise,
+            "hidden_states": noisy,
             "timestep": 1000 * sigma.float(),
             "encoder_hidden_states": sample["encoder_hidden_states"],
         })  # fmt: skip
-        targets.append(output_rows(noise - x0, patch_size))
+        targets.append(output_rows(velocity, patch_size))
     return model_samples, targets
 
 
