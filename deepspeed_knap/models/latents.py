@@ -50,11 +50,37 @@ __all__ = [
     "check_latent_directory",
     "flow_noise",
     "latent_directory_error",
+    "non_float_tensors",
+    "sample_file_header",
     "write_latent_manifest",
 ]
 
 # What is wrong with one sample file for a model config, or None (reads the header only).
 FileCheck = Callable[[Path, Mapping], "str | None"]
+
+
+SAMPLE_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the dtypes a sample may hold
+
+
+def sample_file_header(file: str | Path, fix: str) -> dict[str, tuple[tuple[int, ...], str]] | str:
+    """``{key: (shape, dtype)}`` of a sample file's tensors, read from its header alone (no tensor
+    data), or why it cannot be read: the message names the file and ends with ``fix``."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), "pt") as handle:
+            slices = {key: handle.get_slice(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
+            return {key: (tuple(piece.get_shape()), piece.get_dtype()) for key, piece in slices.items()}
+    except (SafetensorError, OSError) as error:
+        return f"{file}: not a readable .safetensors file ({error}); {fix}"
+
+
+def non_float_tensors(file: str | Path, headers: Mapping[str, tuple[tuple[int, ...], str]], fix: str) -> str | None:
+    """Why a sample file's tensors (:func:`sample_file_header`) are not all floating point, or ``None``."""
+    not_float = {key: dtype for key, (_, dtype) in headers.items() if dtype not in SAMPLE_FLOAT_DTYPES}
+    if not_float:
+        return f"{file}: tensors {not_float} are not floating point ({'/'.join(SAMPLE_FLOAT_DTYPES)}); {fix}"
+    return None
 
 
 def flow_noise(x0: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:

@@ -30,7 +30,13 @@ from torch import Tensor
 
 from deepspeed_knap.data.mixes import SampleShape
 from deepspeed_knap.models.flux.base import position_ids
-from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents, flow_noise
+from deepspeed_knap.models.latents import (
+    LatentDirectory,
+    SyntheticMixLatents,
+    flow_noise,
+    non_float_tensors,
+    sample_file_header,
+)
 
 LATENT_KEYS = ("latents", "img_ids", "encoder_hidden_states", "txt_ids", "pooled_projections")
 
@@ -91,30 +97,21 @@ def latent_sample_shapes(config: Mapping, latent_len: int, text_len: int) -> dic
     return shapes
 
 
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-
-
 def check_latent_file(file: str | Path, config: Mapping) -> str | None:
     """What is wrong with one latent sample file for a model ``config``, or ``None``. Reads only the
     header: a truncated or garbage file, missing or extra keys, non-float tensors, shapes that do
     not fit each other or the model."""
-    from safetensors import SafetensorError, safe_open
-
     fix = "rewrite it with examples/prepare_flux_latents.py or remove it"
-    try:
-        with safe_open(str(file), "pt") as handle:
-            slices = {key: handle.get_slice(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
-            headers = {key: (tuple(piece.get_shape()), piece.get_dtype()) for key, piece in slices.items()}
-    except (SafetensorError, OSError) as error:
-        return f"{file}: not a readable .safetensors file ({error}); {fix}"
+    headers = sample_file_header(file, fix)
+    if isinstance(headers, str):
+        return headers
     keys = list(latent_sample_shapes(config, 0, 0))
     missing = [key for key in keys if key not in headers]
     extra = sorted(set(headers) - set(keys))
     if missing or extra:
         return f"{file}: has keys {sorted(headers)}, missing {missing}, unexpected {extra}; a latent sample for this model holds exactly {keys}; {fix}"
-    not_float = {key: dtype for key, (_, dtype) in headers.items() if dtype not in _FLOAT_DTYPES}
-    if not_float:
-        return f"{file}: tensors {not_float} are not floating point ({'/'.join(_FLOAT_DTYPES)}); {fix}"
+    if problem := non_float_tensors(file, headers, fix):
+        return problem
     latents, text = headers["latents"][0], headers["encoder_hidden_states"][0]
     if len(latents) != 2 or len(text) != 2 or latents[0] < 1:
         return f"{file}: latents {list(latents)} and encoder_hidden_states {list(text)} must be [L, C] and [Tt, Dj] with L >= 1; {fix}"

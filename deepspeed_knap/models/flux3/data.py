@@ -40,7 +40,14 @@ from torch import Tensor
 from deepspeed_knap.data.mixes import SampleShape
 from deepspeed_knap.models.flux.base import text_ids
 from deepspeed_knap.models.flux.flux2 import image_ids
-from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents, flow_noise, write_latent_manifest
+from deepspeed_knap.models.latents import (
+    LatentDirectory,
+    SyntheticMixLatents,
+    flow_noise,
+    non_float_tensors,
+    sample_file_header,
+    write_latent_manifest,
+)
 
 __all__ = [
     "FLUX3_LATENT_KEYS",
@@ -58,7 +65,6 @@ __all__ = [
 FLUX3_LATENT_KEYS = ("latents", "img_ids", "encoder_hidden_states", "txt_ids")
 FLUX3_REFERENCE_KEYS = ("image_cond_hidden_states", "image_cond_ids")  # optional, together
 WRITER = "save_flux3_sample and write_latent_manifest of deepspeed_knap.models.flux3.data"
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def flux3_sample_shapes(config: Mapping, image: int, text: int, reference: int = 0) -> dict[str, tuple[int, ...]]:
@@ -83,15 +89,10 @@ def check_flux3_latent_file(file: str | Path, config: Mapping) -> str | None:
     or ``None``. Reads only the header: an unreadable file, missing or unexpected keys, references
     without their ids (or ids without them), non-float tensors, an image or text of zero tokens,
     shapes that do not fit each other or the model."""
-    from safetensors import SafetensorError, safe_open
-
     fix = f"write it again with {WRITER} or remove it"
-    try:
-        with safe_open(str(file), "pt") as handle:
-            slices = {key: handle.get_slice(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
-            headers = {key: (tuple(piece.get_shape()), piece.get_dtype()) for key, piece in slices.items()}
-    except (SafetensorError, OSError) as error:
-        return f"{file}: not a readable .safetensors file ({error}); {fix}"
+    headers = sample_file_header(file, fix)
+    if isinstance(headers, str):
+        return headers
     allowed = FLUX3_LATENT_KEYS + FLUX3_REFERENCE_KEYS
     missing = [key for key in FLUX3_LATENT_KEYS if key not in headers]
     extra = sorted(set(headers) - set(allowed))
@@ -102,9 +103,8 @@ def check_flux3_latent_file(file: str | Path, config: Mapping) -> str | None:
     if refs[0] != refs[1]:
         given, absent = FLUX3_REFERENCE_KEYS[:: 1 if refs[0] else -1]
         return f"{file}: has {given} without {absent}: reference latents and their position ids come together; {fix}"
-    not_float = {key: dtype for key, (_, dtype) in headers.items() if dtype not in _FLOAT_DTYPES}
-    if not_float:
-        return f"{file}: tensors {not_float} are not floating point ({'/'.join(_FLOAT_DTYPES)}); {fix}"
+    if problem := non_float_tensors(file, headers, fix):
+        return problem
     rows = {key: shape[0] if len(shape) == 2 else -1 for key, (shape, _) in headers.items()}
     image, text, reference = rows["latents"], rows["encoder_hidden_states"], rows.get("image_cond_hidden_states", 0)
     if min(image, text) < 1 or (refs[0] and reference < 1):

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from deepspeed_knap.data.mixes import SampleShape
-from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents
+from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents, non_float_tensors, sample_file_header
 
 __all__ = [
     "CAPTION_SUFFIX",
@@ -329,30 +329,22 @@ def write_tiny_wan_pipeline(directory: str | Path, text_dim: int = 24, z_dim: in
 
 # ---- training on prepared (or synthetic) samples ----
 
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-
 
 def check_video_latent_file(file: str | Path, config: Mapping) -> str | None:
     """What is wrong with one video latent sample file for a ``PackedWanTransformer`` ``config``, or
     ``None``. Reads only the header: an unreadable file, keys other than :data:`VIDEO_LATENT_KEYS`,
     non-float tensors, latents that are not ``[in_channels, F, H, W]`` with ``F``, ``H``, ``W``
     positive multiples of the patch (within the RoPE table), text that is not ``[Lt >= 1, text_dim]``."""
-    from safetensors import SafetensorError, safe_open
-
     fix = "rewrite it with examples/prepare_video_latents.py (the VAE and text encoder of this model) or remove it"
-    try:
-        with safe_open(str(file), "pt") as handle:
-            headers = {key: (tuple(handle.get_slice(key).get_shape()), handle.get_slice(key).get_dtype())
-                       for key in handle.keys()}  # noqa: SIM118 (not a dict)  # fmt: skip
-    except (SafetensorError, OSError) as error:
-        return f"{file}: not a readable .safetensors file ({error}); {fix}"
+    headers = sample_file_header(file, fix)
+    if isinstance(headers, str):
+        return headers
     if sorted(headers) != sorted(VIDEO_LATENT_KEYS):
         return (
             f"{file}: has keys {sorted(headers)}; a video latent sample holds exactly {list(VIDEO_LATENT_KEYS)}; {fix}"
         )
-    not_float = {key: dtype for key, (_, dtype) in headers.items() if dtype not in _FLOAT_DTYPES}
-    if not_float:
-        return f"{file}: tensors {not_float} are not floating point ({'/'.join(_FLOAT_DTYPES)}); {fix}"
+    if problem := non_float_tensors(file, headers, fix):
+        return problem
     latents, text = headers["latents"][0], headers["encoder_hidden_states"][0]
     patch = config["patch_size"]
     if len(latents) != 4 or latents[0] != config["in_channels"]:
