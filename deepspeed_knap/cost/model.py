@@ -100,6 +100,15 @@ _LINEAR_FROZEN_FACTOR = 2.0  # frozen weights: no weight-gradient matmul
 _ATTENTION_TRAIN_FACTOR = 3.5
 
 
+def _step_factors(frozen_base: bool, forward_only: bool) -> tuple[float, float, int]:
+    """``(linear, attention, all-to-alls per block)``: the step's FLOPs over one forward's for linear
+    layers and attention, and the Ulysses all-to-alls of ``hidden``-wide tokens per block (q, k, v in
+    and the output back: 4 in a forward, 8 with backward)."""
+    if forward_only:
+        return 1.0, 1.0, 4
+    return (_LINEAR_FROZEN_FACTOR if frozen_base else _LINEAR_TRAIN_FACTOR), _ATTENTION_TRAIN_FACTOR, 8
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Per-GPU modeled seconds of a sequence; see the module docstring for the formula.
@@ -191,6 +200,7 @@ class CostModel:
         num_heads: int | None = None,
         mode_blocks: int = 0,
         inter_node_alltoall_gbps: float | None = DEFAULT_INTER_NODE_ALLTOALL_GBPS,
+        forward_only: bool = False,
     ) -> CostModel:
         """FLOP-based defaults for a FLUX-style DiT (defaults: FLUX.1-dev on an H100 in bf16).
 
@@ -222,6 +232,8 @@ class CostModel:
                 bag size as if it divided them.
             inter_node_alltoall_gbps: per-GPU all-to-all bandwidth to other nodes, in 10**9 bytes/s
                 (:attr:`inter_node_alltoall_coef`); ``None``: not priced apart.
+            forward_only: price one forward (generation: no backward, half the all-to-alls)
+                instead of a training step.
         """
         blocks = double_blocks + single_blocks + mode_blocks
         dims = (hidden, blocks, mlp_ratio, tflops, alltoall_gbps, bytes_per_element, inter_node_alltoall_gbps or 1.0)
@@ -233,11 +245,10 @@ class CostModel:
                 f"bytes_per_element={bytes_per_element}, inter_node_alltoall_gbps={inter_node_alltoall_gbps}"
             )
         flops_per_s = tflops * 1e12
-        train_factor = _LINEAR_FROZEN_FACTOR if frozen_base else _LINEAR_TRAIN_FACTOR
-        linear = train_factor * 2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s
-        quadratic = _ATTENTION_TRAIN_FACTOR * 2 * 2 * hidden * blocks / flops_per_s
-        # q, k, v in and the output back, forward and backward: 8 all-to-alls of hidden-wide tokens.
-        token_bytes = 8 * hidden * bytes_per_element * blocks
+        linear_factor, attention_factor, exchanges = _step_factors(frozen_base, forward_only)
+        linear = linear_factor * 2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s
+        quadratic = attention_factor * 2 * 2 * hidden * blocks / flops_per_s
+        token_bytes = exchanges * hidden * bytes_per_element * blocks
         return cls(linear, quadratic, token_bytes / (alltoall_gbps * 1e9), gpu_speed, num_heads=num_heads,
                    segment_attention_share=mode_blocks / blocks if mode_blocks else 0.0,
                    inter_node_alltoall_coef=_per_token_s(token_bytes, inter_node_alltoall_gbps))  # fmt: skip
@@ -256,6 +267,7 @@ class CostModel:
         gpu_speed: tuple[float, ...] | None = None,
         frozen_base: bool = False,
         inter_node_alltoall_gbps: float | None = DEFAULT_INTER_NODE_ALLTOALL_GBPS,
+        forward_only: bool = False,
     ) -> CostModel:
         """FLOP-based defaults for a Wan 2.x DiT (defaults: Wan 2.1 14B on an H100 in bf16).
 
@@ -298,16 +310,14 @@ class CostModel:
         if dim % num_heads:
             raise ValueError(f"Wan dims: dim={dim} is not a whole number of heads ({num_heads})")
         flops_per_s = tflops * 1e12
-        train_factor = _LINEAR_FROZEN_FACTOR if frozen_base else _LINEAR_TRAIN_FACTOR
+        linear_factor, attention_factor, exchanges = _step_factors(frozen_base, forward_only)
         linear_macs = 6 * dim**2 + 2 * dim * ffn_dim
         linear = (
-            (train_factor * 2 * linear_macs + _ATTENTION_TRAIN_FACTOR * 2 * 2 * text_len * dim)
-            * num_layers
-            / flops_per_s
+            (linear_factor * 2 * linear_macs + attention_factor * 2 * 2 * text_len * dim) * num_layers / flops_per_s
         )
-        quadratic = _ATTENTION_TRAIN_FACTOR * 2 * 2 * dim * num_layers / flops_per_s
-        sequence = train_factor * 2 * 2 * text_len * dim**2 * num_layers / flops_per_s
-        token_bytes = 8 * dim * bytes_per_element * num_layers
+        quadratic = attention_factor * 2 * 2 * dim * num_layers / flops_per_s
+        sequence = linear_factor * 2 * 2 * text_len * dim**2 * num_layers / flops_per_s
+        token_bytes = exchanges * dim * bytes_per_element * num_layers
         return cls(linear, quadratic, token_bytes / (alltoall_gbps * 1e9), gpu_speed, num_heads=int(num_heads),
                    sequence_coef=sequence, inter_node_alltoall_coef=_per_token_s(token_bytes, inter_node_alltoall_gbps))  # fmt: skip
 

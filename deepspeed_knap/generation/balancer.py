@@ -26,27 +26,22 @@ from deepspeed_knap.runtime.groups import ProcessGroups
 from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import RoutedBatch, _exchange_columns, exchange
 
-# FLUX-style forward FLOPs per token and block: (4 + 2 * mlp_ratio) * D^2 multiply-adds in the linear
-# layers, 2 * L * D in attention; Ulysses moves q, k, v in and the output back (forward only: 4).
-_ULYSSES_EXCHANGES_FORWARD = 4
-
 
 def forward_cost_model(config: dict, tflops: float = 400.0, alltoall_gbps: float = 150.0,
                        bytes_per_element: int = 2) -> CostModel:  # fmt: skip
-    """The FLOP cost model of one *forward* of a FLUX-family transformer ``config`` (diffusers'
-    names), for the planner: training's :meth:`CostModel.from_model_dims` counts forward and backward
-    (3x the linear layers, 3.5x attention, twice the all-to-alls), which would price the Ulysses
-    all-to-all too cheaply against compute here."""
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    blocks = config["num_layers"] + config["num_single_layers"]
-    mlp_ratio = config.get("mlp_ratio", 4.0)
-    flops_per_s = tflops * 1e12
-    return CostModel(
-        linear_coef=2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s,
-        quadratic_coef=2 * 2 * hidden * blocks / flops_per_s,
-        alltoall_coef=_ULYSSES_EXCHANGES_FORWARD * hidden * bytes_per_element * blocks / (alltoall_gbps * 1e9),
-        num_heads=config["num_attention_heads"],
-    )
+    """The FLOP cost model of one *forward* of a transformer ``config`` (diffusers' names; Wan's by
+    its ``ffn_dim``, else FLUX's), for the planner: a training step's model counts forward and
+    backward (3x the linear layers, 3.5x attention, twice the all-to-alls), which would price the
+    Ulysses all-to-all too cheaply against compute here. Wan's text length is its pipeline's 512."""
+    heads = config["num_attention_heads"]
+    hidden = heads * config["attention_head_dim"]
+    rates = dict(tflops=tflops, alltoall_gbps=alltoall_gbps, bytes_per_element=bytes_per_element, forward_only=True)
+    if "ffn_dim" in config:
+        return CostModel.from_wan_dims(dim=hidden, ffn_dim=config["ffn_dim"], num_heads=heads,
+                                       num_layers=config["num_layers"], **rates)  # fmt: skip
+    return CostModel.from_model_dims(hidden=hidden, double_blocks=config["num_layers"],
+                                     single_blocks=config["num_single_layers"], mlp_ratio=config.get("mlp_ratio", 4.0),
+                                     num_heads=heads, **rates)  # fmt: skip
 
 
 @dataclasses.dataclass

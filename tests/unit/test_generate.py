@@ -218,6 +218,15 @@ def test_the_forward_cost_model_prices_a_forward_not_a_training_step():
     assert forward.quadratic_coef == pytest.approx(training.quadratic_coef / 3.5)
     assert forward.alltoall_coef == pytest.approx(training.alltoall_coef / 2)
     assert forward.num_heads == 24
+    # Wan 2.1 14B's diffusers config: the same factors, and the per-sequence text term a forward's.
+    wan = forward_cost_model({"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824,
+                              "num_layers": 40})  # fmt: skip
+    wan_training = CostModel.from_wan_dims(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
+    assert wan.quadratic_coef == pytest.approx(wan_training.quadratic_coef / 3.5)
+    assert wan.sequence_coef == pytest.approx(wan_training.sequence_coef / 3)
+    assert wan.alltoall_coef == pytest.approx(wan_training.alltoall_coef / 2)
+    macs = (6 * 5120**2 + 2 * 5120 * 13824 + 2 * 512 * 5120) * 40
+    assert wan.linear_coef == pytest.approx(2 * macs / 400e12)
 
 
 # ---- the command, one process ----
