@@ -4,14 +4,16 @@
         --requests prompts.jsonl --model-path /models/FLUX.1-dev --out images/ --max-tokens-per-gpu 65536
     deepspeed-knap generate --requests prompts.jsonl --tiny --out images/   # one process, a tiny random FLUX.1
     deepspeed-knap generate --requests prompts.jsonl --tiny --family flux2 --out images/   # a tiny FLUX.2
+    deepspeed-knap generate --requests clips.jsonl --tiny --family wan --out videos/   # a tiny Wan 2.1
 
 One request per line (``{"prompt": ..., "height": ..., "width": ..., "steps": ..., "guidance": ...,
-"seed": ...}``, or ``"embeddings"`` for precomputed text embeddings; docs/generation.md). Rank ``r``
-encodes and decodes lines ``r``, ``r + N``, ...; the family (FLUX.1 or FLUX.2) is the model's:
-``--model-path``'s checkpoint, or ``--tiny --family``; the transformer runs every rank's running requests
-together, balanced (topology ``auto``), and requests join and leave at step boundaries under the
-token budget. Writes ``OUT/{id}.png`` per request and ``OUT/timings.json`` (per request and per
-rank). Bad lines are refused before any work and the others generated; the exit code is then 1,
+"seed": ...}``, Wan's ``"frames"``, ``"negative_prompt"`` for classifier-free guidance, or
+``"embeddings"`` for precomputed text embeddings; docs/generation.md). Rank ``r`` encodes and decodes
+lines ``r``, ``r + N``, ...; the family (FLUX.1, FLUX.2 or Wan) is the model's: ``--model-path``'s
+checkpoint, or ``--tiny --family``; the transformer runs every rank's running requests together,
+balanced (topology ``auto``), and requests join and leave at step boundaries under the token
+budget. Writes ``OUT/{id}.png`` per image (``OUT/{id}.gif`` per video) and ``OUT/timings.json``
+(per request and per rank). Bad lines are refused before any work and the others generated; the exit code is then 1,
 as it is for a missing model, and for an image that could not be written (the others still are).
 Launched without a launcher it runs as one rank, unbalanced.
 """
@@ -36,11 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="where the PNGs and timings.json go")
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--model-path", metavar="DIR",
-                       help="a diffusers FLUX.1 or FLUX.2 pipeline directory (model_index.json); its family is its "
-                       "transformer's")  # fmt: skip
+                       help="a diffusers FLUX.1, FLUX.2 or Wan (text-to-video) pipeline directory (model_index.json); "
+                       "its family is its transformer's")  # fmt: skip
     model.add_argument("--tiny", action="store_true", help="a tiny random pipeline of --family (CPU demos, tests)")
-    parser.add_argument("--family", choices=("flux", "flux2"), default=None,
-                        help="the --tiny model's family: flux (FLUX.1, the default) or flux2 (FLUX.2)")  # fmt: skip
+    parser.add_argument("--family", choices=("flux", "flux2", "wan"), default=None,
+                        help="the --tiny model's family: flux (FLUX.1, the default), flux2 (FLUX.2) or wan (Wan 2.1)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="of the --tiny weights")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--max-tokens-per-gpu", type=positive_int, default=None,
@@ -64,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
         problem = (f"--family {args.family} picks the --tiny model's family; --model-path {args.model_path}'s family "
                    "is its checkpoint's: drop --family")  # fmt: skip
     elif args.model_path and not (Path(args.model_path) / "model_index.json").is_file():
-        problem = (f"--model-path {args.model_path}: no model_index.json there; give a diffusers FLUX.1 or FLUX.2 "
-                   "pipeline directory (what FluxPipeline or Flux2Pipeline.save_pretrained writes), or --tiny")  # fmt: skip
+        problem = (f"--model-path {args.model_path}: no model_index.json there; give a diffusers FLUX.1, FLUX.2 or "
+                   "Wan pipeline directory (what FluxPipeline, Flux2Pipeline or WanPipeline.save_pretrained writes), "
+                   "or --tiny")  # fmt: skip
     out = Path(args.out)
     if problem is None:
         try:
@@ -83,19 +86,23 @@ def run(args: argparse.Namespace) -> int:
     balancer = generation_balancer(generator.model, args.max_tokens_per_gpu, not args.no_reuse) if world > 1 else None
     unwritten: list[dict] = []
 
-    def write_png(request, image) -> None:
+    def write_output(request, image) -> None:
         from PIL import Image
 
-        path = out / f"{request.id}.png"
+        from deepspeed_knap.models.wan.finetune import write_gif
+
+        path = out / f"{request.id}.{'gif' if image.ndim == 4 else 'png'}"
         try:
-            # diffusers' numpy_to_pil: the same rounding as FluxPipeline's output_type="pil".
-            Image.fromarray((image * 255).round().astype("uint8")).save(path)
+            if image.ndim == 4:  # [F, H, W, 3] frames
+                write_gif(image, path)
+            else:  # diffusers' numpy_to_pil: the same rounding as FluxPipeline's output_type="pil".
+                Image.fromarray((image * 255).round().astype("uint8")).save(path)
         except (OSError, ValueError) as error:  # a full disk, a name the file system refuses: go on
             unwritten.append({"line": request.line, "id": request.id, "rank": rank,
                               "reason": f"line {request.line}: cannot write {path}: {error}"})  # fmt: skip
 
     try:
-        report = generate(args.requests, generator, balancer, write_png, args.max_tokens_per_gpu,
+        report = generate(args.requests, generator, balancer, write_output, args.max_tokens_per_gpu,
                           progress=not args.no_progress)  # fmt: skip
     except RequestFileError as error:  # the same error on every rank
         return 1 if _report_fatal([str(error)], rank, "reading the requests") else 0
@@ -129,10 +136,16 @@ def _load(args: argparse.Namespace, dtype):
     from deepspeed.accelerator import get_accelerator
 
     from deepspeed_knap.models.flux.generate import load_flux_generator, tiny_flux_generator
+    from deepspeed_knap.models.registry import checkpoint_family
+    from deepspeed_knap.models.wan.generate import load_wan_generator, tiny_wan_generator
 
     device = torch.device(get_accelerator().current_device_name())
     if args.tiny:
+        if args.family == "wan":
+            return tiny_wan_generator(dtype, device, args.seed)
         return tiny_flux_generator(dtype, device, args.seed, family=args.family or "flux")
+    if checkpoint_family(args.model_path) == "wan":
+        return load_wan_generator(args.model_path, dtype, device)
     return load_flux_generator(args.model_path, dtype, device)
 
 

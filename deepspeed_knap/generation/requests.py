@@ -2,16 +2,24 @@
 
     {"id": "cat", "prompt": "a cat on a mat", "height": 1024, "width": 768, "steps": 28, "guidance": 3.5, "seed": 7}
     {"embeddings": "emb/dog.safetensors", "height": 512, "width": 512, "steps": 4}
+    {"id": "surf", "prompt": "a surfer at dusk", "negative_prompt": "blurry", "height": 480, "width": 832, "frames": 81}
 
 A request names its text by ``prompt`` (the rank that owns it runs the family's text encoders) or by
 ``embeddings``, a safetensors file of precomputed text embeddings (FLUX.1: ``prompt_embeds [Tt, Dj]``
-and ``pooled_prompt_embeds [Dp]``). ``height`` and ``width`` (pixels) are required; ``steps``
-(default 28), ``guidance`` (the family's pipeline's default: FLUX.1 3.5, FLUX.2 4.0), ``seed`` (0), ``max_sequence_length`` (512: the text tokens a
-prompt is padded to, as diffusers' pipelines do) and ``id`` (default ``line{N}``) are optional.
-Unknown keys are refused, so a typo (``"step": 4``) is not silently a default.
+and ``pooled_prompt_embeds [Dp]``; with classifier-free guidance also ``negative_prompt_embeds``
+and FLUX.1's ``negative_pooled_prompt_embeds``). ``height`` and ``width`` (pixels) are required;
+``steps`` (default 28), ``guidance`` (the family's pipeline's default: FLUX.1 3.5, FLUX.2 4.0, Wan
+5.0), ``seed`` (0), ``max_sequence_length`` (512: the text tokens a prompt is padded to, as
+diffusers' pipelines do) and ``id`` (default ``line{N}``) are optional. Video families take
+``frames`` (Wan: 81, its pipeline's default; an image is 1). Classifier-free guidance, where the
+family uses it, takes ``negative_prompt`` (Wan: its ``guidance`` above 1 turns it on, with ``""``
+unless given; FLUX.1: ``true_cfg_scale`` above 1 with a ``negative_prompt``, as ``FluxPipeline``'s
+``true_cfg_scale``); the unconditional branch is then a sequence of its own for the planner. A
+family refuses the keys it does not take. Unknown keys are refused, so a typo (``"step": 4``) is not
+silently a default.
 
-An ``id`` names the output file ``{id}.png``: no ``/`` and no control characters in it, and at most
-255 bytes (UTF-8) with the ``.png``. ``seed`` is ``0`` to ``2**64 - 1`` (what ``manual_seed`` takes);
+An ``id`` names the output file ``{id}.png`` (a video's ``{id}.gif``): no ``/`` and no control
+characters in it, and at most 255 bytes (UTF-8) with the ``.png``. ``seed`` is ``0`` to ``2**64 - 1`` (what ``manual_seed`` takes);
 the other whole numbers are at most ``2**31 - 1``.
 
 Pure Python, no torch: what a family checks of a request (its sizes, its embeddings file) is in
@@ -30,9 +38,10 @@ DEFAULTS = {"steps": 28, "seed": 0, "max_sequence_length": 512}  # guidance: the
 # The largest value of each whole-number field: a seed is what torch.Generator.manual_seed takes; the
 # others are bounded so that what is derived from them (tokens) stays a plain number everywhere.
 LARGEST = {"seed": 2**64 - 1, "height": 2**31 - 1, "width": 2**31 - 1, "steps": 2**31 - 1,
-           "max_sequence_length": 2**31 - 1}  # fmt: skip
+           "max_sequence_length": 2**31 - 1, "frames": 2**31 - 1}  # fmt: skip
 MAX_FILE_NAME_BYTES = 255  # of "{id}.png", what common file systems take
-_KEYS = ("id", "prompt", "embeddings", "height", "width", "steps", "guidance", "seed", "max_sequence_length")
+_KEYS = ("id", "prompt", "embeddings", "height", "width", "steps", "guidance", "seed", "max_sequence_length",
+         "frames", "negative_prompt", "true_cfg_scale")  # fmt: skip
 
 
 class RequestError(ValueError):
@@ -61,6 +70,9 @@ class Request:
             FLUX.2 [dev]), or ``None``: the family's pipeline's default (``guidance_scale``).
         seed: of the initial noise (``torch.Generator().manual_seed(seed)``, as given to diffusers).
         max_sequence_length: text tokens a prompt is padded to (ignored with ``embeddings``).
+        frames: video frames, or ``None``: the family's default (an image family takes none).
+        negative_prompt: the unconditional branch's text, or ``None``: the family's default.
+        true_cfg_scale: FLUX.1's true classifier-free guidance scale, or ``None`` (off).
     """
 
     index: int
@@ -74,6 +86,9 @@ class Request:
     guidance: float | None
     seed: int
     max_sequence_length: int
+    frames: int | None = None
+    negative_prompt: str | None = None
+    true_cfg_scale: float | None = None
 
 
 def request_lines(path: str | Path) -> list[tuple[int, str]]:
@@ -122,7 +137,16 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
     request_id = fields.get("id", f"line{line}")
     _check_id(line, request_id)
     values = {**DEFAULTS, **fields}
-    for key in ("height", "width", "steps", "seed", "max_sequence_length"):
+    if "negative_prompt" in fields and not isinstance(fields["negative_prompt"], str):
+        raise RequestError(f"line {line}: 'negative_prompt' must be a string; got {fields['negative_prompt']!r}")
+    if "negative_prompt" in fields and "embeddings" in fields:
+        raise RequestError(f"line {line}: with 'embeddings' the unconditional branch's text is the file's "
+                           "negative_prompt_embeds: drop 'negative_prompt'")  # fmt: skip
+    if "negative_prompt" in fields and not _encodable(fields["negative_prompt"]):
+        raise RequestError(f"line {line}: 'negative_prompt' must be valid Unicode; got {fields['negative_prompt']!r}")
+    for key in ("height", "width", "steps", "seed", "max_sequence_length", "frames"):
+        if key == "frames" and key not in values:
+            continue
         if key not in values:
             raise RequestError(f'line {line}: {key!r} is required (pixels); e.g. "{key}": 1024')
         value = values[key]
@@ -131,14 +155,18 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
             shown = repr(value) if not isinstance(value, int) or value.bit_length() <= 128 else "a larger number"
             raise RequestError(f"line {line}: {key!r} must be a whole number from {lowest} to {LARGEST[key]}; "
                                f"got {shown}")  # fmt: skip
-    guidance = values.get("guidance")
-    if guidance is not None and (isinstance(guidance, bool) or not isinstance(guidance, (int, float))
-                                 or not math.isfinite(guidance)):  # fmt: skip
-        raise RequestError(f"line {line}: 'guidance' must be a finite number; got {guidance!r}")
+    for key in ("guidance", "true_cfg_scale"):
+        scale = values.get(key)
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale)):  # fmt: skip
+            raise RequestError(f"line {line}: {key!r} must be a finite number; got {scale!r}")
+    guidance, true_cfg_scale = values.get("guidance"), values.get("true_cfg_scale")
     return Request(index=index, line=line, id=request_id, prompt=fields.get("prompt"),
                    embeddings=str(Path(directory, fields["embeddings"])) if "embeddings" in fields else None, height=values["height"], width=values["width"],
                    steps=values["steps"], guidance=None if guidance is None else float(guidance), seed=values["seed"],
-                   max_sequence_length=values["max_sequence_length"])  # fmt: skip
+                   max_sequence_length=values["max_sequence_length"], frames=values.get("frames"),
+                   negative_prompt=fields.get("negative_prompt"),
+                   true_cfg_scale=None if true_cfg_scale is None else float(true_cfg_scale))  # fmt: skip
 
 
 def _check_id(line: int, request_id: str) -> None:

@@ -20,9 +20,12 @@ request takes its scheduler step at home; a request that finishes is decoded the
 ``on_image``. A rank with nothing running still joins every step's collectives.
 
 A family's generator (:class:`~deepspeed_knap.models.flux.generate.FluxGenerator` for FLUX.1,
-:class:`~deepspeed_knap.models.flux.generate.Flux2Generator` for FLUX.2) gives
-``model`` (the packed transformer), ``request_tokens(request)`` (raises ``RequestError``),
-``start(request)`` (a state with ``sample()``, ``advance(prediction)``, ``done``) and ``decode(state)``.
+:class:`~deepspeed_knap.models.flux.generate.Flux2Generator` for FLUX.2,
+:class:`~deepspeed_knap.models.wan.generate.WanGenerator` for Wan) gives ``model`` (the packed
+transformer), ``request_seq_lens(request)`` (the tokens of each sequence the request runs per step:
+two with classifier-free guidance; raises ``RequestError``), ``start(request)`` (a
+:class:`~deepspeed_knap.generation.denoising.Denoising`: ``samples()``, ``advance(predictions)``,
+``done``) and ``decode(state)`` (an image ``[H, W, 3]`` or a video ``[F, H, W, 3]``).
 """
 
 from __future__ import annotations
@@ -80,14 +83,15 @@ class Intake:
 
 
 def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | None = None,
-                  max_degree: int = 1) -> Intake:  # fmt: skip
+                  max_degree: int = 1, balanced: bool = True) -> Intake:  # fmt: skip
     """Read and check the request file, and agree on the table. Collective.
 
     Args:
         path: the JSONL request file.
-        generator: the family's generator (``request_tokens``).
+        generator: the family's generator (``request_seq_lens``).
         max_tokens_per_gpu: the per-GPU token budget, or ``None``.
-        max_degree: the largest group a request may be split over (its GPUs hold it together).
+        max_degree: the largest group a sequence may be split over (its GPUs hold it together).
+        balanced: the requests run balanced; ``False``: each on its home rank, all its sequences there.
 
     Raises:
         RequestFileError: on every rank, when a rank cannot read the file or ranks read different files.
@@ -102,16 +106,16 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
     entries = []
     for index in range(rank, len(lines), world):
         number, text = lines[index]
-        entry = {"index": index, "line": number, "id": f"line{number}", "tokens": 0, "steps": 0, "reason": None}
+        entry = {"index": index, "line": number, "id": f"line{number}", "seq_lens": [], "steps": 0, "reason": None}
         try:
             request = parse_request(index, number, text, Path(path).parent)
-            tokens = generator.request_tokens(request)
-            entry.update(id=request.id, tokens=int(tokens), steps=request.steps)
+            seq_lens = generator.request_seq_lens(request)
+            entry.update(id=request.id, seq_lens=[int(n) for n in seq_lens], steps=request.steps)
             entry["request"] = request
         except RequestError as error:
             entry["reason"] = str(error)
         except Exception as error:  # raised here, it would leave the other ranks in the gather
-            entry.update(id=f"line{number}", tokens=0, steps=0, reason=f"line {number}: cannot take this request: "
+            entry.update(id=f"line{number}", seq_lens=[], steps=0, reason=f"line {number}: cannot take this request: "
                          f"{type(error).__name__}: {error}")  # fmt: skip
         entries.append(entry)
     views = all_gather_json({"problem": problem, "digest": digest, "entries": [_public(e) for e in entries]})
@@ -125,19 +129,25 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
     mine = {e["index"]: e["request"] for e in entries if e["reason"] is None}
     seen: dict[str, int] = {}
     limit = None if max_tokens_per_gpu is None else max_tokens_per_gpu * max_degree
+    hold = world if balanced else 1  # the GPUs a request's sequences may spread over
     jobs, ids, refused = [], {}, []
     for entry in table:
-        reason = entry["reason"]
+        reason, seq_lens = entry["reason"], entry["seq_lens"]
         if reason is None and entry["id"] in seen:
             reason = (f"line {entry['line']}: id {entry['id']!r} is line {seen[entry['id']]}'s too; ids name the "
                       "output files: make them unique")  # fmt: skip
-        elif reason is None and limit is not None and entry["tokens"] > limit:
-            reason = (f"line {entry['line']}: {entry['tokens']} tokens exceed what the largest group holds under "
+        elif reason is None and limit is not None and max(seq_lens) > limit:
+            reason = (f"line {entry['line']}: {max(seq_lens)} tokens exceed what the largest group holds under "
                       f"the budget, {max_tokens_per_gpu} per GPU x {max_degree} GPUs = {limit}; make the image "
                       "smaller, or raise --max-tokens-per-gpu")  # fmt: skip
+        elif reason is None and max_tokens_per_gpu is not None and sum(seq_lens) > max_tokens_per_gpu * hold:
+            reason = (f"line {entry['line']}: its {len(seq_lens)} sequences (classifier-free guidance runs the "
+                      f"unconditional branch too) of {seq_lens} tokens exceed the budget of {hold} GPU(s) "
+                      f"({'every GPU together' if balanced else 'unbalanced, its home rank holds them all'}), "
+                      f"{max_tokens_per_gpu} per GPU; make the image smaller, or raise --max-tokens-per-gpu")  # fmt: skip
         if reason is None:
             seen[entry["id"]] = entry["line"]
-            jobs.append(Job(entry["index"], entry["index"] % world, entry["tokens"], entry["steps"]))
+            jobs.append(Job(entry["index"], entry["index"] % world, tuple(seq_lens), entry["steps"]))
             ids[entry["index"]] = entry["id"]
         else:
             refused.append({"line": entry["line"], "id": entry["id"], "reason": reason})
@@ -216,7 +226,8 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
         generator: the family's generator, the same weights on every rank.
         balancer: from :func:`generation_balancer`; ``None``: each rank runs its own requests alone
             (no communication in the transformer).
-        on_image: called on the home rank with each request and its ``[H, W, 3]`` image in ``[0, 1]``.
+        on_image: called on the home rank with each request and its ``[H, W, 3]`` image (a video:
+            ``[F, H, W, 3]`` frames) in ``[0, 1]``.
         max_tokens_per_gpu: the per-GPU token budget of the running set (the balancer's, when given).
         progress: a tqdm bar on rank 0 (request-steps done of all).
 
@@ -232,7 +243,7 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     topology = None if balancer is None else balancer.groups.topology
     max_degree = 1 if topology is None else max(size for _, size in topology.groups)
     busy = time.perf_counter()
-    intake = take_requests(path, generator, max_tokens_per_gpu, max_degree)
+    intake = take_requests(path, generator, max_tokens_per_gpu, max_degree, balanced=balancer is not None)
     busy = time.perf_counter() - busy  # the intake's own checks; the gather is shared waiting
     batcher = StepBatcher(intake.jobs, world, max_tokens_per_gpu, _solver(balancer, max_tokens_per_gpu))
     # A balancer may serve several runs: this run's counts are what it adds.
@@ -242,7 +253,7 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     records: dict[int, dict] = {}
     model = generator.model
     bar = tqdm(total=batcher.total_request_steps, disable=not progress or rank != 0, unit="step",
-               desc=f"generate ({len(intake.jobs)} images, {world} ranks)")  # fmt: skip
+               desc=f"generate ({len(intake.jobs)} requests, {world} ranks)")  # fmt: skip
     while (step := batcher.next_step()) is not None:
         step_start = time.perf_counter()
         report.set_changes += step.changed
@@ -256,7 +267,7 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
                 records[index]["encode_s"] = time.perf_counter() - clock
         clock = time.perf_counter()
         mine = [index for index in step.active if index in states]
-        inputs = model.pack([states[index].sample() for index in mine]).to(generator.device)
+        inputs = model.pack([sample for index in mine for sample in states[index].samples()]).to(generator.device)
         if balancer is not None:
             balancer.begin_step(step.active, step.plan, batcher.seq_lens_per_rank(step.active))
         busy += time.perf_counter() - clock
@@ -265,8 +276,10 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
             predictions = inputs.split(model(inputs, balancer))
         busy += balancer.forward_seconds()["compute"] if balancer is not None else time.perf_counter() - clock
         clock = time.perf_counter()
-        for index, prediction in zip(mine, predictions, strict=True):
-            states[index].advance(prediction)
+        for index in mine:  # each request's branches, in the order packed
+            branches = len(states[index].branches)
+            states[index].advance(predictions[:branches])
+            predictions = predictions[branches:]
         busy += time.perf_counter() - clock
         for index in [index for index in mine if states[index].done]:
             clock = time.perf_counter()

@@ -25,12 +25,19 @@ from typing import Any
 @dataclass(frozen=True)
 class Job:
     """What the batcher knows of an accepted request: ``index`` (file order), ``home`` rank,
-    ``tokens`` (text + image) and denoising ``steps``."""
+    ``seq_lens`` (the tokens of each sequence the transformer runs for it every step: one, or with
+    classifier-free guidance the conditional and the unconditional branch, which the planner places
+    apart or together as they cost) and denoising ``steps``."""
 
     index: int
     home: int
-    tokens: int
+    seq_lens: tuple[int, ...]
     steps: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the request holds while it runs: its sequences' together."""
+        return sum(self.seq_lens)
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,8 @@ class StepBatcher:
         jobs: the accepted requests, in file order.
         world_size: ranks that balance together.
         max_tokens_per_gpu: the per-GPU token budget, or ``None`` (every request joins at once).
-        solve: ``solve(seq_lens_per_rank) -> plan``: one list of token counts per rank, the rank's
-            requests of the set in ascending index; raises ``ValueError`` when no plan fits.
+        solve: ``solve(seq_lens_per_rank) -> plan``: one list of sequence lengths per rank, the
+            sequences of the rank's requests of the set in ascending index; raises ``ValueError`` when no plan fits.
     """
 
     def __init__(self, jobs: Sequence[Job], world_size: int, max_tokens_per_gpu: int | None,
@@ -148,8 +155,9 @@ class StepBatcher:
         return active
 
     def seq_lens_per_rank(self, active: Sequence[int]) -> list[list[int]]:
-        """The planner's input for a set: each rank's requests' tokens, in ascending index."""
+        """The planner's input for a set: each rank's requests' sequences, in ascending index (a
+        request's sequences in its own order)."""
         lengths: list[list[int]] = [[] for _ in range(self.world_size)]
         for index in sorted(active):
-            lengths[self.jobs[index].home].append(self.jobs[index].tokens)
+            lengths[self.jobs[index].home].extend(self.jobs[index].seq_lens)
         return lengths

@@ -63,12 +63,12 @@ def test_the_largest_seed_and_a_255_byte_file_name_are_taken():
 
 
 class _Tokens:
-    """A generator's ``request_tokens`` that fails as the family's checks are not meant to."""
+    """A generator's ``request_seq_lens`` that fails as the family's checks are not meant to."""
 
-    def request_tokens(self, request):
+    def request_seq_lens(self, request):
         if request.id == "boom":
             raise RuntimeError("an unexpected failure")
-        return request.height
+        return (request.height,)
 
 
 def test_the_intake_refuses_a_line_whatever_its_check_raises(tmp_path):
@@ -107,7 +107,7 @@ def _run(batcher: StepBatcher) -> list:
 
 
 def test_requests_join_under_the_budget_leave_when_done_and_each_set_is_solved_once():
-    jobs = [Job(0, 0, 100, 4), Job(1, 1, 50, 1), Job(2, 0, 40, 2), Job(3, 1, 120, 3)]
+    jobs = [Job(0, 0, (100,), 4), Job(1, 1, (50,), 1), Job(2, 0, (40,), 2), Job(3, 1, (120,), 3)]
     solved, solve = _record_solves()
     steps = _run(StepBatcher(jobs, 2, 110, solve))  # 220 tokens at a time over 2 GPUs
     assert [step.active for step in steps] == [(0, 1, 2), (0, 2), (0, 3), (0, 3), (3,)]
@@ -124,13 +124,13 @@ def test_requests_join_under_the_budget_leave_when_done_and_each_set_is_solved_o
 
 def test_a_waiting_request_is_not_overtaken_by_a_smaller_one_behind_it():
     _, solve = _record_solves()
-    steps = _run(StepBatcher([Job(0, 0, 100, 2), Job(1, 1, 150, 1), Job(2, 0, 10, 1)], 2, 100, solve))
+    steps = _run(StepBatcher([Job(0, 0, (100,), 2), Job(1, 1, (150,), 1), Job(2, 0, (10,), 1)], 2, 100, solve))
     assert [step.active for step in steps] == [(0,), (0,), (1, 2)]
 
 
 def test_without_a_budget_every_request_starts_at_once():
     solved, solve = _record_solves()
-    steps = _run(StepBatcher([Job(0, 0, 500, 2), Job(1, 1, 900, 1)], 2, None, solve))
+    steps = _run(StepBatcher([Job(0, 0, (500,), 2), Job(1, 1, (900,), 1)], 2, None, solve))
     assert [step.active for step in steps] == [(0, 1), (0,)] and len(solved) == 2
 
 
@@ -139,7 +139,7 @@ def test_a_request_over_the_budget_runs_alone_when_nothing_else_runs():
     holds): a request over the world's total is not held back for ever; it runs by itself once
     nothing else runs."""
     _, solve = _record_solves()
-    steps = _run(StepBatcher([Job(0, 0, 10, 1), Job(1, 1, 500, 1), Job(2, 0, 10, 1)], 2, 100, solve))
+    steps = _run(StepBatcher([Job(0, 0, (10,), 1), Job(1, 1, (500,), 1), Job(2, 0, (10,), 1)], 2, 100, solve))
     assert [step.active for step in steps] == [(0,), (1,), (2,)]
 
 
@@ -149,7 +149,7 @@ def test_a_set_the_planner_refuses_gives_back_its_newest_joiners():
             raise ValueError("max_tokens_per_gpu could not be met")
         return "plan"
 
-    batcher = StepBatcher([Job(i, i % 2, 10, 1) for i in range(4)], 2, 100, solve)
+    batcher = StepBatcher([Job(i, i % 2, (10,), 1) for i in range(4)], 2, 100, solve)
     steps = _run(batcher)
     assert [step.active for step in steps] == [(0, 1), (2, 3)]
     assert (batcher.solves, batcher.back_offs) == (2, 2)  # two plans, two refused sets
@@ -168,7 +168,7 @@ def test_after_a_back_off_nothing_joins_until_a_request_leaves_and_an_unchanged_
         planned.append(seq_lens_per_rank)
         return object()
 
-    jobs = [Job(0, 0, 10, 3), Job(1, 1, 10, 6), Job(2, 0, 10, 2), Job(3, 1, 10, 2)]
+    jobs = [Job(0, 0, (10,), 3), Job(1, 1, (10,), 6), Job(2, 0, (10,), 2), Job(3, 1, (10,), 2)]
     batcher = StepBatcher(jobs, 2, 15, solve)  # 30 tokens: three requests fit the budget
     steps = _run(batcher)
     assert [step.active for step in steps] == [(0, 1), (0, 1), (0, 1), (1, 2), (1, 2), (1, 3), (3,)]
@@ -186,7 +186,7 @@ def test_unbalanced_an_unchanged_set_is_not_a_change_and_no_rank_exceeds_its_bud
     runs its own requests, so a set over one rank's budget backs off though the world's total fits."""
     from deepspeed_knap.generation.runner import _solver
 
-    jobs = [Job(0, 0, 60, 2), Job(1, 1, 10, 2), Job(2, 0, 60, 1), Job(3, 1, 10, 1)]
+    jobs = [Job(0, 0, (60,), 2), Job(1, 1, (10,), 2), Job(2, 0, (60,), 1), Job(3, 1, (10,), 1)]
     batcher = StepBatcher(jobs, 2, 100, _solver(None, 100))  # 200 tokens in all, 100 per rank
     steps = _run(batcher)
     assert [step.active for step in steps] == [(0, 1), (0, 1), (2, 3)]  # 2 waits: rank 0 would hold 120
@@ -202,7 +202,7 @@ def test_a_set_without_joiners_that_cannot_be_planned_raises():
         raise ValueError("max_tokens_per_gpu could not be met")
 
     with pytest.raises(ValueError, match="could not be met"):
-        StepBatcher([Job(0, 0, 10, 1)], 2, 100, solve).next_step()
+        StepBatcher([Job(0, 0, (10,), 1)], 2, 100, solve).next_step()
 
 
 def test_the_forward_cost_model_prices_a_forward_not_a_training_step():

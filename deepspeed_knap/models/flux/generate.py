@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.requests import Request, RequestError
 from deepspeed_knap.models.flux.base import PackedFluxBase
 from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
@@ -43,42 +44,15 @@ MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses a larger max_sequence_length (
 
 
 @dataclass
-class FluxDenoising:
-    """One request's state between steps, on its home rank.
+class FluxDenoising(Denoising):
+    """One FLUX request's state (:class:`~deepspeed_knap.generation.denoising.Denoising`):
+    ``latents [L, C]`` packed; each branch holds ``encoder_hidden_states [Tt, Dj]``, ``img_ids
+    [L, A]``, ``txt_ids [Tt, A]`` (``A`` position axes: FLUX.1 3, FLUX.2 4), ``guidance`` and
+    FLUX.1's ``pooled_projections [Dp]``."""
 
-    Attributes:
-        request: what is generated.
-        latents: ``[L, C]`` the packed noisy latents.
-        scheduler: the request's own flow-matching scheduler, its timesteps set.
-        timesteps: ``[steps]`` the scheduler's timesteps.
-        conditioning: the transformer's constant inputs: ``encoder_hidden_states [Tt, Dj]``,
-            ``img_ids [L, A]``, ``txt_ids [Tt, A]`` (``A`` position axes: FLUX.1 3, FLUX.2 4),
-            ``guidance``, and FLUX.1's ``pooled_projections [Dp]``.
-        step: steps taken.
-    """
-
-    request: Request
-    latents: Tensor
-    scheduler: Any
-    timesteps: Tensor
-    conditioning: dict[str, Tensor]
-    step: int = 0
-
-    @property
-    def done(self) -> bool:
-        return self.step == len(self.timesteps)
-
-    def sample(self) -> dict[str, Tensor]:
-        """The packed transformer's input for this step (one unbatched sample): the pipeline's
-        ``timestep = t.to(latents.dtype) / 1000``."""
-        t = self.timesteps[self.step]
-        return {"hidden_states": self.latents, "timestep": t.to(self.latents.dtype) / 1000, **self.conditioning}
-
-    def advance(self, noise_pred: Tensor) -> None:
-        """One scheduler step with the transformer's ``[L, C]`` prediction."""
-        t = self.timesteps[self.step]
-        self.latents = self.scheduler.step(noise_pred[None], t, self.latents[None], return_dict=False)[0][0]
-        self.step += 1
+    def step_inputs(self, timestep: Tensor) -> dict[str, Tensor]:
+        """The pipeline's ``timestep = t.to(latents.dtype) / 1000``."""
+        return {"hidden_states": self.latents, "timestep": timestep.to(self.latents.dtype) / 1000}
 
 
 class FluxGenerator:
@@ -104,14 +78,18 @@ class FluxGenerator:
         """Pixels per latent token along each side: the VAE's scale times the 2x2 patches."""
         return self.pipeline.vae_scale_factor * 2
 
-    def request_tokens(self, request: Request) -> int:
-        """Text + image tokens of ``request``: what the planner balances.
+    def request_seq_lens(self, request: Request) -> tuple[int, ...]:
+        """Text + image tokens of each sequence ``request`` runs per step (two with true CFG): what
+        the planner balances.
 
         Raises:
             RequestError: a size the VAE and the patching cannot take (the pipeline would silently
                 resize it), a ``max_sequence_length`` over T5's 512 (a longer prompt is truncated, as
-                diffusers does), an embeddings file that is unreadable or does not fit the model.
+                diffusers does), an embeddings file that is unreadable or does not fit the model,
+                a key the family does not take (``frames``; FLUX.2's ``negative_prompt``), guidance
+                keys that would be ignored.
         """
+        branches = self._branches(request)
         patch, line = self.patch_pixels, request.line
         if request.height % patch or request.width % patch:
             fit = f"{_nearest(request.height, patch)}x{_nearest(request.width, patch)}"
@@ -123,25 +101,53 @@ class FluxGenerator:
             if request.max_sequence_length > most:
                 raise RequestError(f"line {line}: max_sequence_length {request.max_sequence_length} is over {encoder}'s "
                                    f"{most} that {type(self.pipeline).__name__} takes")  # fmt: skip
-            return request.max_sequence_length + image_tokens
-        return self._embeddings_shape(request)[0] + image_tokens
+            return (request.max_sequence_length + image_tokens,) * branches
+        return (self._embeddings_shape(request)[0] + image_tokens,) * branches
+
+    def _branches(self, request: Request) -> int:
+        """Sequences per step: 2 with true classifier-free guidance (``true_cfg_scale`` above 1 and a
+        negative prompt, as ``FluxPipeline`` runs it), else 1. Refuses what would be ignored."""
+        line, name = request.line, self.name
+        if request.frames is not None:
+            raise RequestError(f"line {line}: {name} makes images: drop 'frames'")
+        scale = request.true_cfg_scale
+        negative = request.negative_prompt is not None or (request.embeddings is not None and scale is not None)
+        if not self.true_cfg and (request.negative_prompt is not None or scale is not None):
+            raise RequestError(f"line {line}: {name} is guidance-distilled: its 'guidance' goes into the transformer and "
+                               f"{type(self.pipeline).__name__} takes no negative prompt; drop 'negative_prompt' and "
+                               "'true_cfg_scale'")  # fmt: skip
+        if (scale is not None and scale > 1) != negative:
+            raise RequestError(f"line {line}: true classifier-free guidance needs both 'true_cfg_scale' above 1 and a "
+                               f"negative prompt ('negative_prompt', or the embeddings file's negative_prompt_embeds); "
+                               f"got true_cfg_scale {scale} and negative_prompt {request.negative_prompt!r}: "
+                               f"{type(self.pipeline).__name__} would ignore the one given")  # fmt: skip
+        return 2 if negative else 1
+
+    @property
+    def true_cfg(self) -> bool:
+        """Whether the family's pipeline runs true classifier-free guidance (``true_cfg_scale``)."""
+        return True
 
     @property
     def text_positions(self) -> tuple[int, str]:
         """The longest ``max_sequence_length`` a prompt may be padded to, and the text encoder's name."""
         return MAX_SEQUENCE_LENGTH, "T5"
 
-    def _embeddings_shapes(self) -> dict[str, tuple[int | None, ...]]:
-        """The tensors an embeddings file holds and their shapes (``None``: any ``Tt``)."""
+    def _embeddings_shapes(self, request: Request) -> dict[str, tuple[int | None, ...]]:
+        """The tensors an embeddings file holds and their shapes (``None``: any ``Tt``): with true
+        CFG the negative ones too, of the same shapes (``FluxPipeline`` requires it)."""
         config = self.model.config
-        return {"prompt_embeds": (None, config["joint_attention_dim"]),
-                "pooled_prompt_embeds": (config["pooled_projection_dim"],)}  # fmt: skip
+        shapes = {"prompt_embeds": (None, config["joint_attention_dim"]),
+                  "pooled_prompt_embeds": (config["pooled_projection_dim"],)}  # fmt: skip
+        if request.true_cfg_scale is not None:
+            shapes.update({f"negative_{key}": shape for key, shape in shapes.items()})
+        return shapes
 
     def _embeddings_shape(self, request: Request) -> tuple[int, int]:
         """``(Tt, Dj)`` of a request's embeddings file, checked against the model."""
         from safetensors import safe_open
 
-        line, wanted = request.line, self._embeddings_shapes()
+        line, wanted = request.line, self._embeddings_shapes(request)
         expected = {key: "[" + ", ".join("Tt" if d is None else str(d) for d in shape) + "]"
                     for key, shape in wanted.items()}  # fmt: skip
         try:
@@ -152,9 +158,11 @@ class FluxGenerator:
         fits = all(key in shapes and len(shapes[key]) == len(shape)
                    and all(d is None or d == s for d, s in zip(shape, shapes[key], strict=True))
                    for key, shape in wanted.items())  # fmt: skip
-        if not fits:
+        negative = shapes.get("negative_prompt_embeds")
+        if not fits or (negative is not None and "negative_prompt_embeds" in wanted
+                        and negative != shapes["prompt_embeds"]):  # fmt: skip
             raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; this model takes "
-                               f"{expected} (one prompt, unbatched)")  # fmt: skip
+                               f"{expected} (one prompt, unbatched; the negative ones of the same shapes)")  # fmt: skip
         return shapes["prompt_embeds"][0], shapes["prompt_embeds"][1]
 
     def guidance_scale(self, request: Request) -> float:
@@ -168,36 +176,41 @@ class FluxGenerator:
         from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
         pipe, device = self.pipeline, self.device
-        conditioning = self._encode(request)
+        branches = [self._encode(request)]
+        if request.true_cfg_scale is not None:
+            branches.append(self._encode(request, negative=True))
         generator = torch.Generator().manual_seed(request.seed)
         latents, img_ids = pipe.prepare_latents(1, self.model.config["in_channels"] // 4, request.height, request.width,
-                                                conditioning["encoder_hidden_states"].dtype, device, generator)  # fmt: skip
+                                                branches[0]["encoder_hidden_states"].dtype, device, generator)  # fmt: skip
         latents, steps = latents[0], request.steps
         sigmas = None if pipe.scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
         scheduler = copy.deepcopy(pipe.scheduler)
         timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=self._shift(len(latents), steps))
         scheduler.set_begin_index(0)
-        conditioning["img_ids"] = img_ids.reshape(len(latents), -1)  # FLUX.2's come batched
+        shared = {"img_ids": img_ids.reshape(len(latents), -1)}  # FLUX.2's come batched
         if self.model.config["guidance_embeds"]:
             # The pipeline's float32 guidance, in the latents' dtype as every rank packs it (an empty
             # rank's columns are all in the model's dtype); the model casts it to that dtype anyway.
             guidance = torch.tensor(self.guidance_scale(request), dtype=torch.float32, device=device)
-            conditioning["guidance"] = guidance.to(latents.dtype)
-        return FluxDenoising(request, latents, scheduler, timesteps, conditioning)
+            shared["guidance"] = guidance.to(latents.dtype)
+        branches = [{**branch, **shared} for branch in branches]
+        return FluxDenoising(request, latents, scheduler, timesteps, branches, request.true_cfg_scale)
 
-    def _encode(self, request: Request) -> dict[str, Tensor]:
-        """The text conditioning of one request: ``encoder_hidden_states``, ``txt_ids`` and
-        ``pooled_projections``, from ``encode_prompt`` or the embeddings file."""
+    def _encode(self, request: Request, negative: bool = False) -> dict[str, Tensor]:
+        """The text conditioning of one branch: ``encoder_hidden_states``, ``txt_ids`` and
+        ``pooled_projections``, from ``encode_prompt`` or the embeddings file (``negative``: of the
+        negative prompt)."""
         pipe, device = self.pipeline, self.device
         if request.prompt is not None:
-            text, pooled, text_ids = pipe.encode_prompt(prompt=request.prompt, prompt_2=None, device=device,
+            prompt = request.negative_prompt if negative else request.prompt
+            text, pooled, text_ids = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=device,
                                                         max_sequence_length=request.max_sequence_length)  # fmt: skip
         else:
             from safetensors.torch import load_file
 
-            saved = load_file(request.embeddings, device=str(device))
-            text = saved["prompt_embeds"][None].to(self.dtype)
-            pooled = saved["pooled_prompt_embeds"][None].to(self.dtype)
+            saved, prefix = load_file(request.embeddings, device=str(device)), "negative_" if negative else ""
+            text = saved[f"{prefix}prompt_embeds"][None].to(self.dtype)
+            pooled = saved[f"{prefix}pooled_prompt_embeds"][None].to(self.dtype)
             text_ids = torch.zeros(text.shape[1], 3, device=device, dtype=self.dtype)
         return {"encoder_hidden_states": text[0], "pooled_projections": pooled[0], "txt_ids": text_ids}
 
@@ -236,10 +249,14 @@ class Flux2Generator(FluxGenerator):
         tokens and refuses no length; past these positions the encoder was not trained)."""
         return self.pipeline.text_encoder.config.text_config.max_position_embeddings, "the text encoder"
 
-    def _embeddings_shapes(self) -> dict[str, tuple[int | None, ...]]:
+    @property
+    def true_cfg(self) -> bool:
+        return False  # Flux2Pipeline has no negative prompt
+
+    def _embeddings_shapes(self, request: Request) -> dict[str, tuple[int | None, ...]]:
         return {"prompt_embeds": (None, self.model.config["joint_attention_dim"])}
 
-    def _encode(self, request: Request) -> dict[str, Tensor]:
+    def _encode(self, request: Request, negative: bool = False) -> dict[str, Tensor]:
         """``encoder_hidden_states`` and ``txt_ids`` from ``encode_prompt``, of the prompt or of the
         embeddings file's ``prompt_embeds``."""
         pipe, device = self.pipeline, self.device
@@ -265,7 +282,7 @@ class Flux2Generator(FluxGenerator):
         """``[height, width, 3]`` float image in ``[0, 1]``: ``Flux2Pipeline``'s unpacking by the
         position ids, the VAE batch-norm statistics undone, unpatchify, VAE decode, post-processing."""
         pipe = self.pipeline
-        latents = pipe._unpack_latents_with_ids(state.latents[None], state.conditioning["img_ids"][None])
+        latents = pipe._unpack_latents_with_ids(state.latents[None], state.branches[0]["img_ids"][None])
         bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
         mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(latents.device, latents.dtype)
@@ -297,8 +314,8 @@ def load_flux_generator(model_path: str | Path, dtype: torch.dtype, device: torc
 
     family = checkpoint_family(model_path)
     if family not in GENERATORS:
-        raise ValueError(f"{model_path} holds a {family!r} transformer; deepspeed-knap generate runs "
-                         f"{sorted(GENERATORS)} pipelines so far")  # fmt: skip
+        raise ValueError(f"{model_path} holds a {family!r} transformer; this loads {sorted(GENERATORS)} pipelines "
+                         "(Wan's: models.wan.generate.load_wan_generator; FLUX.3 has no diffusers pipeline yet)")  # fmt: skip
     pipeline_class = getattr(diffusers, family_class(family).diffusers_pipeline)
     pipeline = pipeline_class.from_pretrained(model_path, transformer=None, torch_dtype=dtype).to(device)
     model = from_pretrained(model_path, torch_dtype=dtype).to(device).eval()

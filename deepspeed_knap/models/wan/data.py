@@ -310,10 +310,18 @@ def tiny_wan_pipeline(text_dim: int = 24, z_dim: int = 4, seed: int = 0):
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
     )
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(words), d_model=text_dim, d_kv=8, d_ff=2 * text_dim, num_layers=2, num_heads=3,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16,
-    ))  # fmt: skip
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(words),
+            d_model=text_dim,
+            d_kv=8,
+            d_ff=2 * text_dim,
+            num_layers=2,
+            num_heads=3,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+        )
+    ).eval()  # fmt: skip  (built in training mode, its dropout would make every encoding random)
     vae = AutoencoderKLWan(base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True], latents_mean=[0.1] * z_dim,
                            latents_std=[2.0] * z_dim)  # fmt: skip
