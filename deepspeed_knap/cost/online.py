@@ -26,6 +26,25 @@ the planner sees few distinct speeds: it prices groups by class of size and spee
 coefficient ``c`` is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a
 step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``.
 
+With ``fit_route``, the route coefficient (:attr:`~deepspeed_knap.cost.model.CostModel.route_coef`,
+seconds of one token's round trip) is refit from the route phases (the route and reverse-route
+exchanges, forward and backward) by least squares through the origin on weighted running sums::
+
+    route_phase = route_coef * R,   R = max_g max(sent[g], received[g])
+
+``route_phase`` the step's least route-phase seconds over ranks (each rank's includes its wait for
+the later ones; the last to arrive waits least) and ``R`` the tokens the busiest GPU moves under the
+plan (:func:`~deepspeed_knap.planner.route.gpu_traffic`), the phase
+:mod:`~deepspeed_knap.planner.route` prices. ``route_coef = sum R*t / sum R**2 >= 0``. The fixed
+latency of the all-to-alls (paid whatever moves) is counted per token at the steps' ``R``: an
+upper estimate of what one more moved token costs, so the planner errs towards keeping sequences
+home. A latency term is not fitted beside it: from step to step ``R`` varies by a few percent (3%
+on ``kf_mixed_res`` at 8 GPUs), too little to tell the two apart. The coefficient is refit once
+``warmup_steps`` measured steps moved tokens, and it replaces the prior's even when that is 0: route
+pricing turns on from the measurements. Every token counts as staying inside its node (as ``c`` is
+fitted); ``inter_node_route_coef`` stays the prior's (given: as given; ``None``: follows the fitted
+``route_coef``).
+
 Determinism: inputs are integers (tokens, microseconds), the arithmetic is plain Python floats in a
 fixed order (:func:`~deepspeed_knap.cost.model.nonnegative_normal_equations` uses no BLAS, whose
 reduction order can differ between machines, and weights decay by multiplication, not ``pow``), so
@@ -40,6 +59,7 @@ from dataclasses import dataclass
 
 from deepspeed_knap.cost.model import CostModel, nonnegative_normal_equations
 from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.planner.route import gpu_traffic
 
 # Refits alternate this many times between the coefficients and the speeds.
 _ALTERNATIONS = 3
@@ -57,12 +77,15 @@ class OnlineSettings:
         forgetting: weight of a step relative to the next newer one (1: all steps count alike).
         refit_interval: refit every this many observed steps.
         max_speed_ratio: a rank's speed factor stays within ``[1/r, r]`` of the median rank's.
+        fit_route: refit ``route_coef`` from the measured route phases (module docstring); off: the
+            prior's route coefficients are kept.
     """
 
     warmup_steps: int = 5
     forgetting: float = 0.9
     refit_interval: int = 1
     max_speed_ratio: float = 4.0
+    fit_route: bool = True
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 1 or self.refit_interval < 1:
@@ -125,20 +148,26 @@ class OnlineCostModel:
         self.settings = settings or OnlineSettings()
         self.sums = [dict.fromkeys(_SUMS, 0.0) for _ in range(num_gpus)]
         self.alltoall_sums = [0.0, 0.0]  # weighted least-waiting Ulysses rate, weight
+        # Weighted sums over the measured steps of R**2 and R * route seconds (module docstring).
+        self.route_sums = [0.0, 0.0]
+        self.route_steps = 0  # measured steps that moved tokens
+        self.route_fitted = False  # route_coef refit at least once
         self.observed = 0
         self.speeds = [1.0] * num_gpus
         self.current = prior
+        self.compute_fitted = False  # a, b, overhead and speeds refit at least once
 
     def observe(self, plan: RoutingPlan, compute_us: list[int], ulysses_us: list[int],
-                segment_squares: list[float] | None = None) -> None:  # fmt: skip
+                segment_squares: list[float] | None = None, route_us: list[int] | None = None) -> None:  # fmt: skip
         """Add one step: ``plan`` and the microseconds every GPU measured for it (negative: none).
         ``segment_squares``: the step's attention segments, as :func:`plan_terms` takes them.
-        Refits when due."""
+        ``route_us``: ``[S]`` each GPU's route and reverse-route microseconds, forward and backward
+        (negative: none), or ``None``: not measured. Refits when due."""
         forgetting = self.settings.forgetting
         linear, quadratic, alltoall, sequences = plan_terms(plan, self.current, segment_squares)
         # Once refit, a step counts at most max_speed_ratio times off the model's prediction: one
         # stalled step cannot swing a rank's speed (before, the prior's scale may be anything).
-        predicted = self.predicted_s(plan, segment_squares) if self.current is not self.prior else None
+        predicted = self.predicted_s(plan, segment_squares) if self.compute_fitted else None
         bound = self.settings.max_speed_ratio
         for gpu, (x, y, u, t_us) in enumerate(zip(linear, quadratic, sequences, compute_us, strict=True)):
             sums = self.sums[gpu]
@@ -155,10 +184,40 @@ class OnlineCostModel:
         self.alltoall_sums = [self.alltoall_sums[0] * forgetting, self.alltoall_sums[1] * forgetting]
         if rates:
             self.alltoall_sums = [self.alltoall_sums[0] + min(rates), self.alltoall_sums[1] + 1.0]
+        if self.settings.fit_route:
+            self._observe_route(plan, route_us)
         self.observed += 1
         warm = self.observed >= self.settings.warmup_steps
         if warm and (self.observed - self.settings.warmup_steps) % self.settings.refit_interval == 0:
             self._refit()
+            if self.settings.fit_route:
+                self._refit_route()
+
+    def _observe_route(self, plan: RoutingPlan, route_us: list[int] | None) -> None:
+        """Add the step's route phase (the least over the ranks that measured it) against the
+        tokens its busiest GPU moved."""
+        forgetting = self.settings.forgetting
+        self.route_sums = [self.route_sums[0] * forgetting, self.route_sums[1] * forgetting]
+        measured = [us for us in route_us or () if us >= 0]
+        if not measured:
+            return
+        traffic = gpu_traffic(plan.seq_lens, plan.seq_src_rank, plan.seq_group_start, plan.seq_group_size,
+                              plan.num_gpus, None)  # fmt: skip
+        r = float(max(traffic[0].max(initial=0), traffic[2].max(initial=0)))  # an exact integer
+        if r == 0:
+            return  # nothing moved: through the origin, the step says nothing
+        t = min(measured) / 1e6
+        if self.route_fitted and self.current.route_coef > 0:  # one stalled step counts boundedly
+            predicted, bound = self.current.route_coef * r, self.settings.max_speed_ratio
+            t = min(max(t, predicted / bound), predicted * bound)
+        self.route_sums = [self.route_sums[0] + r * r, self.route_sums[1] + r * t]
+        self.route_steps += 1
+
+    def _refit_route(self) -> None:
+        """``route_coef`` from the route sums (module docstring), once enough steps moved tokens."""
+        if self.route_steps >= self.settings.warmup_steps and self.route_sums[0] > 0:  # > 0: not decayed away
+            self.current = dataclasses.replace(self.current, route_coef=self.route_sums[1] / self.route_sums[0])
+            self.route_fitted = True
 
     def model(self) -> CostModel:
         """The model to plan the next step with."""
@@ -194,9 +253,10 @@ class OnlineCostModel:
         alltoall = (
             self.alltoall_sums[0] / self.alltoall_sums[1] if self.alltoall_sums[1] else self.current.alltoall_coef
         )
-        self.current = dataclasses.replace(self.prior, linear_coef=coef[1], quadratic_coef=coef[2],
+        self.current = dataclasses.replace(self.current, linear_coef=coef[1], quadratic_coef=coef[2],
                                            alltoall_coef=alltoall, gpu_speed=tuple(speeds),
                                            overhead_s=coef[0])  # fmt: skip
+        self.compute_fitted = True
 
     def _fit_coefficients(self, busy: list[int], speeds: list[float]) -> list[float] | None:
         """``[overhead, a, b]`` for ``measured * speed - e*W = overhead + a*X + b*Y``, from the running sums."""

@@ -386,7 +386,10 @@ class KnapBalancer:
             if segments_per_rank is not None:
                 squares = segment_square_sums([row for rows in segments_per_rank for row in rows]).tolist()
             predicted = self.online.predicted_s(plan, squares)
-            self.online.observe(plan, compute_us, [report[1] for report in reports], squares)
+            route, reverse = _REPORTED.index("route"), _REPORTED.index("reverse_route")
+            route_us = [report[route] + report[reverse] if min(report[route], report[reverse]) >= 0 else -1
+                        for report in reports]  # fmt: skip
+            self.online.observe(plan, compute_us, [report[1] for report in reports], squares, route_us)
         else:
             compute_model = dataclasses.replace(model, alltoall_coef=0.0)
             predicted = plan_loads(plan, compute_model, segments_per_rank).tolist()
@@ -399,7 +402,8 @@ class KnapBalancer:
         measured, that step's measured imbalance (max/mean of the ranks' compute seconds), the model's
         median relative error over ranks, the balancer's overhead in it (``overhead``: from the
         second step, :func:`balancer_overhead_s` of every rank's times over the longest rank's step;
-        waits for slower ranks left out), and with online refit the smallest and largest rank speed.
+        waits for slower ranks left out), and with online refit the smallest and largest rank speed
+        and, once refit from the route phases, ``route_coef``.
         Local: no collective."""
         if self._last is None:
             raise RuntimeError("no step has been planned yet; call metrics() after the model's forward")
@@ -427,6 +431,8 @@ class KnapBalancer:
         if self.online is not None:
             metrics["knapformer/speed_min"] = min(self.online.speeds)
             metrics["knapformer/speed_max"] = max(self.online.speeds)
+            if self.online.route_fitted:
+                metrics["knapformer/route_coef"] = self.online.model().route_coef
         return metrics
 
     def _log(self, metrics: dict[str, float]) -> None:
@@ -444,6 +450,8 @@ class KnapBalancer:
             line += f", balancer overhead {metrics['knapformer/overhead']:.1%} of that step"
         if "knapformer/speed_min" in metrics:
             line += f", rank speeds {metrics['knapformer/speed_min']:.2f}..{metrics['knapformer/speed_max']:.2f}"
+        if "knapformer/route_coef" in metrics:
+            line += f", route {metrics['knapformer/route_coef'] * 1e9:.3g} ns/token"
         logger.info(line)
         if self.monitor is not None and self.monitor.enabled:
             self.monitor.write_events([(name, value, self.steps) for name, value in metrics.items()])

@@ -107,14 +107,78 @@ def test_refit_is_bit_identical_in_another_process():
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    here = run_online(CostModel(1e-5, 1e-8), steps=8)[0].model()
+    here = _models()
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        there = pool.submit(_model_in_child).result()
-    assert dataclasses.astuple(here) == dataclasses.astuple(there)
+        there = pool.submit(_models).result()
+    assert [dataclasses.astuple(m) for m in here] == [dataclasses.astuple(m) for m in there]
 
 
-def _model_in_child():
-    return run_online(CostModel(1e-5, 1e-8), steps=8)[0].model()
+def _models():
+    """The refit model after 8 steps, without and with route phases."""
+    settings = OnlineSettings(warmup_steps=3)
+    return (run_online(CostModel(1e-5, 1e-8), steps=8)[0].model(),
+            run_route(CostModel(1e-5, 1e-8), 8, settings, true_route_us).model())  # fmt: skip
+
+
+def busiest_moved_tokens(plan) -> int:
+    """Tokens the busiest GPU sends or receives under ``plan``, counted from its chunks (not the
+    planner's route module, which the refit uses)."""
+    sent, received = [0] * plan.num_gpus, [0] * plan.num_gpus
+    for i, home in enumerate(plan.seq_src_rank.tolist()):
+        for k in range(plan.chunk_offsets[i], plan.chunk_offsets[i + 1]):
+            gpu, tokens = int(plan.chunk_gpu[k]), int(plan.chunk_len[k])
+            if gpu != home:
+                sent[home] += tokens
+                received[gpu] += tokens
+    return max(sent + received)
+
+
+ROUTE_COEF = 4e-8  # the generating seconds per token's round trip
+WAITS_US = (300, 0, 1200, 50, 0, 700, 90, 10)  # each rank's wait for the later ones (ranks 1 and 4 last)
+
+
+def run_route(prior, steps, settings, route_us):
+    """``steps`` planned and observed with the compute of ``measure`` and ``route_us(step, plan)``."""
+    topology, online = build_topology("auto", 8), OnlineCostModel(prior, 8, settings)
+    for step in range(steps):
+        plan = plan_routing(sample_mix("kf_mixed_res", 8, step), topology, online.model())
+        online.observe(plan, measure(plan), [0] * 8, None, route_us(step, plan))
+    return online
+
+
+def true_route_us(step, plan):
+    return [round(ROUTE_COEF * busiest_moved_tokens(plan) * 1e6) + wait for wait in WAITS_US]
+
+
+def test_route_refit_recovers_the_route_coefficient_once_enough_steps_moved_tokens():
+    prior = CostModel(1e-5, 1e-8)  # route_coef 0: moving is free until measured
+    settings = OnlineSettings(warmup_steps=3)
+    early = run_route(prior, 2, settings, true_route_us)
+    assert early.model().route_coef == 0 and not early.route_fitted  # not warm yet
+    # Timers that fail (-1) on every rank, or steps that move nothing, are no evidence.
+    unmeasured = run_route(prior, 6, settings, lambda step, plan: [-1] * 8)
+    assert unmeasured.model().route_coef == 0 and unmeasured.route_steps == 0
+    home = plan_routing(sample_mix("kf_mixed_res", 8, 0), build_topology("auto", 8), prior, "none")
+    for _ in range(6):
+        unmeasured.observe(home, measure(home), [0] * 8, None, [500] * 8)
+    assert unmeasured.model().route_coef == 0 and unmeasured.route_steps == 0
+    online = run_route(prior, 8, settings, true_route_us)
+    # Microsecond rounding of ~800 us phases: within 1e-3 of the generating coefficient.
+    assert online.model().route_coef == pytest.approx(ROUTE_COEF, rel=1e-3)
+    assert online.model().inter_node_route == online.model().route_coef  # the prior gave none apart
+    assert online.model().linear_coef == pytest.approx(TRUTH.linear_coef, rel=1e-3)  # the compute fit unchanged
+
+
+def test_route_refit_is_never_negative_and_off_keeps_the_refit_of_before():
+    prior = CostModel(1e-5, 1e-8, route_coef=1e-7, inter_node_route_coef=3e-7)
+    # Route phases that shrink as more moves (noise against the model): 0 at worst, never below.
+    shrinking = run_route(prior, 8, OnlineSettings(warmup_steps=3),
+                          lambda step, plan: [max(0, 2000 - busiest_moved_tokens(plan) // 10)] * 8)  # fmt: skip
+    assert shrinking.model().route_coef >= 0 and shrinking.model().inter_node_route_coef == 3e-7
+    off = run_route(prior, 8, OnlineSettings(warmup_steps=3, fit_route=False), true_route_us)
+    unmeasured = run_route(prior, 8, OnlineSettings(warmup_steps=3), lambda step, plan: None)
+    assert dataclasses.astuple(off.model()) == dataclasses.astuple(unmeasured.model())
+    assert off.model().route_coef == 1e-7 and not off.route_fitted
 
 
 # ----------------------------------------------------------------------------------------------------
