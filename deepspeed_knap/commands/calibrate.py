@@ -9,7 +9,14 @@ import argparse
 
 import numpy as np
 
-from deepspeed_knap.commands.options import device, nonnegative_int, output_file, positive_int, seq_lens
+from deepspeed_knap.commands.options import (
+    device,
+    nonnegative_int,
+    output_file,
+    positive_float,
+    positive_int,
+    seq_lens,
+)
 from deepspeed_knap.cost.calibrate import check_fits_memory
 from deepspeed_knap.cost.model import MODEL_PRESETS
 
@@ -40,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="plot measured and fitted seconds")
     parser.add_argument("--degrees", default=None, metavar="2,4,8",
                         help="also time emulated members of bags of these sizes and fit their efficiency")  # fmt: skip
+    parser.add_argument("--route-gbps", type=positive_float, metavar="GB/s",
+                        help="all-to-all bandwidth per GPU measured on the job's GPUs (e.g. NCCL's alltoall_perf "
+                        "busbw); with --route-token-bytes, writes route_coef (not timed here: one process)")  # fmt: skip
+    parser.add_argument("--route-token-bytes", type=positive_int, metavar="BYTES",
+                        help="bytes of one routed token's row (its columns x their element sizes)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         calibrate,
         flux_blocks_step,
         load_callable,
+        route_coef_from_bandwidth,
         wan_blocks_step,
         write_calibration,
     )
@@ -58,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--seq-lens {','.join(map(str, lengths))}: give at least 4 different lengths to fit overhead, a and b "
             "with one to spare"
+        )
+    if (args.route_gbps is None) != (args.route_token_bytes is None):
+        raise ValueError(
+            f"--route-gbps {args.route_gbps} and --route-token-bytes {args.route_token_bytes}: give both (route_coef "
+            "is 4 x a token's row bytes over the bandwidth) or neither"
         )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.wan and (args.callable or args.flux_dims or args.degrees):
@@ -93,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
         efficiency, by_degree = calibrate_degrees(timer, lengths, degrees, model, fit["overhead_s"])
         about["degree_efficiency"] = [[g, e] for g, e in efficiency.items()]
         about["degree_seconds"] = {str(g): t for g, t in by_degree.items()}
+    if args.route_gbps is not None:
+        about.update(route_coef=route_coef_from_bandwidth(args.route_token_bytes, args.route_gbps),
+                     route_gbps=args.route_gbps, route_token_bytes=args.route_token_bytes)  # fmt: skip
     write_calibration(args.out, model, lengths, times, fit, about)
 
     print(f"{'seq_len':>8}{'measured s':>13}{'model s':>13}{'rel err':>9}")
@@ -102,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"a = {model.linear_coef:.4g} s/token, b = {model.quadratic_coef:.4g} s/token^2, per-step overhead "
           f"{fit['overhead_s']:.4g} s (not used in planning); R^2 = {fit['r2']:.4f}, max rel error "
           f"{fit['max_rel_error']:.1%}; written to {args.out}")  # fmt: skip
+    if "route_coef" in about:
+        print(f"route_coef = {about['route_coef']:.4g} s per token's round trip (4 x {args.route_token_bytes} bytes "
+              f"at {args.route_gbps:g} GB/s, given, not timed)")  # fmt: skip
     for degree, efficiency in about.get("degree_efficiency", []):
         print(f"bag of {degree}: a member does {efficiency:.0%} of the ideal 1/{degree} share's speed "
               f"(measured {', '.join(f'{t:.4g}' for t in about['degree_seconds'][str(degree)])} s)")  # fmt: skip

@@ -14,6 +14,10 @@ launches, Python: seconds a GPU spends per step whatever its tokens) is fitted s
 bias ``a`` and ``b`` at short lengths; every busy GPU pays it, so it changes no plan and the
 planner's model leaves it out. The JSON written is what ``"cost_model": {"calibration_file": ...}``
 reads; it records the overhead too.
+
+The route coefficient is not timed here: this runs on one process, and a route needs ranks. Given an
+all-to-all bandwidth measured on the job's GPUs (e.g. NCCL's ``alltoall_perf``) and the bytes of a
+routed token's row, :func:`route_coef_from_bandwidth` turns them into ``route_coef``.
 """
 
 from __future__ import annotations
@@ -194,6 +198,18 @@ def calibrate(step: Step, seq_lens: Sequence[int], repeats: int = 3) -> tuple[Co
     r2 = 1 - float(np.sum((times - predicted) ** 2) / np.sum((times - times.mean()) ** 2))
     fit = {"overhead_s": float(overhead), "r2": r2, "max_rel_error": float(np.max(np.abs(predicted - times) / times))}
     return CostModel(float(a), float(b)), times, fit
+
+
+# A token's round trip off its home GPU: the route and the reverse route, forward and backward.
+ROUTE_EXCHANGES = 4
+
+
+def route_coef_from_bandwidth(token_bytes: int, alltoall_gbps: float) -> float:
+    """Seconds of one token's round trip (:attr:`~deepspeed_knap.cost.model.CostModel.route_coef`)
+    over links of ``alltoall_gbps`` (10**9 bytes/s per GPU, measured) for rows of ``token_bytes``:
+    ``4 * token_bytes / bandwidth``. An upper estimate where a backward moves no gradient for some
+    columns (integer positions, latents that need none)."""
+    return ROUTE_EXCHANGES * token_bytes / (alltoall_gbps * 1e9)
 
 
 def load_callable(spec: str) -> Step:

@@ -61,9 +61,9 @@ class _KnapConfigModel(DeepSpeedConfigModel):
 
 
 class KnapOnlineConfig(_KnapConfigModel):
-    """The ``"online"`` refit of the cost model: ``a``, ``b``, ``c`` and a speed factor per rank fitted
-    to the measured step times, every step, identically on every rank; the cost model's source is the
-    prior. ``"online": true`` is this block with its defaults."""
+    """The ``"online"`` refit of the cost model: ``a``, ``b``, ``c``, a speed factor per rank and
+    ``route_coef`` fitted to the measured step times, every step, identically on every rank; the cost
+    model's source is the prior. ``"online": true`` is this block with its defaults."""
 
     enabled: StrictBool = True
     """Turn the refit on (an ``"online"`` object asks for it unless this is false)."""
@@ -75,6 +75,9 @@ class KnapOnlineConfig(_KnapConfigModel):
     """Refit every this many steps."""
     max_speed_ratio: float = Field(OnlineSettings.max_speed_ratio, gt=1, allow_inf_nan=False)
     """A rank's speed factor stays within this factor of the median rank's."""
+    fit_route: StrictBool = OnlineSettings.fit_route
+    """Refit ``route_coef`` from the measured route phases (once enough steps moved tokens), even
+    from a prior of 0: route pricing then turns on. ``false``: the given route coefficients are kept."""
 
     @model_validator(mode="before")
     @classmethod
@@ -92,7 +95,8 @@ class KnapOnlineConfig(_KnapConfigModel):
         """The refit's settings, or ``None`` when it is off."""
         if not self.enabled:
             return None
-        return OnlineSettings(self.warmup_steps, self.forgetting, self.refit_interval, self.max_speed_ratio)
+        return OnlineSettings(self.warmup_steps, self.forgetting, self.refit_interval, self.max_speed_ratio,
+                              self.fit_route)  # fmt: skip
 
 
 class KnapCostModelConfig(_KnapConfigModel):
@@ -127,11 +131,11 @@ class KnapCostModelConfig(_KnapConfigModel):
     """Measured ``b`` (seconds per token squared); give with ``linear_coef``."""
     alltoall_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Measured ``c`` (seconds per token of Ulysses traffic); optional with coefficients."""
-    route_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
+    route_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Seconds of one token's round trip off its home GPU to another GPU of its node (the route and
     the reverse route, forward and backward), with any source: the planner adds the route phase to
-    a plan's modeled step and keeps a sequence home when moving it costs more than it saves. 0: moving
-    is free (the plans of before)."""
+    a plan's modeled step and keeps a sequence home when moving it costs more than it saves. Default:
+    the calibration file's ``route_coef``, else 0: moving is free (the plans of before)."""
     inter_node_route_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """The same to a GPU of another node; default: ``route_coef``."""
     inter_node_alltoall_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
@@ -140,14 +144,14 @@ class KnapCostModelConfig(_KnapConfigModel):
     preset's; none with coefficients or a calibration file (crossing nodes priced at ``c``, and
     ``auto``'s groups of whole nodes only for the cap)."""
     calibration_file: str | None = None
-    """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef`` and
-    ``degree_efficiency``, as ``deepspeed-knap calibrate`` writes it."""
+    """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef``,
+    ``degree_efficiency`` and ``route_coef``, as ``deepspeed-knap calibrate`` writes it."""
     frozen_base: StrictBool = False
     """Preset model: the base weights are frozen (LoRA), so linear layers' backward skips the
     weight gradient (2 forwards' worth instead of 3)."""
     online: KnapOnlineConfig | None = None
     """Refit the model online from measured step times: ``true``, or an object with
-    ``enabled``, ``warmup_steps``, ``forgetting``, ``refit_interval``, ``max_speed_ratio``
+    ``enabled``, ``warmup_steps``, ``forgetting``, ``refit_interval``, ``max_speed_ratio``, ``fit_route``
     (:class:`KnapOnlineConfig`); off when absent or ``false``."""
 
     @field_validator("online", mode="before")
@@ -188,8 +192,9 @@ class KnapCostModelConfig(_KnapConfigModel):
 
     def build(self) -> CostModel:
         """The :class:`~deepspeed_knap.cost.model.CostModel` this section describes."""
-        model = dataclasses.replace(self._compute_model(), route_coef=self.route_coef,
-                                    inter_node_route_coef=self.inter_node_route_coef)  # fmt: skip
+        model = self._compute_model()  # a calibration file's route_coef is the default
+        route = model.route_coef if self.route_coef is None else self.route_coef
+        model = dataclasses.replace(model, route_coef=route, inter_node_route_coef=self.inter_node_route_coef)
         if self.inter_node_alltoall_coef is None:
             return model
         return dataclasses.replace(model, inter_node_alltoall_coef=self.inter_node_alltoall_coef)
@@ -214,12 +219,13 @@ def _read_calibration(path: str) -> CostModel:
         return CostModel(float(data["linear_coef"]), float(data["quadratic_coef"]),
                              float(data.get("alltoall_coef", 0.0)), None,
                              tuple((int(g), float(e)) for g, e in efficiency) if efficiency else None,
-                             num_heads=int(data["num_heads"]) if data.get("num_heads") else None)  # fmt: skip
+                             num_heads=int(data["num_heads"]) if data.get("num_heads") else None,
+                             route_coef=float(data.get("route_coef", 0.0)))  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"knapformer.cost_model.calibration_file {path!r} is unreadable ({error}); it must be a JSON object with "
-            "linear_coef, quadratic_coef and optionally alltoall_coef, degree_efficiency and num_heads, as deepspeed-knap "
-            "calibrate writes"
+            "linear_coef, quadratic_coef and optionally alltoall_coef, degree_efficiency, num_heads and route_coef, as "
+            "deepspeed-knap calibrate writes"
         ) from None
 
 

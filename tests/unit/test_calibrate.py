@@ -19,15 +19,22 @@ def exact_step(seq_len: int) -> float:
 def test_fit_recovers_a_known_model_and_the_config_reads_it(tmp_path, capsys):
     out = tmp_path / "cal.json"
     assert main(["calibrate", "--out", str(out), "--callable", "tests.unit.test_calibrate:exact_step",
-                 "--seq-lens", "100,1000,5000,20000", "--repeats", "1"]) == 0  # fmt: skip
+                 "--seq-lens", "100,1000,5000,20000", "--repeats", "1", "--route-gbps", "50",
+                 "--route-token-bytes", "256"]) == 0  # fmt: skip
     written = json.loads(out.read_text())
+    # Given, not timed: 4 exchanges of a 256-byte row at 50 GB/s.
+    assert written["route_coef"] == pytest.approx(4 * 256 / 50e9, rel=1e-12)
     assert written["linear_coef"] == pytest.approx(A, rel=1e-9)
     assert written["quadratic_coef"] == pytest.approx(B, rel=1e-9)
     assert written["overhead_s"] == pytest.approx(OVERHEAD, rel=1e-9)
     assert written["r2"] == pytest.approx(1.0) and written["max_rel_error"] < 1e-9
     model = get_knapformer_config({"knapformer": {"cost_model": {"calibration_file": str(out)}}}).cost_model.build()
     assert (model.linear_coef, model.quadratic_coef) == (written["linear_coef"], written["quadratic_coef"])
+    assert model.route_coef == written["route_coef"]
     assert "R^2 = 1.0000" in capsys.readouterr().out
+    assert main(["calibrate", "--out", str(out), "--callable", "tests.unit.test_calibrate:exact_step",
+                 "--route-gbps", "50"]) == 2  # fmt: skip
+    assert "--route-gbps 50.0 and --route-token-bytes None: give both" in capsys.readouterr().err
 
 
 def test_flux_blocks_on_cpu_smoke(tmp_path):

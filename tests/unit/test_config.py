@@ -90,6 +90,9 @@ def test_online_refit_and_frozen_base_settings():
     online = block(cost_model={"online": {"warmup_steps": 2, "forgetting": 0.8}}).cost_model.online_settings()
     assert online == OnlineSettings(warmup_steps=2, forgetting=0.8, refit_interval=1, max_speed_ratio=4.0)
     assert block(cost_model={"online": {"enabled": False}}).cost_model.online_settings() is None
+    assert block(cost_model={"online": {"fit_route": False}}).cost_model.online_settings() == OnlineSettings(
+        fit_route=False
+    )
     lora = block(cost_model={"model": "flux-dev", "frozen_base": True}).cost_model.build()
     assert lora.linear_coef == pytest.approx(default_cost_model("flux-dev").linear_coef * 2 / 3)
     assert lora.quadratic_coef == default_cost_model("flux-dev").quadratic_coef
@@ -105,6 +108,10 @@ def test_calibration_file(tmp_path):
     model = block(cost_model={"calibration_file": str(path)}).cost_model.build()
     assert model.degree_efficiency == ((2, 0.9), (4, 0.8))
     assert model.per_gpu_time(1000, 4) == pytest.approx((2e-6 * 1000 + 3e-10 * 1e6) / (4 * 0.8))
+    # A file's route_coef (calibrate --route-gbps) is the default; the block's own replaces it.
+    path.write_text(json.dumps({"linear_coef": 2e-6, "quadratic_coef": 3e-10, "route_coef": 5e-8}))
+    assert block(cost_model={"calibration_file": str(path)}).cost_model.build().route_coef == 5e-8
+    assert block(cost_model={"calibration_file": str(path), "route_coef": 0}).cost_model.build().route_coef == 0
     path.write_text("{}")
     with pytest.raises(ValueError, match=r"calibration_file .* is unreadable"):
         block(cost_model={"calibration_file": str(path)}).cost_model.build()
