@@ -4,7 +4,9 @@ diffusers' FluxPipeline and Flux2Pipeline."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -195,6 +197,53 @@ def test_unbalanced_an_unchanged_set_is_not_a_change_and_no_rank_exceeds_its_bud
     with pytest.raises(ValueError, match="could not be met"):
         _solver(None, 100)([[60, 60], [10]])
     assert _solver(None, None)([[600], []]) is None
+
+
+def test_a_guided_request_gives_the_planner_two_sequences_which_it_may_place_apart():
+    """Classifier-free guidance's branches are sequences of their own: with only rank 0's guided
+    request running, the planner sends one branch to the idle rank (the only plan of step 1,000 puts
+    one 1,000-token sequence on each GPU)."""
+    from deepspeed_knap.cost.model import CostModel
+    from deepspeed_knap.planner.solve import plan_routing
+    from deepspeed_knap.planner.topology import build_topology
+
+    batcher = StepBatcher([Job(0, 0, (1000, 1000), 2), Job(1, 1, (10,), 1)], 2, None, lambda lengths: lengths)
+    assert batcher.jobs[0].tokens == 2000
+    assert [step.plan for step in _run(batcher)] == [[[1000, 1000], [10]], [[1000, 1000], []]]
+    plan = plan_routing([[1000, 1000], []], build_topology("g1n2", 2), CostModel(linear_coef=1.0, quadratic_coef=0.0))
+    assert sorted(plan.seq_group_start.tolist()) == [0, 1] and plan.gpu_loads.tolist() == [1000, 1000]
+
+
+@functools.cache
+def _tiny_generator(family: str):
+    from deepspeed_knap.models.flux.generate import tiny_flux_generator
+    from deepspeed_knap.models.wan.generate import tiny_wan_generator
+
+    if family == "wan":
+        return tiny_wan_generator(torch.float32, "cpu")
+    return tiny_flux_generator(torch.float32, "cpu", family=family)
+
+
+@pytest.mark.parametrize(("family", "fields", "expected"), [
+    ("wan", {"height": 32, "width": 48, "frames": 9}, (18, 18)),  # 3 latent frames x 2 x 3; guidance 5.0: a pair
+    ("wan", {"height": 32, "width": 48, "guidance": 1.0}, (126,)),  # 81 frames (the default): 21 latent frames
+    ("wan", {"height": 32, "width": 48, "frames": 8}, "1 + a multiple of 4 frames (e.g. 5 or 9)"),
+    ("wan", {"height": 24, "width": 48, "frames": 5}, "multiples of 16 px"),
+    ("wan", {"height": 32, "width": 48, "frames": 5, "true_cfg_scale": 2.0}, "drop 'true_cfg_scale'"),
+    ("wan", {"height": 32, "width": 2048, "frames": 5}, "exceeds the model's rope_max_seq_len 64"),
+    ("flux", {"height": 32, "width": 48, "true_cfg_scale": 2.0, "negative_prompt": ""}, (104, 104)),
+    ("flux", {"height": 32, "width": 48, "true_cfg_scale": 2.0}, "needs both 'true_cfg_scale' above 1"),
+    ("flux", {"height": 32, "width": 48, "frames": 1}, "FLUX.1 makes images: drop 'frames'"),
+    ("flux2", {"height": 32, "width": 48, "negative_prompt": "x"}, "FLUX.2 is guidance-distilled"),
+])  # fmt: skip
+def test_each_family_counts_a_requests_sequences_and_refuses_what_it_cannot_take(family, fields, expected):
+    generator = _tiny_generator(family)
+    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "max_sequence_length": 8, **fields}))
+    if isinstance(expected, tuple):
+        assert generator.request_seq_lens(request) == expected
+    else:
+        with pytest.raises(RequestError, match=re.escape(expected)):
+            generator.request_seq_lens(request)
 
 
 def test_a_set_without_joiners_that_cannot_be_planned_raises():
