@@ -6,16 +6,23 @@ per request, on the same request file and weights.
 Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA) that generate the
 request file (``--requests``, or by default an imbalanced one: lines alternate a large and a small
 image, and rank ``r`` owns lines ``r``, ``r + ranks``, ...: with ``--ranks 2`` rank 0 gets every large
-one, with any even number of ranks the even ranks get them) with a random FLUX.1
-(``TINY_FLUX``; ``--heads``/``--head-dim`` widen it) in each mode:
+one, with any even number of ranks the even ranks get them) with a random tiny model of
+``--family`` (FLUX.1 ``TINY_FLUX``, FLUX.2 ``TINY_FLUX2`` or Wan ``TINY_WAN``; ``--heads`` and
+``--head-dim`` widen it). For Wan the large requests are clips of ``--frames`` frames, run with
+classifier-free guidance (two sequences per step), the small ones one-frame images without. In
+each mode:
 
 * ``balanced``: ``deepspeed-knap generate``'s path: topology ``auto``, plan and route reused per set;
 * ``no-reuse``: the same, but the plan gathered and solved, and the route prepared, every step (the
   training path): what reuse saves, per step;
 * ``unbalanced``: each rank runs its own requests packed, with no communication;
-* ``pipeline``: each rank calls diffusers' ``FluxPipeline`` once per request it owns (the requests
-  the balanced modes' intake accepts: its refusals are skipped; ``embeddings`` requests are given
-  their ``prompt_embeds``).
+* ``pipeline``: each rank calls the family's diffusers pipeline (``FluxPipeline``,
+  ``Flux2Pipeline``, ``WanPipeline``) once per request it owns (the requests the balanced modes'
+  intake accepts: its refusals are skipped; ``embeddings`` requests are given their embeddings).
+
+``--ranks 1`` runs the balanced modes' path on one process (a plan of one group, routes that move
+nothing): against ``unbalanced``, the balancer's own per-step cost (on a GPU at FLUX.1's width:
+``--ranks 1 --heads 24 --head-dim 128 --dtype bfloat16``).
 
 Reported per mode: images per second (all images over the slowest rank's wall time), each rank's
 wall and busy seconds (its own work: encoding, compute less the all-to-alls and the waits in them,
@@ -46,15 +53,21 @@ HELP = "measured generation on local ranks: balanced, unbalanced, one pipeline c
 FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
-def imbalanced_requests(count: int, large: int, small: int, steps: tuple[int, int]) -> list[dict]:
+def imbalanced_requests(count: int, large: int, small: int, steps: tuple[int, int],
+                        frames: int | None = None) -> list[dict]:  # fmt: skip
     """``count`` requests alternating a ``large`` and a ``small`` square image (pixels), steps
-    alternating ``steps[0]`` and ``steps[1]`` per pair, prompts and seeds all different."""
+    alternating ``steps[0]`` and ``steps[1]`` per pair, prompts and seeds all different. With
+    ``frames`` (Wan) the large ones are clips of that many frames with guidance 5.0 (two sequences),
+    the small ones one-frame images with guidance 1.0 (one)."""
     requests = []
     for index in range(count):
         side = large if index % 2 == 0 else small
-        requests.append({"id": f"r{index:03d}", "prompt": f"a picture number {index}", "height": side,
-                         "width": side, "steps": steps[(index // 2) % 2], "seed": index,
-                         "max_sequence_length": 16})  # fmt: skip
+        request = {"id": f"r{index:03d}", "prompt": f"a picture number {index}", "height": side, "width": side,
+                   "steps": steps[(index // 2) % 2], "seed": index, "max_sequence_length": 16}  # fmt: skip
+        if frames is not None:
+            large_clip = index % 2 == 0
+            request.update(frames=frames if large_clip else 1, guidance=5.0 if large_clip else 1.0)
+        requests.append(request)
     return requests
 
 
@@ -67,8 +80,6 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     from deepspeed.accelerator import get_accelerator
 
     from deepspeed_knap.generation.runner import generate, generation_balancer, take_requests
-    from deepspeed_knap.models.flux.finetune import TINY_FLUX
-    from deepspeed_knap.models.flux.generate import tiny_flux_generator
     from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
     deepspeed.init_distributed(verbose=False)
@@ -77,17 +88,15 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     unlink_own_shm_buffer(rank)
     device = torch.device(get_accelerator().current_device_name())
     dtype = getattr(torch, options["dtype"])
-    heads, head_dim = options["heads"], options["head_dim"]
-    config = {**TINY_FLUX, "num_attention_heads": heads, "attention_head_dim": head_dim,
-              "axes_dims_rope": _rope_axes(head_dim)}  # fmt: skip
-    generator = tiny_flux_generator(dtype, device, seed=0, config=config)
+    config = tiny_config(options["family"], options["heads"], options["head_dim"])
+    generator = tiny_generator(options["family"], config, dtype, device)
     balancers = {
         "balanced": generation_balancer(generator.model, options["max_tokens_per_gpu"], reuse=True),
         "no-reuse": generation_balancer(generator.model, options["max_tokens_per_gpu"], reuse=False),
     }
     pipe, intake = None, None
     if "pipeline" in options["modes"]:
-        pipe = _reference_pipeline(generator, config)
+        pipe = _reference_pipeline(generator, options["family"], config)
         # The requests the balanced run accepts (the same intake, collective), refusals skipped.
         topology = balancers["balanced"].groups.topology
         intake = take_requests(options["requests"], generator, options["max_tokens_per_gpu"],
@@ -115,22 +124,49 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     dist.barrier()
 
 
-def _rope_axes(head_dim: int) -> tuple[int, int, int]:
+FAMILIES = ("flux", "flux2", "wan")
+
+
+def tiny_config(family: str, heads: int, head_dim: int) -> dict:
+    """The family's tiny transformer config at ``heads`` x ``head_dim`` (RoPE axes split to fit)."""
+    from deepspeed_knap.models.flux.finetune import TINY_FLUX
     from deepspeed_knap.models.flux.flux1 import rope_axes
+    from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
+    from deepspeed_knap.models.wan.wan import TINY_WAN
 
-    return rope_axes(head_dim)
+    width = {"num_attention_heads": heads, "attention_head_dim": head_dim}
+    if family == "wan":
+        return {**TINY_WAN, **width}  # Wan splits a head's channels over its RoPE axes itself
+    if family == "flux2":
+        return {**TINY_FLUX2, **width, "axes_dims_rope": (head_dim // 4,) * 4}
+    return {**TINY_FLUX, **width, "axes_dims_rope": rope_axes(head_dim)}
 
 
-def _reference_pipeline(generator, config: dict):
-    """diffusers' ``FluxPipeline`` with the generator's parts and a diffusers transformer of its weights."""
-    from diffusers import FluxPipeline
+def tiny_generator(family: str, config: dict, dtype: torch.dtype, device: torch.device):
+    """The family's tiny generator of ``config``, the same weights on every rank."""
+    from deepspeed_knap.models.flux.generate import tiny_flux_generator
+    from deepspeed_knap.models.wan.generate import tiny_wan_generator
 
-    from deepspeed_knap.models.flux.finetune import diffusers_transformer
+    if family == "wan":
+        return tiny_wan_generator(dtype, device, seed=0, config=config)
+    return tiny_flux_generator(dtype, device, seed=0, config=config, family=family)
 
-    transformer = diffusers_transformer(config, generator.model.state_dict()).to(generator.device)
-    parts = {name: getattr(generator.pipeline, name) for name in
-             ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")}  # fmt: skip
-    pipe = FluxPipeline(**parts, transformer=transformer)
+
+def _reference_pipeline(generator, family: str, config: dict):
+    """The family's diffusers pipeline with the generator's parts and a diffusers transformer of its weights."""
+    import diffusers
+
+    from deepspeed_knap.models.flux import finetune as flux_finetune
+    from deepspeed_knap.models.wan import finetune as wan_finetune
+
+    if family == "flux2":
+        transformer = diffusers.Flux2Transformer2DModel(**config)
+        transformer.load_state_dict(generator.model.state_dict())
+    else:
+        finetune = wan_finetune if family == "wan" else flux_finetune
+        transformer = finetune.diffusers_transformer(config, generator.model.state_dict())
+    transformer = transformer.to(generator.device, generator.dtype)
+    pipe = type(generator.pipeline)(**{**generator.pipeline.components, "transformer": transformer})
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -138,24 +174,32 @@ def _reference_pipeline(generator, config: dict):
 def _pipeline_calls(pipe, mine: dict, generator) -> dict:
     """This rank's accepted requests (:attr:`~deepspeed_knap.generation.runner.Intake.mine`: parsed
     with the request file's directory, refusals left out), one pipeline call each, in file order, at
-    the guidance ``generator`` gives each."""
+    the guidance ``generator`` gives each (Wan: its frames; FLUX.1: true CFG where asked)."""
     for _, r in sorted(mine.items()):
+        options = {"guidance_scale": generator.guidance_scale(r)}
+        if generator.family == "wan":
+            options.update(num_frames=generator.frames(r), negative_prompt=r.negative_prompt)
+        elif r.true_cfg_scale is not None:
+            options.update(true_cfg_scale=r.true_cfg_scale, negative_prompt=r.negative_prompt)
         pipe(**_pipeline_text(pipe, r), height=r.height, width=r.width, num_inference_steps=r.steps,
-             guidance_scale=generator.guidance_scale(r), generator=torch.Generator().manual_seed(r.seed))  # fmt: skip
+             generator=torch.Generator().manual_seed(r.seed), **options)  # fmt: skip
     return {"images": len(mine), "steps": 0, "solves": 0, "plan_s": [], "route_s": []}
 
 
+# The embeddings a request file's safetensors may hold that the pipelines take by these names.
+_EMBEDDINGS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+
+
 def _pipeline_text(pipe, request) -> dict:
-    """A request's text arguments to ``FluxPipeline``: its prompt, or its precomputed embeddings
+    """A request's text arguments to its pipeline: its prompt, or its precomputed embeddings
     (batched, on the pipeline's device and in its dtype, as the generator reads them)."""
     if request.prompt is not None:
         return {"prompt": request.prompt, "max_sequence_length": request.max_sequence_length}
     from safetensors.torch import load_file
 
     saved = load_file(request.embeddings)
-    device, dtype = pipe.vae.device, pipe.vae.dtype
-    return {"prompt_embeds": saved["prompt_embeds"][None].to(device, dtype),
-            "pooled_prompt_embeds": saved["pooled_prompt_embeds"][None].to(device, dtype)}  # fmt: skip
+    device, dtype = pipe.vae.device, pipe.transformer.dtype
+    return {key: saved[key][None].to(device, dtype) for key in _EMBEDDINGS if key in saved}
 
 
 def bench_generate(options: dict) -> dict:
@@ -163,8 +207,9 @@ def bench_generate(options: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="knap-bench-generate-") as out_dir:
         if options["requests"] is None:
             path = Path(out_dir, "requests.jsonl")
-            lines = imbalanced_requests(options["count"], options["large"], options["small"], (options["steps"],
-                                        options["steps"] * 2))  # fmt: skip
+            steps = (options["steps"], options["steps"] * 2)
+            frames = options["frames"] if options["family"] == "wan" else None
+            lines = imbalanced_requests(options["count"], options["large"], options["small"], steps, frames)
             path.write_text("".join(json.dumps(line) + "\n" for line in lines))
             options = {**options, "requests": str(path)}
         port = _free_port()
@@ -193,7 +238,8 @@ def _median_ms(seconds: list[float]) -> float:
 
 def format_report(report: dict) -> str:
     options = report["options"]
-    lines = [f"{options['ranks']} ranks, {options['dtype']}, FLUX.1 {options['heads']} heads x {options['head_dim']}; "
+    name = {"flux": "FLUX.1", "flux2": "FLUX.2", "wan": "Wan"}[options["family"]]
+    lines = [f"{options['ranks']} ranks, {options['dtype']}, {name} {options['heads']} heads x {options['head_dim']}; "
              f"best of {options['repeats']}; images/s = all images / the slowest rank's wall time", "",
              f"{'mode':<11}{'images/s':>9}{'wall s':>8}{'steps':>6}{'solves':>7}{'plan ms/step':>13}"
              f"{'route ms/step':>14}  per rank: images, busy s / wall s, CPU s"]  # fmt: skip
@@ -242,10 +288,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--modes {args.modes!r}: choose among {', '.join(MODES)}")
     if args.head_dim % 2 or args.head_dim < 8:
         raise ValueError(f"--head-dim {args.head_dim}: give an even number >= 8 (RoPE rotates channel pairs)")
+    if args.family == "flux2" and args.head_dim % 8:
+        raise ValueError(f"--head-dim {args.head_dim}: FLUX.2 splits a head over 4 RoPE axes of even size; give a "
+                         "multiple of 8")  # fmt: skip
+    side = 16 if args.family == "wan" else 4  # the tiny VAE's scale times the 2x2 patches
     for name in ("large", "small"):
-        if getattr(args, name) % 4:
-            raise ValueError(f"--{name} {getattr(args, name)}: the tiny VAE and patches need multiples of 4 px")
-    options = {"ranks": args.ranks, "requests": args.requests, "count": args.count, "large": args.large,
+        if getattr(args, name) % side:
+            raise ValueError(f"--{name} {getattr(args, name)}: the tiny {args.family} VAE and patches need "
+                             f"multiples of {side} px")  # fmt: skip
+    if (args.frames - 1) % 4:
+        raise ValueError(f"--frames {args.frames}: Wan's VAE takes 1 + a multiple of 4 frames")
+    options = {"ranks": args.ranks, "family": args.family, "frames": args.frames, "requests": args.requests,
+               "count": args.count, "large": args.large,
                "small": args.small, "steps": args.steps, "modes": modes, "heads": args.heads,
                "head_dim": args.head_dim, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
                "max_tokens_per_gpu": args.max_tokens_per_gpu}  # fmt: skip
@@ -262,11 +316,14 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=positive_int, default=2, help="local processes (one GPU each on CUDA)")
+    parser.add_argument("--family", choices=FAMILIES, default="flux",
+                        help="the random tiny model: flux (FLUX.1), flux2 (FLUX.2) or wan (Wan 2.1)")  # fmt: skip
     parser.add_argument("--requests", metavar="FILE.jsonl", help="request file (default: an imbalanced one)")
     parser.add_argument("--count", type=positive_int, default=8, help="requests of the default file")
     parser.add_argument("--large", type=positive_int, default=128, help="large images' side, pixels (default file)")
     parser.add_argument("--small", type=positive_int, default=32, help="small images' side, pixels (default file)")
     parser.add_argument("--steps", type=positive_int, default=4, help="steps of the default file (and twice that)")
+    parser.add_argument("--frames", type=positive_int, default=17, help="Wan: frames of the default file's clips")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES))
     parser.add_argument("--heads", type=positive_int, default=4, help="attention heads of the random FLUX.1")
     parser.add_argument("--head-dim", type=positive_int, default=16, help="channels per head")

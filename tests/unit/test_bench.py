@@ -1,6 +1,7 @@
 """The planner benchmark runs end to end (small) and its tables hold what they claim."""
 
 import csv
+import json
 
 import pytest
 
@@ -119,3 +120,25 @@ def test_ahead_bench_reports_identical_plans_and_plots(tmp_path, capsys):
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 16 | kf_image_video"))
     assert row.split("|")[6].strip() == "yes"  # the worker's plans are the in-process ones, bit for bit
     assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2", "wan"])
+def test_bench_generate_builds_each_family_and_its_default_requests_are_imbalanced(family):
+    """The default request file's lines alternate large and small (Wan: CFG clips, then one-frame
+    images without guidance); the family's tiny model at the bench's width takes them, and rank 0
+    of 2 (even lines) holds most of the tokens."""
+    import torch
+
+    from deepspeed_knap.bench.generate import imbalanced_requests, tiny_config, tiny_generator
+    from deepspeed_knap.generation.requests import parse_request
+
+    config = tiny_config(family, heads=8, head_dim=32)
+    generator = tiny_generator(family, config, torch.float32, torch.device("cpu"))
+    assert generator.model.config["num_attention_heads"] * generator.model.config["attention_head_dim"] == 256
+    lines = imbalanced_requests(4, 64, 32, (2, 4), frames=9 if family == "wan" else None)
+    seq_lens = [generator.request_seq_lens(parse_request(i, i + 1, json.dumps(line))) for i, line in enumerate(lines)]
+    if family == "wan":  # 3 latent frames x 4 x 4 tokens, twice; 2 x 2 once
+        assert seq_lens == [(48, 48), (4,), (48, 48), (4,)]
+    else:  # 16 text tokens + 16 x 16 or 8 x 8 image tokens
+        assert seq_lens == [(272,), (80,), (272,), (80,)]
+    assert [line["steps"] for line in lines] == [2, 2, 4, 4]
