@@ -10,7 +10,8 @@ tiny packed Wan 2.1 (``TINY_WAN``: 12 heads, cross-attention to each sample's te
 ``[C, F, H, W]`` latents) with DeepSpeed, the real routes and Ulysses all-to-alls, on the same
 synthetic samples of ``--mix`` in every mode:
 ``off`` (no balancing: every sequence stays home), ``knapformer`` and ``refine`` on ``--topology``
-(default: one bag of all ranks), and ``auto``. Per mode and step it reports the measured step time
+(default: one bag of all ranks) or on a topology of their own (``knapformer@g1n2``: the mode may be
+given once per topology, to compare fixed topologies in the same run), and ``auto``. Per mode and step it reports the measured step time
 (slowest rank, synchronised), the speedup over ``off`` on the same step, the measured max/mean of the
 ranks' compute seconds, the cost model's error per rank, and each rank's time by phase (plan, route,
 Ulysses all-to-alls, compute, reverse route) as the balancer measured it.
@@ -70,8 +71,9 @@ def ds_config(mode: str, topology: str, world: int, cost_model: dict, online: bo
     """The DeepSpeed config of one mode (ZeRO-1, the ``"knapformer"`` block per mode). ``off`` runs
     the balancer with solver ``none`` on single GPUs: every sequence stays home, as without the
     block, but its compute is timed the same way (its step pays a lengths gather and two all-to-alls
-    that send nothing)."""
-    topology = {"off": f"g1n{world}", "auto": "auto"}.get(mode, topology)
+    that send nothing). ``solver@topology`` runs the solver on that topology instead of ``topology``."""
+    mode, _, own_topology = mode.partition("@")
+    topology = {"off": f"g1n{world}", "auto": "auto"}.get(mode, own_topology or topology)
     solver = {"off": "none", "knapformer": "knapformer"}.get(mode, "refine")
     refit = {"online": {"warmup_steps": 2}} if online and mode in ("refine", "auto") else {}
     knap = {"enabled": True, "topology": topology, "solver": solver, "attention_backend": "auto",
@@ -272,17 +274,17 @@ def format_report(report: dict) -> str:
              + (f", rank {options['slow_rank'][0]} {options['slow_rank'][1]:g}x slower" if options["slow_rank"] else "")
              + (", online refit" if options["online"] else "")
              + (", plans solved a step ahead (prefetch)" if options["prefetch"] else ", plans solved in the step"), "",
-             f"{'mode':<11}{'step':>5}{'step s':>9}{'speedup':>9}{'compute max/mean':>18}  tokens per rank (routed)"]  # fmt: skip
+             f"{'mode':<16}{'step':>5}{'step s':>9}{'speedup':>9}{'compute max/mean':>18}  tokens per rank (routed)"]  # fmt: skip
     off = {row["step"]: row["step_s"] for row in report["steps"] if row["mode"] == "off"}
     for row in report["steps"]:
         speedup = f"{off[row['step']] / row['step_s']:>8.2f}x" if row["step"] in off else f"{'-':>9}"
-        lines.append(f"{row['mode']:<11}{row['step']:>5}{row['step_s']:>9.3f}{speedup}{row['compute_imbalance']:>18.3f}"
+        lines.append(f"{row['mode']:<16}{row['step']:>5}{row['step_s']:>9.3f}{speedup}{row['compute_imbalance']:>18.3f}"
                      f"  {row['tokens']}")  # fmt: skip
     lines += ["", f"medians over steps 1..{options['steps'] - 1} (total: the summed step times):",
-              f"{'mode':<11}{'step s':>9}{'speedup':>9}{'total':>8}{'compute max/mean':>18}{'|model error|':>15}"
+              f"{'mode':<16}{'step s':>9}{'speedup':>9}{'total':>8}{'compute max/mean':>18}{'|model error|':>15}"
               f"{'overhead':>10}"]  # fmt: skip
     for mode, s in summarize(report).items():
-        lines.append(f"{mode:<11}{s['step_s']:>9.3f}{s['speedup']:>8.2f}x{s['total_speedup']:>7.2f}x"
+        lines.append(f"{mode:<16}{s['step_s']:>9.3f}{s['speedup']:>8.2f}x{s['total_speedup']:>7.2f}x"
                      f"{s['compute_imbalance']:>18.3f}{s['model_error']:>15.1%}{s['overhead']:>10.1%}")  # fmt: skip
     lines.append("overhead: the balancer's seconds over the step: the largest solve (or wait for the worker's plan) "
                  "over ranks, plus the least over ranks of each collective (lengths gather, plan agreement, route, "
@@ -290,11 +292,11 @@ def format_report(report: dict) -> str:
                  "least); plan parts on the host clock, routes by device events")  # fmt: skip
     last = [row for row in report["steps"] if row["step"] == options["steps"] - 1]
     lines += ["", f"seconds by phase, last step ({options['steps'] - 1}):",
-              f"{'mode':<11}{'rank':>5}" + "".join(f"{p:>14}" for p in PHASES)]  # fmt: skip
+              f"{'mode':<16}{'rank':>5}" + "".join(f"{p:>14}" for p in PHASES)]  # fmt: skip
     for row in last:
         for rank, phases in enumerate(row["phases"]):
             lines.append(
-                f"{row['mode']:<11}{rank:>5}" + "".join(f"{phases.get(p, float('nan')):>14.4f}" for p in PHASES)
+                f"{row['mode']:<16}{rank:>5}" + "".join(f"{phases.get(p, float('nan')):>14.4f}" for p in PHASES)
             )
     return "\n".join(lines)
 
@@ -335,9 +337,16 @@ def plot_report(report: dict, path: str | Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",")]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or "off" not in modes:
-        raise ValueError(f"--modes {args.modes!r}: choose among {', '.join(MODES)}, including off (the baseline)")
+    unknown = [m for m in modes if m.partition("@")[0] not in MODES]
+    if unknown or "off" not in modes or len(set(modes)) < len(modes):
+        raise ValueError(f"--modes {args.modes!r}: choose among {', '.join(MODES)}, each once, including off (the "
+                         "baseline); knapformer and refine may name a topology, e.g. knapformer@g1n2")  # fmt: skip
+    for mode in modes:
+        solver, _, own_topology = mode.partition("@")
+        if own_topology and solver not in ("knapformer", "refine"):
+            raise ValueError(f"--modes: {mode!r}: only knapformer and refine run on a topology of their own")
+        if own_topology:
+            build_topology(own_topology, args.ranks)  # refused before the ranks start
     if args.ranks < 1 or args.steps < 2 or args.token_scale <= 0:
         raise ValueError(f"need --ranks >= 1, --steps >= 2, --token-scale > 0; got {args.ranks}, {args.steps}, "
                          f"{args.token_scale}")  # fmt: skip
@@ -345,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--slow-rank {args.slow_rank[0]}:{args.slow_rank[1]:g} needs a rank below --ranks "
                          f"{args.ranks}, on CPU ranks (it sleeps on the host)")  # fmt: skip
     topology = args.topology or f"g{args.ranks}n1"
-    if any(mode in ("knapformer", "refine") for mode in modes):
+    if any(mode in ("knapformer", "refine") for mode in modes):  # the modes without a topology of their own
         build_topology(topology, args.ranks)  # a topology the ranks cannot form is refused before they start
     if args.flux_dims and args.family != "flux":
         raise ValueError("--flux-dims sets FLUX.1's width: it goes with --family flux")
@@ -382,7 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps", type=positive_int, default=6, help="training steps per mode (the first is not summarised)"
     )
     parser.add_argument("--modes", default="off,knapformer,refine,auto", help="comma-separated, from " + ", ".join(
-        ["off", "knapformer", "refine", "auto"]))  # fmt: skip
+        ["off", "knapformer", "refine", "auto"]) + "; knapformer@TOPOLOGY (refine too) runs it on that topology")  # fmt: skip
     parser.add_argument(
         "--topology", default=None, help="bags of knapformer and refine (default: one bag of all ranks)"
     )

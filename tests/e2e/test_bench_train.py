@@ -81,3 +81,16 @@ def test_calibrate_fits_the_efficiency_of_bag_members(tmp_path, capsys):
     model = get_knapformer_config({"knapformer": {"cost_model": {"calibration_file": str(out)}}}).cost_model.build()
     assert dict(model.degree_efficiency) == efficiency
     assert main([*argv[:-1], "8"]) == 2  # more GPUs than heads
+
+
+def test_a_fixed_solver_may_run_on_topologies_of_its_own_in_one_run(capsys):
+    """``knapformer@g1n2`` beside ``knapformer`` (on ``--topology``): each mode its own block."""
+    configs = {mode: bench_train.ds_config(mode, "g2n1", 2, {"model": "flux-tiny"}, online=True)["knapformer"]
+               for mode in ("knapformer@g1n2", "knapformer", "refine@g1n2", "auto")}  # fmt: skip
+    assert [(c["topology"], c["solver"], "online" in c["cost_model"]) for c in configs.values()] == [
+        ("g1n2", "knapformer", False), ("g2n1", "knapformer", False), ("g1n2", "refine", True), ("auto", "refine", True)
+    ]  # fmt: skip
+    for modes, message in [("off,auto@g1n2", "only knapformer and refine"), ("off,knapformer@g3n1", "g3n1"),
+                           ("auto,knapformer", "including off"), ("off,auto,auto", "each once")]:  # fmt: skip
+        assert main(["bench", "train", "--ranks", "2", "--modes", modes]) == 2
+        assert message in capsys.readouterr().err
