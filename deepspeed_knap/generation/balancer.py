@@ -9,6 +9,9 @@ and at the set's later steps only moves the tokens: the same index tensors, spli
 and attention index arrays, no planning collective. ``reuse=False`` is the training path at every
 step (gather, solve, prepare), kept to measure what reuse saves.
 
+:class:`WorkerPlanAhead` is the batcher's plan ahead: a set's plan solved in a
+:class:`~deepspeed_knap.planner.worker.PlanWorker` process while the steps before the set run.
+
 Forward only: the caller runs the model under ``torch.no_grad()``; nothing here keeps autograd state.
 """
 
@@ -18,13 +21,15 @@ import dataclasses
 import time
 
 import torch
+from deepspeed.utils import logger
 
 from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError
 from deepspeed_knap.runtime.balancer import KnapBalancer
 from deepspeed_knap.runtime.groups import ProcessGroups
 from deepspeed_knap.runtime.packing import PackedBatch
-from deepspeed_knap.runtime.routing import RoutedBatch, _exchange_columns, exchange
+from deepspeed_knap.runtime.routing import RoutedBatch, _exchange_columns, exchange, gather_ints
 
 
 def forward_cost_model(config: dict, tflops: float = 400.0, alltoall_gbps: float = 150.0,
@@ -152,3 +157,69 @@ class ReusingBalancer(KnapBalancer):
         blocks = marks["blocks_start"].seconds_until(marks["blocks_end"])
         by_kind = {kind: sum(a.seconds_until(b) for a, b in pairs) for kind, pairs in times.spans.items()}
         return {"compute": blocks - by_kind.get("ulysses", 0.0), "exchange": float(sum(by_kind.values()))}
+
+
+class WorkerPlanAhead:
+    """The :class:`~deepspeed_knap.generation.schedule.StepBatcher`'s plan ahead on the balancer's
+    planner: :meth:`submit` sends a set's lengths to a :class:`~deepspeed_knap.planner.worker.PlanWorker`
+    process (``plan_routing`` with the balancer's topology, cost model, solver and budget: the plan
+    the batcher's in-step ``solve`` makes, bit for bit) and returns; :meth:`collect`, at the step the
+    set starts, takes its plan.
+
+    Every rank runs the same batcher and so submits the same sets at the same steps, to the same
+    deterministic planner; but a worker may fail on one rank only (it died, could not start, or gave
+    no plan within the balancer's worker timeout), so :meth:`collect` agrees in one small all-gather
+    over ``device``: the worker's plan on every rank, or ``None`` on every rank, and the batcher
+    solves the set in the step as without plan ahead (a set the planner refused in the worker is
+    refused again there, and backs off). Training's prefetch agrees the same way
+    (:meth:`~deepspeed_knap.runtime.balancer.KnapBalancer.prefetch`).
+
+    Attributes:
+        wait_s: seconds :meth:`collect` waited for the worker's plans (not the agreement).
+
+    Args:
+        balancer: whose planner settings, worker timeout and groups to use.
+        device: the accelerator device the agreement's tensor goes on (gloo: ``cpu``).
+    """
+
+    def __init__(self, balancer: ReusingBalancer, device: torch.device | str) -> None:
+        self.balancer = balancer
+        self.device = torch.device(device)
+        self.wait_s = 0.0
+        self._worker = PlanWorker()
+        self._ticket: int | None = None  # the job submitted and not collected
+
+    def submit(self, seq_lens_per_rank: list[list[int]]) -> None:
+        """Start solving the plan of ``seq_lens_per_rank`` (one list of sequence lengths per rank) in
+        the worker. Local; returns at once (after reading a reply not collected, if any)."""
+        balancer = self.balancer
+        self._ticket = self._worker.submit(seq_lens_per_rank, balancer.groups.topology, balancer.cost_model,
+                                           balancer.solver, balancer.max_tokens_per_gpu,
+                                           timeout_s=balancer._worker_timeout_s)  # fmt: skip
+
+    def collect(self) -> RoutingPlan | None:
+        """The plan of the last :meth:`submit`, or ``None`` on every rank when any rank's worker gave
+        none (the failure is logged on that rank). Collective."""
+        ticket, self._ticket = self._ticket, None
+        start = time.perf_counter()
+        try:
+            plan, failure = self._worker.result(ticket, self.balancer._worker_timeout_s)[0], None
+        except PlanWorkerError as error:
+            plan, failure = None, str(error)
+        self.wait_s += time.perf_counter() - start
+        groups = self.balancer.groups
+        ready = gather_ints(int(failure is None), self.device, groups)
+        if all(ready):
+            return plan
+        # Each rank names what it got instead of a plan (the planner's refusal, before a back-off, is
+        # named on every rank); rank 0 adds which ranks had the plan when only some had.
+        if failure is not None:
+            logger.warning(f"knapformer generate rank {groups.rank}: a request set planned in the step: {failure}")
+        if groups.group_rank == 0 and any(ready):
+            logger.warning(f"knapformer generate: a request set planned in the step on every rank; its plan came "
+                           f"ahead by rank (1: yes, 0: no): {ready}")  # fmt: skip
+        return None
+
+    def close(self) -> None:
+        """Stop the worker process (a plan not collected is dropped)."""
+        self._worker.close()

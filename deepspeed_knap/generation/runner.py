@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deepspeed_knap.generation.balancer import ReusingBalancer, forward_cost_model
+from deepspeed_knap.generation.balancer import ReusingBalancer, WorkerPlanAhead, forward_cost_model
 from deepspeed_knap.generation.requests import Request, RequestError, RequestFileError, parse_request, request_lines
 from deepspeed_knap.generation.schedule import Job, StepBatcher
 from deepspeed_knap.runtime.groups import all_gather_bytes, text_digest
@@ -194,11 +194,18 @@ class GenerationReport:
         steps: denoising steps the run took (each runs every running request once).
         set_changes: steps whose request set differs from the step before's (the first included).
         solves: plans solved (once per change of the request set; with ``reuse=False`` every step too).
+        planned_ahead: set plans solved in the plan worker while the steps before the set ran, ready
+            when it started (``generate``'s ``plan_ahead``).
+        solved_in_step: set plans solved at the step that starts the set: the first set's, those
+            after a back-off or a failed plan ahead, and every one without plan ahead.
         back_offs: sets the planner refused, each giving back its newest joiner (then nothing joins
             until a request leaves).
         wall_s: from the intake to the last image, this rank.
         busy_s: this rank's own work in that time: encoding, packing, the transformer's compute
             (less its all-to-alls and the waits in them), scheduler steps, decoding.
+        solve_in_step_s: this rank's seconds solving set plans in the step (refused sets included).
+        plan_wait_s: this rank's seconds waiting for the plan worker's set plans at the steps that
+            started their sets (what planning ahead did not hide).
         plan_s, route_s: per step, this rank's seconds to get the plan and to route (balanced runs).
     """
 
@@ -209,17 +216,26 @@ class GenerationReport:
     steps: int = 0
     set_changes: int = 0
     solves: int = 0
+    planned_ahead: int = 0
+    solved_in_step: int = 0
     back_offs: int = 0
     wall_s: float = 0.0
     busy_s: float = 0.0
+    solve_in_step_s: float = 0.0
+    plan_wait_s: float = 0.0
     plan_s: list[float] = field(default_factory=list)
     route_s: list[float] = field(default_factory=list)
 
 
 def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None = None,
              on_image: Callable[[Request, np.ndarray], None] | None = None, max_tokens_per_gpu: int | None = None,
-             progress: bool = True) -> GenerationReport:  # fmt: skip
+             progress: bool = True, plan_ahead: bool = True) -> GenerationReport:  # fmt: skip
     """Generate every acceptable request of ``path``. Collective: every rank calls it.
+
+    With a balancer that reuses plans, each request set's plan after the first is solved in a plan
+    worker process (:class:`~deepspeed_knap.generation.balancer.WorkerPlanAhead`) during the steps
+    of the set before it, and is ready when the set starts; a plan the worker does not give on
+    every rank is solved in the step on every rank. The plans are the same either way.
 
     Args:
         path: the JSONL request file (:mod:`~deepspeed_knap.generation.requests`).
@@ -230,6 +246,9 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
             ``[F, H, W, 3]`` frames) in ``[0, 1]``.
         max_tokens_per_gpu: the per-GPU token budget of the running set (the balancer's, when given).
         progress: a tqdm bar on rank 0 (request-steps done of all).
+        plan_ahead: plan the next request set in the worker process; ``False``: solve each set's
+            plan at the step that starts it. Unused unbalanced and with ``balancer.reuse`` off
+            (which solves every step's plan in the step).
 
     Raises:
         RequestFileError: on every rank, for a request file that ranks cannot read alike.
@@ -245,7 +264,10 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     busy = time.perf_counter()
     intake = take_requests(path, generator, max_tokens_per_gpu, max_degree, balanced=balancer is not None)
     busy = time.perf_counter() - busy  # the intake's own checks; the gather is shared waiting
-    batcher = StepBatcher(intake.jobs, world, max_tokens_per_gpu, _solver(balancer, max_tokens_per_gpu))
+    planner = None
+    if plan_ahead and balancer is not None and balancer.reuse:
+        planner = WorkerPlanAhead(balancer, generator.device)
+    batcher = StepBatcher(intake.jobs, world, max_tokens_per_gpu, _solver(balancer, max_tokens_per_gpu), planner)
     # A balancer may serve several runs: this run's counts are what it adds.
     solves_before, steps_before = (balancer.solves, len(balancer.plan_s)) if balancer is not None else (0, 0)
     report = GenerationReport(rank, [], intake.refused, intake.count)
@@ -254,49 +276,56 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     model = generator.model
     bar = tqdm(total=batcher.total_request_steps, disable=not progress or rank != 0, unit="step",
                desc=f"generate ({len(intake.jobs)} requests, {world} ranks)")  # fmt: skip
-    while (step := batcher.next_step()) is not None:
-        step_start = time.perf_counter()
-        report.set_changes += step.changed
-        for index in step.joined:
-            if index in intake.mine:
-                request = intake.mine[index]
-                records[index] = {"id": request.id, "line": request.line, "tokens": batcher.jobs[index].tokens,
-                                  "steps": request.steps, "first_step": step.number, "started_at": step_start}  # fmt: skip
-                clock = time.perf_counter()
-                states[index] = generator.start(request)
-                records[index]["encode_s"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-        mine = [index for index in step.active if index in states]
-        inputs = model.pack([sample for index in mine for sample in states[index].samples()]).to(generator.device)
-        if balancer is not None:
-            balancer.begin_step(step.active, step.plan, batcher.seq_lens_per_rank(step.active))
-        busy += time.perf_counter() - clock
-        clock = time.perf_counter()
-        with torch.no_grad():
-            predictions = inputs.split(model(inputs, balancer))
-        busy += balancer.forward_seconds()["compute"] if balancer is not None else time.perf_counter() - clock
-        clock = time.perf_counter()
-        for index in mine:  # each request's branches, in the order packed
-            branches = len(states[index].branches)
-            states[index].advance(predictions[:branches])
-            predictions = predictions[branches:]
-        busy += time.perf_counter() - clock
-        for index in [index for index in mine if states[index].done]:
+    try:
+        while (step := batcher.next_step()) is not None:
+            step_start = time.perf_counter()
+            report.set_changes += step.changed
+            for index in step.joined:
+                if index in intake.mine:
+                    request = intake.mine[index]
+                    records[index] = {"id": request.id, "line": request.line, "tokens": batcher.jobs[index].tokens,
+                                      "steps": request.steps, "first_step": step.number, "started_at": step_start}  # fmt: skip
+                    clock = time.perf_counter()
+                    states[index] = generator.start(request)
+                    records[index]["encode_s"] = time.perf_counter() - clock
             clock = time.perf_counter()
-            image = generator.decode(states.pop(index))
-            record = records[index]
-            record.update(last_step=step.number, denoise_s=clock - record.pop("started_at"),
-                          decode_s=time.perf_counter() - clock)  # fmt: skip
-            busy += record["decode_s"]
-            if on_image is not None:
-                on_image(intake.mine[index], image)
-            report.requests.append(record)
-        bar.update(len(step.active))
+            mine = [index for index in step.active if index in states]
+            inputs = model.pack([sample for index in mine for sample in states[index].samples()]).to(generator.device)
+            if balancer is not None:
+                balancer.begin_step(step.active, step.plan, batcher.seq_lens_per_rank(step.active))
+            busy += time.perf_counter() - clock
+            clock = time.perf_counter()
+            with torch.no_grad():
+                predictions = inputs.split(model(inputs, balancer))
+            busy += balancer.forward_seconds()["compute"] if balancer is not None else time.perf_counter() - clock
+            clock = time.perf_counter()
+            for index in mine:  # each request's branches, in the order packed
+                branches = len(states[index].branches)
+                states[index].advance(predictions[:branches])
+                predictions = predictions[branches:]
+            busy += time.perf_counter() - clock
+            for index in [index for index in mine if states[index].done]:
+                clock = time.perf_counter()
+                image = generator.decode(states.pop(index))
+                record = records[index]
+                record.update(last_step=step.number, denoise_s=clock - record.pop("started_at"),
+                              decode_s=time.perf_counter() - clock)  # fmt: skip
+                busy += record["decode_s"]
+                if on_image is not None:
+                    on_image(intake.mine[index], image)
+                report.requests.append(record)
+            bar.update(len(step.active))
+    finally:
+        if planner is not None:
+            planner.close()
     bar.close()
     report.steps, report.wall_s, report.busy_s = batcher.steps_taken, time.perf_counter() - start, busy
     report.back_offs = batcher.back_offs
     if balancer is not None:  # unbalanced, the batcher's "solve" makes no plan
         report.solves = batcher.solves + balancer.solves - solves_before
+        report.planned_ahead, report.solved_in_step = batcher.planned_ahead, batcher.solves - batcher.planned_ahead
+        report.solve_in_step_s = batcher.solve_s
+        report.plan_wait_s = 0.0 if planner is None else planner.wait_s
         report.plan_s, report.route_s = balancer.plan_s[steps_before:], balancer.route_s[steps_before:]
     return report
 

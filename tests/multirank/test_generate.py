@@ -68,19 +68,22 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
     """One balanced generation per ``runs`` item (``path``, ``budget``, ``reuse``, ``family``, and
     optionally ``split``: a cost model of attention alone and free all-to-alls, under which splitting
     a sequence over a group always pays; ``most_sequences``: the planner refuses a set of more, so
-    the batcher backs off). Counts, per run, the batcher's planner calls (made and refused) and the
-    routes prepared (:meth:`KnapBalancer.route`, which ReusingBalancer calls to prepare)."""
+    the batcher backs off; ``plan_ahead``, default on). Counts, per run, the batcher's planner calls
+    in this rank (made and refused), the sets it submitted to the plan worker process (whose
+    planner the counts do not see), and the routes prepared (:meth:`KnapBalancer.route`, which
+    ReusingBalancer calls to prepare)."""
     import deepspeed_knap.planner.solve as solve_module
     from deepspeed_knap.cost.model import CostModel
     from deepspeed_knap.generation.runner import generate, generation_balancer
     from deepspeed_knap.models.flux.generate import tiny_flux_generator
     from deepspeed_knap.models.wan.generate import tiny_wan_generator
+    from deepspeed_knap.planner.worker import PlanWorker
     from deepspeed_knap.runtime.balancer import KnapBalancer
     from tests.support.balancing import join_gloo
 
     counts: dict = {}
     most: dict = {"sequences": None}
-    plan_routing, route = solve_module.plan_routing, KnapBalancer.route
+    plan_routing, route, submit = solve_module.plan_routing, KnapBalancer.route, PlanWorker.submit
 
     def counting_plan_routing(seq_lens_per_rank, *args, **kwargs):  # the batcher's solve (runner._solver)
         if most["sequences"] is not None and sum(map(len, seq_lens_per_rank)) > most["sequences"]:
@@ -93,11 +96,16 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
         counts["prepared"] += 1
         return route(self, batch, plan)
 
+    def counting_submit(self, *args, **kwargs):
+        counts["submitted"] += 1
+        return submit(self, *args, **kwargs)
+
     solve_module.plan_routing, KnapBalancer.route = counting_plan_routing, counting_route  # this spawned rank's own
+    PlanWorker.submit = counting_submit
     join_gloo(rank)
     results = []
     for run in runs:
-        counts.update(planned=0, refused=0, prepared=0)
+        counts.update(planned=0, refused=0, prepared=0, submitted=0)
         most["sequences"] = run.get("most_sequences")
         family = run["family"]
         if family == "wan":
@@ -116,7 +124,7 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
 
         balancer.begin_step = recording_begin_step
         images = {}
-        report = generate(run["path"], generator, balancer, progress=False,
+        report = generate(run["path"], generator, balancer, progress=False, plan_ahead=run.get("plan_ahead", True),
                           on_image=lambda r, image, images=images: images.__setitem__(r.id, image))  # fmt: skip
         results.append({"images": images, "report": dataclasses.asdict(report), "group_sizes": sorted(group_sizes),
                         **counts})  # fmt: skip
@@ -195,10 +203,12 @@ def _check_images(results, references, expected_ids):
 
 # Per world size, the runs of one spawn: FLUX.1 (with a true-CFG request) on 2 ranks also under a
 # planner that refuses sets of more than 3 sequences (the budget's total admits more), so the
-# batcher backs off; FLUX.2 (its tokens are FLUX.1's) and Wan (videos, CFG pairs) as well.
+# batcher backs off, each set solved in the step (the refusing planner is this rank's: the plan
+# worker process runs the real one); FLUX.2 (its tokens are FLUX.1's) and Wan (videos, CFG pairs)
+# as well, planning each set ahead in the worker.
 CASES = {
-    2: [{"family": "flux", "budget": BUDGET, "most_sequences": 3}, {"family": "flux2", "budget": BUDGET},
-        {"family": "wan", "budget": WAN_BUDGET}],
+    2: [{"family": "flux", "budget": BUDGET, "most_sequences": 3, "plan_ahead": False},
+        {"family": "flux2", "budget": BUDGET}, {"family": "wan", "budget": WAN_BUDGET}],
     4: [{"family": "flux", "budget": BUDGET // 2}, {"family": "flux2", "budget": BUDGET // 2}],
 }  # fmt: skip
 
@@ -229,9 +239,13 @@ def test_joins_and_leaves_equal_diffusers_and_the_plan_is_solved_once_per_set(tm
         for result, report in zip(results, reports, strict=True):
             assert report["steps"] == reports[0]["steps"] and report["refused"] == []
             # One plan per request set: solved at each change, reused at the other steps; the planner
-            # called once per set and once per back-off, the route prepared once per set.
+            # called once per set and once per back-off, the route prepared once per set. Planning
+            # ahead, every set after the first was solved in the worker during the set before it.
             assert report["solves"] == report["set_changes"] < report["steps"]
-            assert result["planned"] == report["set_changes"] and result["refused"] == report["back_offs"]
+            assert result["refused"] == report["back_offs"]
+            ahead = report["set_changes"] - 1 if run.get("plan_ahead", True) else 0
+            assert result["submitted"] == report["planned_ahead"] == ahead
+            assert result["planned"] == report["solved_in_step"] == report["set_changes"] - ahead
             assert result["prepared"] == report["set_changes"]
             assert len(report["plan_s"]) == len(report["route_s"]) == report["steps"]
 
@@ -255,6 +269,7 @@ def test_bad_lines_are_refused_on_every_rank_and_the_others_generated_without_re
     report = results[0]["report"]
     assert report["solves"] == report["set_changes"] + report["steps"]
     assert results[0]["prepared"] == report["steps"]  # without reuse, every step prepares its route
+    assert results[0]["submitted"] == report["planned_ahead"] == 0  # and plans nothing ahead
     refused = results[0]["report"]["refused"]
     assert results[1]["report"]["refused"] == refused
     assert [r["line"] for r in refused] == [2, 3, 5, 7, 8]

@@ -1,6 +1,6 @@
 """Generation without ranks: the request format, step-level batching (joins, leaves, the budget, one
-solve per set), the forward-only cost model, and ``deepspeed-knap generate`` in one process against
-diffusers' FluxPipeline and Flux2Pipeline."""
+solve per set, the next set planned ahead), the forward-only cost model, and ``deepspeed-knap
+generate`` in one process against diffusers' FluxPipeline and Flux2Pipeline."""
 
 from __future__ import annotations
 
@@ -212,6 +212,181 @@ def test_a_guided_request_gives_the_planner_two_sequences_which_it_may_place_apa
     assert [step.plan for step in _run(batcher)] == [[[1000, 1000], [10]], [[1000, 1000], []]]
     plan = plan_routing([[1000, 1000], []], build_topology("g1n2", 2), CostModel(linear_coef=1.0, quadratic_coef=0.0))
     assert sorted(plan.seq_group_start.tolist()) == [0, 1] and plan.gpu_loads.tolist() == [1000, 1000]
+
+
+# ---- planning the next set ahead ----
+
+
+class _FakePlanAhead:
+    """A plan ahead that plans with the batcher's ``solve`` when collected (the worker runs the same
+    planner): the plan, or ``None`` for a set the planner refuses and for the submissions numbered
+    in ``lost`` (a worker that died). Records the number of the step each submit and collect is
+    part of (a submit comes as its step is given, a collect as its step is formed)."""
+
+    def __init__(self, solve, lost=()) -> None:
+        self.solve, self.lost = solve, set(lost)
+        self.batcher: StepBatcher | None = None
+        self.submitted: list[tuple[int, list[list[int]]]] = []  # (step, lengths)
+        self.collected: list[int] = []  # steps
+        self._pending = None
+
+    def submit(self, seq_lens_per_rank):
+        assert self._pending is None, "a set submitted before the last one was collected"
+        self.submitted.append((self.batcher.steps_taken - 1, seq_lens_per_rank))
+        self._pending = seq_lens_per_rank
+
+    def collect(self):
+        lengths, self._pending = self._pending, None
+        self.collected.append(self.batcher.steps_taken)
+        if len(self.collected) - 1 in self.lost:
+            return None
+        try:
+            return self.solve(lengths)
+        except ValueError:
+            return None
+
+
+def _refuse_more_than(most: int):
+    """A planner whose plan is its input, refusing a set of more than ``most`` sequences."""
+
+    def solve(seq_lens_per_rank):
+        if sum(map(len, seq_lens_per_rank)) > most:
+            raise ValueError("max_tokens_per_gpu could not be met")
+        return ("plan", seq_lens_per_rank)
+
+    return solve
+
+
+def _the_plan_is_its_input(seq_lens_per_rank):
+    return ("plan", seq_lens_per_rank)
+
+
+# The batcher scenarios above, with planners whose plan is a function of the set (the real planner
+# is deterministic): budgets, waits, a request over the budget, none, back-offs, guidance pairs.
+SCENARIOS = {
+    "joins_and_leaves": ([Job(0, 0, (100,), 4), Job(1, 1, (50,), 1), Job(2, 0, (40,), 2), Job(3, 1, (120,), 3)],
+                         110, _the_plan_is_its_input),
+    "no_overtaking": ([Job(0, 0, (100,), 2), Job(1, 1, (150,), 1), Job(2, 0, (10,), 1)], 100, _the_plan_is_its_input),
+    "no_budget": ([Job(0, 0, (500,), 2), Job(1, 1, (900,), 1)], None, _the_plan_is_its_input),
+    "over_the_budget_alone": ([Job(0, 0, (10,), 1), Job(1, 1, (500,), 1), Job(2, 0, (10,), 1)], 100,
+                              _the_plan_is_its_input),
+    "back_offs": ([Job(i, i % 2, (10,), 1) for i in range(4)], 100, _refuse_more_than(2)),
+    "blocked_after_a_back_off": ([Job(0, 0, (10,), 3), Job(1, 1, (10,), 6), Job(2, 0, (10,), 2), Job(3, 1, (10,), 2)],
+                                 15, _refuse_more_than(2)),
+    "guided_pairs": ([Job(0, 0, (1000, 1000), 2), Job(1, 1, (10,), 1)], None, _the_plan_is_its_input),
+}  # fmt: skip
+
+
+def _with_and_without_plan_ahead(jobs, budget, solve, lost=()):
+    """Both batchers' steps, asserted equal (sets, joins, leaves, changes, plans, solves, back-offs);
+    returns the planning-ahead batcher, its plan ahead and the steps."""
+    alone = StepBatcher(jobs, 2, budget, solve)
+    expected = _run(alone)
+    ahead = _FakePlanAhead(solve, lost)
+    batcher = ahead.batcher = StepBatcher(jobs, 2, budget, solve, ahead)
+    steps = _run(batcher)
+    assert steps == expected
+    assert (batcher.solves, batcher.back_offs) == (alone.solves, alone.back_offs)
+    assert alone.planned_ahead == 0
+    return batcher, ahead, steps
+
+
+def _refuses(solve, seq_lens_per_rank) -> bool:
+    try:
+        solve(seq_lens_per_rank)
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_the_next_set_is_submitted_when_a_set_starts_and_collected_at_its_change_with_the_same_steps(scenario):
+    jobs, budget, solve = SCENARIOS[scenario]
+    batcher, ahead, steps = _with_and_without_plan_ahead(jobs, budget, solve)
+    # Each set but the last submits the next at its first step; the next is collected at the first
+    # leave, at least one step (the submitting step's forward) later.
+    assert [number for number, _ in ahead.submitted] == [step.number for step in steps if step.changed][:-1]
+    changes = [step for step in steps if step.left]
+    assert ahead.collected == [step.number for step in changes]
+    for (submitted_at, lengths), step in zip(ahead.submitted, changes, strict=True):
+        assert submitted_at < step.number
+        # The set submitted is the set that starts there, unless the planner refused it (a back-off).
+        assert (batcher.seq_lens_per_rank(step.active) == lengths) != _refuses(solve, lengths)
+    refused = sum(_refuses(solve, lengths) for _, lengths in ahead.submitted)
+    assert batcher.planned_ahead == len(ahead.submitted) - refused
+    # "back_offs" backs off at its first set (solved in the step); here a set planned ahead is refused.
+    assert refused == (scenario == "blocked_after_a_back_off")
+
+
+def test_a_plan_that_does_not_come_is_solved_in_the_step_with_the_same_steps():
+    """A worker that died (any rank's: the plan ahead gives ``None`` on every rank) costs that set
+    its plan ahead, nothing else."""
+    jobs, budget, solve = SCENARIOS["joins_and_leaves"]
+    batcher, ahead, _ = _with_and_without_plan_ahead(jobs, budget, solve, lost={0, 2})
+    assert len(ahead.submitted) == 3 and batcher.planned_ahead == 1
+    jobs, budget, solve = SCENARIOS["blocked_after_a_back_off"]
+    _with_and_without_plan_ahead(jobs, budget, solve, lost={1})
+
+
+def test_random_runs_plan_ahead_the_sets_they_run_and_step_alike():
+    """Random requests (one or two sequences, 1 to 5 steps), budgets and planners that refuse sets of
+    many sequences: the batcher's claim that a set changes only when a request leaves, and so is
+    known a set ahead, holds wherever the steps are the same."""
+    rng = np.random.default_rng(0)
+    backed_off = planned_ahead = 0
+    for _ in range(200):
+        count = int(rng.integers(1, 9))
+        jobs = [Job(i, i % 2, tuple(int(n) for n in rng.integers(1, 60, rng.integers(1, 3))), int(rng.integers(1, 6)))
+                for i in range(count)]  # fmt: skip
+        budget = None if rng.random() < 0.2 else int(rng.integers(60, 160))
+        batcher, _, _ = _with_and_without_plan_ahead(jobs, budget, _refuse_more_than(int(rng.integers(2, 8))))
+        backed_off += batcher.back_offs > 0
+        planned_ahead += batcher.planned_ahead
+    assert backed_off > 50 and planned_ahead > 300  # (105 and 358)
+
+
+def test_the_worker_plans_ahead_what_the_planner_plans_in_the_step_and_ranks_agree_on_a_failure(monkeypatch):
+    """WorkerPlanAhead with a real plan worker: the plans bit for bit ``plan_routing``'s in the step;
+    when another rank's worker gave no plan (the agreement's gather says so), this rank solves the
+    set in the step too."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import deepspeed_knap.generation.balancer as generation_balancer_module
+    from deepspeed_knap.cost.model import CostModel
+    from deepspeed_knap.generation.balancer import WorkerPlanAhead
+    from deepspeed_knap.generation.runner import _solver
+    from deepspeed_knap.planner.topology import build_topology
+
+    topology = build_topology("auto", 2, max_degree=2)
+    balancer = SimpleNamespace(groups=SimpleNamespace(topology=topology, rank=0, group_rank=0),
+                               cost_model=CostModel(linear_coef=1.0, quadratic_coef=1e-3), solver="refine",
+                               max_tokens_per_gpu=200, _worker_timeout_s=60.0)  # fmt: skip
+    solve = _solver(balancer)  # generate's in-step solve
+
+    def fields(plan) -> list:  # bit for bit: values, dtypes and shapes
+        values = [getattr(plan, field.name) for field in dataclasses.fields(plan)]
+        return [(v.dtype.str, v.shape, v.tobytes()) if isinstance(v, np.ndarray) else v for v in values]
+
+    # Sets (0, 1), (0,), (2, 3), (2,): three planned ahead.
+    jobs = [Job(0, 0, (150, 150), 3), Job(1, 1, (40,), 1), Job(2, 0, (120,), 3), Job(3, 1, (30, 30), 2)]
+    expected = [fields(step.plan) for step in _run(StepBatcher(jobs, 2, 200, solve))]
+    for other_rank_ready in (1, 0):
+        sent = []  # this rank's part of each agreement: 1, its worker gave the plan
+
+        def gather_ints(value, device, groups, sent=sent, other=other_rank_ready):
+            sent.append(value)
+            return [value, other]
+
+        monkeypatch.setattr(generation_balancer_module, "gather_ints", gather_ints)
+        planner = WorkerPlanAhead(balancer, "cpu")
+        try:
+            batcher = StepBatcher(jobs, 2, 200, solve, planner)
+            assert [fields(step.plan) for step in _run(batcher)] == expected
+        finally:
+            planner.close()
+        assert sent == [1, 1, 1]  # this rank's worker gave every plan
+        assert batcher.planned_ahead == (3 if other_rank_ready else 0) and batcher.solves == 4
 
 
 @functools.cache
