@@ -12,8 +12,9 @@ One request per line (``{"prompt": ..., "height": ..., "width": ..., "steps": ..
 lines ``r``, ``r + N``, ...; the family (FLUX.1, FLUX.2 or Wan) is the model's: ``--model-path``'s
 checkpoint, or ``--tiny --family``; the transformer runs every rank's running requests together,
 balanced (topology ``auto``), and requests join and leave at step boundaries under the token
-budget. Writes ``OUT/{id}.png`` per image (``OUT/{id}.gif`` per video) and ``OUT/timings.json``
-(per request and per rank). Bad lines are refused before any work and the others generated; the exit code is then 1,
+budget; each request set's plan is solved in a worker process while the set before it runs
+(``--no-plan-ahead``: at the step the set starts). Writes ``OUT/{id}.png`` per image
+(``OUT/{id}.gif`` per video) and ``OUT/timings.json`` (per request and per rank). Bad lines are refused before any work and the others generated; the exit code is then 1,
 as it is for a missing model, and for an image that could not be written (the others still are).
 Launched without a launcher it runs as one rank, unbalanced.
 """
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget of the running requests, per GPU (default: every request at once)")  # fmt: skip
     parser.add_argument("--no-reuse", action="store_true",
                         help="gather, solve and prepare the route every step, as training does (to compare)")  # fmt: skip
+    parser.add_argument("--no-plan-ahead", action="store_true",
+                        help="solve each request set's plan at the step it starts, not in a worker process "
+                        "while the set before it runs (the plans are the same)")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
 
 
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report = generate(args.requests, generator, balancer, write_output, args.max_tokens_per_gpu,
-                          progress=not args.no_progress)  # fmt: skip
+                          progress=not args.no_progress, plan_ahead=not args.no_plan_ahead)  # fmt: skip
     except RequestFileError as error:  # the same error on every rank
         return 1 if _report_fatal([str(error)], rank, "reading the requests") else 0
     reports = all_gather_json({**dataclasses.asdict(report), "unwritten": unwritten})
@@ -166,13 +170,15 @@ def summarize(reports: list[dict]) -> dict:
     requests = sorted((dict(r, rank=report["rank"]) for report in reports for r in report["requests"]),
                       key=lambda r: r["line"])  # fmt: skip
     ranks = [{"rank": report["rank"], "wall_s": report["wall_s"], "busy_s": report["busy_s"],
-              "images": len(report["requests"]), "plan_s": sum(report["plan_s"]), "route_s": sum(report["route_s"])}
+              "images": len(report["requests"]), "plan_s": sum(report["plan_s"]), "route_s": sum(report["route_s"]),
+              "solve_in_step_s": report["solve_in_step_s"], "plan_wait_s": report["plan_wait_s"]}
              for report in reports]  # fmt: skip
     unwritten = sorted((u for report in reports for u in report.get("unwritten", [])), key=lambda u: u["line"])
     first = reports[0]
     return {"images": len(requests), "requests_in_file": first["count"], "wall_s": wall,
             "images_per_s": len(requests) / wall if wall > 0 else 0.0, "steps": first["steps"],
-            "set_changes": first["set_changes"], "solves": first["solves"], "back_offs": first["back_offs"],
+            "set_changes": first["set_changes"], "solves": first["solves"], "planned_ahead": first["planned_ahead"],
+            "solved_in_step": first["solved_in_step"], "back_offs": first["back_offs"],
             "refused": first["refused"], "unwritten": unwritten, "requests": requests, "ranks": ranks}  # fmt: skip
 
 
@@ -180,10 +186,18 @@ def format_summary(summary: dict, out: Path) -> str:
     lines = [f"generated {summary['images']} of {summary['requests_in_file']} requests into {out} in "
              f"{summary['wall_s']:.1f} s ({summary['images_per_s']:.2f} images/s, {summary['steps']} steps, "
              f"{summary['set_changes']} request sets, {summary['solves']} plans solved)"]  # fmt: skip
+    planned = summary["planned_ahead"] + summary["solved_in_step"]
+    if planned:  # balanced
+        lines.append(f"request set plans: {summary['planned_ahead']} of {planned} planned ahead in the worker, "
+                     f"{summary['solved_in_step']} solved in the step")  # fmt: skip
     for rank in summary["ranks"]:
         busy = rank["busy_s"] / rank["wall_s"] if rank["wall_s"] > 0 else 0.0
-        lines.append(f"  rank {rank['rank']}: {rank['images']} images, busy {rank['busy_s']:.1f} s of "
-                     f"{rank['wall_s']:.1f} ({busy:.0%})")  # fmt: skip
+        line = (f"  rank {rank['rank']}: {rank['images']} images, busy {rank['busy_s']:.1f} s of "
+                f"{rank['wall_s']:.1f} ({busy:.0%})")  # fmt: skip
+        if planned:
+            line += (f", set plans: {rank['solve_in_step_s']:.3f} s solving in the step, "
+                     f"{rank['plan_wait_s']:.3f} s waiting for the worker")  # fmt: skip
+        lines.append(line)
     if summary["refused"]:
         lines.append(f"refused {len(summary['refused'])} request(s):")
         lines += [f"  {refusal['reason']}" for refusal in summary["refused"]]
