@@ -30,20 +30,25 @@ With ``fit_route``, the route coefficient (:attr:`~deepspeed_knap.cost.model.Cos
 seconds of one token's round trip) is refit from the route phases (the route and reverse-route
 exchanges, forward and backward) by least squares through the origin on weighted running sums::
 
-    route_phase = route_coef * R,   R = max_g max(sent[g], received[g])
+    route_phase[g] = route_coef * x[g],   x[g] = max(sent[g], received[g])
 
-``route_phase`` the step's least route-phase seconds over ranks (each rank's includes its wait for
-the later ones; the last to arrive waits least) and ``R`` the tokens the busiest GPU moves under the
-plan (:func:`~deepspeed_knap.planner.route.gpu_traffic`), the phase
-:mod:`~deepspeed_knap.planner.route` prices. ``route_coef = sum R*t / sum R**2 >= 0``. The fixed
-latency of the all-to-alls (paid whatever moves) is counted per token at the steps' ``R``: an
-upper estimate of what one more moved token costs, so the planner errs towards keeping sequences
-home. A latency term is not fitted beside it: from step to step ``R`` varies by a few percent (3%
-on ``kf_mixed_res`` at 8 GPUs), too little to tell the two apart. The coefficient is refit once
+``x[g]`` the tokens GPU ``g`` moves under the plan (:func:`~deepspeed_knap.planner.route.gpu_traffic`)
+and ``route_phase[g]`` its measured route-phase seconds, which include its wait for its partners.
+Each step gives one pair ``(x, t)``: of the GPUs that moved tokens, the one whose seconds per own
+moved token are least (it waited least). A GPU's time is paired with its own traffic, not with the
+busiest GPU's: a GPU outside the route (nothing to send or receive) finishes its all-to-alls at once,
+and pairing its time with the busiest GPU's tokens would price routes near zero (measured on 3 gloo
+ranks: 2 ms against 170 ms). ``route_coef = sum x*t / sum x**2 >= 0``. The fixed latency of the
+all-to-alls (paid whatever moves) is counted per token at the steps' ``x``: an upper estimate of what
+one more moved token costs, so the planner errs towards keeping sequences home (it also overstates
+what keeping a sequence home saves: the all-to-alls run whether or not anything moves). A latency
+term is not fitted beside it: from step to step the moved tokens vary by a few percent (3% on
+``kf_mixed_res`` at 8 GPUs), too little to tell the two apart. The coefficient is refit once
 ``warmup_steps`` measured steps moved tokens, and it replaces the prior's even when that is 0: route
-pricing turns on from the measurements. Every token counts as staying inside its node (as ``c`` is
-fitted); ``inter_node_route_coef`` stays the prior's (given: as given; ``None``: follows the fitted
-``route_coef``).
+pricing turns on from the measurements. Steps that move nothing say nothing, so once plans keep
+every sequence home the coefficient stays as last fitted. Every token counts as staying inside its
+node (as ``c`` is fitted); ``inter_node_route_coef`` stays the prior's (given: as given; ``None``:
+follows the fitted ``route_coef``).
 
 Determinism: inputs are integers (tokens, microseconds), the arithmetic is plain Python floats in a
 fixed order (:func:`~deepspeed_knap.cost.model.nonnegative_normal_equations` uses no BLAS, whose
@@ -194,23 +199,23 @@ class OnlineCostModel:
                 self._refit_route()
 
     def _observe_route(self, plan: RoutingPlan, route_us: list[int] | None) -> None:
-        """Add the step's route phase (the least over the ranks that measured it) against the
-        tokens its busiest GPU moved."""
+        """Add the step's least-waiting moving GPU: its route-phase seconds against its own moved
+        tokens (module docstring)."""
         forgetting = self.settings.forgetting
         self.route_sums = [self.route_sums[0] * forgetting, self.route_sums[1] * forgetting]
-        measured = [us for us in route_us or () if us >= 0]
-        if not measured:
+        if not route_us:
             return
         traffic = gpu_traffic(plan.seq_lens, plan.seq_src_rank, plan.seq_group_start, plan.seq_group_size,
                               plan.num_gpus, None)  # fmt: skip
-        r = float(max(traffic[0].max(initial=0), traffic[2].max(initial=0)))  # an exact integer
-        if r == 0:
-            return  # nothing moved: through the origin, the step says nothing
-        t = min(measured) / 1e6
+        moved = [max(sent, received) for sent, received in zip(traffic[0].tolist(), traffic[2].tolist(), strict=True)]
+        pairs = [(float(x), us / 1e6) for x, us in zip(moved, route_us, strict=True) if x > 0 and us >= 0]
+        if not pairs:
+            return  # nothing moved, or no timer: through the origin, the step says nothing
+        x, t = min(pairs, key=lambda pair: pair[1] / pair[0])  # the first of equals: the same on every rank
         if self.route_fitted and self.current.route_coef > 0:  # one stalled step counts boundedly
-            predicted, bound = self.current.route_coef * r, self.settings.max_speed_ratio
+            predicted, bound = self.current.route_coef * x, self.settings.max_speed_ratio
             t = min(max(t, predicted / bound), predicted * bound)
-        self.route_sums = [self.route_sums[0] + r * r, self.route_sums[1] + r * t]
+        self.route_sums = [self.route_sums[0] + x * x, self.route_sums[1] + x * t]
         self.route_steps += 1
 
     def _refit_route(self) -> None:

@@ -120,9 +120,9 @@ def _models():
             run_route(CostModel(1e-5, 1e-8), 8, settings, true_route_us).model())  # fmt: skip
 
 
-def busiest_moved_tokens(plan) -> int:
-    """Tokens the busiest GPU sends or receives under ``plan``, counted from its chunks (not the
-    planner's route module, which the refit uses)."""
+def moved_tokens(plan) -> list[int]:
+    """Tokens each GPU sends or receives (the larger) under ``plan``, counted from its chunks (not
+    the planner's route module, which the refit uses)."""
     sent, received = [0] * plan.num_gpus, [0] * plan.num_gpus
     for i, home in enumerate(plan.seq_src_rank.tolist()):
         for k in range(plan.chunk_offsets[i], plan.chunk_offsets[i + 1]):
@@ -130,11 +130,12 @@ def busiest_moved_tokens(plan) -> int:
             if gpu != home:
                 sent[home] += tokens
                 received[gpu] += tokens
-    return max(sent + received)
+    return [max(s, r) for s, r in zip(sent, received, strict=True)]
 
 
 ROUTE_COEF = 4e-8  # the generating seconds per token's round trip
-WAITS_US = (300, 0, 1200, 50, 0, 700, 90, 10)  # each rank's wait for the later ones (ranks 1 and 4 last)
+WAITS_US = (300, 0, 1200, 50, 0, 700, 90, 10)  # each moving rank's wait for its partners
+IDLE_US = 25  # a rank that moves nothing: its all-to-alls end at once
 
 
 def run_route(prior, steps, settings, route_us):
@@ -147,7 +148,13 @@ def run_route(prior, steps, settings, route_us):
 
 
 def true_route_us(step, plan):
-    return [round(ROUTE_COEF * busiest_moved_tokens(plan) * 1e6) + wait for wait in WAITS_US]
+    """Each rank's route phase: its own moved tokens' time and its wait; a rank outside the route
+    (which a fit pairing times with the busiest GPU's tokens would take for a near-free route) done
+    at once."""
+    return [
+        round(ROUTE_COEF * x * 1e6) + wait if x else IDLE_US
+        for x, wait in zip(moved_tokens(plan), WAITS_US, strict=True)
+    ]
 
 
 def test_route_refit_recovers_the_route_coefficient_once_enough_steps_moved_tokens():
@@ -158,12 +165,16 @@ def test_route_refit_recovers_the_route_coefficient_once_enough_steps_moved_toke
     # Timers that fail (-1) on every rank, or steps that move nothing, are no evidence.
     unmeasured = run_route(prior, 6, settings, lambda step, plan: [-1] * 8)
     assert unmeasured.model().route_coef == 0 and unmeasured.route_steps == 0
+    # GPUs move 2.4x apart: pairing the least-waiting rank's time with the busiest GPU's tokens would
+    # fit 0.4x of the coefficient.
+    moved = moved_tokens(plan_routing(sample_mix("kf_mixed_res", 8, 0), build_topology("auto", 8), prior))
+    assert max(moved) > 2 * min(moved)
     home = plan_routing(sample_mix("kf_mixed_res", 8, 0), build_topology("auto", 8), prior, "none")
     for _ in range(6):
         unmeasured.observe(home, measure(home), [0] * 8, None, [500] * 8)
     assert unmeasured.model().route_coef == 0 and unmeasured.route_steps == 0
     online = run_route(prior, 8, settings, true_route_us)
-    # Microsecond rounding of ~800 us phases: within 1e-3 of the generating coefficient.
+    # Microsecond rounding of the phases: within 1e-3 of the generating coefficient.
     assert online.model().route_coef == pytest.approx(ROUTE_COEF, rel=1e-3)
     assert online.model().inter_node_route == online.model().route_coef  # the prior gave none apart
     assert online.model().linear_coef == pytest.approx(TRUTH.linear_coef, rel=1e-3)  # the compute fit unchanged
@@ -173,7 +184,7 @@ def test_route_refit_is_never_negative_and_off_keeps_the_refit_of_before():
     prior = CostModel(1e-5, 1e-8, route_coef=1e-7, inter_node_route_coef=3e-7)
     # Route phases that shrink as more moves (noise against the model): 0 at worst, never below.
     shrinking = run_route(prior, 8, OnlineSettings(warmup_steps=3),
-                          lambda step, plan: [max(0, 2000 - busiest_moved_tokens(plan) // 10)] * 8)  # fmt: skip
+                          lambda step, plan: [max(0, 2000 - max(moved_tokens(plan)) // 10)] * 8)  # fmt: skip
     assert shrinking.model().route_coef >= 0 and shrinking.model().inter_node_route_coef == 3e-7
     off = run_route(prior, 8, OnlineSettings(warmup_steps=3, fit_route=False), true_route_us)
     unmeasured = run_route(prior, 8, OnlineSettings(warmup_steps=3), lambda step, plan: None)
