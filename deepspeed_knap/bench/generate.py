@@ -181,25 +181,28 @@ def _pipeline_calls(pipe, mine: dict, generator) -> dict:
             options.update(num_frames=generator.frames(r), negative_prompt=r.negative_prompt)
         elif r.true_cfg_scale is not None:
             options.update(true_cfg_scale=r.true_cfg_scale, negative_prompt=r.negative_prompt)
-        pipe(**_pipeline_text(pipe, r), height=r.height, width=r.width, num_inference_steps=r.steps,
+        pipe(**_pipeline_text(pipe, r, generator.family), height=r.height, width=r.width, num_inference_steps=r.steps,
              generator=torch.Generator().manual_seed(r.seed), **options)  # fmt: skip
     return {"images": len(mine), "steps": 0, "solves": 0, "plan_s": [], "route_s": []}
 
 
-# The embeddings a request file's safetensors may hold that the pipelines take by these names.
-_EMBEDDINGS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+# The embeddings each family's pipeline takes by these names (what its generator reads from a file).
+_EMBEDDINGS = {"flux": ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds",
+                        "negative_pooled_prompt_embeds"),
+               "flux2": ("prompt_embeds",), "wan": ("prompt_embeds", "negative_prompt_embeds")}  # fmt: skip
 
 
-def _pipeline_text(pipe, request) -> dict:
-    """A request's text arguments to its pipeline: its prompt, or its precomputed embeddings
-    (batched, on the pipeline's device and in its dtype, as the generator reads them)."""
+def _pipeline_text(pipe, request, family: str) -> dict:
+    """A request's text arguments to its pipeline: its prompt, or its precomputed embeddings (those
+    the family's pipeline takes, batched, on the pipeline's device and in its dtype, as the
+    generator reads them)."""
     if request.prompt is not None:
         return {"prompt": request.prompt, "max_sequence_length": request.max_sequence_length}
     from safetensors.torch import load_file
 
     saved = load_file(request.embeddings)
     device, dtype = pipe.vae.device, pipe.transformer.dtype
-    return {key: saved[key][None].to(device, dtype) for key in _EMBEDDINGS if key in saved}
+    return {key: saved[key][None].to(device, dtype) for key in _EMBEDDINGS[family] if key in saved}
 
 
 def bench_generate(options: dict) -> dict:
@@ -296,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) % side:
             raise ValueError(f"--{name} {getattr(args, name)}: the tiny {args.family} VAE and patches need "
                              f"multiples of {side} px")  # fmt: skip
-    if (args.frames - 1) % 4:
+    if args.family == "wan" and (args.frames - 1) % 4:
         raise ValueError(f"--frames {args.frames}: Wan's VAE takes 1 + a multiple of 4 frames")
     options = {"ranks": args.ranks, "family": args.family, "frames": args.frames, "requests": args.requests,
                "count": args.count, "large": args.large,

@@ -60,7 +60,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from deepspeed_knap.generation.requests import RequestFileError
-    from deepspeed_knap.generation.runner import all_gather_json, generate, generation_balancer, rank_and_world
+    from deepspeed_knap.generation.runner import (
+        GenerationError,
+        all_gather_json,
+        generate,
+        generation_balancer,
+        rank_and_world,
+    )
 
     _join_launched_job()
     rank, world = rank_and_world()
@@ -110,7 +116,11 @@ def run(args: argparse.Namespace) -> int:
                           progress=not args.no_progress, plan_ahead=not args.no_plan_ahead)  # fmt: skip
     except RequestFileError as error:  # the same error on every rank
         return 1 if _report_fatal([str(error)], rank, "reading the requests") else 0
-    reports = all_gather_json({**dataclasses.asdict(report), "unwritten": unwritten})
+    except GenerationError as error:  # the same error on every rank
+        return 1 if _report_fatal([str(error)], rank, "generating") else 0
+    # Outputs not written: by write_output (a file system error), or by the loop (a decode, or any
+    # other error handing the output over).
+    reports = all_gather_json({**dataclasses.asdict(report), "unwritten": unwritten + report.failed})
     if rank == 0:
         summary = summarize(reports)
         (out / "timings.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -202,7 +212,7 @@ def format_summary(summary: dict, out: Path) -> str:
         lines.append(f"refused {len(summary['refused'])} request(s):")
         lines += [f"  {refusal['reason']}" for refusal in summary["refused"]]
     if summary.get("unwritten"):
-        lines.append(f"could not write {len(summary['unwritten'])} image(s):")
+        lines.append(f"could not write {len(summary['unwritten'])} output(s):")
         lines += [f"  {failure['reason']}" for failure in summary["unwritten"]]
     lines.append(f"per-request and per-rank timings: {out / 'timings.json'}")
     return "\n".join(lines)

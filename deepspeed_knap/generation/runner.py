@@ -63,6 +63,10 @@ def all_gather_json(value: Any) -> list[Any]:
     return [json.loads(data) for data in all_gather_bytes(json.dumps(value).encode())]
 
 
+class GenerationError(RuntimeError):
+    """A request that could not start on its rank, raised on every rank together."""
+
+
 @dataclass
 class Intake:
     """The agreed request table (identical on every rank) and this rank's requests.
@@ -83,7 +87,8 @@ class Intake:
 
 
 def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | None = None,
-                  max_degree: int = 1, balanced: bool = True) -> Intake:  # fmt: skip
+                  max_degree: int = 1, balanced: bool = True,
+                  solve: Callable[[list[list[int]]], Any] | None = None) -> Intake:  # fmt: skip
     """Read and check the request file, and agree on the table. Collective.
 
     Args:
@@ -92,6 +97,10 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
         max_tokens_per_gpu: the per-GPU token budget, or ``None``.
         max_degree: the largest group a sequence may be split over (its GPUs hold it together).
         balanced: the requests run balanced; ``False``: each on its home rank, all its sequences there.
+        solve: the batcher's planner (raises ``ValueError`` for a set it cannot place). Given, a
+            request of several sequences (classifier-free guidance) that no single group holds
+            under the budget is planned alone at its home, and refused if even that fails: two
+            sequences each over one GPU's budget need two groups, which ``auto`` may not have.
 
     Raises:
         RequestFileError: on every rank, when a rank cannot read the file or ranks read different files.
@@ -130,6 +139,7 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
     seen: dict[str, int] = {}
     limit = None if max_tokens_per_gpu is None else max_tokens_per_gpu * max_degree
     hold = world if balanced else 1  # the GPUs a request's sequences may spread over
+    placeable: dict[tuple[int, tuple[int, ...]], bool] = {}  # (home, sequences) planned alone: requests repeat sizes
     jobs, ids, refused = [], {}, []
     for entry in table:
         reason, seq_lens = entry["reason"], entry["seq_lens"]
@@ -145,6 +155,21 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
                       f"unconditional branch too) of {seq_lens} tokens exceed the budget of {hold} GPU(s) "
                       f"({'every GPU together' if balanced else 'unbalanced, its home rank holds them all'}), "
                       f"{max_tokens_per_gpu} per GPU; make the image smaller, or raise --max-tokens-per-gpu")  # fmt: skip
+        elif (reason is None and solve is not None and limit is not None and len(seq_lens) > 1
+              and sum(seq_lens) > limit):  # fmt: skip
+            home = entry["index"] % world
+            if (home, tuple(seq_lens)) not in placeable:  # deterministic: every rank decides alike
+                alone = [list(seq_lens) if rank_index == home else [] for rank_index in range(world)]
+                try:
+                    solve(alone)
+                    placeable[home, tuple(seq_lens)] = True
+                except ValueError:
+                    placeable[home, tuple(seq_lens)] = False
+            if not placeable[home, tuple(seq_lens)]:
+                reason = (f"line {entry['line']}: its {len(seq_lens)} sequences (classifier-free guidance) of "
+                          f"{seq_lens} tokens cannot be placed even alone under the budget of {max_tokens_per_gpu} "
+                          f"per GPU on these {world} ranks (each needs a group of its own); make the image smaller, "
+                          "or raise --max-tokens-per-gpu")  # fmt: skip
         if reason is None:
             seen[entry["id"]] = entry["line"]
             jobs.append(Job(entry["index"], entry["index"] % world, tuple(seq_lens), entry["steps"]))
@@ -207,6 +232,8 @@ class GenerationReport:
         plan_wait_s: this rank's seconds waiting for the plan worker's set plans at the steps that
             started their sets (what planning ahead did not hide).
         plan_s, route_s: per step, this rank's seconds to get the plan and to route (balanced runs).
+        failed: this rank's requests whose decode or ``on_image`` raised (``line``, ``id``, ``rank``,
+            ``reason``); the run went on.
     """
 
     rank: int
@@ -225,6 +252,7 @@ class GenerationReport:
     plan_wait_s: float = 0.0
     plan_s: list[float] = field(default_factory=list)
     route_s: list[float] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)
 
 
 def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None = None,
@@ -252,6 +280,8 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
 
     Raises:
         RequestFileError: on every rank, for a request file that ranks cannot read alike.
+        GenerationError: on every rank, when a request's ``generator.start`` raised on its rank (its
+            encoders or embeddings file failed after the intake's checks), at the step it joins.
     """
     from tqdm import tqdm
 
@@ -262,12 +292,14 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     topology = None if balancer is None else balancer.groups.topology
     max_degree = 1 if topology is None else max(size for _, size in topology.groups)
     busy = time.perf_counter()
-    intake = take_requests(path, generator, max_tokens_per_gpu, max_degree, balanced=balancer is not None)
+    solve = _solver(balancer, max_tokens_per_gpu)
+    intake = take_requests(path, generator, max_tokens_per_gpu, max_degree, balanced=balancer is not None,
+                           solve=solve if balancer is not None else None)  # fmt: skip
     busy = time.perf_counter() - busy  # the intake's own checks; the gather is shared waiting
     planner = None
     if plan_ahead and balancer is not None and balancer.reuse:
         planner = WorkerPlanAhead(balancer, generator.device)
-    batcher = StepBatcher(intake.jobs, world, max_tokens_per_gpu, _solver(balancer, max_tokens_per_gpu), planner)
+    batcher = StepBatcher(intake.jobs, world, max_tokens_per_gpu, solve, planner)
     # A balancer may serve several runs: this run's counts are what it adds.
     solves_before, steps_before = (balancer.solves, len(balancer.plan_s)) if balancer is not None else (0, 0)
     report = GenerationReport(rank, [], intake.refused, intake.count)
@@ -280,14 +312,23 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
         while (step := batcher.next_step()) is not None:
             step_start = time.perf_counter()
             report.set_changes += step.changed
+            problem = None
             for index in step.joined:
-                if index in intake.mine:
+                if index in intake.mine and problem is None:
                     request = intake.mine[index]
                     records[index] = {"id": request.id, "line": request.line, "tokens": batcher.jobs[index].tokens,
                                       "steps": request.steps, "first_step": step.number, "started_at": step_start}  # fmt: skip
                     clock = time.perf_counter()
-                    states[index] = generator.start(request)
+                    try:
+                        states[index] = generator.start(request)
+                    except Exception as error:  # raised here alone, it would leave the others in the forward
+                        problem = (f"rank {rank}, line {request.line} ({request.id!r}): cannot start the request: "
+                                   f"{type(error).__name__}: {error}")  # fmt: skip
                     records[index]["encode_s"] = time.perf_counter() - clock
+            if step.joined:  # every rank knows the joiners: it agrees at the same steps
+                problems = [p for p in all_gather_json(problem) if p]
+                if problems:
+                    raise GenerationError("; ".join(problems))
             clock = time.perf_counter()
             mine = [index for index in step.active if index in states]
             inputs = model.pack([sample for index in mine for sample in states[index].samples()]).to(generator.device)
@@ -306,13 +347,19 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
             busy += time.perf_counter() - clock
             for index in [index for index in mine if states[index].done]:
                 clock = time.perf_counter()
-                image = generator.decode(states.pop(index))
-                record = records[index]
-                record.update(last_step=step.number, denoise_s=clock - record.pop("started_at"),
-                              decode_s=time.perf_counter() - clock)  # fmt: skip
-                busy += record["decode_s"]
-                if on_image is not None:
-                    on_image(intake.mine[index], image)
+                request, record = intake.mine[index], records[index]
+                try:  # a failure here is this request's alone: the rank goes on (no other rank waits on it)
+                    image = generator.decode(states.pop(index))
+                    decode_s = time.perf_counter() - clock
+                    if on_image is not None:
+                        on_image(request, image)
+                except Exception as error:
+                    report.failed.append({"line": request.line, "id": request.id, "rank": rank,
+                                          "reason": f"line {request.line}: cannot decode or hand over the output: "
+                                          f"{type(error).__name__}: {error}"})  # fmt: skip
+                    continue
+                record.update(last_step=step.number, denoise_s=clock - record.pop("started_at"), decode_s=decode_s)
+                busy += decode_s
                 report.requests.append(record)
             bar.update(len(step.active))
     finally:

@@ -74,7 +74,7 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
     ReusingBalancer calls to prepare)."""
     import deepspeed_knap.planner.solve as solve_module
     from deepspeed_knap.cost.model import CostModel
-    from deepspeed_knap.generation.runner import generate, generation_balancer
+    from deepspeed_knap.generation.runner import GenerationError, generate, generation_balancer
     from deepspeed_knap.models.flux.generate import tiny_flux_generator
     from deepspeed_knap.models.wan.generate import tiny_wan_generator
     from deepspeed_knap.planner.worker import PlanWorker
@@ -123,9 +123,23 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
             begin_step(request_set, plan, seq_lens_per_rank)
 
         balancer.begin_step = recording_begin_step
+        if run.get("fail_start"):  # this id's start raises on its rank (an encoder failing after the intake)
+            start = generator.start
+
+            def failing_start(request, start=start, failing=run["fail_start"]):
+                if request.id == failing:
+                    raise OSError(f"the text encoder could not read {request.id}")
+                return start(request)
+
+            generator.start = failing_start
         images = {}
-        report = generate(run["path"], generator, balancer, progress=False, plan_ahead=run.get("plan_ahead", True),
-                          on_image=lambda r, image, images=images: images.__setitem__(r.id, image))  # fmt: skip
+        try:
+            report = generate(run["path"], generator, balancer, progress=False,
+                              plan_ahead=run.get("plan_ahead", True),
+                              on_image=lambda r, image, images=images: images.__setitem__(r.id, image))  # fmt: skip
+        except GenerationError as error:
+            results.append({"error": str(error)})
+            continue
         results.append({"images": images, "report": dataclasses.asdict(report), "group_sizes": sorted(group_sizes),
                         **counts})  # fmt: skip
     return results
@@ -264,7 +278,15 @@ def test_bad_lines_are_refused_on_every_rank_and_the_others_generated_without_re
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(lines) + "\n")
     run = {"path": str(path), "budget": BUDGET, "reuse": False, "family": "flux"}
-    results = [ranks[0] for ranks in run_distributed(_generate, 2, args=([run],), timeout=300)]
+    # Then (same spawn) a request whose start fails on its rank, after the intake: every rank raises
+    # the same error at the step it joins, none waits in the forward.
+    failing = {"path": _write_requests(tmp_path / "failing.jsonl", REQUESTS[:4]), "budget": BUDGET // 2,
+               "reuse": True, "family": "flux", "fail_start": "tiny"}  # fmt: skip
+    by_rank = run_distributed(_generate, 2, args=([run, failing],), timeout=300)
+    assert by_rank[0][1] == by_rank[1][1]
+    assert "rank 1, line 4 ('tiny'): cannot start the request: OSError: the text encoder could not read tiny" in (
+        by_rank[0][1]["error"])  # fmt: skip
+    results = [ranks[0] for ranks in by_rank]
     _check_images(results, references("flux"), [r["id"] for r in good])
     report = results[0]["report"]
     assert report["solves"] == report["set_changes"] + report["steps"]

@@ -406,8 +406,10 @@ def _tiny_generator(family: str):
     ("wan", {"height": 24, "width": 48, "frames": 5}, "multiples of 16 px"),
     ("wan", {"height": 32, "width": 48, "frames": 5, "true_cfg_scale": 2.0}, "drop 'true_cfg_scale'"),
     ("wan", {"height": 32, "width": 2048, "frames": 5}, "exceeds the model's rope_max_seq_len 64"),
+    ("wan", {"height": 32, "width": 48, "frames": 5, "guidance": 1.0, "negative_prompt": "x"}, "does nothing at guidance"),
     ("flux", {"height": 32, "width": 48, "true_cfg_scale": 2.0, "negative_prompt": ""}, (104, 104)),
     ("flux", {"height": 32, "width": 48, "true_cfg_scale": 2.0}, "needs both 'true_cfg_scale' above 1"),
+    ("flux", {"height": 32, "width": 48, "true_cfg_scale": 1.0}, (104,)),  # off, as in FluxPipeline
     ("flux", {"height": 32, "width": 48, "frames": 1}, "FLUX.1 makes images: drop 'frames'"),
     ("flux2", {"height": 32, "width": 48, "negative_prompt": "x"}, "FLUX.2 is guidance-distilled"),
 ])  # fmt: skip
@@ -416,6 +418,9 @@ def test_each_family_counts_a_requests_sequences_and_refuses_what_it_cannot_take
     request = parse_request(0, 1, json.dumps({"prompt": "a cat", "max_sequence_length": 8, **fields}))
     if isinstance(expected, tuple):
         assert generator.request_seq_lens(request) == expected
+        state = generator.start(request)  # packs the sequences the intake counted, no more
+        assert tuple(generator.model.pack(state.samples()).seq_lens) == expected
+        assert (state.guidance_scale is None) == (len(expected) == 1)
     else:
         with pytest.raises(RequestError, match=re.escape(expected)):
             generator.request_seq_lens(request)
@@ -654,4 +659,72 @@ def test_generate_command_goes_on_past_an_image_it_cannot_write(tmp_path, capsys
     timings = json.loads((tmp_path / "out" / "timings.json").read_text())
     assert [u["id"] for u in timings["unwritten"]] == ["lost"] and timings["refused"] == []
     assert "No space left on device" in timings["unwritten"][0]["reason"]
-    assert "could not write 1 image(s)" in capsys.readouterr().out
+    assert "could not write 1 output(s)" in capsys.readouterr().out
+
+
+def test_a_decode_that_fails_is_reported_and_the_run_goes_on(tmp_path):
+    """A request whose decode (or hand-over) raises is the rank's own failure: reported under
+    ``failed``, the other requests still generated (the rank leaves no collective behind)."""
+    from deepspeed_knap.generation.runner import generate
+
+    generator = _tiny_generator("flux")
+    lines = [{"id": "lost", "prompt": "a", "height": 8, "width": 8, "steps": 2, "max_sequence_length": 4},
+             {"id": "kept", "prompt": "b", "height": 8, "width": 8, "steps": 1, "max_sequence_length": 4}]  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    decode = generator.decode
+
+    def failing_decode(state):
+        if state.request.id == "lost":
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return decode(state)
+
+    generator.decode = failing_decode
+    try:
+        report = generate(tmp_path / "requests.jsonl", generator, progress=False)
+    finally:
+        del generator.decode  # the cached generator's own method again
+    assert [r["id"] for r in report.requests] == ["kept"]
+    assert [(f["id"], f["line"]) for f in report.failed] == [("lost", 1)]
+    assert "cannot decode or hand over the output: RuntimeError: CUDA out of memory" in report.failed[0]["reason"]
+
+
+def test_the_intake_refuses_a_guided_pair_that_no_plan_can_place(tmp_path, monkeypatch):
+    """3 ranks (auto: one group of 2 and three single GPUs), 1,000 tokens per GPU: a pair of 1,200
+    tokens fits neither one group (2,400 over 2,000) nor two (only one group holds 1,200), so the real
+    planner refuses it alone, at rank 0 and at rank 2, and the intake refuses both lines; a pair of
+    600 fits one group: accepted without the planner."""
+    import deepspeed_knap.generation.runner as runner
+    from deepspeed_knap.cost.model import CostModel
+    from deepspeed_knap.planner.solve import plan_routing
+    from deepspeed_knap.planner.topology import build_topology
+
+    class Pairs:
+        def request_seq_lens(self, request):
+            return (request.height, request.height)
+
+    lines = [{"prompt": "x", "height": n, "width": 8} for n in (1200, 600, 1200)]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    monkeypatch.setattr(runner, "rank_and_world", lambda: (0, 3))
+
+    def others(index: int) -> dict:  # rank index's entry for the line it owns, as its own intake made it
+        n = lines[index]["height"]
+        return {"index": index, "line": index + 1, "id": f"line{index + 1}", "seq_lens": [n, n], "steps": 28,
+                "reason": None}  # fmt: skip
+
+    monkeypatch.setattr(runner, "all_gather_json",
+                        lambda view: [view] + [{**view, "entries": [others(index)]} for index in (1, 2)])  # fmt: skip
+    topology = build_topology("auto", 3, max_degree=2)
+    assert sorted(size for _, size in topology.groups) == [1, 1, 1, 2]
+    calls = []
+
+    def solve(seq_lens_per_rank):
+        calls.append(seq_lens_per_rank)
+        return plan_routing(seq_lens_per_rank, topology, CostModel(1e-5, 1e-8), "refine", 1000)
+
+    intake = runner.take_requests(path, Pairs(), 1000, max_degree=2, solve=solve)
+    assert [(job.index, job.home, job.seq_lens) for job in intake.jobs] == [(1, 1, (600, 600))]
+    assert [r["line"] for r in intake.refused] == [1, 3]
+    assert "its 2 sequences (classifier-free guidance) of [1200, 1200] tokens cannot be placed even alone" in (
+        intake.refused[0]["reason"])  # fmt: skip
+    assert calls == [[[1200, 1200], [], []], [[], [], [1200, 1200]]]  # 600 + 600 fits one group: no planner

@@ -176,8 +176,9 @@ class FluxGenerator:
         from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
         pipe, device = self.pipeline, self.device
+        guided = self._branches(request) == 2  # true_cfg_scale 1 or below is off, as in FluxPipeline
         branches = [self._encode(request)]
-        if request.true_cfg_scale is not None:
+        if guided:
             branches.append(self._encode(request, negative=True))
         generator = torch.Generator().manual_seed(request.seed)
         latents, img_ids = pipe.prepare_latents(1, self.model.config["in_channels"] // 4, request.height, request.width,
@@ -194,7 +195,9 @@ class FluxGenerator:
             guidance = torch.tensor(self.guidance_scale(request), dtype=torch.float32, device=device)
             shared["guidance"] = guidance.to(latents.dtype)
         branches = [{**branch, **shared} for branch in branches]
-        return FluxDenoising(request, latents, scheduler, timesteps, branches, request.true_cfg_scale)
+        return FluxDenoising(
+            request, latents, scheduler, timesteps, branches, request.true_cfg_scale if guided else None
+        )
 
     def _encode(self, request: Request, negative: bool = False) -> dict[str, Tensor]:
         """The text conditioning of one branch: ``encoder_hidden_states``, ``txt_ids`` and

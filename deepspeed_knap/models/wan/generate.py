@@ -86,7 +86,7 @@ class WanGenerator:
             RequestError: frames, height or width the VAE and the patching cannot take (the
                 pipeline would silently round them), a grid over the model's RoPE table, an
                 embeddings file that is unreadable or does not fit, ``true_cfg_scale`` (Wan's
-                ``guidance`` is its classifier-free guidance).
+                ``guidance`` is its classifier-free guidance), a ``negative_prompt`` without guidance.
         """
         pipe, config, line = self.pipeline, self.model.config, request.line
         if request.true_cfg_scale is not None:
@@ -111,6 +111,9 @@ class WanGenerator:
             raise RequestError(f"line {line}: the post-patch grid {list(grid)} (frames, height, width) exceeds the "
                                f"model's rope_max_seq_len {config['rope_max_seq_len']} on an axis")  # fmt: skip
         branches = 2 if self.guidance_scale(request) > 1 else 1
+        if branches == 1 and request.negative_prompt is not None:
+            raise RequestError(f"line {line}: 'negative_prompt' does nothing at guidance {self.guidance_scale(request)} "
+                               "(classifier-free guidance runs above 1); drop it or raise 'guidance'")  # fmt: skip
         if request.embeddings is not None:
             self._check_embeddings(request, branches)
         return (int(np.prod(grid)),) * branches
