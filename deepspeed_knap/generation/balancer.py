@@ -25,7 +25,7 @@ from deepspeed.utils import logger
 
 from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.planner.plan import RoutingPlan
-from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError
+from deepspeed_knap.planner.worker import PlanWorkerError
 from deepspeed_knap.runtime.balancer import KnapBalancer
 from deepspeed_knap.runtime.groups import ProcessGroups
 from deepspeed_knap.runtime.packing import PackedBatch
@@ -186,7 +186,7 @@ class WorkerPlanAhead:
         self.balancer = balancer
         self.device = torch.device(device)
         self.wait_s = 0.0
-        self._worker = PlanWorker()
+        self._worker = balancer.plan_worker()  # the balancer's: a balancer serving several runs starts one
         self._ticket: int | None = None  # the job submitted and not collected
 
     def submit(self, seq_lens_per_rank: list[list[int]]) -> None:
@@ -221,5 +221,7 @@ class WorkerPlanAhead:
         return None
 
     def close(self) -> None:
-        """Stop the worker process (a plan not collected is dropped)."""
-        self._worker.close()
+        """Drop a plan not collected (a run that ended early); the worker stays with the balancer."""
+        if self._ticket is not None:
+            self._worker.discard(self._ticket)
+            self._ticket = None

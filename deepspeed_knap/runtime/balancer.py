@@ -163,6 +163,15 @@ class KnapBalancer:
         self._last_close: float | None = None  # perf_counter at the last step's close: steps' wall time
         self._overhead: float | None = None  # the last measured step's balancer overhead over its wall time
 
+    def plan_worker(self) -> PlanWorker:
+        """This balancer's plan worker, started on first use (its process at the first job) and
+        stopped with the balancer: training's prefetch and generation's plans ahead share it, and
+        a balancer that serves several runs starts it once."""
+        if self._worker is None:
+            self._worker = PlanWorker()
+            weakref.finalize(self, self._worker.close)
+        return self._worker
+
     @property
     def _worker_timeout_s(self) -> float:
         """How long this rank waits for its plan worker, at a prefetch or a forward. The other ranks
@@ -257,11 +266,8 @@ class KnapBalancer:
         device = torch.device(get_accelerator().current_device_name() if device is None else device)
         self.close_step()
         gathered = self._gather(seq_lens, next_segments, problem, device)
-        if self._worker is None:
-            self._worker = PlanWorker()
-            weakref.finalize(self, self._worker.close)
         model = self.model
-        ticket = self._worker.submit(gathered.seq_lens_per_rank, self.groups.topology, model, self.solver,
+        ticket = self.plan_worker().submit(gathered.seq_lens_per_rank, self.groups.topology, model, self.solver,
                                      self.max_tokens_per_gpu, DEFAULT_REFINE_STEPS, gathered.segments_per_rank,
                                      timeout_s=self._worker_timeout_s)  # fmt: skip
         self._ahead[self._prefetches] = _PlanAhead(

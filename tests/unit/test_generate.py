@@ -357,11 +357,13 @@ def test_the_worker_plans_ahead_what_the_planner_plans_in_the_step_and_ranks_agr
     from deepspeed_knap.generation.balancer import WorkerPlanAhead
     from deepspeed_knap.generation.runner import _solver
     from deepspeed_knap.planner.topology import build_topology
+    from deepspeed_knap.planner.worker import PlanWorker
 
     topology = build_topology("auto", 2, max_degree=2)
+    worker = PlanWorker()
     balancer = SimpleNamespace(groups=SimpleNamespace(topology=topology, rank=0, group_rank=0),
                                cost_model=CostModel(linear_coef=1.0, quadratic_coef=1e-3), solver="refine",
-                               max_tokens_per_gpu=200, _worker_timeout_s=60.0)  # fmt: skip
+                               max_tokens_per_gpu=200, _worker_timeout_s=60.0, plan_worker=lambda: worker)  # fmt: skip
     solve = _solver(balancer)  # generate's in-step solve
 
     def fields(plan) -> list:  # bit for bit: values, dtypes and shapes
@@ -384,9 +386,10 @@ def test_the_worker_plans_ahead_what_the_planner_plans_in_the_step_and_ranks_agr
             batcher = StepBatcher(jobs, 2, 200, solve, planner)
             assert [fields(step.plan) for step in _run(batcher)] == expected
         finally:
-            planner.close()
+            planner.close()  # the worker stays the balancer's: the second run reuses it
         assert sent == [1, 1, 1]  # this rank's worker gave every plan
         assert batcher.planned_ahead == (3 if other_rank_ready else 0) and batcher.solves == 4
+    worker.close()
 
 
 @functools.cache
