@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="plot measured and fitted seconds")
     parser.add_argument("--degrees", default=None, metavar="2,4,8",
                         help="also time emulated members of bags of these sizes and fit their efficiency")  # fmt: skip
+    parser.add_argument("--alltoall-gbps", type=positive_float, metavar="GB/s",
+                        help="all-to-all bandwidth per GPU measured on the job's GPUs (e.g. NCCL's alltoall_perf "
+                        "busbw); writes alltoall_coef for the timed blocks' width and count (not timed here: one "
+                        "process); without it the file prices Ulysses all-to-alls as free")  # fmt: skip
     parser.add_argument("--route-gbps", type=positive_float, metavar="GB/s",
                         help="all-to-all bandwidth per GPU measured on the job's GPUs (e.g. NCCL's alltoall_perf "
                         "busbw); with --route-token-bytes, writes route_coef (not timed here: one process)")  # fmt: skip
@@ -58,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from deepspeed_knap.cost.calibrate import (
+        ULYSSES_EXCHANGES,
+        alltoall_coef_from_bandwidth,
         calibrate,
         flux_blocks_step,
         load_callable,
@@ -77,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
             f"--route-gbps {args.route_gbps} and --route-token-bytes {args.route_token_bytes}: give both (route_coef "
             "is 4 x a token's row bytes over the bandwidth) or neither"
         )
+    if args.alltoall_gbps is not None and args.callable:
+        raise ValueError(f"--alltoall-gbps {args.alltoall_gbps} prices the timed blocks' Ulysses traffic; a "
+                         "--callable has no known width: give alltoall_coef in the config instead")  # fmt: skip
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.wan and (args.callable or args.flux_dims or args.degrees):
         raise ValueError(f"--wan {args.wan} times Wan blocks; it goes without --callable, --flux-dims and --degrees")
@@ -111,6 +120,12 @@ def run(args: argparse.Namespace) -> int:
         efficiency, by_degree = calibrate_degrees(timer, lengths, degrees, model, fit["overhead_s"])
         about["degree_efficiency"] = [[g, e] for g, e in efficiency.items()]
         about["degree_seconds"] = {str(g): t for g, t in by_degree.items()}
+    if args.alltoall_gbps is not None:
+        blocks = wan["num_layers"] if wan else args.double_blocks + args.single_blocks
+        about.update(alltoall_coef=alltoall_coef_from_bandwidth(heads * head_dim, blocks,
+                                                                getattr(torch, args.dtype).itemsize, args.alltoall_gbps),
+                     alltoall_gbps=args.alltoall_gbps)  # fmt: skip
+    alltoall_coef = about.get("alltoall_coef", 0.0)
     if args.route_gbps is not None:
         about.update(route_coef=route_coef_from_bandwidth(args.route_token_bytes, args.route_gbps),
                      route_gbps=args.route_gbps, route_token_bytes=args.route_token_bytes)  # fmt: skip
@@ -123,6 +138,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"a = {model.linear_coef:.4g} s/token, b = {model.quadratic_coef:.4g} s/token^2, per-step overhead "
           f"{fit['overhead_s']:.4g} s (not used in planning); R^2 = {fit['r2']:.4f}, max rel error "
           f"{fit['max_rel_error']:.1%}; written to {args.out}")  # fmt: skip
+    if alltoall_coef:
+        print(f"alltoall_coef = {alltoall_coef:.4g} s per token of Ulysses traffic ({ULYSSES_EXCHANGES} exchanges per "
+              f"block at {args.alltoall_gbps:g} GB/s, given, not timed)")  # fmt: skip
+    else:
+        print("alltoall_coef = 0: the file prices Ulysses all-to-alls as free, so topology auto splits sequences "
+              "freely; give --alltoall-gbps (measured on the job's GPUs), or turn on cost_model.online")  # fmt: skip
     if "route_coef" in about:
         print(f"route_coef = {about['route_coef']:.4g} s per token's round trip (4 x {args.route_token_bytes} bytes "
               f"at {args.route_gbps:g} GB/s, given, not timed)")  # fmt: skip

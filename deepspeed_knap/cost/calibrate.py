@@ -212,6 +212,18 @@ def route_coef_from_bandwidth(token_bytes: int, alltoall_gbps: float) -> float:
     return ROUTE_EXCHANGES * token_bytes / (alltoall_gbps * 1e9)
 
 
+# Ulysses all-to-alls of a training step per block: q, k, v in and the output back, forward and
+# backward (as CostModel.from_model_dims prices them).
+ULYSSES_EXCHANGES = 8
+
+
+def alltoall_coef_from_bandwidth(hidden: int, blocks: int, bytes_per_element: int, alltoall_gbps: float) -> float:
+    """Seconds per token of a group's Ulysses traffic (:attr:`~deepspeed_knap.cost.model.CostModel.alltoall_coef`)
+    over links of ``alltoall_gbps`` (10**9 bytes/s per GPU, measured) for ``blocks`` blocks of width
+    ``hidden`` in activations of ``bytes_per_element``: ``8 * hidden * bytes * blocks / bandwidth``."""
+    return ULYSSES_EXCHANGES * hidden * bytes_per_element * blocks / (alltoall_gbps * 1e9)
+
+
 def load_callable(spec: str) -> Step:
     """``"package.module:function"`` -> the function."""
     module, _, name = spec.partition(":")
@@ -224,7 +236,7 @@ def write_calibration(path: str | Path, model: CostModel, seq_lens, times, fit: 
     Path(path).write_text(json.dumps({
         "linear_coef": model.linear_coef,
         "quadratic_coef": model.quadratic_coef,
-        "alltoall_coef": 0.0,
+        "alltoall_coef": 0.0,  # unless about gives one (measured elsewhere): one process times no all-to-all
         **fit,
         "seq_lens": [int(s) for s in seq_lens],
         "seconds": [float(t) for t in times],

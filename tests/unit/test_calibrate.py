@@ -31,17 +31,33 @@ def test_fit_recovers_a_known_model_and_the_config_reads_it(tmp_path, capsys):
     model = get_knapformer_config({"knapformer": {"cost_model": {"calibration_file": str(out)}}}).cost_model.build()
     assert (model.linear_coef, model.quadratic_coef) == (written["linear_coef"], written["quadratic_coef"])
     assert model.route_coef == written["route_coef"]
-    assert "R^2 = 1.0000" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "R^2 = 1.0000" in printed and "alltoall_coef = 0: the file prices Ulysses all-to-alls as free" in printed
     assert main(["calibrate", "--out", str(out), "--callable", "tests.unit.test_calibrate:exact_step",
                  "--route-gbps", "50"]) == 2  # fmt: skip
     assert "--route-gbps 50.0 and --route-token-bytes None: give both" in capsys.readouterr().err
 
 
-def test_flux_blocks_on_cpu_smoke(tmp_path):
+def test_flux_blocks_on_cpu_smoke(tmp_path, capsys):
     out, plot = tmp_path / "cal.json", tmp_path / "cal.png"
     assert main(["calibrate", "--out", str(out), "--seq-lens", "128,512,1024,2048", "--repeats", "3", "--heads", "2",
-                 "--head-dim", "8", "--double-blocks", "1", "--single-blocks", "2", "--plot", str(plot)]) == 0  # fmt: skip
+                 "--head-dim", "8", "--double-blocks", "1", "--single-blocks", "2", "--plot", str(plot),
+                 "--alltoall-gbps", "0.4"]) == 0  # fmt: skip
     written = json.loads(out.read_text())
+    # Given, not timed: 8 exchanges per block of 16-wide fp32 rows, 3 blocks, at 0.4 GB/s; the same
+    # price as the FLOP preset's formula gives at that bandwidth.
+    from deepspeed_knap.cost.model import CostModel
+
+    preset = CostModel.from_model_dims(hidden=16, double_blocks=1, single_blocks=2, bytes_per_element=4,
+                                       alltoall_gbps=0.4)  # fmt: skip
+    assert written["alltoall_coef"] == pytest.approx(8 * 16 * 4 * 3 / 0.4e9, rel=1e-12)
+    assert written["alltoall_coef"] == pytest.approx(preset.alltoall_coef, rel=1e-12)
+    model = get_knapformer_config({"knapformer": {"cost_model": {"calibration_file": str(out)}}}).cost_model.build()
+    assert model.alltoall_coef == written["alltoall_coef"]
+    assert "alltoall_coef = 3.84e-06 s per token" in capsys.readouterr().out
+    assert main(["calibrate", "--out", str(out), "--callable", "tests.unit.test_calibrate:exact_step",
+                 "--alltoall-gbps", "1"]) == 2  # fmt: skip
+    assert "a --callable has no known width" in capsys.readouterr().err
     assert written["seq_lens"] == [128, 512, 1024, 2048] and all(t > 0 for t in written["seconds"])
     assert written["linear_coef"] + written["quadratic_coef"] > 0 and plot.stat().st_size > 0
 
