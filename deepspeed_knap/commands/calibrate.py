@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.alltoall_gbps is not None and args.callable:
         raise ValueError(f"--alltoall-gbps {args.alltoall_gbps} prices the timed blocks' Ulysses traffic; a "
-                         "--callable has no known width: give alltoall_coef in the config instead")  # fmt: skip
+                         "--callable has no known width: give cost_model.alltoall_coef beside the calibration_file "
+                         "instead (it replaces the file's)")  # fmt: skip
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.wan and (args.callable or args.flux_dims or args.degrees):
         raise ValueError(f"--wan {args.wan} times Wan blocks; it goes without --callable, --flux-dims and --degrees")
@@ -142,8 +143,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"alltoall_coef = {alltoall_coef:.4g} s per token of Ulysses traffic ({ULYSSES_EXCHANGES} exchanges per "
               f"block at {args.alltoall_gbps:g} GB/s, given, not timed)")  # fmt: skip
     else:
-        print("alltoall_coef = 0: the file prices Ulysses all-to-alls as free, so topology auto splits sequences "
-              "freely; give --alltoall-gbps (measured on the job's GPUs), or turn on cost_model.online")  # fmt: skip
+        fix = "cost_model.alltoall_coef beside the calibration_file" if args.callable else "--alltoall-gbps"
+        print(f"alltoall_coef = 0: the file prices Ulysses all-to-alls as free, so topology auto splits sequences "
+              f"freely; give {fix} (measured on the job's GPUs), or turn on cost_model.online")  # fmt: skip
     if "route_coef" in about:
         print(f"route_coef = {about['route_coef']:.4g} s per token's round trip (4 x {args.route_token_bytes} bytes "
               f"at {args.route_gbps:g} GB/s, given, not timed)")  # fmt: skip

@@ -193,6 +193,8 @@ class WorkerPlanAhead:
         """Start solving the plan of ``seq_lens_per_rank`` (one list of sequence lengths per rank) in
         the worker. Local; returns at once (after reading a reply not collected, if any)."""
         balancer = self.balancer
+        if self._ticket is not None:  # never collected (the batcher collects each): its reply is dropped
+            self._worker.discard(self._ticket)
         self._ticket = self._worker.submit(seq_lens_per_rank, balancer.groups.topology, balancer.cost_model,
                                            balancer.solver, balancer.max_tokens_per_gpu,
                                            timeout_s=balancer._worker_timeout_s)  # fmt: skip

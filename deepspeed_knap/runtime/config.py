@@ -166,7 +166,7 @@ class KnapCostModelConfig(_KnapConfigModel):
     @model_validator(mode="after")
     def _one_source(self) -> KnapCostModelConfig:
         dims = [k for k in ("hidden", "double_blocks", "single_blocks", "mlp_ratio") if getattr(self, k) is not None]
-        coefs = [k for k in ("linear_coef", "quadratic_coef", "alltoall_coef") if getattr(self, k) is not None]
+        coefs = [k for k in ("linear_coef", "quadratic_coef") if getattr(self, k) is not None]
         sources = [name for name, used in (("model/dims", self.model is not None or dims),
                                            ("coefficients", coefs), ("calibration_file", self.calibration_file))
                    if used]  # fmt: skip
@@ -174,6 +174,9 @@ class KnapCostModelConfig(_KnapConfigModel):
             raise ValueError(f"give one cost model source, not {' and '.join(sources)}")
         if coefs and (self.linear_coef is None or self.quadratic_coef is None):
             raise ValueError("coefficients need both linear_coef and quadratic_coef")
+        if self.alltoall_coef is not None and not coefs and self.calibration_file is None:
+            raise ValueError(f"alltoall_coef {self.alltoall_coef} goes with linear_coef and quadratic_coef, or with a "
+                             "calibration_file (whose all-to-all price it replaces); a preset takes alltoall_gbps")  # fmt: skip
         if self.model is not None and self.model not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {self.model!r}; choose one of {sorted(MODEL_PRESETS)}")
         if self.model is not None and dims and "dim" in MODEL_PRESETS[self.model]:
@@ -202,8 +205,9 @@ class KnapCostModelConfig(_KnapConfigModel):
     def _compute_model(self) -> CostModel:
         if self.linear_coef is not None:
             return CostModel(self.linear_coef, self.quadratic_coef, self.alltoall_coef or 0.0)
-        if self.calibration_file is not None:
-            return _read_calibration(self.calibration_file)
+        if self.calibration_file is not None:  # alltoall_coef, given, replaces the file's (one process times none)
+            model = _read_calibration(self.calibration_file)
+            return model if self.alltoall_coef is None else dataclasses.replace(model, alltoall_coef=self.alltoall_coef)
         dims = {k: getattr(self, k) for k in ("hidden", "double_blocks", "single_blocks", "mlp_ratio")}
         overrides = {k: v for k, v in dims.items() if v is not None}
         return default_cost_model(self.model or "flux-dev", tflops=self.tflops, alltoall_gbps=self.alltoall_gbps,

@@ -112,6 +112,9 @@ def test_calibration_file(tmp_path):
     path.write_text(json.dumps({"linear_coef": 2e-6, "quadratic_coef": 3e-10, "route_coef": 5e-8}))
     assert block(cost_model={"calibration_file": str(path)}).cost_model.build().route_coef == 5e-8
     assert block(cost_model={"calibration_file": str(path), "route_coef": 0}).cost_model.build().route_coef == 0
+    # Its alltoall_coef (0 from one process: calibrate times no all-to-all) too.
+    given = block(cost_model={"calibration_file": str(path), "alltoall_coef": 2e-5}).cost_model.build()
+    assert (given.alltoall_coef, given.linear_coef) == (2e-5, 2e-6)
     path.write_text("{}")
     with pytest.raises(ValueError, match=r"calibration_file .* is unreadable"):
         block(cost_model={"calibration_file": str(path)}).cost_model.build()
@@ -142,6 +145,11 @@ def test_calibration_file(tmp_path):
         ({"cost_model": {"online": {"warmup_steps": False}}}, "online.warmup_steps = False: false is a boolean"),
         ({"cost_model": {"model": "flux-xl"}}, "unknown model preset 'flux-xl'"),
         ({"cost_model": {"linear_coef": 1.0}}, "coefficients need both linear_coef and quadratic_coef"),
+        ({"cost_model": {"model": "flux-dev", "alltoall_coef": 1e-8}}, "a preset takes alltoall_gbps"),
+        (
+            {"cost_model": {"alltoall_coef": 1e-8}},
+            "goes with linear_coef and quadratic_coef, or with a calibration_file",
+        ),
         ({"cost_model": {"model": "flux-dev", "linear_coef": 1, "quadratic_coef": 1}}, "give one cost model source"),
         ({"enabled": True, "topology": "g8n4", "max_degree": 8}, '"max_degree": 8 applies to "topology": "auto" only'),
         ({"enabled": True, "topology": "auto", "max_degree": 6}, '"max_degree": 6 must be a power of two'),

@@ -373,23 +373,25 @@ def test_the_worker_plans_ahead_what_the_planner_plans_in_the_step_and_ranks_agr
     # Sets (0, 1), (0,), (2, 3), (2,): three planned ahead.
     jobs = [Job(0, 0, (150, 150), 3), Job(1, 1, (40,), 1), Job(2, 0, (120,), 3), Job(3, 1, (30, 30), 2)]
     expected = [fields(step.plan) for step in _run(StepBatcher(jobs, 2, 200, solve))]
-    for other_rank_ready in (1, 0):
-        sent = []  # this rank's part of each agreement: 1, its worker gave the plan
+    try:  # the worker is the balancer's: both runs use it
+        for other_rank_ready in (1, 0):
+            sent = []  # this rank's part of each agreement: 1, its worker gave the plan
 
-        def gather_ints(value, device, groups, sent=sent, other=other_rank_ready):
-            sent.append(value)
-            return [value, other]
+            def gather_ints(value, device, groups, sent=sent, other=other_rank_ready):
+                sent.append(value)
+                return [value, other]
 
-        monkeypatch.setattr(generation_balancer_module, "gather_ints", gather_ints)
-        planner = WorkerPlanAhead(balancer, "cpu")
-        try:
-            batcher = StepBatcher(jobs, 2, 200, solve, planner)
-            assert [fields(step.plan) for step in _run(batcher)] == expected
-        finally:
-            planner.close()  # the worker stays the balancer's: the second run reuses it
-        assert sent == [1, 1, 1]  # this rank's worker gave every plan
-        assert batcher.planned_ahead == (3 if other_rank_ready else 0) and batcher.solves == 4
-    worker.close()
+            monkeypatch.setattr(generation_balancer_module, "gather_ints", gather_ints)
+            planner = WorkerPlanAhead(balancer, "cpu")
+            try:
+                batcher = StepBatcher(jobs, 2, 200, solve, planner)
+                assert [fields(step.plan) for step in _run(batcher)] == expected
+            finally:
+                planner.close()  # the worker stays the balancer's: the second run reuses it
+            assert sent == [1, 1, 1]  # this rank's worker gave every plan
+            assert batcher.planned_ahead == (3 if other_rank_ready else 0) and batcher.solves == 4
+    finally:
+        worker.close()
 
 
 @functools.cache
@@ -731,3 +733,22 @@ def test_the_intake_refuses_a_guided_pair_that_no_plan_can_place(tmp_path, monke
     assert "its 2 sequences (classifier-free guidance) of [1200, 1200] tokens cannot be placed even alone" in (
         intake.refused[0]["reason"])  # fmt: skip
     assert calls == [[[1200, 1200], [], []], [[], [], [1200, 1200]]]  # 600 + 600 fits one group: no planner
+
+
+def test_flux_embeddings_take_true_cfg_scale_1_as_off_and_above_1_need_the_negative_ones(tmp_path):
+    from safetensors.torch import save_file
+
+    generator = _tiny_generator("flux")
+    config = generator.model.config
+    path = tmp_path / "emb.safetensors"
+    save_file({"prompt_embeds": torch.zeros(5, config["joint_attention_dim"]),
+               "pooled_prompt_embeds": torch.zeros(config["pooled_projection_dim"])}, str(path))  # fmt: skip
+
+    def request(scale):
+        return parse_request(
+            0, 1, json.dumps({"embeddings": str(path), "height": 16, "width": 16, "true_cfg_scale": scale})
+        )
+
+    assert generator.request_seq_lens(request(1.0)) == (5 + 16,)  # off, as with a prompt
+    with pytest.raises(RequestError, match="negative_prompt_embeds"):
+        generator.request_seq_lens(request(2.0))  # on: the file must hold the negative branch

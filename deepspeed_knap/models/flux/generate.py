@@ -111,12 +111,14 @@ class FluxGenerator:
         if request.frames is not None:
             raise RequestError(f"line {line}: {name} makes images: drop 'frames'")
         scale = request.true_cfg_scale
-        negative = request.negative_prompt is not None or (request.embeddings is not None and scale is not None)
+        guided = scale is not None and scale > 1
+        # With embeddings the negative branch is the file's: there when the scale asks for it.
+        negative = request.negative_prompt is not None or (request.embeddings is not None and guided)
         if not self.true_cfg and (request.negative_prompt is not None or scale is not None):
             raise RequestError(f"line {line}: {name} is guidance-distilled: its 'guidance' goes into the transformer and "
                                f"{type(self.pipeline).__name__} takes no negative prompt; drop 'negative_prompt' and "
                                "'true_cfg_scale'")  # fmt: skip
-        if (scale is not None and scale > 1) != negative:
+        if guided != negative:
             raise RequestError(f"line {line}: true classifier-free guidance needs both 'true_cfg_scale' above 1 and a "
                                f"negative prompt ('negative_prompt', or the embeddings file's negative_prompt_embeds); "
                                f"got true_cfg_scale {scale} and negative_prompt {request.negative_prompt!r}: "
@@ -139,7 +141,7 @@ class FluxGenerator:
         config = self.model.config
         shapes = {"prompt_embeds": (None, config["joint_attention_dim"]),
                   "pooled_prompt_embeds": (config["pooled_projection_dim"],)}  # fmt: skip
-        if request.true_cfg_scale is not None:
+        if request.true_cfg_scale is not None and request.true_cfg_scale > 1:
             shapes.update({f"negative_{key}": shape for key, shape in shapes.items()})
         return shapes
 
