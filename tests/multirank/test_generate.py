@@ -103,18 +103,21 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
     solve_module.plan_routing, KnapBalancer.route = counting_plan_routing, counting_route  # this spawned rank's own
     PlanWorker.submit = counting_submit
     join_gloo(rank)
-    results = []
+    results, generator, balancer = [], None, None
     for run in runs:
         counts.update(planned=0, refused=0, prepared=0, submitted=0)
         most["sequences"] = run.get("most_sequences")
         family = run["family"]
-        if family == "wan":
+        if run.get("same_balancer"):  # the run before's generator and balancer (and its plan worker) again
+            vars(generator).pop("start", None)  # without the run before's failing start
+        elif family == "wan":
             generator = tiny_wan_generator(torch.float64, "cpu", seed=0)
         else:
             generator = tiny_flux_generator(torch.float64, "cpu", seed=0, family=family)
-        cost_model = CostModel(linear_coef=0.0, quadratic_coef=1.0) if run.get("split") else None
-        balancer = generation_balancer(generator.model, max_tokens_per_gpu=run["budget"], reuse=run["reuse"],
-                                       cost_model=cost_model)  # fmt: skip
+        if not run.get("same_balancer"):
+            cost_model = CostModel(linear_coef=0.0, quadratic_coef=1.0) if run.get("split") else None
+            balancer = generation_balancer(generator.model, max_tokens_per_gpu=run["budget"], reuse=run["reuse"],
+                                           cost_model=cost_model)  # fmt: skip
         group_sizes = set()
         begin_step = balancer.begin_step
 
@@ -282,10 +285,16 @@ def test_bad_lines_are_refused_on_every_rank_and_the_others_generated_without_re
     # the same error at the step it joins, none waits in the forward.
     failing = {"path": _write_requests(tmp_path / "failing.jsonl", REQUESTS[:4]), "budget": BUDGET // 2,
                "reuse": True, "family": "flux", "fail_start": "tiny"}  # fmt: skip
-    by_rank = run_distributed(_generate, 2, args=([run, failing],), timeout=300)
+    # And the same file again on that balancer: its plan worker, left with a plan the failed run never
+    # collected, plans this run's sets ahead, and the images are diffusers'.
+    again = {**failing, "fail_start": None, "same_balancer": True}
+    by_rank = run_distributed(_generate, 2, args=([run, failing, again],), timeout=300)
     assert by_rank[0][1] == by_rank[1][1]
     assert "rank 1, line 4 ('tiny'): cannot start the request: OSError: the text encoder could not read tiny" in (
         by_rank[0][1]["error"])  # fmt: skip
+    rerun = [ranks[2] for ranks in by_rank]
+    _check_images(rerun, references("flux"), [r["id"] for r in REQUESTS[:4]])
+    assert rerun[0]["report"]["planned_ahead"] == rerun[0]["report"]["set_changes"] - 1 > 0
     results = [ranks[0] for ranks in by_rank]
     _check_images(results, references("flux"), [r["id"] for r in good])
     report = results[0]["report"]
