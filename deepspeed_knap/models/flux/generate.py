@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from deepspeed_knap.generation.denoising import Denoising
+from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
-from deepspeed_knap.models.flux.base import PackedFluxBase
 from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
 from deepspeed_knap.models.flux.flux2 import TINY_FLUX2, PackedFlux2Transformer
 
@@ -55,23 +55,13 @@ class FluxDenoising(Denoising):
         return {"hidden_states": self.latents, "timestep": timestep.to(self.latents.dtype) / 1000}
 
 
-class FluxGenerator:
-    """FLUX.1 requests: token counts and checks, start (encode, noise, scheduler), decode.
-
-    Args:
-        pipeline: a diffusers ``FluxPipeline`` (its ``transformer`` may be ``None``) on the device.
-        model: the packed transformer with the pipeline transformer's weights, on the same device.
-    """
+class FluxGenerator(Generator):
+    """FLUX.1 requests: token counts and checks, start (encode, noise, scheduler), decode, around a
+    diffusers ``FluxPipeline`` (:class:`~deepspeed_knap.generation.generator.Generator`'s arguments)."""
 
     family = "flux"
     name = "FLUX.1"
     default_guidance = 3.5  # FluxPipeline's guidance_scale
-
-    def __init__(self, pipeline: Any, model: PackedFluxBase) -> None:
-        self.pipeline = pipeline
-        self.model = model
-        parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
 
     @property
     def patch_pixels(self) -> int:
@@ -147,16 +137,10 @@ class FluxGenerator:
 
     def _embeddings_shape(self, request: Request) -> tuple[int, int]:
         """``(Tt, Dj)`` of a request's embeddings file, checked against the model."""
-        from safetensors import safe_open
-
         line, wanted = request.line, self._embeddings_shapes(request)
         expected = {key: "[" + ", ".join("Tt" if d is None else str(d) for d in shape) + "]"
                     for key, shape in wanted.items()}  # fmt: skip
-        try:
-            with safe_open(request.embeddings, "pt") as file:
-                shapes = {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}  # noqa: SIM118
-        except Exception as error:  # safetensors raises its own types for a missing or damaged file
-            raise RequestError(f"line {line}: cannot read embeddings {request.embeddings}: {error}") from None
+        shapes = self.embeddings_file_shapes(request)
         fits = all(key in shapes and len(shapes[key]) == len(shape)
                    and all(d is None or d == s for d, s in zip(shape, shapes[key], strict=True))
                    for key, shape in wanted.items())  # fmt: skip
@@ -166,10 +150,6 @@ class FluxGenerator:
             raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; this model takes "
                                f"{expected} (one prompt, unbatched; the negative ones of the same shapes)")  # fmt: skip
         return shapes["prompt_embeds"][0], shapes["prompt_embeds"][1]
-
-    def guidance_scale(self, request: Request) -> float:
-        """The request's guidance scale, or the pipeline's default where it gives none."""
-        return self.default_guidance if request.guidance is None else request.guidance
 
     @torch.no_grad()
     def start(self, request: Request) -> FluxDenoising:

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from deepspeed_knap.generation.denoising import Denoising
+from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
 from deepspeed_knap.models.wan.wan import TINY_WAN, PackedWanTransformer
 
@@ -56,27 +57,13 @@ class WanDenoising(Denoising):
         return {"hidden_states": self.latents.to(self.dtype), "timestep": timestep}
 
 
-class WanGenerator:
-    """Wan requests: token counts and checks, start (encode, noise, scheduler), decode.
-
-    Args:
-        pipeline: a diffusers ``WanPipeline`` (its ``transformer`` may be ``None``) on the device.
-        model: the packed transformer with the pipeline transformer's weights, on the same device.
-    """
+class WanGenerator(Generator):
+    """Wan requests: token counts and checks, start (encode, noise, scheduler), decode, around a
+    diffusers ``WanPipeline`` (:class:`~deepspeed_knap.generation.generator.Generator`'s arguments)."""
 
     family = "wan"
     name = "Wan"
     default_guidance = DEFAULT_GUIDANCE
-
-    def __init__(self, pipeline: Any, model: PackedWanTransformer) -> None:
-        self.pipeline = pipeline
-        self.model = model
-        parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
-
-    def guidance_scale(self, request: Request) -> float:
-        """The request's guidance scale, or the pipeline's default where it gives none."""
-        return self.default_guidance if request.guidance is None else request.guidance
 
     def request_seq_lens(self, request: Request) -> tuple[int, ...]:
         """Video tokens of each sequence ``request`` runs per step (two with a guidance above 1):
@@ -125,15 +112,9 @@ class WanGenerator:
     def _check_embeddings(self, request: Request, branches: int) -> None:
         """The embeddings file holds ``prompt_embeds [Tt, Dj]`` and, with guidance, ``negative_prompt_embeds
         [Tn, Dj]``."""
-        from safetensors import safe_open
-
         width, line = self.model.config["text_dim"], request.line
         wanted = ["prompt_embeds", "negative_prompt_embeds"][:branches]
-        try:
-            with safe_open(request.embeddings, "pt") as file:
-                shapes = {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}  # noqa: SIM118
-        except Exception as error:  # safetensors raises its own types for a missing or damaged file
-            raise RequestError(f"line {line}: cannot read embeddings {request.embeddings}: {error}") from None
+        shapes = self.embeddings_file_shapes(request)
         if not all(key in shapes and len(shapes[key]) == 2 and shapes[key][1] == width and shapes[key][0] >= 1
                    for key in wanted):  # fmt: skip
             raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; this model takes "
