@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from deepspeed_knap.bench.plots import write_report
 from deepspeed_knap.bench.train import _free_port
 from deepspeed_knap.commands.options import output_file, positive_int
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
@@ -308,12 +309,7 @@ def run(args: argparse.Namespace) -> int:
                "max_tokens_per_gpu": args.max_tokens_per_gpu}  # fmt: skip
     report = bench_generate(options)
     print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"figures written to {args.json}")
-    if args.plot:
-        plot_report(report, args.plot)
-        print(f"plot written to {args.plot}")
+    write_report(report, args.json, "figures", args.plot, plot_report)
     return 0
 
 

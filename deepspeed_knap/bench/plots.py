@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.topology import Topology
+
+
+def write_report(report: dict, json_path: str | None, figures: str, plot_path: str | None,
+                 plot: Callable[[dict, str | Path], None]) -> None:  # fmt: skip
+    """A benchmark's optional outputs: ``report`` as JSON at ``json_path`` (``figures`` says what it
+    holds) and ``plot(report, plot_path)``, each only when its path is given, saying where it went."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"{figures} written to {json_path}")
+    if plot_path:
+        plot(report, plot_path)
+        print(f"plot written to {plot_path}")
 
 
 def plot_loads(plans: dict[str, RoutingPlan], path: str | Path, title: str, topology: Topology | None = None) -> None:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from deepspeed_knap.bench.plots import write_report
 from deepspeed_knap.commands.options import (
     add_mix_argument,
     device,
@@ -401,12 +402,7 @@ def run(args: argparse.Namespace) -> int:
     report["dims"] = f"{heads}x{head_dim} heads, {args.double_blocks}+{args.single_blocks} blocks, {args.dtype}"
     print(f"{report['device']}, {report['dims']}")
     print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"per-rank figures written to {args.json}")
-    if args.plot:
-        plot_report(report, args.plot)
-        print(f"plot written to {args.plot}")
+    write_report(report, args.json, "per-rank figures", args.plot, plot_report)
     return 0
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from deepspeed_knap.bench.plots import write_report
 from deepspeed_knap.commands.options import add_mix_argument, output_file, positive_float, positive_int
 from deepspeed_knap.planner.solve import plan_loads
 from deepspeed_knap.planner.topology import build_topology
@@ -370,12 +371,7 @@ def run(args: argparse.Namespace) -> int:
                "cost_model": cost_model}  # fmt: skip
     report = bench_train(options)
     print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"per-step, per-rank figures written to {args.json}")
-    if args.plot:
-        plot_report(report, args.plot)
-        print(f"plot written to {args.plot}")
+    write_report(report, args.json, "per-step, per-rank figures", args.plot, plot_report)
     return 0
 
 
