@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 from deepspeed_knap.bench.plots import write_report
 from deepspeed_knap.bench.train import _free_port
 from deepspeed_knap.commands.options import output_file, positive_int
+from deepspeed_knap.generation.requests import FAMILIES
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 
 MODES = ("balanced", "no-reuse", "unbalanced", "pipeline")
@@ -81,6 +82,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     from deepspeed.accelerator import get_accelerator
 
     from deepspeed_knap.generation.runner import generate, generation_balancer, take_requests
+    from deepspeed_knap.models.generators import tiny_generator
     from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
     deepspeed.init_distributed(verbose=False)
@@ -90,7 +92,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     device = torch.device(get_accelerator().current_device_name())
     dtype = getattr(torch, options["dtype"])
     config = tiny_config(options["family"], options["heads"], options["head_dim"])
-    generator = tiny_generator(options["family"], config, dtype, device)
+    generator = tiny_generator(options["family"], dtype, device, seed=0, config=config)
     balancers = {
         "balanced": generation_balancer(generator.model, options["max_tokens_per_gpu"], reuse=True),
         "no-reuse": generation_balancer(generator.model, options["max_tokens_per_gpu"], reuse=False),
@@ -125,9 +127,6 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     dist.barrier()
 
 
-FAMILIES = ("flux", "flux2", "wan")
-
-
 def tiny_config(family: str, heads: int, head_dim: int) -> dict:
     """The family's tiny transformer config at ``heads`` x ``head_dim`` (RoPE axes split to fit)."""
     from deepspeed_knap.models.flux.finetune import TINY_FLUX
@@ -141,16 +140,6 @@ def tiny_config(family: str, heads: int, head_dim: int) -> dict:
     if family == "flux2":
         return {**TINY_FLUX2, **width, "axes_dims_rope": (head_dim // 4,) * 4}
     return {**TINY_FLUX, **width, "axes_dims_rope": rope_axes(head_dim)}
-
-
-def tiny_generator(family: str, config: dict, dtype: torch.dtype, device: torch.device):
-    """The family's tiny generator of ``config``, the same weights on every rank."""
-    from deepspeed_knap.models.flux.generate import tiny_flux_generator
-    from deepspeed_knap.models.wan.generate import tiny_wan_generator
-
-    if family == "wan":
-        return tiny_wan_generator(dtype, device, seed=0, config=config)
-    return tiny_flux_generator(dtype, device, seed=0, config=config, family=family)
 
 
 def _reference_pipeline(generator, family: str, config: dict):

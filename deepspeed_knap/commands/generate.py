@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 
 from deepspeed_knap.commands.options import DefaultsHelp, positive_int
+from deepspeed_knap.generation.requests import FAMILIES
 
 HELP = "images for a JSONL file of requests, balanced across the ranks"
 FORMATTER = DefaultsHelp
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a diffusers FLUX.1, FLUX.2 or Wan (text-to-video) pipeline directory (model_index.json); "
                        "its family is its transformer's")  # fmt: skip
     model.add_argument("--tiny", action="store_true", help="a tiny random pipeline of --family (CPU demos, tests)")
-    parser.add_argument("--family", choices=("flux", "flux2", "wan"), default=None,
+    parser.add_argument("--family", choices=FAMILIES, default=None,
                         help="the --tiny model's family: flux (FLUX.1, the default), flux2 (FLUX.2) or wan (Wan 2.1)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="of the --tiny weights")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, else float32")
@@ -149,18 +150,12 @@ def _load(args: argparse.Namespace, dtype):
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from deepspeed_knap.models.flux.generate import load_flux_generator, tiny_flux_generator
-    from deepspeed_knap.models.registry import checkpoint_family
-    from deepspeed_knap.models.wan.generate import load_wan_generator, tiny_wan_generator
+    from deepspeed_knap.models.generators import load_generator, tiny_generator
 
     device = torch.device(get_accelerator().current_device_name())
     if args.tiny:
-        if args.family == "wan":
-            return tiny_wan_generator(dtype, device, args.seed)
-        return tiny_flux_generator(dtype, device, args.seed, family=args.family or "flux")
-    if checkpoint_family(args.model_path) == "wan":
-        return load_wan_generator(args.model_path, dtype, device)
-    return load_flux_generator(args.model_path, dtype, device)
+        return tiny_generator(args.family or "flux", dtype, device, args.seed)
+    return load_generator(args.model_path, dtype, device)
 
 
 def _report_fatal(problems: list[str | None], rank: int, what: str) -> bool:

@@ -1,6 +1,6 @@
 """Balanced generation: the intake of a request file and the denoising loop every rank runs.
 
-    generator = load_flux_generator(path, torch.bfloat16, device)  # a family's generator
+    generator = load_generator(path, torch.bfloat16, device)  # a family's (deepspeed_knap.models.generators)
     balancer = generation_balancer(generator.model, max_tokens_per_gpu=65536)  # collective
     report = generate("requests.jsonl", generator, balancer, on_image=write_png)
 

@@ -75,8 +75,7 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
     import deepspeed_knap.planner.solve as solve_module
     from deepspeed_knap.cost.model import CostModel
     from deepspeed_knap.generation.runner import GenerationError, generate, generation_balancer
-    from deepspeed_knap.models.flux.generate import tiny_flux_generator
-    from deepspeed_knap.models.wan.generate import tiny_wan_generator
+    from deepspeed_knap.models.generators import tiny_generator
     from deepspeed_knap.planner.worker import PlanWorker
     from deepspeed_knap.runtime.balancer import KnapBalancer
     from tests.support.balancing import join_gloo
@@ -110,10 +109,8 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
         family = run["family"]
         if run.get("same_balancer"):  # the run before's generator and balancer (and its plan worker) again
             vars(generator).pop("start", None)  # without the run before's failing start
-        elif family == "wan":
-            generator = tiny_wan_generator(torch.float64, "cpu", seed=0)
         else:
-            generator = tiny_flux_generator(torch.float64, "cpu", seed=0, family=family)
+            generator = tiny_generator(family, torch.float64, "cpu", seed=0)
         if not run.get("same_balancer"):
             cost_model = CostModel(linear_coef=0.0, quadratic_coef=1.0) if run.get("split") else None
             balancer = generation_balancer(generator.model, max_tokens_per_gpu=run["budget"], reuse=run["reuse"],
@@ -173,22 +170,19 @@ def _references(family: str) -> dict:
         tiny_pipeline_components,
     )
     from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
-    from deepspeed_knap.models.flux.generate import tiny_flux_generator
+    from deepspeed_knap.models.generators import tiny_generator
     from deepspeed_knap.models.wan import finetune as wan_finetune
     from deepspeed_knap.models.wan.data import tiny_wan_pipeline
-    from deepspeed_knap.models.wan.generate import tiny_wan_generator
     from deepspeed_knap.models.wan.wan import TINY_WAN
 
+    ours = tiny_generator(family, torch.float64, "cpu", seed=0)
     if family == "wan":
-        ours = tiny_wan_generator(torch.float64, "cpu", seed=0)
         pipe = tiny_wan_pipeline(TINY_WAN["text_dim"], TINY_WAN["in_channels"], seed=0)
         pipe.transformer = wan_finetune.diffusers_transformer(TINY_WAN, ours.model.state_dict())
     elif family == "flux":
-        ours = tiny_flux_generator(torch.float64, "cpu", seed=0, family=family)
         transformer = diffusers_transformer(TINY_FLUX, ours.model.state_dict())
         pipe = FluxPipeline(**tiny_pipeline_components(TINY_FLUX, 0), transformer=transformer)
     else:
-        ours = tiny_flux_generator(torch.float64, "cpu", seed=0, family=family)
         transformer = Flux2Transformer2DModel(**TINY_FLUX2)
         transformer.load_state_dict(ours.model.state_dict())
         pipe = Flux2Pipeline(**tiny_flux2_pipeline_components(TINY_FLUX2, 0), transformer=transformer)

@@ -396,12 +396,9 @@ def test_the_worker_plans_ahead_what_the_planner_plans_in_the_step_and_ranks_agr
 
 @functools.cache
 def _tiny_generator(family: str):
-    from deepspeed_knap.models.flux.generate import tiny_flux_generator
-    from deepspeed_knap.models.wan.generate import tiny_wan_generator
+    from deepspeed_knap.models.generators import tiny_generator
 
-    if family == "wan":
-        return tiny_wan_generator(torch.float32, "cpu")
-    return tiny_flux_generator(torch.float32, "cpu", family=family)
+    return tiny_generator(family, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize(("family", "fields", "expected"), [
