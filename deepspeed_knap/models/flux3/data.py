@@ -39,6 +39,7 @@ from torch import Tensor
 
 from deepspeed_knap.data.mixes import SampleShape
 from deepspeed_knap.models.flux.base import text_ids
+from deepspeed_knap.models.flux.data import latent_sample_shapes
 from deepspeed_knap.models.flux.flux2 import image_ids
 from deepspeed_knap.models.latents import (
     LatentDirectory,
@@ -69,15 +70,11 @@ WRITER = "save_flux3_sample and write_latent_manifest of deepspeed_knap.models.f
 
 def flux3_sample_shapes(config: Mapping, image: int, text: int, reference: int = 0) -> dict[str, tuple[int, ...]]:
     """The shape of each tensor of one FLUX.3 latent sample with these token counts, for a model
-    ``config`` (the reference keys only when ``reference`` > 0)."""
-    axes = len(config["axes_dims_rope"])
-    shapes = {
-        "latents": (image, config["in_channels"]),
-        "img_ids": (image, axes),
-        "encoder_hidden_states": (text, config["joint_attention_dim"]),
-        "txt_ids": (text, axes),
-    }
+    ``config`` (the reference keys only when ``reference`` > 0): FLUX.1's and FLUX.2's
+    (:func:`~deepspeed_knap.models.flux.data.latent_sample_shapes`), and the references'."""
+    shapes = latent_sample_shapes(config, image, text)
     if reference:
+        axes = len(config["axes_dims_rope"])
         shapes.update(
             image_cond_hidden_states=(reference, config["cond_in_channels"]), image_cond_ids=(reference, axes)
         )
