@@ -22,7 +22,15 @@ over its measured time summed over the history (once refit, a step counts at mos
 ``max_speed_ratio`` times off the prediction, so one noisy step moves it little), divided by the
 median rank's (speeds are relative: ``a, b`` carry the common scale), clamped to
 ``[1 / max_speed_ratio, max_speed_ratio]`` and rounded to a multiple of 1/32 (so that
-the planner sees few distinct speeds: it prices groups by class of size and speed). The all-to-all
+the planner sees few distinct speeds: it prices groups by class of size and speed). A rank's speed
+departs from the median rank's only when the measurements show it: when the two differ by more than
+``SPEED_EVIDENCE`` standard errors (a speed's relative variance is the scatter of one step about
+its fitted speed, pooled over the ranks, over the rank's effective number of steps under the
+forgetting; the scatter includes the model's misfit of the plan). Otherwise noise would be planned
+as speed: on 2 CPU ranks with equal cores, step-to-step timer noise of ~5% made the refit call one
+rank 6-12% slower, and the plan then gave it 6-12% fewer tokens than the balanced plan, losing more
+than the planner gained (``bench train``, kf_mixed_res). A truly slow rank (2x) is shown within the
+first two refits. The all-to-all
 coefficient ``c`` is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a
 step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``.
 
@@ -71,6 +79,9 @@ _ALTERNATIONS = 3
 # Speeds are rounded to multiples of 1 / this (no libm: log and pow may differ in the last bit
 # between machines, and a rounding boundary would then split the ranks).
 _SPEED_GRID = 32
+# A rank's speed departs from the median rank's only when they differ by more than this many standard
+# errors (module docstring): 3, so that equal ranks are called unequal about once in 400 refits.
+SPEED_EVIDENCE = 3.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +147,8 @@ def plan_terms(
 # the measured seconds (t) of every busy, measured step, and their products.
 # The W terms (u) enter only through the known e * W, moved to the measured side of the fit.
 _SUMS = ("w", "x", "y", "xx", "xy", "yy", "t", "tx", "ty", "tt", "u", "ux", "uy", "ut", "uu")
+# ... and the squared weights (forgetting ** (2 * age)), for the effective number of steps w**2 / ww.
+_SQUARED_WEIGHT = "ww"
 
 
 class OnlineCostModel:
@@ -151,7 +164,7 @@ class OnlineCostModel:
         self.prior = prior
         self.num_gpus = num_gpus
         self.settings = settings or OnlineSettings()
-        self.sums = [dict.fromkeys(_SUMS, 0.0) for _ in range(num_gpus)]
+        self.sums = [dict.fromkeys((*_SUMS, _SQUARED_WEIGHT), 0.0) for _ in range(num_gpus)]
         self.alltoall_sums = [0.0, 0.0]  # weighted least-waiting Ulysses rate, weight
         # Weighted sums over the measured steps of R**2 and R * route seconds (module docstring).
         self.route_sums = [0.0, 0.0]
@@ -178,7 +191,9 @@ class OnlineCostModel:
             sums = self.sums[gpu]
             for key in _SUMS:
                 sums[key] *= forgetting
+            sums[_SQUARED_WEIGHT] *= forgetting * forgetting
             if t_us >= 0 and x > 0:  # a measured, busy GPU
+                sums[_SQUARED_WEIGHT] += 1.0
                 t = t_us / 1e6
                 if predicted is not None and predicted[gpu] > 0:
                     t = min(max(t, predicted[gpu] / bound), predicted[gpu] * bound)
@@ -286,18 +301,48 @@ class OnlineCostModel:
         return coef if coef[1] > 0 or coef[2] > 0 else None
 
     def _fit_speeds(self, busy: list[int], coef: list[float]) -> list[float]:
-        """Each rank's predicted over measured seconds, relative to the median rank's, bounded, on a grid."""
-        raw = [None] * self.num_gpus
+        """Each rank's predicted over measured seconds, relative to the median rank's where the
+        measurements tell them apart (:data:`SPEED_EVIDENCE`; 1 where they do not), bounded, on a grid."""
+        fits: list[tuple[float, float, float] | None] = [None] * self.num_gpus
         for g in busy:
-            sums = self.sums[g]
-            if sums["t"] > 0:
-                predicted = coef[0] * sums["w"] + coef[1] * sums["x"] + coef[2] * sums["y"]
-                raw[g] = (predicted + self.prior.sequence_coef * sums["u"]) / sums["t"]
-        known = sorted(r for r in raw if r is not None)
-        median = known[len(known) // 2] if known else 1.0
+            fits[g] = self._speed_fit(self.sums[g], coef)
+        known = [fit for fit in fits if fit is not None]
+        # The relative scatter per step, pooled over the GPUs (a rank's own few steps estimate it badly).
+        dof = sum(steps - 1 for _, _, steps in known)
+        pooled = sum(scatter * (steps - 1) for _, scatter, steps in known) / dof if dof > 0 else float("inf")
+        median, _, median_steps = sorted(known)[len(known) // 2] if known else (1.0, 0.0, 1.0)
         bound = self.settings.max_speed_ratio
         speeds = []
-        for r in raw:
-            relative = min(max((r if r is not None else median) / median, 1 / bound), bound)
+        for fit in fits:
+            relative = 1.0
+            if fit is not None:
+                speed, _, steps = fit
+                # Var(speed) = speed**2 * scatter / steps, for this rank and the median one.
+                variance = pooled * (speed * speed / steps + median * median / median_steps)
+                if (speed - median) ** 2 > SPEED_EVIDENCE**2 * variance:
+                    relative = min(max(speed / median, 1 / bound), bound)
             speeds.append(max(round(relative * _SPEED_GRID), 1) / _SPEED_GRID)
         return speeds
+
+    def _speed_fit(self, sums: dict[str, float], coef: list[float]) -> tuple[float, float, float] | None:
+        """A GPU's ``(speed, scatter, steps)``: its speed ``v = sum p / sum t`` (``p`` its predicted
+        seconds at speed 1 under ``coef``, ``t`` its measured ones, over its weighted steps), the
+        scatter of its steps about ``v``, ``sum (p - v t)**2 / sum (v t)**2`` times ``steps / (steps -
+        1)`` (relative: the variance of one step's ``p / (v t)``), and its effective number of steps
+        ``w**2 / ww``. ``None``: no measured step."""
+        if sums["t"] <= 0:
+            return None
+        e = self.prior.sequence_coef
+        overhead, a, b = coef
+        # sum p, sum p**2 and sum p*t from the sums of the terms: p = overhead + a X + b Y + e W.
+        p = overhead * sums["w"] + a * sums["x"] + b * sums["y"] + e * sums["u"]
+        pp = (overhead * overhead * sums["w"] + a * a * sums["xx"] + b * b * sums["yy"] + e * e * sums["uu"]
+              + 2 * (overhead * a * sums["x"] + overhead * b * sums["y"] + overhead * e * sums["u"]
+                     + a * b * sums["xy"] + a * e * sums["ux"] + b * e * sums["uy"]))  # fmt: skip
+        pt = overhead * sums["t"] + a * sums["tx"] + b * sums["ty"] + e * sums["ut"]
+        speed = p / sums["t"]
+        steps = sums["w"] * sums["w"] / sums[_SQUARED_WEIGHT]
+        if steps <= 1.0 or speed <= 0:
+            return speed, 0.0, 1.0  # one step shows no scatter (and adds no degree of freedom)
+        scatter = max(pp - 2 * speed * pt + speed * speed * sums["tt"], 0.0) / (speed * speed * sums["tt"])
+        return speed, scatter * steps / (steps - 1), steps
