@@ -11,7 +11,11 @@ tiny packed Wan 2.1 (``TINY_WAN``: 12 heads, cross-attention to each sample's te
 synthetic samples of ``--mix`` in every mode:
 ``off`` (no balancing: every sequence stays home), ``knapformer`` and ``refine`` on ``--topology``
 (default: one bag of all ranks) or on a topology of their own (``knapformer@g1n2``: the mode may be
-given once per topology, to compare fixed topologies in the same run), and ``auto``. Per mode and step it reports the measured step time
+given once per topology, to compare fixed topologies in the same run), and ``auto``. Every mode is
+built first (the same initial weights), then the modes run interleaved step by step: step ``s`` runs in
+every mode in turn, starting with mode ``s % len(modes)`` (the order rotates), before step ``s + 1``,
+so that drift of the machine (another process, a clock change) lands on every mode alike instead of
+on the modes that happened to run then. Per mode and step it reports the measured step time
 (slowest rank, synchronised), the speedup over ``off`` on the same step, the measured max/mean of the
 ranks' compute seconds, the cost model's error per rank, and each rank's time by phase (plan, route,
 Ulysses all-to-alls, compute, reverse route) as the balancer measured it.
@@ -34,8 +38,9 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -111,6 +116,19 @@ class _SlowDown:
         time.sleep((self.factor - 1) * (time.perf_counter() - module._slow_clock_backward))
 
 
+@dataclasses.dataclass
+class _ModeRun:
+    """One mode's state on a rank: its engine and balancer, its step inputs (bound to its own model
+    and data), its slow-down hooks, and its next step's inputs (prepared a step ahead, for prefetch)."""
+
+    mode: str
+    engine: Any
+    balancer: Any
+    step_inputs: Callable[[int], tuple]
+    slow: _SlowDown | None
+    upcoming: tuple | None
+
+
 def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
@@ -135,8 +153,8 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     if options["flux_dims"]:
         dims.update(num_attention_heads=24, attention_head_dim=128, axes_dims_rope=(16, 56, 56))
     device = torch.device(get_accelerator().current_device_name())
-    records = []
-    for mode in options["modes"]:
+    runs: list[_ModeRun] = []
+    for mode in options["modes"]:  # every mode built first: then the modes take turns, step by step
         torch.manual_seed(0)  # every mode trains the same initial weights
         model = (PackedWanTransformer if wan else PackedFluxTransformer)(**dims)
         config = ds_config(mode, options["topology"], world, options["cost_model"], options["online"])
@@ -161,36 +179,46 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
                 samples, targets = rectified_flow(latents, generator, guidance)
             return dit.pack(samples).to(device), targets
 
-        steps = range(options["steps"])
-        upcoming = step_inputs(0)
-        for step in tqdm(steps, desc=f"bench train {mode}", disable=rank != 0, leave=False):
-            (inputs, targets), upcoming = upcoming, step_inputs(step + 1) if step + 1 < options["steps"] else None
+        runs.append(_ModeRun(mode, engine, balancer, step_inputs, slow, step_inputs(0)))
+    del model, optimizer, engine, balancer, dit, data, slow  # the runs hold them
+
+    records = []
+    steps = options["steps"]
+    progress = tqdm(total=steps * len(runs), desc="bench train", disable=rank != 0, leave=False)
+    for step in range(steps):
+        for turn in range(len(runs)):  # step s starts with mode s % len(modes): no mode always follows the same
+            run = runs[(step + turn) % len(runs)]
+            (inputs, targets), run.upcoming = run.upcoming, run.step_inputs(step + 1) if step + 1 < steps else None
             get_accelerator().synchronize()
             dist.barrier()  # every rank starts the step together: the step time is the slowest rank's
             start = time.perf_counter()
-            if options["prefetch"] and upcoming is not None:  # as train_dit.py: the next plan solves during this step
-                balancer.prefetch(upcoming[0].seq_lens)
-            prediction = engine(inputs, balancer)
+            if options["prefetch"] and run.upcoming is not None:  # as train_dit.py: this mode's next plan solves now
+                run.balancer.prefetch(run.upcoming[0].seq_lens)
+            prediction = run.engine(inputs, run.balancer)
             forward_end = time.perf_counter()
             target = torch.cat(targets).to(device) if targets else torch.zeros_like(prediction)
             loss = deepspeed_knap.token_mean_loss((prediction.float() - target.float()).square().mean(dim=-1))
-            engine.backward(loss)
+            run.engine.backward(loss)
             get_accelerator().synchronize()
             backward_end = time.perf_counter()
-            engine.step()
+            run.engine.step()
             dist.barrier()
             step_s = time.perf_counter() - start
-            phases = balancer.close_step() or {}
-            plan = balancer._last[1]
-            records.append({"mode": mode, "step": step, "rank": rank, "step_s": step_s,
+            # Its "step" (close to close, this mode's) holds the other modes' steps run in between.
+            phases = run.balancer.close_step() or {}
+            plan = run.balancer._last[1]
+            records.append({"mode": run.mode, "step": step, "rank": rank, "step_s": step_s,
                             "forward_s": forward_end - start, "backward_s": backward_end - forward_end,
-                            "phases": phases, "predicted_s": predicted_compute_s(balancer),
-                            "speeds": list(balancer.model.gpu_speed or ()),
-                            "tokens": int(plan.gpu_tokens[balancer.groups.group_rank])})  # fmt: skip
-        if slow is not None:
-            for handle in slow.handles:
+                            "phases": phases, "predicted_s": predicted_compute_s(run.balancer),
+                            "speeds": list(run.balancer.model.gpu_speed or ()),
+                            "tokens": int(plan.gpu_tokens[run.balancer.groups.group_rank])})  # fmt: skip
+            progress.update()
+    progress.close()
+    for run in runs:
+        if run.slow is not None:
+            for handle in run.slow.handles:
                 handle.remove()
-        del engine, balancer
+    del run, runs  # each mode's engine and balancer (and its plan worker)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(records))
     dist.barrier()
 
@@ -384,7 +412,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-scale", type=positive_float, default=1 / 16, help="scale the mix's lengths (CPU: small)"
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=6, help="training steps per mode (the first is not summarised)"
+        "--steps",
+        type=positive_int,
+        default=6,
+        help="training steps per mode (the first is not summarised); the modes run interleaved step by step, in "
+        "an order that rotates each step, so that drift lands on every mode alike",
     )
     parser.add_argument("--modes", default="off,knapformer,refine,auto", help="comma-separated, from " + ", ".join(
         ["off", "knapformer", "refine", "auto"]) + "; knapformer@TOPOLOGY (refine too) runs it on that topology")  # fmt: skip

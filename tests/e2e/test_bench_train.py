@@ -17,7 +17,15 @@ def test_bench_train_times_real_ranks_and_reports_every_phase(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "medians over steps" in printed and "seconds by phase" in printed
     report = json.loads(out.read_text())
+    # Every mode recorded every step (on both ranks, below); the report lists them mode by mode.
     assert [(r["mode"], r["step"]) for r in report["steps"]] == [("off", 0), ("off", 1), ("auto", 0), ("auto", 1)]
+    # The modes ran interleaved, in an order rotating per step: off 0, auto 0, then auto 1, off 1. So
+    # the wall time between off's closes of steps 0 and 1 (its balancer's "step") holds both of auto's
+    # steps, while auto's holds none of off's (run one mode after the other, neither would).
+    row = {(r["mode"], r["step"]): r for r in report["steps"]}
+    auto_steps_s = row["auto", 0]["step_s"] + row["auto", 1]["step_s"]
+    assert all(p["step"] > auto_steps_s for p in row["off", 1]["phases"])
+    assert all(p["step"] < auto_steps_s for p in row["auto", 1]["phases"])
     for row in report["steps"]:
         assert len(row["phases"]) == 2 and all(p["compute"] > 0 for p in row["phases"])
         assert row["step_s"] > 0 and row["compute_imbalance"] >= 1.0
