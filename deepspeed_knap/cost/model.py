@@ -600,7 +600,7 @@ def nonnegative_normal_equations(gram: list[list[float]], rhs: list[float], targ
         for support in itertools.combinations(usable, size):
             sub = [[gram[i][j] / (norms[i] * norms[j]) for j in support] for i in support]
             sub_rhs = [rhs[i] / norms[i] for i in support]
-            solution = _solve_linear(sub, sub_rhs)
+            solution = solve_linear(sub, sub_rhs)
             if solution is None or any(v < 0 for v in solution):
                 continue
             # ||A x - y||^2 = y^T y - 2 x^T A^T y + x^T A^T A x, in the scaled columns.
@@ -613,7 +613,7 @@ def nonnegative_normal_equations(gram: list[list[float]], rhs: list[float], targ
     return best_coef
 
 
-def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+def solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
     """``matrix^-1 @ rhs`` by Gaussian elimination with partial pivoting; ``None`` when (nearly) singular."""
     n = len(rhs)
     a = [[*row, rhs[i]] for i, row in enumerate(matrix)]

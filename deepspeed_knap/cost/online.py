@@ -24,13 +24,18 @@ median rank's (speeds are relative: ``a, b`` carry the common scale), clamped to
 ``[1 / max_speed_ratio, max_speed_ratio]`` and rounded to a multiple of 1/32 (so that
 the planner sees few distinct speeds: it prices groups by class of size and speed). A rank's speed
 departs from the median rank's only when the measurements show it: when the two differ by more than
-``SPEED_EVIDENCE`` standard errors (a speed's relative variance is the scatter of one step about
+``EVIDENCE`` standard errors (a speed's relative variance is the scatter of one step about
 its fitted speed, pooled over the ranks, over the rank's effective number of steps under the
 forgetting; the scatter includes the model's misfit of the plan). Otherwise noise would be planned
 as speed: on 2 CPU ranks with equal cores, step-to-step timer noise of ~5% made the refit call one
 rank 6-12% slower, and the plan then gave it 6-12% fewer tokens than the balanced plan, losing more
 than the planner gained (``bench train``, kf_mixed_res). A truly slow rank (2x) is shown within the
-first two refits. The all-to-all
+first two refits. Likewise the overhead is fitted only when it exceeds ``OVERHEAD_EVIDENCE`` (5)
+standard errors in the full model, else ``a, b`` are fitted without it: balanced plans give every GPU
+about the same work step after step, so the data cannot tell a fixed cost from per-token work, and
+noise once called 60 of a 62 ms step overhead (``a = 0``, 2 CPU ranks), which priced moving work at
+nothing and kept every sequence home for two steps. Both tests take Student's t quantile for the
+degrees of freedom the scatter was measured with. The all-to-all
 coefficient ``c`` is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a
 step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``.
 
@@ -68,9 +73,10 @@ communication.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
-from deepspeed_knap.cost.model import CostModel, nonnegative_normal_equations
+from deepspeed_knap.cost.model import CostModel, nonnegative_normal_equations, solve_linear
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.route import gpu_traffic
 
@@ -79,9 +85,20 @@ _ALTERNATIONS = 3
 # Speeds are rounded to multiples of 1 / this (no libm: log and pow may differ in the last bit
 # between machines, and a rounding boundary would then split the ranks).
 _SPEED_GRID = 32
-# A rank's speed departs from the median rank's only when they differ by more than this many standard
-# errors (module docstring): 3, so that equal ranks are called unequal about once in 400 refits.
-SPEED_EVIDENCE = 3.0
+# A rank's speed departs from the median rank's only beyond this many standard errors (module
+# docstring): 3, so that equal ranks are called unequal about once in 400.
+EVIDENCE = 3.0
+# A fixed overhead is planned with only beyond this many: a false one costs more than a missed one
+# (it takes its share from the per-token terms, so moving work looks cheaper to skip than it is,
+# where a missed overhead is folded into a and b and changes a plan of equal speeds little).
+OVERHEAD_EVIDENCE = 5.0
+
+
+def _critical(evidence: float, degrees_of_freedom: float) -> float:
+    """``evidence`` standard errors of a variance estimated with ``degrees_of_freedom``: Student's t
+    quantile of the same tail, to first order in ``1 / dof`` (Cornish-Fisher; for 3, 4.1 at 7 where
+    the exact quantile is 4.5): a scatter measured over few steps is itself uncertain."""
+    return evidence * (1 + (evidence * evidence + 1) / (4 * degrees_of_freedom))
 
 
 @dataclass(frozen=True)
@@ -293,33 +310,38 @@ class OnlineCostModel:
                 [total["y"], total["xy"], total["yy"]]]  # fmt: skip
         rhs = [total["t"], total["tx"], total["ty"]]
         coef = nonnegative_normal_equations(gram, rhs, total["tt"])
-        if coef[1] == 0 and coef[2] == 0:
-            # All overhead: the steps so far gave every GPU the same work (a balanced start), so the
-            # data cannot tell a fixed cost from a per-token one. Take it all as per token.
+        squared_weight = sum(self.sums[g][_SQUARED_WEIGHT] for g in busy)
+        if coef[0] > 0 and not _overhead_shown(gram, rhs, total["tt"], coef, squared_weight):
+            # Balanced plans give every GPU about the same work, step after step: the data then
+            # cannot tell a fixed cost from a per-token one, and noise may call most of the step
+            # overhead (measured on 2 CPU ranks: 60 of 62 ms, a = 0), which prices moving work at
+            # nothing and keeps every sequence home. Without evidence, take it all as per token.
             a, b = nonnegative_normal_equations([row[1:] for row in gram[1:]], rhs[1:], total["tt"])
             coef = [0.0, a, b]
         return coef if coef[1] > 0 or coef[2] > 0 else None
 
     def _fit_speeds(self, busy: list[int], coef: list[float]) -> list[float]:
         """Each rank's predicted over measured seconds, relative to the median rank's where the
-        measurements tell them apart (:data:`SPEED_EVIDENCE`; 1 where they do not), bounded, on a grid."""
+        measurements tell them apart (:data:`EVIDENCE`; 1 where they do not), bounded, on a grid."""
         fits: list[tuple[float, float, float] | None] = [None] * self.num_gpus
         for g in busy:
             fits[g] = self._speed_fit(self.sums[g], coef)
         known = [fit for fit in fits if fit is not None]
-        # The relative scatter per step, pooled over the GPUs (a rank's own few steps estimate it badly).
+        # The relative scatter per step, pooled over the GPUs (a rank's own few steps estimate it
+        # badly), or a rank's own where larger (one stalled step is that rank's scatter, not all's).
         dof = sum(steps - 1 for _, _, steps in known)
         pooled = sum(scatter * (steps - 1) for _, scatter, steps in known) / dof if dof > 0 else float("inf")
-        median, _, median_steps = sorted(known)[len(known) // 2] if known else (1.0, 0.0, 1.0)
+        median, median_scatter, median_steps = sorted(known)[len(known) // 2] if known else (1.0, 0.0, 1.0)
         bound = self.settings.max_speed_ratio
         speeds = []
         for fit in fits:
             relative = 1.0
             if fit is not None:
-                speed, _, steps = fit
+                speed, scatter, steps = fit
                 # Var(speed) = speed**2 * scatter / steps, for this rank and the median one.
-                variance = pooled * (speed * speed / steps + median * median / median_steps)
-                if (speed - median) ** 2 > SPEED_EVIDENCE**2 * variance:
+                variance = (max(scatter, pooled) * speed * speed / steps
+                            + max(median_scatter, pooled) * median * median / median_steps)  # fmt: skip
+                if (speed - median) ** 2 > _critical(EVIDENCE, dof) ** 2 * variance:
                     relative = min(max(speed / median, 1 / bound), bound)
             speeds.append(max(round(relative * _SPEED_GRID), 1) / _SPEED_GRID)
         return speeds
@@ -346,3 +368,32 @@ class OnlineCostModel:
             return speed, 0.0, 1.0  # one step shows no scatter (and adds no degree of freedom)
         scatter = max(pp - 2 * speed * pt + speed * speed * sums["tt"], 0.0) / (speed * speed * sums["tt"])
         return speed, scatter * steps / (steps - 1), steps
+
+
+def _overhead_shown(
+    gram: list[list[float]], rhs: list[float], target_norm: float, coef: list[float], squared_weight: float
+) -> bool:
+    """Whether the fitted ``overhead = coef[0]`` exceeds :data:`OVERHEAD_EVIDENCE` standard errors of the
+    overhead in the full model (every column: were the fit free to trade the overhead for the
+    per-token terms, how far could it). ``gram``, ``rhs`` and ``target_norm`` are the normal
+    equations of the weighted fit over observations of total weight ``W = gram[0][0]`` and squared
+    weight ``squared_weight``: ``Var(overhead) = sigma**2 * (gram^-1)[0][0] * squared_weight / W``,
+    ``sigma**2`` the residual of ``coef`` per unit weight over ``n - 3`` of the ``n = W**2 /
+    squared_weight`` effective observations. Not shown when the columns are (nearly) collinear."""
+    columns = [i for i in range(len(coef)) if gram[i][i] > 0]
+    weight = gram[0][0]
+    steps = weight * weight / squared_weight if squared_weight > 0 else 0.0
+    if steps <= len(columns):
+        return False
+    residual = target_norm - 2 * sum(coef[i] * rhs[i] for i in columns)
+    residual += sum(coef[i] * gram[i][j] * coef[j] for i in columns for j in columns)
+    sigma2 = max(residual, 0.0) / weight * steps / (steps - len(columns))
+    # (gram^-1)[0][0] with the columns scaled to unit norm (s and s**2 differ by ~10 orders).
+    norms = [math.sqrt(gram[i][i]) for i in columns]
+    scaled = [[gram[i][j] / (ni * nj) for j, nj in zip(columns, norms, strict=True)]
+              for i, ni in zip(columns, norms, strict=True)]  # fmt: skip
+    column = solve_linear(scaled, [1.0] + [0.0] * (len(columns) - 1))
+    if column is None:
+        return False
+    variance = sigma2 * column[0] / (norms[0] * norms[0]) * squared_weight / weight
+    return coef[0] * coef[0] > _critical(OVERHEAD_EVIDENCE, steps - len(columns)) ** 2 * variance
