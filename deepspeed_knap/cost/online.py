@@ -37,7 +37,13 @@ noise once called 60 of a 62 ms step overhead (``a = 0``, 2 CPU ranks), which pr
 nothing and kept every sequence home for two steps. Both tests take Student's t quantile for the
 degrees of freedom the scatter was measured with. The all-to-all
 coefficient ``c`` is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a
-step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``.
+step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``. Until a step has measured
+one, the prior's ``c`` keeps its proportion to the compute: it is scaled by the refit's compute
+scale (the fitted seconds of the measured work over the prior's). A prior's ``c`` is a guess at the
+link as its ``a, b`` are at the GPU; left as it was next to a refit 17,000 times the prior's (2 CPU
+ranks against the H100 FLOP prior), it priced gloo's all-to-alls like NVLink's, and ``auto`` split
+sequences until a measured exchange taught it otherwise (two steps of 20-30 ms of all-to-alls on
+100 ms steps in ``bench train``). The inter-node ``c'`` keeps its ratio to ``c``.
 
 With ``fit_route``, the route coefficient (:attr:`~deepspeed_knap.cost.model.CostModel.route_coef`,
 seconds of one token's round trip) is refit from the route phases (the route and reverse-route
@@ -287,13 +293,28 @@ class OnlineCostModel:
                 return  # the measurements say nothing usable yet: keep the current model
             speeds = self._fit_speeds(busy, coef)
         self.speeds = speeds
-        alltoall = (
-            self.alltoall_sums[0] / self.alltoall_sums[1] if self.alltoall_sums[1] else self.current.alltoall_coef
-        )
+        prior = self.prior
+        if self.alltoall_sums[1]:  # measured
+            alltoall = self.alltoall_sums[0] / self.alltoall_sums[1]
+        else:  # the prior's price, in the same proportion to the compute as the prior had it
+            alltoall = prior.alltoall_coef * self._compute_scale(busy, coef)
+        inter_node = prior.inter_node_alltoall_coef
+        if inter_node is not None:  # c' keeps its ratio to c
+            inter_node *= alltoall / prior.alltoall_coef if prior.alltoall_coef > 0 else self._compute_scale(busy, coef)
         self.current = dataclasses.replace(self.current, linear_coef=coef[1], quadratic_coef=coef[2],
-                                           alltoall_coef=alltoall, gpu_speed=tuple(speeds),
-                                           overhead_s=coef[0])  # fmt: skip
+                                           alltoall_coef=alltoall, inter_node_alltoall_coef=inter_node,
+                                           gpu_speed=tuple(speeds), overhead_s=coef[0])  # fmt: skip
         self.compute_fitted = True
+
+    def _compute_scale(self, busy: list[int], coef: list[float]) -> float:
+        """The fitted compute seconds of the measured work over the prior's (both at speed 1, the
+        known ``e * W`` left out); 1 when the prior prices that work at nothing."""
+        prior, fitted, priced = self.prior, 0.0, 0.0
+        for g in busy:
+            sums = self.sums[g]
+            fitted += coef[0] * sums["w"] + coef[1] * sums["x"] + coef[2] * sums["y"]
+            priced += prior.overhead_s * sums["w"] + prior.linear_coef * sums["x"] + prior.quadratic_coef * sums["y"]
+        return fitted / priced if priced > 0 else 1.0
 
     def _fit_coefficients(self, busy: list[int], speeds: list[float]) -> list[float] | None:
         """``[overhead, a, b]`` for ``measured * speed - e*W = overhead + a*X + b*Y``, from the running sums."""

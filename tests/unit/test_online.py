@@ -148,6 +148,28 @@ def test_an_overhead_is_planned_only_when_the_measurements_show_it(monkeypatch):
     assert least_per_token_share() < 0.5
 
 
+def test_an_unmeasured_alltoall_price_keeps_its_proportion_to_the_compute():
+    """GPUs 10x slower than the prior says, no Ulysses exchange timed yet: the refit scales the
+    prior's c (and c', which keeps its ratio to c) by the compute's 10, so splitting a sequence costs
+    what the prior said relative to its compute; once an exchange is timed, c is the measured one."""
+    prior = CostModel(2e-6, 3e-10, alltoall_coef=1e-7, inter_node_alltoall_coef=3e-7)
+    truth = CostModel(2e-5, 3e-9)
+    topology = build_topology("auto", 8)
+    online = OnlineCostModel(prior, 8, OnlineSettings(warmup_steps=3))
+    for step in range(4):
+        plan = plan_routing(sample_mix("kf_mixed_res", 8, step), topology, online.model())
+        online.observe(plan, measure(plan, truth, (1.0,) * 8, overhead_s=0.0), [-1] * 8)
+    model = online.model()
+    assert model.linear_coef == pytest.approx(truth.linear_coef, rel=1e-3)
+    assert model.alltoall_coef == pytest.approx(1e-6, rel=1e-3)
+    assert model.inter_node_alltoall_coef == pytest.approx(3e-6, rel=1e-3)
+    assert any(z > 0 for z in plan_terms(plan, model)[2])  # the plan has a Ulysses group to time
+    online.observe(plan, measure(plan, truth, (1.0,) * 8, overhead_s=0.0),
+                   [round(5e-6 * plan_terms(plan, model)[2][g] * 1e6) for g in range(8)])  # fmt: skip
+    assert online.model().alltoall_coef == pytest.approx(5e-6, rel=1e-3)
+    assert online.model().inter_node_alltoall_coef == pytest.approx(15e-6, rel=1e-3)
+
+
 def test_refit_prices_uneven_heads_and_a_known_per_sequence_cost():
     """A Wan-like model (6 heads: a group of 4 runs at its 2-head members' pace; every member repeats a
     per-sequence text projection e): measured times from the cost model's own per-GPU seconds
