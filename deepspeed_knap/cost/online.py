@@ -64,8 +64,11 @@ what keeping a sequence home saves: the all-to-alls run whether or not anything 
 term is not fitted beside it: from step to step the moved tokens vary by a few percent (3% on
 ``kf_mixed_res`` at 8 GPUs), too little to tell the two apart. The coefficient is refit once
 ``warmup_steps`` measured steps moved tokens, and it replaces the prior's even when that is 0: route
-pricing turns on from the measurements. Steps that move nothing say nothing, so once plans keep
-every sequence home the coefficient stays as last fitted. Every token counts as staying inside its
+pricing turns on from the measurements. Steps that move nothing say nothing; but a price that keeps
+every sequence home would never be measured again, so the fit expires: once the newest step that
+moved tokens weighs under ``_ROUTE_EVIDENCE_EXPIRED`` (1%: 44 steps at forgetting 0.9; never at 1),
+the prior's coefficient returns and the next moving steps fit anew (with a prior of 0, the plans
+move tokens again, and so measure them). Every token counts as staying inside its
 node (as ``c`` is fitted); ``inter_node_route_coef`` stays the prior's (given: as given; ``None``:
 follows the fitted ``route_coef``).
 
@@ -88,6 +91,9 @@ from deepspeed_knap.planner.route import gpu_traffic
 
 # Refits alternate this many times between the coefficients and the speeds.
 _ALTERNATIONS = 3
+# The fitted route coefficient gives way to the prior's once the newest step that moved tokens weighs
+# less than this (module docstring).
+_ROUTE_EVIDENCE_EXPIRED = 0.01
 # Speeds are rounded to multiples of 1 / this (no libm: log and pow may differ in the last bit
 # between machines, and a rounding boundary would then split the ranks).
 _SPEED_GRID = 32
@@ -193,6 +199,7 @@ class OnlineCostModel:
         self.route_sums = [0.0, 0.0]
         self.route_steps = 0  # measured steps that moved tokens
         self.route_fitted = False  # route_coef refit at least once
+        self.route_evidence = 0.0  # the weight of the newest step that moved tokens (1: this step)
         self.observed = 0
         self.speeds = [1.0] * num_gpus
         self.current = prior
@@ -241,6 +248,7 @@ class OnlineCostModel:
         tokens (module docstring)."""
         forgetting = self.settings.forgetting
         self.route_sums = [self.route_sums[0] * forgetting, self.route_sums[1] * forgetting]
+        self.route_evidence *= forgetting
         if not route_us:
             return
         traffic = gpu_traffic(plan.seq_lens, plan.seq_src_rank, plan.seq_group_start, plan.seq_group_size,
@@ -255,10 +263,15 @@ class OnlineCostModel:
             t = min(max(t, predicted / bound), predicted * bound)
         self.route_sums = [self.route_sums[0] + x * x, self.route_sums[1] + x * t]
         self.route_steps += 1
+        self.route_evidence = 1.0
 
     def _refit_route(self) -> None:
-        """``route_coef`` from the route sums (module docstring), once enough steps moved tokens."""
-        if self.route_steps >= self.settings.warmup_steps and self.route_sums[0] > 0:  # > 0: not decayed away
+        """``route_coef`` from the route sums (module docstring), once enough steps moved tokens;
+        the prior's again once that evidence has expired."""
+        if self.route_fitted and self.route_evidence < _ROUTE_EVIDENCE_EXPIRED:
+            self.current = dataclasses.replace(self.current, route_coef=self.prior.route_coef)
+            self.route_sums, self.route_steps, self.route_fitted = [0.0, 0.0], 0, False
+        elif self.route_steps >= self.settings.warmup_steps and self.route_sums[0] > 0:  # > 0: not decayed away
             self.current = dataclasses.replace(self.current, route_coef=self.route_sums[1] / self.route_sums[0])
             self.route_fitted = True
 

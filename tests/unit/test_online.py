@@ -271,6 +271,26 @@ def test_route_refit_recovers_the_route_coefficient_once_enough_steps_moved_toke
     assert online.model().linear_coef == pytest.approx(TRUTH.linear_coef, rel=1e-3)  # the compute fit unchanged
 
 
+def test_a_route_fit_that_keeps_every_sequence_home_expires():
+    """Once fitted, a route price that keeps every sequence home is never measured again; so when the
+    newest step that moved tokens weighs under 1% (44 steps at forgetting 0.9), the prior's price
+    returns, the plans move tokens again and the next moving steps fit the price anew."""
+    prior = CostModel(1e-5, 1e-8)  # route_coef 0
+    online = run_route(prior, 8, OnlineSettings(warmup_steps=3), true_route_us)
+    assert online.model().route_coef == pytest.approx(ROUTE_COEF, rel=1e-3)
+    home = plan_routing(sample_mix("kf_mixed_res", 8, 0), build_topology("auto", 8), online.model(), "none")
+    for idle in range(1, 45):
+        assert online.model().route_coef == pytest.approx(ROUTE_COEF, rel=1e-3), idle  # 0.9**43 > 1%
+        online.observe(home, measure(home), [0] * 8, None, [500] * 8)  # nothing moved: no evidence
+    assert online.model().route_coef == 0 and not online.route_fitted
+    topology = build_topology("auto", 8)
+    for step in range(3):
+        plan = plan_routing(sample_mix("kf_mixed_res", 8, step), topology, online.model())
+        assert max(moved_tokens(plan)) > 0  # moving is free again: the plans move, and are measured
+        online.observe(plan, measure(plan), [0] * 8, None, true_route_us(step, plan))
+    assert online.model().route_coef == pytest.approx(ROUTE_COEF, rel=1e-3)
+
+
 def test_route_refit_is_never_negative_and_off_keeps_the_refit_of_before():
     prior = CostModel(1e-5, 1e-8, route_coef=1e-7, inter_node_route_coef=3e-7)
     # Route phases that shrink as more moves (noise against the model): 0 at worst, never below.
