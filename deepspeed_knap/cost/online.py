@@ -30,7 +30,7 @@ forgetting; the scatter includes the model's misfit of the plan). Otherwise nois
 as speed: on 2 CPU ranks with equal cores, step-to-step timer noise of ~5% made the refit call one
 rank 6-12% slower, and the plan then gave it 6-12% fewer tokens than the balanced plan, losing more
 than the planner gained (``bench train``, kf_mixed_res). A truly slow rank (2x) is shown within the
-first two refits. Likewise the overhead is fitted only when it exceeds ``OVERHEAD_EVIDENCE`` (5)
+first refit. Likewise the overhead is fitted only when it exceeds ``OVERHEAD_EVIDENCE`` (5)
 standard errors in the full model, else ``a, b`` are fitted without it: balanced plans give every GPU
 about the same work step after step, so the data cannot tell a fixed cost from per-token work, and
 noise once called 60 of a 62 ms step overhead (``a = 0``, 2 CPU ranks), which priced moving work at
@@ -39,11 +39,19 @@ degrees of freedom the scatter was measured with. The all-to-all
 coefficient ``c`` is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a
 step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``. Until a step has measured
 one, the prior's ``c`` keeps its proportion to the compute: it is scaled by the refit's compute
-scale (the fitted seconds of the measured work over the prior's). A prior's ``c`` is a guess at the
-link as its ``a, b`` are at the GPU; left as it was next to a refit 17,000 times the prior's (2 CPU
-ranks against the H100 FLOP prior), it priced gloo's all-to-alls like NVLink's, and ``auto`` split
-sequences until a measured exchange taught it otherwise (two steps of 20-30 ms of all-to-alls on
-100 ms steps in ``bench train``). The inter-node ``c'`` keeps its ratio to ``c``.
+scale (the fitted per-token seconds ``a X + b Y`` of the measured work over the prior's). A prior's
+``c`` from a preset is a guess at the link as its ``a, b`` are at the GPU; left as it was next to a
+refit 17,000 times the prior's (2 CPU ranks against the H100 FLOP prior), it priced gloo's
+all-to-alls like NVLink's, and ``auto`` split sequences until a measured exchange taught it
+otherwise (two steps of 20-30 ms of all-to-alls on 100 ms steps in ``bench train``). A measured
+prior (a calibration file, given coefficients) has a scale near 1 and keeps its ``c``. The
+inter-node ``c'`` keeps its ratio to ``c`` (to the compute when the prior's ``c`` is 0). A scaled
+``c`` that keeps every sequence whole is never timed: it stays the prior's in proportion.
+
+Evidence expires: a GPU's sums once their weight is under ``_EVIDENCE_EXPIRED`` (1%: it has not
+been measured busy for 44 steps at forgetting 0.9; never at 1), the timed Ulysses exchanges
+likewise (the scaled prior's ``c`` returns), and the route fit below. Left to decay, the weights end
+in subnormal floats whose ratios are noise (``c`` of 1 s per token after 8,000 steps).
 
 With ``fit_route``, the route coefficient (:attr:`~deepspeed_knap.cost.model.CostModel.route_coef`,
 seconds of one token's round trip) is refit from the route phases (the route and reverse-route
@@ -66,9 +74,9 @@ term is not fitted beside it: from step to step the moved tokens vary by a few p
 ``warmup_steps`` measured steps moved tokens, and it replaces the prior's even when that is 0: route
 pricing turns on from the measurements. Steps that move nothing say nothing; but a price that keeps
 every sequence home would never be measured again, so the fit expires: once the newest step that
-moved tokens weighs under ``_ROUTE_EVIDENCE_EXPIRED`` (1%: 44 steps at forgetting 0.9; never at 1),
-the prior's coefficient returns and the next moving steps fit anew (with a prior of 0, the plans
-move tokens again, and so measure them). Every token counts as staying inside its
+moved tokens weighs under ``_EVIDENCE_EXPIRED``, the prior's coefficient returns and the next step
+that moves tokens (with a prior of 0, the next plan moves some) refits it at once. Every token
+counts as staying inside its
 node (as ``c`` is fitted); ``inter_node_route_coef`` stays the prior's (given: as given; ``None``:
 follows the fitted ``route_coef``).
 
@@ -91,9 +99,9 @@ from deepspeed_knap.planner.route import gpu_traffic
 
 # Refits alternate this many times between the coefficients and the speeds.
 _ALTERNATIONS = 3
-# The fitted route coefficient gives way to the prior's once the newest step that moved tokens weighs
-# less than this (module docstring).
-_ROUTE_EVIDENCE_EXPIRED = 0.01
+# Evidence whose weight has decayed below this is dropped (module docstring): a GPU's measured steps,
+# the timed Ulysses exchanges, the steps that moved tokens. 44 steps at forgetting 0.9; never at 1.
+_EVIDENCE_EXPIRED = 0.01
 # Speeds are rounded to multiples of 1 / this (no libm: log and pow may differ in the last bit
 # between machines, and a rounding boundary would then split the ranks).
 _SPEED_GRID = 32
@@ -222,6 +230,8 @@ class OnlineCostModel:
             for key in _SUMS:
                 sums[key] *= forgetting
             sums[_SQUARED_WEIGHT] *= forgetting * forgetting
+            if sums["w"] < _EVIDENCE_EXPIRED:  # what is left is older than that: forget it, not decay it
+                sums.update(dict.fromkeys(sums, 0.0))  # (forever decaying weights end in subnormal noise)
             if t_us >= 0 and x > 0:  # a measured, busy GPU
                 sums[_SQUARED_WEIGHT] += 1.0
                 t = t_us / 1e6
@@ -232,6 +242,8 @@ class OnlineCostModel:
                     sums[key] += value
         rates = [u / 1e6 / z for z, u in zip(alltoall, ulysses_us, strict=True) if u >= 0 and z > 0]
         self.alltoall_sums = [self.alltoall_sums[0] * forgetting, self.alltoall_sums[1] * forgetting]
+        if self.alltoall_sums[1] < _EVIDENCE_EXPIRED:  # expired: the prior's (scaled) price returns
+            self.alltoall_sums = [0.0, 0.0]
         if rates:
             self.alltoall_sums = [self.alltoall_sums[0] + min(rates), self.alltoall_sums[1] + 1.0]
         if self.settings.fit_route:
@@ -268,9 +280,11 @@ class OnlineCostModel:
     def _refit_route(self) -> None:
         """``route_coef`` from the route sums (module docstring), once enough steps moved tokens;
         the prior's again once that evidence has expired."""
-        if self.route_fitted and self.route_evidence < _ROUTE_EVIDENCE_EXPIRED:
+        if self.route_fitted and self.route_evidence < _EVIDENCE_EXPIRED:
+            # route_steps is kept: the next step that moves tokens refits at once, so a prior of 0
+            # prices moving as free for one step, not for warmup_steps.
             self.current = dataclasses.replace(self.current, route_coef=self.prior.route_coef)
-            self.route_sums, self.route_steps, self.route_fitted = [0.0, 0.0], 0, False
+            self.route_sums, self.route_fitted = [0.0, 0.0], False
         elif self.route_steps >= self.settings.warmup_steps and self.route_sums[0] > 0:  # > 0: not decayed away
             self.current = dataclasses.replace(self.current, route_coef=self.route_sums[1] / self.route_sums[0])
             self.route_fitted = True
@@ -320,13 +334,14 @@ class OnlineCostModel:
         self.compute_fitted = True
 
     def _compute_scale(self, busy: list[int], coef: list[float]) -> float:
-        """The fitted compute seconds of the measured work over the prior's (both at speed 1, the
-        known ``e * W`` left out); 1 when the prior prices that work at nothing."""
+        """The fitted per-token seconds of the measured work over the prior's (``a X + b Y`` at speed
+        1; the overhead, which a prior from FLOPs or a calibration file leaves out, and the known
+        ``e * W`` are not work an all-to-all scales with); 1 when the prior prices that work at nothing."""
         prior, fitted, priced = self.prior, 0.0, 0.0
         for g in busy:
             sums = self.sums[g]
-            fitted += coef[0] * sums["w"] + coef[1] * sums["x"] + coef[2] * sums["y"]
-            priced += prior.overhead_s * sums["w"] + prior.linear_coef * sums["x"] + prior.quadratic_coef * sums["y"]
+            fitted += coef[1] * sums["x"] + coef[2] * sums["y"]
+            priced += prior.linear_coef * sums["x"] + prior.quadratic_coef * sums["y"]
         return fitted / priced if priced > 0 else 1.0
 
     def _fit_coefficients(self, busy: list[int], speeds: list[float]) -> list[float] | None:
@@ -345,11 +360,13 @@ class OnlineCostModel:
         rhs = [total["t"], total["tx"], total["ty"]]
         coef = nonnegative_normal_equations(gram, rhs, total["tt"])
         squared_weight = sum(self.sums[g][_SQUARED_WEIGHT] for g in busy)
-        if coef[0] > 0 and not _overhead_shown(gram, rhs, total["tt"], coef, squared_weight):
+        per_token = coef[1] > 0 or coef[2] > 0
+        if coef[0] > 0 and (not per_token or not _overhead_shown(gram, rhs, total["tt"], coef, squared_weight)):
             # Balanced plans give every GPU about the same work, step after step: the data then
             # cannot tell a fixed cost from a per-token one, and noise may call most of the step
             # overhead (measured on 2 CPU ranks: 60 of 62 ms, a = 0), which prices moving work at
-            # nothing and keeps every sequence home. Without evidence, take it all as per token.
+            # nothing and keeps every sequence home. Without evidence, take it all as per token (and
+            # when the fit is all overhead: a model that prices no work cannot plan).
             a, b = nonnegative_normal_equations([row[1:] for row in gram[1:]], rhs[1:], total["tt"])
             coef = [0.0, a, b]
         return coef if coef[1] > 0 or coef[2] > 0 else None
@@ -370,12 +387,13 @@ class OnlineCostModel:
         speeds = []
         for fit in fits:
             relative = 1.0
-            if fit is not None:
+            if fit is not None and dof > 0:  # no degree of freedom: no scatter known, no evidence
                 speed, scatter, steps = fit
                 # Var(speed) = speed**2 * scatter / steps, for this rank and the median one.
                 variance = (max(scatter, pooled) * speed * speed / steps
                             + max(median_scatter, pooled) * median * median / median_steps)  # fmt: skip
-                if (speed - median) ** 2 > _critical(EVIDENCE, dof) ** 2 * variance:
+                critical, difference = _critical(EVIDENCE, dof), speed - median
+                if difference * difference > critical * critical * variance:
                     relative = min(max(speed / median, 1 / bound), bound)
             speeds.append(max(round(relative * _SPEED_GRID), 1) / _SPEED_GRID)
         return speeds
@@ -427,7 +445,8 @@ def _overhead_shown(
     scaled = [[gram[i][j] / (ni * nj) for j, nj in zip(columns, norms, strict=True)]
               for i, ni in zip(columns, norms, strict=True)]  # fmt: skip
     column = solve_linear(scaled, [1.0] + [0.0] * (len(columns) - 1))
-    if column is None:
+    if column is None or column[0] <= 0:
         return False
     variance = sigma2 * column[0] / (norms[0] * norms[0]) * squared_weight / weight
-    return coef[0] * coef[0] > _critical(OVERHEAD_EVIDENCE, steps - len(columns)) ** 2 * variance
+    critical = _critical(OVERHEAD_EVIDENCE, steps - len(columns))
+    return variance > 0 and coef[0] * coef[0] > critical * critical * variance
