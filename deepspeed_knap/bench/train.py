@@ -13,9 +13,14 @@ synthetic samples of ``--mix`` in every mode:
 (default: one bag of all ranks) or on a topology of their own (``knapformer@g1n2``: the mode may be
 given once per topology, to compare fixed topologies in the same run), and ``auto``. Every mode is
 built first (the same initial weights), then the modes run interleaved step by step: step ``s`` runs in
-every mode in turn, starting with mode ``s % len(modes)`` (the order rotates), before step ``s + 1``,
-so that drift of the machine (another process, a clock change) lands on every mode alike instead of
-on the modes that happened to run then. Per mode and step it reports the measured step time
+every mode in turn, before step ``s + 1``, so that drift of the machine (another process, a clock
+change) lands on every mode alike instead of on the modes that happened to run then. The orders are
+a Williams design (:func:`carryover_balanced_orders`): over ``len(modes)`` steps (twice that for an
+odd count) each mode runs once in each place and right after each other mode once. A step runs
+slower after some modes than after others (on 2 CPU ranks, 10% after a balanced mode's step than
+after ``off``'s): with the order only rotating, ``auto`` listed after ``knapformer@g1n2`` followed it
+in most steps and trailed it 1.30x to 1.53x over ``off``; listed before it, the two were level.
+Per mode and step it reports the measured step time
 (slowest rank, synchronised), the speedup over ``off`` on the same step, the measured max/mean of the
 ranks' compute seconds, the cost model's error per rank, and each rank's time by phase (plan, route,
 Ulysses all-to-alls, compute, reverse route) as the balancer measured it.
@@ -185,9 +190,10 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     records = []
     steps = options["steps"]
     progress = tqdm(total=steps * len(runs), desc="bench train", disable=rank != 0, leave=False)
+    orders = carryover_balanced_orders(len(runs))
     for step in range(steps):
-        for turn in range(len(runs)):  # step s starts with mode s % len(modes): no mode always follows the same
-            run = runs[(step + turn) % len(runs)]
+        for index in orders[step % len(orders)]:
+            run = runs[index]
             (inputs, targets), run.upcoming = run.upcoming, run.step_inputs(step + 1) if step + 1 < steps else None
             get_accelerator().synchronize()
             dist.barrier()  # every rank starts the step together: the step time is the slowest rank's
@@ -230,6 +236,15 @@ def predicted_compute_s(balancer) -> float:
     if balancer.online is not None:
         return balancer.online.predicted_s(plan)[rank]
     return float(plan_loads(plan, dataclasses.replace(balancer.cost_model, alltoall_coef=0.0))[rank])
+
+
+def carryover_balanced_orders(count: int) -> list[list[int]]:
+    """A Williams design: orders of ``range(count)`` in which each index takes each place once and
+    follows each other index once (``count`` orders; for an odd count the mirrored ones too, ``2 *
+    count``). E.g. 4: ``[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]``."""
+    first = [0] + [(i + 1) // 2 if i % 2 else count - i // 2 for i in range(1, count)]
+    orders = [[(index + shift) % count for index in first] for shift in range(count)]
+    return orders + [order[::-1] for order in orders] if count % 2 else orders
 
 
 def _free_port() -> int:
@@ -416,7 +431,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=6,
         help="training steps per mode (the first is not summarised); the modes run interleaved step by step, in "
-        "an order that rotates each step, so that drift lands on every mode alike",
+        "carryover-balanced orders (a multiple of the mode count balances them: twice it for an odd count)",
     )
     parser.add_argument("--modes", default="off,knapformer,refine,auto", help="comma-separated, from " + ", ".join(
         ["off", "knapformer", "refine", "auto"]) + "; knapformer@TOPOLOGY (refine too) runs it on that topology")  # fmt: skip

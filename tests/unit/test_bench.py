@@ -143,3 +143,22 @@ def test_bench_generate_builds_each_family_and_its_default_requests_are_imbalanc
     else:  # 16 text tokens + 16 x 16 or 8 x 8 image tokens
         assert seq_lens == [(272,), (80,), (272,), (80,)]
     assert [line["steps"] for line in lines] == [2, 2, 4, 4]
+
+
+@pytest.mark.parametrize("count", range(1, 8))
+def test_bench_train_orders_balance_places_and_predecessors(count):
+    """bench train's mode orders: each mode in each place equally often, and right after each other
+    mode equally often (a step can run slower after some modes than after others)."""
+    from collections import Counter
+    from itertools import pairwise
+
+    from deepspeed_knap.bench.train import carryover_balanced_orders
+
+    orders = carryover_balanced_orders(count)
+    assert all(sorted(order) == list(range(count)) for order in orders)
+    assert len(orders) == (2 * count if count % 2 else count)
+    for place in range(count):
+        assert Counter(order[place] for order in orders) == Counter({m: len(orders) // count for m in range(count)})
+    follows = Counter(pair for order in orders for pair in pairwise(order))
+    assert set(follows) == {(a, b) for a in range(count) for b in range(count) if a != b}
+    assert len(set(follows.values())) <= 1
