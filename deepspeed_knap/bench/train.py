@@ -15,11 +15,13 @@ given once per topology, to compare fixed topologies in the same run), and ``aut
 built first (the same initial weights), then the modes run interleaved step by step: step ``s`` runs in
 every mode in turn, before step ``s + 1``, so that drift of the machine (another process, a clock
 change) lands on every mode alike instead of on the modes that happened to run then. The orders are
-a Williams design (:func:`carryover_balanced_orders`): over ``len(modes)`` steps (twice that for an
-odd count) each mode runs once in each place and right after each other mode once. A step runs
-slower after some modes than after others (on 2 CPU ranks, 10% after a balanced mode's step than
-after ``off``'s): with the order only rotating, ``auto`` listed after ``knapformer@g1n2`` followed it
-in most steps and trailed it 1.30x to 1.53x over ``off``; listed before it, the two were level.
+a Williams design, each order followed by its mirror (:func:`carryover_balanced_orders`): over
+``2 * len(modes)`` steps each mode runs equally often in each place and
+right after each other mode twice, and right after itself once (across a step boundary), with one
+extra predecessor each (for an even count, the mode listed before it). A step runs slower after some modes than after
+others (on 2 CPU ranks, 10% after a balanced mode's step than after ``off``'s): with the order only
+rotating, ``auto`` listed after ``knapformer@g1n2`` followed it in most steps and trailed it 1.30x
+to 1.53x over ``off``; listed before it, the two were level.
 Per mode and step it reports the measured step time
 (slowest rank, synchronised), the speedup over ``off`` on the same step, the measured max/mean of the
 ranks' compute seconds, the cost model's error per rank, and each rank's time by phase (plan, route,
@@ -239,12 +241,16 @@ def predicted_compute_s(balancer) -> float:
 
 
 def carryover_balanced_orders(count: int) -> list[list[int]]:
-    """A Williams design: orders of ``range(count)`` in which each index takes each place once and
-    follows each other index once (``count`` orders; for an odd count the mirrored ones too, ``2 *
-    count``). E.g. 4: ``[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]``."""
+    """Mode orders for bench train's steps, ``2 * count`` of them: each of a Williams design's
+    ``count`` orders, then that order mirrored (for an odd count the mirrors complete the design):
+    each index twice in each place and right after each other index twice (for an even count, once
+    each within the orders and within the mirrors). Between two steps nothing else runs, so the last of one
+    order runs right before the first of the next: the mirror makes that the same index (every index
+    once per design, alike for all), and leaves one extra predecessor per index and design (for an
+    even count the index before it, ``i - 1`` before ``i``). E.g. 2: ``[0, 1], [1, 0], [1, 0], [0, 1]``."""
     first = [0] + [(i + 1) // 2 if i % 2 else count - i // 2 for i in range(1, count)]
-    orders = [[(index + shift) % count for index in first] for shift in range(count)]
-    return orders + [order[::-1] for order in orders] if count % 2 else orders
+    williams = [[(index + shift) % count for index in first] for shift in range(count)]
+    return [order for forward in williams for order in (forward, forward[::-1])]
 
 
 def _free_port() -> int:
@@ -431,7 +437,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=6,
         help="training steps per mode (the first is not summarised); the modes run interleaved step by step, in "
-        "carryover-balanced orders (a multiple of the mode count balances them: twice it for an odd count)",
+        "carryover-balanced orders (1 + a multiple of twice the mode count balances them)",
     )
     parser.add_argument("--modes", default="off,knapformer,refine,auto", help="comma-separated, from " + ", ".join(
         ["off", "knapformer", "refine", "auto"]) + "; knapformer@TOPOLOGY (refine too) runs it on that topology")  # fmt: skip

@@ -127,7 +127,9 @@ class OnlineSettings:
 
     Attributes:
         warmup_steps: steps observed before the first refit; until then the prior model plans.
-        forgetting: weight of a step relative to the next newer one (1: all steps count alike).
+        forgetting: weight of a step relative to the next newer one (1: all steps count alike;
+            below 0.01 every older step has expired by the next, so speeds and the overhead, which
+            need the scatter of two steps, stay 1 and 0).
         refit_interval: refit every this many observed steps.
         max_speed_ratio: a rank's speed factor stays within ``[1/r, r]`` of the median rank's.
         fit_route: refit ``route_coef`` from the measured route phases (module docstring); off: the
@@ -447,6 +449,8 @@ def _overhead_shown(
     column = solve_linear(scaled, [1.0] + [0.0] * (len(columns) - 1))
     if column is None or column[0] <= 0:
         return False
+    if residual <= 1e-12 * target_norm:  # a perfect fit (rounding may leave it below 0): no scatter to doubt it
+        return True
     variance = sigma2 * column[0] / (norms[0] * norms[0]) * squared_weight / weight
     critical = _critical(OVERHEAD_EVIDENCE, steps - len(columns))
-    return variance > 0 and coef[0] * coef[0] > critical * critical * variance
+    return coef[0] * coef[0] > critical * critical * variance

@@ -145,10 +145,12 @@ def test_bench_generate_builds_each_family_and_its_default_requests_are_imbalanc
     assert [line["steps"] for line in lines] == [2, 2, 4, 4]
 
 
-@pytest.mark.parametrize("count", range(1, 8))
+@pytest.mark.parametrize("count", range(2, 8))
 def test_bench_train_orders_balance_places_and_predecessors(count):
-    """bench train's mode orders: each mode in each place equally often, and right after each other
-    mode equally often (a step can run slower after some modes than after others)."""
+    """bench train's mode orders (a step can run slower after some modes than after others): over the
+    design, each mode equally often in each place; within the orders, right after each other mode
+    equally often; across the step boundaries, right after itself once (the mirror) and after the mode
+    listed before it once."""
     from collections import Counter
     from itertools import pairwise
 
@@ -156,9 +158,16 @@ def test_bench_train_orders_balance_places_and_predecessors(count):
 
     orders = carryover_balanced_orders(count)
     assert all(sorted(order) == list(range(count)) for order in orders)
-    assert len(orders) == (2 * count if count % 2 else count)
+    assert len(orders) == 2 * count
     for place in range(count):
         assert Counter(order[place] for order in orders) == Counter({m: len(orders) // count for m in range(count)})
-    follows = Counter(pair for order in orders for pair in pairwise(order))
-    assert set(follows) == {(a, b) for a in range(count) for b in range(count) if a != b}
-    assert len(set(follows.values())) <= 1
+    within = Counter(pair for order in orders for pair in pairwise(order))
+    assert set(within) == {(a, b) for a in range(count) for b in range(count) if a != b}
+    assert len(set(within.values())) <= 1
+    across = Counter((before[-1], after[0]) for before, after in pairwise(orders + orders[:1]))
+    per_design = len(orders) // (2 * count)
+    assert {m: across[m, m] for m in range(count)} == dict.fromkeys(range(count), per_design)  # the mirrors
+    extra = Counter(b for (a, b), n in across.items() for _ in range(n) if a != b)
+    assert extra == Counter(dict.fromkeys(range(count), per_design))
+    if count % 2 == 0:  # one extra predecessor each: the mode listed before it
+        assert all(across[(m - 1) % count, m] == per_design for m in range(count))
