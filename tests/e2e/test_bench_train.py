@@ -19,7 +19,7 @@ def test_bench_train_times_real_ranks_and_reports_every_phase(tmp_path, capsys):
     report = json.loads(out.read_text())
     # Every mode recorded every step (on both ranks, below); the report lists them mode by mode.
     assert [(r["mode"], r["step"]) for r in report["steps"]] == [("off", 0), ("off", 1), ("auto", 0), ("auto", 1)]
-    # The modes ran interleaved, in an order rotating per step: off 0, auto 0, then auto 1, off 1. So
+    # The modes ran interleaved, in the design's orders: off 0, auto 0, then its mirror, auto 1, off 1. So
     # the wall time between off's closes of steps 0 and 1 (its balancer's "step") holds both of auto's
     # steps, while auto's holds none of off's (run one mode after the other, neither would).
     row = {(r["mode"], r["step"]): r for r in report["steps"]}
