@@ -603,14 +603,20 @@ def nonnegative_normal_equations(gram: list[list[float]], rhs: list[float], targ
             solution = solve_linear(sub, sub_rhs)
             if solution is None or any(v < 0 for v in solution):
                 continue
-            # ||A x - y||^2 = y^T y - 2 x^T A^T y + x^T A^T A x, in the scaled columns.
-            quadratic = sum(a * sub[i][j] * b for i, a in enumerate(solution) for j, b in enumerate(solution))
-            residual = target_norm - 2 * sum(a * r for a, r in zip(solution, sub_rhs, strict=True)) + quadratic
+            residual = normal_equations_residual(sub, sub_rhs, target_norm, solution)  # in the scaled columns
             if residual < best_residual:
                 best_residual, best_coef = residual, [0.0] * num_columns
                 for v, i in zip(solution, support, strict=True):
                     best_coef[i] = v / norms[i]
     return best_coef
+
+
+def normal_equations_residual(gram: list[list[float]], rhs: list[float], target_norm: float, x: list[float]) -> float:
+    """``||A x - y||^2 = y^T W y - 2 x^T A^T W y + x^T A^T W A x`` of a weighted least-squares problem
+    from its normal equations (``gram = A^T W A``, ``rhs = A^T W y``, ``target_norm = y^T W y``), in
+    plain Python floats in a fixed order. Rounding may leave a perfect fit's slightly below 0."""
+    quadratic = sum(a * gram[i][j] * b for i, a in enumerate(x) for j, b in enumerate(x))
+    return target_norm - 2 * sum(a * r for a, r in zip(x, rhs, strict=True)) + quadratic
 
 
 def solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:

@@ -93,7 +93,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from deepspeed_knap.cost.model import CostModel, nonnegative_normal_equations, solve_linear
+from deepspeed_knap.cost.model import (
+    CostModel,
+    nonnegative_normal_equations,
+    normal_equations_residual,
+    solve_linear,
+)
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.route import gpu_traffic
 
@@ -322,14 +327,14 @@ class OnlineCostModel:
                 return  # the measurements say nothing usable yet: keep the current model
             speeds = self._fit_speeds(busy, coef)
         self.speeds = speeds
-        prior = self.prior
+        prior, scale = self.prior, self._compute_scale(busy, coef)
         if self.alltoall_sums[1]:  # measured
             alltoall = self.alltoall_sums[0] / self.alltoall_sums[1]
         else:  # the prior's price, in the same proportion to the compute as the prior had it
-            alltoall = prior.alltoall_coef * self._compute_scale(busy, coef)
+            alltoall = prior.alltoall_coef * scale
         inter_node = prior.inter_node_alltoall_coef
         if inter_node is not None:  # c' keeps its ratio to c
-            inter_node *= alltoall / prior.alltoall_coef if prior.alltoall_coef > 0 else self._compute_scale(busy, coef)
+            inter_node *= alltoall / prior.alltoall_coef if prior.alltoall_coef > 0 else scale
         self.current = dataclasses.replace(self.current, linear_coef=coef[1], quadratic_coef=coef[2],
                                            alltoall_coef=alltoall, inter_node_alltoall_coef=inter_node,
                                            gpu_speed=tuple(speeds), overhead_s=coef[0])  # fmt: skip
@@ -383,18 +388,20 @@ class OnlineCostModel:
         # The relative scatter per step, pooled over the GPUs (a rank's own few steps estimate it
         # badly), or a rank's own where larger (one stalled step is that rank's scatter, not all's).
         dof = sum(steps - 1 for _, _, steps in known)
-        pooled = sum(scatter * (steps - 1) for _, scatter, steps in known) / dof if dof > 0 else float("inf")
-        median, median_scatter, median_steps = sorted(known)[len(known) // 2] if known else (1.0, 0.0, 1.0)
-        bound = self.settings.max_speed_ratio
+        if dof <= 0:  # no degree of freedom: no scatter known, no evidence
+            return [1.0] * self.num_gpus
+        pooled = sum(scatter * (steps - 1) for _, scatter, steps in known) / dof
+        median, median_scatter, median_steps = sorted(known)[len(known) // 2]
+        bound, critical = self.settings.max_speed_ratio, _critical(EVIDENCE, dof)
         speeds = []
         for fit in fits:
             relative = 1.0
-            if fit is not None and dof > 0:  # no degree of freedom: no scatter known, no evidence
+            if fit is not None:
                 speed, scatter, steps = fit
                 # Var(speed) = speed**2 * scatter / steps, for this rank and the median one.
                 variance = (max(scatter, pooled) * speed * speed / steps
                             + max(median_scatter, pooled) * median * median / median_steps)  # fmt: skip
-                critical, difference = _critical(EVIDENCE, dof), speed - median
+                difference = speed - median
                 if difference * difference > critical * critical * variance:
                     relative = min(max(speed / median, 1 / bound), bound)
             speeds.append(max(round(relative * _SPEED_GRID), 1) / _SPEED_GRID)
@@ -439,13 +446,12 @@ def _overhead_shown(
     steps = weight * weight / squared_weight if squared_weight > 0 else 0.0
     if steps <= len(columns):
         return False
-    residual = target_norm - 2 * sum(coef[i] * rhs[i] for i in columns)
-    residual += sum(coef[i] * gram[i][j] * coef[j] for i in columns for j in columns)
+    sub = [[gram[i][j] for j in columns] for i in columns]
+    residual = normal_equations_residual(sub, [rhs[i] for i in columns], target_norm, [coef[i] for i in columns])
     sigma2 = max(residual, 0.0) / weight * steps / (steps - len(columns))
     # (gram^-1)[0][0] with the columns scaled to unit norm (s and s**2 differ by ~10 orders).
-    norms = [math.sqrt(gram[i][i]) for i in columns]
-    scaled = [[gram[i][j] / (ni * nj) for j, nj in zip(columns, norms, strict=True)]
-              for i, ni in zip(columns, norms, strict=True)]  # fmt: skip
+    norms = [math.sqrt(row[k]) for k, row in enumerate(sub)]
+    scaled = [[v / (ni * nj) for v, nj in zip(row, norms, strict=True)] for row, ni in zip(sub, norms, strict=True)]
     column = solve_linear(scaled, [1.0] + [0.0] * (len(columns) - 1))
     if column is None or column[0] <= 0:
         return False
