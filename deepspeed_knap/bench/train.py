@@ -16,13 +16,12 @@ built first (the same initial weights), then the modes run interleaved step by s
 every mode in turn, before step ``s + 1``, so that drift of the machine (another process, a clock
 change) lands on every mode alike instead of on the modes that happened to run then. The orders are
 a Williams design, each order followed by its mirror (:func:`carryover_balanced_orders`): over
-``2 * len(modes)`` steps each mode runs equally often in each place and
-right after each other mode twice, and right after itself once (across a step boundary), with one
-extra predecessor each (for an even count, the mode listed before it). A step runs slower after some modes than after
-others (on 2 CPU ranks, 10% after a balanced mode's step than after ``off``'s): with the order only
-rotating, ``auto`` listed after ``knapformer@g1n2`` followed it in most steps and trailed it 1.30x
-to 1.53x over ``off``; listed before it, the two were level.
-Per mode and step it reports the measured step time
+``2 * len(modes)`` steps each mode runs equally often in each place and right after each other mode
+twice, and right after itself once (across a step boundary), with one extra predecessor each (for an
+even count, the mode listed before it). A step runs slower after some modes than after others (on 2
+CPU ranks, 10% after a balanced mode's step than after ``off``'s): with the order only rotating,
+``auto`` listed after ``knapformer@g1n2`` followed it in most steps and trailed it 1.30x to 1.53x
+over ``off``; listed before it, the two were level. Per mode and step it reports the measured step time
 (slowest rank, synchronised), the speedup over ``off`` on the same step, the measured max/mean of the
 ranks' compute seconds, the cost model's error per rank, and each rank's time by phase (plan, route,
 Ulysses all-to-alls, compute, reverse route) as the balancer measured it.
@@ -244,8 +243,8 @@ def carryover_balanced_orders(count: int) -> list[list[int]]:
     """Mode orders for bench train's steps, ``2 * count`` of them: each of a Williams design's
     ``count`` orders, then that order mirrored (for an odd count the mirrors complete the design):
     each index twice in each place and right after each other index twice (for an even count, once
-    each within the orders and within the mirrors). Between two steps nothing else runs, so the last of one
-    order runs right before the first of the next: the mirror makes that the same index (every index
+    each within the orders and within the mirrors). Between two steps nothing else runs, so the last
+    of one order runs right before the first of the next: the mirror makes that the same index (every index
     once per design, alike for all), and leaves one extra predecessor per index and design (for an
     even count the index before it, ``i - 1`` before ``i``). E.g. 2: ``[0, 1], [1, 0], [1, 0], [0, 1]``."""
     first = [0] + [(i + 1) // 2 if i % 2 else count - i // 2 for i in range(1, count)]
