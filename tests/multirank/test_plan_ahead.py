@@ -124,6 +124,36 @@ def test_the_worker_plans_with_the_package_this_process_imported(worker, tmp_pat
     assert worker.result(ticket)[0] == plan_routing(lengths, topology, MODEL)
 
 
+def test_the_worker_plans_with_the_copy_imported_even_where_another_is_installed(tmp_path):
+    """A copy of the package imported first on the path, whose solver raises: the worker must
+    solve with that copy, not with the editable install this checkout has (whose import hook finds
+    ``deepspeed_knap.planner`` wherever the worker's own package lacked it, which once hid a worker
+    that loaded ``planner/`` as the package and died at once in every non-editable install)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import deepspeed_knap
+
+    copy = tmp_path / "copy" / "deepspeed_knap"
+    shutil.copytree(Path(deepspeed_knap.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "planner" / "solve.py", "a") as solve:
+        solve.write("\n\ndef plan_routing(*args, **kwargs):\n    raise RuntimeError('the copy solved')\n")
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import deepspeed_knap; "
+        "assert deepspeed_knap.__file__.startswith(sys.argv[1]), deepspeed_knap.__file__; "
+        "from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError; "
+        "from deepspeed_knap import build_topology, default_cost_model; worker = PlanWorker(); "
+        "ticket = worker.submit([[3000, 5], [7]], build_topology('auto', 2), default_cost_model('flux-dev'), "
+        "'refine', None)\ntry: worker.result(ticket)\nexcept PlanWorkerError as error: print(error)"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(copy.parent)], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "the copy solved" in result.stdout, (result.stdout, result.stderr[-2000:])
+
+
 DIM, HEADS, COND = 16, 4, 3
 WORKLOAD = CostModel(1e-6, 1e-8, alltoall_coef=1e-9)
 # Per step, each rank's lengths: the long sequences alternate between the ranks, so plans move work.
