@@ -223,3 +223,49 @@ def test_bad_samples_name_the_sample_and_the_problem():
         i2v.pack(random_samples("wan21", SHAPES[:1], 8, torch.float32))
     with pytest.raises(ValueError, match="an I2V model has both"):
         PackedWanTransformer(**{**CONFIGS["wan21_i2v"], "added_kv_proj_dim": None})
+
+
+def _bf16_error_against_fp32_diffusers(backend: str, device: str) -> tuple[float, float]:
+    """Packed Wan 2.2 TI2V in bf16 with ``backend`` (self- and cross-attention through it, one
+    packed batch of every SHAPES sample) against diffusers in fp32, per sample on ``device``: the
+    norm-relative error of the outputs and of the latents' input gradient."""
+    from deepspeed_knap.models.wan import PackedWanTransformer
+
+    ref = reference_model("wan22_ti2v", torch.float32).to(device)
+    model = PackedWanTransformer.from_diffusers(ref, attention_backend=backend).to(device, torch.bfloat16)
+    samples = [
+        {k: v.to(device, torch.float32 if k == "timestep" else torch.bfloat16) for k, v in sample.items()}
+        for sample in random_samples("wan22_ti2v", SHAPES, 3, torch.float32)
+    ]
+    reference = [{k: v.float().requires_grad_(k == "hidden_states") for k, v in s.items()} for s in samples]
+    for sample in samples:
+        sample["hidden_states"].requires_grad_(True)
+    outputs = model.forward_samples(samples)
+    weights = [w.to(device) for w in output_weights(outputs, 4)]
+    sum((o.float() * w.float()).sum() for o, w in zip(outputs, weights, strict=True)).backward()
+    expected = [diffusers_output(ref, sample) for sample in reference]
+    sum((e * w.float()).sum() for e, w in zip(expected, weights, strict=True)).backward()
+    ours_grad, theirs_grad = (
+        torch.cat([s["hidden_states"].grad.flatten() for s in group]) for group in (samples, reference)
+    )
+    outputs, expected = (torch.cat([o.flatten() for o in group]) for group in (outputs, expected))
+    return norm_relative_error(outputs, expected), norm_relative_error(ours_grad, theirs_grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen"])
+def test_gpu_varlen_kernels_run_packed_wan_as_well_as_sdpa(backend):
+    """The varlen kernels take Wan's packed self-attention and its cross-attention (query chunks
+    against their own samples' text rows): in bf16 on CUDA their error against diffusers in fp32 is
+    that of per-sequence SDPA in bf16, within a factor of 2."""
+    from deepspeed_knap.runtime.attention import VarlenAttention
+
+    try:
+        VarlenAttention(backend)
+    except ValueError as unavailable:
+        pytest.skip(str(unavailable))
+    sdpa = _bf16_error_against_fp32_diffusers("sdpa", "cuda")
+    kernel = _bf16_error_against_fp32_diffusers(backend, "cuda")
+    assert max(sdpa) < 0.05, sdpa  # bf16 rounding, not a wrong result
+    for ours, baseline in zip(kernel, sdpa, strict=True):
+        assert ours <= 2 * baseline + 1e-3, (kernel, sdpa)
