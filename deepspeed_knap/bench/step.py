@@ -299,7 +299,9 @@ def bench_step(
         if calibration is None:
             calibration = calibrate_here(timer, [s for rank in seq_lens for s in rank], timer.repeats)
             calibration["source"] = "measured here"
-        compute = CostModel(calibration["linear_coef"], calibration["quadratic_coef"])
+        efficiency = calibration.get("degree_efficiency")  # calibrate --degrees: the planner's, so the plan's too
+        compute = CostModel(calibration["linear_coef"], calibration["quadratic_coef"],
+                            degree_efficiency=tuple((int(g), float(e)) for g, e in efficiency) if efficiency else None)  # fmt: skip
         comm = dataclasses.replace(compute, alltoall_coef=alltoall_coef)
         overhead_s = calibration.get("overhead_s", 0.0)
         row = {"seed": seed, "tokens": int(sum(map(sum, seq_lens)))}
@@ -395,7 +397,8 @@ def run(args: argparse.Namespace) -> int:
     calibration = None
     if args.calibration:
         data = json.loads(Path(args.calibration).read_text())
-        calibration = {key: data[key] for key in ("linear_coef", "quadratic_coef", "overhead_s") if key in data}
+        keys = ("linear_coef", "quadratic_coef", "overhead_s", "degree_efficiency")
+        calibration = {key: data[key] for key in keys if key in data}
     report = bench_step(args.topology, args.mix, args.steps, timer, args.token_scale, args.solver,
                         calibration, args.alltoall_gbps, args.gpus)  # fmt: skip
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -10,7 +10,7 @@ import torch
 
 from deepspeed_knap.bench import step as bench_step
 from deepspeed_knap.cost.model import CostModel
-from deepspeed_knap.planner import plan_routing
+from deepspeed_knap.planner import plan_loads, plan_routing
 from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.runtime.layout import gpu_layout
 from tests.support.distributed import run_distributed
@@ -107,7 +107,9 @@ def test_route_seconds_from_the_layouts_send_and_receive_counts():
 
 def test_bench_step_runs_end_to_end_and_reports_against_the_given_model(tmp_path, capsys):
     calibration = tmp_path / "cal.json"
-    calibration.write_text(json.dumps({"linear_coef": 1e-4, "quadratic_coef": 1e-7, "overhead_s": 0.5}))
+    efficiency = [[2, 0.5]]  # as calibrate --degrees writes it: a bag of 2 does half its ideal share
+    calibration.write_text(json.dumps({"linear_coef": 1e-4, "quadratic_coef": 1e-7, "overhead_s": 0.5,
+                                       "degree_efficiency": efficiency}))  # fmt: skip
     out = tmp_path / "step.json"
     argv = ["bench", "step", "--topology", "g2n2", "--mix", "kf_image_video", "--token-scale", "0.01",
             "--heads", "2", "--head-dim", "8", "--double-blocks", "2", "--single-blocks", "3", "--steps", "1",
@@ -126,6 +128,15 @@ def test_bench_step_runs_end_to_end_and_reports_against_the_given_model(tmp_path
     # Without balancing a busy rank's modeled seconds are the overhead + a*s + b*s^2 over its sequences.
     own = [(0.5 if rank else 0.0) + sum(1e-4 * s + 1e-7 * s * s for s in rank) for rank in seq_lens]
     np.testing.assert_allclose(row["none"]["modeled_s"], own, rtol=1e-12)
+    # Balanced, the file's bag efficiency prices the bags of 2, in the plan and the modeled seconds.
+    alltoall_coef = CostModel.from_model_dims(16, 2, 3, alltoall_gbps=150.0, bytes_per_element=4).alltoall_coef
+    modeled = {}
+    for efficiency in (((2, 0.5),), None):
+        model = CostModel(1e-4, 1e-7, degree_efficiency=efficiency)
+        plan = plan_routing(seq_lens, build_topology("g2n2"), dataclasses.replace(model, alltoall_coef=alltoall_coef))
+        modeled[efficiency] = plan_loads(plan, model) + 0.5 * (plan.gpu_tokens > 0)
+    np.testing.assert_allclose(row["refine"]["modeled_s"], modeled[((2, 0.5),)], rtol=1e-12)
+    assert not np.allclose(modeled[((2, 0.5),)], modeled[None])  # what the file's efficiency changes
     for name in ("none", "refine"):
         measured, tokens = np.array(row[name]["measured_s"]), np.array(row[name]["tokens"])
         assert tokens.sum() == row["tokens"] and np.all((measured > 0) == (tokens > 0))
