@@ -69,6 +69,7 @@ def bench_flux(
     device: torch.device,
     dtype: torch.dtype,
     repeats: int,
+    backend: str = "auto",
 ) -> dict[str, dict[str, float]]:
     """Both models of ``family`` (``flux``, ``flux2``) on every sample ``ranks`` ranks of ``mix``
     hold in one step (a mix of sizes)."""
@@ -80,7 +81,7 @@ def bench_flux(
     torch.manual_seed(seed)
     reference_class = {"flux": diffusers.FluxTransformer2DModel, "flux2": diffusers.Flux2Transformer2DModel}[family]
     reference = reference_class(**config).to(device, dtype)
-    packed = family_class(family).from_diffusers(reference)
+    packed = family_class(family).from_diffusers(reference, attention_backend=backend)
     shapes = [shape for rank in sample_shapes(mix, ranks, seed) for shape in rank]
     latents = synthetic_samples(shapes, config, seed, token_scale, dtype)
     samples, _ = rectified_flow(
@@ -133,6 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="[dev]'s width and blocks: FLUX.1 24 x 128, 19 + 38; FLUX.2 48 x 128, 8 + 48 (GPU)")  # fmt: skip
     parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--backend", default="auto", help="the packed model's attention kernel (docs/integration.md)")
     parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         config.update(in_channels=64, joint_attention_dim=4096 if args.flux_dims else 256,
                       pooled_projection_dim=768 if args.flux_dims else 64, axes_dims_rope=rope_axes(args.head_dim))  # fmt: skip
     result = bench_flux(args.family, config, args.mix, args.ranks, args.token_scale, args.seed, torch.device(device),
-                        getattr(torch, args.dtype), args.repeats)  # fmt: skip
+                        getattr(torch, args.dtype), args.repeats, args.backend)  # fmt: skip
     work = result["mix"]
     print(f"{args.family} {args.mix} x{args.token_scale:g}: {work['samples']} samples, {work['tokens']} tokens; "
           f"{args.layers}+{args.single_layers} blocks, {args.heads}x{args.head_dim} heads, {args.dtype} on {device}")  # fmt: skip
