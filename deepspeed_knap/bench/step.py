@@ -214,6 +214,20 @@ def route_seconds(plan: RoutingPlan, dim: int, bytes_per_element: int, gbps: flo
     return 4 * busiest * dim * bytes_per_element / (gbps * 1e9)
 
 
+def _degree_efficiency(pairs) -> tuple[tuple[int, float], ...] | None:
+    """A calibration's ``degree_efficiency`` (``calibrate --degrees``: ``[[G, efficiency], ...]``),
+    which training's planner uses, so the plan and the modeled seconds here do too."""
+    if not pairs:
+        return None
+    try:
+        return tuple((int(g), float(e)) for g, e in pairs)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"--calibration: degree_efficiency = {pairs!r}; expected [[bag size, efficiency], ...] "
+            "as deepspeed-knap calibrate --degrees writes it"
+        ) from None
+
+
 def measure_plan(plan: RoutingPlan, text_lens: np.ndarray, timer: FluxBlockTimer, compute: CostModel,
                  overhead_s: float, comm: CostModel, bytes_per_element: int, gbps: float) -> dict:  # fmt: skip
     """Measured and modeled per-rank seconds of one plan.
@@ -276,8 +290,9 @@ def bench_step(
 
     Args:
         num_gpus: emulated GPUs of topology ``auto`` (a fixed topology has its own count).
-        calibration: ``linear_coef``, ``quadratic_coef`` and optionally ``overhead_s``, as
-            ``deepspeed-knap calibrate`` writes them; ``None`` calibrates on the first step's lengths.
+        calibration: ``linear_coef``, ``quadratic_coef`` and optionally ``overhead_s`` and
+            ``degree_efficiency`` (``[[G, efficiency], ...]``), as ``deepspeed-knap calibrate`` writes
+            them; ``None`` calibrates on the first step's lengths.
 
     Returns:
         ``{"calibration": ..., "steps": [{"seed", "none": measure_plan(...), solver: ...}, ...]}``.
@@ -299,9 +314,8 @@ def bench_step(
         if calibration is None:
             calibration = calibrate_here(timer, [s for rank in seq_lens for s in rank], timer.repeats)
             calibration["source"] = "measured here"
-        efficiency = calibration.get("degree_efficiency")  # calibrate --degrees: the planner's, so the plan's too
         compute = CostModel(calibration["linear_coef"], calibration["quadratic_coef"],
-                            degree_efficiency=tuple((int(g), float(e)) for g, e in efficiency) if efficiency else None)  # fmt: skip
+                            degree_efficiency=_degree_efficiency(calibration.get("degree_efficiency")))  # fmt: skip
         comm = dataclasses.replace(compute, alltoall_coef=alltoall_coef)
         overhead_s = calibration.get("overhead_s", 0.0)
         row = {"seed": seed, "tokens": int(sum(map(sum, seq_lens)))}

@@ -131,7 +131,7 @@ class PlanWorker:
         # plan with other code. Putting the package's parent first on the path would not do: for an
         # installed package that is site-packages, whose modules would then shadow the standard
         # library's. The working directory is taken off the path all the same.
-        package = str(Path(__file__).resolve().parents[1])  # deepspeed_knap/, not deepspeed_knap/planner/
+        package = str(Path(sys.modules["deepspeed_knap"].__file__).resolve().parent)
         code = ("import importlib.util, os, sys; sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]; "
                 f"spec = importlib.util.spec_from_file_location('deepspeed_knap', {package + '/__init__.py'!r}, "
                 f"submodule_search_locations=[{package!r}]); "
