@@ -50,15 +50,15 @@ from deepspeed_knap.runtime.timing import PLAN_PARTS, StepTimes, stamp
 # rank's route wait), so the overhead takes each one's least over ranks (the last to arrive waits
 # least). The solve (in the step, or the wait for the worker's plan) is each rank's own.
 OVERHEAD_COLLECTIVES = ("gather", "agree", "route", "reverse_route")
-OVERHEAD_LOCAL = ("solve",)
+OVERHEAD_LOCAL = ("refit", "solve")
 # What a rank ships of its closed step with the next lengths gather (microseconds, -1: unknown).
 _REPORTED = ("compute", "ulysses", "step", *OVERHEAD_LOCAL, *OVERHEAD_COLLECTIVES)
 
 
 def balancer_overhead_s(phases_per_rank: Sequence[Mapping[str, float]]) -> float:
     """Seconds the balancer added to a step, from every rank's breakdown of it
-    (:meth:`KnapBalancer.close_step`'s): the largest solve over ranks (work of its own, which holds
-    the other ranks back at the next collective), plus, per collective part (the lengths gather, the
+    (:meth:`KnapBalancer.close_step`'s): the largest refit and the largest solve over ranks (work of
+    its own, which holds the other ranks back at the next collective), plus, per collective part (the lengths gather, the
     agreement on a prefetched plan, the route and the reverse route), its least time over ranks. A
     collective's time on one rank includes waiting for later ranks, which is their imbalance and not
     the balancer's cost; the last rank to arrive waits least, so the least is the nearest to the
@@ -294,7 +294,9 @@ class KnapBalancer:
         gathered = gather_step_inputs(seq_lens, segments, problem, device, self.groups, report)
         self._plan_parts["gather"] += time.perf_counter() - start
         if previous is not None:
+            start = time.perf_counter()
             self._record(*previous, gathered.reports)
+            self._plan_parts["refit"] += time.perf_counter() - start
         return gathered
 
     def _plan_ahead(self, batch: PackedBatch, segments: np.ndarray | None, problem: str | None) -> _Planned | None:

@@ -21,7 +21,7 @@ from torch import Tensor
 # Exchange kinds as routing.exchange labels them.
 EXCHANGE_KINDS = ("route", "reverse_route", "ulysses")
 # The parts of a step's plan (StepTimes.plan_parts).
-PLAN_PARTS = ("gather", "solve", "agree")
+PLAN_PARTS = ("gather", "refit", "solve", "agree")
 
 
 class _Stamp:
@@ -53,9 +53,10 @@ class StepTimes:
             (forward), ``blocks_grad_start``, ``blocks_grad_end`` (backward).
         spans: per exchange kind, ``(start, end)`` stamps of every exchange, forward and backward.
         plan_parts: host seconds of the plan by part (:data:`PLAN_PARTS`), the balancer's: ``gather``
-            (the lengths all-gather: in the step, or at the prefetch before it), ``solve`` (the solve
-            in the step, or the wait for the worker's plan) and ``agree`` (the all-gather that agrees
-            on a prefetched plan).
+            (the lengths all-gather: in the step, or at the prefetch before it), ``refit`` (recording
+            the last step's measured times and, with ``online``, refitting the cost model from them,
+            after the gather), ``solve`` (the solve in the step, or the wait for the worker's plan) and
+            ``agree`` (the all-gather that agrees on a prefetched plan).
     """
 
     device: torch.device
@@ -77,7 +78,7 @@ class StepTimes:
 
         * ``plan``: the lengths gather and the solve, as stamped in the step (a prefetch's gather,
           before it, is not in it);
-        * ``gather``, ``solve``, ``agree``: :attr:`plan_parts`, host seconds;
+        * ``gather``, ``refit``, ``solve``, ``agree``: :attr:`plan_parts`, host seconds;
         * ``route``, ``reverse_route``, ``ulysses``: the exchanges of each kind, forward and backward
           (including the time spent waiting for peers);
         * ``compute``: the block stack forward and backward, less the Ulysses exchanges inside it.

@@ -30,11 +30,12 @@ def test_bench_train_times_real_ranks_and_reports_every_phase(tmp_path, capsys):
         assert len(row["phases"]) == 2 and all(p["compute"] > 0 for p in row["phases"])
         assert row["step_s"] > 0 and row["compute_imbalance"] >= 1.0
         assert all(set(bench_train.PHASES) <= set(p) for p in row["phases"]) and 0 < row["overhead"] < 1
-        # The budget leaves out waits: each collective's least over ranks, the largest solve.
+        # The budget leaves out waits: each collective's least over ranks, the largest refit and solve.
         assert row["overhead"] == pytest.approx(balancer_overhead_s(row["phases"]) / row["step_s"])
         assert row["overhead"] * row["step_s"] <= min(
-            sum(p[part] for part in ("gather", "solve", "agree", "route", "reverse_route")) for p in row["phases"]
-        ) + max(p["solve"] for p in row["phases"])
+            sum(p[part] for part in ("gather", "refit", "solve", "agree", "route", "reverse_route"))
+            for p in row["phases"]
+        ) + max(p["solve"] + p["refit"] for p in row["phases"])
     off = [r for r in report["steps"] if r["mode"] == "off"]
     assert all(sum(p["ulysses"] for p in r["phases"]) == 0 for r in off)  # nothing moves, no bags
     # Prefetch (the default): step 1's plan was solved during step 0 and agreed on in step 1.
