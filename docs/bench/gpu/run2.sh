@@ -3,24 +3,11 @@
 # own time limit and the results are packed after each, so a cut-off call still returns what ran.
 #   run: carry [".whl"], command "bash docs/bench/gpu/run2.sh"
 # Writes $OUT/log (everything printed) and $OUT/results.tgz (JSON, PNG, per-section logs).
-set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-R=/tmp/results; mkdir -p "$R"; cd "$R" || exit 1
-knap="python3 -m deepspeed_knap.cli"  # a word list: timeout runs commands, not functions
-pack() { tar czf "$OUT/results.tmp" -C "$R" . && mv "$OUT/results.tmp" "$OUT/results.tgz"; }
-section() {  # section NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  echo "== $name ($(date +%T), limit ${limit}s)"
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$name.log" 2>&1; local rc=$?
-  grep -v "WARNING\|kept in float32\|truncated because" "$name.log" | tail -40
-  echo "== $name: rc $rc, $((SECONDS - t0)) s"; pack
-}
+source "$(dirname "$0")/lib.sh"  # the wheels, $knap, section
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 python3 -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
-section gpu_tests 130 bash -c "cd $OLDPWD && python3 -m pytest -m gpu -q -rs -p no:cacheprovider"
+section gpu_tests 130 bash -c "cd $REPO && python3 -m pytest -m gpu -q -rs -p no:cacheprovider"
 section cal_wan14b 70 $knap calibrate --wan wan2.1-14b --dtype bfloat16 --seq-lens 1024,4096,16384,32768,65536 \
   --repeats 3 --alltoall-gbps 150 --out cal_wan14b.json --plot cal_wan14b.png
 section train_1rank 80 $knap bench train --ranks 1 --flux-dims --mix kf_mixed_res --token-scale 1 --steps 9 \
