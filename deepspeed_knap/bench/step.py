@@ -217,10 +217,13 @@ def route_seconds(plan: RoutingPlan, dim: int, bytes_per_element: int, gbps: flo
 def _degree_efficiency(pairs) -> tuple[tuple[int, float], ...] | None:
     """A calibration's ``degree_efficiency`` (``calibrate --degrees``: ``[[G, efficiency], ...]``),
     which training's planner uses, so the plan and the modeled seconds here do too."""
-    if not pairs:
+    if pairs is None or (isinstance(pairs, list) and not pairs):
         return None
     try:
-        return tuple((int(g), float(e)) for g, e in pairs)
+        efficiency = tuple((int(g), float(e)) for g, e in pairs if int(g) == g)
+        if not isinstance(pairs, list) or len(efficiency) != len(pairs):
+            raise ValueError
+        return efficiency
     except (TypeError, ValueError):
         raise ValueError(
             f"--calibration: degree_efficiency = {pairs!r}; expected [[bag size, efficiency], ...] "

@@ -48,7 +48,8 @@ from deepspeed_knap.runtime.timing import PLAN_PARTS, StepTimes, stamp
 # The balancer's parts of a step (StepTimes.seconds) that are collectives: each rank's time in one
 # includes its wait for the ranks that arrive later (a slow rank's extra compute, shown as a fast
 # rank's route wait), so the overhead takes each one's least over ranks (the last to arrive waits
-# least). The solve (in the step, or the wait for the worker's plan) is each rank's own.
+# least). The refit (recording the closed step's times, the online refit) and the solve (in the step,
+# or the wait for the worker's plan) are each rank's own, back to back with no collective between.
 OVERHEAD_COLLECTIVES = ("gather", "agree", "route", "reverse_route")
 OVERHEAD_LOCAL = ("refit", "solve")
 # What a rank ships of its closed step with the next lengths gather (microseconds, -1: unknown).
@@ -57,15 +58,15 @@ _REPORTED = ("compute", "ulysses", "step", *OVERHEAD_LOCAL, *OVERHEAD_COLLECTIVE
 
 def balancer_overhead_s(phases_per_rank: Sequence[Mapping[str, float]]) -> float:
     """Seconds the balancer added to a step, from every rank's breakdown of it
-    (:meth:`KnapBalancer.close_step`'s): the largest refit and the largest solve over ranks (work of
-    its own, which holds the other ranks back at the next collective), plus, per collective part (the lengths gather, the
+    (:meth:`KnapBalancer.close_step`'s): the largest over ranks of a rank's refit and solve together
+    (its own work, done back to back, which holds the other ranks back at the next collective), plus, per collective part (the lengths gather, the
     agreement on a prefetched plan, the route and the reverse route), its least time over ranks. A
     collective's time on one rank includes waiting for later ranks, which is their imbalance and not
     the balancer's cost; the last rank to arrive waits least, so the least is the nearest to the
     exchange itself (at worst, it still holds the last arrival's wait at another part). The plan
     parts are host seconds (``time.perf_counter``); the routes are timed by device events (the
     accelerator's clock, the host's on CPU)."""
-    local = sum(max(phases.get(part, 0.0) for phases in phases_per_rank) for part in OVERHEAD_LOCAL)
+    local = max((sum(phases.get(part, 0.0) for part in OVERHEAD_LOCAL) for phases in phases_per_rank), default=0.0)
     return local + sum(min(phases.get(part, 0.0) for phases in phases_per_rank) for part in OVERHEAD_COLLECTIVES)
 
 
@@ -345,7 +346,7 @@ class KnapBalancer:
         breakdown of it (:meth:`~deepspeed_knap.runtime.timing.StepTimes.seconds`), also kept as
         :attr:`last_times`; ``None`` when unknown (no step, no backward, a timer that failed). From
         the second step on it also holds ``step``, the wall seconds since the last step's close. The
-        plan's parts (``gather``, ``solve``, ``agree``) are host seconds, the exchanges device-event
+        plan's parts (``gather``, ``refit``, ``solve``, ``agree``) are host seconds, the exchanges device-event
         seconds, and this rank's collectives among them include its waits for slower ranks, so the
         overhead budget is not this rank's sum: the next :meth:`plan` calls this if the training loop
         did not and ships the result to every rank, and each then computes the step's overhead from

@@ -11,14 +11,14 @@ from deepspeed_knap.runtime.balancer import balancer_overhead_s
 
 def test_bench_train_times_real_ranks_and_reports_every_phase(tmp_path, capsys):
     out = tmp_path / "train.json"
-    argv = ["bench", "train", "--ranks", "2", "--mix", "long_video", "--token-scale", "0.01", "--steps", "2",
+    argv = ["bench", "train", "--ranks", "2", "--mix", "long_video", "--token-scale", "0.01", "--steps", "3",
             "--modes", "off,auto", "--slow-rank", "1:2", "--online", "--json", str(out), "--plot", str(tmp_path / "t.png")]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "medians over steps" in printed and "seconds by phase" in printed
     report = json.loads(out.read_text())
     # Every mode recorded every step (on both ranks, below); the report lists them mode by mode.
-    assert [(r["mode"], r["step"]) for r in report["steps"]] == [("off", 0), ("off", 1), ("auto", 0), ("auto", 1)]
+    assert [(r["mode"], r["step"]) for r in report["steps"]] == [(m, s) for m in ("off", "auto") for s in range(3)]
     # The modes ran interleaved, in the design's orders: off 0, auto 0, then its mirror, auto 1, off 1. So
     # the wall time between off's closes of steps 0 and 1 (its balancer's "step") holds both of auto's
     # steps, while auto's holds none of off's (run one mode after the other, neither would).
@@ -38,6 +38,9 @@ def test_bench_train_times_real_ranks_and_reports_every_phase(tmp_path, capsys):
         ) + max(p["solve"] + p["refit"] for p in row["phases"])
     off = [r for r in report["steps"] if r["mode"] == "off"]
     assert all(sum(p["ulysses"] for p in r["phases"]) == 0 for r in off)  # nothing moves, no bags
+    # Step 1's prefetch (of step 2's lengths) recorded step 0's times, and auto refit its model from them:
+    # host time of the balancer's, counted (the last step prefetches nothing, so records nothing).
+    assert all(p["refit"] > 0 for r in report["steps"] if r["step"] == 1 for p in r["phases"])
     # Prefetch (the default): step 1's plan was solved during step 0 and agreed on in step 1.
     assert all(p["agree"] > 0 for r in report["steps"] if r["step"] == 1 for p in r["phases"])
     # Step 0 gathers its own lengths and step 1's (the prefetch) and solves its plan in the step.

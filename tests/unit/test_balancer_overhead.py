@@ -16,7 +16,8 @@ def test_a_fast_ranks_wait_for_a_slow_one_is_not_overhead():
     the overhead is what the last to arrive spent, not the busiest rank's sum."""
     fast = {"gather": 0.01, "refit": 0.0007, "solve": 0.002, "agree": 0.001, "route": 0.03, "reverse_route": 2.04}
     slow = {"gather": 0.012, "refit": 0.0005, "solve": 0.004, "agree": 0.002, "route": 0.02, "reverse_route": 0.04}
-    expected = 0.0007 + 0.004 + 0.01 + 0.001 + 0.02 + 0.04  # the largest refit and solve, each collective's least
+    # The slow rank's refit and solve together (its own, back to back), each collective's least.
+    expected = 0.0005 + 0.004 + 0.01 + 0.001 + 0.02 + 0.04
     assert balancer_overhead_s([fast, slow]) == pytest.approx(expected)
     assert balancer_overhead_s([fast, slow]) < sum(fast.values()) / 20
 
@@ -45,5 +46,5 @@ def test_recording_the_last_step_and_the_online_refit_count_as_the_refit_part(mo
                                _plan_parts=dict.fromkeys(PLAN_PARTS, 0.0))  # fmt: skip
     assert KnapBalancer._gather(balancer, [3, 4], None, None, "cpu") is gathered
     assert recorded == [("times", "plan", gathered.reports)]
-    assert balancer._plan_parts["refit"] >= 0.05 > balancer._plan_parts["gather"]
+    assert balancer._plan_parts["refit"] >= 0.045 > balancer._plan_parts["gather"]
     assert balancer_overhead_s([{"refit": 0.05}, {"refit": 0.01}]) == 0.05  # the slowest rank's, like a solve
