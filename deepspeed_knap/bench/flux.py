@@ -4,9 +4,10 @@
 
 One rank's samples of a bundled mix go through both models with the same weights: diffusers'
 ``FluxTransformer2DModel`` (``--family flux2``: ``Flux2Transformer2DModel``) once per sample
-(different sizes cannot share its batch), and the packed model once on the packed batch. Reported per model: median wall time of forward +
-backward, activation bytes autograd keeps for backward (parameters excluded; any device), and on
-CUDA the peak memory allocated during a run above what was allocated before it (weights, inputs). Needs the ``diffusers`` extra.
+(different sizes cannot share its batch), and the packed model once on the packed batch. Reported
+per model: median wall time of forward + backward, activation bytes autograd keeps for backward
+(parameters excluded; any device), and on CUDA the peak memory allocated during a run above what
+was allocated before it (weights, inputs). Needs the ``diffusers`` extra.
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ def measure(run: Callable[[], Tensor], model: nn.Module, device: torch.device, r
     """Median seconds of ``run().backward()``, saved activation bytes, and on CUDA the peak bytes
     allocated during a run above those allocated before it (the models' weights and the inputs;
     the gradients are freed first, so they count in the peak)."""
-    times, peaks = [], []
+    cuda, times, peaks = device.type == "cuda", [], []
     for _ in range(repeats + 1):  # the first is a warm-up
         model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
         times.append(backward_seconds(run, device))
-        if device.type == "cuda":
+        if cuda:
             peaks.append(torch.cuda.max_memory_allocated() - start)
     model.zero_grad(set_to_none=True)  # the next model's peak must not hold this one's gradients
     return {"seconds": statistics.median(times[1:]), "saved_mb": saved_activation_bytes(run, model) / 2**20,

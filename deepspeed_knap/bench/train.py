@@ -60,7 +60,8 @@ from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 
 MODES = ("off", "knapformer", "refine", "auto")
 # The plan by part (the lengths gather, recording the closed step and the online refit, the solve or
-# the wait for the worker's, the agreement on a prefetched plan), then the exchanges and the compute, as the balancer measured them.
+# the wait for the worker's, the agreement on a prefetched plan), then the exchanges and the compute,
+# as the balancer measured them.
 PHASES = ("gather", "refit", "solve", "agree", "route", "ulysses", "compute", "reverse_route")
 
 HELP = "measured training steps on local ranks: off, knapformer, refine, auto"
@@ -293,8 +294,8 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
     seconds, speedup over ``off`` on the same step and compute max/mean, the median |model error|,
     the speedup of the summed step times (what a training run of these steps gains), and the median
     overhead budget (:func:`~deepspeed_knap.runtime.balancer.balancer_overhead_s` over the step: the
-    largest refit and solve of a rank over ranks plus each collective part's least time over ranks, so a fast rank's wait
-    for a slow one is not counted as the balancer's)."""
+    largest refit and solve of a rank over ranks plus each collective part's least time over ranks,
+    so a fast rank's wait for a slow one is not counted as the balancer's)."""
     by_mode: dict[str, list[dict]] = {}
     for row in report["steps"]:
         by_mode.setdefault(row["mode"], []).append(row)
@@ -335,11 +336,11 @@ def format_report(report: dict) -> str:
     for mode, s in summarize(report).items():
         lines.append(f"{mode:<16}{s['step_s']:>9.3f}{s['speedup']:>8.2f}x{s['total_speedup']:>7.2f}x"
                      f"{s['compute_imbalance']:>18.3f}{s['model_error']:>15.1%}{s['overhead']:>10.1%}")  # fmt: skip
-    lines.append("overhead: the balancer's seconds over the step: the largest over ranks of a rank's refit (recording "
-                 "the last step's times, refitting the cost model online) and solve (or wait for the worker's plan), plus "
-                 "the least over ranks of each collective (lengths gather, plan agreement, route, reverse route), "
-                 "whose time on a rank includes waiting for slower ranks (the last to arrive waits least); plan parts "
-                 "on the host clock, routes by device events")  # fmt: skip
+    lines.append("overhead: the balancer's seconds over the step: the largest over ranks of a rank's refit "
+                 "(recording the last step's times, refitting the cost model online) and solve (or wait for the "
+                 "worker's plan), plus the least over ranks of each collective (lengths gather, plan agreement, "
+                 "route, reverse route), whose time on a rank includes waiting for slower ranks (the last to arrive "
+                 "waits least); plan parts on the host clock, routes by device events")  # fmt: skip
     last = [row for row in report["steps"] if row["step"] == options["steps"] - 1]
     lines += ["", f"seconds by phase, last step ({options['steps'] - 1}):",
               f"{'mode':<16}{'rank':>5}" + "".join(f"{p:>14}" for p in PHASES)]  # fmt: skip

@@ -59,8 +59,9 @@ _REPORTED = ("compute", "ulysses", "step", *OVERHEAD_LOCAL, *OVERHEAD_COLLECTIVE
 def balancer_overhead_s(phases_per_rank: Sequence[Mapping[str, float]]) -> float:
     """Seconds the balancer added to a step, from every rank's breakdown of it
     (:meth:`KnapBalancer.close_step`'s): the largest over ranks of a rank's refit and solve together
-    (its own work, done back to back, which holds the other ranks back at the next collective), plus, per collective part (the lengths gather, the
-    agreement on a prefetched plan, the route and the reverse route), its least time over ranks. A
+    (its own work, done back to back, which holds the other ranks back at the next collective),
+    plus, per collective part (the lengths gather, the agreement on a prefetched plan, the route and
+    the reverse route), its least time over ranks. A
     collective's time on one rank includes waiting for later ranks, which is their imbalance and not
     the balancer's cost; the last rank to arrive waits least, so the least is the nearest to the
     exchange itself (at worst, it still holds the last arrival's wait at another part). The plan
