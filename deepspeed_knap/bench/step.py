@@ -43,7 +43,7 @@ from deepspeed_knap.commands.options import (
     positive_int,
 )
 from deepspeed_knap.cost.calibrate import backward_seconds, calibrate, flux_blocks_step
-from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, CostModel
+from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, CostModel, degree_efficiency_pairs
 from deepspeed_knap.data.mixes import sample_shapes
 from deepspeed_knap.planner import SOLVERS
 from deepspeed_knap.planner.plan import RoutingPlan
@@ -214,23 +214,6 @@ def route_seconds(plan: RoutingPlan, dim: int, bytes_per_element: int, gbps: flo
     return 4 * busiest * dim * bytes_per_element / (gbps * 1e9)
 
 
-def _degree_efficiency(pairs) -> tuple[tuple[int, float], ...] | None:
-    """A calibration's ``degree_efficiency`` (``calibrate --degrees``: ``[[G, efficiency], ...]``),
-    which training's planner uses, so the plan and the modeled seconds here do too."""
-    if pairs is None or (isinstance(pairs, list) and not pairs):
-        return None
-    try:
-        efficiency = tuple((int(g), float(e)) for g, e in pairs if int(g) == g)
-        if not isinstance(pairs, list) or len(efficiency) != len(pairs):
-            raise ValueError
-        return efficiency
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"--calibration: degree_efficiency = {pairs!r}; expected [[bag size, efficiency], ...] "
-            "as deepspeed-knap calibrate --degrees writes it"
-        ) from None
-
-
 def measure_plan(plan: RoutingPlan, text_lens: np.ndarray, timer: FluxBlockTimer, compute: CostModel,
                  overhead_s: float, comm: CostModel, bytes_per_element: int, gbps: float) -> dict:  # fmt: skip
     """Measured and modeled per-rank seconds of one plan.
@@ -317,8 +300,11 @@ def bench_step(
         if calibration is None:
             calibration = calibrate_here(timer, [s for rank in seq_lens for s in rank], timer.repeats)
             calibration["source"] = "measured here"
-        compute = CostModel(calibration["linear_coef"], calibration["quadratic_coef"],
-                            degree_efficiency=_degree_efficiency(calibration.get("degree_efficiency")))  # fmt: skip
+        try:  # the bag efficiency training's planner uses: the plan and the modeled seconds here use it too
+            efficiency = degree_efficiency_pairs(calibration.get("degree_efficiency"))
+        except ValueError as error:
+            raise ValueError(f"--calibration: {error}") from None
+        compute = CostModel(calibration["linear_coef"], calibration["quadratic_coef"], degree_efficiency=efficiency)
         comm = dataclasses.replace(compute, alltoall_coef=alltoall_coef)
         overhead_s = calibration.get("overhead_s", 0.0)
         row = {"seed": seed, "tokens": int(sum(map(sum, seq_lens)))}

@@ -478,6 +478,26 @@ def _per_token_s(token_bytes: float, gbps: float | None) -> float | None:
     return None if gbps is None else token_bytes / (gbps * 1e9)
 
 
+def degree_efficiency_pairs(value: object) -> tuple[tuple[int, float], ...] | None:
+    """A calibration file's ``degree_efficiency`` (``[[G, efficiency], ...]``, as ``deepspeed-knap
+    calibrate --degrees`` writes it) as :attr:`CostModel.degree_efficiency` takes it; ``None`` or
+    ``[]``: none. Training's config and ``bench step`` both read it here.
+
+    Raises:
+        ValueError: not a list of ``[integer bag size, number]`` pairs (the message names the value).
+    """
+    if value is None or value == []:
+        return None
+    try:
+        pairs = tuple((int(g), float(e)) for g, e in value if not isinstance(g, bool) and int(g) == g)
+        if isinstance(value, list) and len(pairs) == len(value):
+            return pairs
+    except (TypeError, ValueError):
+        pass
+    raise ValueError(f"degree_efficiency = {value!r}; expected [[bag size, efficiency], ...] as deepspeed-knap "
+                     "calibrate --degrees writes it")  # fmt: skip
+
+
 def segment_square_sums(segments: np.ndarray) -> np.ndarray:
     """``[N]`` float64 ``sum_k l_k**2`` of each sequence's attention segments, the input of
     :meth:`CostModel.per_gpu_time`'s ``segment_squares``.

@@ -32,6 +32,7 @@ from deepspeed_knap.cost.model import (
     MODEL_PRESETS,
     CostModel,
     default_cost_model,
+    degree_efficiency_pairs,
 )
 from deepspeed_knap.cost.online import OnlineSettings
 from deepspeed_knap.planner.solve import DEFAULT_SOLVER
@@ -218,11 +219,10 @@ class KnapCostModelConfig(_KnapConfigModel):
 def _read_calibration(path: str) -> CostModel:
     try:
         data = json.loads(Path(path).read_text())
-        efficiency = data.get("degree_efficiency")
         # num_heads: the heads of the blocks timed (calibrate writes it), pricing groups they do not divide.
         return CostModel(float(data["linear_coef"]), float(data["quadratic_coef"]),
                              float(data.get("alltoall_coef", 0.0)), None,
-                             tuple((int(g), float(e)) for g, e in efficiency) if efficiency else None,
+                             degree_efficiency_pairs(data.get("degree_efficiency")),
                              num_heads=int(data["num_heads"]) if data.get("num_heads") else None,
                              route_coef=float(data.get("route_coef", 0.0)))  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as error:

@@ -118,6 +118,10 @@ def test_calibration_file(tmp_path):
     path.write_text("{}")
     with pytest.raises(ValueError, match=r"calibration_file .* is unreadable"):
         block(cost_model={"calibration_file": str(path)}).cost_model.build()
+    # A bag size that is not a whole number is refused, not truncated (8.7 once became 8).
+    path.write_text(json.dumps({"linear_coef": 2e-6, "quadratic_coef": 3e-10, "degree_efficiency": [[8.7, 0.9]]}))
+    with pytest.raises(ValueError, match=r"is unreadable \(degree_efficiency = \[\[8\.7, 0\.9\]\]; expected"):
+        block(cost_model={"calibration_file": str(path)}).cost_model.build()
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 from scipy.optimize import nnls
 
-from deepspeed_knap.cost.model import MODEL_PRESETS, CostModel, default_cost_model, fit_cost_model
+from deepspeed_knap.cost.model import (
+    MODEL_PRESETS,
+    CostModel,
+    default_cost_model,
+    degree_efficiency_pairs,
+    fit_cost_model,
+)
 
 
 def test_formula_splits_compute_and_adds_alltoall_only_for_bags():
@@ -192,3 +198,17 @@ def test_the_config_block_and_the_cli_take_wan_presets():
     assert parse_model("hidden=64") == {**MODEL_PRESETS["flux-dev"], "hidden": 64}
     with pytest.raises(argparse.ArgumentTypeError, match="not both"):
         parse_model("hidden=64,dim=128")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, None), ([], None), ([[2, 0.9], [4, 1]], ((2, 0.9), (4, 1.0))), ([[8.0, 0.5]], ((8, 0.5),))],
+)
+def test_degree_efficiency_pairs_reads_what_calibrate_writes(value, expected):
+    assert degree_efficiency_pairs(value) == expected
+
+
+@pytest.mark.parametrize("value", [[[8.7, 0.9]], [[2, 0.9, 1]], [[True, 0.9]], {"2": 0.9}, [["two", 0.9]], [2, 0.9]])
+def test_degree_efficiency_pairs_refuses_anything_else_naming_it(value):
+    with pytest.raises(ValueError, match=r"degree_efficiency = .*; expected \[\[bag size, efficiency\], \.\.\.\]"):
+        degree_efficiency_pairs(value)
