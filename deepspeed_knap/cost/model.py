@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -613,22 +614,30 @@ def nonnegative_normal_equations(gram: list[list[float]], rhs: list[float], targ
         ``K`` coefficients, all >= 0 (all 0 when no subset fits with non-negative ones).
     """
     num_columns = len(rhs)
-    norms = [math.sqrt(gram[i][i]) if gram[i][i] > 0 else 0.0 for i in range(num_columns)]
-    usable = [i for i in range(num_columns) if norms[i] > 0]
+    usable = [i for i in range(num_columns) if gram[i][i] > 0]
     best_coef, best_residual = [0.0] * num_columns, target_norm
     for size in range(1, len(usable) + 1):
         for support in itertools.combinations(usable, size):
-            sub = [[gram[i][j] / (norms[i] * norms[j]) for j in support] for i in support]
-            sub_rhs = [rhs[i] / norms[i] for i in support]
+            sub, norms = unit_norm_gram(gram, support)
+            sub_rhs = [rhs[i] / n for i, n in zip(support, norms, strict=True)]
             solution = solve_linear(sub, sub_rhs)
             if solution is None or any(v < 0 for v in solution):
                 continue
             residual = normal_equations_residual(sub, sub_rhs, target_norm, solution)  # in the scaled columns
             if residual < best_residual:
                 best_residual, best_coef = residual, [0.0] * num_columns
-                for v, i in zip(solution, support, strict=True):
-                    best_coef[i] = v / norms[i]
+                for v, i, n in zip(solution, support, norms, strict=True):
+                    best_coef[i] = v / n
     return best_coef
+
+
+def unit_norm_gram(gram: list[list[float]], columns: Sequence[int]) -> tuple[list[list[float]], list[float]]:
+    """``gram = A^T W A`` restricted to ``columns`` (each with ``gram[i][i] > 0``) with those columns
+    of ``A`` scaled to unit norm, and their norms: ``s`` and ``s**2`` differ by ~10 orders, which
+    the elimination of :func:`solve_linear` would not survive unscaled. Plain Python floats."""
+    norms = [math.sqrt(gram[i][i]) for i in columns]
+    return [[gram[i][j] / (ni * nj) for j, nj in zip(columns, norms, strict=True)]
+            for i, ni in zip(columns, norms, strict=True)], norms  # fmt: skip
 
 
 def normal_equations_residual(gram: list[list[float]], rhs: list[float], target_norm: float, x: list[float]) -> float:

@@ -90,7 +90,6 @@ communication.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from deepspeed_knap.cost.model import (
@@ -98,6 +97,7 @@ from deepspeed_knap.cost.model import (
     nonnegative_normal_equations,
     normal_equations_residual,
     solve_linear,
+    unit_norm_gram,
 )
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.route import gpu_traffic
@@ -449,9 +449,8 @@ def _overhead_shown(
     sub = [[gram[i][j] for j in columns] for i in columns]
     residual = normal_equations_residual(sub, [rhs[i] for i in columns], target_norm, [coef[i] for i in columns])
     sigma2 = max(residual, 0.0) / weight * steps / (steps - len(columns))
-    # (gram^-1)[0][0] with the columns scaled to unit norm (s and s**2 differ by ~10 orders).
-    norms = [math.sqrt(row[k]) for k, row in enumerate(sub)]
-    scaled = [[v / (ni * nj) for v, nj in zip(row, norms, strict=True)] for row, ni in zip(sub, norms, strict=True)]
+    # (gram^-1)[0][0], with the columns scaled to unit norm.
+    scaled, norms = unit_norm_gram(gram, columns)
     column = solve_linear(scaled, [1.0] + [0.0] * (len(columns) - 1))
     if column is None or column[0] <= 0:
         return False
