@@ -46,7 +46,8 @@ The solver:
    (:func:`~deepspeed_knap.planner.search.local_search`).
 5. **Exact search** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences (besides short ones that
    cost next to nothing): branch and bound over every group, within ``ELASTIC_EXACT_NODE_BUDGET``
-   nodes, on the fixed solver's driver (:class:`~deepspeed_knap.planner.search.BranchAndBound`).
+   nodes, on the fixed solver's driver (:class:`~deepspeed_knap.planner.search.BranchAndBound`),
+   which stops once the incumbent is within ``SEARCH_TOLERANCE`` of the bound (a start often is).
 6. **Locality:** single-GPU sequences go back to their home GPU, or trade places with a guest there,
    wherever that keeps the step time. Then, with equal speeds and overheads, a symmetry of the
    groups (blocks of one size traded, the halves of any group traded) that permutes the GPUs, and

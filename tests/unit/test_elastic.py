@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from deepspeed_knap.cost.model import CostModel, default_cost_model
 from deepspeed_knap.data.mixes import MIXES, sample_mix
 from deepspeed_knap.planner import lower_bound, plan_loads, plan_routing
+from deepspeed_knap.planner.search import SEARCH_TOLERANCE
 from deepspeed_knap.planner.topology import build_topology
 from tests.support.plans import check_plan_covers_every_token, lengths_strategy, per_rank_lengths
 
@@ -108,13 +109,14 @@ def test_auto_is_never_worse_than_refine_on_any_fixed_topology_of_its_sizes(inst
     ),
     cost_model=st.sampled_from([FLUX, PRICED_ALLTOALL]),
 )
-def test_auto_is_optimal_on_tiny_steps_and_the_bound_never_exceeds_the_optimum(lengths, cost_model):
+def test_auto_is_near_optimal_on_tiny_steps_and_the_bound_never_exceeds_the_optimum(lengths, cost_model):
     topology = build_topology("auto", 4)
     optimum = brute_force_elastic(lengths, topology, cost_model)
     plan = plan_routing(lengths, topology, cost_model)
     assert plan.lower_bound <= optimum * (1 + 1e-9)
     assert lower_bound(lengths, topology, cost_model) == plan.lower_bound
-    assert plan.max_load <= optimum * (1 + 1e-6)  # exact search within its budget: optimal here
+    # The exact search, within its budget here, stops once within SEARCH_TOLERANCE of the lower bound.
+    assert plan.max_load <= optimum * (1 + SEARCH_TOLERANCE)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -126,14 +128,15 @@ def test_auto_is_optimal_on_tiny_steps_and_the_bound_never_exceeds_the_optimum(l
     overhead_share=st.sampled_from([0.1, 0.5, 2.0]),
 )
 def test_auto_gives_a_slow_gpu_less_work_for_its_larger_fixed_overhead(lengths, speeds, overhead_share):
-    """Every GPU pays ``overhead_s / speed`` per step whatever its tokens: optimal against brute force."""
+    """Every GPU pays ``overhead_s / speed`` per step whatever its tokens: within ``SEARCH_TOLERANCE`` of
+    brute force's optimum."""
     topology = build_topology("auto", 4)
     mean_work = sum(float(PRICED_ALLTOALL.per_gpu_time(s, 1)) for rank in lengths for s in rank) / 4
     cost_model = dataclasses.replace(PRICED_ALLTOALL, gpu_speed=tuple(speeds), overhead_s=overhead_share * mean_work)
     optimum = brute_force_elastic(lengths, topology, cost_model)
     plan = plan_routing(lengths, topology, cost_model)
     np.testing.assert_allclose(plan_loads(plan, cost_model), plan.gpu_loads, rtol=1e-12)
-    assert plan.lower_bound <= optimum * (1 + 1e-9) and plan.max_load <= optimum * (1 + 1e-6)
+    assert plan.lower_bound <= optimum * (1 + 1e-9) and plan.max_load <= optimum * (1 + SEARCH_TOLERANCE)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -163,7 +166,7 @@ def test_auto_honours_the_memory_cap_or_says_why(instance, cap_scale):
 def test_groups_of_whole_nodes_take_only_sequences_no_node_holds_under_the_cap(lengths, cap_share):
     """Nodes of 2 GPUs, ``max_degree`` 4, a model without an inter-node all-to-all price: the group
     of both nodes takes a sequence only when half of it is over the cap (never without a cap), and
-    the plan is optimal among such plans (brute force)."""
+    the plan is within ``SEARCH_TOLERANCE`` of the best such plan (brute force)."""
     topology = build_topology("auto", 4, gpus_per_node=2, max_degree=4)
     assert topology.groups[0] == (0, 4)
     cap = None if cap_share is None else max(1, int(cap_share * max(s for rank in lengths for s in rank)))
@@ -178,7 +181,7 @@ def test_groups_of_whole_nodes_take_only_sequences_no_node_holds_under_the_cap(l
     assert cap is not None or not across.any()
     assert (-(-plan.seq_lens[across] // 2) > (cap or 0)).all()
     assert plan.gpu_tokens.max() <= (cap or np.inf)
-    assert plan.max_load <= optimum * (1 + 1e-6)
+    assert plan.max_load <= optimum * (1 + SEARCH_TOLERANCE)
 
 
 @pytest.mark.parametrize(
