@@ -485,16 +485,19 @@ def degree_efficiency_pairs(value: object) -> tuple[tuple[int, float], ...] | No
     ``[]``: none. Training's config and ``bench step`` both read it here.
 
     Raises:
-        ValueError: not a list of ``[integer bag size, number]`` pairs (the message names the value).
+        ValueError: not a list of ``[G, efficiency]`` pairs of a whole finite bag size and a finite
+            number, neither a bool (the message names the value).
     """
-    if value is None or value == []:
+    if value is None or (isinstance(value, list) and not value):
         return None
-    try:
-        pairs = tuple((int(g), float(e)) for g, e in value if not isinstance(g, bool) and int(g) == g)
-        if isinstance(value, list) and len(pairs) == len(value):
-            return pairs
-    except (TypeError, ValueError):
-        pass
+
+    def number(x: object) -> bool:  # JSON's Infinity and NaN are numbers to json.loads
+        real = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+        return real and math.isfinite(x)
+
+    pairs = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 and all(map(number, p)) for p in value)
+    if pairs and all(int(g) == g for g, _ in value):
+        return tuple((int(g), float(e)) for g, e in value)
     raise ValueError(f"degree_efficiency = {value!r}; expected [[bag size, efficiency], ...] as deepspeed-knap "
                      "calibrate --degrees writes it")  # fmt: skip
 

@@ -47,7 +47,8 @@ The solver:
 5. **Exact search** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences (besides short ones that
    cost next to nothing): branch and bound over every group, within ``ELASTIC_EXACT_NODE_BUDGET``
    nodes, on the fixed solver's driver (:class:`~deepspeed_knap.planner.search.BranchAndBound`),
-   which stops once the incumbent is within ``SEARCH_TOLERANCE`` of the bound (a start often is).
+   stopping once within ``SEARCH_TOLERANCE`` of the bound, as the starts and the local search do
+   (the fixed solver's own search, with nodes ~4x cheaper, stays exact within its budget).
 6. **Locality:** single-GPU sequences go back to their home GPU, or trade places with a guest there,
    wherever that keeps the step time. Then, with equal speeds and overheads, a symmetry of the
    groups (blocks of one size traded, the halves of any group traded) that permutes the GPUs, and
@@ -1056,9 +1057,9 @@ def _swap_fits(state: _State, i: int, a: int, j: int, b: int) -> bool:
 
 
 def _exact_search(problem: Problem, levels: _Levels, incumbent: np.ndarray | None) -> np.ndarray | None:
-    """The best assignment branch and bound finds within ``ELASTIC_EXACT_NODE_BUDGET`` nodes, or
-    ``incumbent`` (with none: any assignment that fits the memory cap, and the best of those, or
-    ``None``).
+    """The best assignment branch and bound finds within ``ELASTIC_EXACT_NODE_BUDGET`` nodes (it stops
+    at one within ``SEARCH_TOLERANCE`` of the lower bound), or ``incumbent`` (with none: any
+    assignment that fits the memory cap, and the best of those, or ``None``).
 
     Sequences go in descending order of their cheapest cost over the classes allowed to them, each
     into every group of an allowed class. Besides the cuts of :class:`~deepspeed_knap.planner.search.BranchAndBound`, a branch is
@@ -1091,7 +1092,11 @@ class _GroupSearch(BranchAndBound):
     def __init__(self, problem: Problem, levels: _Levels, incumbent_max: int):
         n = len(problem.seq_lens)
         order = np.lexsort((np.arange(n), -np.where(problem.allowed, problem.cost, BIG).min(axis=1)))
-        super().__init__(problem, order, incumbent_max, ELASTIC_EXACT_NODE_BUDGET)
+        # Stops within SEARCH_TOLERANCE of the bound, as the starts and the local search do: proving
+        # the last 0.1% took most of the budget on small steps (kf_image_video x1/4 at 2 GPUs: 400-2,000
+        # nodes, 12.8 against 1.3 ms a solve, for at most 0.02% of the step), CPU each rank's plan
+        # worker took from training where there is a core per rank (docs/benchmarks_measured.md).
+        super().__init__(problem, order, incumbent_max, ELASTIC_EXACT_NODE_BUDGET, SEARCH_TOLERANCE)
         self.cap = problem.cap
         # With unequal speeds, the GPU-seconds test on work at speed 1 too (a slow GPU does less of it
         # per load). [S] speeds, or None when all are equal (then they neither bound nor tell states apart).

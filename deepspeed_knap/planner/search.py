@@ -34,7 +34,8 @@ SWAP_ITEMS = 64
 # full step search).
 CHAIN_STARTS = 4
 # Steps with at most this many sequences (the elastic solver does not count short ones) are finished
-# by an exact branch and bound: few sequences per GPU is where one bad placement costs the most.
+# by a branch and bound (the elastic solver's stops within SEARCH_TOLERANCE of the bound): few
+# sequences per GPU is where one bad placement costs the most.
 EXACT_MAX_SEQUENCES = 16
 # Node budgets of the two exact searches: each bounds a small step's search time. A node of the
 # elastic search prices every GPU of a group, keys the state by its mirror images and sorts its
@@ -91,22 +92,21 @@ class BranchAndBound:
     the incumbent, counts nodes, and ends a branch
 
     * at a leaf, which becomes the incumbent (each placement on its way stayed below it);
-    * at the node budget, or once the incumbent is within ``SEARCH_TOLERANCE`` of the lower bound,
-      where the local search stops too: what is left is below the cost model's precision, and
-      proving it cost the elastic search its whole budget on most small steps (2 CPU ranks,
-      kf_image_video x1/4: ~1,000-1,400 nodes, 12 ms a solve, for at most 0.02% of the step), CPU
-      that every rank's plan worker took from training on a machine with a core per rank;
+    * at the node budget, or once the incumbent is within ``tolerance`` of the lower bound (0: at
+      the bound, exact within the budget);
     * when even the cheapest GPU-seconds of the sequences left, spread over all ``S`` GPUs, cannot
       get under the incumbent;
     * where the subclass's :meth:`completes` or :meth:`cuts` says so.
 
-    Within ``SEARCH_TOLERANCE`` of the optimum when the budget suffices.
+    Within ``tolerance`` of the optimum when the budget suffices.
     """
 
-    def __init__(self, problem: Problem, order: np.ndarray, incumbent_max: int, node_budget: int):
+    def __init__(
+        self, problem: Problem, order: np.ndarray, incumbent_max: int, node_budget: int, tolerance: float = 0.0
+    ):
         self.problem, self.order, self.node_budget = problem, order, node_budget
         self.num_gpus = problem.num_gpus  # read at every node
-        self.good_enough = problem.lower_bound + int(problem.lower_bound * SEARCH_TOLERANCE)
+        self.good_enough = problem.lower_bound + int(problem.lower_bound * tolerance)
         cheapest = np.where(problem.allowed, problem.gpu_seconds, BIG).min(axis=1)[order]
         # [N + 1] the least GPU-seconds of the sequences from the k-th of the order on.
         self.gpu_seconds_left = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()

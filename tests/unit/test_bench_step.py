@@ -151,6 +151,9 @@ def test_bench_step_errors_name_the_fix():
         bench_step.bench_step("g4n1", "kf_lowres", 1, timer, 0.01)
     with pytest.raises(ValueError, match="--solver none would compare"):
         bench_step.bench_step("g2n2", "kf_lowres", 1, timer, 0.01, solver="none")
+    bad = {"linear_coef": 1e-4, "quadratic_coef": 1e-7, "degree_efficiency": [[8.7, 0.9]]}
+    with pytest.raises(ValueError, match=r"--calibration: degree_efficiency = \[\[8\.7, 0\.9\]\]; expected"):
+        bench_step.bench_step("g2n2", "kf_lowres", 1, timer, 0.01, calibration=bad)
 
 
 @pytest.mark.gpu

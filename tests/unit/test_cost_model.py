@@ -205,10 +205,16 @@ def test_the_config_block_and_the_cli_take_wan_presets():
     [(None, None), ([], None), ([[2, 0.9], [4, 1]], ((2, 0.9), (4, 1.0))), ([[8.0, 0.5]], ((8, 0.5),))],
 )
 def test_degree_efficiency_pairs_reads_what_calibrate_writes(value, expected):
-    assert degree_efficiency_pairs(value) == expected
+    pairs = degree_efficiency_pairs(value)
+    assert pairs == expected
+    assert all(type(g) is int and type(e) is float for g, e in pairs or ())  # 8.0 -> 8, 1 -> 1.0
 
 
-@pytest.mark.parametrize("value", [[[8.7, 0.9]], [[2, 0.9, 1]], [[True, 0.9]], {"2": 0.9}, [["two", 0.9]], [2, 0.9]])
+@pytest.mark.parametrize(
+    "value",
+    [[[8.7, 0.9]], [[2, 0.9, 1]], [[True, 0.9]], [[2, True]], [[2, "0.9"]], [[float("inf"), 0.9]], [[2, float("nan")]],
+     {"2": 0.9}, [["two", 0.9]], [2, 0.9], np.array([[2, 0.9]]), 0],
+)  # fmt: skip
 def test_degree_efficiency_pairs_refuses_anything_else_naming_it(value):
     with pytest.raises(ValueError, match=r"degree_efficiency = .*; expected \[\[bag size, efficiency\], \.\.\.\]"):
         degree_efficiency_pairs(value)

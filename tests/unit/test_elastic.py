@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 from deepspeed_knap.cost.model import CostModel, default_cost_model
 from deepspeed_knap.data.mixes import MIXES, sample_mix
 from deepspeed_knap.planner import lower_bound, plan_loads, plan_routing
-from deepspeed_knap.planner.search import SEARCH_TOLERANCE
 from deepspeed_knap.planner.topology import build_topology
-from tests.support.plans import check_plan_covers_every_token, lengths_strategy, per_rank_lengths
+from tests.support.plans import NEAR_OPTIMAL, check_plan_covers_every_token, lengths_strategy, per_rank_lengths
 
 FLUX = default_cost_model("flux-dev")
 # One all-to-all bandwidth, inside and across nodes: groups of whole nodes only for the cap (the rule
@@ -94,12 +93,13 @@ def test_auto_plans_cover_every_token_in_aligned_nested_groups(instance, cost_mo
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instance=auto_instances(max_per_rank=3), cost_model=st.sampled_from([FLUX, PRICED_ALLTOALL]))
 def test_auto_is_never_worse_than_refine_on_any_fixed_topology_of_its_sizes(instance, cost_model):
+    """Beyond ``SEARCH_TOLERANCE``: on small steps ``auto``'s branch and bound stops within it of its bound."""
     topology, lengths = instance
     ours = plan_routing(lengths, topology, cost_model).max_load
     for spec in fixed_topologies(topology.group_size, topology.max_degree):
         fixed = build_topology(spec, gpus_per_node=topology.gpus_per_node)
         if fixed.node_aligned:  # auto's groups never cross a node; a fixed bag that does is not in its family
-            assert ours <= plan_routing(lengths, fixed, cost_model).max_load * (1 + 1e-7), spec
+            assert ours <= plan_routing(lengths, fixed, cost_model).max_load * NEAR_OPTIMAL, spec
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -115,8 +115,7 @@ def test_auto_is_near_optimal_on_tiny_steps_and_the_bound_never_exceeds_the_opti
     plan = plan_routing(lengths, topology, cost_model)
     assert plan.lower_bound <= optimum * (1 + 1e-9)
     assert lower_bound(lengths, topology, cost_model) == plan.lower_bound
-    # The exact search, within its budget here, stops once within SEARCH_TOLERANCE of the lower bound.
-    assert plan.max_load <= optimum * (1 + SEARCH_TOLERANCE)
+    assert plan.max_load <= optimum * NEAR_OPTIMAL  # the branch and bound, within its budget here
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -129,14 +128,14 @@ def test_auto_is_near_optimal_on_tiny_steps_and_the_bound_never_exceeds_the_opti
 )
 def test_auto_gives_a_slow_gpu_less_work_for_its_larger_fixed_overhead(lengths, speeds, overhead_share):
     """Every GPU pays ``overhead_s / speed`` per step whatever its tokens: within ``SEARCH_TOLERANCE`` of
-    brute force's optimum."""
+    brute force's optimum (``NEAR_OPTIMAL``)."""
     topology = build_topology("auto", 4)
     mean_work = sum(float(PRICED_ALLTOALL.per_gpu_time(s, 1)) for rank in lengths for s in rank) / 4
     cost_model = dataclasses.replace(PRICED_ALLTOALL, gpu_speed=tuple(speeds), overhead_s=overhead_share * mean_work)
     optimum = brute_force_elastic(lengths, topology, cost_model)
     plan = plan_routing(lengths, topology, cost_model)
     np.testing.assert_allclose(plan_loads(plan, cost_model), plan.gpu_loads, rtol=1e-12)
-    assert plan.lower_bound <= optimum * (1 + 1e-9) and plan.max_load <= optimum * (1 + SEARCH_TOLERANCE)
+    assert plan.lower_bound <= optimum * (1 + 1e-9) and plan.max_load <= optimum * NEAR_OPTIMAL
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -181,7 +180,7 @@ def test_groups_of_whole_nodes_take_only_sequences_no_node_holds_under_the_cap(l
     assert cap is not None or not across.any()
     assert (-(-plan.seq_lens[across] // 2) > (cap or 0)).all()
     assert plan.gpu_tokens.max() <= (cap or np.inf)
-    assert plan.max_load <= optimum * (1 + SEARCH_TOLERANCE)
+    assert plan.max_load <= optimum * NEAR_OPTIMAL
 
 
 @pytest.mark.parametrize(
@@ -263,13 +262,13 @@ def test_auto_meets_tight_caps_that_brute_force_meets(num_gpus, lengths, cap):
 )  # fmt: skip
 def test_auto_is_not_worse_than_fixed_topologies_that_beat_it_before(topology, lengths, cost_model, fixed):
     ours = plan_routing(lengths, topology, cost_model).max_load
-    assert ours <= plan_routing(lengths, build_topology(fixed), cost_model).max_load * (1 + 1e-9)
+    assert ours <= plan_routing(lengths, build_topology(fixed), cost_model).max_load * NEAR_OPTIMAL
 
 
 @pytest.mark.parametrize("mix", MIXES)
 def test_auto_on_bundled_mixes_is_near_the_bound_and_never_above_the_best_fixed_topology(mix):
-    """At 32 GPUs (nodes of 8), two steps each: no slower than refine on flat, g2, g4 or g8 bags or
-    the benchmark's mix of all four, and within 5% of the flexible bound (the benchmark reports the
+    """At 32 GPUs (nodes of 8), two steps each: no slower (beyond ``SEARCH_TOLERANCE``) than refine on
+    flat, g2, g4 or g8 bags or the benchmark's mix of all four, and within 5% of the flexible bound (the benchmark reports the
     medians: 0.03% to 2.4%)."""
     fixed = [f"g{g}n{32 // g}" for g in (1, 2, 4, 8)] + ["g1n8+g2n4+g4n2+g8n1"]
     for seed in range(2):
@@ -277,7 +276,7 @@ def test_auto_on_bundled_mixes_is_near_the_bound_and_never_above_the_best_fixed_
         plan = plan_routing(lengths, build_topology("auto", 32, gpus_per_node=8), FLUX)
         assert plan.max_load <= plan.lower_bound * 1.05
         best_fixed = min(plan_routing(lengths, build_topology(spec), FLUX).max_load for spec in fixed)
-        assert plan.max_load <= best_fixed * (1 + 1e-7)
+        assert plan.max_load <= best_fixed * NEAR_OPTIMAL
 
 
 def test_auto_keeps_single_gpu_sequences_home_where_it_costs_nothing():
@@ -400,7 +399,7 @@ def test_auto_stops_splitting_12_heads_over_8_gpus_where_the_ceil_members_make_i
         optimum, reference_groups = _reference_optimum(lengths, topology, 0.0, 1e-9, heads)
         plan = plan_routing(lengths, topology, model)
         assert plan.seq_group_size.tolist()[0] == reference_groups[0][1] == long_degree, heads
-        assert plan.max_load == pytest.approx(optimum, rel=1e-6)
+        assert optimum * (1 - 1e-9) <= plan.max_load <= optimum * NEAR_OPTIMAL
         assert plan_loads(plan, model).max() == pytest.approx(
             _reference_step_time([10_000, 7_746], [topology.groups.index(grp) for grp in
                                   zip(plan.seq_group_start.tolist(), plan.seq_group_size.tolist(), strict=True)],
@@ -423,7 +422,7 @@ def test_auto_with_uneven_heads_is_optimal_on_tiny_steps_against_an_independent_
     optimum, _ = _reference_optimum(lengths, topology, a, b, heads)
     plan = plan_routing(lengths, topology, CostModel(a, b, num_heads=heads))
     assert plan.lower_bound <= optimum * (1 + 1e-9)
-    assert plan.max_load <= optimum * (1 + 1e-6)
+    assert plan.max_load <= optimum * NEAR_OPTIMAL
 
 
 def test_the_wan_image_video_mix_holds_wan_shapes():

@@ -2,9 +2,7 @@
 bundled mix at 8, 16 and 32 GPUs, topology ``auto`` and fixed topologies, every solver, with and
 without a slow GPU: 540 plans, 60 per mix (the first seven mixes' 420, then 60 for
 wan_image_video and 60 for flux3_edit, the latter planned with the flux3 cost model and its samples'
-attention segments). One was recorded again on purpose: ``16/long_video/even/g8n2/refine``, when
-the branch and bound began stopping within ``SEARCH_TOLERANCE`` of the lower bound (issue 26; its
-step 0.065% above the bound instead of 0.004%)."""
+attention segments)."""
 
 import json
 from pathlib import Path
