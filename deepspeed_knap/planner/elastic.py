@@ -47,8 +47,8 @@ The solver:
 5. **Exact search** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences (besides short ones that
    cost next to nothing): branch and bound over every group, within ``ELASTIC_EXACT_NODE_BUDGET``
    nodes, on the fixed solver's driver (:class:`~deepspeed_knap.planner.search.BranchAndBound`),
-   stopping once within ``SEARCH_TOLERANCE`` of the bound, as the starts and the local search do
-   (the fixed solver's own search, with nodes ~4x cheaper, stays exact within its budget).
+   stopping once within ``SEARCH_TOLERANCE`` of the bound, as the starts, the local search and the
+   stages' fixed-topology searches do (``refine`` on a fixed topology stays exact within its budget).
 6. **Locality:** single-GPU sequences go back to their home GPU, or trade places with a guest there,
    wherever that keeps the step time. Then, with equal speeds and overheads, a symmetry of the
    groups (blocks of one size traded, the halves of any group traded) that permutes the GPUs, and
@@ -714,7 +714,7 @@ def _pack_stage(problem: Problem, levels: _Levels, state: _State, seqs: np.ndarr
     stage = problem.tiling_problem(seqs, bags, base_load, base_tokens)
     if give_up_at is not None and stage.lower_bound >= give_up_at:
         return None
-    bag_of_seq = _refine(stage, steps)
+    bag_of_seq = _refine(stage, steps, SEARCH_TOLERANCE)  # within SEARCH_TOLERANCE, as the whole planner
     if bag_of_seq is None:
         return None
     state.place_all(seqs, bags[bag_of_seq])
@@ -1094,7 +1094,7 @@ class _GroupSearch(BranchAndBound):
         order = np.lexsort((np.arange(n), -np.where(problem.allowed, problem.cost, BIG).min(axis=1)))
         # Stops within SEARCH_TOLERANCE of the bound, as the starts and the local search do: proving
         # the last 0.1% took most of the budget on small steps (kf_image_video x1/4 at 2 GPUs: 400-2,000
-        # nodes, 12.8 against 1.3 ms a solve, for at most 0.02% of the step), CPU each rank's plan
+        # nodes, 12.8 against 1.5 ms a solve, for at most 0.02% of the step), CPU each rank's plan
         # worker took from training where there is a core per rank (docs/benchmarks_measured.md).
         super().__init__(problem, order, incumbent_max, ELASTIC_EXACT_NODE_BUDGET, SEARCH_TOLERANCE)
         self.cap = problem.cap

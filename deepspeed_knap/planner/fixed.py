@@ -203,8 +203,10 @@ def _first_fit_decreasing(problem: Problem) -> np.ndarray | None:
 # Our solver: best start, local search, locality.
 
 
-def _refine(problem: Problem, steps: int) -> np.ndarray | None:
-    """``[N]`` bag of each sequence (see the module docstring), or ``None`` if none found fits the cap."""
+def _refine(problem: Problem, steps: int, tolerance: float = 0.0) -> np.ndarray | None:
+    """``[N]`` bag of each sequence (see the module docstring), or ``None`` if none found fits the cap.
+    ``tolerance``: the exact search stops within it of the lower bound (the elastic planner's stages:
+    ``SEARCH_TOLERANCE``; a fixed topology's own plan: 0, exact within the budget)."""
     if len(problem.seq_lens) == 0:
         return np.zeros(0, dtype=np.int64)
     starts = [problem.home_bag, _finish_time_greedy(problem)]
@@ -217,7 +219,7 @@ def _refine(problem: Problem, steps: int) -> np.ndarray | None:
     if not feasible:  # only under a tight cap: fall back to bin packing, then to the exact search
         packed = _first_fit_decreasing(problem)
         if packed is None and len(problem.seq_lens) <= EXACT_MAX_SEQUENCES:
-            packed = _exact_search(problem, None)
+            packed = _exact_search(problem, None, tolerance)
         feasible = [packed] if packed is not None else []
     if not feasible:
         return None
@@ -225,12 +227,13 @@ def _refine(problem: Problem, steps: int) -> np.ndarray | None:
     bag_of_seq = min(feasible, key=lambda s: int(problem.bag_loads(s).max())).copy()
     _local_search(problem, bag_of_seq, steps)
     if len(bag_of_seq) <= EXACT_MAX_SEQUENCES:
-        bag_of_seq = _exact_search(problem, bag_of_seq)
+        bag_of_seq = _exact_search(problem, bag_of_seq, tolerance)
     return _keep_tokens_home(problem, bag_of_seq)
 
 
-def _exact_search(problem: Problem, incumbent: np.ndarray | None) -> np.ndarray | None:
-    """The best assignment branch and bound finds within ``FIXED_EXACT_NODE_BUDGET`` nodes, or
+def _exact_search(problem: Problem, incumbent: np.ndarray | None, tolerance: float = 0.0) -> np.ndarray | None:
+    """The best assignment branch and bound finds within ``FIXED_EXACT_NODE_BUDGET`` nodes (it stops at
+    one within ``tolerance`` of the lower bound), or
     ``incumbent`` (with none: any assignment that fits the memory cap, and the best of those, or
     ``None``).
 
@@ -239,7 +242,7 @@ def _exact_search(problem: Problem, incumbent: np.ndarray | None) -> np.ndarray 
     branch is cut when a bag reaches the incumbent's max load or the memory cap.
     """
     incumbent_max = BIG if incumbent is None else int(problem.bag_loads(incumbent).max())
-    found = _BagSearch(problem, incumbent_max).solve(
+    found = _BagSearch(problem, incumbent_max, tolerance).solve(
         int(problem.start_load.max()), int((problem.start_load * problem.bag_size).sum())
     )
     return incumbent if found is None else found
@@ -249,10 +252,10 @@ class _BagSearch(BranchAndBound):
     """The branch and bound of :func:`_exact_search`: a place is a bag, whose load and tokens are
     lists here (read one entry at a time)."""
 
-    def __init__(self, problem: Problem, incumbent_max: int):
+    def __init__(self, problem: Problem, incumbent_max: int, tolerance: float = 0.0):
         n = len(problem.seq_lens)
         order = np.lexsort((np.arange(n), -problem.cost.min(axis=1)))
-        super().__init__(problem, order, incumbent_max, FIXED_EXACT_NODE_BUDGET)
+        super().__init__(problem, order, incumbent_max, FIXED_EXACT_NODE_BUDGET, tolerance)
         # [N, C] per sequence of the order: its cost, whether it is allowed, and its tokens per class.
         self.cost, self.allowed, self.need = (problem.cost[order].tolist(), problem.allowed[order].tolist(),
                                               problem.tokens[order].tolist())  # fmt: skip
