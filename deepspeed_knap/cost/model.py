@@ -485,21 +485,26 @@ def degree_efficiency_pairs(value: object) -> tuple[tuple[int, float], ...] | No
     ``[]``: none. Training's config and ``bench step`` both read it here.
 
     Raises:
-        ValueError: not a list of ``[G, efficiency]`` pairs of a whole finite bag size and a finite
-            number, neither a bool (the message names the value).
+        ValueError: not a list of ``[G, efficiency]`` pairs, one per bag size, of a whole bag size
+            ``G >= 1`` and an efficiency in ``(0, 2]``, neither a bool (the message names the value).
     """
     if value is None or (isinstance(value, list) and not value):
         return None
 
-    def number(x: object) -> bool:  # JSON's Infinity and NaN are numbers to json.loads
+    def number(x: object) -> bool:  # JSON's Infinity and NaN are numbers to json.loads, and so is 10**400
         real = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-        return real and math.isfinite(x)
+        try:
+            return real and math.isfinite(x)
+        except OverflowError:
+            return False
 
     pairs = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 and all(map(number, p)) for p in value)
-    if pairs and all(int(g) == g for g, _ in value):
-        return tuple((int(g), float(e)) for g, e in value)
-    raise ValueError(f"degree_efficiency = {value!r}; expected [[bag size, efficiency], ...] as deepspeed-knap "
-                     "calibrate --degrees writes it")  # fmt: skip
+    if pairs and all(int(g) == g and g >= 1 and 0 < e <= 2 for g, e in value):
+        sizes = [int(g) for g, _ in value]
+        if len(set(sizes)) == len(sizes):  # one efficiency per bag size
+            return tuple((int(g), float(e)) for g, e in value)
+    raise ValueError(f"degree_efficiency = {value!r}; expected [[bag size, efficiency], ...], one pair per bag size "
+                     "(a whole number >= 1, and a number in (0, 2]), as deepspeed-knap calibrate --degrees writes it")  # fmt: skip
 
 
 def segment_square_sums(segments: np.ndarray) -> np.ndarray:

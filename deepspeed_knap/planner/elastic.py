@@ -44,7 +44,7 @@ The solver:
    the step time never rises). The best start, and those close behind it, then also try two-step
    chains when stuck. The loop and when it stops are the fixed solver's too
    (:func:`~deepspeed_knap.planner.search.local_search`).
-5. **Exact search** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences (besides short ones that
+5. **Branch and bound** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences (besides short ones that
    cost next to nothing): branch and bound over every group, within ``ELASTIC_EXACT_NODE_BUDGET``
    nodes, on the fixed solver's driver (:class:`~deepspeed_knap.planner.search.BranchAndBound`),
    stopping once within ``SEARCH_TOLERANCE`` of the bound, as the starts, the local search and the
@@ -367,7 +367,9 @@ def _best_start(problem: Problem, levels: _Levels, steps: int) -> _State | None:
         if best_packed <= good_enough and tiling is not own_bags:
             continue  # within tolerance of the bound already (auto stays never worse than its own bags)
         if tiling is not None:
-            state = _pack_stage(problem, levels, _State(problem, levels), np.arange(n), tiling, steps)
+            # The topology's own bags exactly (as refine on them): auto is never worse than them.
+            exact = 0.0 if tiling is own_bags else SEARCH_TOLERANCE
+            state = _pack_stage(problem, levels, _State(problem, levels), np.arange(n), tiling, steps, None, exact)
         else:
             state = _pack_by_level(problem, levels, level_of_seq, steps)
         if state is not None:
@@ -381,7 +383,7 @@ def _best_start(problem: Problem, levels: _Levels, steps: int) -> _State | None:
             packed.append((problem.lower_bound, climbed))
     if not packed:  # only under a tight cap
         state = _pack_for_cap(problem, levels)
-        if state is None and n <= EXACT_SHORT_TOTAL:  # bin packing can miss: small steps search exactly
+        if state is None and n <= EXACT_SHORT_TOTAL:  # bin packing can miss: small steps are searched
             found = _exact_search(problem, levels, None)
             if found is not None:
                 state = _State(problem, levels)
@@ -701,10 +703,11 @@ def _pack_by_level(problem: Problem, levels: _Levels, level_of_seq: np.ndarray, 
 
 
 def _pack_stage(problem: Problem, levels: _Levels, state: _State, seqs: np.ndarray, bags: np.ndarray,
-                steps: int, give_up_at: int | None = None) -> _State | None:  # fmt: skip
-    """Place ``seqs`` in the disjoint groups ``bags`` with the fixed-topology solver (``refine``), on
-    top of what ``state`` holds (a bag's load and tokens are its busiest GPU's). ``None`` if the cap
-    defeats it, or if the stage's lower bound reaches ``give_up_at`` (no solve could get below it)."""
+                steps: int, give_up_at: int | None = None, tolerance: float = SEARCH_TOLERANCE) -> _State | None:  # fmt: skip
+    """Place ``seqs`` in the disjoint groups ``bags`` with the fixed-topology solver (``refine``, its
+    exact search stopping within ``tolerance`` of the stage's bound), on top of what ``state`` holds
+    (a bag's load and tokens are its busiest GPU's). ``None`` if the cap defeats it, or if the stage's
+    lower bound reaches ``give_up_at`` (no solve could get below it)."""
     if not problem.allowed[np.ix_(seqs, np.unique(problem.bag_class[bags]))].any(axis=1).all():
         return None  # the cap leaves some sequence no bag
     padded = state.levels.padded_gpus[bags]
@@ -714,7 +717,7 @@ def _pack_stage(problem: Problem, levels: _Levels, state: _State, seqs: np.ndarr
     stage = problem.tiling_problem(seqs, bags, base_load, base_tokens)
     if give_up_at is not None and stage.lower_bound >= give_up_at:
         return None
-    bag_of_seq = _refine(stage, steps, SEARCH_TOLERANCE)  # within SEARCH_TOLERANCE, as the whole planner
+    bag_of_seq = _refine(stage, steps, tolerance)
     if bag_of_seq is None:
         return None
     state.place_all(seqs, bags[bag_of_seq])
@@ -1053,7 +1056,7 @@ def _swap_fits(state: _State, i: int, a: int, j: int, b: int) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Exact search for small steps.
+# Branch and bound for small steps.
 
 
 def _exact_search(problem: Problem, levels: _Levels, incumbent: np.ndarray | None) -> np.ndarray | None:

@@ -213,7 +213,8 @@ def test_degree_efficiency_pairs_reads_what_calibrate_writes(value, expected):
 @pytest.mark.parametrize(
     "value",
     [[[8.7, 0.9]], [[2, 0.9, 1]], [[True, 0.9]], [[2, True]], [[2, "0.9"]], [[float("inf"), 0.9]], [[2, float("nan")]],
-     {"2": 0.9}, [["two", 0.9]], [2, 0.9], np.array([[2, 0.9]]), 0],
+     {"2": 0.9}, [["two", 0.9]], [2, 0.9], np.array([[2, 0.9]]), 0, [[10**400, 0.9]], [[2, 0.9], [2, 0.5]],
+     [[0, 0.9]], [[2, 0]], [[2, 2.5]]],
 )  # fmt: skip
 def test_degree_efficiency_pairs_refuses_anything_else_naming_it(value):
     with pytest.raises(ValueError, match=r"degree_efficiency = .*; expected \[\[bag size, efficiency\], \.\.\.\]"):

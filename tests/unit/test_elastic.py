@@ -1,4 +1,5 @@
-"""Topology ``auto`` and the elastic planner: groups, brute-force optimality and bounds, never worse
+"""Topology ``auto`` and the elastic planner: groups, brute-force optimality (within ``SEARCH_TOLERANCE``,
+where its branch and bound stops) and bounds, never worse than its own bags nor (within the tolerance)
 than any fixed topology of the same sizes, the cap, locality, determinism."""
 
 import dataclasses
@@ -93,13 +94,16 @@ def test_auto_plans_cover_every_token_in_aligned_nested_groups(instance, cost_mo
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instance=auto_instances(max_per_rank=3), cost_model=st.sampled_from([FLUX, PRICED_ALLTOALL]))
 def test_auto_is_never_worse_than_refine_on_any_fixed_topology_of_its_sizes(instance, cost_model):
-    """Beyond ``SEARCH_TOLERANCE``: on small steps ``auto``'s branch and bound stops within it of its bound."""
+    """Never worse than its own bags (the largest groups, solved exactly as a start); than any other
+    fixed topology, not beyond ``SEARCH_TOLERANCE``: on small steps its branch and bound stops there."""
     topology, lengths = instance
     ours = plan_routing(lengths, topology, cost_model).max_load
+    own_bags = f"g{topology.max_degree}n{topology.group_size // topology.max_degree}"
     for spec in fixed_topologies(topology.group_size, topology.max_degree):
         fixed = build_topology(spec, gpus_per_node=topology.gpus_per_node)
         if fixed.node_aligned:  # auto's groups never cross a node; a fixed bag that does is not in its family
-            assert ours <= plan_routing(lengths, fixed, cost_model).max_load * NEAR_OPTIMAL, spec
+            slack = (1 + 1e-9) if spec == own_bags else NEAR_OPTIMAL
+            assert ours <= plan_routing(lengths, fixed, cost_model).max_load * slack, spec
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -262,7 +266,10 @@ def test_auto_meets_tight_caps_that_brute_force_meets(num_gpus, lengths, cap):
 )  # fmt: skip
 def test_auto_is_not_worse_than_fixed_topologies_that_beat_it_before(topology, lengths, cost_model, fixed):
     ours = plan_routing(lengths, topology, cost_model).max_load
-    assert ours <= plan_routing(lengths, build_topology(fixed), cost_model).max_load * NEAR_OPTIMAL
+    own_bags = fixed == f"g{topology.max_degree}n{topology.group_size // topology.max_degree}"
+    assert ours <= plan_routing(lengths, build_topology(fixed), cost_model).max_load * (
+        (1 + 1e-9) if own_bags else NEAR_OPTIMAL
+    )
 
 
 @pytest.mark.parametrize("mix", MIXES)
@@ -411,7 +418,7 @@ def test_auto_stops_splitting_12_heads_over_8_gpus_where_the_ceil_members_make_i
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_auto_with_uneven_heads_is_optimal_on_tiny_steps_against_an_independent_reference(seed):
+def test_auto_with_uneven_heads_is_near_optimal_on_tiny_steps_against_an_independent_reference(seed):
     rng = np.random.default_rng(seed)
     topology = build_topology("auto", 8)
     heads = int(rng.choice([10, 12, 20]))
