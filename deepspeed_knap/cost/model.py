@@ -500,9 +500,9 @@ def degree_efficiency_pairs(value: object) -> tuple[tuple[int, float], ...] | No
 
     pairs = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 and all(map(number, p)) for p in value)
     if pairs and all(int(g) == g and g >= 1 and 0 < e <= 2 for g, e in value):
-        sizes = [int(g) for g, _ in value]
-        if len(set(sizes)) == len(sizes):  # one efficiency per bag size
-            return tuple((int(g), float(e)) for g, e in value)
+        efficiency = tuple((int(g), float(e)) for g, e in value)
+        if len({g for g, _ in efficiency}) == len(efficiency):  # one efficiency per bag size
+            return efficiency
     raise ValueError(f"degree_efficiency = {value!r}; expected [[bag size, efficiency], ...], one pair per bag size "
                      "(a whole number >= 1, and a number in (0, 2]), as deepspeed-knap calibrate --degrees writes it")  # fmt: skip
 

@@ -368,8 +368,9 @@ def _best_start(problem: Problem, levels: _Levels, steps: int) -> _State | None:
             continue  # within tolerance of the bound already (auto stays never worse than its own bags)
         if tiling is not None:
             # The topology's own bags exactly (as refine on them): auto is never worse than them.
-            exact = 0.0 if tiling is own_bags else SEARCH_TOLERANCE
-            state = _pack_stage(problem, levels, _State(problem, levels), np.arange(n), tiling, steps, None, exact)
+            tolerance = 0.0 if tiling is own_bags else SEARCH_TOLERANCE
+            state = _pack_stage(problem, levels, _State(problem, levels), np.arange(n), tiling, steps,
+                                tolerance=tolerance)  # fmt: skip
         else:
             state = _pack_by_level(problem, levels, level_of_seq, steps)
         if state is not None:

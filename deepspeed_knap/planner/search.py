@@ -46,6 +46,11 @@ FIXED_EXACT_NODE_BUDGET = 20_000
 ELASTIC_EXACT_NODE_BUDGET = 2_000
 
 
+def good_enough(lower_bound: int, tolerance: float) -> int:
+    """The max load a search may stop at: within ``tolerance`` of ``lower_bound``, in its integer units."""
+    return lower_bound + int(lower_bound * tolerance)
+
+
 def local_search(
     loads: np.ndarray,
     lower_bound: int,
@@ -65,12 +70,12 @@ def local_search(
     when ``window`` steps in a row cut the max by at most ``stall_tolerance`` of it (each step
     lowers one busiest load: stalled on small lexicographic gains).
     """
-    good_enough = lower_bound + int(lower_bound * SEARCH_TOLERANCE)
+    stop_at = good_enough(lower_bound, SEARCH_TOLERANCE)
     window_start_max = 0
     for step in range(steps):
         busiest = int(np.argmax(loads))
         top = int(loads[busiest])
-        if top <= good_enough:
+        if top <= stop_at:
             return
         if step % window == 0:
             if step and window_start_max - top <= int(window_start_max * stall_tolerance):
@@ -106,7 +111,7 @@ class BranchAndBound:
     ):
         self.problem, self.order, self.node_budget = problem, order, node_budget
         self.num_gpus = problem.num_gpus  # read at every node
-        self.good_enough = problem.lower_bound + int(problem.lower_bound * tolerance)
+        self.stop_at = good_enough(problem.lower_bound, tolerance)
         cheapest = np.where(problem.allowed, problem.gpu_seconds, BIG).min(axis=1)[order]
         # [N + 1] the least GPU-seconds of the sequences from the k-th of the order on.
         self.gpu_seconds_left = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()
@@ -131,7 +136,7 @@ class BranchAndBound:
             return
         if self.completes(k, current_max):
             return
-        if self.nodes >= self.node_budget or self.best_max <= self.good_enough:
+        if self.nodes >= self.node_budget or self.best_max <= self.stop_at:
             return
         if -(-(used + self.gpu_seconds_left[k]) // self.num_gpus) >= self.best_max or self.cuts(k):
             return
