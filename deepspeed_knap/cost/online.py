@@ -35,7 +35,15 @@ standard errors in the full model, else ``a, b`` are fitted without it: balanced
 about the same work step after step, so the data cannot tell a fixed cost from per-token work, and
 noise once called 60 of a 62 ms step overhead (``a = 0``, 2 CPU ranks), which priced moving work at
 nothing and kept every sequence home for two steps. Both tests take Student's t quantile for the
-degrees of freedom the scatter was measured with. The all-to-all
+degrees of freedom the scatter was measured with. Likewise the ratio of ``a`` to ``b``: it departs
+from the prior's only when the free fit's ``d`` in ``k (a0 X + b0 Y) + d X`` (``+ d Y`` when
+``b0 = 0``) exceeds ``SHAPE_EVIDENCE`` (2) standard errors; otherwise ``a, b`` are the prior's times one
+fitted scale. On near-balanced plans ``X`` and ``Y`` rise together: noise moved ``b / a`` between 0
+and 5x the prior's from refit to refit (2 CPU ranks, kf_mixed_res x1/4, where the free fit settled
+on the prior's ratio after 13 steps), and ``auto`` balanced worse than knapformer's plans from the
+prior (kf_mixed_res and kf_image_video x1/4 on 2 CPU ranks of a 16-core host: compute max/mean
+1.06-1.11 against 1.04-1.07). The forgetting keeps about 19 steps in the
+fit at 0.9, so that noise never averages out. The all-to-all
 coefficient ``c`` is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a
 step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``. Until a step has measured
 one, the prior's ``c`` keeps its proportion to the compute: it is scaled by the refit's compute
@@ -117,6 +125,11 @@ EVIDENCE = 3.0
 # (it takes its share from the per-token terms, so moving work looks cheaper to skip than it is,
 # where a missed overhead is folded into a and b and changes a plan of equal speeds little).
 OVERHEAD_EVIDENCE = 5.0
+# The ratio of a to b departs from the prior's only beyond this many (module docstring). Simulated on
+# 2 GPUs of whole sequences, 5-10% noise, 30 steps: with a prior's ratio within 1.25x of the truth's,
+# 2 or 3 kept the plans' modeled max load within 0.12% of the truth's plans on average (0.5% at
+# worst), the free fit 0.2-0.8% (3-6%); with a ratio 7x off, 2 cost 0.8-2% and 3 1.1-2.7%.
+SHAPE_EVIDENCE = 2.0
 
 
 def _critical(evidence: float, degrees_of_freedom: float) -> float:
@@ -366,9 +379,10 @@ class OnlineCostModel:
                 [total["y"], total["xy"], total["yy"]]]  # fmt: skip
         rhs = [total["t"], total["tx"], total["ty"]]
         coef = nonnegative_normal_equations(gram, rhs, total["tt"])
-        squared_weight = sum(self.sums[g][_SQUARED_WEIGHT] for g in busy)
+        weight, squared_weight = total["w"], sum(self.sums[g][_SQUARED_WEIGHT] for g in busy)
         per_token = coef[1] > 0 or coef[2] > 0
-        if coef[0] > 0 and (not per_token or not _overhead_shown(gram, rhs, total["tt"], coef, squared_weight)):
+        if coef[0] > 0 and (not per_token or not _shown(gram, rhs, total["tt"], coef, 0, OVERHEAD_EVIDENCE,
+                                                          weight, squared_weight)):  # fmt: skip
             # Balanced plans give every GPU about the same work, step after step: the data then
             # cannot tell a fixed cost from a per-token one, and noise may call most of the step
             # overhead (measured on 2 CPU ranks: 60 of 62 ms, a = 0), which prices moving work at
@@ -376,7 +390,37 @@ class OnlineCostModel:
             # when the fit is all overhead: a model that prices no work cannot plan).
             a, b = nonnegative_normal_equations([row[1:] for row in gram[1:]], rhs[1:], total["tt"])
             coef = [0.0, a, b]
+        if coef[1] > 0 or coef[2] > 0:
+            coef = self._prior_shape_unless_shown(gram, rhs, total["tt"], coef, weight, squared_weight)
         return coef if coef[1] > 0 or coef[2] > 0 else None
+
+    def _prior_shape_unless_shown(self, gram: list[list[float]], rhs: list[float], target_norm: float,
+                                  coef: list[float], weight: float, squared_weight: float) -> list[float]:  # fmt: skip
+        """``coef`` (``[overhead, a, b]``, fitted free) where the measurements show the ratio of
+        ``a`` to ``b`` departs from the prior's by :data:`SHAPE_EVIDENCE` standard errors; else the
+        prior's ``a, b`` times one fitted scale (the overhead kept as fitted or left out). In the basis
+        ``(1, P, D)``, ``P = a0 X + b0 Y`` the prior's per-token seconds and ``D`` the other term
+        (``X``, or ``Y`` when ``b0 = 0``), the free fit is ``k P + d D``: the test is of ``d``."""
+        a0, b0 = self.prior.linear_coef, self.prior.quadratic_coef
+        if a0 <= 0 and b0 <= 0:
+            return coef  # the prior prices no work: it has no shape to keep
+        other = (0.0, 1.0, 0.0) if b0 > 0 else (0.0, 0.0, 1.0)
+        basis = [(1.0, 0.0, 0.0), (0.0, a0, b0), other]  # each a combination of the columns (1, X, Y)
+        k = coef[2] / b0 if b0 > 0 else coef[1] / a0
+        # (overhead, k, d) with a = k a0 + d, b = k b0 (b0 > 0), or a = k a0, b = d (b0 = 0).
+        shaped = [coef[0], k, coef[1] - k * a0 if b0 > 0 else coef[2]]
+        shaped_gram = [[sum(u[i] * gram[i][j] * v[j] for i in range(3) for j in range(3)) for v in basis]
+                       for u in basis]  # fmt: skip
+        shaped_rhs = [sum(u[i] * rhs[i] for i in range(3)) for u in basis]
+        columns = [0, 1, 2] if coef[0] > 0 else [1, 2]  # the overhead as the free fit took it
+        sub = [[shaped_gram[i][j] for j in columns] for i in columns]
+        if _shown(sub, [shaped_rhs[i] for i in columns], target_norm, [shaped[i] for i in columns],
+                  len(columns) - 1, SHAPE_EVIDENCE, weight, squared_weight):  # fmt: skip
+            return coef
+        locked = nonnegative_normal_equations([row[:-1] for row in sub[:-1]], [shaped_rhs[i] for i in columns[:-1]],
+                                              target_norm)  # fmt: skip
+        overhead, k = (locked if coef[0] > 0 else [0.0, *locked])
+        return [overhead, k * a0, k * b0]
 
     def _fit_speeds(self, busy: list[int], coef: list[float]) -> list[float]:
         """Each rank's predicted over measured seconds, relative to the median rank's where the
@@ -431,31 +475,38 @@ class OnlineCostModel:
         return speed, scatter * steps / (steps - 1), steps
 
 
-def _overhead_shown(
-    gram: list[list[float]], rhs: list[float], target_norm: float, coef: list[float], squared_weight: float
+def _shown(
+    gram: list[list[float]],
+    rhs: list[float],
+    target_norm: float,
+    coef: list[float],
+    index: int,
+    evidence: float,
+    weight: float,
+    squared_weight: float,
 ) -> bool:
-    """Whether the fitted ``overhead = coef[0]`` exceeds :data:`OVERHEAD_EVIDENCE` standard errors of the
-    overhead in the full model (every column: were the fit free to trade the overhead for the
-    per-token terms, how far could it). ``gram``, ``rhs`` and ``target_norm`` are the normal
-    equations of the weighted fit over observations of total weight ``W = gram[0][0]`` and squared
-    weight ``squared_weight``: ``Var(overhead) = sigma**2 * (gram^-1)[0][0] * squared_weight / W``,
-    ``sigma**2`` the residual of ``coef`` per unit weight over ``n - 3`` of the ``n = W**2 /
-    squared_weight`` effective observations. Not shown when the columns are (nearly) collinear."""
+    """Whether the fitted ``coef[index]`` exceeds ``evidence`` standard errors of itself in the full
+    model (every column: were the fit free to trade it for the other terms, how far could it).
+    ``gram``, ``rhs`` and ``target_norm`` are the normal equations of the weighted fit over
+    observations of total weight ``weight`` and squared weight ``squared_weight``:
+    ``Var(coef[index]) = sigma**2 * (gram^-1)[index][index] * squared_weight / weight``, ``sigma**2``
+    the residual of ``coef`` per unit weight over ``n - K`` of the ``n = weight**2 / squared_weight``
+    effective observations. Not shown when the columns are (nearly) collinear."""
     columns = [i for i in range(len(coef)) if gram[i][i] > 0]
-    weight = gram[0][0]
     steps = weight * weight / squared_weight if squared_weight > 0 else 0.0
-    if steps <= len(columns):
+    if index not in columns or steps <= len(columns):
         return False
     sub = [[gram[i][j] for j in columns] for i in columns]
     residual = normal_equations_residual(sub, [rhs[i] for i in columns], target_norm, [coef[i] for i in columns])
     sigma2 = max(residual, 0.0) / weight * steps / (steps - len(columns))
-    # (gram^-1)[0][0], with the columns scaled to unit norm.
+    # (gram^-1)[index][index], with the columns scaled to unit norm.
+    position = columns.index(index)
     scaled, norms = unit_norm_gram(gram, columns)
-    column = solve_linear(scaled, [1.0] + [0.0] * (len(columns) - 1))
-    if column is None or column[0] <= 0:
+    column = solve_linear(scaled, [1.0 if i == position else 0.0 for i in range(len(columns))])
+    if column is None or column[position] <= 0:
         return False
     if residual <= 1e-12 * target_norm:  # a perfect fit (rounding may leave it below 0): no scatter to doubt it
-        return True
-    variance = sigma2 * column[0] / (norms[0] * norms[0]) * squared_weight / weight
-    critical = _critical(OVERHEAD_EVIDENCE, steps - len(columns))
-    return coef[0] * coef[0] > critical * critical * variance
+        return coef[index] != 0
+    variance = sigma2 * column[position] / (norms[position] * norms[position]) * squared_weight / weight
+    critical = _critical(evidence, steps - len(columns))
+    return coef[index] * coef[index] > critical * critical * variance
