@@ -1,4 +1,4 @@
-# Sourced by run2.sh to run4.sh (the lent-GPU calls): install the carried wheels, then `section NAME
+# Sourced by run2.sh to run6.sh (the lent-GPU calls): install the carried wheels, then `section NAME
 # SECONDS COMMAND...` runs one step under its own time limit, prints the end of its log, and packs
 # every result so far into $OUT/results.tgz, so a call cut off at its limit still returns what ran.
 # $knap is the CLI as a word list (timeout runs commands, not shell functions).
