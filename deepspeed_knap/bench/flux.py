@@ -7,8 +7,8 @@ One rank's samples of a bundled mix go through both models with the same weights
 (different sizes cannot share its batch), and the packed model once on the packed batch. Reported
 per model: median wall time of forward + backward, activation bytes autograd keeps for backward
 (parameters excluded; any device), and on CUDA the peak memory allocated during a run above what
-was allocated before it (weights, inputs), of the timed runs and of the first (warm-up) run. Needs
-the ``diffusers`` extra.
+was allocated before it (weights, inputs), and what was allocated before the model's first run
+(an earlier model's leftovers would show there). Needs the ``diffusers`` extra.
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ def saved_activation_bytes(run: Callable[[], Tensor], model: nn.Module) -> int:
 def measure(run: Callable[[], Tensor], model: nn.Module, device: torch.device, repeats: int) -> dict[str, float]:
     """Median seconds of ``run().backward()``, saved activation bytes, and on CUDA the peak bytes
     allocated during a run above those allocated before it (the models' weights and the inputs;
-    the gradients are freed first, so they count in the peak): the largest of the timed runs, and
-    the first (warm-up) run's apart, since a training job's first step pays it too."""
+    the gradients are freed first, so they count in the peak), and the bytes allocated before the
+    first run (on CUDA: weights and inputs, and whatever an earlier measurement left allocated)."""
     cuda, times, peaks = device.type == "cuda", [], []
+    model.zero_grad(set_to_none=True)
+    before = torch.cuda.memory_allocated() if cuda else float("nan")
     for _ in range(repeats + 1):  # the first is a warm-up
         model.zero_grad(set_to_none=True)
         if cuda:
@@ -64,8 +66,7 @@ def measure(run: Callable[[], Tensor], model: nn.Module, device: torch.device, r
             peaks.append(torch.cuda.max_memory_allocated() - start)
     model.zero_grad(set_to_none=True)  # the next model's peak must not hold this one's gradients
     return {"seconds": statistics.median(times[1:]), "saved_mb": saved_activation_bytes(run, model) / 2**20,
-            "peak_mb": max(peaks[1:]) / 2**20 if peaks else float("nan"),
-            "first_peak_mb": peaks[0] / 2**20 if peaks else float("nan")}  # fmt: skip
+            "peak_mb": max(peaks[1:]) / 2**20 if peaks else float("nan"), "before_mb": before / 2**20}  # fmt: skip
 
 
 def bench_flux(
@@ -168,8 +169,8 @@ def run(args: argparse.Namespace) -> int:
     work = result["mix"]
     print(f"{args.family} {args.mix} x{args.token_scale:g}: {work['samples']} samples, {work['tokens']} tokens; "
           f"{args.layers}+{args.single_layers} blocks, {args.heads}x{args.head_dim} heads, {args.dtype} on {device}")  # fmt: skip
-    print(f"{'model':<10} {'fwd+bwd s':>10} {'saved MB':>10} {'peak MB':>10} {'1st peak MB':>12}")
+    print(f"{'model':<10} {'fwd+bwd s':>10} {'saved MiB':>10} {'peak MiB':>10} {'before MiB':>11}")
     for name in ("diffusers", "packed"):
         r = result[name]
-        print(f"{name:<10} {r['seconds']:>10.3f} {r['saved_mb']:>10.2f} {r['peak_mb']:>10.1f} {r['first_peak_mb']:>12.1f}")
+        print(f"{name:<10} {r['seconds']:>10.3f} {r['saved_mb']:>10.2f} {r['peak_mb']:>10.1f} {r['before_mb']:>11.1f}")
     return 0

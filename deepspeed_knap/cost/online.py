@@ -42,7 +42,7 @@ fitted scale. On near-balanced plans ``X`` and ``Y`` rise together: noise moved 
 and 5x the prior's from refit to refit (2 CPU ranks, kf_mixed_res x1/4, where the free fit settled
 on the prior's ratio after 13 steps), and ``auto`` balanced worse than knapformer's plans from the
 prior (kf_mixed_res and kf_image_video x1/4 on 2 CPU ranks of a 16-core host: compute max/mean
-1.06-1.11 against 1.04-1.07). The forgetting keeps about 19 steps in the
+1.06-1.11 against knapformer on g1n2's 1.04-1.07). The forgetting keeps about 19 steps in the
 fit at 0.9, so that noise never averages out. The all-to-all
 coefficient ``c`` is refit from the Ulysses exchange times: the smallest ``ulysses[g] / Z[g]`` of a
 step, its least waiting rank, with ``Z[g] = sum s * (G - 1) / G**2``. Until a step has measured
@@ -127,8 +127,8 @@ EVIDENCE = 3.0
 OVERHEAD_EVIDENCE = 5.0
 # The ratio of a to b departs from the prior's only beyond this many (module docstring). Simulated on
 # 2 GPUs of whole sequences, 5-10% noise, 30 steps: with a prior's ratio within 1.25x of the truth's,
-# 2 or 3 kept the plans' modeled max load within 0.12% of the truth's plans on average (0.5% at
-# worst), the free fit 0.2-0.8% (3-6%); with a ratio 7x off, 2 cost 0.8-2% and 3 1.1-2.7%.
+# 2 or 3 kept the plans' modeled max load within 0.12% of the truth's plans on average (1.3% at
+# worst), the free fit 0.2-0.8% (3-7%); with a ratio 7x off, 2 cost 0.8-2%, 3 1.1-2.7%, free 0.2-1%.
 SHAPE_EVIDENCE = 2.0
 
 
@@ -398,7 +398,8 @@ class OnlineCostModel:
                                   coef: list[float], weight: float, squared_weight: float) -> list[float]:  # fmt: skip
         """``coef`` (``[overhead, a, b]``, fitted free) where the measurements show the ratio of
         ``a`` to ``b`` departs from the prior's by :data:`SHAPE_EVIDENCE` standard errors; else the
-        prior's ``a, b`` times one fitted scale (the overhead kept as fitted or left out). In the basis
+        prior's ``a, b`` times one fitted scale, fitted beside the overhead where the free fit had one
+        and it is still shown (:data:`OVERHEAD_EVIDENCE`) beside the prior's terms. In the basis
         ``(1, P, D)``, ``P = a0 X + b0 Y`` the prior's per-token seconds and ``D`` the other term
         (``X``, or ``Y`` when ``b0 = 0``), the free fit is ``k P + d D``: the test is of ``d``."""
         a0, b0 = self.prior.linear_coef, self.prior.quadratic_coef
@@ -417,10 +418,15 @@ class OnlineCostModel:
         if _shown(sub, [shaped_rhs[i] for i in columns], target_norm, [shaped[i] for i in columns],
                   len(columns) - 1, SHAPE_EVIDENCE, weight, squared_weight):  # fmt: skip
             return coef
-        locked = nonnegative_normal_equations([row[:-1] for row in sub[:-1]], [shaped_rhs[i] for i in columns[:-1]],
-                                              target_norm)  # fmt: skip
-        overhead, k = (locked if coef[0] > 0 else [0.0, *locked])
-        return [overhead, k * a0, k * b0]
+        overhead, k = 0.0, shaped_rhs[1] / shaped_gram[1][1]  # P alone (its column is not all zero)
+        if coef[0] > 0:  # the overhead beside P, planned with only if shown there too
+            pair = [[shaped_gram[0][0], shaped_gram[0][1]], [shaped_gram[1][0], shaped_gram[1][1]]]
+            locked = nonnegative_normal_equations(pair, shaped_rhs[:2], target_norm)
+            if locked[0] > 0 and locked[1] > 0 and _shown(pair, shaped_rhs[:2], target_norm, locked, 0,
+                                                          OVERHEAD_EVIDENCE, weight, squared_weight):  # fmt: skip
+                overhead, k = locked
+        # k <= 0 only if measured time falls as work rises: the free fit then says more than the prior.
+        return [overhead, k * a0, k * b0] if k > 0 else coef
 
     def _fit_speeds(self, busy: list[int], coef: list[float]) -> list[float]:
         """Each rank's predicted over measured seconds, relative to the median rank's where the
