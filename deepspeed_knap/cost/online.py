@@ -38,8 +38,7 @@ nothing and kept every sequence home for two steps. Both tests take Student's t 
 degrees of freedom the scatter was measured with. Likewise the ratio of ``a`` to ``b``: it departs
 from the prior's only when the free fit's ``d`` in ``k (a0 X + b0 Y) + d X`` (``+ d Y`` when
 ``b0 = 0``) exceeds ``SHAPE_EVIDENCE`` (2) standard errors; otherwise ``a, b`` are the prior's times one
-fitted scale (the speeds are still fitted and tested against the free fit, whose residual is the
-timers' scatter, not the prior ratio's misfit too). On near-balanced plans ``X`` and ``Y`` rise together: noise moved ``b / a`` between 0
+fitted scale. On near-balanced plans ``X`` and ``Y`` rise together: noise moved ``b / a`` between 0
 and 5x the prior's from refit to refit (2 CPU ranks, kf_mixed_res x1/4, where the free fit settled
 on the prior's ratio after 13 steps), and ``auto`` balanced worse than knapformer's plans from the
 prior (kf_mixed_res and kf_image_video x1/4 on 2 CPU ranks of a 16-core host: compute max/mean
@@ -336,15 +335,10 @@ class OnlineCostModel:
             return
         speeds = list(self.speeds)
         for _ in range(_ALTERNATIONS):
-            fitted_with = speeds
             coef = self._fit_coefficients(busy, speeds)
             if coef is None:
                 return  # the measurements say nothing usable yet: keep the current model
             speeds = self._fit_speeds(busy, coef)
-        # The speeds are tested against the free fit, whose residual is the timers' scatter: the
-        # prior's ratio adds its misfit to that scatter (on 2 CPU ranks it hid a 2x slower rank for
-        # 7 refits). The plan's a, b keep the prior's ratio unless the measurements show another.
-        coef = self._prior_shape_unless_shown(busy, fitted_with, coef)
         self.speeds = speeds
         prior, scale = self.prior, self._compute_scale(busy, coef)
         if self.alltoall_sums[1]:  # measured
@@ -370,11 +364,8 @@ class OnlineCostModel:
             priced += prior.linear_coef * sums["x"] + prior.quadratic_coef * sums["y"]
         return fitted / priced if priced > 0 else 1.0
 
-    def _normal_equations(
-        self, busy: list[int], speeds: list[float]
-    ) -> tuple[list[list[float]], list[float], float, float, float]:
-        """``gram, rhs, target_norm`` of ``measured * speed - e*W = overhead + a*X + b*Y`` over the
-        columns ``(1, X, Y)``, from the running sums, and the weight and squared weight of the steps."""
+    def _fit_coefficients(self, busy: list[int], speeds: list[float]) -> list[float] | None:
+        """``[overhead, a, b]`` for ``measured * speed - e*W = overhead + a*X + b*Y``, from the running sums."""
         e = self.prior.sequence_coef
         total = dict.fromkeys(_SUMS, 0.0)
         for g in busy:
@@ -387,26 +378,25 @@ class OnlineCostModel:
         gram = [[total["w"], total["x"], total["y"]], [total["x"], total["xx"], total["xy"]],
                 [total["y"], total["xy"], total["yy"]]]  # fmt: skip
         rhs = [total["t"], total["tx"], total["ty"]]
-        return gram, rhs, total["tt"], total["w"], sum(self.sums[g][_SQUARED_WEIGHT] for g in busy)
-
-    def _fit_coefficients(self, busy: list[int], speeds: list[float]) -> list[float] | None:
-        """``[overhead, a, b]`` for ``measured * speed - e*W = overhead + a*X + b*Y``, from the running sums."""
-        gram, rhs, target_norm, weight, squared_weight = self._normal_equations(busy, speeds)
-        coef = nonnegative_normal_equations(gram, rhs, target_norm)
+        coef = nonnegative_normal_equations(gram, rhs, total["tt"])
+        weight, squared_weight = total["w"], sum(self.sums[g][_SQUARED_WEIGHT] for g in busy)
         per_token = coef[1] > 0 or coef[2] > 0
-        if coef[0] > 0 and (not per_token or not _shown(gram, rhs, target_norm, coef, 0, OVERHEAD_EVIDENCE,
+        if coef[0] > 0 and (not per_token or not _shown(gram, rhs, total["tt"], coef, 0, OVERHEAD_EVIDENCE,
                                                           weight, squared_weight)):  # fmt: skip
             # Balanced plans give every GPU about the same work, step after step: the data then
             # cannot tell a fixed cost from a per-token one, and noise may call most of the step
             # overhead (measured on 2 CPU ranks: 60 of 62 ms, a = 0), which prices moving work at
             # nothing and keeps every sequence home. Without evidence, take it all as per token (and
             # when the fit is all overhead: a model that prices no work cannot plan).
-            a, b = nonnegative_normal_equations([row[1:] for row in gram[1:]], rhs[1:], target_norm)
+            a, b = nonnegative_normal_equations([row[1:] for row in gram[1:]], rhs[1:], total["tt"])
             coef = [0.0, a, b]
+        if coef[1] > 0 or coef[2] > 0:
+            coef = self._prior_shape_unless_shown(gram, rhs, total["tt"], coef, weight, squared_weight)
         return coef if coef[1] > 0 or coef[2] > 0 else None
 
-    def _prior_shape_unless_shown(self, busy: list[int], speeds: list[float], coef: list[float]) -> list[float]:
-        """``coef`` (``[overhead, a, b]``, fitted free at ``speeds``) where the measurements show the ratio of
+    def _prior_shape_unless_shown(self, gram: list[list[float]], rhs: list[float], target_norm: float,
+                                  coef: list[float], weight: float, squared_weight: float) -> list[float]:  # fmt: skip
+        """``coef`` (``[overhead, a, b]``, fitted free) where the measurements show the ratio of
         ``a`` to ``b`` departs from the prior's by :data:`SHAPE_EVIDENCE` standard errors; else the
         prior's ``a, b`` times one fitted scale, fitted beside the overhead where the free fit had one
         and it is still shown (:data:`OVERHEAD_EVIDENCE`) beside the prior's terms. In the basis
@@ -415,7 +405,6 @@ class OnlineCostModel:
         a0, b0 = self.prior.linear_coef, self.prior.quadratic_coef
         if a0 <= 0 and b0 <= 0:
             return coef  # the prior prices no work: it has no shape to keep
-        gram, rhs, target_norm, weight, squared_weight = self._normal_equations(busy, speeds)
         other = (0.0, 1.0, 0.0) if b0 > 0 else (0.0, 0.0, 1.0)
         basis = [(1.0, 0.0, 0.0), (0.0, a0, b0), other]  # each a combination of the columns (1, X, Y)
         k = coef[2] / b0 if b0 > 0 else coef[1] / a0
