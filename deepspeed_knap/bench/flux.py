@@ -53,20 +53,18 @@ def measure(run: Callable[[], Tensor], model: nn.Module, device: torch.device, r
     allocated during a run above those allocated before it (the models' weights and the inputs;
     the gradients are freed first, so they count in the peak), and the bytes allocated before the
     first run (on CUDA: weights and inputs, and whatever an earlier measurement left allocated)."""
-    cuda, times, peaks = device.type == "cuda", [], []
-    model.zero_grad(set_to_none=True)
-    before = torch.cuda.memory_allocated() if cuda else float("nan")
+    cuda, times, starts, peaks = device.type == "cuda", [], [], []
     for _ in range(repeats + 1):  # the first is a warm-up
         model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
+            starts.append(torch.cuda.memory_allocated())
         times.append(backward_seconds(run, device))
         if cuda:
-            peaks.append(torch.cuda.max_memory_allocated() - start)
+            peaks.append(torch.cuda.max_memory_allocated() - starts[-1])
     model.zero_grad(set_to_none=True)  # the next model's peak must not hold this one's gradients
     return {"seconds": statistics.median(times[1:]), "saved_mb": saved_activation_bytes(run, model) / 2**20,
-            "peak_mb": max(peaks[1:]) / 2**20 if peaks else float("nan"), "before_mb": before / 2**20}  # fmt: skip
+            "peak_mb": max(peaks[1:]) / 2**20 if peaks else float("nan"), "before_mb": starts[0] / 2**20 if starts else float("nan")}  # fmt: skip
 
 
 def bench_flux(

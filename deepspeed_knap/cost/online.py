@@ -378,18 +378,8 @@ class OnlineCostModel:
         gram = [[total["w"], total["x"], total["y"]], [total["x"], total["xx"], total["xy"]],
                 [total["y"], total["xy"], total["yy"]]]  # fmt: skip
         rhs = [total["t"], total["tx"], total["ty"]]
-        coef = nonnegative_normal_equations(gram, rhs, total["tt"])
         weight, squared_weight = total["w"], sum(self.sums[g][_SQUARED_WEIGHT] for g in busy)
-        per_token = coef[1] > 0 or coef[2] > 0
-        if coef[0] > 0 and (not per_token or not _shown(gram, rhs, total["tt"], coef, 0, OVERHEAD_EVIDENCE,
-                                                          weight, squared_weight)):  # fmt: skip
-            # Balanced plans give every GPU about the same work, step after step: the data then
-            # cannot tell a fixed cost from a per-token one, and noise may call most of the step
-            # overhead (measured on 2 CPU ranks: 60 of 62 ms, a = 0), which prices moving work at
-            # nothing and keeps every sequence home. Without evidence, take it all as per token (and
-            # when the fit is all overhead: a model that prices no work cannot plan).
-            a, b = nonnegative_normal_equations([row[1:] for row in gram[1:]], rhs[1:], total["tt"])
-            coef = [0.0, a, b]
+        coef = _overhead_if_shown(gram, rhs, total["tt"], weight, squared_weight)
         if coef[1] > 0 or coef[2] > 0:
             coef = self._prior_shape_unless_shown(gram, rhs, total["tt"], coef, weight, squared_weight)
         return coef if coef[1] > 0 or coef[2] > 0 else None
@@ -418,13 +408,11 @@ class OnlineCostModel:
         if _shown(sub, [shaped_rhs[i] for i in columns], target_norm, [shaped[i] for i in columns],
                   len(columns) - 1, SHAPE_EVIDENCE, weight, squared_weight):  # fmt: skip
             return coef
-        overhead, k = 0.0, shaped_rhs[1] / shaped_gram[1][1]  # P alone (its column is not all zero)
         if coef[0] > 0:  # the overhead beside P, planned with only if shown there too
             pair = [[shaped_gram[0][0], shaped_gram[0][1]], [shaped_gram[1][0], shaped_gram[1][1]]]
-            locked = nonnegative_normal_equations(pair, shaped_rhs[:2], target_norm)
-            if locked[0] > 0 and locked[1] > 0 and _shown(pair, shaped_rhs[:2], target_norm, locked, 0,
-                                                          OVERHEAD_EVIDENCE, weight, squared_weight):  # fmt: skip
-                overhead, k = locked
+            overhead, k = _overhead_if_shown(pair, shaped_rhs[:2], target_norm, weight, squared_weight)
+        else:
+            overhead, k = 0.0, shaped_rhs[1] / shaped_gram[1][1]  # P alone (its column is not all zero)
         # k <= 0 only if measured time falls as work rises: the free fit then says more than the prior.
         return [overhead, k * a0, k * b0] if k > 0 else coef
 
@@ -479,6 +467,25 @@ class OnlineCostModel:
             return speed, 0.0, 1.0  # one step shows no scatter (and adds no degree of freedom)
         scatter = max(pp - 2 * speed * pt + speed * speed * sums["tt"], 0.0) / (speed * speed * sums["tt"])
         return speed, scatter * steps / (steps - 1), steps
+
+
+def _overhead_if_shown(
+    gram: list[list[float]], rhs: list[float], target_norm: float, weight: float, squared_weight: float
+) -> list[float]:
+    """``[overhead, *per-token coefficients]`` >= 0 from the normal equations over the columns
+    ``(1, ...)``: the overhead only where it is shown (:data:`OVERHEAD_EVIDENCE`, :func:`_shown`)
+    beside per-token terms, else those terms fitted without it."""
+    coef = nonnegative_normal_equations(gram, rhs, target_norm)
+    per_token = any(c > 0 for c in coef[1:])
+    if coef[0] > 0 and (not per_token or not _shown(gram, rhs, target_norm, coef, 0, OVERHEAD_EVIDENCE, weight,
+                                                      squared_weight)):  # fmt: skip
+        # Balanced plans give every GPU about the same work, step after step: the data then
+        # cannot tell a fixed cost from a per-token one, and noise may call most of the step
+        # overhead (measured on 2 CPU ranks: 60 of 62 ms, a = 0), which prices moving work at
+        # nothing and keeps every sequence home. Without evidence, take it all as per token (and
+        # when the fit is all overhead: a model that prices no work cannot plan).
+        coef = [0.0, *nonnegative_normal_equations([row[1:] for row in gram[1:]], rhs[1:], target_norm)]
+    return coef
 
 
 def _shown(
