@@ -104,7 +104,7 @@ class ReusingBalancer(KnapBalancer):
                 raise RuntimeError("ReusingBalancer: call begin_step(request_set, plan, lengths) before each forward")
             self.close_step()
             seq_lens_per_rank, plan = self._set_plan
-            self._last = (seq_lens_per_rank, plan, 0.0, True, self.cost_model)  # for metrics()
+            self._last = (seq_lens_per_rank, plan, 0.0, True, self.cost_model, False)  # for metrics()
             self.steps += 1
         self.plan_s.append(time.perf_counter() - start)
         return plan

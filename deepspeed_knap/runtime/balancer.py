@@ -29,7 +29,7 @@ from deepspeed_knap.cost.model import CostModel, segment_square_sums
 from deepspeed_knap.cost.online import OnlineCostModel, OnlineSettings
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.solve import DEFAULT_REFINE_STEPS, DEFAULT_SOLVER, plan_loads, plan_routing
-from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError
+from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError, WorkerPlan
 from deepspeed_knap.runtime.attention import balanced_step_in_flight, set_balanced_step
 from deepspeed_knap.runtime.groups import ProcessGroups
 from deepspeed_knap.runtime.packing import PackedBatch
@@ -72,8 +72,8 @@ def balancer_overhead_s(phases_per_rank: Sequence[Mapping[str, float]]) -> float
 
 
 # A step's plan with what it was made of: (lengths per rank, plan, solve seconds, solved ahead, the
-# cost model it was solved with).
-_Planned = tuple[list[list[int]], RoutingPlan, float, bool, CostModel]
+# cost model it was solved with, solved by another rank's worker on this host).
+_Planned = tuple[list[list[int]], RoutingPlan, float, bool, CostModel, bool]
 
 
 # Plans prefetched and not used yet that are kept, the oldest dropped first: one for the next
@@ -91,11 +91,10 @@ class _PlanAhead:
     seq_lens: list[int]  # this rank's: a forward whose batch has these lengths may use the plan
     segments_per_rank: list[list[list[int]]] | None = None  # every rank's attention segments, or None
     segments: list[list[int]] | None = None  # this rank's: a forward must give these too
-    reply: tuple[RoutingPlan, float] | str | None = None  # (plan, solve seconds) or the failure, once read
+    reply: WorkerPlan | str | None = None  # the worker's plan or the failure, once read
 
-    def read(self, worker: PlanWorker, timeout_s: float) -> tuple[RoutingPlan, float] | str:
-        """The worker's ``(plan, solve seconds)`` for it, or why there is none; waits for the solve,
-        at most ``timeout_s``."""
+    def read(self, worker: PlanWorker, timeout_s: float) -> WorkerPlan | str:
+        """The worker's plan for it, or why there is none; waits for the solve, at most ``timeout_s``."""
         if self.reply is None:
             try:
                 self.reply = worker.result(self.ticket, timeout_s)
@@ -220,7 +219,7 @@ class KnapBalancer:
             start = time.perf_counter()
             plan = plan_routing(gathered.seq_lens_per_rank, self.groups.topology, model, self.solver,
                                 self.max_tokens_per_gpu, DEFAULT_REFINE_STEPS, gathered.segments_per_rank)  # fmt: skip
-            found = (gathered.seq_lens_per_rank, plan, time.perf_counter() - start, False, model)
+            found = (gathered.seq_lens_per_rank, plan, time.perf_counter() - start, False, model, False)
             self._plan_parts["solve"] += found[2]
             self._last_segments = gathered.segments_per_rank
         self._last = found
@@ -302,7 +301,7 @@ class KnapBalancer:
         return gathered
 
     def _plan_ahead(self, batch: PackedBatch, segments: np.ndarray | None, problem: str | None) -> _Planned | None:
-        """``(lengths, plan, solve seconds, True, model)`` of the oldest plan prefetched for this
+        """``(lengths, plan, solve seconds, True, model, shared)`` of the oldest plan prefetched for this
         batch's lengths on every rank, or ``None`` if the ranks find none (they log why). The plans
         older than the newest any rank found are dropped, and the one used. Collective: which plan
         matches, and whether a worker failed, differ between ranks."""
@@ -326,9 +325,9 @@ class KnapBalancer:
         for i in [i for i in self._ahead if i < max(choices) or (agreed and i == chosen)]:  # the same on every rank
             self._worker.discard(self._ahead.pop(i).ticket)  # its reply, if read already, is dropped
         if agreed:
-            plan, solve_s = used.reply
+            plan, solve_s, shared = used.reply
             self._last_segments = used.segments_per_rank
-            return used.seq_lens_per_rank, plan, solve_s, True, used.model
+            return used.seq_lens_per_rank, plan, solve_s, True, used.model, shared
         # A forward no rank prefetched for (the first, a validation loss) is planned in the step
         # silently; a worker's failure, or ranks finding different plans, is worth a line.
         step = self.steps + 1
@@ -408,7 +407,8 @@ class KnapBalancer:
     def metrics(self) -> dict[str, float]:
         """The last plan's numbers (of this rank's balance group): modeled imbalance (max/mean GPU
         load) without and with balancing, solve time (``planned_ahead`` 1: solved in the worker
-        process, during the step before), share of tokens moved; once a step has been
+        process, during the step before; ``plan_shared`` 1: by another rank's worker on this host,
+        whose solve time it is), share of tokens moved; once a step has been
         measured, that step's measured imbalance (max/mean of the ranks' compute seconds), the model's
         median relative error over ranks, the balancer's overhead in it (``overhead``: from the
         second step, :func:`balancer_overhead_s` of every rank's times over the longest rank's step;
@@ -417,7 +417,7 @@ class KnapBalancer:
         Local: no collective."""
         if self._last is None:
             raise RuntimeError("no step has been planned yet; call metrics() after the model's forward")
-        seq_lens_per_rank, plan, solve_s, ahead, model = self._last
+        seq_lens_per_rank, plan, solve_s, ahead, model, shared = self._last
         unbalanced = plan_routing(seq_lens_per_rank, self.groups.topology, model, "none", None, DEFAULT_REFINE_STEPS,
                                   self._last_segments)  # fmt: skip
         metrics = {
@@ -425,6 +425,7 @@ class KnapBalancer:
             "knapformer/imbalance_after": plan.imbalance,
             "knapformer/solve_ms": solve_s * 1e3,
             "knapformer/planned_ahead": float(ahead),
+            "knapformer/plan_shared": float(shared),
             "knapformer/tokens_moved": plan.tokens_moved_fraction,
         }
         if self._measured is not None:
@@ -449,7 +450,8 @@ class KnapBalancer:
         line = (
             f"knapformer step {self.steps}: modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
             f"{metrics['knapformer/imbalance_after']:.3f}, solve {metrics['knapformer/solve_ms']:.1f} ms"
-            f"{' (ahead)' if metrics['knapformer/planned_ahead'] else ''}, "
+            f"{' (ahead' if metrics['knapformer/planned_ahead'] else ''}"
+            f"{', shared)' if metrics['knapformer/plan_shared'] else ')' if metrics['knapformer/planned_ahead'] else ''}, "
             f"tokens moved {metrics['knapformer/tokens_moved']:.1%}"
         )
         if "knapformer/measured_imbalance" in metrics:

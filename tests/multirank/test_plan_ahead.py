@@ -3,6 +3,7 @@ and every rank falling back together when one rank's worker or batch is not what
 
 import os
 import signal
+import tempfile
 import time
 
 import numpy as np
@@ -31,7 +32,7 @@ def test_worker_plans_equal_plan_routings_in_order_and_survive_errors_and_a_deat
     steps = [sample_mix("kf_image_video", 32, seed) for seed in range(3)]
     tickets = [worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None) for lengths in steps]
     for ticket, lengths in reversed(list(zip(tickets, steps, strict=True))):  # read in any order
-        plan, solve_s = worker.result(ticket)
+        plan, solve_s, _ = worker.result(ticket)  # shared or not: the plan these arguments give
         assert plan == plan_routing(lengths, topology, MODEL)  # every field, bit for bit
         assert solve_s > 0
     # A solve that raises comes back as the error, and the worker goes on.
@@ -54,6 +55,50 @@ def test_worker_plans_equal_plan_routings_in_order_and_survive_errors_and_a_deat
     worker.close()
     with pytest.raises(PlanWorkerError, match="no job 99"):
         worker.result(99)
+
+
+def test_the_workers_of_a_host_solve_a_job_once_and_remove_its_files_when_they_stop():
+    """Two ranks' workers given the same jobs: the first to take a job solves it, the other reads
+    its plan (bit-identical to solving it); each worker's files go when it stops."""
+    from deepspeed_knap.planner.worker import _SharedPlans
+
+    topology = build_topology("auto", 8)
+    steps = [sample_mix("kf_image_video", 8, seed) for seed in range(2)]
+    jobs = [(lengths, topology, MODEL, DEFAULT_SOLVER, None) for lengths in steps]
+    shared = _SharedPlans.open()
+    plan_files = [shared.folder / f"{shared.key(job)}.plan" for job in jobs]
+    first, second = PlanWorker(), PlanWorker()
+    try:
+        # Job 0: the first worker solves it; job 1: the second does. The other reads each.
+        for solver_worker, reader, job, plan_file in ((first, second, jobs[0], plan_files[0]),
+                                                       (second, first, jobs[1], plan_files[1])):  # fmt: skip
+            solved = solver_worker.result(solver_worker.submit(*job))
+            assert not solved.shared and solved.plan == plan_routing(*job) and plan_file.exists()
+            read = reader.result(reader.submit(*job))
+            assert read.shared and read.plan == solved.plan and read.solve_s == solved.solve_s
+    finally:
+        first.close()
+        second.close()
+    assert not any(plan_file.exists() for plan_file in plan_files)
+
+
+def test_a_shared_job_lock_is_waited_for_until_the_timeout():
+    from deepspeed_knap.planner.worker import _lock
+
+    with tempfile.NamedTemporaryFile() as lock_file:
+        holder, waiter = os.open(lock_file.name, os.O_RDWR), os.open(lock_file.name, os.O_RDWR)
+        try:
+            assert _lock(holder, 0.0)
+            start = time.monotonic()
+            assert not _lock(waiter, 0.2)  # a sibling solving: given up on after the wait
+            assert 0.2 <= time.monotonic() - start < 2
+            os.close(holder)  # the sibling is done (or died): the lock is free
+            holder = None
+            assert _lock(waiter, 0.2)
+        finally:
+            for fd in (holder, waiter):
+                if fd is not None:
+                    os.close(fd)
 
 
 def test_discarded_jobs_are_dropped_read_or_not_and_the_rest_come_in_order(worker):
@@ -199,10 +244,12 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], l
         model.zero_grad()
         reference = model(given)
         (reference * reference).sum().backward()
-        seq_lens_per_rank, plan, _, _, planned_with = balancer._last
+        seq_lens_per_rank, plan, _, _, planned_with, _ = balancer._last
+        metrics = balancer.metrics()
         results.append({
             "step": step,
-            "ahead": balancer.metrics()["knapformer/planned_ahead"],
+            "ahead": metrics["knapformer/planned_ahead"],
+            "shared": metrics["knapformer/plan_shared"],
             "out_err": float((out - reference).abs().max().detach()),
             "grads": [(b, p.grad.numpy().copy()) for b, p in zip(balanced_grads, model.parameters(), strict=True)],
             "lengths": seq_lens_per_rank,
@@ -257,6 +304,13 @@ def test_prefetched_plans_equal_plans_solved_in_the_step_and_ranks_fall_back_tog
         for (b0, r0), (b1, r1) in zip(mine["grads"], theirs["grads"], strict=True):
             reference = r0 + r1
             assert np.abs((b0 + b1) - reference).max() <= 1e-10 * np.abs(reference).max(), index
+    # The two ranks' workers solved each plan ahead once: one solved it, the other read it. (From step 3
+    # on: the worker killed at step 2 left its files, which a rerun within the hour would read.)
+    for mine, theirs in zip(*results, strict=True):
+        if mine["step"] in (3, 5, 7):
+            assert mine["shared"] + theirs["shared"] == 1.0, mine["step"]
+        elif not mine["ahead"]:
+            assert mine["shared"] == theirs["shared"] == 0.0, mine["step"]
     by_step = {step["step"]: step for step in results[0]}
     assert by_step[MISMATCH_AT]["lengths"][1] == [17, 1]  # planned for the batch given, not prefetched
     assert by_step["extra"]["lengths"] == [LENGTHS[EXTRA_AT + 1][0], EXTRA_LENGTHS]

@@ -118,8 +118,25 @@ def test_ahead_bench_reports_identical_plans_and_plots(tmp_path, capsys):
     assert main(["bench", "ahead", "--gpus", "16", "--steps", "2", "--mixes", "kf_image_video",
                  "--plot", str(plot)]) == 0  # fmt: skip
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 16 | kf_image_video"))
-    assert row.split("|")[6].strip() == "yes"  # the worker's plans are the in-process ones, bit for bit
+    assert row.split("|")[8].strip() == "yes"  # the worker's plans are the in-process ones, bit for bit
     assert plot.stat().st_size > 0
+
+
+def test_ahead_bench_workers_share_each_solve_unless_told_not_to(capsys):
+    """Three workers sent each job: one solves it and the others read its plan; with --no-share each
+    solves, using about three times the CPU. The plans are the in-process ones either way."""
+    from deepspeed_knap.cli import main
+
+    cells = {}
+    for share in ("--share", "--no-share"):
+        assert main(["bench", "ahead", "--gpus", "64", "--steps", "2", "--mixes", "kf_mixed_res", "--workers", "3",
+                     share]) == 0  # fmt: skip
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 | kf_mixed_res"))
+        cells[share] = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert cells["--share"][6] == "1" and cells["--no-share"][6] == "3"
+    assert cells["--share"][7] == cells["--no-share"][7] == "yes"
+    cpu = {share: float(row[5].split()[0]) for share, row in cells.items()}
+    assert cpu["--no-share"] > 1.5 * cpu["--share"], cpu  # 3 solves against 1 (and the reads)
 
 
 @pytest.mark.parametrize("family", ["flux", "flux2", "wan"])
