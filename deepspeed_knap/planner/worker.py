@@ -41,6 +41,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.solve import plan_routing
 
@@ -49,11 +51,11 @@ from deepspeed_knap.planner.solve import plan_routing
 # waits for the worker to wake and write the rest (~3 ms at 32 GPUs).
 _REPLY_PIPE_BYTES = 2**20
 _HEADER = struct.Struct("<Q")  # the byte length of the pickle that follows
-# Shared solves: a worker waits this long for a sibling that holds a job's lock (solving it), then
-# solves the job itself; it keeps the files of its last _SHARED_KEPT jobs (siblings are at most a
-# step apart: prefetch keeps two plans ahead), and a starting worker removes files older than
-# _SHARED_STALE_S (left by a killed worker).
-_SHARED_WAIT_S = 10.0
+# Shared solves: a worker waits at least this long (or three times the longest solve it has seen)
+# for a sibling that holds a job's lock (solving it), then solves the job itself; it keeps the files
+# of its last _SHARED_KEPT jobs (siblings are at most a step apart: prefetch keeps two plans ahead),
+# and a starting worker removes files older than _SHARED_STALE_S (left by a killed worker).
+_SHARED_WAIT_S = 2.0
 _SHARED_KEPT = 4
 _SHARED_STALE_S = 3600.0
 
@@ -99,7 +101,7 @@ class PlanWorker:
             self._read_reply(deadline, timeout_s)
         try:
             process = self._start()
-            _write_frame(process.stdin.fileno(), (seq_lens_per_rank, *args), deadline)
+            _write_frame(process.stdin.fileno(), ((seq_lens_per_rank, *args), timeout_s), deadline)
             self._unread.append(ticket)
         except TimeoutError:
             self._give_up(timeout_s)
@@ -191,6 +193,8 @@ class PlanWorker:
         self._unread.pop(0)
         if reply is None:
             self._fail(ticket, "the plan worker died before replying")
+        elif not (isinstance(reply, tuple) and len(reply) == 4):
+            self._fail(ticket, f"the plan worker's reply is not (plan, seconds, error, shared): {reply!r:.200}")
         else:
             plan, solve_s, error, shared = reply
             error = None if error is None else f"the plan worker's solve raised {error}"
@@ -291,17 +295,19 @@ def _solve(job: tuple) -> tuple[RoutingPlan | None, float, str | None, bool]:
 class _SharedPlans:
     """The plans of the jobs this worker took, shared with the other workers of this host through
     files in ``folder`` (``/dev/shm``: memory). A job's files are named by a digest of its
-    arguments (:func:`_canonical`) and of the planner's code (``code``: its files' paths, sizes and
-    times), so only an equal job solved by the same code finds a plan, and the plan read is the one
-    this worker would have solved, bit for bit. The first worker to take a job's lock solves it and
-    publishes the plan (written aside, then renamed: a reader sees all of it or nothing); one that
-    finds the plan, or gets the lock after a sibling published it, reads it. Sharing only saves
-    work: whatever fails (no folder, a full disk, a sibling holding the lock past
-    ``_SHARED_WAIT_S``, a file removed under it) leaves this worker solving the job itself."""
+    arguments (:func:`_canonical`) and of the code that solves it (:func:`_code_digest`), so only an
+    equal job solved by the same code and runtime finds a plan: the plan read is the one this worker
+    would have solved. The first worker to take a job's lock solves it and publishes the plan
+    (written aside, then renamed: a reader sees all of it or nothing); one that finds the plan, or
+    gets the lock after a sibling published it, reads it. Sharing only saves work: whatever fails
+    (no folder, a full disk, a file that is not a plan, a sibling holding the lock too long, a file
+    removed under it) leaves this worker solving the job itself."""
 
     def __init__(self, folder: Path, code: bytes) -> None:
         self.folder, self.code = folder, code
         self.kept: deque[str] = deque()  # the keys of this worker's last jobs, oldest first
+        self.published: set[str] = set()  # those of them this worker solved and published
+        self.longest_solve_s = 0.0  # of the solves this worker made or read: how long a sibling may take
 
     @classmethod
     def open(cls) -> _SharedPlans | None:
@@ -328,26 +334,29 @@ class _SharedPlans:
         canonical = pickle.dumps(_canonical(job), protocol=pickle.HIGHEST_PROTOCOL)
         return hashlib.sha256(self.code + canonical).hexdigest()[:40]
 
-    def reply(self, job: tuple) -> tuple[RoutingPlan | None, float, str | None, bool]:
-        """:func:`_solve`'s reply for ``job``, from a sibling's solve if one has it (``shared`` True)."""
+    def reply(self, job: tuple, timeout_s: float | None) -> tuple[RoutingPlan | None, float, str | None, bool]:
+        """:func:`_solve`'s reply for ``job``, from a sibling's solve if one has it (``shared`` True).
+        ``timeout_s``: how long the rank waits for the reply (``None``: no limit); a sibling's lock
+        is waited for at most half of it, and at most ``_SHARED_WAIT_S`` or three times the longest
+        solve seen, whichever is longer."""
         key = self.key(job)
         self._keep(key)
         plan_path = self.folder / f"{key}.plan"
-        found = _read_plan(plan_path)
-        if found is not None:
-            return (*found, None, True)
+        if (found := self._read(key)) is not None:
+            return found
         try:
             lock = os.open(self.folder / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError:
             return _solve(job)
         try:
-            locked = _lock(lock, _SHARED_WAIT_S)
-            found = _read_plan(plan_path)  # published while this worker waited for the lock
-            if found is not None:
-                return (*found, None, True)
+            wait_s = max(_SHARED_WAIT_S, 3 * self.longest_solve_s)
+            locked = _lock(lock, wait_s if timeout_s is None else min(wait_s, timeout_s / 2))
+            if (found := self._read(key)) is not None:  # published while this worker waited for the lock
+                return found
             reply = _solve(job)
-            if locked and reply[2] is None:
-                _publish(plan_path, pickle.dumps(reply[:2], protocol=pickle.HIGHEST_PROTOCOL))
+            self.longest_solve_s = max(self.longest_solve_s, reply[1])
+            if locked and reply[2] is None and _publish(plan_path, pickle.dumps(reply[:2], pickle.HIGHEST_PROTOCOL)):
+                self.published.add(key)
             return reply
         finally:
             os.close(lock)  # releases the lock
@@ -357,6 +366,18 @@ class _SharedPlans:
         while self.kept:
             self._remove(self.kept.popleft())
 
+    def _read(self, key: str) -> tuple[RoutingPlan, float, None, bool] | None:
+        """The reply published for ``key``, or ``None`` if there is none (yet) or it is not a plan;
+        ``shared`` unless this worker published it (a job it had before)."""
+        try:
+            plan, solve_s = pickle.loads((self.folder / f"{key}.plan").read_bytes())
+        except Exception:  # none yet (OSError), or a file that is not a plan: solve instead
+            return None
+        if not isinstance(plan, RoutingPlan) or not isinstance(solve_s, float):
+            return None
+        self.longest_solve_s = max(self.longest_solve_s, solve_s)
+        return plan, solve_s, None, key not in self.published
+
     def _keep(self, key: str) -> None:
         if key not in self.kept:
             self.kept.append(key)
@@ -364,47 +385,51 @@ class _SharedPlans:
             self._remove(self.kept.popleft())
 
     def _remove(self, key: str) -> None:
+        self.published.discard(key)
         for suffix in (".plan", ".lock"):
             with contextlib.suppress(OSError):
                 (self.folder / f"{key}{suffix}").unlink()
 
 
 def _canonical(value: Any) -> Any:
-    """``value`` with every dataclass reduced to its name and fields: what a cached property stored
-    on it (a topology's groups, computed on some ranks and not on others) must not tell equal jobs
-    apart."""
+    """``value`` for naming a job: every list, tuple and dataclass as its type and its items (a
+    dataclass: its fields, so that a cached property stored on it, a topology's groups computed on
+    some ranks and not on others, does not tell equal jobs apart), anything else as it is."""
+    kind = (type(value).__module__, type(value).__qualname__)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value).__qualname__, *(_canonical(getattr(value, f.name)) for f in dataclasses.fields(value)))
+        return kind, tuple(_canonical(getattr(value, f.name)) for f in dataclasses.fields(value))
     if isinstance(value, list | tuple):
-        return tuple(_canonical(item) for item in value)
+        return kind, tuple(_canonical(item) for item in value)
     return value
 
 
 def _code_digest() -> bytes:
-    """A digest of the package's Python files (paths, sizes, modification times): workers running
-    other code (another copy, an edited file) never share a plan."""
+    """A digest of what solves a job: the package's Python files (paths and contents), the Python
+    and NumPy that run them. Workers running other code (another copy, an edited file, another
+    environment) never share a plan."""
     package = Path(__file__).resolve().parent.parent
-    files = sorted(package.rglob("*.py"))
-    return hashlib.sha256(repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).digest()
+    digest = hashlib.sha256(repr((sys.version, sys.executable, np.__version__)).encode())
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.digest()
 
 
-def _read_plan(path: Path) -> tuple[RoutingPlan, float] | None:
-    """``(plan, solve seconds)`` published at ``path``, or ``None`` if there is none (yet)."""
+def _publish(path: Path, data: bytes) -> bool:
+    """Write ``data`` to ``path`` whole, or not at all (a full disk: the siblings solve themselves);
+    whether it was written."""
     try:
-        return pickle.loads(path.read_bytes())
-    except Exception:  # none yet (OSError), or a file that is not a plan: solve instead
-        return None
-
-
-def _publish(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole, or not at all (a full disk: the siblings solve themselves)."""
-    aside = path.with_name(f"{path.name}.{os.getpid()}")
+        fd, aside = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.")
+    except OSError:
+        return False
     try:
-        aside.write_bytes(data)
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
         os.replace(aside, path)
+        return True
     except OSError:
         with contextlib.suppress(OSError):
-            aside.unlink()
+            os.unlink(aside)
+        return False
 
 
 def _lock(fd: int, timeout_s: float) -> bool:
@@ -430,15 +455,22 @@ def main(share: bool = True) -> None:
     replies = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
     shared = _SharedPlans.open() if share else None
-    while (job := _read_frame(sys.stdin.fileno())) is not None:
-        reply = _solve(job) if shared is None else shared.reply(job)
-        try:
-            _write_frame(replies, reply)
-        except BrokenPipeError:  # the parent closed its end: stopped, not an error
-            break
-    if shared is not None:
-        shared.close()
-    os._exit(0)
+    try:
+        while (frame := _read_frame(sys.stdin.fileno())) is not None:
+            job, timeout_s = frame
+            try:
+                reply = _solve(job) if shared is None else shared.reply(job, timeout_s)
+            except Exception:  # sharing failed in a way not foreseen: it only ever saves work
+                reply = _solve(job)
+            try:
+                _write_frame(replies, reply)
+            except BrokenPipeError:  # the parent closed its end: stopped, not an error
+                if shared is not None:
+                    shared.close()
+                os._exit(0)
+    finally:
+        if shared is not None:
+            shared.close()
 
 
 if __name__ == "__main__":

@@ -126,12 +126,14 @@ def test_ahead_bench_workers_share_each_solve_unless_told_not_to(capsys):
     """Three workers sent each job: one solves it and the others read its plan; with --no-share each
     solves, using about three times the CPU. The plans are the in-process ones either way."""
     from deepspeed_knap.cli import main
+    from tests.support.plans import clear_shared_plans
 
+    clear_shared_plans()
     cells = {}
     for share in ("--share", "--no-share"):
-        assert main(["bench", "ahead", "--gpus", "64", "--steps", "2", "--mixes", "kf_mixed_res", "--workers", "3",
+        assert main(["bench", "ahead", "--gpus", "128", "--steps", "2", "--mixes", "kf_mixed_res", "--workers", "3",
                      share]) == 0  # fmt: skip
-        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 | kf_mixed_res"))
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128 | kf_mixed_res"))
         cells[share] = [cell.strip() for cell in row.split("|")[1:-1]]
     assert cells["--share"][6] == "1" and cells["--no-share"][6] == "3"
     assert cells["--share"][7] == cells["--no-share"][7] == "yes"
