@@ -133,7 +133,7 @@ def test_zero_training_with_balancing_equals_without(stage, tmp_path):
         assert set(result["on_timeouts"].values()) == {300.0}, result["on_timeouts"]
     # log_interval 1: every step's balancing metrics reached DeepSpeed's CSV monitor.
     written = sorted(p.name for p in (tmp_path / f"zero{stage}").rglob("knapformer_*.csv"))
-    names = ("imbalance_after", "imbalance_before", "measured_imbalance", "overhead", "planned_ahead",
+    names = ("imbalance_after", "imbalance_before", "measured_imbalance", "overhead", "plan_shared", "planned_ahead",
              "prediction_error", "solve_ms", "tokens_moved")  # fmt: skip
     assert written == [f"knapformer_{name}.csv" for name in names], written
     rows = (tmp_path / f"zero{stage}" / "knapformer_imbalance_after.csv").read_text().strip().splitlines()
