@@ -5,9 +5,13 @@ random ones, so a CI run fails only on a change, never on a draw.
 Before the session, DeepSpeed's /dev/shm buffers that killed runs left (over 10 minutes old, and no
 process maps or holds them) are removed: a tmpfs full of them makes every DeepSpeed CPU start-up die
 with SIGSEGV. Then DeepSpeed's CPU all-reduce op is built once, before any rank needs it
-(``_build_deepspeed_cpu_comm``)."""
+(``_build_deepspeed_cpu_comm``). The plan workers the tests start share their solves in a folder of
+the session's (``DEEPSPEED_KNAP_PLAN_FOLDER``), removed at its end with what killed workers left;
+the ``plan_folder`` fixture gives a test one of its own."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_sessionstart(session):
+    from deepspeed_knap.planner.worker import PLAN_FOLDER_VARIABLE
     from deepspeed_knap.runtime.shm_buffers import remove_orphaned_buffers
+
+    session.config._plan_folder = tempfile.mkdtemp(prefix="knap-test-plans-")
+    os.environ[PLAN_FOLDER_VARIABLE] = session.config._plan_folder
 
     removed = remove_orphaned_buffers()
     if removed:
@@ -64,3 +72,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session):
+    shutil.rmtree(getattr(session.config, "_plan_folder", ""), ignore_errors=True)
+
+
+@pytest.fixture
+def plan_folder(tmp_path, monkeypatch):
+    """A shared-solves folder of this test's own (the workers it starts inherit it): counting which
+    worker solved a job must not find plans another test's killed worker left."""
+    from deepspeed_knap.planner.worker import PLAN_FOLDER_VARIABLE
+
+    folder = tmp_path / "plans"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv(PLAN_FOLDER_VARIABLE, str(folder))
+    return folder

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import os
 import pickle
 import select
@@ -56,6 +57,8 @@ _HEADER = struct.Struct("<Q")  # the byte length of the pickle that follows
 # of its last _SHARED_KEPT jobs (siblings are at most a step apart: prefetch keeps two plans ahead),
 # and a starting worker removes files older than _SHARED_STALE_S (left by a killed worker).
 _SHARED_WAIT_S = 2.0
+# Names the folder the plan workers of a host share their solves in (default: under /dev/shm).
+PLAN_FOLDER_VARIABLE = "DEEPSPEED_KNAP_PLAN_FOLDER"
 _SHARED_KEPT = 4
 _SHARED_STALE_S = 3600.0
 
@@ -311,10 +314,11 @@ class _SharedPlans:
 
     @classmethod
     def open(cls) -> _SharedPlans | None:
-        """Sharing in this user's folder under ``/dev/shm`` (else the temporary directory), or
-        ``None`` when it cannot be made or is not this user's own."""
+        """Sharing in the folder ``DEEPSPEED_KNAP_PLAN_FOLDER`` names, else in this user's folder
+        under ``/dev/shm`` (else the temporary directory); ``None`` when it cannot be made or is not
+        this user's own."""
         base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-        folder = base / f"deepspeed-knap-plans-{os.getuid()}"
+        folder = Path(os.environ.get(PLAN_FOLDER_VARIABLE) or base / f"deepspeed-knap-plans-{os.getuid()}")
         try:
             folder.mkdir(mode=0o700, exist_ok=True)
             info = os.lstat(folder)
@@ -326,13 +330,18 @@ class _SharedPlans:
                     if path.lstat().st_mtime < stale:
                         path.unlink()
             return cls(folder, _code_digest())
-        except OSError:
+        except Exception:  # a folder it cannot use (OSError), an odd file name in it: solve alone
             return None
 
     def key(self, job: tuple) -> str:
         """The name of ``job``'s files."""
-        canonical = pickle.dumps(_canonical(job), protocol=pickle.HIGHEST_PROTOCOL)
-        return hashlib.sha256(self.code + canonical).hexdigest()[:40]
+        canonical = io.BytesIO()
+        pickler = pickle.Pickler(canonical, pickle.HIGHEST_PROTOCOL)
+        pickler.fast = (
+            True  # no memo: an object met twice is written twice, not as a reference (equal jobs, equal bytes)
+        )
+        pickler.dump(_canonical(job))
+        return hashlib.sha256(self.code + canonical.getvalue()).hexdigest()[:40]
 
     def reply(self, job: tuple, timeout_s: float | None) -> tuple[RoutingPlan | None, float, str | None, bool]:
         """:func:`_solve`'s reply for ``job``, from a sibling's solve if one has it (``shared`` True).
@@ -353,13 +362,22 @@ class _SharedPlans:
             locked = _lock(lock, wait_s if timeout_s is None else min(wait_s, timeout_s / 2))
             if (found := self._read(key)) is not None:  # published while this worker waited for the lock
                 return found
+            if locked and os.fstat(lock).st_size > 0:
+                # A sibling held the lock to solve and published nothing (its solve raised, or the
+                # folder is full): solve without the lock, or the siblings would solve one by one.
+                os.close(lock)
+                lock, locked = None, False
+            elif locked:
+                with contextlib.suppress(OSError):
+                    os.write(lock, b"1")  # this worker is solving it
             reply = _solve(job)
             self.longest_solve_s = max(self.longest_solve_s, reply[1])
-            if locked and reply[2] is None and _publish(plan_path, pickle.dumps(reply[:2], pickle.HIGHEST_PROTOCOL)):
+            if reply[2] is None and _publish(plan_path, pickle.dumps(reply[:2], pickle.HIGHEST_PROTOCOL)):
                 self.published.add(key)
             return reply
         finally:
-            os.close(lock)  # releases the lock
+            if lock is not None:
+                os.close(lock)  # releases the lock
 
     def close(self) -> None:
         """Remove this worker's files (a sibling that comes later solves the job itself)."""
@@ -457,11 +475,16 @@ def main(share: bool = True) -> None:
     shared = _SharedPlans.open() if share else None
     try:
         while (frame := _read_frame(sys.stdin.fileno())) is not None:
-            job, timeout_s = frame
-            try:
-                reply = _solve(job) if shared is None else shared.reply(job, timeout_s)
-            except Exception:  # sharing failed in a way not foreseen: it only ever saves work
-                reply = _solve(job)
+            if not (isinstance(frame, tuple) and len(frame) == 2 and isinstance(frame[0], tuple)):
+                reply = (None, 0.0, f"FrameError: not a (job, timeout) frame: {frame!r:.200} (the package changed "
+                                    "under the running job?)", False)  # fmt: skip
+            elif shared is None:
+                reply = _solve(frame[0])
+            else:
+                try:
+                    reply = shared.reply(*frame)
+                except Exception:  # sharing failed in a way not foreseen: it only ever saves work
+                    reply = _solve(frame[0])
             try:
                 _write_frame(replies, reply)
             except BrokenPipeError:  # the parent closed its end: stopped, not an error

@@ -17,7 +17,6 @@ from deepspeed_knap.planner import DEFAULT_SOLVER, plan_routing
 from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError
 from tests.support.distributed import run_distributed
-from tests.support.plans import clear_shared_plans
 
 MODEL = default_cost_model("flux-dev")
 
@@ -59,16 +58,16 @@ def test_worker_plans_equal_plan_routings_in_order_and_survive_errors_and_a_deat
         worker.result(99)
 
 
-def test_the_workers_of_a_host_solve_a_job_once_and_remove_its_files_when_they_stop():
+def test_the_workers_of_a_host_solve_a_job_once_and_remove_its_files_when_they_stop(plan_folder):
     """Two ranks' workers given the same jobs: the first to take a job solves it, the other reads
     its plan (bit-identical to solving it); each worker's files go when it stops."""
     from deepspeed_knap.planner.worker import _SharedPlans
 
-    clear_shared_plans()
     topology = build_topology("auto", 8)
     steps = [sample_mix("kf_image_video", 8, seed) for seed in range(3)]
     jobs = [(lengths, topology, MODEL, DEFAULT_SOLVER, None) for lengths in steps]
     shared = _SharedPlans.open()
+    assert shared.folder == plan_folder
     plan_files = [shared.folder / f"{shared.key(job)}.plan" for job in jobs]
     first, second = PlanWorker(), PlanWorker()
     try:
@@ -297,8 +296,7 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], l
 
 
 @pytest.mark.parametrize("online", [False, True], ids=["fixed-model", "online-refit"])
-def test_prefetched_plans_equal_plans_solved_in_the_step_and_ranks_fall_back_together(online):
-    clear_shared_plans()
+def test_prefetched_plans_equal_plans_solved_in_the_step_and_ranks_fall_back_together(online, plan_folder):
     results, errors = zip(*run_distributed(_prefetch_worker, 2, args=(online,), timeout=240), strict=True)
     assert "rank(s) [1]" in errors[0][0] and "non-negative integers below 2**62; got [5, -3]" in errors[1][0], errors
     # Nothing prefetched for step 0; a dead worker; the extra forward; (step 4 skipped); a mismatch.

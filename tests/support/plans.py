@@ -1,5 +1,5 @@
-"""Shared planner test helpers: hypothesis strategies of per-rank lengths, the check that a plan
-places every token exactly once, and emptying the plan workers' shared folder."""
+"""Shared planner test helpers: hypothesis strategies of per-rank lengths, and the check that a plan
+places every token exactly once."""
 
 import numpy as np
 from hypothesis import strategies as st
@@ -70,13 +70,3 @@ def plan_digests() -> dict[str, str]:
                             digest.update(value.tobytes() if isinstance(value, np.ndarray) else repr(value).encode())
                         digests[f"{gpus}/{mix}/{speeds}/{spec}/{solver}"] = digest.hexdigest()[:16]
     return digests
-
-
-def clear_shared_plans() -> None:
-    """Remove every file of the plan workers' shared folder: a test that counts which worker solved
-    a job must not find the plans a killed worker (an earlier run) left. A live worker that loses
-    its files solves again."""
-    from deepspeed_knap.planner.worker import _SharedPlans
-
-    for path in _SharedPlans.open().folder.iterdir():
-        path.unlink(missing_ok=True)

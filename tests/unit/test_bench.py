@@ -122,13 +122,11 @@ def test_ahead_bench_reports_identical_plans_and_plots(tmp_path, capsys):
     assert plot.stat().st_size > 0
 
 
-def test_ahead_bench_workers_share_each_solve_unless_told_not_to(capsys):
+def test_ahead_bench_workers_share_each_solve_unless_told_not_to(capsys, plan_folder):
     """Three workers sent each job: one solves it and the others read its plan; with --no-share each
     solves, using about three times the CPU. The plans are the in-process ones either way."""
     from deepspeed_knap.cli import main
-    from tests.support.plans import clear_shared_plans
 
-    clear_shared_plans()
     cells = {}
     for share in ("--share", "--no-share"):
         assert main(["bench", "ahead", "--gpus", "128", "--steps", "2", "--mixes", "kf_mixed_res", "--workers", "3",
