@@ -191,8 +191,8 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     del model, optimizer, engine, balancer, dit, data, slow  # the runs hold them
 
     # The set-up's objects (models, engines) go to the permanent generation, so that a full collection
-    # scans only what the steps make: else one ~170 ms collection fell on step 15 of one mode in every
-    # run of off, refine@g1n2, auto (2 CPU ranks, kf_mixed_res x1/4), 10% of that mode's summed time.
+    # scans only what the steps make: else one 150-200 ms collection fell on step 15 of one mode in every
+    # run of off, refine@g1n2, auto (2 CPU ranks, kf_mixed_res x1/4), 6-10% of that mode's summed time.
     gc.collect()
     gc.freeze()
     records = []

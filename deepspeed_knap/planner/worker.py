@@ -57,10 +57,10 @@ _HEADER = struct.Struct("<Q")  # the byte length of the pickle that follows
 # of its last _SHARED_KEPT jobs (siblings are at most a step apart: prefetch keeps two plans ahead),
 # and a starting worker removes files older than _SHARED_STALE_S (left by a killed worker).
 _SHARED_WAIT_S = 2.0
-# Names the folder the plan workers of a host share their solves in (default: under /dev/shm).
-PLAN_FOLDER_VARIABLE = "DEEPSPEED_KNAP_PLAN_FOLDER"
 _SHARED_KEPT = 4
 _SHARED_STALE_S = 3600.0
+# Names the folder the plan workers of a host share their solves in (default: under /dev/shm).
+PLAN_FOLDER_VARIABLE = "DEEPSPEED_KNAP_PLAN_FOLDER"
 
 
 class WorkerPlan(NamedTuple):
@@ -337,9 +337,8 @@ class _SharedPlans:
         """The name of ``job``'s files."""
         canonical = io.BytesIO()
         pickler = pickle.Pickler(canonical, pickle.HIGHEST_PROTOCOL)
-        pickler.fast = (
-            True  # no memo: an object met twice is written twice, not as a reference (equal jobs, equal bytes)
-        )
+        # No memo: an object met twice is written twice, not as a reference (equal jobs, equal bytes).
+        pickler.fast = True
         pickler.dump(_canonical(job))
         return hashlib.sha256(self.code + canonical.getvalue()).hexdigest()[:40]
 
@@ -350,11 +349,10 @@ class _SharedPlans:
         solve seen, whichever is longer."""
         key = self.key(job)
         self._keep(key)
-        plan_path = self.folder / f"{key}.plan"
         if (found := self._read(key)) is not None:
             return found
         try:
-            lock = os.open(self.folder / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            lock = os.open(self._path(key, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError:
             return _solve(job)
         try:
@@ -366,13 +364,15 @@ class _SharedPlans:
                 # A sibling held the lock to solve and published nothing (its solve raised, or the
                 # folder is full): solve without the lock, or the siblings would solve one by one.
                 os.close(lock)
-                lock, locked = None, False
+                lock = None
             elif locked:
                 with contextlib.suppress(OSError):
                     os.write(lock, b"1")  # this worker is solving it
             reply = _solve(job)
             self.longest_solve_s = max(self.longest_solve_s, reply[1])
-            if reply[2] is None and _publish(plan_path, pickle.dumps(reply[:2], pickle.HIGHEST_PROTOCOL)):
+            if reply[2] is None and _publish(
+                self._path(key, ".plan"), pickle.dumps(reply[:2], pickle.HIGHEST_PROTOCOL)
+            ):
                 self.published.add(key)
             return reply
         finally:
@@ -388,7 +388,7 @@ class _SharedPlans:
         """The reply published for ``key``, or ``None`` if there is none (yet) or it is not a plan;
         ``shared`` unless this worker published it (a job it had before)."""
         try:
-            plan, solve_s = pickle.loads((self.folder / f"{key}.plan").read_bytes())
+            plan, solve_s = pickle.loads(self._path(key, ".plan").read_bytes())
         except Exception:  # none yet (OSError), or a file that is not a plan: solve instead
             return None
         if not isinstance(plan, RoutingPlan) or not isinstance(solve_s, float):
@@ -402,11 +402,15 @@ class _SharedPlans:
         while len(self.kept) > _SHARED_KEPT:
             self._remove(self.kept.popleft())
 
+    def _path(self, key: str, suffix: str) -> Path:
+        """Job ``key``'s plan (``.plan``) or lock (``.lock``) file."""
+        return self.folder / f"{key}{suffix}"
+
     def _remove(self, key: str) -> None:
         self.published.discard(key)
         for suffix in (".plan", ".lock"):
             with contextlib.suppress(OSError):
-                (self.folder / f"{key}{suffix}").unlink()
+                self._path(key, suffix).unlink()
 
 
 def _canonical(value: Any) -> Any:

@@ -447,11 +447,12 @@ class KnapBalancer:
         return metrics
 
     def _log(self, metrics: dict[str, float]) -> None:
+        # A shared plan is one solved ahead (by a sibling's worker).
+        solved = " (ahead, shared)" if metrics["knapformer/plan_shared"] else " (ahead)" if metrics[
+            "knapformer/planned_ahead"] else ""  # fmt: skip
         line = (
             f"knapformer step {self.steps}: modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
-            f"{metrics['knapformer/imbalance_after']:.3f}, solve {metrics['knapformer/solve_ms']:.1f} ms"
-            f"{' (ahead' if metrics['knapformer/planned_ahead'] else ''}"
-            f"{', shared)' if metrics['knapformer/plan_shared'] else ')' if metrics['knapformer/planned_ahead'] else ''}, "
+            f"{metrics['knapformer/imbalance_after']:.3f}, solve {metrics['knapformer/solve_ms']:.1f} ms{solved}, "
             f"tokens moved {metrics['knapformer/tokens_moved']:.1%}"
         )
         if "knapformer/measured_imbalance" in metrics:
