@@ -4,6 +4,7 @@ import csv
 import json
 
 import pytest
+import torch
 
 from deepspeed_knap.bench import planner as bench
 from deepspeed_knap.cli import main as cli_main
@@ -188,3 +189,28 @@ def test_bench_train_orders_balance_places_and_predecessors(count):
     assert extra == Counter(dict.fromkeys(range(count), per_design))
     if count % 2 == 0:  # one extra predecessor each: the mode listed before it
         assert all(across[(m - 1) % count, m] == per_design for m in range(count))
+
+
+def test_counting_saved_activations_frees_them():
+    """Counting the bytes autograd saves must not keep them: an identity pack hook leaked every saved
+    output (``exp`` saves its result) through a cycle no garbage collection frees."""
+    import weakref
+
+    from deepspeed_knap.bench.flux import saved_activation_bytes
+
+    outputs = []
+
+    class Exp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            y = (x * self.weight).exp()  # exp saves y itself for backward
+            outputs.append(weakref.ref(y))
+            return y.sum()
+
+    model = Exp()
+    saved = saved_activation_bytes(lambda: model(torch.ones(1000, 4)), model)
+    assert saved == 2 * 1000 * 4 * 4  # x (for the weight's gradient) and y, float32
+    assert outputs[0]() is None
