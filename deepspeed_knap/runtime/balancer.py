@@ -76,6 +76,10 @@ def balancer_overhead_s(phases_per_rank: Sequence[Mapping[str, float]]) -> float
 _Planned = tuple[list[list[int]], RoutingPlan, float, bool, CostModel, bool]
 
 
+# What a rank whose plan worker is still starting offers in the agreement on a prefetched plan (a
+# plan's id otherwise, -1: none): every rank then plans the step itself, and none warns.
+_WORKER_STARTING = -2
+
 # Plans prefetched and not used yet that are kept, the oldest dropped first: one for the next
 # forward and one for the forward after it, in the documented loop; more only after skipped forwards.
 _MAX_AHEAD = 2
@@ -248,8 +252,11 @@ class KnapBalancer:
         ``online``, one step older (the step about to run is not measured yet). A later forward uses
         it when every rank's batch has the lengths that rank prefetched (the oldest such plan, agreed
         in one small all-gather); otherwise every rank plans that forward itself, as without prefetch
-        (the ranks concerned log why). So a forward skipped after its prefetch, or an extra one (a
-        validation loss through the balancer), costs that forward its plan ahead and nothing more.
+        (the ranks concerned log why). So does a forward whose plan is a worker's first while that
+        worker is still starting (:attr:`~deepspeed_knap.planner.worker.PlanWorker.starting`),
+        silently: waiting would cost the step the worker's start-up. So a forward skipped after its
+        prefetch, or an extra one (a validation loss through the balancer), costs that forward its
+        plan ahead and nothing more.
         The last two prefetched plans not used yet are kept.
 
         ``next_segments``: that batch's attention segments (``[N, K]``, as :meth:`plan` takes them;
@@ -311,7 +318,11 @@ class KnapBalancer:
         match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens and ahead.segments == rows),
                      None)  # fmt: skip
         start = time.perf_counter()
-        if match is not None and not bad_batch:
+        if match is not None and not bad_batch and self._ahead[match].reply is None and self._worker.starting:
+            # Waiting for the worker's first plan would cost this step its start-up (0.14-0.42 s on
+            # CPU hosts, where bench train's steps take 0.1 s); solving here takes milliseconds.
+            chosen = _WORKER_STARTING
+        elif match is not None and not bad_batch:
             reply = self._ahead[match].read(self._worker, self._worker_timeout_s)
             chosen, failure = (match, None) if isinstance(reply, tuple) else (-1, reply)
         agree_start = time.perf_counter()
@@ -330,13 +341,13 @@ class KnapBalancer:
             return used.seq_lens_per_rank, plan, solve_s, True, used.model, shared
         # A forward no rank prefetched for (the first, a validation loss) is planned in the step
         # silently; a worker's failure, or ranks finding different plans, is worth a line.
-        step = self.steps + 1
+        step, starting = self.steps + 1, min(choices) == _WORKER_STARTING  # starting: once per worker, expected
         if failure is not None:
             logger.warning(f"knapformer rank {self.groups.rank}: step {step} planned in the step: {failure}")
-        elif chosen < 0 and max(choices) >= 0 and not bad_batch:
+        elif chosen < 0 and max(choices) >= 0 and not bad_batch and not starting:
             logger.warning(f"knapformer rank {self.groups.rank}: step {step} planned in the step: no plan was "
                            f"prefetched for a batch of lengths {seq_lens} (prefetched: {prefetched})")  # fmt: skip
-        if self.groups.group_rank == 0 and max(choices) >= 0:
+        if self.groups.group_rank == 0 and max(choices) >= 0 and not starting:
             logger.warning(f"knapformer: step {step} planned in the step; the prefetched plan each balance-group "
                            f"rank found for its batch (-1: none): {choices}")  # fmt: skip
         return None

@@ -33,7 +33,7 @@ def _worker(rank: int, world: int) -> dict:
     from deepspeed_knap.planner.solve import plan_routing
     from deepspeed_knap.planner.topology import build_topology
     from deepspeed_knap.runtime.groups import create_process_groups
-    from tests.support.balancing import RecordingBalancer, join_gloo
+    from tests.support.balancing import RecordingBalancer, join_gloo, wait_for_plan_worker
     from tests.support.flux3_cases import random_samples, reference_model
 
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -58,6 +58,7 @@ def _worker(rank: int, world: int) -> dict:
 
     inputs = model.pack(samples)
     balancer.prefetch(inputs.seq_lens, "cpu", next_segments=inputs.segments)
+    wait_for_plan_worker(balancer)
     model(inputs, balancer)
     results["prefetched"] = balancer.plans[-1]
     results["planned_ahead"] = balancer.metrics()["knapformer/planned_ahead"]

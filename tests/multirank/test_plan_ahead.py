@@ -112,6 +112,32 @@ def test_a_shared_job_lock_is_waited_for_until_the_timeout():
                     os.close(fd)
 
 
+def test_a_submit_waits_for_no_solve_and_a_worker_says_it_is_starting_until_it_answers(worker):
+    topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
+    plan = plan_routing(lengths, topology, MODEL)
+    first = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)  # starts the worker
+    worker._process.send_signal(signal.SIGSTOP)  # long before it has imported the planner
+    try:
+        assert worker.starting
+        # A submit that waited for the first job's reply would give the stopped worker up at 1 s.
+        second = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None, timeout_s=1)
+        assert worker.starting
+    finally:
+        worker._process.send_signal(signal.SIGCONT)
+    assert worker.result(first, timeout_s=60)[0] == plan and worker.result(second, timeout_s=60)[0] == plan
+    assert not worker.starting
+
+
+def test_a_job_larger_than_the_pipe_is_sent_while_a_reply_larger_than_its_pipe_is_read(worker):
+    # 1,024 GPUs: a job's frame (~100 KB) fills the worker's stdin (64 KiB) while it solves the job
+    # before; that reply (~7 MB) fills its stdout (1 MiB) and blocks it until read, so a submit that
+    # only wrote would wait on a worker waiting on it.
+    topology, steps = build_topology("g8n128"), [sample_mix("kf_lowres", 1024, seed) for seed in range(2)]
+    tickets = [worker.submit(lengths, topology, MODEL, "knapformer", None, timeout_s=60) for lengths in steps]
+    for ticket, lengths in zip(tickets, steps, strict=True):
+        assert worker.result(ticket, timeout_s=60)[0] == plan_routing(lengths, topology, MODEL, "knapformer")
+
+
 def test_discarded_jobs_are_dropped_read_or_not_and_the_rest_come_in_order(worker):
     topology = build_topology("auto", 16, gpus_per_node=8)
     steps = [sample_mix("flux_buckets", 16, seed) for seed in range(3)]
@@ -141,13 +167,16 @@ def test_a_stuck_worker_is_given_up_on_at_the_timeout_and_the_next_job_gets_a_ne
     with pytest.raises(PlanWorkerError, match=r"did not answer within 0\.5 s and was killed"):
         worker.result(waiting, timeout_s=0.5)
     assert 0.5 <= time.monotonic() - start < 5 and stuck.returncode == -signal.SIGKILL
-    # Submitting after a job it never answers: that job fails, a new worker takes the next.
+    # Jobs queued behind the one it never answers (a submit does not wait) fail with it, and the
+    # next submit starts a new worker.
     stuck = stop_worker()
-    lost = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
-    taken = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None, timeout_s=0.5)
+    lost = [worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None, timeout_s=0.5) for _ in range(2)]
+    with pytest.raises(PlanWorkerError, match=r"did not answer within 0\.5 s"):
+        worker.result(lost[1], timeout_s=0.5)
     assert stuck.returncode == -signal.SIGKILL
     with pytest.raises(PlanWorkerError, match=r"did not answer within 0\.5 s"):
-        worker.result(lost)
+        worker.result(lost[0])
+    taken = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
     assert worker.result(taken, timeout_s=60)[0] == plan
 
 
@@ -215,6 +244,9 @@ WORKLOAD = CostModel(1e-6, 1e-8, alltoall_coef=1e-9)
 # Per step, each rank's lengths: the long sequences alternate between the ranks, so plans move work.
 LENGTHS = [[[48, 40, 3], [5, 2]], [[4, 6], [56, 30, 9]], [[64, 2], [7]], [[3], [33, 50]], [[40, 41], [1, 2, 3]],
            [[9, 9], [60]], [[12, 44], [8]], [[2, 2], [70]]]  # fmt: skip
+# Rank 1's worker is stopped as it starts, at step 0's prefetch, until step 1 is done: step 1 is
+# planned in the step on every rank (rank 0's plan is ready), none waits for the worker's start-up.
+STARTING_AT = 1
 KILL_AT = 1  # rank 0's worker dies before the prefetch of step 2: step 2 is planned in the step
 # After step 2, a forward not prefetched for (a validation loss): planned in the step. Rank 0's batch
 # has the lengths rank 0 prefetched for step 3, and step 3 must still find that plan.
@@ -225,14 +257,13 @@ EXTRA_LENGTHS = [5, 6]
 
 
 def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], list[str]]:
-    import select
-
     import deepspeed.comm as dist
 
     from deepspeed_knap.cost.online import OnlineSettings
     from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
     from deepspeed_knap.runtime.balancer import KnapBalancer
     from deepspeed_knap.runtime.groups import create_process_groups
+    from tests.support.balancing import wait_for_plan_worker
 
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     topology = build_topology("auto", world)
@@ -273,19 +304,32 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], l
         if online:
             results[-1]["observed"] = balancer.online.observed
 
+    stopped = False  # rank 1's worker, from step 0's prefetch to the end of step 1
+
+    def answered():  # a worker's first plan is not waited for: waited for here, not raced
+        if not stopped:
+            wait_for_plan_worker(balancer)
+
     for step in range(len(LENGTHS)):
         if step == KILL_AT and rank == 0:  # once it has replied to this step's job, the worker dies
-            worker = balancer._worker._process
-            assert select.select([worker.stdout], [], [], 60)[0], "the worker did not reply within 60 s"
-            worker.kill()
-            worker.wait()
+            answered()
+            balancer._worker._process.kill()
+            balancer._worker._process.wait()
         if step + 1 < len(LENGTHS):
             balancer.prefetch(batch(step + 1).seq_lens)
             prefetched_with[step + 1] = balancer.model
+        if step + 1 == STARTING_AT and rank == 1:
+            balancer._worker._process.send_signal(signal.SIGSTOP)
+            stopped = True
         if step == SKIP_AT:
             continue
+        answered()
         forward(step, batch(step, [17, 1]) if step == MISMATCH_AT and rank == 1 else batch(step))
+        if step == STARTING_AT and rank == 1:
+            balancer._worker._process.send_signal(signal.SIGCONT)
+            stopped = False
         if step == EXTRA_AT:
+            answered()
             forward("extra", batch(step, LENGTHS[step + 1][0] if rank == 0 else EXTRA_LENGTHS))
     errors = []
     try:  # bad lengths on one rank: every rank raises, none waits
@@ -299,8 +343,9 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], l
 def test_prefetched_plans_equal_plans_solved_in_the_step_and_ranks_fall_back_together(online, plan_folder):
     results, errors = zip(*run_distributed(_prefetch_worker, 2, args=(online,), timeout=240), strict=True)
     assert "rank(s) [1]" in errors[0][0] and "non-negative integers below 2**62; got [5, -3]" in errors[1][0], errors
-    # Nothing prefetched for step 0; a dead worker; the extra forward; (step 4 skipped); a mismatch.
-    expected = {0: 0.0, 1: 1.0, 2: 0.0, "extra": 0.0, 3: 1.0, 5: 1.0, 6: 0.0, 7: 1.0}
+    # Nothing prefetched for step 0; a worker starting; a dead worker; the extra forward; (step 4
+    # skipped); a mismatch.
+    expected = {0: 0.0, 1: 0.0, 2: 0.0, "extra": 0.0, 3: 1.0, 5: 1.0, 6: 0.0, 7: 1.0}
     for rank, steps in enumerate(results):
         assert {step["step"]: step["ahead"] for step in steps} == expected, rank
         assert [step["step"] for step in steps] == list(expected), rank

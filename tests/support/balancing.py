@@ -1,5 +1,7 @@
 """Set-up shared by the model tests that run balanced on gloo ranks (FLUX, FLUX.3, Wan)."""
 
+import select
+
 import deepspeed.comm as dist
 
 from deepspeed_knap.runtime.balancer import KnapBalancer
@@ -21,3 +23,12 @@ def join_gloo(rank: int) -> None:
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     dist.barrier()
     unlink_own_shm_buffer(rank)
+
+
+def wait_for_plan_worker(balancer: KnapBalancer) -> None:
+    """Wait until the balancer's plan worker has a reply for its oldest job: a worker's first plan is
+    not waited for while it starts (the step is planned in the step then), so a test that means to
+    use a plan made ahead waits here instead of racing the worker's start-up."""
+    worker = balancer._worker
+    if worker._process is not None and worker._unread:
+        assert select.select([worker._process.stdout], [], [], 60)[0], "the plan worker did not reply within 60 s"
