@@ -93,9 +93,11 @@ def _cpu_s(pool: Sequence[PlanWorker]) -> float:
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for worker in pool:
+        if worker.pid is None:
+            return float("nan")
         try:
-            fields = Path(f"/proc/{worker._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, AttributeError):
+            fields = Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
             return float("nan")
         total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return total

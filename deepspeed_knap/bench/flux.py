@@ -38,7 +38,7 @@ def saved_activation_bytes(run: Callable[[], Tensor], model: nn.Module) -> int:
 
     # The graph holds nothing: it is never run backward. A pack hook returning the tensor itself
     # leaked every saved output (exp, softmax: the output holds its grad_fn, which then holds the
-    # output, a cycle through C++ that Python's gc cannot see): 14.7 GiB of diffusers' activations
+    # output, a cycle through C++ that Python's gc cannot see): 14.4 GiB of diffusers' activations
     # stayed allocated through the packed model's runs on an H100.
     def pack(t: Tensor) -> None:
         storage = t.untyped_storage()

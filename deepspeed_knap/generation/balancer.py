@@ -191,7 +191,7 @@ class WorkerPlanAhead:
 
     def submit(self, seq_lens_per_rank: list[list[int]]) -> None:
         """Start solving the plan of ``seq_lens_per_rank`` (one list of sequence lengths per rank) in
-        the worker. Local; returns at once (after reading a reply not collected, if any)."""
+        the worker. Local; returns at once (replies the worker has written are read first)."""
         balancer = self.balancer
         if self._ticket is not None:  # never collected (the batcher collects each): its reply is dropped
             self._worker.discard(self._ticket)

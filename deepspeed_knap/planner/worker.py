@@ -47,10 +47,16 @@ import numpy as np
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.solve import plan_routing
 
-# A reply (a plan: 66 KB at 32 GPUs, 2 MB at 1,024) that fits the pipe is written whole while the
-# step runs; one that does not leaves the worker blocked mid-write until the rank reads, which then
-# waits for the worker to wake and write the rest (~3 ms at 32 GPUs).
-_REPLY_PIPE_BYTES = 2**20
+# A reply (a plan: 66 KB at 32 GPUs, 2-8 MB at 1,024: 7.6 MB for kf_lowres's 32,768 sequences) that
+# fits the pipe is written whole while the step runs; one that does not leaves the worker blocked
+# mid-write until the rank reads, which then waits for the worker to wake and write the rest (~3 ms at
+# 32 GPUs). A job (~100 KB at 1,024 GPUs) that fits its pipe is sent while the worker solves the one
+# before. Both pipes hold this much.
+_PIPE_BYTES = 2**20
+# A worker that has not answered its first job this long after its start is waited for like any other
+# (and given up on at the rank's timeout): one that hangs as it starts must not go unnoticed. Starting
+# takes 0.14-0.42 s, the first solve at most ~1 s (1,024 GPUs).
+_START_GRACE_S = 10.0
 _HEADER = struct.Struct("<Q")  # the byte length of the pickle that follows
 # Shared solves: a worker waits at least this long (or three times the longest solve it has seen)
 # for a sibling that holds a job's lock (solving it), then solves the job itself; it keeps the files
@@ -90,21 +96,24 @@ class PlanWorker:
         self._replies: dict[int, tuple[RoutingPlan | None, float, str | None, bool]] = {}
         self._discarded: set[int] = set()  # unread tickets whose replies are dropped when read
         self._answered = False  # the running worker has replied to a job
+        self._started = 0.0  # time.monotonic() at the running worker's start
 
     def submit(self, seq_lens_per_rank: list[list[int]], *args: Any, timeout_s: float | None = None) -> int:
         """Queue ``plan_routing(seq_lens_per_rank, *args)``, with the job's ticket for :meth:`result`.
-        Returns once the job is sent, without waiting for earlier solves (a worker's first also waits
-        for its start-up); replies the worker has written meanwhile are read first. A worker whose
-        pipe stays full for ``timeout_s`` (``None``: no limit) is killed (stuck, or stopped), failing
-        its jobs, and another takes this job. A worker that cannot start or has died fails the job
-        (at :meth:`result`)."""
+        Returns once the job is sent: without waiting for earlier solves (a worker's first also waits
+        for its start-up) while the job fits the worker's pipe (1 MiB); replies the worker has written
+        meanwhile are read first. A worker whose pipe stays full for ``timeout_s`` (``None``: no
+        limit) is killed (stuck, or stopped), failing its jobs. A worker found dead with jobs
+        unanswered fails them, and another takes this job; one that cannot start, or dies as the job
+        is written, fails the job (at :meth:`result`)."""
         ticket, self._submitted = self._submitted, self._submitted + 1
         deadline = _deadline(timeout_s)
         try:
             self._send(((seq_lens_per_rank, *args), timeout_s), deadline, timeout_s)
             self._unread.append(ticket)
         except TimeoutError:
-            self._give_up(timeout_s)
+            if self._process is not None:
+                self._give_up(timeout_s)
             self._reply(ticket, (None, 0.0, _gave_up(timeout_s), False))
         except Exception as error:  # cannot start, a broken pipe, a pickle: fails this rank's job, to be agreed on
             self._fail(ticket, f"could not be sent to the plan worker ({type(error).__name__}: {error})")
@@ -130,12 +139,20 @@ class PlanWorker:
         return WorkerPlan(plan, solve_s, shared)
 
     @property
+    def pid(self) -> int | None:
+        """The running worker's process id (``None``: none running)."""
+        return None if self._process is None else self._process.pid
+
+    @property
     def starting(self) -> bool:
-        """Whether the running worker has not replied to a job yet and no reply waits in its pipe:
-        it is starting (importing the planner), or solving its first job. A step that waited for
-        that plan would wait for the start-up: 0.14 s alone on a 2-core CPU, 0.23-0.42 s beside
-        two CPU ranks of ``bench train`` on a 16-core host, whose steps took 0.1 s."""
+        """Whether the running worker has not replied to a job yet, no reply waits in its pipe, and
+        it started less than ``_START_GRACE_S`` (10 s) ago: it is starting (importing the planner),
+        or solving its first job. A step that waited for that plan would wait for the start-up:
+        0.14 s alone on a 2-core CPU, 0.23-0.42 s beside two CPU ranks of ``bench train`` on a
+        16-core host, whose steps took 0.1 s."""
         if self._process is None or self._answered or not self._unread:
+            return False
+        if time.monotonic() - self._started > _START_GRACE_S:
             return False
         poller = select.poll()  # not select: a training process may hold more than 1,024 descriptors
         poller.register(self._process.stdout.fileno(), select.POLLIN)
@@ -174,7 +191,8 @@ class PlanWorker:
         (dead, or given up on: its jobs failed) is replaced, and the new one gets the whole frame.
 
         Raises:
-            TimeoutError: at the deadline. OSError: the worker closed its end (it died).
+            TimeoutError: at the deadline (the worker, if still running, is to be given up on).
+            OSError: the worker closed its end (it died).
         """
         frame = _frame(value)
         process, data = self._start(), memoryview(frame)
@@ -188,7 +206,9 @@ class PlanWorker:
                 raise TimeoutError
             if process.stdout.fileno() in ready:  # a reply, or a dead worker's end of input
                 self._read_reply(deadline, timeout_s)
-                if self._process is not process:
+                if self._process is not process:  # stopped: given up on (past the deadline) or dead
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError  # no new worker only to give it up
                     process, data = self._start(), memoryview(frame)
             else:  # room for PIPE_BUF bytes (a write of at most that does not block), or a closed end
                 data = data[os.write(process.stdin.fileno(), data[: select.PIPE_BUF]) :]
@@ -196,7 +216,7 @@ class PlanWorker:
     def _start(self) -> subprocess.Popen:
         if self._process is not None:
             return self._process
-        self._answered = False
+        self._answered, self._started = False, time.monotonic()
         # The package this process imported, loaded from its own folder: another copy (installed, on
         # PYTHONPATH, or in the working directory, which `-c` and `-m` put first on the path) would
         # plan with other code. Putting the package's parent first on the path would not do: for an
@@ -212,8 +232,9 @@ class PlanWorker:
         # so a poll sees every byte not read yet).
         self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          bufsize=0)  # fmt: skip
-        with contextlib.suppress(OSError, AttributeError):  # Linux only, up to /proc/sys/fs/pipe-max-size
-            fcntl.fcntl(self._process.stdout.fileno(), fcntl.F_SETPIPE_SZ, _REPLY_PIPE_BYTES)
+        for pipe in (self._process.stdin, self._process.stdout):
+            with contextlib.suppress(OSError, AttributeError):  # Linux only, up to /proc/sys/fs/pipe-max-size
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         return self._process
 
     def _read_reply(self, deadline: float | None, timeout_s: float | None) -> None:
@@ -268,18 +289,12 @@ def _gave_up(timeout_s: float | None) -> str:
     return f"the plan worker did not answer within {timeout_s:g} s and was killed"
 
 
-def _write_frame(fd: int, value: Any, deadline: float | None = None) -> None:
-    """Write ``value``'s frame to pipe ``fd`` whole, by ``deadline`` (of ``time.monotonic()``;
-    ``None``: no limit).
-
-    Raises:
-        TimeoutError: at the deadline, the frame part written.
-    """
+def _write_frame(fd: int, value: Any) -> None:
+    """Write ``value``'s frame to pipe ``fd`` whole, blocking while the pipe is full (the worker's
+    replies: the rank reads them; the rank's jobs go through :meth:`PlanWorker._send`)."""
     data = memoryview(_frame(value))
     while data:
-        _wait(fd, select.POLLOUT, deadline)
-        # Once the pipe has room, a write of PIPE_BUF bytes at most does not block.
-        data = data[os.write(fd, data if deadline is None else data[: select.PIPE_BUF]) :]
+        data = data[os.write(fd, data) :]
 
 
 def _frame(value: Any) -> bytes:
@@ -289,8 +304,12 @@ def _frame(value: Any) -> bytes:
 
 
 def _read_frame(fd: int, deadline: float | None = None) -> Any | None:
-    """The next value on pipe ``fd``, or ``None`` at end of input; by ``deadline`` as in
-    :func:`_write_frame`."""
+    """The next value on pipe ``fd``, or ``None`` at end of input, by ``deadline`` (of
+    ``time.monotonic()``; ``None``: no limit).
+
+    Raises:
+        TimeoutError: at the deadline, the frame part read.
+    """
     header = _read_exactly(fd, _HEADER.size, deadline)
     if len(header) < _HEADER.size:
         return None

@@ -77,7 +77,8 @@ _Planned = tuple[list[list[int]], RoutingPlan, float, bool, CostModel, bool]
 
 
 # What a rank whose plan worker is still starting offers in the agreement on a prefetched plan (a
-# plan's id otherwise, -1: none): every rank then plans the step itself, and none warns.
+# plan's id otherwise, -1: none): every rank then plans the step itself, and warns only of what else
+# it finds (a rank without the plan).
 _WORKER_STARTING = -2
 
 # Plans prefetched and not used yet that are kept, the oldest dropped first: one for the next
@@ -309,7 +310,8 @@ class KnapBalancer:
 
     def _plan_ahead(self, batch: PackedBatch, segments: np.ndarray | None, problem: str | None) -> _Planned | None:
         """``(lengths, plan, solve seconds, True, model, shared)`` of the oldest plan prefetched for this
-        batch's lengths on every rank, or ``None`` if the ranks find none (they log why). The plans
+        batch's lengths on every rank, or ``None`` if the ranks find none (they log why) or a rank's
+        plan worker is still starting (not waited for: :attr:`PlanWorker.starting`). The plans
         older than the newest any rank found are dropped, and the one used. Collective: which plan
         matches, and whether a worker failed, differ between ranks."""
         chosen, failure, bad_batch = -1, None, problem is not None  # a bad batch: the fallback raises
@@ -319,8 +321,9 @@ class KnapBalancer:
                      None)  # fmt: skip
         start = time.perf_counter()
         if match is not None and not bad_batch and self._ahead[match].reply is None and self._worker.starting:
-            # Waiting for the worker's first plan would cost this step its start-up (0.14-0.42 s on
-            # CPU hosts, where bench train's steps take 0.1 s); solving here takes milliseconds.
+            # Waiting for the worker's first plan would cost this step what is left of its start-up
+            # (0.14-0.42 s on CPU hosts, where bench train's steps take 0.1 s) and first solve;
+            # solving here takes the solve alone (milliseconds, at 1,024 GPUs up to ~1 s).
             chosen = _WORKER_STARTING
         elif match is not None and not bad_batch:
             reply = self._ahead[match].read(self._worker, self._worker_timeout_s)
@@ -341,15 +344,16 @@ class KnapBalancer:
             return used.seq_lens_per_rank, plan, solve_s, True, used.model, shared
         # A forward no rank prefetched for (the first, a validation loss) is planned in the step
         # silently; a worker's failure, or ranks finding different plans, is worth a line.
-        step, starting = self.steps + 1, min(choices) == _WORKER_STARTING  # starting: once per worker, expected
+        # A worker still starting is expected (after each start) and not worth a line by itself.
+        step, found = self.steps + 1, {choice for choice in choices if choice >= 0}
         if failure is not None:
             logger.warning(f"knapformer rank {self.groups.rank}: step {step} planned in the step: {failure}")
-        elif chosen < 0 and max(choices) >= 0 and not bad_batch and not starting:
+        elif chosen == -1 and found and not bad_batch:
             logger.warning(f"knapformer rank {self.groups.rank}: step {step} planned in the step: no plan was "
                            f"prefetched for a batch of lengths {seq_lens} (prefetched: {prefetched})")  # fmt: skip
-        if self.groups.group_rank == 0 and max(choices) >= 0 and not starting:
+        if self.groups.group_rank == 0 and found and (-1 in choices or len(found) > 1):
             logger.warning(f"knapformer: step {step} planned in the step; the prefetched plan each balance-group "
-                           f"rank found for its batch (-1: none): {choices}")  # fmt: skip
+                           f"rank found for its batch (-1: none, -2: its worker still starting): {choices}")  # fmt: skip
         return None
 
     def close_step(self) -> dict[str, float] | None:

@@ -124,8 +124,9 @@ def test_a_submit_waits_for_no_solve_and_a_worker_says_it_is_starting_until_it_a
         assert worker.starting
     finally:
         worker._process.send_signal(signal.SIGCONT)
-    assert worker.result(first, timeout_s=60)[0] == plan and worker.result(second, timeout_s=60)[0] == plan
-    assert not worker.starting
+    assert worker.result(first, timeout_s=60)[0] == plan
+    assert not worker.starting  # answered (the second job still unread)
+    assert worker.result(second, timeout_s=60)[0] == plan
 
 
 def test_a_job_larger_than_the_pipe_is_sent_while_a_reply_larger_than_its_pipe_is_read(worker):
@@ -180,8 +181,8 @@ def test_a_stuck_worker_is_given_up_on_at_the_timeout_and_the_next_job_gets_a_ne
     assert worker.result(taken, timeout_s=60)[0] == plan
 
 
-def test_a_frame_half_read_or_half_written_times_out_at_its_deadline():
-    from deepspeed_knap.planner.worker import _read_frame, _write_frame
+def test_a_frame_half_read_times_out_at_its_deadline():
+    from deepspeed_knap.planner.worker import _read_frame
 
     read_end, write_end = os.pipe()
     try:
@@ -189,12 +190,35 @@ def test_a_frame_half_read_or_half_written_times_out_at_its_deadline():
         start = time.monotonic()
         with pytest.raises(TimeoutError):
             _read_frame(read_end, time.monotonic() + 0.3)
-        with pytest.raises(TimeoutError):  # 1 MB into a pipe nobody reads: full after 64 KiB
-            _write_frame(write_end, b"x" * 2**20, time.monotonic() + 0.3)
         assert time.monotonic() - start < 5
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_job_a_stopped_worker_cannot_take_fails_at_the_timeout_and_the_next_gets_a_new_worker(worker):
+    topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
+    plan = plan_routing(lengths, topology, MODEL)
+    worker.result(worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None))
+    stuck = worker._process
+    stuck.send_signal(signal.SIGSTOP)
+    start = time.monotonic()  # a 2 MB frame: past the worker's 1 MiB pipe, which it never reads
+    lost = worker.submit([[1] * 2**20], topology, MODEL, DEFAULT_SOLVER, None, timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 5 and stuck.wait(5) == -signal.SIGKILL
+    with pytest.raises(PlanWorkerError, match=r"did not answer within 0\.5 s"):
+        worker.result(lost)
+    assert worker.result(worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None), timeout_s=60)[0] == plan
+
+
+def test_a_worker_found_dead_fails_its_jobs_and_a_new_one_takes_the_next(worker):
+    topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
+    lost = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    worker._process.kill()  # long before it could reply
+    worker._process.wait()
+    taken = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    with pytest.raises(PlanWorkerError, match="died before replying"):
+        worker.result(lost)
+    assert worker.result(taken, timeout_s=60)[0] == plan_routing(lengths, topology, MODEL)
 
 
 def test_the_worker_plans_with_the_package_this_process_imported(worker, tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The eighth lent-GPU call (2026-11-26, ninth session, after run7.sh):
 # - the GPU: bench flux once its count of saved activations no longer leaks them (run7's packed
-#   'before MiB' held 14.7 GiB of diffusers' activations), and FLUX.2 flux2_edit at x1/4, which ran
+#   'before MiB' held 14.4 GiB of diffusers' activations), and FLUX.2 flux2_edit at x1/4, which ran
 #   out of memory in run6 (diffusers' leaked activations were still allocated then);
 # - the host's 16 cores: issue 26's auto against knapformer@g1n2 at x1/4 with three lanes of 2 CPU
 #   ranks (run7 had four, whose scatter hid a few percent), each mix over and over until the deadline.
