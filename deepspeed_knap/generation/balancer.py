@@ -191,7 +191,8 @@ class WorkerPlanAhead:
 
     def submit(self, seq_lens_per_rank: list[list[int]]) -> None:
         """Start solving the plan of ``seq_lens_per_rank`` (one list of sequence lengths per rank) in
-        the worker. Local; returns at once (replies the worker has written are read first)."""
+        the worker. Local; returns once the job is sent (at once unless the worker's pipe is full;
+        replies the worker has written are read first)."""
         balancer = self.balancer
         if self._ticket is not None:  # never collected (the batcher collects each): its reply is dropped
             self._worker.discard(self._ticket)

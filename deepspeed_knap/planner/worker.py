@@ -143,14 +143,13 @@ class PlanWorker:
         """The running worker's process id (``None``: none running)."""
         return None if self._process is None else self._process.pid
 
-    @property
-    def starting(self) -> bool:
-        """Whether the running worker has not replied to a job yet, no reply waits in its pipe, and
-        it started less than ``_START_GRACE_S`` (10 s) ago: it is starting (importing the planner),
-        or solving its first job. A step that waited for that plan would wait for the start-up:
-        0.14 s alone on a 2-core CPU, 0.23-0.42 s beside two CPU ranks of ``bench train`` on a
-        16-core host, whose steps took 0.1 s."""
-        if self._process is None or self._answered or not self._unread:
+    def waits_for_start(self, ticket: int) -> bool:
+        """Whether job ``ticket``'s reply would wait for the running worker's start: the job is that
+        worker's, unanswered, and the worker has not replied to a job yet, has no reply in its pipe,
+        and started less than ``_START_GRACE_S`` (10 s) ago (it is importing the planner, or solving
+        its first job). The start-up took 0.14 s alone on a 2-core CPU and 0.23-0.42 s beside two
+        CPU ranks of ``bench train`` on a 16-core host, whose steps took 0.1 s."""
+        if self._process is None or self._answered or ticket not in self._unread:
             return False
         if time.monotonic() - self._started > _START_GRACE_S:
             return False

@@ -253,8 +253,8 @@ class KnapBalancer:
         ``online``, one step older (the step about to run is not measured yet). A later forward uses
         it when every rank's batch has the lengths that rank prefetched (the oldest such plan, agreed
         in one small all-gather); otherwise every rank plans that forward itself, as without prefetch
-        (the ranks concerned log why). So does a forward whose plan is a worker's first while that
-        worker is still starting (:attr:`~deepspeed_knap.planner.worker.PlanWorker.starting`),
+        (the ranks concerned log why). So does a forward whose plan is unanswered by a worker that
+        is still starting (:meth:`~deepspeed_knap.planner.worker.PlanWorker.waits_for_start`),
         silently: waiting would cost the step the worker's start-up. So a forward skipped after its
         prefetch, or an extra one (a validation loss through the balancer), costs that forward its
         plan ahead and nothing more.
@@ -311,7 +311,7 @@ class KnapBalancer:
     def _plan_ahead(self, batch: PackedBatch, segments: np.ndarray | None, problem: str | None) -> _Planned | None:
         """``(lengths, plan, solve seconds, True, model, shared)`` of the oldest plan prefetched for this
         batch's lengths on every rank, or ``None`` if the ranks find none (they log why) or a rank's
-        plan worker is still starting (not waited for: :attr:`PlanWorker.starting`). The plans
+        plan worker is still starting (not waited for: :meth:`PlanWorker.waits_for_start`). The plans
         older than the newest any rank found are dropped, and the one used. Collective: which plan
         matches, and whether a worker failed, differ between ranks."""
         chosen, failure, bad_batch = -1, None, problem is not None  # a bad batch: the fallback raises
@@ -320,13 +320,14 @@ class KnapBalancer:
         match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens and ahead.segments == rows),
                      None)  # fmt: skip
         start = time.perf_counter()
-        if match is not None and not bad_batch and self._ahead[match].reply is None and self._worker.starting:
+        ahead = None if match is None or bad_batch else self._ahead[match]
+        if ahead is not None and ahead.reply is None and self._worker.waits_for_start(ahead.ticket):
             # Waiting for the worker's first plan would cost this step what is left of its start-up
             # (0.14-0.42 s on CPU hosts, where bench train's steps take 0.1 s) and first solve;
             # solving here takes the solve alone (milliseconds, at 1,024 GPUs up to ~1 s).
             chosen = _WORKER_STARTING
-        elif match is not None and not bad_batch:
-            reply = self._ahead[match].read(self._worker, self._worker_timeout_s)
+        elif ahead is not None:
+            reply = ahead.read(self._worker, self._worker_timeout_s)
             chosen, failure = (match, None) if isinstance(reply, tuple) else (-1, reply)
         agree_start = time.perf_counter()
         self._plan_parts["solve"] += agree_start - start  # waiting for the worker's plan

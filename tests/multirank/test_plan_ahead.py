@@ -3,6 +3,7 @@ and every rank falling back together when one rank's worker or batch is not what
 
 import os
 import pickle
+import select
 import signal
 import tempfile
 import time
@@ -112,30 +113,41 @@ def test_a_shared_job_lock_is_waited_for_until_the_timeout():
                     os.close(fd)
 
 
-def test_a_submit_waits_for_no_solve_and_a_worker_says_it_is_starting_until_it_answers(worker):
+def test_a_submit_waits_for_no_solve_and_a_worker_says_it_is_starting_until_it_answers(worker, monkeypatch):
+    import deepspeed_knap.planner.worker as worker_module
+
     topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
     plan = plan_routing(lengths, topology, MODEL)
     first = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)  # starts the worker
     worker._process.send_signal(signal.SIGSTOP)  # long before it has imported the planner
     try:
-        assert worker.starting
+        assert worker.waits_for_start(first)
         # A submit that waited for the first job's reply would give the stopped worker up at 1 s.
         second = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None, timeout_s=1)
-        assert worker.starting
+        assert worker.waits_for_start(first) and worker.waits_for_start(second)
+        assert not worker.waits_for_start(second + 1)  # no such job
+        with monkeypatch.context() as patch:  # past the grace: waited for (given up on) like any other
+            patch.setattr(worker_module, "_START_GRACE_S", 0.0)
+            assert not worker.waits_for_start(first)
     finally:
         worker._process.send_signal(signal.SIGCONT)
     assert worker.result(first, timeout_s=60)[0] == plan
-    assert not worker.starting  # answered (the second job still unread)
+    assert not worker.waits_for_start(second)  # answered once (the second job still unread)
     assert worker.result(second, timeout_s=60)[0] == plan
 
 
-def test_a_job_larger_than_the_pipe_is_sent_while_a_reply_larger_than_its_pipe_is_read(worker):
-    # 1,024 GPUs: a job's frame (~100 KB) fills the worker's stdin (64 KiB) while it solves the job
-    # before; that reply (~7 MB) fills its stdout (1 MiB) and blocks it until read, so a submit that
-    # only wrote would wait on a worker waiting on it.
+def test_a_job_larger_than_the_pipe_is_sent_while_a_reply_larger_than_its_pipe_is_read(worker, monkeypatch):
+    import deepspeed_knap.planner.worker as worker_module
+
+    # 1,024 GPUs, pipes of 64 KiB: the first job's reply (~7 MB) blocks the worker mid-write until it
+    # is read, and the second job (~100 KB) fills the worker's stdin, so a submit that only wrote
+    # would wait on a worker waiting on it.
+    monkeypatch.setattr(worker_module, "_PIPE_BYTES", 2**16)
     topology, steps = build_topology("g8n128"), [sample_mix("kf_lowres", 1024, seed) for seed in range(2)]
-    tickets = [worker.submit(lengths, topology, MODEL, "knapformer", None, timeout_s=60) for lengths in steps]
-    for ticket, lengths in zip(tickets, steps, strict=True):
+    first = worker.submit(steps[0], topology, MODEL, "knapformer", None)
+    assert select.select([worker._process.stdout], [], [], 60)[0]  # writing its reply, blocked mid-frame
+    second = worker.submit(steps[1], topology, MODEL, "knapformer", None, timeout_s=60)
+    for ticket, lengths in zip((first, second), steps, strict=True):
         assert worker.result(ticket, timeout_s=60)[0] == plan_routing(lengths, topology, MODEL, "knapformer")
 
 
@@ -283,12 +295,14 @@ EXTRA_LENGTHS = [5, 6]
 def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], list[str]]:
     import deepspeed.comm as dist
 
+    import deepspeed_knap.planner.worker as worker_module
     from deepspeed_knap.cost.online import OnlineSettings
     from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
     from deepspeed_knap.runtime.balancer import KnapBalancer
     from deepspeed_knap.runtime.groups import create_process_groups
     from tests.support.balancing import wait_for_plan_worker
 
+    worker_module._START_GRACE_S = 3600.0  # rank 1's stopped worker counts as starting however slow this host
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     topology = build_topology("auto", world)
     settings = OnlineSettings(warmup_steps=2) if online else None
