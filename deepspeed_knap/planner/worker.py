@@ -153,9 +153,7 @@ class PlanWorker:
             return False
         if time.monotonic() - self._started > _START_GRACE_S:
             return False
-        poller = select.poll()  # not select: a training process may hold more than 1,024 descriptors
-        poller.register(self._process.stdout.fileno(), select.POLLIN)
-        return not poller.poll(0)
+        return not _poll({self._process.stdout.fileno(): select.POLLIN}, time.monotonic())
 
     def discard(self, ticket: int) -> None:
         """Forget job ``ticket``: its reply is dropped, now or when it comes (replies come in order,
@@ -196,11 +194,10 @@ class PlanWorker:
         frame = _frame(value)
         process, data = self._start(), memoryview(frame)
         while data:
-            poller = select.poll()
-            poller.register(process.stdin.fileno(), select.POLLOUT)
+            events = {process.stdin.fileno(): select.POLLOUT}
             if self._unread:
-                poller.register(process.stdout.fileno(), select.POLLIN)
-            ready = dict(poller.poll(None if deadline is None else max(0.0, deadline - time.monotonic()) * 1e3))
+                events[process.stdout.fileno()] = select.POLLIN
+            ready = _poll(events, deadline)
             if not ready:
                 raise TimeoutError
             if process.stdout.fileno() in ready:  # a reply, or a dead worker's end of input
@@ -331,18 +328,23 @@ def _read_exactly(fd: int, size: int, deadline: float | None) -> bytes:
 
 def _wait(fd: int, event: int, deadline: float | None) -> None:
     """Return once ``fd`` is ready for ``event`` (or closed at the other end); without a deadline,
-    at once (the read or write blocks by itself). ``poll``, not ``select``: a training process
-    may have more than 1,024 descriptors open.
+    at once (the read or write blocks by itself).
 
     Raises:
         TimeoutError: at the deadline.
     """
-    if deadline is None:
-        return
-    poller = select.poll()
-    poller.register(fd, event)
-    if not poller.poll(max(0.0, deadline - time.monotonic()) * 1e3):
+    if deadline is not None and not _poll({fd: event}, deadline):
         raise TimeoutError
+
+
+def _poll(events: dict[int, int], deadline: float | None) -> dict[int, int]:
+    """The descriptors of ``events`` (``{fd: event}``) ready for their event, or closed at the other
+    end, by ``deadline`` (``None``: however long it takes; passed: now), with what each got.
+    ``poll``, not ``select``: a training process may have more than 1,024 descriptors open."""
+    poller = select.poll()
+    for fd, event in events.items():
+        poller.register(fd, event)
+    return dict(poller.poll(None if deadline is None else max(0.0, deadline - time.monotonic()) * 1e3))
 
 
 def _solve(job: tuple) -> tuple[RoutingPlan | None, float, str | None, bool]:

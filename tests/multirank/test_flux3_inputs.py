@@ -58,7 +58,7 @@ def _worker(rank: int, world: int) -> dict:
 
     inputs = model.pack(samples)
     balancer.prefetch(inputs.seq_lens, "cpu", next_segments=inputs.segments)
-    wait_for_plan_worker(balancer)
+    wait_for_plan_worker(balancer._worker)
     model(inputs, balancer)
     results["prefetched"] = balancer.plans[-1]
     results["planned_ahead"] = balancer.metrics()["knapformer/planned_ahead"]

@@ -3,7 +3,6 @@ and every rank falling back together when one rank's worker or batch is not what
 
 import os
 import pickle
-import select
 import signal
 import tempfile
 import time
@@ -17,6 +16,7 @@ from deepspeed_knap.data.mixes import sample_mix
 from deepspeed_knap.planner import DEFAULT_SOLVER, plan_routing
 from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError
+from tests.support.balancing import wait_for_plan_worker
 from tests.support.distributed import run_distributed
 
 MODEL = default_cost_model("flux-dev")
@@ -145,7 +145,7 @@ def test_a_job_larger_than_the_pipe_is_sent_while_a_reply_larger_than_its_pipe_i
     monkeypatch.setattr(worker_module, "_PIPE_BYTES", 2**16)
     topology, steps = build_topology("g8n128"), [sample_mix("kf_lowres", 1024, seed) for seed in range(2)]
     first = worker.submit(steps[0], topology, MODEL, "knapformer", None)
-    assert select.select([worker._process.stdout], [], [], 60)[0]  # writing its reply, blocked mid-frame
+    wait_for_plan_worker(worker)  # writing its reply, blocked mid-frame
     second = worker.submit(steps[1], topology, MODEL, "knapformer", None, timeout_s=60)
     for ticket, lengths in zip((first, second), steps, strict=True):
         assert worker.result(ticket, timeout_s=60)[0] == plan_routing(lengths, topology, MODEL, "knapformer")
@@ -300,7 +300,6 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], l
     from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
     from deepspeed_knap.runtime.balancer import KnapBalancer
     from deepspeed_knap.runtime.groups import create_process_groups
-    from tests.support.balancing import wait_for_plan_worker
 
     worker_module._START_GRACE_S = 3600.0  # rank 1's stopped worker counts as starting however slow this host
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
@@ -346,7 +345,7 @@ def _prefetch_worker(rank: int, world: int, online: bool) -> tuple[list[dict], l
 
     def answered():  # a worker's first plan is not waited for: waited for here, not raced
         if not stopped:
-            wait_for_plan_worker(balancer)
+            wait_for_plan_worker(balancer._worker)
 
     for step in range(len(LENGTHS)):
         if step == KILL_AT and rank == 0:  # once it has replied to this step's job, the worker dies

@@ -4,6 +4,7 @@ import select
 
 import deepspeed.comm as dist
 
+from deepspeed_knap.planner.worker import PlanWorker
 from deepspeed_knap.runtime.balancer import KnapBalancer
 from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
@@ -25,10 +26,9 @@ def join_gloo(rank: int) -> None:
     unlink_own_shm_buffer(rank)
 
 
-def wait_for_plan_worker(balancer: KnapBalancer) -> None:
-    """Wait until the balancer's plan worker has a reply for its oldest job: a worker's first plan is
-    not waited for while it starts (the step is planned in the step then), so a test that means to
-    use a plan made ahead waits here instead of racing the worker's start-up."""
-    worker = balancer._worker
+def wait_for_plan_worker(worker: PlanWorker) -> None:
+    """Wait until a plan worker (``balancer._worker``) has a reply for its oldest job in its pipe: a
+    worker's first plan is not waited for while it starts (the step is planned in the step then), so
+    a test that means to use a plan made ahead waits here instead of racing the worker's start-up."""
     if worker._process is not None and worker._unread:
         assert select.select([worker._process.stdout], [], [], 60)[0], "the plan worker did not reply within 60 s"
