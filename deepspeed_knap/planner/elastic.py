@@ -22,10 +22,12 @@ The solver:
    mixes giving each size GPUs in proportion to what a degree start puts there; the best of them is
    improved by hill climbing on its mix (one group of a size more or fewer, split or merged). Local
    search across sizes rarely finds such plans of disjoint groups, often the best when images and
-   videos mix. The first start within ``SEARCH_TOLERANCE`` of the bound ends the packing (but the
-   largest groups are always solved: auto is never worse than the topology's own bags, with a
-   ``max_degree`` within a node; a plan with groups of whole nodes is kept only where it beats the
-   plan inside nodes, :func:`~deepspeed_knap.planner.plan_routing`).
+   videos mix. The first start close enough to the bound ends the packing (within
+   ``SEARCH_TOLERANCE`` of it, or on steps under a second within ``SEARCH_FLOOR_S``, at most 1%:
+   :func:`~deepspeed_knap.planner.search.elastic_good_enough`), but the largest groups are always
+   solved: auto is never worse than the topology's own bags (with a ``max_degree`` within a node; a
+   plan with groups of whole nodes is kept only where it beats the plan inside nodes,
+   :func:`~deepspeed_knap.planner.plan_routing`).
 2. **Packing, largest groups first.** Every group placed before a level is at least as large and
    aligned, so it covers whole groups of the level: within a level every group has one load, and
    packing the level is scheduling on identical machines (related ones with ``gpu_speed``). First
@@ -47,8 +49,9 @@ The solver:
 5. **Branch and bound** for steps of at most ``EXACT_MAX_SEQUENCES`` sequences (besides short ones that
    cost next to nothing): branch and bound over every group, within ``ELASTIC_EXACT_NODE_BUDGET``
    nodes, on the fixed solver's driver (:class:`~deepspeed_knap.planner.search.BranchAndBound`),
-   stopping once within ``SEARCH_TOLERANCE`` of the bound, as the starts, the local search and the
-   stages' fixed-topology searches do (``refine`` on a fixed topology stays exact within its budget).
+   stopping where the starts do, and not run when the best start already got there (the local search
+   and the stages' fixed-topology searches stop within ``SEARCH_TOLERANCE``; ``refine`` on a fixed
+   topology stays exact within its budget).
 6. **Locality:** single-GPU sequences go back to their home GPU, or trade places with a guest there,
    wherever that keeps the step time. Then, with equal speeds and overheads, a symmetry of the
    groups (blocks of one size traded, the halves of any group traded) that permutes the GPUs, and
@@ -80,6 +83,7 @@ from deepspeed_knap.planner.search import (
     STALL_WINDOW,
     SWAP_ITEMS,
     BranchAndBound,
+    elastic_good_enough,
     local_search,
 )
 
@@ -317,7 +321,8 @@ def solve_elastic(problem: Problem, steps: int) -> np.ndarray | None:
     # Sequences that cost next to nothing mostly end up spread over single GPUs at the leaves (see
     # _exact_search): only the others count, up to a few times as many sequences in all.
     cheapest = np.where(problem.allowed, problem.cost, BIG).min(axis=1)
-    if n <= EXACT_SHORT_TOTAL and int((cheapest * EXACT_SHORT > problem.lower_bound).sum()) <= EXACT_MAX_SEQUENCES:
+    small = n <= EXACT_SHORT_TOTAL and int((cheapest * EXACT_SHORT > problem.lower_bound).sum()) <= EXACT_MAX_SEQUENCES
+    if small and int(best.loads.max()) > elastic_good_enough(problem):
         exact = _exact_search(problem, levels, best.group_of_seq)
         best = _State(problem, levels)
         best.place_all(np.arange(n), exact)
@@ -360,7 +365,7 @@ def _best_start(problem: Problem, levels: _Levels, steps: int) -> _State | None:
                              np.where(barred, BIG, problem.gpu_seconds[:, classes]).min(axis=1)), None, tiling))  # fmt: skip
     # Packed starts, the best packed step time, and the best tiling start (tiling, state) to climb from.
     packed, best_packed, best_tiling = [], BIG, None
-    good_enough = problem.lower_bound * (1 + SEARCH_TOLERANCE)
+    good_enough = elastic_good_enough(problem)
     for start_bound, level_of_seq, tiling in sorted(starts, key=lambda start: start[0]):  # stable: larger pieces first
         if start_bound >= best_packed:
             break  # bounds only grow from here
@@ -1062,7 +1067,7 @@ def _swap_fits(state: _State, i: int, a: int, j: int, b: int) -> bool:
 
 def _exact_search(problem: Problem, levels: _Levels, incumbent: np.ndarray | None) -> np.ndarray | None:
     """The best assignment branch and bound finds within ``ELASTIC_EXACT_NODE_BUDGET`` nodes (it stops
-    at one within ``SEARCH_TOLERANCE`` of the lower bound), or ``incumbent`` (with none: any
+    at one :func:`~deepspeed_knap.planner.search.elastic_good_enough` accepts), or ``incumbent`` (with none: any
     assignment that fits the memory cap, and the best of those, or ``None``).
 
     Sequences go in descending order of their cheapest cost over the classes allowed to them, each
@@ -1096,11 +1101,12 @@ class _GroupSearch(BranchAndBound):
     def __init__(self, problem: Problem, levels: _Levels, incumbent_max: int):
         n = len(problem.seq_lens)
         order = np.lexsort((np.arange(n), -np.where(problem.allowed, problem.cost, BIG).min(axis=1)))
-        # Stops within SEARCH_TOLERANCE of the bound, as the starts and the local search do: proving
-        # the last 0.1% took most of the budget on small steps (kf_image_video x1/4 at 2 GPUs: 400-2,000
-        # nodes, 12.8 against 1.5 ms a solve, for at most 0.02% of the step), CPU each rank's plan
-        # worker took from training where there is a core per rank (docs/benchmarks_measured.md).
+        # Stops where the starts do (elastic_good_enough): proving the last 0.1% took most of the
+        # budget on small steps (kf_image_video x1/4 at 2 GPUs: 400-2,000 nodes, 12.8 against 1.5 ms
+        # a solve, for at most 0.02% of the step), CPU each rank's plan worker took from training
+        # where there is a core per rank (docs/benchmarks_measured.md).
         super().__init__(problem, order, incumbent_max, ELASTIC_EXACT_NODE_BUDGET, SEARCH_TOLERANCE)
+        self.stop_at = elastic_good_enough(problem)
         self.cap = problem.cap
         # With unequal speeds, the GPU-seconds test on work at speed 1 too (a slow GPU does less of it
         # per load). [S] speeds, or None when all are equal (then they neither bound nor tell states apart).

@@ -4,11 +4,17 @@ places every token exactly once."""
 import numpy as np
 from hypothesis import strategies as st
 
-from deepspeed_knap.planner.search import SEARCH_TOLERANCE
+from deepspeed_knap.planner.search import SEARCH_FLOOR_S, SEARCH_FLOOR_SHARE, SEARCH_TOLERANCE
 
-# How far above the optimum (brute force's, or a fixed topology's) an ``auto`` plan may be: its
-# branch and bound stops within SEARCH_TOLERANCE of the lower bound, and costs are quantised.
-NEAR_OPTIMAL = (1 + SEARCH_TOLERANCE) * (1 + 1e-9)
+
+def near_optimal(optimum_s: float) -> float:
+    """The most seconds an ``auto`` plan may take where the best plan (brute force's, or a fixed
+    topology's) takes ``optimum_s``: its starts and branch and bound stop within SEARCH_TOLERANCE of
+    the lower bound, or within SEARCH_FLOOR_S where that is at most SEARCH_FLOOR_SHARE of it (the
+    bound is at most the optimum, so its margin is too), and costs are quantised."""
+    margin = max(SEARCH_TOLERANCE, min(SEARCH_FLOOR_SHARE, SEARCH_FLOOR_S / optimum_s)) if optimum_s > 0 else 0.0
+    return optimum_s * (1 + margin) * (1 + 1e-9)
+
 
 # Lengths from single tokens (shorter than any bag) to long videos.
 lengths_strategy = st.one_of(st.integers(1, 12), st.integers(200, 5_000), st.integers(10_000, 120_000))

@@ -16,7 +16,7 @@ from deepspeed_knap.cost.model import (
     default_cost_model,
 )
 from deepspeed_knap.planner.solve import plan_loads
-from tests.support.plans import NEAR_OPTIMAL, check_plan_covers_every_token
+from tests.support.plans import check_plan_covers_every_token, near_optimal
 
 NODES, NODE = 4, 2  # the modeled case: 4 nodes of 2 GPUs
 # Splitting pays for long sequences (attention dominates); the inter-node rate decides how far.
@@ -79,11 +79,11 @@ def test_auto_crosses_nodes_only_where_it_pays_against_brute_force():
         for s, start, size in zip(flat, plan.seq_group_start.tolist(), plan.seq_group_size.tolist(), strict=True):
             expected[start : start + size] += group_seconds(s, size, model, NODE)
         np.testing.assert_allclose(plan.gpu_loads, expected, rtol=1e-12)
-        assert plan.max_load <= best * NEAR_OPTIMAL
+        assert plan.max_load <= near_optimal(best)
         across = bool((plan.seq_group_size > NODE).any())
-        # auto's branch and bound stops within SEARCH_TOLERANCE of its bound: a crossing that pays less
+        # auto's branch and bound stops near its bound (near_optimal): a crossing that pays less
         # than that may be left out (none of these steps has one: both checks below run on every step).
-        pays, pays_beyond_tolerance = best_in_node > best * (1 + 1e-6), best_in_node > best * NEAR_OPTIMAL
+        pays, pays_beyond_tolerance = best_in_node > best * (1 + 1e-6), best_in_node > near_optimal(best)
         assert pays == pays_beyond_tolerance, (inter_node, lengths, best, best_in_node)
         assert across == pays, (inter_node, lengths, plan.seq_group_size.tolist(), best, best_in_node)
         outcomes.add(across)
