@@ -235,16 +235,19 @@ class OnlineCostModel:
         self.compute_fitted = False  # a, b, overhead and speeds refit at least once
 
     def observe(self, plan: RoutingPlan, compute_us: list[int], ulysses_us: list[int],
-                segment_squares: list[float] | None = None, route_us: list[int] | None = None) -> None:  # fmt: skip
+                segment_squares: list[float] | None = None, route_us: list[int] | None = None) -> list[float]:  # fmt: skip
         """Add one step: ``plan`` and the microseconds every GPU measured for it (negative: none).
         ``segment_squares``: the step's attention segments, as :func:`plan_terms` takes them.
         ``route_us``: ``[S]`` each GPU's route and reverse-route microseconds, forward and backward
-        (negative: none), or ``None``: not measured. Refits when due."""
+        (negative: none), or ``None``: not measured. Refits when due. Returns what the model
+        predicted for the step before it was added (:meth:`predicted_s`)."""
         forgetting = self.settings.forgetting
-        linear, quadratic, alltoall, sequences = plan_terms(plan, self.current, segment_squares)
+        terms = plan_terms(plan, self.current, segment_squares)
+        linear, quadratic, alltoall, sequences = terms
+        predicted = self._predicted(terms)
         # Once refit, a step counts at most max_speed_ratio times off the model's prediction: one
         # stalled step cannot swing a rank's speed (before, the prior's scale may be anything).
-        predicted = self.predicted_s(plan, segment_squares) if self.compute_fitted else None
+        clamp_to = predicted if self.compute_fitted else None
         bound = self.settings.max_speed_ratio
         for gpu, (x, y, u, t_us) in enumerate(zip(linear, quadratic, sequences, compute_us, strict=True)):
             sums = self.sums[gpu]
@@ -256,8 +259,8 @@ class OnlineCostModel:
             if t_us >= 0 and x > 0:  # a measured, busy GPU
                 sums[_SQUARED_WEIGHT] += 1.0
                 t = t_us / 1e6
-                if predicted is not None and predicted[gpu] > 0:
-                    t = min(max(t, predicted[gpu] / bound), predicted[gpu] * bound)
+                if clamp_to is not None and clamp_to[gpu] > 0:
+                    t = min(max(t, clamp_to[gpu] / bound), clamp_to[gpu] * bound)
                 values = (1.0, x, y, x * x, x * y, y * y, t, t * x, t * y, t * t, u, u * x, u * y, u * t, u * u)
                 for key, value in zip(_SUMS, values, strict=True):
                     sums[key] += value
@@ -275,6 +278,7 @@ class OnlineCostModel:
             self._refit()
             if self.settings.fit_route:
                 self._refit_route()
+        return predicted
 
     def _observe_route(self, plan: RoutingPlan, route_us: list[int] | None) -> None:
         """Add the step's least-waiting moving GPU: its route-phase seconds against its own moved
@@ -323,7 +327,11 @@ class OnlineCostModel:
         """``[S]`` seconds the current model predicts each GPU computes under ``plan``, its fixed
         overhead included (an idle GPU still runs every block). ``segment_squares``: as
         :func:`plan_terms`'s."""
-        linear, quadratic, _, sequences = plan_terms(plan, self.current, segment_squares)
+        return self._predicted(plan_terms(plan, self.current, segment_squares))
+
+    def _predicted(self, terms: tuple[list[float], list[float], list[float], list[float]]) -> list[float]:
+        """:meth:`predicted_s` from the plan's :func:`plan_terms` under the current model."""
+        linear, quadratic, _, sequences = terms
         m = self.current
         return [
             (m.overhead_s + m.linear_coef * x + m.quadratic_coef * y + m.sequence_coef * u) / speed

@@ -410,11 +410,10 @@ class KnapBalancer:
             squares = None
             if segments_per_rank is not None:
                 squares = segment_square_sums([row for rows in segments_per_rank for row in rows]).tolist()
-            predicted = self.online.predicted_s(plan, squares)
             route, reverse = _REPORTED.index("route"), _REPORTED.index("reverse_route")
             route_us = [report[route] + report[reverse] if min(report[route], report[reverse]) >= 0 else -1
                         for report in reports]  # fmt: skip
-            self.online.observe(plan, compute_us, [report[1] for report in reports], squares, route_us)
+            predicted = self.online.observe(plan, compute_us, [report[1] for report in reports], squares, route_us)
         else:
             compute_model = dataclasses.replace(model, alltoall_coef=0.0)
             predicted = plan_loads(plan, compute_model, segments_per_rank).tolist()
