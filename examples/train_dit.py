@@ -162,6 +162,8 @@ if "optimizer" in load_ds_config(args.deepspeed_config):  # DeepSpeed's own (fus
 else:
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     engine, _, _, _, balancer = deepspeed_knap.initialize(args=args, model=model, optimizer=optimizer)
+if balancer is not None:  # the plan worker imports the planner during set-up: step 1 plans ahead too
+    balancer.plan_worker().start()
 rank, world = dist.get_rank(), dist.get_world_size()
 dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the files can go
 unlink_own_shm_buffer(rank)

@@ -187,6 +187,8 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
                 samples, targets = rectified_flow(latents, generator, guidance)
             return dit.pack(samples).to(device), targets
 
+        if options["prefetch"]:  # as train_dit.py: the worker starts during set-up, not at step 0
+            balancer.plan_worker().start()
         runs.append(_ModeRun(mode, engine, balancer, step_inputs, slow, step_inputs(0)))
     del model, optimizer, engine, balancer, dit, data, slow  # the runs hold them
 

@@ -84,7 +84,7 @@ class PlanWorkerError(RuntimeError):
 
 class PlanWorker:
     """One child process solving :func:`~deepspeed_knap.planner.plan_routing` jobs in order. Started
-    on the first :meth:`submit`, and again on the next one after it died. ``share``: its solves are
+    by :meth:`start` or the first :meth:`submit`, and again on the next one after it died. ``share``: its solves are
     shared with the other workers of this host (:class:`_SharedPlans`); ``False`` solves every job
     itself (``bench ahead --no-share`` measures what sharing saves)."""
 
@@ -137,6 +137,14 @@ class PlanWorker:
         if error is not None:
             raise PlanWorkerError(error)
         return WorkerPlan(plan, solve_s, shared)
+
+    def start(self) -> None:
+        """Start the worker process now, not at the first job: one started during set-up has
+        imported NumPy and the planner (0.2-0.7 s on CPU hosts, beside busy ranks) before the first
+        prefetch, so the first steps take their plans ahead too. Never raises: a worker that cannot
+        start fails the first job instead, where the ranks agree on it."""
+        with contextlib.suppress(Exception):
+            self._start()
 
     @property
     def pid(self) -> int | None:

@@ -136,6 +136,29 @@ def test_a_submit_waits_for_no_solve_and_a_worker_says_it_is_starting_until_it_a
     assert worker.result(second, timeout_s=60)[0] == plan
 
 
+def test_a_worker_started_ahead_takes_the_first_job_and_one_that_cannot_start_fails_that_job(worker, monkeypatch):
+    import subprocess
+
+    topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
+    worker.start()
+    pid = worker.pid
+    assert pid is not None and worker._process.poll() is None  # running before any job
+    ticket = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    assert worker.result(ticket, timeout_s=60)[0] == plan_routing(lengths, topology, MODEL)
+    assert worker.pid == pid  # the process started ahead took it
+
+    def cannot_start(*args, **kwargs):
+        raise OSError("no processes left")
+
+    monkeypatch.setattr(subprocess, "Popen", cannot_start)
+    failing = PlanWorker()
+    failing.start()  # does not raise: ranks must learn of it together, at the first job
+    assert failing.pid is None
+    ticket = failing.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    with pytest.raises(PlanWorkerError, match=r"could not be sent .*no processes left"):
+        failing.result(ticket)
+
+
 def test_a_job_larger_than_the_pipe_is_sent_while_a_reply_larger_than_its_pipe_is_read(worker, monkeypatch):
     import deepspeed_knap.planner.worker as worker_module
 
