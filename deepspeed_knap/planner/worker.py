@@ -141,8 +141,10 @@ class PlanWorker:
     def start(self) -> None:
         """Start the worker process now, not at the first job: one started during set-up has
         imported NumPy and the planner (0.2-0.7 s on CPU hosts, beside busy ranks) before the first
-        prefetch, so the first steps take their plans ahead too. Never raises: a worker that cannot
-        start fails the first job instead, where the ranks agree on it."""
+        prefetch, so the first steps take their plans ahead too. Never raises: the first
+        :meth:`submit` tries again, and fails its job if the worker cannot start then either (the
+        ranks agree on failed jobs). A worker that died since is replaced only after a job fails
+        on it, as always."""
         with contextlib.suppress(Exception):
             self._start()
 
@@ -180,6 +182,14 @@ class PlanWorker:
             self._reply(ticket, (None, 0.0, why, False))
         self._unread = []
         if process is not None:
+            # A stop frame first: a process forked from this one (a DataLoader's workers) holds the
+            # write end too, so closing ours alone would not end the worker's input (it was killed
+            # 5 s later, leaving its shared files). Written only where the pipe has room for it
+            # whole (it is under PIPE_BUF); a worker past the frame boundary is being killed anyway.
+            with contextlib.suppress(OSError, ValueError):
+                fd = process.stdin.fileno()
+                if _poll({fd: select.POLLOUT}, time.monotonic()).get(fd, 0) & select.POLLOUT:
+                    os.write(fd, _frame(None))
             for pipe in (process.stdin, process.stdout):  # a worker writing an unread reply gets EPIPE
                 with contextlib.suppress(OSError):  # a dead worker's pipe is broken
                     pipe.close()
@@ -542,7 +552,7 @@ def _lock(fd: int, timeout_s: float) -> bool:
 def main(share: bool = True) -> None:
     """The worker's loop: read a job, solve it (or, with ``share``, read a sibling's solve of it),
     reply ``(plan, solve_s, None, shared)`` or ``(None, 0.0, "Error: message", False)``, until the
-    input ends."""
+    input ends or a frame of ``None`` stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the rank's group; the rank ends us
     replies = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies

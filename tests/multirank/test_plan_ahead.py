@@ -159,6 +159,24 @@ def test_a_worker_started_ahead_takes_the_first_job_and_one_that_cannot_start_fa
         failing.result(ticket)
 
 
+def test_a_worker_stops_at_close_while_a_forked_process_holds_its_input_open(worker):
+    """A process forked from the rank after the worker started (a DataLoader's workers) inherits
+    the write end of the worker's input: closing ours must still stop the worker, at once."""
+    import subprocess
+
+    worker.start()
+    process = worker._process
+    holder = subprocess.Popen(["sleep", "60"], pass_fds=[process.stdin.fileno()])
+    try:
+        start = time.monotonic()
+        worker.close()
+        assert process.poll() == 0  # it ended on its own (a kill gives -9), before the 5 s wait ran out
+        assert time.monotonic() - start < 4
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_job_larger_than_the_pipe_is_sent_while_a_reply_larger_than_its_pipe_is_read(worker, monkeypatch):
     import deepspeed_knap.planner.worker as worker_module
 
