@@ -23,7 +23,7 @@ The solver:
    improved by hill climbing on its mix (one group of a size more or fewer, split or merged). Local
    search across sizes rarely finds such plans of disjoint groups, often the best when images and
    videos mix. The first start close enough to the bound ends the packing (within
-   ``SEARCH_TOLERANCE`` of it, or on steps under a second within ``SEARCH_FLOOR_S``, at most 1%:
+   ``SEARCH_TOLERANCE`` of it, or below a second of work within ``SEARCH_FLOOR_S``, at most 1%:
    :func:`~deepspeed_knap.planner.search.elastic_good_enough`), but the largest groups are always
    solved: auto is never worse than the topology's own bags (with a ``max_degree`` within a node; a
    plan with groups of whole nodes is kept only where it beats the plan inside nodes,

@@ -28,11 +28,12 @@ BIG = np.iinfo(np.int64).max
 SEARCH_TOLERANCE = 1e-3
 STALL_WINDOW = 32
 # The elastic planner's starts and branch and bound also stop within SEARCH_FLOOR_S seconds of the
-# bound, or within SEARCH_FLOOR_SHARE of it where that is less (so from 1 s on, SEARCH_TOLERANCE
-# rules; under 0.1 s, 1%). A further start costs about that much host time: at 2 GPUs and 9
-# sequences a whole auto solve took 3.1 ms against refine's 1.0, and no plan of a run's 32 gained
-# 1% on its first start. On CPU ranks that time is taken from training: in bench train on 2 cores,
-# auto's ranks computed the same tokens 2.6% slower than knapformer's, 0.5% with the floor.
+# bound, or within SEARCH_FLOOR_SHARE of it where that is less (the bound is the work's, the GPUs'
+# fixed overhead left out: from 1 s on, SEARCH_TOLERANCE rules; under 0.1 s, 1%). A further start
+# costs about that much host time: at 2 GPUs and 9 sequences a whole auto solve took 3.1 ms against
+# refine's 1.0 (1.7 ms with the floor), and no plan of a run's 32 gained 1% on its first start. On
+# CPU ranks that time is taken from training: in bench train on 2 cores auto's ranks computed the
+# same tokens 2.6-2.9% slower than knapformer's (two batches; with the floor 0.5% and 2.7%).
 SEARCH_FLOOR_S = 1e-3
 SEARCH_FLOOR_SHARE = 1e-2
 # Swaps pair at most this many of the busiest load's sequences with about as many partners: a useful
@@ -42,7 +43,7 @@ SWAP_ITEMS = 64
 # full step search).
 CHAIN_STARTS = 4
 # Steps with at most this many sequences (the elastic solver does not count short ones) are finished
-# by a branch and bound (the elastic solver's stops within SEARCH_TOLERANCE of the bound): few
+# by a branch and bound (the elastic solver's stops where elastic_good_enough says): few
 # sequences per GPU is where one bad placement costs the most.
 EXACT_MAX_SEQUENCES = 16
 # Node budgets of the two exact searches: each bounds a small step's search time. A node of the
@@ -62,8 +63,9 @@ def good_enough(lower_bound: int, tolerance: float) -> int:
 def elastic_good_enough(problem: Problem) -> int:
     """The max load the elastic planner's starts and branch and bound stop at: within
     ``SEARCH_TOLERANCE`` of the lower bound, or if more, within ``SEARCH_FLOOR_S`` seconds of it or
-    ``SEARCH_FLOOR_SHARE`` of it, whichever is less (so steps of 1 s or more keep ``SEARCH_TOLERANCE``,
-    steps under 0.1 s stop within 1%). In the problem's integer units."""
+    ``SEARCH_FLOOR_SHARE`` of it, whichever is less (so bounds of 1 s or more keep
+    ``SEARCH_TOLERANCE``, bounds under 0.1 s stop within 1%; the bound is the work's, without the
+    GPUs' fixed overhead). In the problem's integer units."""
     lower_bound, unit_s = problem.lower_bound, problem.seconds_per_unit
     floor = min(int(SEARCH_FLOOR_S / unit_s), int(lower_bound * SEARCH_FLOOR_SHARE)) if unit_s > 0 else 0
     return max(good_enough(lower_bound, SEARCH_TOLERANCE), lower_bound + floor)

@@ -1,9 +1,11 @@
-"""Topology ``auto`` and the elastic planner: groups, brute-force optimality (within ``SEARCH_TOLERANCE``,
-where its branch and bound stops) and bounds, never worse than its own bags nor (within the tolerance)
-than any fixed topology of the same sizes, the cap, locality, determinism."""
+"""Topology ``auto`` and the elastic planner: groups, brute-force optimality (within where its starts
+and branch and bound stop: ``near_optimal``) and bounds, never worse than its own bags nor (within
+that) than any fixed topology of the same sizes, the cap, locality, determinism."""
 
 import dataclasses
 import itertools
+from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 
 from deepspeed_knap.cost.model import CostModel, default_cost_model
 from deepspeed_knap.data.mixes import MIXES, sample_mix
-from deepspeed_knap.planner import lower_bound, plan_loads, plan_routing
+from deepspeed_knap.planner import lower_bound, plan_loads, plan_routing, search
 from deepspeed_knap.planner.topology import build_topology
 from tests.support.plans import check_plan_covers_every_token, lengths_strategy, near_optimal, per_rank_lengths
 
@@ -122,6 +124,34 @@ def test_auto_is_near_optimal_on_tiny_steps_and_the_bound_never_exceeds_the_opti
     assert plan.max_load <= near_optimal(optimum)  # the branch and bound, within its budget here
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.lists(lengths_strategy, max_size=2), min_size=4, max_size=4).filter(
+        lambda ls: 1 <= sum(map(len, ls)) <= 5
+    ),
+)
+def test_without_the_search_floor_auto_is_within_the_tolerance_of_brute_force_on_tiny_steps(lengths):
+    """The floor (1 ms, at most 1%) covers most tiny steps' optimum in the test above: without it the
+    starts and the branch and bound must reach ``SEARCH_TOLERANCE`` (0.1%) of the optimum."""
+    topology = build_topology("auto", 4)
+    optimum = brute_force_elastic(lengths, topology, FLUX)
+    with mock.patch.object(search, "SEARCH_FLOOR_S", 0.0):
+        plan = plan_routing(lengths, topology, FLUX)
+    assert plan.max_load <= optimum * (1 + search.SEARCH_TOLERANCE) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    ("bound_s", "stop_s"),
+    [(0.05, 0.05 * 1.01), (0.5, 0.501), (2.0, 2.0 * 1.001), (0.0005, 0.0005 * 1.01)],
+)
+def test_the_elastic_search_stops_within_1_ms_of_the_bound_at_most_1_percent_at_least_the_tolerance(bound_s, stop_s):
+    unit_s = 1e-9
+    problem = SimpleNamespace(lower_bound=round(bound_s / unit_s), seconds_per_unit=unit_s)
+    assert search.elastic_good_enough(problem) * unit_s == pytest.approx(stop_s, rel=1e-6)
+    problem.seconds_per_unit = 0.0  # no cost at all: the tolerance alone
+    assert search.elastic_good_enough(problem) == search.good_enough(problem.lower_bound, search.SEARCH_TOLERANCE)
+
+
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(st.lists(lengths_strategy, max_size=2), min_size=4, max_size=4).filter(
@@ -169,7 +199,7 @@ def test_auto_honours_the_memory_cap_or_says_why(instance, cap_scale):
 def test_groups_of_whole_nodes_take_only_sequences_no_node_holds_under_the_cap(lengths, cap_share):
     """Nodes of 2 GPUs, ``max_degree`` 4, a model without an inter-node all-to-all price: the group
     of both nodes takes a sequence only when half of it is over the cap (never without a cap), and
-    the plan is within ``SEARCH_TOLERANCE`` of the best such plan (brute force)."""
+    the plan is near the best such plan (brute force; ``near_optimal``)."""
     topology = build_topology("auto", 4, gpus_per_node=2, max_degree=4)
     assert topology.groups[0] == (0, 4)
     cap = None if cap_share is None else max(1, int(cap_share * max(s for rank in lengths for s in rank)))

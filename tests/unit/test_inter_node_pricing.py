@@ -63,7 +63,8 @@ def random_steps(seed: int, count: int):
 
 def test_auto_crosses_nodes_only_where_it_pays_against_brute_force():
     """4 nodes of 2 GPUs, groups of 1 to 8 (4: two nodes, 8: all four), 12 random steps at each of
-    four inter-node rates: the plan is the brute-force optimum over every group of every sequence;
+    four inter-node rates: the plan is the brute-force optimum over every group of every sequence
+    (up to where auto's search stops, ``near_optimal``);
     it uses a group across nodes only where the best plan inside nodes is slower, and always where
     it is; its loads are the formula's. Both outcomes occur."""
     topology = build_topology("auto", NODES * NODE, gpus_per_node=NODE, max_degree=NODES * NODE)
