@@ -6,7 +6,7 @@ One rank's samples of a bundled mix go through both models with the same weights
 ``FluxTransformer2DModel`` (``--family flux2``: ``Flux2Transformer2DModel``) once per sample
 (different sizes cannot share its batch), and the packed model once on the packed batch. One model
 is on the device at a time (the packed copy is made once diffusers' runs are done, and replaces it),
-so ``--flux-dims`` fits an 80 GB GPU. Reported
+so ``--flux-dims --dtype bfloat16`` fits an 80 GB GPU. Reported
 per model: median wall time of forward + backward, activation bytes autograd keeps for backward
 (parameters excluded; any device), and on CUDA the peak memory allocated during a run above what
 was allocated before it (weights, inputs), and what was allocated before the model's first run
