@@ -9,7 +9,8 @@ The worker is a child Python running :func:`main`, fed pickles over its stdin an
 Started this way it imports only the planner (NumPy, ~0.2 s), never torch, CUDA or the training
 script, which multiprocessing's spawn and forkserver re-import as ``__main__``. A process rather than
 a thread: the solve is Python, and a thread holding the GIL for tens of milliseconds would stall the
-training loop's kernel launches for as long. It exits when its stdin closes (its parent is gone).
+training loop's kernel launches for as long. It exits at a frame of ``None`` (:meth:`PlanWorker.close`)
+or when its stdin closes (its parent is gone).
 
 The ranks of a balance group submit the same job (the gathered lengths, the topology, the cost model
 refit alike on every rank), so the workers of one host share its solve (:class:`_SharedPlans`): the
@@ -97,6 +98,7 @@ class PlanWorker:
         self._discarded: set[int] = set()  # unread tickets whose replies are dropped when read
         self._answered = False  # the running worker has replied to a job
         self._started = 0.0  # time.monotonic() at the running worker's start
+        self._torn: subprocess.Popen | None = None  # a worker left with a frame half written to it
 
     def submit(self, seq_lens_per_rank: list[list[int]], *args: Any, timeout_s: float | None = None) -> int:
         """Queue ``plan_routing(seq_lens_per_rank, *args)``, with the job's ticket for :meth:`result`.
@@ -184,11 +186,15 @@ class PlanWorker:
         if process is not None:
             # A stop frame first: a process forked from this one (a DataLoader's workers) holds the
             # write end too, so closing ours alone would not end the worker's input (it was killed
-            # 5 s later, leaving its shared files). Written only where the pipe has room for it
-            # whole (it is under PIPE_BUF); a worker past the frame boundary is being killed anyway.
+            # 5 s later, leaving its shared files). Written whole (it is under PIPE_BUF) where the
+            # pipe has room and no error, and never after half a job's frame, which it would end.
+            # (Such a process holds our read end too: a worker with jobs queued solves them first.)
             with contextlib.suppress(OSError, ValueError):
                 fd = process.stdin.fileno()
-                if _poll({fd: select.POLLOUT}, time.monotonic()).get(fd, 0) & select.POLLOUT:
+                if (
+                    process is not self._torn
+                    and _poll({fd: select.POLLOUT}, time.monotonic()).get(fd) == select.POLLOUT
+                ):
                     os.write(fd, _frame(None))
             for pipe in (process.stdin, process.stdout):  # a worker writing an unread reply gets EPIPE
                 with contextlib.suppress(OSError):  # a dead worker's pipe is broken
@@ -211,6 +217,7 @@ class PlanWorker:
         """
         frame = _frame(value)
         process, data = self._start(), memoryview(frame)
+        self._torn = process  # until the frame is whole (an error or a stop on the way leaves it so)
         while data:
             events = {process.stdin.fileno(): select.POLLOUT}
             if self._unread:
@@ -224,8 +231,10 @@ class PlanWorker:
                     if deadline is not None and time.monotonic() >= deadline:
                         raise TimeoutError  # no new worker only to give it up
                     process, data = self._start(), memoryview(frame)
+                    self._torn = process
             else:  # room for PIPE_BUF bytes (a write of at most that does not block), or a closed end
                 data = data[os.write(process.stdin.fileno(), data[: select.PIPE_BUF]) :]
+        self._torn = None
 
     def _start(self) -> subprocess.Popen:
         if self._process is not None:

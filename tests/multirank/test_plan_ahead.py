@@ -177,6 +177,21 @@ def test_a_worker_stops_at_close_while_a_forked_process_holds_its_input_open(wor
         holder.wait()
 
 
+def test_close_never_completes_a_job_frame_left_half_written(worker):
+    """A send stopped mid-frame (an error reading a reply on the way, an interrupt) leaves part of a
+    job in the pipe: the stop frame would complete it with garbage, so close() then only closes."""
+    import deepspeed_knap.planner.worker as worker_module
+
+    topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
+    frame = worker_module._frame(((lengths, topology, MODEL, DEFAULT_SOLVER, None), None))
+    worker.start()
+    process = worker._process
+    os.write(process.stdin.fileno(), frame[:-5])
+    worker._torn = process  # as _send leaves it when it stops mid-frame
+    worker.close()
+    assert process.returncode == 0  # its input ended mid-frame: a clean end, not a garbled job
+
+
 def test_a_job_larger_than_the_pipe_is_sent_while_a_reply_larger_than_its_pipe_is_read(worker, monkeypatch):
     import deepspeed_knap.planner.worker as worker_module
 
