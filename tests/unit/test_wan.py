@@ -49,6 +49,24 @@ def test_state_dict_names_and_shapes_equal_diffusers_both_ways(case):
     ref.load_state_dict(packed(ref).state_dict(), strict=True)
 
 
+def test_a_copy_keeps_each_tensor_s_dtype_where_diffusers_keeps_modules_in_fp32():
+    """diffusers loads Wan in bf16 with ``_keep_in_fp32_modules`` in fp32: ``from_diffusers`` copies
+    each tensor as it is (same values, dtype, device), and the copy trains every parameter."""
+    ref = reference_model("wan21", torch.bfloat16)
+    kept = diffusers.WanTransformer3DModel._keep_in_fp32_modules
+    for name, module in ref.named_modules():
+        if any(part in kept for part in name.split(".")):
+            module.float()
+    theirs = ref.state_dict()
+    assert {t.dtype for t in theirs.values()} == {torch.bfloat16, torch.float32}
+    copy = packed(ref)
+    ours = copy.state_dict()
+    assert {k: v.dtype for k, v in ours.items()} == {k: v.dtype for k, v in theirs.items()}
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value) and ours[key].data_ptr() != value.data_ptr(), key
+    assert all(p.requires_grad and p.device == torch.device("cpu") for p in copy.parameters())
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_packed_outputs_and_gradients_equal_diffusers_per_sample_fp64(case):
     """Every sample of SHAPES (an image, videos of 2-5 frames) in one packed batch; parameter and
