@@ -1105,8 +1105,7 @@ class _GroupSearch(BranchAndBound):
         # budget on small steps (kf_image_video x1/4 at 2 GPUs: 400-2,000 nodes, 12.8 against 1.5 ms
         # a solve, for at most 0.02% of the step), CPU each rank's plan worker took from training
         # where there is a core per rank (docs/benchmarks_measured.md).
-        super().__init__(problem, order, incumbent_max, ELASTIC_EXACT_NODE_BUDGET, SEARCH_TOLERANCE)
-        self.stop_at = elastic_good_enough(problem)
+        super().__init__(problem, order, incumbent_max, ELASTIC_EXACT_NODE_BUDGET, elastic_good_enough(problem))
         self.cap = problem.cap
         # With unequal speeds, the GPU-seconds test on work at speed 1 too (a slow GPU does less of it
         # per load). [S] speeds, or None when all are equal (then they neither bound nor tell states apart).

@@ -22,6 +22,7 @@ from deepspeed_knap.planner.search import (
     STALL_WINDOW,
     SWAP_ITEMS,
     BranchAndBound,
+    good_enough,
     local_search,
 )
 
@@ -255,7 +256,8 @@ class _BagSearch(BranchAndBound):
     def __init__(self, problem: Problem, incumbent_max: int, tolerance: float = 0.0):
         n = len(problem.seq_lens)
         order = np.lexsort((np.arange(n), -problem.cost.min(axis=1)))
-        super().__init__(problem, order, incumbent_max, FIXED_EXACT_NODE_BUDGET, tolerance)
+        super().__init__(problem, order, incumbent_max, FIXED_EXACT_NODE_BUDGET,
+                         good_enough(problem.lower_bound, tolerance))  # fmt: skip
         # [N, C] per sequence of the order: its cost, whether it is allowed, and its tokens per class.
         self.cost, self.allowed, self.need = (problem.cost[order].tolist(), problem.allowed[order].tolist(),
                                               problem.tokens[order].tolist())  # fmt: skip

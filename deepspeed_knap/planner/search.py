@@ -110,28 +110,26 @@ def local_search(
 class BranchAndBound:
     """Depth-first branch and bound over the placements of ``N`` sequences, one at a time in
     ``order`` (``[N]`` sequence ids), within ``node_budget`` nodes, against an incumbent whose max
-    load is ``incumbent_max`` (``BIG``: none yet).
+    load is ``incumbent_max`` (``BIG``: none yet), stopping at an incumbent of max load ``stop_at``
+    or less (:func:`good_enough`; the lower bound: exact within the budget).
 
     A subclass says what a placement is: :meth:`branches` places the ``k``-th sequence of the order
     in turn in every place worth trying (each below the incumbent), and undoes it. This class keeps
     the incumbent, counts nodes, and ends a branch
 
     * at a leaf, which becomes the incumbent (each placement on its way stayed below it);
-    * at the node budget, or once the incumbent is within ``tolerance`` of the lower bound (0: at
-      the bound, exact within the budget);
+    * at the node budget, or once the incumbent's max load is ``stop_at`` or less;
     * when even the cheapest GPU-seconds of the sequences left, spread over all ``S`` GPUs, cannot
       get under the incumbent;
     * where the subclass's :meth:`completes` or :meth:`cuts` says so.
 
-    Within ``tolerance`` of the optimum when the budget suffices.
+    At most ``stop_at`` above the optimum when the budget suffices.
     """
 
-    def __init__(
-        self, problem: Problem, order: np.ndarray, incumbent_max: int, node_budget: int, tolerance: float = 0.0
-    ):
+    def __init__(self, problem: Problem, order: np.ndarray, incumbent_max: int, node_budget: int, stop_at: int):
         self.problem, self.order, self.node_budget = problem, order, node_budget
         self.num_gpus = problem.num_gpus  # read at every node
-        self.stop_at = good_enough(problem.lower_bound, tolerance)
+        self.stop_at = stop_at
         cheapest = np.where(problem.allowed, problem.gpu_seconds, BIG).min(axis=1)[order]
         # [N + 1] the least GPU-seconds of the sequences from the k-th of the order on.
         self.gpu_seconds_left = np.concatenate([np.cumsum(cheapest[::-1])[::-1], [0]]).tolist()
