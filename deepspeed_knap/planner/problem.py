@@ -46,13 +46,17 @@ def _group_loads(
     where nodes end, for the inter-node all-to-all, ``None``: one node)."""
     speeds: np.ndarray | float = 1.0
     across = None
-    if cost_model.gpu_speed is not None or (gpus_per_node is not None and cost_model.prices_inter_node_alltoall):
-        pairs, inverse = np.unique(np.stack([group_start, group_size]), axis=1, return_inverse=True)
-        if cost_model.gpu_speed is not None:  # a group runs at its slowest GPU's speed
-            gpu_speed = np.asarray(cost_model.gpu_speed, dtype=np.float64)
-            speeds = np.array([gpu_speed[s : s + g].min() for s, g in pairs.T])[inverse.ravel()]
-        if gpus_per_node is not None and cost_model.prices_inter_node_alltoall:
-            across = cost_model.cross_node_peers(pairs[0], pairs[1], gpus_per_node)[inverse.ravel()]
+    if cost_model.gpu_speed is not None:  # a group runs at its slowest GPU's speed
+        gpu_speed = np.asarray(cost_model.gpu_speed, dtype=np.float64)
+        if (gpu_speed == gpu_speed[0]).all():  # the online model's speeds before a rank is found slow
+            speeds = float(gpu_speed[0])
+        else:  # per distinct group, keyed by one integer (a 1-D unique: np.unique over columns is slow)
+            keys, inverse = np.unique(group_start * (num_gpus + 1) + group_size, return_inverse=True)
+            starts, sizes = np.divmod(keys, num_gpus + 1)
+            speeds = np.array([gpu_speed[s : s + g].min() for s, g in zip(starts.tolist(), sizes.tolist(),
+                                                                           strict=True)])[inverse]  # fmt: skip
+    if gpus_per_node is not None and cost_model.prices_inter_node_alltoall:
+        across = cost_model.cross_node_peers(group_start, group_size, gpus_per_node)
     per_gpu_s = cost_model.per_gpu_time(seq_lens, group_size, speeds, segment_squares, across)
     gpu_of_member = np.repeat(group_start, group_size) + (
         np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)

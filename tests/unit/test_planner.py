@@ -273,13 +273,14 @@ def test_overhead_review_regressions():
 
 def test_plan_loads_reprices_a_plan_under_another_model():
     """Against a per-sequence loop over the module docstring's formula, with a slow GPU and the
-    fixed overhead every GPU pays at its own speed."""
+    fixed overhead every GPU pays at its own speed, and with every GPU at one speed other than 1
+    (which skips the per-group minimum)."""
     topology = build_topology("g1n2+g2n1")
     solved_with = CostModel(FLUX.linear_coef, FLUX.quadratic_coef, FLUX.alltoall_coef, gpu_speed=(1, 1, 0.5, 1))
-    other = CostModel(2 * FLUX.linear_coef, 0.8 * FLUX.quadratic_coef, 3 * FLUX.alltoall_coef, (1, 0.7, 1, 1),
-                          overhead_s=0.01)  # fmt: skip
+    others = [CostModel(2 * FLUX.linear_coef, 0.8 * FLUX.quadratic_coef, 3 * FLUX.alltoall_coef, speeds,
+                        overhead_s=0.01) for speeds in [(1, 0.7, 1, 1), (0.8,) * 4]]  # fmt: skip
     lengths = [[9_000, 300], [40_000], [], [2_000, 2_000, 60_000]]
-    for solver in SOLVERS:
+    for solver, other in itertools.product(SOLVERS, others):
         plan = plan_routing(lengths, topology, solved_with, solver)
         np.testing.assert_allclose(plan_loads(plan, solved_with), plan.gpu_loads, rtol=1e-12)
         expected = 0.01 / np.asarray(other.gpu_speed)
