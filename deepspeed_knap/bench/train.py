@@ -84,8 +84,9 @@ def parse_slow_rank(text: str) -> tuple[int, float]:
 def ds_config(mode: str, topology: str, world: int, cost_model: dict, online: bool) -> dict:
     """The DeepSpeed config of one mode (ZeRO-1, the ``"knapformer"`` block per mode). ``off`` runs
     the balancer with solver ``none`` on single GPUs: every sequence stays home, as without the
-    block, but its compute is timed the same way (its step pays a lengths gather and two all-to-alls
-    that send nothing). ``solver@topology`` runs the solver on that topology instead of ``topology``."""
+    block, but its compute is timed the same way (its step pays the lengths gather, the agreement on
+    the prefetched plan and the route's check: small all-gathers; a plan that moves no token skips
+    the routes' all-to-alls). ``solver@topology`` runs the solver on that topology instead of ``topology``."""
     mode, _, own_topology = mode.partition("@")
     topology = {"off": f"g1n{world}", "auto": "auto"}.get(mode, own_topology or topology)
     solver = {"off": "none", "knapformer": "knapformer"}.get(mode, "refine")

@@ -136,15 +136,14 @@ class ReusingBalancer(KnapBalancer):
             # loop that packs it; the others would wait in the exchange below, hence the clear error.
             raise RuntimeError(f"rank {self.groups.rank}: the request set {self._set} packed lengths "
                                f"{list(batch.seq_lens)} here, but its route was made for {list(prepared.seq_lens)}")  # fmt: skip
-        layout, group = prepared.routed.layout, self.groups.balance_group
+        layout, group, local = prepared.routed.layout, self.groups.balance_group, prepared.routed.stays_home
         send, recv = layout.send_counts, layout.recv_counts
+        sample_counts = layout.sample_send_counts, layout.sample_recv_counts
         moved = PackedBatch(
-            tokens=exchange(batch.tokens.index_select(0, prepared.send_rows), send, recv, group, "route"),
+            tokens=exchange(batch.tokens.index_select(0, prepared.send_rows), send, recv, group, "route", local),
             seq_lens=prepared.routed.batch.seq_lens,
-            token_data=_exchange_columns(batch.token_data, prepared.send_rows, send, recv, group),
-            sample_data=_exchange_columns(
-                batch.sample_data, prepared.sample_rows, layout.sample_send_counts, layout.sample_recv_counts, group
-            ),
+            token_data=_exchange_columns(batch.token_data, prepared.send_rows, send, recv, group, local),
+            sample_data=_exchange_columns(batch.sample_data, prepared.sample_rows, *sample_counts, group, local),
         )
         return dataclasses.replace(prepared.routed, batch=moved)
 

@@ -69,7 +69,7 @@ class RoutingPlan:
         """``[S]`` int64 tokens each GPU holds after routing."""
         return np.bincount(self.chunk_gpu, weights=self.chunk_len, minlength=self.num_gpus).astype(np.int64)
 
-    @property
+    @functools.cached_property
     def tokens_moved(self) -> int:
         """Tokens that leave their home rank (each comes back in the reverse route)."""
         home = np.repeat(self.seq_src_rank, np.diff(self.chunk_offsets))

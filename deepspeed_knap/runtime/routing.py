@@ -8,7 +8,8 @@ order):
 * :func:`route` moves a :class:`~deepspeed_knap.runtime.packing.PackedBatch` to where a plan puts it: one
   variable-split all-to-all for the token states (differentiable), one for the per-token side
   columns (as raw bytes, so integers are never rounded), one per differentiable per-sample tensor
-  and one for the rest.
+  and one for the rest. A plan that keeps every token home (:attr:`RoutedBatch.stays_home`) runs
+  none of them, nor the other functions' exchanges of its step: every rank knows that alike.
 * :func:`reverse_route` moves routed rows ``[T_routed, ...]`` back to their home rank and order;
   :func:`route_subset_rows` sends rows that only some tokens have (e.g. text states) the way the
   route sent those tokens; :func:`route_sample_rows` sends a sequence's own rows (e.g. the text a
@@ -101,7 +102,8 @@ def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group
     return out
 
 
-def exchange(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Any, kind: str) -> Tensor:
+def exchange(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Any, kind: str,
+             local: bool = False) -> Tensor:  # fmt: skip
     """All-to-all of rows of ``x``: ``send_counts[r]`` consecutive rows go to rank ``r`` of ``group``
     and ``recv_counts[r]`` rows come back from it, stacked in rank order.
 
@@ -110,6 +112,9 @@ def exchange(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], 
         send_counts, recv_counts: one count per rank of ``group``; must mirror the peers' counts.
         group: a ``deepspeed.comm`` process group (``None``: the world).
         kind: label for :func:`record_traffic`.
+        local: no rank of ``group`` sends a row to another this time, and every rank passes ``True``
+            alike (:attr:`RoutedBatch.stays_home`): ``x`` is what would come back, returned without
+            the collective.
 
     Returns:
         ``[sum(recv_counts), ...]`` rows from rank 0, then rank 1, ...
@@ -117,6 +122,10 @@ def exchange(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], 
     send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
     if x.shape[0] != sum(send_counts):
         raise ValueError(f"exchange got {x.shape[0]} rows to send but the split sizes add up to {sum(send_counts)}")
+    if local:
+        if sum(recv_counts) != x.shape[0]:
+            raise ValueError(f"a local exchange sends {x.shape[0]} rows to this rank but receives {sum(recv_counts)}")
+        return x
     if x.requires_grad:
         return _Exchange.apply(x, send_counts, recv_counts, group, kind, _times)
     return _all_to_all(x, send_counts, recv_counts, group, kind, _times)
@@ -144,6 +153,14 @@ class RoutedBatch:
     def seq_ids(self) -> np.ndarray:
         """``[n]`` global sequence id of every chunk held."""
         return self.layout.seq_ids
+
+    @property
+    def stays_home(self) -> bool:
+        """Whether the plan keeps every token on its home GPU. Every exchange of the step's routes
+        then sends nothing to another rank, and skips its collective: every rank knows it alike from
+        the plan, which :func:`route` checked is the same on every rank. (Ulysses exchanges inside
+        a group still run: a sequence shorter than its group may sit whole on its home GPU.)"""
+        return self.plan is not None and self.plan.tokens_moved == 0
 
     def with_tokens(self, tokens: Tensor) -> RoutedBatch:
         """The same routed batch holding ``tokens`` (``[T_routed, ...]``, e.g. a stamped view)."""
@@ -381,14 +398,15 @@ def route(batch: PackedBatch, plan: RoutingPlan, groups: ProcessGroups) -> Route
         )
     layout = gpu_layout(plan, groups.group_rank)
     group, send, recv = groups.balance_group, layout.send_counts, layout.recv_counts
+    local = plan.tokens_moved == 0  # RoutedBatch.stays_home: the plan is the same on every rank (checked above)
     send_rows = torch.as_tensor(layout.send_rows).to(batch.tokens.device)
     sample_rows = torch.as_tensor(layout.sample_send_index).to(batch.tokens.device)
     routed = PackedBatch(
-        tokens=exchange(batch.tokens.index_select(0, send_rows), send, recv, group, "route"),
+        tokens=exchange(batch.tokens.index_select(0, send_rows), send, recv, group, "route", local),
         seq_lens=layout.chunk_lens.tolist(),
-        token_data=_exchange_columns(batch.token_data, send_rows, send, recv, group),
+        token_data=_exchange_columns(batch.token_data, send_rows, send, recv, group, local),
         sample_data=_exchange_columns(
-            batch.sample_data, sample_rows, layout.sample_send_counts, layout.sample_recv_counts, group
+            batch.sample_data, sample_rows, layout.sample_send_counts, layout.sample_recv_counts, group, local
         ),
     )
     return RoutedBatch(routed, layout, plan, groups)
@@ -430,13 +448,14 @@ def reverse_route(rows: Tensor, routed: RoutedBatch) -> Tensor:
     if routed.groups is None:
         return rows
     layout = routed.layout
-    arrived = exchange(rows, layout.recv_counts, layout.send_counts, routed.groups.balance_group, "reverse_route")
+    arrived = exchange(rows, layout.recv_counts, layout.send_counts, routed.groups.balance_group, "reverse_route",
+                       routed.stays_home)  # fmt: skip
     home_order = routed.device_array("home_order", np.argsort(layout.send_rows, kind="stable"))
     return arrived.index_select(0, home_order)
 
 
 def _exchange_columns(
-    columns: Mapping[str, Tensor], send_rows: Tensor, send_counts, recv_counts, group: Any
+    columns: Mapping[str, Tensor], send_rows: Tensor, send_counts, recv_counts, group: Any, local: bool
 ) -> dict[str, Tensor]:
     """Exchange the ``send_rows`` of every column. Columns that need a gradient go one by one through
     the differentiable exchange; the others travel together as raw bytes, so integers arrive bit-exact
@@ -445,12 +464,12 @@ def _exchange_columns(
     as_bytes = {}
     for name, column in columns.items():
         if column.requires_grad:
-            out[name] = exchange(column.index_select(0, send_rows), send_counts, recv_counts, group, "route")
+            out[name] = exchange(column.index_select(0, send_rows), send_counts, recv_counts, group, "route", local)
         else:
             as_bytes[name] = column
     if as_bytes:
         packed = torch.cat([_row_bytes(column.index_select(0, send_rows)) for column in as_bytes.values()], dim=1)
-        arrived = exchange(packed, send_counts, recv_counts, group, "route")
+        arrived = exchange(packed, send_counts, recv_counts, group, "route", local)
         offset = 0
         for name, column in as_bytes.items():
             width = _row_bytes(column[:0]).shape[1]
@@ -503,7 +522,7 @@ def route_subset_rows(rows: Tensor, home_selected: np.ndarray, routed: RoutedBat
     source_of_routed = np.repeat(gpus, layout.recv_counts)
     recv_counts = np.bincount(source_of_routed[routed_selected.cpu().numpy()], minlength=layout.num_gpus)
     send = rows.index_select(0, torch.as_tensor(sent[keep], device=rows.device))
-    return exchange(send, send_counts, recv_counts, routed.groups.balance_group, "route")
+    return exchange(send, send_counts, recv_counts, routed.groups.balance_group, "route", routed.stays_home)
 
 
 def route_sample_rows(rows: Tensor, row_counts: np.ndarray, routed: RoutedBatch, routed_counts: np.ndarray) -> Tensor:
@@ -537,4 +556,4 @@ def route_sample_rows(rows: Tensor, row_counts: np.ndarray, routed: RoutedBatch,
     recv_counts = np.bincount(np.repeat(gpus, layout.sample_recv_counts), routed_counts, layout.num_gpus)
     send = rows.index_select(0, torch.as_tensor(send_rows, device=rows.device))
     return exchange(send, send_counts.astype(np.int64), recv_counts.astype(np.int64), routed.groups.balance_group,
-                    "route")  # fmt: skip
+                    "route", routed.stays_home)  # fmt: skip

@@ -6,6 +6,9 @@ measured and the tests assert on it.
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 
@@ -59,24 +62,42 @@ def _batch(rank: int, dtype: torch.dtype):
     return pack_samples(samples, ("position_ids", "modality", "is_text"), ("cond", "sample_id"))
 
 
+@contextlib.contextmanager
+def _counted_all_to_alls():
+    """Counts this rank's calls of ``deepspeed.comm.all_to_all_single`` (every exchange's collective)."""
+    import deepspeed.comm as dist
+
+    calls, real = [0], dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    with mock.patch.object(dist, "all_to_all_single", counted):
+        yield calls
+
+
 def _conservation(rank: int, world: int, spec: str) -> dict:
-    """Route and reverse-route with every solver and two dtypes; check bit-exactness and placement."""
+    """Route and reverse-route with every solver and two dtypes; check bit-exactness and placement,
+    and count the all-to-alls of plans that keep every token home and of those that move some."""
     from deepspeed_knap.runtime.routing import reverse_route, route
 
     topology, groups, balancer = _setup(rank, world, spec, "refine")
-    checked = {"max_group": 0, "chunks": 0}
+    checked = {"max_group": 0, "chunks": 0, "all_to_alls_home": 0, "all_to_alls_moving": 0}
     for solver in ("none", "knapformer", "refine"):
         balancer.solver = solver
         for dtype in (torch.float64, torch.bfloat16):
             batch = _batch(rank, dtype)
             plan = balancer.plan(batch)
-            routed = route(batch, plan, groups)
-            assert routed.batch.problem() is None
-            # Round trip: bitwise, tokens and every side column.
-            assert torch.equal(reverse_route(routed.batch.tokens, routed), batch.tokens)
-            for name, column in batch.token_data.items():
-                back = reverse_route(routed.batch.token_data[name], routed)
-                assert back.dtype == column.dtype and torch.equal(back, column), name
+            with _counted_all_to_alls() as calls:
+                routed = route(batch, plan, groups)
+                assert routed.batch.problem() is None
+                # Round trip: bitwise, tokens and every side column.
+                assert torch.equal(reverse_route(routed.batch.tokens, routed), batch.tokens)
+                for name, column in batch.token_data.items():
+                    back = reverse_route(routed.batch.token_data[name], routed)
+                    assert back.dtype == column.dtype and torch.equal(back, column), name
+            checked["all_to_alls_home" if plan.tokens_moved == 0 else "all_to_alls_moving"] += calls[0]
             # Placement: every held chunk is exactly that slice of its sequence, with its sample's rows.
             home_ranks = {g: groups.replica * topology.group_size + g for g in range(topology.group_size)}
             offset = 0
@@ -139,7 +160,9 @@ def _equivalence(rank: int, world: int, spec: str) -> dict:
     topology, groups, balancer = _setup(rank, world, spec, "refine")
     mixed = MixedPlans(groups, balancer.cost_model)
     result = {}
-    for dtype, solver in ((torch.float64, "refine"), (torch.float32, "knapformer"), (torch.float64, "mixed")):
+    # "mixed" last: it replaces the balancer.
+    for dtype, solver in ((torch.float64, "refine"), (torch.float32, "knapformer"), (torch.float64, "none"),
+                          (torch.float64, "mixed")):  # fmt: skip
         if solver == "mixed":
             balancer = mixed
         else:
@@ -147,9 +170,12 @@ def _equivalence(rank: int, world: int, spec: str) -> dict:
         torch.manual_seed(0)
         model = TinyDiT(DIM, HEADS, COND, topology=topology).to(dtype)
         batch = _batch(rank, dtype)
+        with _counted_all_to_alls() as calls:  # forward and backward, with balancing and without
+            errors = _balanced_against_unbalanced(model, batch, balancer, rank)
         result[f"{dtype}-{solver}"] = {
-            **_balanced_against_unbalanced(model, batch, balancer, rank),
+            **errors,
             "max_group": int(balancer.plan(batch).seq_group_size.max(initial=1)),
+            "all_to_alls": calls[0],
         }
     return result
 
@@ -203,10 +229,14 @@ def test_routing_is_exact_and_balanced_model_equals_unbalanced(spec, world):
         conservation, equivalence = result["conservation"], result["equivalence"]
         assert conservation["max_group"] == largest_bag, "the solvers must really use the bags"
         for case, tolerance in (("torch.float64-refine", 1e-10), ("torch.float32-knapformer", 1e-5),
-                                ("torch.float64-mixed", 1e-10)):  # fmt: skip
+                                ("torch.float64-mixed", 1e-10), ("torch.float64-none", 1e-10)):  # fmt: skip
             assert equivalence[case]["out_err"] <= tolerance, (rank, case, equivalence)
             assert equivalence[case]["grad_err"] <= tolerance, (rank, case, equivalence)
         assert equivalence["torch.float32-knapformer"]["max_group"] == largest_bag
+        # A plan that keeps every token home routes without a collective, forward or backward; the
+        # others' all-to-alls are counted, so the counter does see them.
+        assert conservation["all_to_alls_home"] == equivalence["torch.float64-none"]["all_to_alls"] == 0, result
+        assert conservation["all_to_alls_moving"] > 0 and equivalence["torch.float64-refine"]["all_to_alls"] > 0
     assert sum(r["conservation"]["chunks"] for r in results) > 0
 
 
