@@ -141,6 +141,12 @@ class CostModel:
             every peer, and topology ``auto`` gives its groups of whole nodes only the sequences the
             memory cap keeps out of every group inside a node (the model cannot tell what crossing
             costs); set, they are a cost decision like any group.
+        route_latency_s: seconds a step's route phase costs once any token leaves its home GPU,
+            however few: the fixed cost of the route's and the reverse route's all-to-alls, forward
+            and backward, which a plan that keeps every token home skips
+            (:attr:`~deepspeed_knap.runtime.routing.RoutedBatch.stays_home`). The planner keeps
+            every sequence home unless balancing saves more than it and the per-token price. 0 (the
+            default): not priced, the plans of before.
     """
 
     linear_coef: float
@@ -155,6 +161,7 @@ class CostModel:
     route_coef: float = 0.0
     inter_node_route_coef: float | None = None
     inter_node_alltoall_coef: float | None = None
+    route_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_heads is not None and (
@@ -162,7 +169,7 @@ class CostModel:
         ):
             raise ValueError(f"cost model num_heads must be a positive integer or None; got {self.num_heads!r}")
         for name in ("linear_coef", "quadratic_coef", "alltoall_coef", "overhead_s", "sequence_coef", "route_coef",
-                     "inter_node_route_coef", "inter_node_alltoall_coef"):  # fmt: skip
+                     "inter_node_route_coef", "inter_node_alltoall_coef", "route_latency_s"):  # fmt: skip
             value = getattr(self, name)
             if value is None and name.startswith("inter_node_"):  # None: as the intra-node coefficient
                 continue
@@ -362,8 +369,8 @@ class CostModel:
 
     @property
     def prices_routes(self) -> bool:
-        """Whether moving a token costs anything (a route coefficient above 0)."""
-        return self.route_coef > 0 or self.inter_node_route > 0
+        """Whether moving a token costs anything (a route coefficient or the route latency above 0)."""
+        return self.route_coef > 0 or self.inter_node_route > 0 or self.route_latency_s > 0
 
     def head_factor(self, bag_size: np.ndarray | int) -> np.ndarray:
         """``[...]`` ``ceil(H / G) * G / H`` of each bag size ``G``: how much longer a bag's attention

@@ -62,10 +62,11 @@ likewise (the scaled prior's ``c`` returns), and the route fit below. Left to de
 in subnormal floats whose ratios are noise (``c`` of 1 s per token after 8,000 steps).
 
 With ``fit_route``, the route coefficient (:attr:`~deepspeed_knap.cost.model.CostModel.route_coef`,
-seconds of one token's round trip) is refit from the route phases (the route and reverse-route
-exchanges, forward and backward) by least squares through the origin on weighted running sums::
+seconds of one token's round trip) and the route latency (``route_latency_s``, what the phase costs
+once anything moves) are refit from the route phases (the route and reverse-route exchanges, forward
+and backward) by least squares on weighted running sums::
 
-    route_phase[g] = route_coef * x[g],   x[g] = max(sent[g], received[g])
+    route_phase[g] = route_latency_s + route_coef * x[g],   x[g] = max(sent[g], received[g])
 
 ``x[g]`` the tokens GPU ``g`` moves under the plan (:func:`~deepspeed_knap.planner.route.gpu_traffic`)
 and ``route_phase[g]`` its measured route-phase seconds, which include its wait for its partners.
@@ -73,12 +74,17 @@ Each step gives one pair ``(x, t)``: of the GPUs that moved tokens, the one whos
 moved token are least (it waited least). A GPU's time is paired with its own traffic, not with the
 busiest GPU's: a GPU outside the route (nothing to send or receive) finishes its all-to-alls at once,
 and pairing its time with the busiest GPU's tokens would price routes near zero (measured on 3 gloo
-ranks: 2 ms against 170 ms). ``route_coef = sum x*t / sum x**2 >= 0``. The fixed latency of the
-all-to-alls (paid whatever moves) is counted per token at the steps' ``x``: an upper estimate of what
-one more moved token costs, so the planner errs towards keeping sequences home (it also overstates
-what keeping a sequence home saves: the all-to-alls run whether or not anything moves). A latency
-term is not fitted beside it: from step to step the moved tokens vary by a few percent (3% on
-``kf_mixed_res`` at 8 GPUs), too little to tell the two apart. The coefficient is refit once
+ranks: 2 ms against 170 ms). Both are fitted ``>= 0``, and the latency only where it is shown
+(``EVIDENCE`` standard errors, as a rank's speed): otherwise through the origin,
+``route_coef = sum x*t / sum x**2``, the latency counted per token at the steps' ``x`` (an upper
+estimate of what one more moved token costs, so the planner errs towards keeping sequences home).
+From step to step the moved tokens may vary by a few percent only (3% on ``kf_mixed_res`` at 8
+GPUs), too little to tell the two apart; where they vary more (on 2 CPU ranks of ``kf_lowres``
+x1/4, 30 to 700 tokens, a route phase of 2-10 ms whatever moved) a fit through the origin, ruled by
+the large moves, priced a small move at a tenth of its cost, and ``auto`` moved a few tokens to
+even out a 1-2% imbalance for the all-to-alls' 5 ms. A plan that keeps every token home skips them
+(:attr:`~deepspeed_knap.runtime.routing.RoutedBatch.stays_home`), so the latency is a real price of
+moving anything. The coefficients are refit once
 ``warmup_steps`` measured steps moved tokens, and it replaces the prior's even when that is 0: route
 pricing turns on from the measurements. Steps that move nothing say nothing; but a price that keeps
 every sequence home would never be measured again, so the fit expires: once the newest step that
@@ -151,8 +157,8 @@ class OnlineSettings:
             need the scatter of two steps, stay 1 and 0).
         refit_interval: refit every this many observed steps.
         max_speed_ratio: a rank's speed factor stays within ``[1/r, r]`` of the median rank's.
-        fit_route: refit ``route_coef`` from the measured route phases (module docstring); off: the
-            prior's route coefficients are kept.
+        fit_route: refit ``route_coef`` and ``route_latency_s`` from the measured route phases
+            (module docstring); off: the prior's are kept.
     """
 
     warmup_steps: int = 5
@@ -207,6 +213,8 @@ def plan_terms(
 _SUMS = ("w", "x", "y", "xx", "xy", "yy", "t", "tx", "ty", "tt", "u", "ux", "uy", "ut", "uu")
 # ... and the squared weights (forgetting ** (2 * age)), for the effective number of steps w**2 / ww.
 _SQUARED_WEIGHT = "ww"
+# The route fit's running sums (module docstring), weighted alike, and its squared weight.
+_ROUTE_SUMS = ("w", "x", "xx", "t", "xt", "tt", "ww")
 
 
 class OnlineCostModel:
@@ -224,8 +232,9 @@ class OnlineCostModel:
         self.settings = settings or OnlineSettings()
         self.sums = [dict.fromkeys((*_SUMS, _SQUARED_WEIGHT), 0.0) for _ in range(num_gpus)]
         self.alltoall_sums = [0.0, 0.0]  # weighted least-waiting Ulysses rate, weight
-        # Weighted sums over the measured steps of R**2 and R * route seconds (module docstring).
-        self.route_sums = [0.0, 0.0]
+        # Weighted sums over the measured steps that moved tokens (module docstring): the weight and
+        # squared weight, x, x**2, t, x*t and t**2 of the pair (x moved tokens, t route seconds).
+        self.route_sums = dict.fromkeys(_ROUTE_SUMS, 0.0)
         self.route_steps = 0  # measured steps that moved tokens
         self.route_fitted = False  # route_coef refit at least once
         self.route_evidence = 0.0  # the weight of the newest step that moved tokens (1: this step)
@@ -284,7 +293,9 @@ class OnlineCostModel:
         """Add the step's least-waiting moving GPU: its route-phase seconds against its own moved
         tokens (module docstring)."""
         forgetting = self.settings.forgetting
-        self.route_sums = [self.route_sums[0] * forgetting, self.route_sums[1] * forgetting]
+        sums = self.route_sums
+        for key in _ROUTE_SUMS:
+            sums[key] *= forgetting * forgetting if key == "ww" else forgetting
         self.route_evidence *= forgetting
         if not route_us:
             return
@@ -295,23 +306,31 @@ class OnlineCostModel:
         if not pairs:
             return  # nothing moved, or no timer: through the origin, the step says nothing
         x, t = min(pairs, key=lambda pair: pair[1] / pair[0])  # the first of equals: the same on every rank
-        if self.route_fitted and self.current.route_coef > 0:  # one stalled step counts boundedly
-            predicted, bound = self.current.route_coef * x, self.settings.max_speed_ratio
+        predicted = self.current.route_latency_s + self.current.route_coef * x
+        if self.route_fitted and predicted > 0:  # one stalled step counts boundedly
+            bound = self.settings.max_speed_ratio
             t = min(max(t, predicted / bound), predicted * bound)
-        self.route_sums = [self.route_sums[0] + x * x, self.route_sums[1] + x * t]
+        for key, value in zip(_ROUTE_SUMS, (1.0, x, x * x, t, x * t, t * t, 1.0), strict=True):
+            sums[key] += value
         self.route_steps += 1
         self.route_evidence = 1.0
 
     def _refit_route(self) -> None:
-        """``route_coef`` from the route sums (module docstring), once enough steps moved tokens;
-        the prior's again once that evidence has expired."""
+        """``route_coef`` and ``route_latency_s`` from the route sums (module docstring), once enough
+        steps moved tokens; the prior's again once that evidence has expired."""
+        sums = self.route_sums
         if self.route_fitted and self.route_evidence < _EVIDENCE_EXPIRED:
             # route_steps is kept: the next step that moves tokens refits at once, so a prior of 0
             # prices moving as free for one step, not for warmup_steps.
-            self.current = dataclasses.replace(self.current, route_coef=self.prior.route_coef)
-            self.route_sums, self.route_fitted = [0.0, 0.0], False
-        elif self.route_steps >= self.settings.warmup_steps and self.route_sums[0] > 0:  # > 0: not decayed away
-            self.current = dataclasses.replace(self.current, route_coef=self.route_sums[1] / self.route_sums[0])
+            self.current = dataclasses.replace(self.current, route_coef=self.prior.route_coef,
+                                               route_latency_s=self.prior.route_latency_s)  # fmt: skip
+            self.route_sums, self.route_fitted = dict.fromkeys(_ROUTE_SUMS, 0.0), False
+        elif self.route_steps >= self.settings.warmup_steps and sums["xx"] > 0:  # > 0: not decayed away
+            gram, rhs = [[sums["w"], sums["x"]], [sums["x"], sums["xx"]]], [sums["t"], sums["xt"]]
+            latency, coef = nonnegative_normal_equations(gram, rhs, sums["tt"])
+            if latency > 0 and not _shown(gram, rhs, sums["tt"], [latency, coef], 0, EVIDENCE, sums["w"], sums["ww"]):
+                latency, coef = 0.0, sums["xt"] / sums["xx"]  # not shown: through the origin
+            self.current = dataclasses.replace(self.current, route_coef=coef, route_latency_s=latency)
             self.route_fitted = True
 
     def model(self) -> CostModel:

@@ -3,7 +3,7 @@ sequence home when moving it costs more than it saves.
 
 A plan's modeled step is its compute (the busiest GPU's load) plus its route phase::
 
-    step = max_g load[g]  +  max_g max(send[g], receive[g]),
+    step = max_g load[g]  +  [any token moves] * route_latency_s  +  max_g max(send[g], receive[g]),
     send[g] = intra_sent[g] * route_coef + inter_sent[g] * inter_node_route_coef
 
 (``receive`` alike), where ``intra_sent[g]`` counts the tokens GPU ``g`` sends to other GPUs of its
@@ -11,8 +11,11 @@ node and ``inter_sent[g]`` those it sends to other nodes. The route is one all-t
 sends and receives at once over full-duplex links, and the phase ends with the GPU that has the
 most to move. :attr:`~deepspeed_knap.cost.model.CostModel.route_coef` is the seconds of one token's
 round trip (the route and the reverse route, forward and backward), so one term prices all four
-exchanges. With both coefficients 0 the step is the compute alone and nothing here runs: plans are
-those of the compute-only planner, bit for bit.
+exchanges. :attr:`~deepspeed_knap.cost.model.CostModel.route_latency_s` is what the route phase
+costs once anything moves, however little: the all-to-alls' fixed cost, which a plan that keeps
+every token home skips (:attr:`~deepspeed_knap.runtime.routing.RoutedBatch.stays_home`). With all
+three 0 the step is the compute alone and nothing here runs: plans are those of the compute-only
+planner, bit for bit.
 
 Determinism: token counts are exact integers; loads are the planner's quantised integer units
 (:class:`~deepspeed_knap.planner.problem.Problem`); a route time is two float products and a sum
@@ -66,7 +69,8 @@ def route_seconds(cost_model: CostModel, traffic: np.ndarray) -> float:
     intra, inter = cost_model.route_coef, cost_model.inter_node_route
     send = traffic[0] * intra + traffic[1] * inter
     receive = traffic[2] * intra + traffic[3] * inter
-    return float(np.maximum(send, receive).max(initial=0.0))
+    latency = cost_model.route_latency_s if traffic.any() else 0.0
+    return latency + float(np.maximum(send, receive).max(initial=0.0))
 
 
 def keep_home(
@@ -142,6 +146,7 @@ class _HomeState:
         # Route seconds per token in load units: one float product each, the same on every rank.
         self.intra = cost_model.route_coef / seconds_per_unit
         self.inter = cost_model.inter_node_route / seconds_per_unit
+        self.latency = cost_model.route_latency_s / seconds_per_unit
         self.step = self._step(self.loads, self.traffic)
 
     def copy(self) -> _HomeState:
@@ -154,7 +159,8 @@ class _HomeState:
     def _step(self, loads: np.ndarray, traffic: np.ndarray) -> float:
         send = traffic[0] * self.intra + traffic[1] * self.inter
         receive = traffic[2] * self.intra + traffic[3] * self.inter
-        return float(loads.max(initial=0)) + float(np.maximum(send, receive).max(initial=0.0))
+        latency = self.latency if traffic.any() else 0.0
+        return float(loads.max(initial=0)) + (latency + float(np.maximum(send, receive).max(initial=0.0)))
 
     def moved(self) -> list[tuple[int, int]]:
         """``(sequence, tokens it moves)`` of every sequence not alone at home."""

@@ -428,7 +428,7 @@ class KnapBalancer:
         median relative error over ranks, the balancer's overhead in it (``overhead``: from the
         second step, :func:`balancer_overhead_s` of every rank's times over the longest rank's step;
         waits for slower ranks left out), and with online refit the smallest and largest rank speed
-        and, once refit from the route phases, ``route_coef``.
+        and, once refit from the route phases, ``route_coef`` and ``route_latency_s``.
         Local: no collective."""
         if self._last is None:
             raise RuntimeError("no step has been planned yet; call metrics() after the model's forward")
@@ -459,6 +459,7 @@ class KnapBalancer:
             metrics["knapformer/speed_max"] = max(self.online.speeds)
             if self.online.route_fitted:
                 metrics["knapformer/route_coef"] = self.online.model().route_coef
+                metrics["knapformer/route_latency_s"] = self.online.model().route_latency_s
         return metrics
 
     def _log(self, metrics: dict[str, float]) -> None:
@@ -480,6 +481,7 @@ class KnapBalancer:
             line += f", rank speeds {metrics['knapformer/speed_min']:.2f}..{metrics['knapformer/speed_max']:.2f}"
         if "knapformer/route_coef" in metrics:
             line += f", route {metrics['knapformer/route_coef'] * 1e9:.3g} ns/token"
+            line += f" + {metrics['knapformer/route_latency_s'] * 1e3:.3g} ms once any token moves"
         logger.info(line)
         if self.monitor is not None and self.monitor.enabled:
             self.monitor.write_events([(name, value, self.steps) for name, value in metrics.items()])

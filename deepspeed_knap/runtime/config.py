@@ -62,8 +62,8 @@ class _KnapConfigModel(DeepSpeedConfigModel):
 
 
 class KnapOnlineConfig(_KnapConfigModel):
-    """The ``"online"`` refit of the cost model: ``a``, ``b``, ``c``, a speed factor per rank and
-    ``route_coef`` fitted to the measured step times, every step, identically on every rank; the cost
+    """The ``"online"`` refit of the cost model: ``a``, ``b``, ``c``, a speed factor per rank,
+    ``route_coef`` and ``route_latency_s`` fitted to the measured step times, every step, identically on every rank; the cost
     model's source is the prior. ``"online": true`` is this block with its defaults."""
 
     enabled: StrictBool = True
@@ -77,8 +77,9 @@ class KnapOnlineConfig(_KnapConfigModel):
     max_speed_ratio: float = Field(OnlineSettings.max_speed_ratio, gt=1, allow_inf_nan=False)
     """A rank's speed factor stays within this factor of the median rank's."""
     fit_route: StrictBool = OnlineSettings.fit_route
-    """Refit ``route_coef`` from the measured route phases (once enough steps moved tokens), even
-    from a prior of 0: route pricing then turns on. ``false``: the given route coefficients are kept."""
+    """Refit ``route_coef`` and ``route_latency_s`` from the measured route phases (once enough steps
+    moved tokens), even from a prior of 0: route pricing then turns on. ``false``: the given route
+    coefficients are kept."""
 
     @model_validator(mode="before")
     @classmethod
@@ -139,6 +140,11 @@ class KnapCostModelConfig(_KnapConfigModel):
     the calibration file's ``route_coef``, else 0: moving is free (the plans of before)."""
     inter_node_route_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """The same to a GPU of another node; default: ``route_coef``."""
+    route_latency_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """Seconds the route phase costs once any token leaves its home GPU, however few (the
+    all-to-alls' fixed cost, which a plan keeping every token home skips), with any source: the
+    planner keeps every sequence home unless balancing saves more. Default: the calibration file's
+    ``route_latency_s``, else 0 (the plans of before); the online refit fits it (``fit_route``)."""
     inter_node_alltoall_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Measured ``c'`` (seconds per token of Ulysses traffic to a group's peers on other nodes), with
     any source; with a preset it replaces what ``inter_node_alltoall_gbps`` gives. Default: the
@@ -146,7 +152,8 @@ class KnapCostModelConfig(_KnapConfigModel):
     ``auto``'s groups of whole nodes only for the cap)."""
     calibration_file: str | None = None
     """JSON with ``linear_coef``, ``quadratic_coef`` and optionally ``alltoall_coef``,
-    ``degree_efficiency`` and ``route_coef``, as ``deepspeed-knap calibrate`` writes it."""
+    ``degree_efficiency``, ``route_coef`` and ``route_latency_s``, as ``deepspeed-knap calibrate``
+    writes it (it writes no ``route_latency_s``: the online refit fits it)."""
     frozen_base: StrictBool = False
     """Preset model: the base weights are frozen (LoRA), so linear layers' backward skips the
     weight gradient (2 forwards' worth instead of 3)."""
@@ -198,7 +205,9 @@ class KnapCostModelConfig(_KnapConfigModel):
         """The :class:`~deepspeed_knap.cost.model.CostModel` this section describes."""
         model = self._compute_model()  # a calibration file's route_coef is the default
         route = model.route_coef if self.route_coef is None else self.route_coef
-        model = dataclasses.replace(model, route_coef=route, inter_node_route_coef=self.inter_node_route_coef)
+        latency = model.route_latency_s if self.route_latency_s is None else self.route_latency_s
+        model = dataclasses.replace(model, route_coef=route, inter_node_route_coef=self.inter_node_route_coef,
+                                    route_latency_s=latency)  # fmt: skip
         if self.inter_node_alltoall_coef is None:
             return model
         return dataclasses.replace(model, inter_node_alltoall_coef=self.inter_node_alltoall_coef)
@@ -224,12 +233,13 @@ def _read_calibration(path: str) -> CostModel:
                              float(data.get("alltoall_coef", 0.0)), None,
                              degree_efficiency_pairs(data.get("degree_efficiency")),
                              num_heads=int(data["num_heads"]) if data.get("num_heads") else None,
-                             route_coef=float(data.get("route_coef", 0.0)))  # fmt: skip
+                             route_coef=float(data.get("route_coef", 0.0)),
+                             route_latency_s=float(data.get("route_latency_s", 0.0)))  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"knapformer.cost_model.calibration_file {path!r} is unreadable ({error}); it must be a JSON object with "
-            "linear_coef, quadratic_coef and optionally alltoall_coef, degree_efficiency, num_heads and route_coef, as "
-            "deepspeed-knap calibrate writes"
+            "linear_coef, quadratic_coef and optionally alltoall_coef, degree_efficiency, num_heads, route_coef and "
+            "route_latency_s, as deepspeed-knap calibrate writes"
         ) from None
 
 

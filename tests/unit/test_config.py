@@ -56,11 +56,13 @@ def test_route_coefficients_go_with_any_source():
     assert preset.route_coef == 2e-6 and preset.inter_node_route == 2e-6
     assert preset.linear_coef == default_cost_model("flux-tiny").linear_coef
     measured = block(cost_model={"linear_coef": 1e-6, "quadratic_coef": 1e-9, "route_coef": 1e-7,
-                                 "inter_node_route_coef": 4e-7}).cost_model.build()  # fmt: skip
-    assert measured == CostModel(1e-6, 1e-9, route_coef=1e-7, inter_node_route_coef=4e-7)
-    for bad in (-1e-6, True, "fast"):
-        with pytest.raises(ValueError, match=r"knapformer\.cost_model\.route_coef"):
-            block(cost_model={"route_coef": bad})
+                                 "inter_node_route_coef": 4e-7, "route_latency_s": 0.004}).cost_model.build()  # fmt: skip
+    assert measured == CostModel(1e-6, 1e-9, route_coef=1e-7, inter_node_route_coef=4e-7, route_latency_s=0.004)
+    assert preset.route_latency_s == 0  # not given: not priced
+    for field in ("route_coef", "route_latency_s"):
+        for bad in (-1e-6, True, "fast"):
+            with pytest.raises(ValueError, match=rf"knapformer\.cost_model\.{field}"):
+                block(cost_model={field: bad})
 
 
 def test_inter_node_all_to_all_bandwidth_and_coefficient():
@@ -109,9 +111,12 @@ def test_calibration_file(tmp_path):
     assert model.degree_efficiency == ((2, 0.9), (4, 0.8))
     assert model.per_gpu_time(1000, 4) == pytest.approx((2e-6 * 1000 + 3e-10 * 1e6) / (4 * 0.8))
     # A file's route_coef (calibrate --route-gbps) is the default; the block's own replaces it.
-    path.write_text(json.dumps({"linear_coef": 2e-6, "quadratic_coef": 3e-10, "route_coef": 5e-8}))
-    assert block(cost_model={"calibration_file": str(path)}).cost_model.build().route_coef == 5e-8
-    assert block(cost_model={"calibration_file": str(path), "route_coef": 0}).cost_model.build().route_coef == 0
+    path.write_text(json.dumps({"linear_coef": 2e-6, "quadratic_coef": 3e-10, "route_coef": 5e-8,
+                                "route_latency_s": 0.002}))  # fmt: skip
+    from_file = block(cost_model={"calibration_file": str(path)}).cost_model.build()
+    assert (from_file.route_coef, from_file.route_latency_s) == (5e-8, 0.002)
+    given = block(cost_model={"calibration_file": str(path), "route_coef": 0, "route_latency_s": 0}).cost_model.build()
+    assert (given.route_coef, given.route_latency_s) == (0, 0)
     # Its alltoall_coef (0 from one process: calibrate times no all-to-all) too.
     given = block(cost_model={"calibration_file": str(path), "alltoall_coef": 2e-5}).cost_model.build()
     assert (given.alltoall_coef, given.linear_coef) == (2e-5, 2e-6)

@@ -435,3 +435,37 @@ def test_a_slow_rank_is_learned_and_gets_less_work():
     # on both ranks, and the fast rank's wait for the slow one is not in it.
     overhead = results[0]["metrics"]["knapformer/overhead"]
     assert overhead == results[1]["metrics"]["knapformer/overhead"] and 0 < overhead < 1
+
+
+ROUTE_LATENCY_US = 3000  # the generating route latency: what the route phase costs once anything moves
+
+
+def test_route_refit_fits_a_latency_where_the_moved_tokens_vary_and_not_where_they_do_not():
+    """Route phases of ``latency + route_coef * x`` plus each rank's wait. With the step's lengths
+    scaled 0.25x to 2x from step to step, the moved tokens vary enough to tell the two apart: both
+    are recovered. With the lengths as they come (moved tokens within a few percent of each other)
+    the latency is not shown, and the fit goes through the origin as before."""
+
+    def phases(step, plan):
+        return [ROUTE_LATENCY_US + round(ROUTE_COEF * x * 1e6) + wait if x else IDLE_US
+                for x, wait in zip(moved_tokens(plan), WAITS_US, strict=True)]  # fmt: skip
+
+    prior, topology = CostModel(1e-5, 1e-8), build_topology("auto", 8)
+    for scales, shown in (((0.25, 2.0, 0.5, 1.0, 1.5, 0.75), True), ((1.0,), False)):
+        online = OnlineCostModel(prior, 8, OnlineSettings(warmup_steps=3))
+        moved = []
+        for step in range(12):
+            scale = scales[step % len(scales)]
+            lengths = [[max(1, round(s * scale)) for s in rank] for rank in sample_mix("kf_mixed_res", 8, step)]
+            plan = plan_routing(lengths, topology, online.model())
+            moved.append(max(moved_tokens(plan)))
+            online.observe(plan, measure(plan), [0] * 8, None, phases(step, plan))
+        model = online.model()
+        assert online.route_fitted and min(moved) > 0
+        if shown:
+            assert max(moved) > 4 * min(moved)
+            # The paired rank's wait (0-300 us) is noise to the fit: within 5% of the generating pair.
+            assert model.route_latency_s == pytest.approx(ROUTE_LATENCY_US / 1e6, rel=0.05)
+            assert model.route_coef == pytest.approx(ROUTE_COEF, rel=0.05)
+        else:
+            assert model.route_latency_s == 0 and model.route_coef > ROUTE_COEF  # the latency counted per token

@@ -22,10 +22,11 @@ TOPOLOGIES = [("g2n1", 2, None), ("g1n2+g2n1", 4, None), ("g2n2", 4, 2), ("g4n1"
 def reference_step(lengths, src, groups, model: CostModel, gpus_per_node, num_gpus):
     """Modeled step of sequences ``lengths`` (home GPUs ``src``) run in ``groups`` [(start, size)],
     computed chunk by chunk: every GPU's compute plus overhead, the busiest; and the route phase,
-    the largest of any GPU's seconds sending or receiving (intra- and inter-node tokens priced apart)."""
+    the largest of any GPU's seconds sending or receiving (intra- and inter-node tokens priced apart),
+    plus the route latency if any token moved."""
     speed = list(model.gpu_speed or [1.0] * num_gpus)
     loads = [model.overhead_s / v for v in speed]
-    send, receive = [0.0] * num_gpus, [0.0] * num_gpus
+    send, receive, moved = [0.0] * num_gpus, [0.0] * num_gpus, False
     for s, home, (start, size) in zip(lengths, src, groups, strict=True):
         group_speed = min(speed[start : start + size])
         per_gpu = float(model.per_gpu_time(np.array([s]), size, group_speed)[0])
@@ -34,11 +35,13 @@ def reference_step(lengths, src, groups, model: CostModel, gpus_per_node, num_gp
             loads[gpu] += per_gpu
             tokens = s // size + (1 if position < s % size else 0)
             if gpu != home and tokens:
+                moved = True
                 across = gpus_per_node is not None and gpu // gpus_per_node != home // gpus_per_node
                 seconds = tokens * (model.inter_node_route if across else model.route_coef)
                 send[home] += seconds
                 receive[gpu] += seconds
-    return max(loads) + max(max(a, b) for a, b in zip(send, receive, strict=True))
+    latency = model.route_latency_s if moved else 0.0
+    return max(loads) + latency + max(max(a, b) for a, b in zip(send, receive, strict=True))
 
 
 def random_case(rng, num_gpus):
@@ -49,8 +52,15 @@ def random_case(rng, num_gpus):
     route = float(BASE.linear_coef * 10 ** rng.uniform(-2, 0.5))
     inter = None if rng.random() < 0.5 else float(route * rng.uniform(1, 4))
     overhead = 0.0 if rng.random() < 0.7 else 0.05
+    # A latency from a hundredth to about what balancing a step saves (its sequences cost 0.01-2 s).
+    latency = 0.0 if rng.random() < 0.5 else float(10 ** rng.uniform(-2, 0))
     return lengths, dataclasses.replace(BASE, gpu_speed=speeds, route_coef=route, inter_node_route_coef=inter,
-                                        overhead_s=overhead)  # fmt: skip
+                                        overhead_s=overhead, route_latency_s=latency)  # fmt: skip
+
+
+# The model without its route terms: the compute-only planner's.
+def route_free(model: CostModel) -> CostModel:
+    return dataclasses.replace(model, route_coef=0.0, inter_node_route_coef=None, route_latency_s=0.0)
 
 
 def flat(plan):
@@ -83,7 +93,7 @@ def test_no_moved_sequence_costs_more_than_it_saves(spec, num_gpus, gpus_per_nod
             assert alone_step > step - tolerance, (lengths, model, i)
         home_step = reference_step(seq_lens, src, [(h, 1) for h in src], model, gpus_per_node, gpus)
         assert step <= home_step + tolerance
-        free = plan_routing(lengths, topology, dataclasses.replace(model, route_coef=0.0, inter_node_route_coef=None))
+        free = plan_routing(lengths, topology, route_free(model))
         assert step <= reference_step(*flat(free)[:3], model, gpus_per_node, gpus) + tolerance
         kept_home += free.tokens_moved > plan.tokens_moved
     # The cases exercise both outcomes: moves that pay, and moves the route price sent home.
@@ -104,14 +114,13 @@ def test_a_route_term_changes_plans_only_by_the_sequences_it_keeps_home():
         topology = build_topology(spec, num_gpus, gpus_per_node)
         for _ in range(20):
             lengths, model = random_case(rng, num_gpus)
-            free = dataclasses.replace(model, route_coef=0.0, inter_node_route_coef=None)
+            free = route_free(model)
             zero, priced = plan_routing(lengths, topology, free), plan_routing(lengths, topology, model)
             problem = Problem.build(lengths, topology, model, None)
             if zero.tokens_moved == 0:  # nothing to keep home; the priced plan is no slower than home
-                assert (
-                    priced.max_load + plan_route_s(priced, model, topology.gpus_per_node)
-                    <= problem.home_max_load_s + 1e-12
-                )
+                seq_lens, src, _, gpus = flat(priced)
+                home_step = reference_step(seq_lens, src, [(h, 1) for h in src], model, gpus_per_node, gpus)
+                assert priced.max_load + plan_route_s(priced, model, topology.gpus_per_node) <= home_step + 1e-12
                 continue
             start, size = _keep_home(problem, zero.seq_group_start, zero.seq_group_size)
             expected = problem.make_plan("refine", start, size)
@@ -122,6 +131,22 @@ def test_a_route_term_changes_plans_only_by_the_sequences_it_keeps_home():
             assert priced == expected, (spec, lengths, model)
             changed += priced != zero
     assert changed > 5  # the route term did change plans: the check compares two different planners
+
+
+def test_a_route_latency_moves_tokens_only_where_balancing_saves_more():
+    """Two sequences of 4,000 tokens on rank 0 of four single GPUs: moving one saves its compute,
+    0.72 s. A route latency above that keeps both home; below it, one moves. The modeled step
+    (compute, route latency, per-token price) is the reference's, whatever the solver."""
+    lengths, saving = [[4000, 4000], [], [], []], float(BASE.per_gpu_time(np.array([4000]), 1)[0])
+    for spec in ("g1n4", "auto"):
+        topology = build_topology(spec, 4)
+        for latency, moves in ((1.5 * saving, False), (0.5 * saving, True)):
+            model = dataclasses.replace(BASE, route_latency_s=latency, route_coef=1e-7)
+            plan = plan_routing(lengths, topology, model)
+            assert (plan.tokens_moved > 0) == moves, (spec, latency)
+            step = reference_step(*flat(plan)[:3], model, None, 4)
+            assert step == pytest.approx(plan.max_load + plan_route_s(plan, model), rel=1e-12)
+            assert step <= reference_step([4000, 4000], [0, 0], [(0, 1), (0, 1)], model, None, 4) * (1 + 1e-9)
 
 
 def test_a_route_dearer_than_any_saving_keeps_every_sequence_home():
@@ -146,7 +171,7 @@ def test_brought_home_sequences_respect_the_memory_cap():
         assert plan.gpu_tokens.max() <= cap
 
 
-@pytest.mark.parametrize("field", ["route_coef", "inter_node_route_coef"])
+@pytest.mark.parametrize("field", ["route_coef", "inter_node_route_coef", "route_latency_s"])
 def test_negative_route_coefficients_are_refused(field):
     with pytest.raises(ValueError, match=f"{field} must be a finite number >= 0"):
         dataclasses.replace(BASE, **{field: -1e-6})
@@ -154,8 +179,8 @@ def test_negative_route_coefficients_are_refused(field):
 
 def test_brute_force_gap_on_tiny_steps_is_small():
     """Against brute force over every group of every sequence (topology auto, 4 GPUs, 2-4
-    sequences): the route-priced plan's median modeled step is within 2% of the optimum, and it is
-    never worse than keeping every sequence home."""
+    sequences, half the cases with a route latency): the route-priced plan's median modeled step is
+    within 2% of the optimum, and it is never worse than keeping every sequence home."""
     rng = np.random.default_rng(11)
     topology = build_topology("auto", 4)
     options = [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (2, 2), (0, 4)]
@@ -164,7 +189,9 @@ def test_brute_force_gap_on_tiny_steps_is_small():
         lengths = [[int(rng.integers(500, 9000))] if rng.random() < 0.8 else [] for _ in range(4)]
         if not any(lengths):
             continue
-        model = dataclasses.replace(BASE, route_coef=float(BASE.linear_coef * 10 ** rng.uniform(-2, 0)))
+        latency = 0.0 if rng.random() < 0.5 else float(10 ** rng.uniform(-2, -0.5))
+        model = dataclasses.replace(BASE, route_coef=float(BASE.linear_coef * 10 ** rng.uniform(-2, 0)),
+                                    route_latency_s=latency)  # fmt: skip
         plan = plan_routing(lengths, topology, model)
         seq_lens, src, groups, gpus = flat(plan)
         step = reference_step(seq_lens, src, groups, model, None, gpus)
