@@ -79,10 +79,10 @@ ranks: 2 ms against 170 ms). Both are fitted ``>= 0``, and the latency only wher
 ``route_coef = sum x*t / sum x**2``, the latency counted per token at the steps' ``x`` (an upper
 estimate of what one more moved token costs, so the planner errs towards keeping sequences home).
 From step to step the moved tokens may vary by a few percent only (3% on ``kf_mixed_res`` at 8
-GPUs), too little to tell the two apart; where they vary more (on 2 CPU ranks of ``kf_lowres``
-x1/4, 30 to 700 tokens, a route phase of 2-10 ms whatever moved) a fit through the origin, ruled by
-the large moves, priced a small move at a tenth of its cost, and ``auto`` moved a few tokens to
-even out a 1-2% imbalance for the all-to-alls' 5 ms. A plan that keeps every token home skips them
+GPUs), too little to tell the two apart. Where they vary more (on 2 CPU ranks of ``kf_lowres``
+x1/4, 160 to 1,350 tokens, route phases of 2-12 ms) the fit through the origin, ruled by the large
+moves, priced a move of 160 tokens at 1.2 ms against 2-7 ms measured; the free fit there gave
+``L`` 2-4 ms, though not yet at 3 standard errors in 17 steps. A plan that keeps every token home skips them
 (:attr:`~deepspeed_knap.runtime.routing.RoutedBatch.stays_home`), so the latency is a real price of
 moving anything. The coefficients are refit once
 ``warmup_steps`` measured steps moved tokens, and it replaces the prior's even when that is 0: route
