@@ -77,7 +77,8 @@ and pairing its time with the busiest GPU's tokens would price routes near zero 
 ranks: 2 ms against 170 ms). Both are fitted ``>= 0``, and the latency only where it is shown
 (``EVIDENCE`` standard errors, as a rank's speed): otherwise through the origin,
 ``route_coef = sum x*t / sum x**2``, the latency counted per token at the steps' ``x`` (an upper
-estimate of what one more moved token costs, so the planner errs towards keeping sequences home).
+estimate of what one more moved token costs, so the planner errs towards keeping sequences home);
+a latency the prior gives is then kept, and the rest of the phase fitted per token.
 From step to step the moved tokens may vary by a few percent only (3% on ``kf_mixed_res`` at 8
 GPUs), too little to tell the two apart. Where they vary more (on 2 CPU ranks of ``kf_lowres``
 x1/4, 160 to 1,350 tokens, route phases of 2-12 ms) the fit through the origin, ruled by the large
@@ -88,7 +89,7 @@ moving anything. The coefficients are refit once
 ``warmup_steps`` measured steps moved tokens, and it replaces the prior's even when that is 0: route
 pricing turns on from the measurements. Steps that move nothing say nothing; but a price that keeps
 every sequence home would never be measured again, so the fit expires: once the newest step that
-moved tokens weighs under ``_EVIDENCE_EXPIRED``, the prior's coefficient returns and the next step
+moved tokens weighs under ``_EVIDENCE_EXPIRED``, the prior's coefficient and latency return and the next step
 that moves tokens (with a prior of 0, the next plan moves some) refits it at once. Every token
 counts as staying inside its
 node (as ``c`` is fitted); ``inter_node_route_coef`` stays the prior's (given: as given; ``None``:
@@ -328,8 +329,11 @@ class OnlineCostModel:
         elif self.route_steps >= self.settings.warmup_steps and sums["xx"] > 0:  # > 0: not decayed away
             gram, rhs = [[sums["w"], sums["x"]], [sums["x"], sums["xx"]]], [sums["t"], sums["xt"]]
             latency, coef = nonnegative_normal_equations(gram, rhs, sums["tt"])
-            if latency > 0 and not _shown(gram, rhs, sums["tt"], [latency, coef], 0, EVIDENCE, sums["w"], sums["ww"]):
-                latency, coef = 0.0, sums["xt"] / sums["xx"]  # not shown: through the origin
+            if latency <= 0 or not _shown(gram, rhs, sums["tt"], [latency, coef], 0, EVIDENCE, sums["w"], sums["ww"]):
+                # Not shown: the prior's latency (0 unless given), the rest per token through the
+                # origin (with a prior of 0, sum x*t / sum x**2 bit for bit, as before the latency).
+                latency = self.prior.route_latency_s
+                coef = max((sums["xt"] - latency * sums["x"]) / sums["xx"], 0.0)
             self.current = dataclasses.replace(self.current, route_coef=coef, route_latency_s=latency)
             self.route_fitted = True
 

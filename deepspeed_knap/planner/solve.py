@@ -26,8 +26,8 @@ Solvers (``SOLVERS``):
   a budgeted exact branch and bound. If keeping every sequence alone on its home GPU (``none``) is no
   slower, that plan is returned instead: the all-to-all can cost more than balancing gains. Local
   search never raises the max load, so ``refine`` is never worse than ``knapformer`` or ``none`` in
-  modeled max load, and it honours ``max_tokens_per_gpu``. With a route coefficient in the cost
-  model, ``refine`` then brings home (alone on its home GPU) every sequence whose move costs more
+  modeled max load, and it honours ``max_tokens_per_gpu``. With a route coefficient or latency in
+  the cost model, ``refine`` then brings home (alone on its home GPU) every sequence whose move costs more
   route time than it saves compute (:mod:`~deepspeed_knap.planner.route`). On topology ``auto``
   with a ``max_degree`` above the node and a model that prices the all-to-all across nodes
   (``inter_node_alltoall_coef``), ``refine`` also solves the step inside nodes alone and keeps the

@@ -113,8 +113,8 @@ def exchange(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], 
         group: a ``deepspeed.comm`` process group (``None``: the world).
         kind: label for :func:`record_traffic`.
         local: no rank of ``group`` sends a row to another this time, and every rank passes ``True``
-            alike (:attr:`RoutedBatch.stays_home`): ``x`` is what would come back, returned without
-            the collective.
+            alike (:attr:`RoutedBatch.stays_home`): ``x`` is what would come back, returned as it is
+            (the same tensor, where the collective makes a new one), without the collective.
 
     Returns:
         ``[sum(recv_counts), ...]`` rows from rank 0, then rank 1, ...
@@ -123,8 +123,9 @@ def exchange(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], 
     if x.shape[0] != sum(send_counts):
         raise ValueError(f"exchange got {x.shape[0]} rows to send but the split sizes add up to {sum(send_counts)}")
     if local:
-        if sum(recv_counts) != x.shape[0]:
-            raise ValueError(f"a local exchange sends {x.shape[0]} rows to this rank but receives {sum(recv_counts)}")
+        if send_counts != recv_counts or sum(1 for count in send_counts if count) > 1:
+            raise ValueError(f"a local exchange sends and receives rows of this rank only; got send counts "
+                             f"{send_counts} and receive counts {recv_counts}")  # fmt: skip
         return x
     if x.requires_grad:
         return _Exchange.apply(x, send_counts, recv_counts, group, kind, _times)

@@ -444,14 +444,17 @@ def test_route_refit_fits_a_latency_where_the_moved_tokens_vary_and_not_where_th
     """Route phases of ``latency + route_coef * x`` plus each rank's wait. With the step's lengths
     scaled 0.25x to 2x from step to step, the moved tokens vary enough to tell the two apart: both
     are recovered. With the lengths as they come (moved tokens within a few percent of each other)
-    the latency is not shown, and the fit goes through the origin as before."""
+    the latency is not shown, and the fit goes through the origin as before; or, where the prior
+    gives the latency, keeps it and fits the rest per token."""
 
     def phases(step, plan):
         return [ROUTE_LATENCY_US + round(ROUTE_COEF * x * 1e6) + wait if x else IDLE_US
                 for x, wait in zip(moved_tokens(plan), WAITS_US, strict=True)]  # fmt: skip
 
-    prior, topology = CostModel(1e-5, 1e-8), build_topology("auto", 8)
-    for scales, shown in (((0.25, 2.0, 0.5, 1.0, 1.5, 0.75), True), ((1.0,), False)):
+    topology = build_topology("auto", 8)
+    for scales, shown, prior_latency in (((0.25, 2.0, 0.5, 1.0, 1.5, 0.75), True, 0.0), ((1.0,), False, 0.0),
+                                         ((1.0,), False, ROUTE_LATENCY_US / 1e6)):  # fmt: skip
+        prior = CostModel(1e-5, 1e-8, route_latency_s=prior_latency)
         online = OnlineCostModel(prior, 8, OnlineSettings(warmup_steps=3))
         moved = []
         for step in range(12):
@@ -464,8 +467,12 @@ def test_route_refit_fits_a_latency_where_the_moved_tokens_vary_and_not_where_th
         assert online.route_fitted and min(moved) > 0
         if shown:
             assert max(moved) > 4 * min(moved)
-            # The paired rank's wait (0-300 us) is noise to the fit: within 5% of the generating pair.
+            # The paired rank's wait (0-1,200 us) is noise to the fit: within 5% of the generating pair.
             assert model.route_latency_s == pytest.approx(ROUTE_LATENCY_US / 1e6, rel=0.05)
             assert model.route_coef == pytest.approx(ROUTE_COEF, rel=0.05)
-        else:
+        elif prior_latency == 0:
             assert model.route_latency_s == 0 and model.route_coef > ROUTE_COEF  # the latency counted per token
+            through_origin = model.route_coef
+        else:  # the prior's latency kept, the rest per token: below the fit that counted it per token
+            assert model.route_latency_s == prior_latency
+            assert ROUTE_COEF <= model.route_coef < 0.5 * through_origin
