@@ -83,7 +83,8 @@ From step to step the moved tokens may vary by a few percent only (3% on ``kf_mi
 GPUs), too little to tell the two apart. Where they vary more (on 2 CPU ranks of ``kf_lowres``
 x1/4, 160 to 1,350 tokens, route phases of 2-12 ms) the fit through the origin, ruled by the large
 moves, priced a move of 160 tokens at 1.2 ms against 2-7 ms measured; the free fit there gave
-``L`` 2-4 ms, though not yet at 3 standard errors in 17 steps. A plan that keeps every token home skips them
+``L`` 2-4 ms, though not yet at 3 standard errors in 17 steps. A plan that keeps every token home
+runs none of the route's all-to-alls
 (:attr:`~deepspeed_knap.runtime.routing.RoutedBatch.stays_home`), so the latency is a real price of
 moving anything. The coefficients are refit once
 ``warmup_steps`` measured steps moved tokens, and it replaces the prior's even when that is 0: route
