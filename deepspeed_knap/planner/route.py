@@ -66,11 +66,15 @@ def gpu_traffic(
 def route_seconds(cost_model: CostModel, traffic: np.ndarray) -> float:
     """Modeled seconds of the route phase (the module docstring) of a plan's ``traffic`` ``[4, S]``
     (:func:`gpu_traffic`)."""
-    intra, inter = cost_model.route_coef, cost_model.inter_node_route
+    return _route_phase(traffic, cost_model.route_coef, cost_model.inter_node_route, cost_model.route_latency_s)
+
+
+def _route_phase(traffic: np.ndarray, intra: float, inter: float, latency: float) -> float:
+    """The route phase of ``traffic`` ``[4, S]`` at ``intra`` and ``inter`` per token and ``latency``
+    once anything moves, in the units they are given in (seconds, or the planner's load units)."""
     send = traffic[0] * intra + traffic[1] * inter
     receive = traffic[2] * intra + traffic[3] * inter
-    latency = cost_model.route_latency_s if traffic.any() else 0.0
-    return latency + float(np.maximum(send, receive).max(initial=0.0))
+    return (latency if traffic.any() else 0.0) + float(np.maximum(send, receive).max(initial=0.0))
 
 
 def keep_home(
@@ -157,10 +161,7 @@ class _HomeState:
         return other
 
     def _step(self, loads: np.ndarray, traffic: np.ndarray) -> float:
-        send = traffic[0] * self.intra + traffic[1] * self.inter
-        receive = traffic[2] * self.intra + traffic[3] * self.inter
-        latency = self.latency if traffic.any() else 0.0
-        return float(loads.max(initial=0)) + (latency + float(np.maximum(send, receive).max(initial=0.0)))
+        return float(loads.max(initial=0)) + _route_phase(traffic, self.intra, self.inter, self.latency)
 
     def moved(self) -> list[tuple[int, int]]:
         """``(sequence, tokens it moves)`` of every sequence not alone at home."""
