@@ -160,6 +160,10 @@ class KnapBalancer:
         self._worker: PlanWorker | None = None  # started by the first prefetch
         self._prefetches = 0  # prefetch() calls so far: a prefetched plan's id, the same on every rank
         self._ahead: dict[int, _PlanAhead] = {}  # by id, oldest first; at most _MAX_AHEAD
+        # Integers of lengths and segments that ride the lengths gather's header: the most any rank
+        # has sent (rounded up to a power of two), the same on every rank, so a step's lengths take
+        # one all-gather instead of two once the first step has shown their size.
+        self._gather_capacity = 0
         # What forward() was given for the step it plans (attention segments, the model's problem).
         self._step_inputs: tuple[np.ndarray | None, str | None] = (None, None)
         # Host seconds of the next forward's plan by part, until that forward takes them: a prefetch's
@@ -300,8 +304,10 @@ class KnapBalancer:
         previous, report = self._closed, self._report
         self._closed, self._report = None, [-1] * len(_REPORTED)
         start = time.perf_counter()
-        gathered = gather_step_inputs(seq_lens, segments, problem, device, self.groups, report)
+        gathered = gather_step_inputs(seq_lens, segments, problem, device, self.groups, report, self._gather_capacity)
         self._plan_parts["gather"] += time.perf_counter() - start
+        if gathered.row_ints > self._gather_capacity:
+            self._gather_capacity = 1 << (gathered.row_ints - 1).bit_length()
         if previous is not None:
             start = time.perf_counter()
             self._record(*previous, gathered.reports)

@@ -226,11 +226,14 @@ class GatheredStep:
         segments_per_rank: ``S`` lists of ``[K]`` attention-segment rows, one per sequence (the
             planner's ``seq_segments_per_rank``), or ``None`` when no rank gave segments.
         reports: ``S`` reports.
+        row_ints: the integers the rank with the most sequences sent (its lengths and segments):
+            the ``capacity`` a later :func:`gather_step_inputs` needs to take them in one all-gather.
     """
 
     seq_lens_per_rank: list[list[int]]
     segments_per_rank: list[list[list[int]]] | None
     reports: list[list[int]]
+    row_ints: int = 0
 
 
 def gather_step_inputs(
@@ -240,12 +243,15 @@ def gather_step_inputs(
     device: torch.device,
     groups: ProcessGroups,
     report: Sequence[int],
+    capacity: int = 0,
 ) -> GatheredStep:
     """Every rank's lengths, attention segments and report, and every rank's ``problem``: the
-    step's first collective. On the good path two all-gathers (a header, then the lengths with
-    their segments), whatever ``K``; a problem anywhere costs a third, on the failure path only,
-    where every rank is: the problems' text, so every rank raises the same error, naming the rank
-    and what it found (e.g. FLUX.3's bad sample), together and before any other collective.
+    step's first collective. On the good path one all-gather of a header (counts, report) with
+    ``capacity`` integers of rows beside it, when every rank's lengths and segments fit there;
+    otherwise a second all-gather of the rows, whatever ``K``. A problem anywhere costs another, on
+    the failure path only, where every rank is: the problems' text, so every rank raises the same
+    error, naming the rank and what it found (e.g. FLUX.3's bad sample), together and before any
+    other collective.
 
     Args:
         seq_lens: ``[N]`` this rank's sequence lengths.
@@ -256,6 +262,9 @@ def gather_step_inputs(
         device: where the collectives run.
         groups: the process groups.
         report: a few integers every rank gives (the same count on every rank).
+        capacity: how many integers of rows ride the header (the same on every rank; a caller
+            that gathers every step passes the largest ``row_ints`` it has seen, so the lengths
+            cost one collective, not two). 0: the rows always take their own all-gather.
 
     Raises:
         ValueError: on every rank, the same message, when any rank has a problem, or the ranks
@@ -281,7 +290,16 @@ def gather_step_inputs(
                 problem = (f"sequence {bad} has attention segments {table[bad].tolist()}, which do not sum to its "
                            f"length {int(seq_lens[bad])} with non-negative counts")  # fmt: skip
     encoded = (problem or "").encode()
-    header = _all_gather_ints([len(seq_lens), len(encoded), width, *report], device, groups.balance_group)
+    inline = np.zeros(capacity, dtype=np.int64)  # this rank's rows, if they fit and are good
+    if problem is None:
+        mine = np.asarray(seq_lens, dtype=np.int64)[:, None]
+        if width > 0:
+            mine = np.concatenate([mine, table.astype(np.int64, copy=False)], axis=1)
+        if mine.size <= capacity:
+            inline[: mine.size] = mine.ravel()
+    head = [len(seq_lens), len(encoded), width, *report]
+    gathered_head = _all_gather_ints(head + inline.tolist(), device, groups.balance_group)
+    header = [row[: len(head)] for row in gathered_head]
     widths = sorted({w for _, _, w, *_ in header})
     if any(size for _, size, *_ in header):
         longest = max(size for _, size, *_ in header)
@@ -300,16 +318,20 @@ def gather_step_inputs(
     width = widths[0]
     per_row = 1 + max(width, 0)
     count = max(n for n, *_ in header)
-    rows = np.zeros((count, per_row), dtype=np.int64)
-    rows[: len(seq_lens), 0] = np.asarray(seq_lens, dtype=np.int64)
-    if width > 0:
-        rows[: len(seq_lens), 1:] = np.asarray(segments, dtype=np.int64)
-    gathered = _all_gather_ints(rows.ravel().tolist(), device, groups.balance_group) if count else [[] for _ in header]
+    if count * per_row <= capacity:  # every rank's rows came with the header
+        gathered = [row[len(head) : len(head) + count * per_row] for row in gathered_head]
+    else:
+        rows = np.zeros((count, per_row), dtype=np.int64)
+        rows[: len(seq_lens), 0] = np.asarray(seq_lens, dtype=np.int64)
+        if width > 0:
+            rows[: len(seq_lens), 1:] = np.asarray(segments, dtype=np.int64)
+        gathered = _all_gather_ints(rows.ravel().tolist(), device, groups.balance_group)
     tables = [np.array(row, dtype=np.int64).reshape(-1, per_row)[:n] for row, (n, *_) in zip(gathered, header, strict=True)]  # fmt: skip
     return GatheredStep(
         seq_lens_per_rank=[table[:, 0].tolist() for table in tables],
         segments_per_rank=None if width < 0 else [table[:, 1:].tolist() for table in tables],
         reports=[list(rest) for _, _, _, *rest in header],
+        row_ints=count * per_row,
     )
 
 

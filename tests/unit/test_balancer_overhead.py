@@ -34,7 +34,7 @@ def test_recording_the_last_step_and_the_online_refit_count_as_the_refit_part(mo
     """After the lengths gather, the balancer records the closed step's times and refits the cost
     model (online): host work of the balancer's, counted in ``refit`` (not in the gather's time,
     nor nowhere)."""
-    gathered = SimpleNamespace(reports=[[1], [2]])
+    gathered = SimpleNamespace(reports=[[1], [2]], row_ints=0)
     monkeypatch.setattr(balancer_module, "gather_step_inputs", lambda *args: gathered)
     recorded = []
 
@@ -43,7 +43,7 @@ def test_recording_the_last_step_and_the_online_refit_count_as_the_refit_part(mo
         time.sleep(0.05)
 
     balancer = SimpleNamespace(_closed=("times", "plan"), _report=[0], groups=None, _record=record,
-                               _plan_parts=dict.fromkeys(PLAN_PARTS, 0.0))  # fmt: skip
+                               _plan_parts=dict.fromkeys(PLAN_PARTS, 0.0), _gather_capacity=0)  # fmt: skip
     assert KnapBalancer._gather(balancer, [3, 4], None, None, "cpu") is gathered
     assert recorded == [("times", "plan", gathered.reports)]
     assert balancer._plan_parts["refit"] >= 0.045 > balancer._plan_parts["gather"]

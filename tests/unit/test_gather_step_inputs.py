@@ -1,15 +1,18 @@
 """runtime.routing.gather_step_inputs on one rank (its all-gathers replaced by one that returns this
 rank's row): bad attention segments, ragged ones included, become this rank's problem, which reaches
 the header gather, so every rank raises together instead of one raising before it while the others
-wait."""
+wait. With a capacity, the rows ride the header: checked on ranks simulated by threads."""
 
+import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from deepspeed_knap.runtime import balancer as balancer_module
 from deepspeed_knap.runtime import routing
+from deepspeed_knap.runtime.balancer import KnapBalancer
 
 
 @pytest.fixture
@@ -56,3 +59,94 @@ def test_good_segments_are_gathered(gathers):
     step = gather([3, 2], np.array([[1, 2], [2, 0]]))
     assert step.seq_lens_per_rank == [[3, 2]] and step.segments_per_rank == [[[1, 2], [2, 0]]]
     assert step.reports == [[7]]
+
+
+class _Ranks:
+    """``size`` ranks as threads, with an all-gather that, like gloo's, waits for every rank and
+    needs the same number of integers from each (a rank sending a different size would hang or
+    fail there)."""
+
+    def __init__(self, size):
+        self.size, self.barrier = size, threading.Barrier(size, timeout=10)
+        self.slots, self.calls, self.local = [None] * size, [0] * size, threading.local()
+
+    def all_gather_ints(self, values, device, group):
+        rank = self.local.rank
+        self.calls[rank] += 1
+        self.slots[rank] = list(values)
+        self.barrier.wait()
+        gathered = list(self.slots)
+        self.barrier.wait()  # every rank has read the slots before any overwrites them
+        assert len({len(row) for row in gathered}) == 1, f"ranks sent different sizes: {gathered}"
+        return gathered
+
+    def run(self, step):
+        """``step(rank)`` on every rank at once: each rank's result, or the error it raised."""
+        results = [None] * self.size
+
+        def body(rank):
+            self.local.rank = rank
+            try:
+                results[rank] = step(rank)
+            except Exception as error:  # each rank's error, compared by the test
+                results[rank] = error
+
+        threads = [threading.Thread(target=body, args=(rank,)) for rank in range(self.size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return results
+
+
+LENS = [[3, 2, 4], [], [1, 1, 2, 2, 5]]  # three ranks: 9, 0 and 15 integers with K = 2
+SEGMENTS = [[[1, 2], [2, 0], [4, 0]], [], [[1, 0], [0, 1], [1, 1], [2, 0], [3, 2]]]
+
+
+def gather_on_ranks(monkeypatch, capacity, problems=(None, None, None)):
+    ranks = _Ranks(len(LENS))
+    monkeypatch.setattr(routing, "_all_gather_ints", ranks.all_gather_ints)
+
+    def step(rank):
+        segments = np.array(SEGMENTS[rank], dtype=np.int64).reshape(-1, 2)
+        return routing.gather_step_inputs(LENS[rank], segments, problems[rank], torch.device("cpu"),
+                                          SimpleNamespace(balance_group=None), [rank, 10 + rank], capacity)  # fmt: skip
+
+    return ranks.run(step), ranks.calls
+
+
+@pytest.mark.parametrize(("capacity", "collectives"), [(0, 2), (14, 2), (15, 1), (64, 1)])
+def test_the_rows_ride_the_header_when_every_ranks_fit_the_capacity(monkeypatch, capacity, collectives):
+    """The largest rank sends 5 lengths and 10 segment counts: one all-gather from a capacity of 15
+    integers, two below it; every rank gets every rank's rows and report either way."""
+    results, calls = gather_on_ranks(monkeypatch, capacity)
+    assert calls == [collectives] * 3
+    for step in results:
+        assert step.seq_lens_per_rank == LENS and step.segments_per_rank == SEGMENTS
+        assert step.reports == [[0, 10], [1, 11], [2, 12]]
+        assert step.row_ints == 15
+
+
+def test_a_problem_on_one_rank_raises_on_every_rank_with_rows_inline(monkeypatch):
+    results, calls = gather_on_ranks(monkeypatch, 64, problems=(None, "sample 2 is broken", None))
+    assert all(isinstance(error, ValueError) and "balance-group rank(s) [1]: sample 2 is broken" in str(error)
+               for error in results), results  # fmt: skip
+    assert calls == [2] * 3  # the header with the rows, then the problems' text
+
+
+def test_the_balancer_passes_the_largest_rows_seen_rounded_up_to_a_power_of_two(monkeypatch):
+    """KnapBalancer._gather: the first step's lengths take two all-gathers; later ones pass the
+    capacity the gathered rows showed (every rank computes it from the same gathered counts)."""
+    capacities = []
+
+    def gather_step_inputs(seq_lens, segments, problem, device, groups, report, capacity):
+        capacities.append(capacity)
+        return SimpleNamespace(reports=[[-1]], row_ints=row_ints.pop(0))
+
+    monkeypatch.setattr(balancer_module, "gather_step_inputs", gather_step_inputs)
+    row_ints = [15, 16, 3, 17, 0]
+    balancer = SimpleNamespace(_closed=None, _report=[-1], groups=None, _plan_parts={"gather": 0.0},
+                               _gather_capacity=0)  # fmt: skip
+    for _ in range(5):
+        KnapBalancer._gather(balancer, [3], None, None, "cpu")
+    assert capacities == [0, 16, 16, 16, 32]
