@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from tests.support.launch import ROOT, deepspeed_launch, run
+from tests.support.launch import ROOT, local_launch, run
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -26,7 +26,7 @@ def train(tmp_path, name: str, balanced: bool, *args: str) -> tuple[list[float],
     config = {**DEMO_CONFIG, "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": balanced}}
     config_path = tmp_path / f"{name}.json"
     config_path.write_text(json.dumps(config))
-    result = run(deepspeed_launch(SCRIPT, "--deepspeed_config", str(config_path), *COMMON, *args, ranks=2))
+    result = run(local_launch(SCRIPT, "--deepspeed_config", str(config_path), *COMMON, *args, ranks=2))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+) ", result.stdout, re.MULTILINE)]
     return losses, result.stdout + result.stderr

@@ -21,7 +21,7 @@ import re
 import pytest
 import torch
 
-from tests.support.launch import ROOT, deepspeed_launch, run
+from tests.support.launch import ROOT, local_launch, run
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -40,8 +40,8 @@ def train(d, name: str, balanced: bool, *args: str, ranks: int = 2) -> tuple[str
         "cost_model": {"model": "flux3"},
     }
     (d / f"{name}.json").write_text(json.dumps({**DEMO_CONFIG, "knapformer": knapformer}))
-    command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(d / f"{name}.json"), "--steps", str(STEPS),
-                               "--lr", "1e-3", *args, ranks=ranks)  # fmt: skip
+    command = local_launch(SCRIPT, "--deepspeed_config", str(d / f"{name}.json"), "--steps", str(STEPS),
+                           "--lr", "1e-3", *args, ranks=ranks)  # fmt: skip
     result = run(command)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = STEP_LINE.findall(result.stdout)

@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from tests.support.launch import ROOT, deepspeed_launch, run
+from tests.support.launch import ROOT, deepspeed_launch, local_launch, run
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -50,11 +50,10 @@ def train(directory, name: str, balanced: bool, *args: str, stage: int = 3, modu
               "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": balanced, "topology": topology}}  # fmt: skip
     config_path = directory / f"{name}.json"
     config_path.write_text(json.dumps(config))
-    command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(config_path), *args, ranks=ranks)
-    if module:
-        command[command.index(str(SCRIPT)) : command.index(str(SCRIPT))] = ["--module", module]
-    if rank_logs:
-        command.insert(1, f"--enable_each_rank_log={rank_logs}")
+    script = module or SCRIPT  # the module runs the script (tests.support.host_tensors takes it first)
+    module_args = (str(SCRIPT),) if module else ()
+    command = local_launch(script, *module_args, "--deepspeed_config", str(config_path), *args, ranks=ranks,
+                           module=module is not None, rank_logs=rank_logs)  # fmt: skip
     result = run(command)
     steps = STEP_LINE.findall(result.stdout)
     if balanced:

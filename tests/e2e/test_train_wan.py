@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.launch import ROOT, deepspeed_launch, run
+from tests.support.launch import ROOT, deepspeed_launch, local_launch, run
 
 pytest.importorskip("av")
 diffusers = pytest.importorskip("diffusers")
@@ -39,8 +39,8 @@ SOURCES = {"a_clip.mp4": (9, 32, 48), "b_clip.mp4": (13, 48, 64), "c_clip.mp4": 
 def train(d, name: str, balanced: bool, *args: str) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
     config = {**DEMO_CONFIG, "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": balanced}}
     (d / f"{name}.json").write_text(json.dumps(config))
-    command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(d / f"{name}.json"), "--model-path", str(d / "pipe"),
-                               "--data-dir", str(d / "data"), *COMMON, *args, ranks=2)  # fmt: skip
+    command = local_launch(SCRIPT, "--deepspeed_config", str(d / f"{name}.json"), "--model-path", str(d / "pipe"),
+                           "--data-dir", str(d / "data"), *COMMON, *args, ranks=2)  # fmt: skip
     result = run(command)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = STEP_LINE.findall(result.stdout)
