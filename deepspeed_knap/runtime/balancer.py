@@ -84,6 +84,10 @@ _WORKER_STARTING = -2
 # Plans prefetched and not used yet that are kept, the oldest dropped first: one for the next
 # forward and one for the forward after it, in the documented loop; more only after skipped forwards.
 _MAX_AHEAD = 2
+# The most integers of lengths and segments a rank pads into every lengths gather's header (8 KiB):
+# a step with more (a validation pass of many short sequences) takes the second all-gather, sized to
+# that step, rather than every later step paying for its size. A DiT step's rows are far fewer.
+_MAX_GATHER_CAPACITY = 1024
 
 
 @dataclasses.dataclass
@@ -161,8 +165,8 @@ class KnapBalancer:
         self._prefetches = 0  # prefetch() calls so far: a prefetched plan's id, the same on every rank
         self._ahead: dict[int, _PlanAhead] = {}  # by id, oldest first; at most _MAX_AHEAD
         # Integers of lengths and segments that ride the lengths gather's header: the most any rank
-        # has sent (rounded up to a power of two), the same on every rank, so a step's lengths take
-        # one all-gather instead of two once the first step has shown their size.
+        # has sent (rounded up to a power of two, at most _MAX_GATHER_CAPACITY), the same on every
+        # rank, so a step's lengths take one all-gather instead of two once a step has shown their size.
         self._gather_capacity = 0
         # What forward() was given for the step it plans (attention segments, the model's problem).
         self._step_inputs: tuple[np.ndarray | None, str | None] = (None, None)
@@ -306,7 +310,7 @@ class KnapBalancer:
         start = time.perf_counter()
         gathered = gather_step_inputs(seq_lens, segments, problem, device, self.groups, report, self._gather_capacity)
         self._plan_parts["gather"] += time.perf_counter() - start
-        if gathered.row_ints > self._gather_capacity:
+        if self._gather_capacity < gathered.row_ints <= _MAX_GATHER_CAPACITY:
             self._gather_capacity = 1 << (gathered.row_ints - 1).bit_length()
         if previous is not None:
             start = time.perf_counter()
@@ -322,7 +326,10 @@ class KnapBalancer:
         matches, and whether a worker failed, differ between ranks."""
         chosen, failure, bad_batch = -1, None, problem is not None  # a bad batch: the fallback raises
         seq_lens = list(batch.seq_lens)
-        rows = None if segments is None else np.asarray(segments, dtype=np.int64).tolist()
+        try:  # ragged rows raise here on this rank only: the fallback's gather names them on every rank
+            rows = None if segments is None else np.asarray(segments, dtype=np.int64).tolist()
+        except (ValueError, TypeError, OverflowError):
+            rows, bad_batch = None, True
         match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens and ahead.segments == rows),
                      None)  # fmt: skip
         start = time.perf_counter()

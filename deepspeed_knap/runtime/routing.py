@@ -263,8 +263,8 @@ def gather_step_inputs(
         groups: the process groups.
         report: a few integers every rank gives (the same count on every rank).
         capacity: how many integers of rows ride the header (the same on every rank; a caller
-            that gathers every step passes the largest ``row_ints`` it has seen, so the lengths
-            cost one collective, not two). 0: the rows always take their own all-gather.
+            that gathers every step passes at least the largest ``row_ints`` it has seen, so the
+            lengths cost one collective, not two). 0: the rows always take their own all-gather.
 
     Raises:
         ValueError: on every rank, the same message, when any rank has a problem, or the ranks
@@ -272,6 +272,12 @@ def gather_step_inputs(
     """
     problem = problem or None
     width = -1
+    lengths = np.zeros((0, 1), dtype=np.int64)  # [N, 1]: this rank's lengths, once they convert
+    if problem is None:
+        try:  # like the segments below: an error here would leave the other ranks in the header gather
+            lengths = np.asarray(seq_lens, dtype=np.int64).reshape(len(seq_lens), 1)
+        except (ValueError, TypeError, OverflowError) as error:
+            problem = f"sequence lengths are not integers below 2**63 ({error})"
     if segments is not None:
         # Whatever this rank was given, it reaches the header gather below: a conversion that raised
         # here (ragged rows) would leave the other ranks waiting in it. Its error is this rank's problem.
@@ -285,18 +291,15 @@ def gather_step_inputs(
             if table.ndim != 2 or table.shape[0] != len(seq_lens) or (table.size and table.dtype.kind not in "iu"):
                 problem = (f"attention segments of shape {table.shape} ({table.dtype}); expected an [N, K] integer "
                            f"table, one row per sequence ({len(seq_lens)})")  # fmt: skip
-            elif table.size and (table.min() < 0 or (table.sum(axis=1) != np.asarray(seq_lens)).any()):
-                bad = int(np.flatnonzero((table < 0).any(axis=1) | (table.sum(axis=1) != np.asarray(seq_lens)))[0])
+            elif table.size and (table.min() < 0 or (table.sum(axis=1) != lengths[:, 0]).any()):
+                bad = int(np.flatnonzero((table < 0).any(axis=1) | (table.sum(axis=1) != lengths[:, 0]))[0])
                 problem = (f"sequence {bad} has attention segments {table[bad].tolist()}, which do not sum to its "
                            f"length {int(seq_lens[bad])} with non-negative counts")  # fmt: skip
     encoded = (problem or "").encode()
+    mine = lengths if width <= 0 or problem else np.concatenate([lengths, table.astype(np.int64)], axis=1)
     inline = np.zeros(capacity, dtype=np.int64)  # this rank's rows, if they fit and are good
-    if problem is None:
-        mine = np.asarray(seq_lens, dtype=np.int64)[:, None]
-        if width > 0:
-            mine = np.concatenate([mine, table.astype(np.int64, copy=False)], axis=1)
-        if mine.size <= capacity:
-            inline[: mine.size] = mine.ravel()
+    if problem is None and mine.size <= capacity:
+        inline[: mine.size] = mine.ravel()
     head = [len(seq_lens), len(encoded), width, *report]
     gathered_head = _all_gather_ints(head + inline.tolist(), device, groups.balance_group)
     header = [row[: len(head)] for row in gathered_head]
@@ -322,9 +325,7 @@ def gather_step_inputs(
         gathered = [row[len(head) : len(head) + count * per_row] for row in gathered_head]
     else:
         rows = np.zeros((count, per_row), dtype=np.int64)
-        rows[: len(seq_lens), 0] = np.asarray(seq_lens, dtype=np.int64)
-        if width > 0:
-            rows[: len(seq_lens), 1:] = np.asarray(segments, dtype=np.int64)
+        rows[: len(mine)] = mine
         gathered = _all_gather_ints(rows.ravel().tolist(), device, groups.balance_group)
     tables = [np.array(row, dtype=np.int64).reshape(-1, per_row)[:n] for row, (n, *_) in zip(gathered, header, strict=True)]  # fmt: skip
     return GatheredStep(

@@ -103,13 +103,14 @@ LENS = [[3, 2, 4], [], [1, 1, 2, 2, 5]]  # three ranks: 9, 0 and 15 integers wit
 SEGMENTS = [[[1, 2], [2, 0], [4, 0]], [], [[1, 0], [0, 1], [1, 1], [2, 0], [3, 2]]]
 
 
-def gather_on_ranks(monkeypatch, capacity, problems=(None, None, None)):
-    ranks = _Ranks(len(LENS))
+def gather_on_ranks(monkeypatch, capacity, problems=(None, None, None), lens=LENS, segments=SEGMENTS):
+    """Every rank's gather_step_inputs at once; ``segments[rank]`` ``None``: that rank gives none."""
+    ranks = _Ranks(len(lens))
     monkeypatch.setattr(routing, "_all_gather_ints", ranks.all_gather_ints)
 
     def step(rank):
-        segments = np.array(SEGMENTS[rank], dtype=np.int64).reshape(-1, 2)
-        return routing.gather_step_inputs(LENS[rank], segments, problems[rank], torch.device("cpu"),
+        table = None if segments[rank] is None else np.array(segments[rank], dtype=np.int64).reshape(-1, 2)
+        return routing.gather_step_inputs(lens[rank], table, problems[rank], torch.device("cpu"),
                                           SimpleNamespace(balance_group=None), [rank, 10 + rank], capacity)  # fmt: skip
 
     return ranks.run(step), ranks.calls
@@ -125,6 +126,36 @@ def test_the_rows_ride_the_header_when_every_ranks_fit_the_capacity(monkeypatch,
         assert step.seq_lens_per_rank == LENS and step.segments_per_rank == SEGMENTS
         assert step.reports == [[0, 10], [1, 11], [2, 12]]
         assert step.row_ints == 15
+
+
+@pytest.mark.parametrize(("capacity", "collectives"), [(0, 2), (4, 2), (5, 1)])
+def test_lengths_without_segments_ride_the_header_too(monkeypatch, capacity, collectives):
+    results, calls = gather_on_ranks(monkeypatch, capacity, segments=[None] * 3)
+    assert calls == [collectives] * 3
+    for step in results:
+        assert step.seq_lens_per_rank == LENS and step.segments_per_rank is None and step.row_ints == 5
+
+
+@pytest.mark.parametrize("capacity", [0, 64])
+def test_no_sequences_anywhere_take_one_all_gather(monkeypatch, capacity):
+    results, calls = gather_on_ranks(monkeypatch, capacity, lens=[[], [], []], segments=[[], [], []])
+    assert calls == [1] * 3
+    assert all(step.seq_lens_per_rank == [[], [], []] and step.row_ints == 0 for step in results)
+
+
+def test_ranks_with_and_without_segments_raise_together_after_the_header(monkeypatch):
+    results, calls = gather_on_ranks(monkeypatch, 64, segments=[SEGMENTS[0], None, SEGMENTS[2]])
+    assert calls == [1] * 3
+    assert all(isinstance(error, ValueError) and "ranks disagree on attention segments" in str(error)
+               and "[2, -1, 2]" in str(error) for error in results), results  # fmt: skip
+
+
+def test_lengths_that_are_not_integers_are_that_ranks_problem_on_every_rank(monkeypatch):
+    lens = [LENS[0], [1.5, "x"], LENS[2]]
+    results, calls = gather_on_ranks(monkeypatch, 64, lens=lens, segments=[None] * 3)
+    assert calls == [2] * 3  # the header, then the problems' text
+    assert all(isinstance(error, ValueError) and "balance-group rank(s) [1]: sequence lengths are not integers"
+               in str(error) for error in results), results  # fmt: skip
 
 
 def test_a_problem_on_one_rank_raises_on_every_rank_with_rows_inline(monkeypatch):
@@ -144,9 +175,23 @@ def test_the_balancer_passes_the_largest_rows_seen_rounded_up_to_a_power_of_two(
         return SimpleNamespace(reports=[[-1]], row_ints=row_ints.pop(0))
 
     monkeypatch.setattr(balancer_module, "gather_step_inputs", gather_step_inputs)
-    row_ints = [15, 16, 3, 17, 0]
+    row_ints = [15, 16, 3, 17, 0, 5000, 1000, 0]
     balancer = SimpleNamespace(_closed=None, _report=[-1], groups=None, _plan_parts={"gather": 0.0},
                                _gather_capacity=0)  # fmt: skip
-    for _ in range(5):
+    for _ in range(8):
         KnapBalancer._gather(balancer, [3], None, None, "cpu")
-    assert capacities == [0, 16, 16, 16, 32]
+    # 5,000 integers once (past the 1,024 kept): that step's own second gather, not every later one's.
+    assert capacities == [0, 16, 16, 16, 32, 32, 32, 1024]
+
+
+def test_ragged_segments_match_no_prefetched_plan_and_reach_the_agreement(monkeypatch):
+    """KnapBalancer._plan_ahead with segments that are no table: this rank chooses no plan and still
+    takes part in the agreement (the fallback's gather then names the segments on every rank), where
+    converting them would raise on this rank alone while the others waited in the agreement."""
+    sent = []
+    monkeypatch.setattr(balancer_module, "gather_ints", lambda value, device, groups: sent.append(value) or [value])
+    balancer = SimpleNamespace(_ahead={}, _worker=None, _plan_parts={"solve": 0.0, "agree": 0.0}, steps=0,
+                               groups=SimpleNamespace(rank=0, group_rank=0))  # fmt: skip
+    batch = SimpleNamespace(seq_lens=[3, 2], tokens=torch.zeros(5, 1))
+    assert KnapBalancer._plan_ahead(balancer, batch, [[1, 2], [2]], None) is None
+    assert sent == [-1]
