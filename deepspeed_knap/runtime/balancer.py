@@ -164,9 +164,10 @@ class KnapBalancer:
         self._worker: PlanWorker | None = None  # started by the first prefetch
         self._prefetches = 0  # prefetch() calls so far: a prefetched plan's id, the same on every rank
         self._ahead: dict[int, _PlanAhead] = {}  # by id, oldest first; at most _MAX_AHEAD
-        # Integers of lengths and segments that ride the lengths gather's header: the most any rank
-        # has sent (rounded up to a power of two, at most _MAX_GATHER_CAPACITY), the same on every
-        # rank, so a step's lengths take one all-gather instead of two once a step has shown their size.
+        # Integers of lengths and segments that ride the lengths gather's header: the most a rank
+        # has sent in a step of at most _MAX_GATHER_CAPACITY, rounded up to a power of two; the same
+        # on every rank, so a step's lengths take one all-gather instead of two once a step has shown
+        # their size (a larger step takes its own second gather and leaves the room as it was).
         self._gather_capacity = 0
         # What forward() was given for the step it plans (attention segments, the model's problem).
         self._step_inputs: tuple[np.ndarray | None, str | None] = (None, None)
@@ -326,10 +327,16 @@ class KnapBalancer:
         matches, and whether a worker failed, differ between ranks."""
         chosen, failure, bad_batch = -1, None, problem is not None  # a bad batch: the fallback raises
         seq_lens = list(batch.seq_lens)
-        try:  # ragged rows raise here on this rank only: the fallback's gather names them on every rank
-            rows = None if segments is None else np.asarray(segments, dtype=np.int64).tolist()
-        except (ValueError, TypeError, OverflowError):
-            rows, bad_batch = None, True
+        # Segments the lengths gather would refuse (ragged rows, which would raise here on this rank
+        # alone; floats; bools) match no plan: the fallback's gather names them on every rank.
+        try:
+            table = None if segments is None else np.asarray(segments)
+        except (ValueError, TypeError):
+            table = None
+            bad_batch = True
+        if table is not None and table.size and table.dtype.kind not in "iu":
+            bad_batch = True
+        rows = None if table is None or bad_batch else table.astype(np.int64).tolist()
         match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens and ahead.segments == rows),
                      None)  # fmt: skip
         start = time.perf_counter()

@@ -263,8 +263,8 @@ def gather_step_inputs(
         groups: the process groups.
         report: a few integers every rank gives (the same count on every rank).
         capacity: how many integers of rows ride the header (the same on every rank; a caller
-            that gathers every step passes at least the largest ``row_ints`` it has seen, so the
-            lengths cost one collective, not two). 0: the rows always take their own all-gather.
+            that gathers every step passes the ``row_ints`` it keeps room for, so the lengths cost
+            one collective, not two). 0: the rows always take their own all-gather.
 
     Raises:
         ValueError: on every rank, the same message, when any rank has a problem, or the ranks
@@ -272,35 +272,44 @@ def gather_step_inputs(
     """
     problem = problem or None
     width = -1
-    lengths = np.zeros((0, 1), dtype=np.int64)  # [N, 1]: this rank's lengths, once they convert
+    # Whatever this rank was given reaches the header gather below: a check or conversion that
+    # raised before it would leave the other ranks waiting there. What is wrong is this rank's problem.
+    lengths = np.zeros((0, 1), dtype=np.int64)  # [N, 1]: this rank's lengths, once they pass
     if problem is None:
-        try:  # like the segments below: an error here would leave the other ranks in the header gather
-            lengths = np.asarray(seq_lens, dtype=np.int64).reshape(len(seq_lens), 1)
-        except (ValueError, TypeError, OverflowError) as error:
-            problem = f"sequence lengths are not integers below 2**63 ({error})"
+        try:
+            values = np.asarray(seq_lens)
+        except (ValueError, TypeError) as error:
+            values = error
+        if isinstance(values, Exception) or values.ndim != 1 or (values.size and (
+                values.dtype.kind not in "iu" or values.min() < 0 or values.max() >= 2**62)):  # fmt: skip
+            problem = f"sequence lengths must be a list of integers from 0 to 2**62; got {str(seq_lens)[:200]}"
+        else:
+            lengths = values.astype(np.int64).reshape(-1, 1)
     if segments is not None:
-        # Whatever this rank was given, it reaches the header gather below: a conversion that raised
-        # here (ragged rows) would leave the other ranks waiting in it. Its error is this rank's problem.
         try:
             table = np.asarray(segments)
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError) as error:  # ragged rows
             table = None
             problem = problem or f"attention segments are not an [N, K] table, one row per sequence ({error})"
         width = int(table.shape[1]) if table is not None and table.ndim == 2 else 0
         if table is not None and problem is None:
-            if table.ndim != 2 or table.shape[0] != len(seq_lens) or (table.size and table.dtype.kind not in "iu"):
+            if table.ndim != 2 or table.shape[0] != len(lengths) or (table.size and (
+                    table.dtype.kind not in "iu" or table.max() >= 2**62)):  # fmt: skip
                 problem = (f"attention segments of shape {table.shape} ({table.dtype}); expected an [N, K] integer "
-                           f"table, one row per sequence ({len(seq_lens)})")  # fmt: skip
-            elif table.size and (table.min() < 0 or (table.sum(axis=1) != lengths[:, 0]).any()):
-                bad = int(np.flatnonzero((table < 0).any(axis=1) | (table.sum(axis=1) != lengths[:, 0]))[0])
-                problem = (f"sequence {bad} has attention segments {table[bad].tolist()}, which do not sum to its "
-                           f"length {int(seq_lens[bad])} with non-negative counts")  # fmt: skip
-    encoded = (problem or "").encode()
-    mine = lengths if width <= 0 or problem else np.concatenate([lengths, table.astype(np.int64)], axis=1)
+                           f"table below 2**62, one row per sequence ({len(lengths)})")  # fmt: skip
+            else:
+                table = table.astype(np.int64)  # exact: integers below 2**62, or none
+                bad_rows = (table < 0).any(axis=1) | (table.sum(axis=1) != lengths[:, 0])
+                if bad_rows.any():
+                    bad = int(np.flatnonzero(bad_rows)[0])
+                    problem = (f"sequence {bad} has attention segments {table[bad].tolist()}, which do not sum to "
+                               f"its length {int(lengths[bad, 0])} with non-negative counts")  # fmt: skip
+    encoded = (problem or "").encode(errors="backslashreplace")  # a lone surrogate (a path's byte) must not raise
+    mine = lengths if width <= 0 or problem else np.concatenate([lengths, table], axis=1)
     inline = np.zeros(capacity, dtype=np.int64)  # this rank's rows, if they fit and are good
     if problem is None and mine.size <= capacity:
         inline[: mine.size] = mine.ravel()
-    head = [len(seq_lens), len(encoded), width, *report]
+    head = [len(lengths) if problem is None else 0, len(encoded), width, *report]  # a count only read on the good path
     gathered_head = _all_gather_ints(head + inline.tolist(), device, groups.balance_group)
     header = [row[: len(head)] for row in gathered_head]
     widths = sorted({w for _, _, w, *_ in header})
