@@ -36,6 +36,7 @@ from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import (
     GatheredStep,
     RoutedBatch,
+    check_step_inputs,
     gather_ints,
     gather_step_inputs,
     local_batch,
@@ -327,16 +328,11 @@ class KnapBalancer:
         matches, and whether a worker failed, differ between ranks."""
         chosen, failure, bad_batch = -1, None, problem is not None  # a bad batch: the fallback raises
         seq_lens = list(batch.seq_lens)
-        # Segments the lengths gather would refuse (ragged rows, which would raise here on this rank
-        # alone; floats; bools) match no plan: the fallback's gather names them on every rank.
-        try:
-            table = None if segments is None else np.asarray(segments)
-        except (ValueError, TypeError):
-            table = None
-            bad_batch = True
-        if table is not None and table.size and table.dtype.kind not in "iu":
-            bad_batch = True
-        rows = None if table is None or bad_batch else table.astype(np.int64).tolist()
+        # Inputs the lengths gather would refuse (ragged rows, which converting here would raise on
+        # this rank alone; floats; bools) match no plan: the fallback's gather names them on every rank.
+        _, table, _, refused = check_step_inputs(batch.seq_lens, segments)
+        bad_batch = bad_batch or refused is not None
+        rows = None if table is None or bad_batch else table.tolist()
         match = next((i for i, ahead in self._ahead.items() if ahead.seq_lens == seq_lens and ahead.segments == rows),
                      None)  # fmt: skip
         start = time.perf_counter()

@@ -236,6 +236,52 @@ class GatheredStep:
     row_ints: int = 0
 
 
+def check_step_inputs(
+    seq_lens: Sequence[int], segments: np.ndarray | None, problem: str | None = None
+) -> tuple[np.ndarray, np.ndarray | None, int, str | None]:
+    """:func:`gather_step_inputs`' checks of this rank's lengths and attention segments, which never
+    raise: whatever a rank was given must reach the header gather, where a check or conversion that
+    raised before it would leave the other ranks waiting. Local.
+
+    Returns:
+        ``(lengths, table, width, problem)``: ``[N, 1]`` int64 lengths; the segments as given, or as
+        ``[N, K]`` int64 once they pass (``None``: none given, or ragged rows); ``K`` (-1: none
+        given, 0: not a table); and what is wrong with them, or the ``problem`` given, or ``None``.
+    """
+    problem, width, table = problem or None, -1, None
+    lengths = np.zeros((0, 1), dtype=np.int64)  # [N, 1]: this rank's lengths, once they pass
+    if problem is None:
+        try:
+            values = np.asarray(seq_lens)
+        except (ValueError, TypeError) as error:
+            values = error
+        if isinstance(values, Exception) or values.ndim != 1 or (values.size and (
+                values.dtype.kind not in "iu" or values.min() < 0 or values.max() >= 2**62)):  # fmt: skip
+            problem = f"sequence lengths must be a list of integers from 0 to 2**62; got {str(seq_lens)[:200]}"
+        else:
+            lengths = values.astype(np.int64).reshape(-1, 1)
+    if segments is not None:
+        try:
+            table = np.asarray(segments)
+        except (ValueError, TypeError) as error:  # ragged rows
+            table = None
+            problem = problem or f"attention segments are not an [N, K] table, one row per sequence ({error})"
+        width = int(table.shape[1]) if table is not None and table.ndim == 2 else 0
+        if table is not None and problem is None:
+            if table.ndim != 2 or table.shape[0] != len(lengths) or (table.size and (
+                    table.dtype.kind not in "iu" or table.max() >= 2**62)):  # fmt: skip
+                problem = (f"attention segments of shape {table.shape} ({table.dtype}); expected an [N, K] integer "
+                           f"table below 2**62, one row per sequence ({len(lengths)})")  # fmt: skip
+            else:
+                table = table.astype(np.int64)  # exact: integers below 2**62, or none
+                bad_rows = (table < 0).any(axis=1) | (table.sum(axis=1) != lengths[:, 0])
+                if bad_rows.any():
+                    bad = int(np.flatnonzero(bad_rows)[0])
+                    problem = (f"sequence {bad} has attention segments {table[bad].tolist()}, which do not sum to "
+                               f"its length {int(lengths[bad, 0])} with non-negative counts")  # fmt: skip
+    return lengths, table, width, problem
+
+
 def gather_step_inputs(
     seq_lens: Sequence[int],
     segments: np.ndarray | None,
@@ -270,40 +316,7 @@ def gather_step_inputs(
         ValueError: on every rank, the same message, when any rank has a problem, or the ranks
             disagree on ``K``.
     """
-    problem = problem or None
-    width = -1
-    # Whatever this rank was given reaches the header gather below: a check or conversion that
-    # raised before it would leave the other ranks waiting there. What is wrong is this rank's problem.
-    lengths = np.zeros((0, 1), dtype=np.int64)  # [N, 1]: this rank's lengths, once they pass
-    if problem is None:
-        try:
-            values = np.asarray(seq_lens)
-        except (ValueError, TypeError) as error:
-            values = error
-        if isinstance(values, Exception) or values.ndim != 1 or (values.size and (
-                values.dtype.kind not in "iu" or values.min() < 0 or values.max() >= 2**62)):  # fmt: skip
-            problem = f"sequence lengths must be a list of integers from 0 to 2**62; got {str(seq_lens)[:200]}"
-        else:
-            lengths = values.astype(np.int64).reshape(-1, 1)
-    if segments is not None:
-        try:
-            table = np.asarray(segments)
-        except (ValueError, TypeError) as error:  # ragged rows
-            table = None
-            problem = problem or f"attention segments are not an [N, K] table, one row per sequence ({error})"
-        width = int(table.shape[1]) if table is not None and table.ndim == 2 else 0
-        if table is not None and problem is None:
-            if table.ndim != 2 or table.shape[0] != len(lengths) or (table.size and (
-                    table.dtype.kind not in "iu" or table.max() >= 2**62)):  # fmt: skip
-                problem = (f"attention segments of shape {table.shape} ({table.dtype}); expected an [N, K] integer "
-                           f"table below 2**62, one row per sequence ({len(lengths)})")  # fmt: skip
-            else:
-                table = table.astype(np.int64)  # exact: integers below 2**62, or none
-                bad_rows = (table < 0).any(axis=1) | (table.sum(axis=1) != lengths[:, 0])
-                if bad_rows.any():
-                    bad = int(np.flatnonzero(bad_rows)[0])
-                    problem = (f"sequence {bad} has attention segments {table[bad].tolist()}, which do not sum to "
-                               f"its length {int(lengths[bad, 0])} with non-negative counts")  # fmt: skip
+    lengths, table, width, problem = check_step_inputs(seq_lens, segments, problem)
     encoded = (problem or "").encode(errors="backslashreplace")  # a lone surrogate (a path's byte) must not raise
     mine = lengths if width <= 0 or problem else np.concatenate([lengths, table], axis=1)
     inline = np.zeros(capacity, dtype=np.int64)  # this rank's rows, if they fit and are good

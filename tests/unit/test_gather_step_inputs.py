@@ -202,7 +202,7 @@ def test_the_balancer_passes_the_largest_rows_seen_rounded_up_to_a_power_of_two(
 
 
 @pytest.mark.parametrize(("segments", "prefetched"), [([[1, 2], [2]], None), ([[1.0, 2.0], [2.0, 0.0]], [[1, 2], [2, 0]]),
-                                                      ([[True, True], [True, True]], [[1, 1], [1, 1]])])  # fmt: skip
+                                                      ([[True, True, True], [True, True, False]], [[1, 1, 1], [1, 1, 0]])])  # fmt: skip
 def test_segments_the_gather_refuses_match_no_prefetched_plan_and_reach_the_agreement(
     monkeypatch, segments, prefetched
 ):
