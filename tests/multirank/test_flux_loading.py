@@ -88,7 +88,7 @@ def _loading_worker(rank: int, world: int, paths: dict) -> dict:
 def test_zero3_loading_keeps_a_partition_per_rank_and_agrees_on_errors(checkpoints, monkeypatch):
     # Large allocations from mmap, so that freed memory leaves the process and peak RSS is what was live.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    results = run_distributed(_loading_worker, 4, args=(checkpoints,), timeout=300)
+    results = run_distributed(_loading_worker, 4, args=(checkpoints,), timeout=300, fresh=True)
     for rank, result in enumerate(results):
         for family in LARGE:
             measured = result[family]

@@ -1,4 +1,4 @@
-"""Run a test function on N gloo ranks in spawned processes.
+"""Run a test function on N gloo ranks in processes of their own.
 
     results = run_distributed(fn, world_size=4, args=(...), timeout=120)
 
@@ -10,6 +10,13 @@ fresh temporary directory (no port to collide with a parallel run) and get ``RAN
 Failures are reported, never hung on: the first rank to raise stops the run and its traceback is the
 error; a rank still running at ``timeout`` dumps its stack (``faulthandler``), the run is killed, and
 the error shows which ranks hung and where.
+
+Without CUDA, ranks are forked from a server process that imported torch, DeepSpeed and diffusers
+once (``forkserver``): a spawned rank imported them afresh, 2-4 s of CPU each, about a third of the
+unit and multirank tiers' time on 2 cores. Each rank still gets the caller's environment of the
+moment, as a spawned one does. Where CUDA is present, and for a test that needs an environment read
+at process start (``fresh=True``: glibc's ``MALLOC_*``), ranks are spawned: a process forked after
+CUDA was initialized cannot use it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 
 # Spawning a rank and importing torch takes seconds on 2 cores; rendezvous must finish within this.
 _STARTUP_LIMIT_S = 120.0
+# What the fork server imports once, for every rank it forks: what most test functions import.
+_PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.comm", "diffusers", "deepspeed_knap.runtime.balancer"]
 
 
 class DistributedTestError(AssertionError):
@@ -37,7 +46,10 @@ class DistributedTestError(AssertionError):
 
 
 def _worker(fn, rank: int, world_size: int, args: tuple, store_path: str, stack_path: str, timeout: float, results,
-            port: int):  # fmt: skip
+            port: int, environment: dict[str, str]):  # fmt: skip
+    # The caller's environment now, not the fork server's from when it started.
+    os.environ.clear()
+    os.environ.update(environment)
     # A port of its own names DeepSpeed's CPU all-reduce buffers in /dev/shm apart from a parallel run's.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
@@ -67,14 +79,17 @@ def _worker(fn, rank: int, world_size: int, args: tuple, store_path: str, stack_
             results.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 120.0) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 120.0, fresh: bool = False
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
+    ``fresh``: spawn the ranks as new processes, for an environment read at process start.
 
     Raises:
         DistributedTestError: a rank raised (its traceback), or ranks did not finish within
             ``timeout`` seconds (their stacks at that moment).
     """
-    context = mp.get_context("spawn")
+    context = _context(fresh)
     results = context.Queue()
     with socket.socket() as probe:  # a free port, only to name this run's /dev/shm buffers
         probe.bind(("127.0.0.1", 0))
@@ -85,7 +100,18 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
         processes = [
             context.Process(
                 target=_worker,
-                args=(fn, rank, world_size, args, store_path, stack_paths[rank], timeout, results, port),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    args,
+                    store_path,
+                    stack_paths[rank],
+                    timeout,
+                    results,
+                    port,
+                    dict(os.environ),
+                ),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -117,6 +143,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
             # A rank killed here, or crashed, before unlinking its buffer would leave it behind.
             remove_job_buffers(port)
     return [outcome[rank] for rank in range(world_size)]
+
+
+def _context(fresh: bool):
+    import torch
+
+    if fresh or torch.cuda.is_available():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)  # read when the server starts: the first call's
+    return context
 
 
 def _check_progress(

@@ -41,22 +41,31 @@ def test_orphaned_buffers_go_and_those_in_use_or_new_stay():
                 path.unlink(missing_ok=True)
 
 
-def _init_then_crash(rank: int, world: int) -> None:
+def _init_then_crash(rank: int, world: int, port_file: str) -> None:
     import deepspeed.comm as dist
 
+    from deepspeed_knap.runtime.shm_buffers import own_shm_buffer
+
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    if rank == 0:  # this job's buffers, by port: a parallel test's jobs make their own meanwhile
+        Path(f"{port_file}.part").write_text(f"{os.environ['MASTER_PORT']} {own_shm_buffer(0).exists()}")
+        Path(f"{port_file}.part").rename(port_file)
     if rank == 1:
+        while not Path(port_file).exists():  # rank 0 has looked: its run ends when this rank dies
+            time.sleep(0.01)
         os._exit(3)  # killed before it could unlink its buffer
     dist.barrier()
 
 
 @pytest.mark.multirank
-def test_a_run_whose_rank_dies_leaves_no_buffer():
+def test_a_run_whose_rank_dies_leaves_no_buffer(tmp_path):
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().create_op_builder("ShareMemCommBuilder") is None:
         pytest.skip("DeepSpeed makes no /dev/shm buffers on this accelerator")
-    before = set(SHM_DIR.glob("deepspeed_allreduce_buffer_*"))
+    port_file = tmp_path / "port"
     with pytest.raises(DistributedTestError):  # rank 1 died, or rank 0 saw its peer go
-        run_distributed(_init_then_crash, world_size=2, timeout=60)
-    assert set(SHM_DIR.glob("deepspeed_allreduce_buffer_*")) - before == set()
+        run_distributed(_init_then_crash, world_size=2, args=(str(port_file),), timeout=60)
+    port, made = port_file.read_text().split()
+    assert made == "True"  # DeepSpeed made the job's buffers: there was something to leave
+    assert list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")) == []
