@@ -278,6 +278,30 @@ def test_a_job_a_stopped_worker_cannot_take_fails_at_the_timeout_and_the_next_ge
     assert worker.result(worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None), timeout_s=60)[0] == plan
 
 
+def test_a_worker_stopped_mid_reply_fails_a_submit_at_its_deadline_and_no_new_worker_takes_the_job(worker, monkeypatch):
+    import deepspeed_knap.planner.worker as worker_module
+
+    # Pipes of 64 KiB: the first job's reply (~7 MB at 1,024 GPUs) is cut off when the worker stops.
+    monkeypatch.setattr(worker_module, "_PIPE_BYTES", 2**16)
+    first = worker.submit(sample_mix("kf_lowres", 1024, 0), build_topology("g8n128"), MODEL, "knapformer", None)
+    wait_for_plan_worker(worker)  # writing its reply, blocked mid-frame
+    stuck = worker._process
+    stuck.send_signal(signal.SIGSTOP)
+    # The next submit reads the reply in the pipe first and never gets its end: at the submit's
+    # deadline the worker is given up on, and the job fails with it. A worker started then would
+    # take a job whose time is up.
+    topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
+    start = time.monotonic()
+    late = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None, timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 5 and stuck.wait(5) == -signal.SIGKILL
+    assert worker.pid is None
+    for ticket in (first, late):
+        with pytest.raises(PlanWorkerError, match=r"did not answer within 0\.5 s and was killed"):
+            worker.result(ticket)
+    taken = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
+    assert worker.result(taken, timeout_s=60)[0] == plan_routing(lengths, topology, MODEL)
+
+
 def test_a_worker_found_dead_fails_its_jobs_and_a_new_one_takes_the_next(worker):
     topology, lengths = build_topology("auto", 2), [[3000, 5], [7]]
     lost = worker.submit(lengths, topology, MODEL, DEFAULT_SOLVER, None)
