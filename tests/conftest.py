@@ -74,6 +74,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """Start the server multi-rank tests fork their ranks from, if this run has any, before a test can
+    change the working directory or environment it would start with (tests/support/distributed.py)."""
+    if any("multirank" in item.keywords for item in session.items):
+        from tests.support.distributed import start_rank_server
+
+        start_rank_server()
+
+
 def pytest_sessionfinish(session):
     shutil.rmtree(getattr(session.config, "_plan_folder", ""), ignore_errors=True)
 

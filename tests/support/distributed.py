@@ -14,13 +14,17 @@ the error shows which ranks hung and where.
 Without CUDA, ranks are forked from a server process that imported torch, DeepSpeed and diffusers
 once (``forkserver``): a spawned rank imported them afresh, 2-4 s of CPU each, about a third of the
 unit and multirank tiers' time on 2 cores. Each rank still gets the caller's environment of the
-moment, as a spawned one does. Where CUDA is present, and for a test that needs an environment read
-at process start (``fresh=True``: glibc's ``MALLOC_*``), ranks are spawned: a process forked after
-CUDA was initialized cannot use it.
+moment, as a spawned one does, but what the server's modules read when it imported them stays the
+server's, and the ranks share its string-hash seed (the e2e tests' launcher ranks each have their
+own). The server starts once the session's tests are collected (:func:`start_rank_server`), from the
+session's working directory and environment. Where CUDA is present, and for a test that needs an
+environment read at process start (``fresh=True``: glibc's ``MALLOC_*``), ranks are spawned: a
+process forked after CUDA was initialized cannot use it.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import multiprocessing as mp
 import os
@@ -77,6 +81,9 @@ def _worker(fn, rank: int, world_size: int, args: tuple, store_path: str, stack_
             dist.destroy_process_group()
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
+    # A forked rank ends with os._exit, which skips what a spawned one's exit runs (a balancer's
+    # finalizer stops its plan worker), unless the harness has killed it first, as with either.
+    atexit._run_exitfuncs()
 
 
 def run_distributed(
@@ -143,6 +150,17 @@ def run_distributed(
             # A rank killed here, or crashed, before unlinking its buffer would leave it behind.
             remove_job_buffers(port)
     return [outcome[rank] for rank in range(world_size)]
+
+
+def start_rank_server() -> None:
+    """Start the server ranks are forked from (without CUDA), from this process's working directory
+    and environment now: Python 3.11's server imports its modules through the path it starts with
+    (it ignores the ``sys_path`` it is given), and keeps what they read at import for every rank. So
+    a session starts it before any test can change either. Returns while the server imports."""
+    if _context(fresh=False).get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def _context(fresh: bool):

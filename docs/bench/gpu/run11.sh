@@ -3,7 +3,7 @@
 # GPU beside them (run10's GPU job made the host noisy). Issue 26's must-show matrix at 11ea790 (plans
 # that move nothing skip the routes; the lengths in one all-gather), four lanes of 2 CPU ranks (the
 # GPU hidden), each lane two configurations without a slow rank and one with, over and over until the
-# deadline, so the contested rows (no slow rank) get two or more runs each.
+# deadline (the x1 rows without a slow rank got one or two runs; the x1/4 ones more in the next calls).
 #   run: carry [".whl"], command "bash docs/bench/gpu/run11.sh", timeout_s 560
 # Then, on the same warm machine, the three x1/4 rows without a slow rank in four lanes at once, twice:
 #   source docs/bench/gpu/lib.sh; deadline=$((SECONDS + 290)); source $REPO/docs/bench/gpu/matrix.sh
