@@ -76,11 +76,22 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Start the server multi-rank tests fork their ranks from, if this run has any, before a test can
-    change the working directory or environment it would start with (tests/support/distributed.py)."""
-    if any("multirank" in item.keywords for item in session.items):
+    change the working directory or environment it would start with (tests/support/distributed.py).
+    With pytest's output capture on, as when a test starts it: its ranks' output is then captured
+    with the test's, not written to the terminal."""
+    if session.config.option.collectonly:
+        return
+    if any(item.get_closest_marker("multirank") is not None for item in session.items):
         from tests.support.distributed import start_rank_server
 
-        start_rank_server()
+        capture = session.config.pluginmanager.getplugin("capturemanager")  # None under -p no:capture
+        if capture is not None:
+            capture.resume_global_capture()
+        try:
+            start_rank_server()
+        finally:
+            if capture is not None:
+                capture.suspend_global_capture()
 
 
 def pytest_sessionfinish(session):

@@ -24,7 +24,6 @@ process forked after CUDA was initialized cannot use it.
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import multiprocessing as mp
 import os
@@ -81,9 +80,6 @@ def _worker(fn, rank: int, world_size: int, args: tuple, store_path: str, stack_
             dist.destroy_process_group()
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
-    # A forked rank ends with os._exit, which skips what a spawned one's exit runs (a balancer's
-    # finalizer stops its plan worker), unless the harness has killed it first, as with either.
-    atexit._run_exitfuncs()
 
 
 def run_distributed(
