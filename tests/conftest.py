@@ -42,14 +42,13 @@ def _build_deepspeed_cpu_comm() -> None:
     fresh clone is); inside a test, the harness may kill the rank building it at the test's timeout,
     and the build's lock file then stays: torch waits on it forever, and so does every later
     DeepSpeed start-up. A lock that no process holds open is such a leftover, and is removed first."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
 
     from deepspeed_knap.runtime.shm_buffers import open_file_ids
+    from tests.support.distributed import deepspeed_cpu_comm_builder
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    builder = deepspeed_cpu_comm_builder()
+    if builder is None:
         return  # not the CPU accelerator: DeepSpeed does not build it either
     lock = Path(_get_build_directory(builder.name, verbose=False)) / "lock"
     if lock.exists() and (lock.stat().st_dev, lock.stat().st_ino) not in open_file_ids():

@@ -34,10 +34,15 @@ def remove_job_buffers(port: int | str) -> list[str]:
     before :func:`unlink_own_shm_buffer` leaves its file otherwise, and a tmpfs filled by such files
     makes DeepSpeed's next CPU start-up die in ``shm_initialize`` (SIGSEGV, no Python error)."""
     removed = []
-    for buffer in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+    for buffer in job_buffers(port):
         buffer.unlink(missing_ok=True)
         removed.append(buffer.name)
     return removed
+
+
+def job_buffers(port: int | str) -> list[Path]:
+    """Every rank's buffer of the job on master ``port`` (of this machine) now in ``/dev/shm``."""
+    return list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
 def remove_orphaned_buffers(min_age_s: float = 600.0) -> list[str]:

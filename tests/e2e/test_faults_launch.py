@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from deepspeed_knap.runtime.shm_buffers import SHM_DIR, remove_job_buffers
+from deepspeed_knap.runtime.shm_buffers import job_buffers, remove_job_buffers
 from tests.support.launch import CONFIG, ROOT, free_port
 
 SCRIPT = ROOT / "tests" / "support" / "scripts" / "start_zero3.py"
@@ -119,7 +119,7 @@ class Job:
 
     def buffers(self) -> set[str]:
         """This job's DeepSpeed all-reduce buffers in /dev/shm."""
-        return {path.name for path in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{self.port}_*")}
+        return {path.name for path in job_buffers(self.port)}
 
 
 def error_message(log: str) -> str:

@@ -148,6 +148,19 @@ def run_distributed(
     return [outcome[rank] for rank in range(world_size)]
 
 
+def deepspeed_cpu_comm_builder():
+    """DeepSpeed's builder of its CPU shared-memory all-reduce op (the one that leaves
+    ``/dev/shm`` buffers), or ``None`` where DeepSpeed builds no such op (another accelerator, or
+    not compatible here)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    return builder
+
+
 def start_rank_server() -> None:
     """Start the server ranks are forked from (without CUDA), from this process's working directory
     and environment now: Python 3.11's server imports its modules through the path it starts with

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed_knap.runtime.shm_buffers import SHM_DIR, remove_job_buffers, remove_orphaned_buffers
-from tests.support.distributed import DistributedTestError, run_distributed
+from deepspeed_knap.runtime.shm_buffers import SHM_DIR, job_buffers, remove_job_buffers, remove_orphaned_buffers
+from tests.support.distributed import DistributedTestError, deepspeed_cpu_comm_builder, run_distributed
 
 
 def _buffer(port: int, rank: int, age_s: float = 3600.0) -> Path:
@@ -59,11 +59,7 @@ def _init_then_crash(rank: int, world: int, port_file: str) -> None:
 
 @pytest.mark.multirank
 def test_a_run_whose_rank_dies_leaves_no_buffer(tmp_path):
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    if deepspeed_cpu_comm_builder() is None:
         pytest.skip("DeepSpeed makes no /dev/shm buffers on this accelerator")
     port_file = tmp_path / "port"
     with pytest.raises(DistributedTestError) as error:  # rank 1 died, or rank 0 saw its peer go
@@ -71,4 +67,4 @@ def test_a_run_whose_rank_dies_leaves_no_buffer(tmp_path):
     assert port_file.exists(), f"rank 0 failed before it could look: {error.value}"
     port, made = port_file.read_text().split()
     assert made == "True"  # DeepSpeed made the job's buffers: there was something to leave
-    assert list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")) == []
+    assert job_buffers(port) == []
