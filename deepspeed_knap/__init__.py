@@ -16,8 +16,8 @@ on first use, so ``deepspeed-knap plan`` and planner-only users do not pay for t
 import importlib
 
 from deepspeed_knap import _deprecated
-from deepspeed_knap.cost.model import CostModel, default_cost_model, fit_cost_model
-from deepspeed_knap.data.mixes import MIXES, sample_mix
+from deepspeed_knap.cost.model import CostModel, fit_cost_model
+from deepspeed_knap.models.registry import MIXES, default_cost_model, sample_mix
 from deepspeed_knap.planner import (
     DEFAULT_SOLVER,
     SOLVERS,

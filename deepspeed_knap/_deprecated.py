@@ -39,7 +39,7 @@ MOVED_MODULES: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
         "deepspeed_knap.cost.model",
         {
             "WorkloadModel": ("deepspeed_knap.cost.model", "CostModel"),
-            "default_workload": ("deepspeed_knap.cost.model", "default_cost_model"),
+            "default_workload": ("deepspeed_knap.models.registry", "default_cost_model"),
             "fit_workload": ("deepspeed_knap.cost.model", "fit_cost_model"),
         },
     ),
@@ -51,8 +51,8 @@ MOVED_MODULES: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
     "deepspeed_knap.workloads": (
         "deepspeed_knap.data.mixes",
         {
-            "WORKLOADS": ("deepspeed_knap.data.mixes", "MIXES"),
-            "sample_workload": ("deepspeed_knap.data.mixes", "sample_mix"),
+            "WORKLOADS": ("deepspeed_knap.models.registry", "MIXES"),
+            "sample_workload": ("deepspeed_knap.models.registry", "sample_mix"),
         },
     ),
     "deepspeed_knap.doctor": ("deepspeed_knap.commands.doctor", {}),
@@ -76,10 +76,10 @@ MOVED_MODULES: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
 # Old top-level name -> (module, new name).
 RENAMED = {
     "WorkloadModel": ("deepspeed_knap.cost.model", "CostModel"),
-    "default_workload": ("deepspeed_knap.cost.model", "default_cost_model"),
+    "default_workload": ("deepspeed_knap.models.registry", "default_cost_model"),
     "fit_workload": ("deepspeed_knap.cost.model", "fit_cost_model"),
-    "WORKLOADS": ("deepspeed_knap.data.mixes", "MIXES"),
-    "sample_workload": ("deepspeed_knap.data.mixes", "sample_mix"),
+    "WORKLOADS": ("deepspeed_knap.models.registry", "MIXES"),
+    "sample_workload": ("deepspeed_knap.models.registry", "sample_mix"),
 }
 
 

@@ -26,8 +26,8 @@ from deepspeed_knap import (
     plan_routing,
     sample_mix,
 )
-from deepspeed_knap.commands.options import add_mix_argument
 from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
+from deepspeed_knap.options import add_mix_argument
 from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -17,7 +17,7 @@ import torch
 
 from deepspeed_knap.models.flux import PackedFluxTransformer, rope_axes
 from deepspeed_knap.models.flux.data import grid_ids
-from deepspeed_knap.models.flux.finetune import add_lora
+from deepspeed_knap.models.lora import add_lora
 
 CUDA = torch.cuda.is_available()
 DEVICE, DTYPE = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.data.mixes import sample_shapes
 from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples
 from deepspeed_knap.models.latents import write_latent_manifest
+from deepspeed_knap.models.registry import sample_shapes
 from deepspeed_knap.runtime.manifest import MANIFEST
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -20,8 +20,8 @@ import torch
 
 import deepspeed_knap
 from deepspeed_knap import sample_mix
-from deepspeed_knap.commands.options import add_mix_argument
 from deepspeed_knap.models.tiny_dit import TinyDiT, random_batch
+from deepspeed_knap.options import add_mix_argument
 from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
 # ZeRO-3 calls two torch.distributed functions that torch deprecated, on every rank, every step.

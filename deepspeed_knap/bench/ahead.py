@@ -32,9 +32,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from deepspeed_knap.commands.options import add_mix_argument, output_file, positive_int
-from deepspeed_knap.cost.model import default_cost_model
-from deepspeed_knap.data.mixes import MIXES, sample_mix
+from deepspeed_knap.models.registry import MIXES, default_cost_model, sample_mix
+from deepspeed_knap.options import add_mix_argument, output_file, positive_int
 from deepspeed_knap.planner.solve import DEFAULT_SOLVER, plan_routing
 from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.planner.worker import PlanWorker

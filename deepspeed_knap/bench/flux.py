@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from deepspeed_knap.commands.options import add_mix_argument, device, nonnegative_int, positive_float, positive_int
-from deepspeed_knap.cost.calibrate import backward_seconds
-from deepspeed_knap.data.mixes import sample_shapes
+from deepspeed_knap.models.registry import sample_shapes
+from deepspeed_knap.options import add_mix_argument, device, nonnegative_int, positive_float, positive_int
+from deepspeed_knap.runtime.timing import backward_seconds
 
 HELP = "packed FLUX against diffusers sample by sample: time and memory"
 FORMATTER = argparse.RawDescriptionHelpFormatter
@@ -92,8 +92,8 @@ def bench_flux(
     hold in one step (a mix of sizes)."""
     import diffusers
 
+    from deepspeed_knap.models.auto import model_class
     from deepspeed_knap.models.flux.data import rectified_flow, synthetic_samples
-    from deepspeed_knap.models.registry import family_class
 
     torch.manual_seed(seed)
     reference_class = {"flux": diffusers.FluxTransformer2DModel, "flux2": diffusers.Flux2Transformer2DModel}[family]
@@ -140,7 +140,7 @@ def bench_flux(
         results = {"diffusers": measure(functools.partial(run_diffusers, reference), reference, device, repeats)}
         # One model on the device at a time: FLUX.1 [dev]'s 12B parameters twice, and the gradients
         # of one, do not fit an 80 GB GPU.
-        packed = family_class(family).from_diffusers(reference, attention_backend=backend)
+        packed = model_class(family).from_diffusers(reference, attention_backend=backend)
         del reference
         results["packed"] = measure(functools.partial(run_packed, packed), packed, device, repeats)
     return {**results, "mix": {"samples": len(samples), "tokens": tokens}}

@@ -44,10 +44,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from deepspeed_knap.bench.plots import write_report
 from deepspeed_knap.bench.train import _free_port
-from deepspeed_knap.commands.options import output_file, positive_int
-from deepspeed_knap.generation.requests import FAMILIES
+from deepspeed_knap.options import add_family_argument, output_file, positive_int
+from deepspeed_knap.plots import write_report
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 
 MODES = ("balanced", "no-reuse", "unbalanced", "pipeline")
@@ -129,10 +128,9 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
 
 def tiny_config(family: str, heads: int, head_dim: int) -> dict:
     """The family's tiny transformer config at ``heads`` x ``head_dim`` (RoPE axes split to fit)."""
-    from deepspeed_knap.models.flux.finetune import TINY_FLUX
     from deepspeed_knap.models.flux.flux1 import rope_axes
-    from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
-    from deepspeed_knap.models.wan.wan import TINY_WAN
+    from deepspeed_knap.models.flux.spec import TINY_FLUX, TINY_FLUX2
+    from deepspeed_knap.models.wan.spec import TINY_WAN
 
     width = {"num_attention_heads": heads, "attention_head_dim": head_dim}
     if family == "wan":
@@ -144,17 +142,7 @@ def tiny_config(family: str, heads: int, head_dim: int) -> dict:
 
 def _reference_pipeline(generator, family: str, config: dict):
     """The family's diffusers pipeline with the generator's parts and a diffusers transformer of its weights."""
-    import diffusers
-
-    from deepspeed_knap.models.flux import finetune as flux_finetune
-    from deepspeed_knap.models.wan import finetune as wan_finetune
-
-    if family == "flux2":
-        transformer = diffusers.Flux2Transformer2DModel(**config)
-        transformer.load_state_dict(generator.model.state_dict())
-    else:
-        finetune = wan_finetune if family == "wan" else flux_finetune
-        transformer = finetune.diffusers_transformer(config, generator.model.state_dict())
+    transformer = type(generator.model).diffusers_model(config, generator.model.state_dict())
     transformer = transformer.to(generator.device, generator.dtype)
     pipe = type(generator.pipeline)(**{**generator.pipeline.components, "transformer": transformer})
     pipe.set_progress_bar_config(disable=True)
@@ -304,8 +292,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=positive_int, default=2, help="local processes (one GPU each on CUDA)")
-    parser.add_argument("--family", choices=FAMILIES, default="flux",
-                        help="the random tiny model: flux (FLUX.1), flux2 (FLUX.2) or wan (Wan 2.1)")  # fmt: skip
+    add_family_argument(parser, "the random tiny model", having="generator")
     parser.add_argument("--requests", metavar="FILE.jsonl", help="request file (default: an imbalanced one)")
     parser.add_argument("--count", type=positive_int, default=8, help="requests of the default file")
     parser.add_argument("--large", type=positive_int, default=128, help="large images' side, pixels (default file)")

@@ -31,20 +31,17 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from deepspeed_knap.commands.options import add_mix_argument, output_file, positive_int
-from deepspeed_knap.cost.model import CostModel, default_cost_model
-from deepspeed_knap.data.mixes import MIXES, sample_mix
-from deepspeed_knap.planner.plan import RoutingPlan
-from deepspeed_knap.planner.solve import DEFAULT_SOLVER, SOLVERS, plan_loads, plan_routing
-from deepspeed_knap.planner.topology import AUTO, Topology, build_topology
+from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.models.registry import MIXES, default_cost_model, sample_mix
+from deepspeed_knap.options import add_mix_argument, output_file, positive_int
+from deepspeed_knap.planner.solve import DEFAULT_SOLVER, SOLVERS, plan_loads, plan_routing, timed_plan
+from deepspeed_knap.planner.topology import AUTO, build_topology
 
 GPUS_PER_NODE = 8
 SHORT = {"none": "none", "knapformer": "kf", "refine": "refine"}
@@ -61,26 +58,6 @@ def suite_topologies(num_gpus: int) -> list[str]:
         )
     mixed = f"g1n{num_gpus // 4}+g2n{num_gpus // 8}+g4n{num_gpus // 16}+g8n{num_gpus // 32}"
     return [f"g1n{num_gpus}", f"g2n{num_gpus // 2}", f"g4n{num_gpus // 4}", f"g8n{num_gpus // 8}", mixed, AUTO]
-
-
-def timed_plan(
-    seq_lens: list[list[int]],
-    topology: Topology,
-    cost_model: CostModel,
-    solver: str,
-    max_tokens_per_gpu: int | None = None,
-    repeat: int = 1,
-    seq_segments_per_rank: list[list[tuple[int, ...]]] | None = None,
-) -> tuple[RoutingPlan, float]:
-    """The plan and the median wall-clock milliseconds of ``repeat`` solves (``seq_segments_per_rank``:
-    :func:`~deepspeed_knap.planner.plan_routing`'s)."""
-    times, plan = [], None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        plan = plan_routing(seq_lens, topology, cost_model, solver, max_tokens_per_gpu,
-                            seq_segments_per_rank=seq_segments_per_rank)  # fmt: skip
-        times.append((time.perf_counter() - start) * 1e3)
-    return plan, statistics.median(times)
 
 
 def run_case(
@@ -304,7 +281,7 @@ def plot_speedup(rows: list[dict], path: str | Path, solver: str = DEFAULT_SOLVE
 def plot_step_loads(num_gpus: int, mix_name: str, topology_spec: str, path: str | Path,
                     solvers: Sequence[str] = SOLVERS, seed: int = 0) -> None:  # fmt: skip
     """Per-GPU modeled load of one step (seed ``seed``), one panel per solver."""
-    from deepspeed_knap.bench.plots import plot_loads
+    from deepspeed_knap.plots import plot_loads
 
     auto = topology_spec == AUTO
     topology = build_topology(topology_spec, num_gpus if auto else None, gpus_per_node=GPUS_PER_NODE)

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspeed_knap.commands.options import add_mix_argument, positive_int
-from deepspeed_knap.cost.model import MODEL_PRESETS, default_cost_model
-from deepspeed_knap.data.mixes import MIXES, sample_shapes
+from deepspeed_knap.models.flux.spec import FLUX1, FLUX2
+from deepspeed_knap.models.registry import MIXES, PRESETS, default_cost_model, sample_shapes
+from deepspeed_knap.options import add_mix_argument, positive_int
 from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.solve import plan_routing
@@ -83,11 +83,21 @@ class FluxDims:
         return route_text_embedded(self.text_dim, self.dim)
 
 
-# FLUX.1 [dev] and FLUX.2 [dev], priced by the planner's presets (FLUX.2's SwiGLU MLPs as mlp_ratio 4.5).
-FLUX_MODELS = {
-    "flux-dev": FluxDims(3072, 24, 57, 64, 4096, 3, 1 + 1 + 768, MODEL_PRESETS["flux-dev"]),
-    "flux2-dev": FluxDims(6144, 48, 56, 128, 15360, 4, 1 + 1, MODEL_PRESETS["flux2-dev"]),
-}
+def flux_dims(preset: str) -> FluxDims:
+    """The routing dims of a packed FLUX.1 or FLUX.2 preset, from its spec's full-size config
+    (``bench_configs``); the planner's dims are the preset's."""
+    family, planner = PRESETS[preset]
+    config = family.bench_configs[preset]
+    heads = config["num_attention_heads"]
+    conditioning = 1 + bool(config.get("guidance_embeds")) + config.get("pooled_projection_dim", 0)
+    return FluxDims(heads * config["attention_head_dim"], heads, config["num_layers"] + config["num_single_layers"],
+                    config["in_channels"], config["joint_attention_dim"], len(config["axes_dims_rope"]), conditioning,
+                    dict(planner))  # fmt: skip
+
+
+# FLUX.1 [dev] and FLUX.2 [dev] (the packed models whose routing this prices), by the planner's presets
+# (FLUX.2's SwiGLU MLPs as mlp_ratio 4.5).
+FLUX_MODELS = {preset: flux_dims(preset) for family in (FLUX1, FLUX2) for preset in family.bench_configs}
 
 
 @dataclass(frozen=True)
@@ -229,5 +239,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=positive_int, default=32, help="GPUs of topology auto")
     add_mix_argument(parser, list(MIXES), many=True)
     parser.add_argument("--solver", default=DEFAULT_SOLVER, choices=list(SOLVERS))
-    parser.add_argument("--model", default="flux-dev", choices=["flux-dev", "flux2-dev"], help="FLUX dims")
+    parser.add_argument("--model", default="flux-dev", choices=list(FLUX_MODELS), help="FLUX dims")
     parser.add_argument("--steps", type=positive_int, default=20, help="sampled steps per mix (median)")

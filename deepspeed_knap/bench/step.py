@@ -24,17 +24,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
 from tqdm import tqdm
 
-from deepspeed_knap.bench.plots import write_report
-from deepspeed_knap.commands.options import (
+from deepspeed_knap.cost.calibrate import calibrate
+from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, CostModel, degree_efficiency_pairs
+from deepspeed_knap.models.flux.calibrate import FluxBlockTimer, flux_blocks_step
+from deepspeed_knap.models.registry import sample_shapes
+from deepspeed_knap.options import (
     add_mix_argument,
     device,
     nonnegative_int,
@@ -42,156 +43,15 @@ from deepspeed_knap.commands.options import (
     positive_float,
     positive_int,
 )
-from deepspeed_knap.cost.calibrate import backward_seconds, calibrate, flux_blocks_step
-from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, CostModel, degree_efficiency_pairs
-from deepspeed_knap.data.mixes import sample_shapes
 from deepspeed_knap.planner import SOLVERS
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.solve import DEFAULT_SOLVER, plan_loads, plan_routing
 from deepspeed_knap.planner.topology import AUTO, build_topology
-from deepspeed_knap.runtime.attention import KnapDistributedAttention, VarlenSeqs, head_splits
-from deepspeed_knap.runtime.layout import AttentionGroup, gpu_layout
-from deepspeed_knap.runtime.packing import PackedBatch
-from deepspeed_knap.runtime.routing import RoutedBatch
+from deepspeed_knap.plots import write_report
+from deepspeed_knap.runtime.emulation import emulated_rank_batch
 
 HELP = "measured step time of emulated ranks, balanced against not"
 FORMATTER = argparse.RawDescriptionHelpFormatter
-
-
-class EmulatedUlyssesAttention(KnapDistributedAttention):
-    """:class:`~deepspeed_knap.runtime.attention.KnapDistributedAttention` in one process: the same kernel
-    work per GPU, no all-to-all.
-
-    For a bag of ``G > 1`` a member holding ``n`` of the ``L`` tokens of its bag's sequences runs the
-    kernel on ``[L, h, Dh]`` (``h`` its head share), filled by repeating its own ``n`` tokens, and
-    returns its ``n`` rows with the ``h`` heads tiled back to ``H``. Values are meaningless; shapes,
-    and so the work forward and backward, are a real member's. Groups of one GPU run as in training.
-    """
-
-    def _ulysses(self, q: Tensor, k: Tensor, v: Tensor, routed: RoutedBatch, index: int, group: AttentionGroup,
-                 seqs: VarlenSeqs, num_heads: int) -> Tensor:  # fmt: skip
-        heads = head_splits(num_heads, group.size)[group.member]
-        local, total = group.num_local_tokens, int(group.seq_lens.sum())
-        if local:
-            fill = routed.device_array(("fill", index), np.arange(total) % local)
-            q_full, k_full, v_full = (t[:, :heads].index_select(0, fill) for t in (q, k, v))
-        else:  # a member holding only empty chunks still runs its heads of the bag's sequences
-            zeros = q.new_zeros(total, heads, q.shape[-1])
-            q_full, k_full, v_full = (zeros + t.sum() for t in (q, k, v))
-        out = self.varlen_attn(q_full, k_full, v_full, seqs)  # [L, h, Dh]
-        tiled = out[:local].repeat(1, -(-num_heads // heads), 1)[:, :num_heads]
-        return tiled if local else tiled + 0 * out.sum()  # keeps the kernel's backward in the graph
-
-
-def emulated_rank_batch(
-    plan: RoutingPlan, gpu: int, text_lens: np.ndarray, dim: int, device: torch.device, dtype: torch.dtype
-) -> RoutedBatch:
-    """What GPU ``gpu`` holds after routing by ``plan``, with random token states.
-
-    Args:
-        text_lens: ``[N]`` text tokens of each sequence of the plan (they come first in a sequence).
-    """
-    layout = gpu_layout(plan, gpu)
-    positions = np.concatenate(
-        [np.arange(s, s + n) for s, n in zip(layout.chunk_starts, layout.chunk_lens, strict=True)] or [[]]
-    )
-    is_text = positions < np.repeat(text_lens[layout.seq_ids], layout.chunk_lens)
-    tokens = torch.randn(layout.num_routed_tokens, dim, device=device, dtype=dtype, requires_grad=True)
-    batch = PackedBatch(
-        tokens,
-        tuple(layout.chunk_lens.tolist()),
-        {"ids": torch.zeros(len(positions), 3, device=device), "is_text": torch.as_tensor(is_text, device=device)},
-        {"temb": torch.randn(len(layout.seq_ids), dim, device=device, dtype=dtype)},
-    )
-    return RoutedBatch(batch, layout, plan, None)
-
-
-@dataclasses.dataclass
-class FluxBlockTimer:
-    """Times one FLUX double- and one single-stream block, forward + backward, on a routed batch and
-    returns the modeled whole-transformer seconds ``double_blocks * t_double + single_blocks * t_single``."""
-
-    heads: int
-    head_dim: int
-    double_blocks: int
-    single_blocks: int
-    device: torch.device
-    dtype: torch.dtype
-    backend: str = "auto"
-    repeats: int = 3
-
-    def __post_init__(self) -> None:
-        from deepspeed_knap.models.flux.layers import FluxDoubleBlock, FluxSingleBlock
-
-        dim = self.heads * self.head_dim
-        self.double = FluxDoubleBlock(dim, self.heads, self.head_dim).to(self.device, self.dtype)
-        self.single = FluxSingleBlock(dim, self.heads, self.head_dim).to(self.device, self.dtype)
-        self.attention = EmulatedUlyssesAttention(self.heads, backend=self.backend)
-
-    @property
-    def dim(self) -> int:
-        return self.heads * self.head_dim
-
-    def __call__(self, routed: RoutedBatch) -> float:
-        from deepspeed_knap.models.flux.flux1 import rope_axes
-        from deepspeed_knap.models.flux.layers import FluxStep
-
-        if routed.batch.num_tokens == 0:
-            return 0.0
-        step = FluxStep.build(routed, self.attention, rope_axes(self.head_dim))
-        x = routed.batch.tokens
-
-        def double() -> Tensor:
-            txt, img = x.index_select(0, step.txt_rows), x.index_select(0, step.img_rows)
-            out_txt, out_img = self.double(txt, img, step)
-            return out_txt.sum() + out_img.sum()
-
-        times = []
-        for _ in range(self.repeats + 1):  # the first run warms up
-            t_double = backward_seconds(double, self.device)
-            t_single = backward_seconds(lambda: self.single(x, step).sum(), self.device)
-            times.append(self.double_blocks * t_double + self.single_blocks * t_single)
-        return statistics.median(times[1:])
-
-
-def calibrate_degrees(timer: FluxBlockTimer, seq_lens: Sequence[int], degrees: Sequence[int], model: CostModel,
-                      overhead_s: float) -> tuple[dict[int, float], dict[int, list[float]]]:  # fmt: skip
-    """How much of the ideal ``1/G`` share of the work a member of a bag of ``G`` achieves.
-
-    For each degree ``G`` and length ``s``, times what member 0 of a bag of ``G`` GPUs computes of one
-    sequence of ``s`` tokens (its ``s / G`` tokens' projections and MLP, attention over the whole
-    sequence on its ``H / G`` heads: :class:`EmulatedUlyssesAttention`), and compares it with
-    ``model``'s ideal ``(a*s + b*s^2) / G`` (``model`` fitted at ``G = 1`` on the same blocks).
-
-    Returns:
-        ``({G: efficiency}, {G: measured seconds per length})``, efficiency = ideal seconds over
-        measured seconds less the overhead, summed over the lengths.
-
-    Raises:
-        ValueError: a degree below 2 or above the blocks' heads.
-    """
-    from deepspeed_knap.planner.fixed import Problem
-
-    bad = [g for g in degrees if not 2 <= g <= timer.heads]
-    if bad:
-        raise ValueError(
-            f"--degrees {list(degrees)}: bag sizes must be between 2 and the heads ({timer.heads}); got {bad}"
-        )
-    efficiency, measured = {}, {}
-    for degree in degrees:
-        topology = build_topology(f"g{degree}n1")
-        times = []
-        for seq_len in tqdm(seq_lens, desc=f"calibrate G={degree}", leave=False):
-            lengths = [[seq_len]] + [[] for _ in range(degree - 1)]
-            plan = Problem.build(lengths, topology, model, None).make_plan(
-                "calibrate", np.array([0]), np.array([degree])
-            )
-            routed = emulated_rank_batch(plan, 0, np.array([seq_len // 8]), timer.dim, timer.device, timer.dtype)
-            times.append(timer(routed))
-        ideal = sum((model.linear_coef * s + model.quadratic_coef * s * s) / degree for s in seq_lens)
-        spent = sum(max(t - overhead_s, 1e-12) for t in times)
-        efficiency[degree], measured[degree] = min(max(ideal / spent, 0.05), 2.0), times
-    return efficiency, measured
 
 
 def scaled_lengths(mix: str, num_gpus: int, seed: int, token_scale: float) -> tuple[list[list[int]], np.ndarray]:

@@ -53,10 +53,10 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from deepspeed_knap.bench.plots import write_report
-from deepspeed_knap.commands.options import add_mix_argument, output_file, positive_float, positive_int
+from deepspeed_knap.options import add_mix_argument, output_file, positive_float, positive_int
 from deepspeed_knap.planner.solve import plan_loads
 from deepspeed_knap.planner.topology import build_topology
+from deepspeed_knap.plots import write_report
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 
 MODES = ("off", "knapformer", "refine", "auto")
@@ -146,13 +146,14 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    import deepspeed_knap
+    from deepspeed_knap.engine import initialize, token_mean_loss
     from deepspeed_knap.models.flux.data import SyntheticLatents, rectified_flow
-    from deepspeed_knap.models.flux.finetune import TINY_FLUX
     from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
+    from deepspeed_knap.models.flux.spec import TINY_FLUX
     from deepspeed_knap.models.wan.data import SyntheticVideoLatents
     from deepspeed_knap.models.wan.finetune import flow_matching
-    from deepspeed_knap.models.wan.wan import TINY_WAN, PackedWanTransformer
+    from deepspeed_knap.models.wan.spec import TINY_WAN
+    from deepspeed_knap.models.wan.wan import PackedWanTransformer
     from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
     deepspeed.init_distributed(verbose=False)
@@ -168,7 +169,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
         model = (PackedWanTransformer if wan else PackedFluxTransformer)(**dims)
         config = ds_config(mode, options["topology"], world, options["cost_model"], options["online"])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        engine, _, _, _, balancer = deepspeed_knap.initialize(model=model, optimizer=optimizer, config=config)
+        engine, _, _, _, balancer = initialize(model=model, optimizer=optimizer, config=config)
         unlink_own_shm_buffer(rank)
         dit = engine.module
         slow = None
@@ -214,7 +215,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
             prediction = run.engine(inputs, run.balancer)
             forward_end = time.perf_counter()
             target = torch.cat(targets).to(device) if targets else torch.zeros_like(prediction)
-            loss = deepspeed_knap.token_mean_loss((prediction.float() - target.float()).square().mean(dim=-1))
+            loss = token_mean_loss((prediction.float() - target.float()).square().mean(dim=-1))
             run.engine.backward(loss)
             get_accelerator().synchronize()
             backward_end = time.perf_counter()

@@ -9,7 +9,8 @@ import argparse
 
 import numpy as np
 
-from deepspeed_knap.commands.options import (
+from deepspeed_knap.models.wan.spec import WAN
+from deepspeed_knap.options import (
     device,
     nonnegative_int,
     output_file,
@@ -17,8 +18,7 @@ from deepspeed_knap.commands.options import (
     positive_int,
     seq_lens,
 )
-from deepspeed_knap.cost.calibrate import check_fits_memory
-from deepspeed_knap.cost.model import MODEL_PRESETS
+from deepspeed_knap.runtime.timing import check_fits_memory
 
 HELP = "fit the cost model to timed blocks on this device"
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
@@ -36,9 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=positive_int, default=4, help="FLUX blocks: attention heads")
     parser.add_argument("--head-dim", type=positive_int, default=32, help="FLUX blocks: channels per head")
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
-    parser.add_argument("--wan", metavar="PRESET", choices=[name for name in MODEL_PRESETS if name.startswith("wan")],
-                        help="time Wan blocks of a preset's dims instead of FLUX blocks: "
-                        + ", ".join(name for name in MODEL_PRESETS if name.startswith("wan")))  # fmt: skip
+    parser.add_argument("--wan", metavar="PRESET", choices=list(WAN.presets),
+                        help=f"time Wan blocks of a preset's dims instead of FLUX blocks: {', '.join(WAN.presets)}")  # fmt: skip
     parser.add_argument("--double-blocks", type=nonnegative_int, default=19, help="double-stream blocks of the model")
     parser.add_argument("--single-blocks", type=nonnegative_int, default=38, help="single-stream blocks of the model")
     parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
@@ -65,10 +64,8 @@ def run(args: argparse.Namespace) -> int:
         ULYSSES_EXCHANGES,
         alltoall_coef_from_bandwidth,
         calibrate,
-        flux_blocks_step,
         load_callable,
         route_coef_from_bandwidth,
-        wan_blocks_step,
         write_calibration,
     )
 
@@ -87,10 +84,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--alltoall-gbps {args.alltoall_gbps} prices the timed blocks' Ulysses traffic; a "
                          "--callable has no known width: give cost_model.alltoall_coef beside the calibration_file "
                          "instead (it replaces the file's)")  # fmt: skip
+    from deepspeed_knap.models.flux.calibrate import FluxBlockTimer, flux_blocks_step
+    from deepspeed_knap.models.wan.calibrate import wan_blocks_step
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.wan and (args.callable or args.flux_dims or args.degrees):
         raise ValueError(f"--wan {args.wan} times Wan blocks; it goes without --callable, --flux-dims and --degrees")
-    wan = MODEL_PRESETS[args.wan] if args.wan else None
+    wan = WAN.presets[args.wan] if args.wan else None
     heads, head_dim = (24, 128) if args.flux_dims else (args.heads, args.head_dim)
     if wan:
         heads, head_dim = wan["num_heads"], wan["dim"] // wan["num_heads"]
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if degrees:
         if args.callable:
             raise ValueError("--degrees times emulated bag members of FLUX blocks; it cannot time a --callable")
-        from deepspeed_knap.bench.step import FluxBlockTimer, calibrate_degrees
+        from deepspeed_knap.runtime.emulation import calibrate_degrees
 
         timer = FluxBlockTimer(heads, head_dim, args.double_blocks, args.single_blocks, torch.device(device),
                                getattr(torch, args.dtype), args.backend, args.repeats)  # fmt: skip

@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.commands.options import device, nonnegative_int, positive_int, seq_lens
-from deepspeed_knap.cost.calibrate import calibrate, flux_blocks_step, write_calibration
+from deepspeed_knap.cost.calibrate import calibrate, write_calibration
+from deepspeed_knap.models.flux.calibrate import flux_blocks_step
+from deepspeed_knap.options import device, nonnegative_int, positive_int, seq_lens
 from deepspeed_knap.runtime.attention import BACKENDS, VarlenAttention, VarlenSeqs
 
 HELP = "versions, attention kernels, a kernel check and a calibration here"

@@ -27,8 +27,7 @@ import json
 import os
 from pathlib import Path
 
-from deepspeed_knap.commands.options import DefaultsHelp, positive_int
-from deepspeed_knap.generation.requests import FAMILIES
+from deepspeed_knap.options import DefaultsHelp, add_family_argument, positive_int
 
 HELP = "images for a JSONL file of requests, balanced across the ranks"
 FORMATTER = DefaultsHelp
@@ -43,8 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a diffusers FLUX.1, FLUX.2 or Wan (text-to-video) pipeline directory (model_index.json); "
                        "its family is its transformer's")  # fmt: skip
     model.add_argument("--tiny", action="store_true", help="a tiny random pipeline of --family (CPU demos, tests)")
-    parser.add_argument("--family", choices=FAMILIES, default=None,
-                        help="the --tiny model's family: flux (FLUX.1, the default), flux2 (FLUX.2) or wan (Wan 2.1)")  # fmt: skip
+    add_family_argument(parser, "the --tiny model's family (default: flux)", default=None, having="generator")
     parser.add_argument("--seed", type=int, default=0, help="of the --tiny weights")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--max-tokens-per-gpu", type=positive_int, default=None,

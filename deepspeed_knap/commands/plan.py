@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
-from deepspeed_knap.bench.planner import timed_plan
-from deepspeed_knap.commands.options import (
+from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, DEFAULT_TFLOPS
+from deepspeed_knap.models.registry import PRESETS, SPECS, default_cost_model, sample_mix, sample_segments
+from deepspeed_knap.options import (
     DefaultsHelp,
     add_mix_argument,
     nonnegative_int,
@@ -21,38 +23,36 @@ from deepspeed_knap.commands.options import (
     positive_float,
     positive_int,
 )
-from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, DEFAULT_TFLOPS, MODEL_PRESETS, default_cost_model
-from deepspeed_knap.data.mixes import sample_mix, sample_segments
 from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, lower_bound
+from deepspeed_knap.planner.solve import timed_plan
 from deepspeed_knap.planner.topology import AUTO, build_topology
 
 HELP = "solve one step and compare solvers"
 FORMATTER = DefaultsHelp
 
-_MODEL_KEYS = ("hidden", "double_blocks", "single_blocks", "mlp_ratio")
-_WAN_KEYS = ("dim", "ffn_dim", "num_heads", "num_layers", "text_len")
 
-
-def parse_model(text: str) -> dict[str, int]:
-    """A preset (``flux-dev``, ``wan2.1-14b``, ...), FLUX dims over flux-dev's
-    (``hidden=3072,double_blocks=19,single_blocks=38[,mlp_ratio=4]``) or Wan dims over wan2.1-14b's
-    (``dim=5120,ffn_dim=13824,num_heads=40,num_layers=40[,text_len=512]``)."""
-    if text in MODEL_PRESETS:
-        return dict(MODEL_PRESETS[text])
+def parse_model(text: str) -> dict[str, float]:
+    """A preset (``flux-dev``, ``wan2.1-14b``, ...: every family's), or ``key=number`` dims over the
+    first preset of the family whose presets have those keys (FLUX's
+    ``hidden=3072,double_blocks=19,single_blocks=38[,mlp_ratio=4]`` over ``flux-dev``, Wan's
+    ``dim=5120,ffn_dim=13824,num_heads=40,num_layers=40[,text_len=512]`` over ``wan2.1-14b``)."""
+    if text in PRESETS:
+        return dict(PRESETS[text][1])
     items = [item.partition("=") for item in text.split(",")]
-    wan = any(key.strip() in _WAN_KEYS for key, _, _ in items)
-    keys = _WAN_KEYS if wan else _MODEL_KEYS
-    dims = dict(MODEL_PRESETS["wan2.1-14b" if wan else "flux-dev"])
-    for (key, sep, value), item in zip(items, text.split(","), strict=True):
+    given = {key.strip() for key, _, _ in items}
+    bases = [next(iter(family.presets.values())) for family in SPECS.values() if family.presets]
+    base = next((dims for dims in bases if given <= set(dims)), None)
+    dims = dict(base or {})
+    for key, sep, value in items:
         number = value.strip()
-        valid = number.isdigit() or (key.strip() == "mlp_ratio" and number.replace(".", "", 1).isdigit())
-        if not sep or key.strip() not in keys or not valid:
+        if base is None or not sep or not re.fullmatch(r"\d+(\.\d+)?", number):
+            keys = "; ".join(f"{family.title}'s {', '.join(next(iter(family.presets.values())))}"
+                             for family in SPECS.values() if family.presets)  # fmt: skip
             raise argparse.ArgumentTypeError(
-                f"bad --model part {item!r}: give a preset ({', '.join(MODEL_PRESETS)}), or key=int pairs with "
-                f"FLUX's keys {', '.join(_MODEL_KEYS)} (mlp_ratio may be fractional) or Wan's {', '.join(_WAN_KEYS)}, "
-                "not both"
+                f"bad --model {text!r}: give a preset ({', '.join(PRESETS)}), or key=number pairs of one "
+                f"family's dims ({keys})"
             )
-        dims[key.strip()] = float(number) if key.strip() == "mlp_ratio" else int(number)
+        dims[key.strip()] = float(number) if "." in number else int(number)
     return dims
 
 
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         "solvers": {name: _summary(plan, baseline, timings[name]) for name, plan in plans.items()},
     }
     if args.plot:
-        from deepspeed_knap.bench.plots import plot_loads
+        from deepspeed_knap.plots import plot_loads
 
         plot_loads(plans, args.plot, f"{topology.spec}, {source}", topology)
     if args.json:
@@ -187,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--solver", default="all", choices=["all", *SOLVERS],
                         help=f"'all', or one solver to run next to 'none' ('{DEFAULT_SOLVER}' is the one training uses)")  # fmt: skip
     parser.add_argument("--model", type=parse_model, default="flux-dev",
-                        help=f"a preset ({', '.join(MODEL_PRESETS)}) or dims: FLUX's hidden=3072,double_blocks=19,"
+                        help=f"a preset ({', '.join(PRESETS)}) or dims: FLUX's hidden=3072,double_blocks=19,"
                              "single_blocks=38,mlp_ratio=4, or Wan's dim=,ffn_dim=,num_heads=,num_layers=,text_len=")  # fmt: skip
     parser.add_argument("--tflops", type=positive_float, default=DEFAULT_TFLOPS, help="sustained TFLOP/s per GPU")
     parser.add_argument(

@@ -36,8 +36,10 @@ launches, Python: every rank runs every block, with or without tokens), ``speed_
 With equal speeds that is the same on every GPU and changes no plan; on a slow GPU it is larger,
 and the plan gives that GPU less work to make up for it. The online refit learns it; 0 unless given.
 
-Defaults come from FLOP counts of the model's dimensions (:meth:`CostModel.from_model_dims` for
-FLUX-style DiTs, :meth:`CostModel.from_wan_dims` for Wan);
+Defaults come from FLOP counts of the model's dimensions: :meth:`CostModel.from_model_dims` for
+DiTs whose text and image tokens attend jointly (FLUX, MMDiTs), a family's own formula where it
+differs (Wan's cross-attention: ``deepspeed_knap/models/wan/spec.py``), each family's presets in its
+spec (:mod:`deepspeed_knap.models.registry`);
 :func:`fit_cost_model` fits ``a, b, c`` to measured (length, bag size, time) triples by non-negative
 least squares.
 """
@@ -51,41 +53,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Model dimensions by name. FLUX.1-dev and -schnell share the transformer shape.
-MODEL_PRESETS: dict[str, dict[str, float]] = {
-    "flux-dev": {"hidden": 3072, "double_blocks": 19, "single_blocks": 38, "mlp_ratio": 4},
-    "flux-schnell": {"hidden": 3072, "double_blocks": 19, "single_blocks": 38, "mlp_ratio": 4},
-    "flux-tiny": {"hidden": 64, "double_blocks": 2, "single_blocks": 2, "mlp_ratio": 4},
-    # FLUX.2 [dev]: a SwiGLU MLP 3x wide has 2 * 3 + 3 = 9 d^2 matrices, what mlp_ratio 4.5 counts.
-    "flux2-dev": {"hidden": 6144, "double_blocks": 8, "single_blocks": 48, "mlp_ratio": 4.5},
-    # FLUX.3 (diffusers 0.42.1 Flux3Transformer2DModel defaults): 24 heads x 128 = 3072 wide, every
-    # token through num_layers=5 blocks of its own mode (attending within its mode only) and
-    # num_single_layers=28 joint blocks; a SwiGLU MLP 3x wide (mlp_ratio=3.0: 2 * 3 + 3 = 9 d^2
-    # matrices, what mlp_ratio 4.5 counts), q, k, v, out without biases: 13 d^2 per token and block.
-    "flux3": {
-        "hidden": 3072,
-        "double_blocks": 0,
-        "single_blocks": 28,
-        "mode_blocks": 5,
-        "mlp_ratio": 4.5,
-        "num_heads": 24,
-    },
-    # Wan 2.x (CostModel.from_wan_dims), in the names of Wan's own configs: dim, ffn_dim, num_heads,
-    # num_layers (Wan-Video/Wan2.1 wan/configs/wan_t2v_1_3B.py and wan_t2v_14B.py; Wan-Video/Wan2.2
-    # wan/configs/wan_ti2v_5B.py), and text_len 512 (wan/configs/shared_config.py: the umT5 prompt
-    # padded to 512; diffusers' WanPipeline max_sequence_length=512). diffusers' WanTransformer3DModel
-    # configs agree: num_attention_heads x attention_head_dim 128 = dim (12, 40, 24 heads), ffn_dim,
-    # num_layers. Wan 2.2 A14B's two experts each have the 14B shape.
-    "wan2.1-1.3b": {"dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30, "text_len": 512},
-    "wan2.1-14b": {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40, "text_len": 512},
-    "wan2.2-ti2v-5b": {"dim": 3072, "ffn_dim": 14336, "num_heads": 24, "num_layers": 30, "text_len": 512},
-    # models/wan/wan.py TINY_WAN (bench train --family wan): 12 heads of 6, the text of a mix at 1/64.
-    "wan-tiny": {"dim": 72, "ffn_dim": 48, "num_heads": 12, "num_layers": 2, "text_len": 8},
-}
-# The keys that make a dims dict Wan's (the others are FLUX's: hidden, double_blocks, single_blocks, mlp_ratio).
-WAN_DIM_KEYS = ("dim", "ffn_dim", "num_heads", "num_layers", "text_len")
-FLUX_DIM_KEYS = ("hidden", "double_blocks", "single_blocks", "mlp_ratio", "mode_blocks")
-
 # The defaults of from_model_dims, the config block and the CLI: an H100 in bf16, NVLink all-to-alls.
 DEFAULT_TFLOPS = 400.0
 DEFAULT_ALLTOALL_GBPS = 150.0
@@ -94,6 +61,14 @@ DEFAULT_ALLTOALL_GBPS = 150.0
 # the line rate, a third of DEFAULT_ALLTOALL_GBPS (itself a third of NVLink 4's 450 GB/s per direction).
 DEFAULT_INTER_NODE_ALLTOALL_GBPS = 50.0
 
+# The prices a cost model is made of, by the one name the dataclass, the "knapformer" config block
+# (cost_model), calibration files and the online refit all use (tests/unit/test_cost_model.py sends
+# each through all four). Not among them: overhead_s, which the refit fits and no source gives.
+COEFFICIENTS = (
+    "linear_coef", "quadratic_coef", "alltoall_coef", "sequence_coef", "route_coef", "inter_node_route_coef",
+    "inter_node_alltoall_coef", "route_latency_s",
+)  # fmt: skip
+
 # Forward + backward over forward FLOPs. Linear layers: backward is two matmuls per forward matmul.
 # Flash attention's backward also recomputes the scores: ~2.5 forward's worth.
 _LINEAR_TRAIN_FACTOR = 3.0
@@ -101,7 +76,7 @@ _LINEAR_FROZEN_FACTOR = 2.0  # frozen weights: no weight-gradient matmul
 _ATTENTION_TRAIN_FACTOR = 3.5
 
 
-def _step_factors(frozen_base: bool, forward_only: bool) -> tuple[float, float, int]:
+def step_factors(frozen_base: bool, forward_only: bool) -> tuple[float, float, int]:
     """``(linear, attention, all-to-alls per block)``: the step's FLOPs over one forward's for linear
     layers and attention, and the Ulysses all-to-alls of ``hidden``-wide tokens per block (q, k, v in
     and the output back: 4 in a forward, 8 with backward)."""
@@ -168,8 +143,7 @@ class CostModel:
             isinstance(self.num_heads, bool) or not isinstance(self.num_heads, (int, np.integer)) or self.num_heads < 1
         ):
             raise ValueError(f"cost model num_heads must be a positive integer or None; got {self.num_heads!r}")
-        for name in ("linear_coef", "quadratic_coef", "alltoall_coef", "overhead_s", "sequence_coef", "route_coef",
-                     "inter_node_route_coef", "inter_node_alltoall_coef", "route_latency_s"):  # fmt: skip
+        for name in (*COEFFICIENTS, "overhead_s"):
             value = getattr(self, name)
             if value is None and name.startswith("inter_node_"):  # None: as the intra-node coefficient
                 continue
@@ -253,81 +227,13 @@ class CostModel:
                 f"bytes_per_element={bytes_per_element}, inter_node_alltoall_gbps={inter_node_alltoall_gbps}"
             )
         flops_per_s = tflops * 1e12
-        linear_factor, attention_factor, exchanges = _step_factors(frozen_base, forward_only)
+        linear_factor, attention_factor, exchanges = step_factors(frozen_base, forward_only)
         linear = linear_factor * 2 * (4 + 2 * mlp_ratio) * hidden**2 * blocks / flops_per_s
         quadratic = attention_factor * 2 * 2 * hidden * blocks / flops_per_s
         token_bytes = exchanges * hidden * bytes_per_element * blocks
         return cls(linear, quadratic, token_bytes / (alltoall_gbps * 1e9), gpu_speed, num_heads=num_heads,
                    segment_attention_share=mode_blocks / blocks if mode_blocks else 0.0,
-                   inter_node_alltoall_coef=_per_token_s(token_bytes, inter_node_alltoall_gbps))  # fmt: skip
-
-    @classmethod
-    def from_wan_dims(
-        cls,
-        dim: int = 5120,
-        ffn_dim: int = 13824,
-        num_heads: int = 40,
-        num_layers: int = 40,
-        text_len: int = 512,
-        tflops: float = DEFAULT_TFLOPS,
-        alltoall_gbps: float = DEFAULT_ALLTOALL_GBPS,
-        bytes_per_element: int = 2,
-        gpu_speed: tuple[float, ...] | None = None,
-        frozen_base: bool = False,
-        inter_node_alltoall_gbps: float | None = DEFAULT_INTER_NODE_ALLTOALL_GBPS,
-        forward_only: bool = False,
-    ) -> CostModel:
-        """FLOP-based defaults for a Wan 2.x DiT (defaults: Wan 2.1 14B on an H100 in bf16).
-
-        A Wan block is self-attention over the video tokens, cross-attention from them to the
-        sample's ``text_len`` text rows, and a GELU FFN ``ffn_dim`` wide. The balancer plans video
-        tokens only (the text is not in the sequence; docs/design.md, "Wan: cross-attention under
-        Ulysses"). Per block, forward, in multiply-adds:
-
-        * per video token, linear layers: ``4 d^2`` (self-attention q, k, v, output) + ``2 d^2``
-          (cross-attention q, output) + ``2 d ffn_dim`` (FFN);
-        * per video token, cross-attention scores and values over the text: ``2 text_len d``. Linear
-          in the tokens for a fixed text length, so it folds into ``a`` (with attention's 3.5x
-          forward + backward factor); the text length is the pipeline's 512, padding included;
-        * per pair of video tokens, self-attention: ``2 s d`` per token, the ``b`` term;
-        * per sequence, the text keys and values: ``2 text_len d^2``. The text travels with its
-          sequence and every member of the bag projects it itself, so this does not shrink with the
-          bag: it is ``e``, the per-sequence term (at ``d = 5120`` some 90 video tokens' worth of
-          linear work per block: 6% of a 1,560-token 480p image at degree 1, 1% of each member's
-          share of a 75,600-token 720p clip at degree 8). Counted with the linear layers' factor.
-
-        x2 FLOPs per multiply-add; forward + backward 3x (linear, 2x with ``frozen_base``) and 3.5x
-        (attention), as for FLUX. The Ulysses all-to-alls are self-attention's (cross-attention runs
-        locally): 8 of ``d``-wide tokens per block, as for FLUX. Left out as small: norms,
-        modulation, RoPE, patch embedding and head, the time and text embedders (once per model, not
-        per block), and I2V's image context (257 more cross-attention rows through ``add_k_proj``).
-
-        Args:
-            dim, ffn_dim, num_heads, num_layers, text_len: Wan's config names (MODEL_PRESETS).
-            Others: as :meth:`from_model_dims`.
-        """
-        dims = (dim, ffn_dim, num_heads, num_layers, tflops, alltoall_gbps, bytes_per_element,
-                inter_node_alltoall_gbps or 1.0)  # fmt: skip
-        if not all(np.isfinite(dims)) or min(dims) <= 0 or not np.isfinite(text_len) or text_len < 0:
-            raise ValueError(
-                "Wan dims must be finite and positive (text_len >= 0): got "
-                f"dim={dim}, ffn_dim={ffn_dim}, num_heads={num_heads}, num_layers={num_layers}, text_len={text_len}, "
-                f"tflops={tflops}, alltoall_gbps={alltoall_gbps}, bytes_per_element={bytes_per_element}, "
-                f"inter_node_alltoall_gbps={inter_node_alltoall_gbps}"
-            )
-        if dim % num_heads:
-            raise ValueError(f"Wan dims: dim={dim} is not a whole number of heads ({num_heads})")
-        flops_per_s = tflops * 1e12
-        linear_factor, attention_factor, exchanges = _step_factors(frozen_base, forward_only)
-        linear_macs = 6 * dim**2 + 2 * dim * ffn_dim
-        linear = (
-            (linear_factor * 2 * linear_macs + attention_factor * 2 * 2 * text_len * dim) * num_layers / flops_per_s
-        )
-        quadratic = attention_factor * 2 * 2 * dim * num_layers / flops_per_s
-        sequence = linear_factor * 2 * 2 * text_len * dim**2 * num_layers / flops_per_s
-        token_bytes = exchanges * dim * bytes_per_element * num_layers
-        return cls(linear, quadratic, token_bytes / (alltoall_gbps * 1e9), gpu_speed, num_heads=int(num_heads),
-                   sequence_coef=sequence, inter_node_alltoall_coef=_per_token_s(token_bytes, inter_node_alltoall_gbps))  # fmt: skip
+                   inter_node_alltoall_coef=per_token_s(token_bytes, inter_node_alltoall_gbps))  # fmt: skip
 
     @property
     def inter_node_route(self) -> float:
@@ -480,7 +386,7 @@ class CostModel:
         return self.overhead_s / self.group_speeds(np.arange(num_gpus), np.ones(num_gpus, dtype=np.int64), num_gpus)
 
 
-def _per_token_s(token_bytes: float, gbps: float | None) -> float | None:
+def per_token_s(token_bytes: float, gbps: float | None) -> float | None:
     """Seconds per token of all-to-all traffic of ``token_bytes`` bytes at ``gbps`` 10**9 bytes/s;
     ``None`` where no bandwidth is given."""
     return None if gbps is None else token_bytes / (gbps * 1e9)
@@ -529,33 +435,6 @@ def segment_square_sums(segments: np.ndarray) -> np.ndarray:
     if isinstance(segments, np.ndarray) and segments.ndim != 2:
         raise ValueError(f"segments must be an [N, K] table of segment lengths; got shape {segments.shape}")
     return np.array([float(sum(int(v) * int(v) for v in row)) for row in rows], dtype=np.float64)
-
-
-def default_cost_model(model: str | dict[str, int] = "flux-dev", **overrides: float) -> CostModel:
-    """FLOP-based cost model of a named preset (:data:`MODEL_PRESETS`) or a dict of model dims: Wan's
-    (:data:`WAN_DIM_KEYS`, :meth:`CostModel.from_wan_dims`) or FLUX's (:meth:`CostModel.from_model_dims`).
-    ``overrides`` replace dims of the same family, or set ``tflops``, ``alltoall_gbps``, ``frozen_base``
-    and the like.
-
-    Raises:
-        ValueError: an unknown preset, or Wan and FLUX dims mixed.
-    """
-    if isinstance(model, str):
-        if model not in MODEL_PRESETS:
-            raise ValueError(f"unknown model preset {model!r}; choose one of {sorted(MODEL_PRESETS)} or give dims")
-        dims: dict = dict(MODEL_PRESETS[model])
-    else:
-        dims = dict(model)
-    dims.update(overrides)
-    # num_heads is both families' (FLUX's from_model_dims takes it too): it decides neither.
-    wan = sorted(set(dims) & (set(WAN_DIM_KEYS) - {"num_heads"}))
-    flux = sorted(set(dims) & set(FLUX_DIM_KEYS))
-    if wan and flux:
-        raise ValueError(
-            f"model dims mix Wan's ({', '.join(wan)}) and FLUX's ({', '.join(flux)}); a Wan model takes "
-            f"{', '.join(WAN_DIM_KEYS)}, a FLUX-style one {', '.join(FLUX_DIM_KEYS)}"
-        )
-    return CostModel.from_wan_dims(**dims) if wan else CostModel.from_model_dims(**dims)
 
 
 def fit_cost_model(

@@ -68,7 +68,7 @@ and backward) by least squares on weighted running sums::
 
     route_phase[g] = route_latency_s + route_coef * x[g],   x[g] = max(sent[g], received[g])
 
-``x[g]`` the tokens GPU ``g`` moves under the plan (:func:`~deepspeed_knap.planner.route.gpu_traffic`)
+``x[g]`` the tokens GPU ``g`` moves under the plan (:func:`~deepspeed_knap.planner.route.moved_tokens`)
 and ``route_phase[g]`` its measured route-phase seconds, which include its wait for its partners.
 Each step gives one pair ``(x, t)``: of the GPUs that moved tokens, the one whose seconds per own
 moved token are least (it waited least). A GPU's time is paired with its own traffic, not with the
@@ -107,6 +107,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from deepspeed_knap.cost.model import (
     CostModel,
@@ -115,8 +118,6 @@ from deepspeed_knap.cost.model import (
     solve_linear,
     unit_norm_gram,
 )
-from deepspeed_knap.planner.plan import RoutingPlan
-from deepspeed_knap.planner.route import gpu_traffic
 
 # Refits alternate at most this many times between the coefficients and the speeds, stopping once the
 # speeds come back unchanged (with equal ranks, after the first: 0.56 -> 0.27 ms a refit at 2 GPUs).
@@ -139,6 +140,21 @@ OVERHEAD_EVIDENCE = 5.0
 # 2 or 3 kept the plans' modeled max load within 0.12% of the truth's plans on average (1.3% at
 # worst), the free fit 0.2-0.8% (3-7%); with a ratio 7x off, 2 cost 0.8-2%, 3 1.1-2.7%, free 0.2-1%.
 SHAPE_EVIDENCE = 2.0
+
+
+# The coefficients (cost.model.COEFFICIENTS) the refit fits from measured steps; the others it plans
+# with as the prior gives them.
+FITTED = ("linear_coef", "quadratic_coef", "alltoall_coef", "inter_node_alltoall_coef", "route_coef", "route_latency_s")
+
+
+class Placement(Protocol):
+    """Where a step's sequences ran: what the refit reads of a plan
+    (:class:`~deepspeed_knap.planner.plan.RoutingPlan` is one)."""
+
+    num_gpus: int
+    seq_lens: np.ndarray  # [N] tokens
+    seq_group_start: np.ndarray  # [N] first GPU of each sequence's group
+    seq_group_size: np.ndarray  # [N] its group's size
 
 
 def _critical(evidence: float, degrees_of_freedom: float) -> float:
@@ -183,7 +199,7 @@ class OnlineSettings:
 
 
 def plan_terms(
-    plan: RoutingPlan, cost_model: CostModel, segment_squares: list[float] | None = None
+    plan: Placement, cost_model: CostModel, segment_squares: list[float] | None = None
 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per GPU ``X, Y, Z, W`` (module docstring) of ``plan``, in plain floats, sequence by sequence.
     ``segment_squares``: ``[N]`` ``sum_k l_k**2`` of each sequence's attention segments
@@ -245,12 +261,15 @@ class OnlineCostModel:
         self.current = prior
         self.compute_fitted = False  # a, b, overhead and speeds refit at least once
 
-    def observe(self, plan: RoutingPlan, compute_us: list[int], ulysses_us: list[int],
-                segment_squares: list[float] | None = None, route_us: list[int] | None = None) -> list[float]:  # fmt: skip
+    def observe(self, plan: Placement, compute_us: list[int], ulysses_us: list[int],
+                segment_squares: list[float] | None = None, route_us: list[int] | None = None,
+                moved_tokens: list[int] | None = None) -> list[float]:  # fmt: skip
         """Add one step: ``plan`` and the microseconds every GPU measured for it (negative: none).
         ``segment_squares``: the step's attention segments, as :func:`plan_terms` takes them.
         ``route_us``: ``[S]`` each GPU's route and reverse-route microseconds, forward and backward
-        (negative: none), or ``None``: not measured. Refits when due. Returns what the model
+        (negative: none), or ``None``: not measured; ``moved_tokens``: ``[S]`` the tokens each GPU
+        sends or receives under ``plan``, the larger (:func:`~deepspeed_knap.planner.route.moved_tokens`),
+        given with ``route_us``. Refits when due. Returns what the model
         predicted for the step before it was added (:meth:`predicted_s`)."""
         forgetting = self.settings.forgetting
         terms = plan_terms(plan, self.current, segment_squares)
@@ -282,7 +301,7 @@ class OnlineCostModel:
         if rates:
             self.alltoall_sums = [self.alltoall_sums[0] + min(rates), self.alltoall_sums[1] + 1.0]
         if self.settings.fit_route:
-            self._observe_route(plan, route_us)
+            self._observe_route(route_us, moved_tokens)
         self.observed += 1
         warm = self.observed >= self.settings.warmup_steps
         if warm and (self.observed - self.settings.warmup_steps) % self.settings.refit_interval == 0:
@@ -291,7 +310,7 @@ class OnlineCostModel:
                 self._refit_route()
         return predicted
 
-    def _observe_route(self, plan: RoutingPlan, route_us: list[int] | None) -> None:
+    def _observe_route(self, route_us: list[int] | None, moved: list[int] | None) -> None:
         """Add the step's least-waiting moving GPU: its route-phase seconds against its own moved
         tokens (module docstring)."""
         forgetting = self.settings.forgetting
@@ -301,9 +320,8 @@ class OnlineCostModel:
         self.route_evidence *= forgetting
         if not route_us:
             return
-        traffic = gpu_traffic(plan.seq_lens, plan.seq_src_rank, plan.seq_group_start, plan.seq_group_size,
-                              plan.num_gpus, None)  # fmt: skip
-        moved = [max(sent, received) for sent, received in zip(traffic[0].tolist(), traffic[2].tolist(), strict=True)]
+        if moved is None:
+            raise ValueError("route_us needs moved_tokens: the tokens each GPU moved under the plan")
         pairs = [(float(x), us / 1e6) for x, us in zip(moved, route_us, strict=True) if x > 0 and us >= 0]
         if not pairs:
             return  # nothing moved, or no timer: through the origin, the step says nothing
@@ -347,7 +365,7 @@ class OnlineCostModel:
         """The fitted fixed seconds of a rank of speed 1 per step (0 until the first refit)."""
         return self.current.overhead_s
 
-    def predicted_s(self, plan: RoutingPlan, segment_squares: list[float] | None = None) -> list[float]:
+    def predicted_s(self, plan: Placement, segment_squares: list[float] | None = None) -> list[float]:
         """``[S]`` seconds the current model predicts each GPU computes under ``plan``, its fixed
         overhead included (an idle GPU still runs every block). ``segment_squares``: as
         :func:`plan_terms`'s."""

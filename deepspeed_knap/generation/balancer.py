@@ -24,6 +24,7 @@ import torch
 from deepspeed.utils import logger
 
 from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.models.registry import spec
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.worker import PlanWorkerError
 from deepspeed_knap.runtime.balancer import KnapBalancer
@@ -32,21 +33,14 @@ from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import RoutedBatch, _exchange_columns, exchange, gather_ints
 
 
-def forward_cost_model(config: dict, tflops: float = 400.0, alltoall_gbps: float = 150.0,
+def forward_cost_model(family: str, config: dict, tflops: float = 400.0, alltoall_gbps: float = 150.0,
                        bytes_per_element: int = 2) -> CostModel:  # fmt: skip
-    """The FLOP cost model of one *forward* of a transformer ``config`` (diffusers' names; Wan's by
-    its ``ffn_dim``, else FLUX's), for the planner: a training step's model counts forward and
-    backward (3x the linear layers, 3.5x attention, twice the all-to-alls), which would price the
-    Ulysses all-to-all too cheaply against compute here. Wan's text length is its pipeline's 512."""
-    heads = config["num_attention_heads"]
-    hidden = heads * config["attention_head_dim"]
+    """The FLOP cost model of one *forward* of a ``family``'s transformer ``config`` (diffusers' names;
+    the family's formula, :attr:`~deepspeed_knap.models.spec.ModelSpec.cost_dims`), for the planner:
+    a training step's model counts forward and backward (3x the linear layers, 3.5x attention, twice
+    the all-to-alls), which would price the Ulysses all-to-all too cheaply against compute here."""
     rates = dict(tflops=tflops, alltoall_gbps=alltoall_gbps, bytes_per_element=bytes_per_element, forward_only=True)
-    if "ffn_dim" in config:
-        return CostModel.from_wan_dims(dim=hidden, ffn_dim=config["ffn_dim"], num_heads=heads,
-                                       num_layers=config["num_layers"], **rates)  # fmt: skip
-    return CostModel.from_model_dims(hidden=hidden, double_blocks=config["num_layers"],
-                                     single_blocks=config["num_single_layers"], mlp_ratio=config.get("mlp_ratio", 4.0),
-                                     num_heads=heads, **rates)  # fmt: skip
+    return spec(family).config_cost_model(config, **rates)
 
 
 @dataclasses.dataclass

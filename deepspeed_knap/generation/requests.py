@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The families deepspeed-knap generate runs (FLUX.3 has no diffusers pipeline to follow yet).
-FAMILIES = ("flux", "flux2", "wan")
 DEFAULTS = {"steps": 28, "seed": 0, "max_sequence_length": 512}  # guidance: the family's (generator's) default
 # The largest value of each whole-number field: a seed is what torch.Generator.manual_seed takes; the
 # others are bounded so that what is derived from them (tokens) stays a plain number everywhere.

@@ -201,7 +201,7 @@ def generation_balancer(model: torch.nn.Module, max_tokens_per_gpu: int | None =
     topology = build_topology("auto", world, node, max_degree=default_max_degree(world, node, heads))  # fmt: skip
     groups = create_process_groups(topology)
     model.attention.configure(topology)  # checks the heads against the groups
-    cost_model = forward_cost_model(model.config) if cost_model is None else cost_model
+    cost_model = forward_cost_model(model.family, model.config) if cost_model is None else cost_model
     return ReusingBalancer(groups, cost_model, max_tokens_per_gpu=max_tokens_per_gpu, reuse=reuse)
 
 

@@ -33,7 +33,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from deepspeed_knap.data.mixes import SampleShape, sample_shapes
+from deepspeed_knap.data.mixes import SampleShape
+from deepspeed_knap.models.registry import sample_shapes
 from deepspeed_knap.runtime.manifest import (
     MANIFEST,
     ManifestError,

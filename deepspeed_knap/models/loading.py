@@ -35,11 +35,12 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor, nn
 
+from deepspeed_knap.models.registry import CONFIG_NAME, transformer_dir
+from deepspeed_knap.models.spec import ModelSpec
 from deepspeed_knap.runtime.groups import all_gather_bytes, raise_together
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
-CONFIG_NAME = "config.json"
 T = TypeVar("T")
 
 
@@ -48,18 +49,6 @@ class CheckpointError(ValueError):
 
 
 # ---- finding and checking a checkpoint ----
-
-
-def transformer_dir(path: str | Path) -> Path:
-    """``path`` itself when it holds ``config.json``, else its ``transformer/`` (a pipeline)."""
-    path = Path(path)
-    for directory in (path, path / "transformer"):
-        if (directory / CONFIG_NAME).is_file():
-            return directory
-    raise FileNotFoundError(
-        f"no {CONFIG_NAME} in {path} or {path / 'transformer'}; pass the directory of a diffusers transformer "
-        f"checkpoint ({CONFIG_NAME} + {WEIGHTS_NAME} or its shards) or of a pipeline"
-    )
 
 
 def read_config(path: Path, diffusers_class: str, config_keys: tuple[str, ...]) -> dict:
@@ -76,7 +65,7 @@ def read_config(path: Path, diffusers_class: str, config_keys: tuple[str, ...]) 
     if class_name != diffusers_class:
         raise CheckpointError(
             f"{path} has _class_name {class_name!r}, not {diffusers_class!r}; load it with the class of its family "
-            "(deepspeed_knap.models.registry.from_pretrained picks it from _class_name)"
+            "(deepspeed_knap.models.auto.from_pretrained picks it from _class_name)"
         )
     unknown = sorted(key for key in config if not key.startswith("_") and key not in config_keys)
     if unknown:
@@ -463,15 +452,38 @@ class DiffusersCheckpoint:
     them in ``self.config``, and names its modules as diffusers does): copy a diffusers model, load
     and save diffusers checkpoint directories, with ZeRO-3 partitioned loading.
 
-    A family sets ``diffusers_class`` (``config.json``'s ``_class_name``)."""
+    A family's class sets ``spec``, its :class:`~deepspeed_knap.models.spec.ModelSpec`, which gives the
+    class ``family`` (the registry's name) and ``diffusers_class`` (``config.json``'s ``_class_name``)."""
 
+    spec: ClassVar[ModelSpec]
+    family: ClassVar[str]
     diffusers_class: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__:
+            cls.family, cls.diffusers_class = cls.spec.name, cls.spec.diffusers_class
 
     @classmethod
     def config_keys(cls) -> tuple[str, ...]:
         """diffusers' config arguments of this family (the constructor's, less :data:`EXTRA_ARGS`)."""
         names = inspect.signature(cls.__init__).parameters
         return tuple(name for name in names if name != "self" and name not in EXTRA_ARGS)
+
+    @classmethod
+    def diffusers_model(cls, config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> nn.Module:
+        """diffusers' own model of this family (``diffusers_class``) of ``config`` (the packed model's,
+        which are diffusers' arguments) holding ``state_dict`` (the packed model's names, which are
+        diffusers'), in the state dict's dtype, for diffusers' pipelines (validation, references).
+        Parameters are made empty and take the state dict's tensors; buffers (RoPE tables, not in the
+        state dict) are computed as usual."""
+        import diffusers
+        from accelerate import init_empty_weights  # peft's dependency
+
+        with init_empty_weights(include_buffers=False):
+            model = getattr(diffusers, cls.diffusers_class)(**config)
+        model.load_state_dict(dict(state_dict), strict=True, assign=True)
+        return model.eval()
 
     @classmethod
     def from_diffusers(cls, model: nn.Module, **kwargs: Any):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.planner.plan import RoutingPlan
 
 
 def sequence_traffic(
@@ -61,6 +62,14 @@ def gpu_traffic(
             traffic[int(across), home] += tokens
             traffic[2 + int(across), gpu] += tokens
     return traffic
+
+
+def moved_tokens(plan: RoutingPlan) -> list[int]:
+    """``[S]`` the tokens each GPU moves under ``plan``: the larger of what it sends and receives (the
+    online refit's route evidence)."""
+    traffic = gpu_traffic(plan.seq_lens, plan.seq_src_rank, plan.seq_group_start, plan.seq_group_size,
+                          plan.num_gpus, None)  # fmt: skip
+    return [max(sent, received) for sent, received in zip(traffic[0].tolist(), traffic[2].tolist(), strict=True)]
 
 
 def route_seconds(cost_model: CostModel, traffic: np.ndarray) -> float:

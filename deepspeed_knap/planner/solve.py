@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -283,3 +285,23 @@ def plan_route_s(plan: RoutingPlan, cost_model: CostModel, gpus_per_node: int | 
     traffic = gpu_traffic(plan.seq_lens, plan.seq_src_rank, plan.seq_group_start, plan.seq_group_size, plan.num_gpus,
                           gpus_per_node)  # fmt: skip
     return route_seconds(cost_model, traffic)
+
+
+def timed_plan(
+    seq_lens: list[list[int]],
+    topology: Topology,
+    cost_model: CostModel,
+    solver: str,
+    max_tokens_per_gpu: int | None = None,
+    repeat: int = 1,
+    seq_segments_per_rank: list[list[tuple[int, ...]]] | None = None,
+) -> tuple[RoutingPlan, float]:
+    """The plan and the median wall-clock milliseconds of ``repeat`` solves (``seq_segments_per_rank``:
+    :func:`~deepspeed_knap.planner.plan_routing`'s)."""
+    times, plan = [], None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        plan = plan_routing(seq_lens, topology, cost_model, solver, max_tokens_per_gpu,
+                            seq_segments_per_rank=seq_segments_per_rank)  # fmt: skip
+        times.append((time.perf_counter() - start) * 1e3)
+    return plan, statistics.median(times)

@@ -28,6 +28,7 @@ from torch import Tensor
 from deepspeed_knap.cost.model import CostModel, segment_square_sums
 from deepspeed_knap.cost.online import OnlineCostModel, OnlineSettings
 from deepspeed_knap.planner.plan import RoutingPlan
+from deepspeed_knap.planner.route import moved_tokens
 from deepspeed_knap.planner.solve import DEFAULT_REFINE_STEPS, DEFAULT_SOLVER, plan_loads, plan_routing
 from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError, WorkerPlan
 from deepspeed_knap.runtime.attention import balanced_step_in_flight, set_balanced_step
@@ -429,7 +430,8 @@ class KnapBalancer:
             route, reverse = _REPORTED.index("route"), _REPORTED.index("reverse_route")
             route_us = [report[route] + report[reverse] if min(report[route], report[reverse]) >= 0 else -1
                         for report in reports]  # fmt: skip
-            predicted = self.online.observe(plan, compute_us, [report[1] for report in reports], squares, route_us)
+            predicted = self.online.observe(plan, compute_us, [report[1] for report in reports], squares, route_us,
+                                            moved_tokens(plan))  # fmt: skip
         else:
             compute_model = dataclasses.replace(model, alltoall_coef=0.0)
             predicted = plan_loads(plan, compute_model, segments_per_rank).tolist()

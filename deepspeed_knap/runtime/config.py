@@ -25,16 +25,16 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.utils import logger
 from pydantic import Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
 
+from deepspeed_knap.cost.calibrate import read_calibration
 from deepspeed_knap.cost.model import (
+    COEFFICIENTS,
     DEFAULT_ALLTOALL_GBPS,
     DEFAULT_INTER_NODE_ALLTOALL_GBPS,
     DEFAULT_TFLOPS,
-    MODEL_PRESETS,
     CostModel,
-    default_cost_model,
-    degree_efficiency_pairs,
 )
 from deepspeed_knap.cost.online import OnlineSettings
+from deepspeed_knap.models.registry import PRESETS, default_cost_model
 from deepspeed_knap.planner.solve import DEFAULT_SOLVER
 from deepspeed_knap.planner.topology import AUTO, parse_topology_spec
 
@@ -107,9 +107,10 @@ class KnapCostModelConfig(_KnapConfigModel):
     it is refit online."""
 
     model: str | None = None
-    """Preset name (``flux-dev``, ``flux-schnell``, ``flux-tiny``, ``flux2-dev``, ``flux3``; Wan: ``wan2.1-1.3b``,
-    ``wan2.1-14b``, ``wan2.2-ti2v-5b``, ``wan-tiny``); the default when nothing else is given. The dims overrides
-    below are FLUX's: a Wan preset takes none (another Wan size: calibrate, or give coefficients)."""
+    """Preset name: each registered family's (``flux-dev``, ``flux-schnell``, ``flux-tiny``, ``flux2-dev``,
+    ``flux3``; Wan: ``wan2.1-1.3b``, ``wan2.1-14b``, ``wan2.2-ti2v-5b``, ``wan-tiny``; docs/models.md lists them);
+    the default when nothing else is given. The dims overrides below are FLUX's: a Wan preset takes none
+    (another Wan size: calibrate, or give coefficients)."""
     hidden: int | None = Field(None, gt=0)
     """Override the preset's model width."""
     double_blocks: int | None = Field(None, ge=0)
@@ -132,7 +133,12 @@ class KnapCostModelConfig(_KnapConfigModel):
     quadratic_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Measured ``b`` (seconds per token squared); give with ``linear_coef``."""
     alltoall_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
-    """Measured ``c`` (seconds per token of Ulysses traffic); optional with coefficients."""
+    """Measured ``c`` (seconds per token of Ulysses traffic); optional with coefficients, and with a
+    calibration file it replaces the file's (one process times no all-to-all)."""
+    sequence_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """``e``: seconds every GPU of a group spends on a sequence whatever the group's size (Wan: each
+    member projects the sample's text itself), with any source; default: the source's (a Wan preset's
+    FLOP count, else 0)."""
     route_coef: float | None = Field(None, ge=0, allow_inf_nan=False)
     """Seconds of one token's round trip off its home GPU to another GPU of its node (the route and
     the reverse route, forward and backward), with any source: the planner adds the route phase to
@@ -185,12 +191,13 @@ class KnapCostModelConfig(_KnapConfigModel):
         if self.alltoall_coef is not None and not coefs and self.calibration_file is None:
             raise ValueError(f"alltoall_coef {self.alltoall_coef} goes with linear_coef and quadratic_coef, or with a "
                              "calibration_file (whose all-to-all price it replaces); a preset takes alltoall_gbps")  # fmt: skip
-        if self.model is not None and self.model not in MODEL_PRESETS:
-            raise ValueError(f"unknown model preset {self.model!r}; choose one of {sorted(MODEL_PRESETS)}")
-        if self.model is not None and dims and "dim" in MODEL_PRESETS[self.model]:
+        if self.model is not None and self.model not in PRESETS:
+            raise ValueError(f"unknown model preset {self.model!r}; choose one of {', '.join(PRESETS)}")
+        if self.model is not None and dims and not set(dims) <= set(PRESETS[self.model][1]):
+            family = PRESETS[self.model][0]
             raise ValueError(
-                f"{', '.join(dims)} override a FLUX-style preset's dims; Wan preset {self.model!r} takes none (its "
-                "sizes are the wan2.1-1.3b, wan2.1-14b and wan2.2-ti2v-5b presets; for another, calibrate or give "
+                f"{', '.join(dims)} override a FLUX-style preset's dims; {family.title} preset {self.model!r} takes "
+                f"none (its sizes are the presets {', '.join(family.presets)}; for another, calibrate or give "
                 "linear_coef and quadratic_coef)"
             )
         if self.frozen_base and (coefs or self.calibration_file):
@@ -202,45 +209,26 @@ class KnapCostModelConfig(_KnapConfigModel):
         return None if self.online is None else self.online.settings()
 
     def build(self) -> CostModel:
-        """The :class:`~deepspeed_knap.cost.model.CostModel` this section describes."""
-        model = self._compute_model()  # a calibration file's route_coef is the default
-        route = model.route_coef if self.route_coef is None else self.route_coef
-        latency = model.route_latency_s if self.route_latency_s is None else self.route_latency_s
-        model = dataclasses.replace(model, route_coef=route, inter_node_route_coef=self.inter_node_route_coef,
-                                    route_latency_s=latency)  # fmt: skip
-        if self.inter_node_alltoall_coef is None:
-            return model
-        return dataclasses.replace(model, inter_node_alltoall_coef=self.inter_node_alltoall_coef)
+        """The :class:`~deepspeed_knap.cost.model.CostModel` this section describes: its source's, with
+        every coefficient the section gives in its place."""
+        given = {name: getattr(self, name) for name in COEFFICIENTS[2:] if getattr(self, name) is not None}
+        return dataclasses.replace(self._compute_model(), **given)
 
     def _compute_model(self) -> CostModel:
         if self.linear_coef is not None:
-            return CostModel(self.linear_coef, self.quadratic_coef, self.alltoall_coef or 0.0)
+            return CostModel(self.linear_coef, self.quadratic_coef)
         if self.calibration_file is not None:  # alltoall_coef, given, replaces the file's (one process times none)
-            model = _read_calibration(self.calibration_file)
-            return model if self.alltoall_coef is None else dataclasses.replace(model, alltoall_coef=self.alltoall_coef)
+            try:
+                return read_calibration(self.calibration_file)
+            except ValueError as error:
+                raise ValueError(
+                    f"knapformer.cost_model.calibration_file {str(error).removeprefix('calibration file ')}"
+                ) from None
         dims = {k: getattr(self, k) for k in ("hidden", "double_blocks", "single_blocks", "mlp_ratio")}
         overrides = {k: v for k, v in dims.items() if v is not None}
         return default_cost_model(self.model or "flux-dev", tflops=self.tflops, alltoall_gbps=self.alltoall_gbps,
                                   inter_node_alltoall_gbps=self.inter_node_alltoall_gbps, frozen_base=self.frozen_base,
                                   **overrides)  # fmt: skip
-
-
-def _read_calibration(path: str) -> CostModel:
-    try:
-        data = json.loads(Path(path).read_text())
-        # num_heads: the heads of the blocks timed (calibrate writes it), pricing groups they do not divide.
-        return CostModel(float(data["linear_coef"]), float(data["quadratic_coef"]),
-                             float(data.get("alltoall_coef", 0.0)), None,
-                             degree_efficiency_pairs(data.get("degree_efficiency")),
-                             num_heads=int(data["num_heads"]) if data.get("num_heads") else None,
-                             route_coef=float(data.get("route_coef", 0.0)),
-                             route_latency_s=float(data.get("route_latency_s", 0.0)))  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(
-            f"knapformer.cost_model.calibration_file {path!r} is unreadable ({error}); it must be a JSON object with "
-            "linear_coef, quadratic_coef and optionally alltoall_coef, degree_efficiency, num_heads, route_coef and "
-            "route_latency_s, as deepspeed-knap calibrate writes"
-        ) from None
 
 
 class KnapFormerConfig(_KnapConfigModel):

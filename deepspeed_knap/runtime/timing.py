@@ -11,8 +11,10 @@ No communication here.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -119,3 +121,46 @@ def stamp(x: Tensor, times: StepTimes, forward_name: str, backward_name: str) ->
         raise ValueError(f"stamp needs a floating-point tensor to carry a gradient; got {x.dtype}")
     anchor = torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
     return _Stamped.apply(x, anchor, times, forward_name, backward_name)
+
+
+# ---- timing blocks on this device (calibration) ----
+
+
+def backward_seconds(run: Callable[[], torch.Tensor], device: torch.device | str) -> float:
+    """Wall seconds of ``run().backward()``, the device synchronised before and after."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    run().backward()
+    sync()
+    return time.perf_counter() - start
+
+
+def timing_bytes(seq_len: int, heads: int, head_dim: int, element_bytes: int, scores_materialised: bool) -> int:
+    """A generous estimate of the memory :func:`flux_blocks_step` needs at ``seq_len`` tokens: ~64
+    model-wide activations per token kept for the backward of one double- and one single-stream block
+    (their MLPs are 4x wide), and, where the attention kernel materialises the scores (sdpa's math
+    path on CPU), ``[heads, s, s]`` three times (scores, probabilities, their gradient)."""
+    activations = 64 * seq_len * heads * head_dim * element_bytes
+    scores = 3 * heads * seq_len * seq_len * element_bytes if scores_materialised else 0
+    return activations + scores
+
+
+def check_fits_memory(seq_len: int, heads: int, head_dim: int, dtype: torch.dtype, device: str) -> None:
+    """Refuse, before allocating anything, a timing that cannot fit the device's memory.
+
+    Raises:
+        ValueError: naming the length, the estimate and the memory there is.
+    """
+    element = torch.empty((), dtype=dtype).element_size()
+    if device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        needed = timing_bytes(seq_len, heads, head_dim, element, scores_materialised=False)
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        needed = timing_bytes(seq_len, heads, head_dim, element, scores_materialised=True)
+    if needed > total:
+        raise ValueError(
+            f"--seq-lens: timing {seq_len:,} tokens with {heads} heads of {head_dim} needs about {needed / 2**30:,.1f} GiB "
+            f"and {device} has {total / 2**30:,.1f} GiB; time shorter lengths (the fit extrapolates)"
+        )

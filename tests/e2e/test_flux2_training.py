@@ -35,7 +35,8 @@ def train(tmp_path, name: str, balanced: bool, *args: str) -> tuple[list[float],
 def test_zero3_flux2_balanced_equals_unbalanced_loaded_and_exports_to_diffusers(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from deepspeed_knap.models.flux.flux2 import TINY_FLUX2, PackedFlux2Transformer
+    from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
+    from deepspeed_knap.models.flux.spec import TINY_FLUX2
 
     torch.manual_seed(0)  # --tiny's initial weights (--seed 0)
     initial = PackedFlux2Transformer(**TINY_FLUX2)

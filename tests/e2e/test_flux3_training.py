@@ -51,7 +51,8 @@ def train(d, name: str, balanced: bool, *args: str, ranks: int = 2) -> tuple[str
 
 def initial_model():
     """``--tiny --family flux3``'s initial weights (``--seed 0``)."""
-    from deepspeed_knap.models.flux3.flux3 import TINY_FLUX3, PackedFlux3Transformer
+    from deepspeed_knap.models.flux3.flux3 import PackedFlux3Transformer
+    from deepspeed_knap.models.flux3.spec import TINY_FLUX3
 
     torch.manual_seed(0)
     return PackedFlux3Transformer(**TINY_FLUX3, attention_backend="sdpa")
@@ -61,9 +62,9 @@ def initial_model():
 def full_runs(tmp_path_factory):
     """The data, the initial weights as a diffusers checkpoint, and the balanced (checkpointed,
     exported), unbalanced (loaded from the checkpoint) and resumed runs."""
-    from deepspeed_knap.data.mixes import sample_shapes
     from deepspeed_knap.models.flux3.data import save_flux3_sample, synthetic_flux3_samples
     from deepspeed_knap.models.latents import write_latent_manifest
+    from deepspeed_knap.models.registry import sample_shapes
 
     d = tmp_path_factory.mktemp("flux3")
     initial = initial_model()
@@ -134,9 +135,9 @@ def test_lora_adapter_loads_into_diffusers_flux3_as_peft_lora_on_our_model(tmp_p
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from deepspeed_knap.data.mixes import sample_shapes
-    from deepspeed_knap.models.flux.finetune import ADAPTER_FILE, add_lora
     from deepspeed_knap.models.flux3.data import rectified_flow, synthetic_flux3_samples
+    from deepspeed_knap.models.lora import ADAPTER_FILE, add_lora
+    from deepspeed_knap.models.registry import sample_shapes
     from tests.support.flux3_cases import diffusers_output, relative_error
 
     _, losses = train(tmp_path, "lora", True, "--tiny", "--family", "flux3", "--token-scale", "0.015625",

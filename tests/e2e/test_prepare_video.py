@@ -102,7 +102,8 @@ def test_prepare_videos_and_images(tmp_path):
 
     from diffusers import WanPipeline
 
-    from deepspeed_knap.models.wan.wan import TINY_WAN, PackedWanTransformer
+    from deepspeed_knap.models.wan.spec import TINY_WAN
+    from deepspeed_knap.models.wan.wan import PackedWanTransformer
 
     pipe = WanPipeline.from_pretrained(pipeline, transformer=None, transformer_2=None)
     samples, z_dim = [], pipe.vae.config.z_dim

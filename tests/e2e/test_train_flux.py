@@ -195,7 +195,7 @@ def test_lora_balanced_on_zero3_equals_unbalanced_on_zero2_and_writes_validation
 
     from safetensors.torch import load_file
 
-    from deepspeed_knap.models.flux.finetune import ADAPTER_FILE
+    from deepspeed_knap.models.lora import ADAPTER_FILE
     from tests.support.flux_cases import relative_error
 
     balanced, unbalanced = load_file(d / "on" / ADAPTER_FILE), load_file(d / "off" / ADAPTER_FILE)
@@ -226,19 +226,16 @@ def test_exported_adapter_loads_into_diffusers_pipeline_as_peft_lora_on_our_mode
     from deepspeed_knap.data.mixes import SampleShape
     from deepspeed_knap.models.flux import PackedFluxTransformer
     from deepspeed_knap.models.flux.data import rectified_flow, synthetic_samples
-    from deepspeed_knap.models.flux.finetune import (
-        ADAPTER_FILE,
-        TINY_FLUX,
-        add_lora,
-        diffusers_transformer,
-        tiny_pipeline_components,
-    )
+    from deepspeed_knap.models.flux.finetune import tiny_pipeline_components
+    from deepspeed_knap.models.flux.spec import TINY_FLUX
+    from deepspeed_knap.models.lora import ADAPTER_FILE, add_lora
     from tests.support.flux_cases import diffusers_output, relative_error
 
     torch.manual_seed(0)  # the script's base weights, which LoRA training leaves frozen
     base = PackedFluxTransformer(**TINY_FLUX, attention_backend="sdpa")
     pipe = FluxPipeline(
-        **tiny_pipeline_components(TINY_FLUX), transformer=diffusers_transformer(TINY_FLUX, base.state_dict())
+        **tiny_pipeline_components(TINY_FLUX),
+        transformer=PackedFluxTransformer.diffusers_model(TINY_FLUX, base.state_dict()),
     )
     latents = synthetic_samples([SampleShape(text=5, visual=12, frames=1)], TINY_FLUX, seed=3)
     (sample,), _ = rectified_flow(latents, torch.Generator().manual_seed(0), guidance=2.0)
@@ -263,7 +260,8 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
     from safetensors.torch import load_file
 
     from deepspeed_knap.models.flux.data import save_latent_sample
-    from deepspeed_knap.models.flux.finetune import TINY_FLUX, tiny_pipeline_components
+    from deepspeed_knap.models.flux.finetune import tiny_pipeline_components
+    from deepspeed_knap.models.flux.spec import TINY_FLUX
     from deepspeed_knap.models.latents import write_latent_manifest
     from deepspeed_knap.runtime.manifest import read_manifest, verify_files
 
@@ -359,13 +357,7 @@ def test_a_lora_adapter_of_either_family_loads_into_diffusers_own_model(family, 
     """The default targets adapt the family's layers (FLUX.2's ``attn.to_out`` is a linear layer in
     single blocks and a list in double blocks), and the exported adapter, loaded by diffusers into
     its own transformer, gives the packed model's output."""
-    from deepspeed_knap.models.flux.finetune import (
-        ADAPTER_FILE,
-        adapter_state_dict,
-        add_lora,
-        lora_config,
-        save_adapter,
-    )
+    from deepspeed_knap.models.lora import ADAPTER_FILE, adapter_state_dict, add_lora, lora_config, save_adapter
     from tests.support.flux_cases import diffusers_output, packed_class, random_samples, reference_model, relative_error
 
     reference = reference_model(family, torch.float32)

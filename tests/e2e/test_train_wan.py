@@ -56,7 +56,7 @@ def wan_job(tmp_path_factory):
     from PIL import Image
 
     from deepspeed_knap.models.wan.data import tiny_wan_pipeline
-    from deepspeed_knap.models.wan.wan import TINY_WAN
+    from deepspeed_knap.models.wan.spec import TINY_WAN
     from tests.support.videos import write_video
 
     d = tmp_path_factory.mktemp("wan")
@@ -102,7 +102,7 @@ def test_prepared_videos_and_images_train_balanced_as_unbalanced(wan_job):
 def test_resumed_run_continues_with_the_uninterrupted_losses_and_adapter(wan_job):
     from safetensors.torch import load_file
 
-    from deepspeed_knap.models.flux.finetune import ADAPTER_FILE
+    from deepspeed_knap.models.lora import ADAPTER_FILE
 
     d, (_, on), _, (resumed_run, resumed) = wan_job
     assert f"--resume: loading checkpoint step2 from {d / 'ckpt'}\n" in resumed_run.stdout
@@ -132,7 +132,7 @@ def test_exported_adapter_loads_into_wan_pipeline_as_peft_lora_on_our_model(wan_
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from deepspeed_knap.models.flux.finetune import ADAPTER_FILE, add_lora
+    from deepspeed_knap.models.lora import ADAPTER_FILE, add_lora
     from deepspeed_knap.models.wan import PackedWanTransformer
     from deepspeed_knap.models.wan.data import load_video_sample
     from deepspeed_knap.models.wan.finetune import flow_matching

@@ -30,14 +30,14 @@ LARGE = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from deepspeed_knap.models.registry import family_class
+    from deepspeed_knap.models.auto import model_class
 
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {}
     torch.manual_seed(0)
     for family, config in LARGE.items():
-        paths[family] = str(family_class(family)(**config).save_pretrained(root / family, max_shard_size=20 * 2**20))
-    small = family_class("flux2")(**CONFIGS["flux2"]).save_pretrained(root / "small", max_shard_size=20_000)
+        paths[family] = str(model_class(family)(**config).save_pretrained(root / family, max_shard_size=20 * 2**20))
+    small = model_class("flux2")(**CONFIGS["flux2"]).save_pretrained(root / "small", max_shard_size=20_000)
     broken = shutil.copytree(small, root / "broken")
     index = json.loads((broken / "diffusion_pytorch_model.safetensors.index.json").read_text())
     missing = sorted(set(index["weight_map"].values()))[1]
@@ -50,13 +50,13 @@ def _loading_worker(rank: int, world: int, paths: dict) -> dict:
     import deepspeed
     from safetensors import safe_open
 
+    from deepspeed_knap.models.auto import model_class
     from deepspeed_knap.models.loading import CheckpointError, HostMemory, load_checkpoint, weight_files
-    from deepspeed_knap.models.registry import family_class
     from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
     results = {}
     for family in LARGE:
-        model, report = load_checkpoint(family_class(family), paths[family], ds_config=ZERO3)
+        model, report = load_checkpoint(model_class(family), paths[family], ds_config=ZERO3)
         if family == next(iter(LARGE)):  # every rank has mapped DeepSpeed's CPU all-reduce buffers: drop ours
             deepspeed.comm.barrier()
             unlink_own_shm_buffer(rank)
@@ -78,7 +78,7 @@ def _loading_worker(rank: int, world: int, paths: dict) -> dict:
     }
     for case, (path, config) in cases.items():
         try:
-            load_checkpoint(family_class("flux2"), path, ds_config=config)
+            load_checkpoint(model_class("flux2"), path, ds_config=config)
             results[case] = None
         except CheckpointError as error:
             results[case] = str(error)

@@ -163,24 +163,18 @@ def references():
 def _references(family: str) -> dict:
     from diffusers import Flux2Pipeline, Flux2Transformer2DModel, FluxPipeline
 
-    from deepspeed_knap.models.flux.finetune import (
-        TINY_FLUX,
-        diffusers_transformer,
-        tiny_flux2_pipeline_components,
-        tiny_pipeline_components,
-    )
-    from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
+    from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components, tiny_pipeline_components
+    from deepspeed_knap.models.flux.spec import TINY_FLUX, TINY_FLUX2
     from deepspeed_knap.models.generators import tiny_generator
-    from deepspeed_knap.models.wan import finetune as wan_finetune
     from deepspeed_knap.models.wan.data import tiny_wan_pipeline
-    from deepspeed_knap.models.wan.wan import TINY_WAN
+    from deepspeed_knap.models.wan.spec import TINY_WAN
 
     ours = tiny_generator(family, torch.float64, "cpu", seed=0)
     if family == "wan":
         pipe = tiny_wan_pipeline(TINY_WAN["text_dim"], TINY_WAN["in_channels"], seed=0)
-        pipe.transformer = wan_finetune.diffusers_transformer(TINY_WAN, ours.model.state_dict())
+        pipe.transformer = type(ours.model).diffusers_model(TINY_WAN, ours.model.state_dict())
     elif family == "flux":
-        transformer = diffusers_transformer(TINY_FLUX, ours.model.state_dict())
+        transformer = type(ours.model).diffusers_model(TINY_FLUX, ours.model.state_dict())
         pipe = FluxPipeline(**tiny_pipeline_components(TINY_FLUX, 0), transformer=transformer)
     else:
         transformer = Flux2Transformer2DModel(**TINY_FLUX2)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from deepspeed_knap.cost.model import CostModel, default_cost_model
-from deepspeed_knap.data.mixes import sample_mix
+from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.models.registry import default_cost_model, sample_mix
 from deepspeed_knap.planner import DEFAULT_SOLVER, plan_routing
 from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError

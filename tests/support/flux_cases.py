@@ -36,9 +36,9 @@ def diffusers_class(family: str):
 
 
 def packed_class(family: str):
-    from deepspeed_knap.models.registry import family_class
+    from deepspeed_knap.models.auto import model_class
 
-    return family_class(family)
+    return model_class(family)
 
 
 def reference_model(family: str, dtype: torch.dtype, guidance: bool = True, seed: int = 0):

@@ -52,7 +52,7 @@ def plan_digests() -> dict[str, str]:
     import hashlib
 
     from deepspeed_knap import MIXES, build_topology, default_cost_model, plan_routing, sample_mix
-    from deepspeed_knap.data.mixes import sample_segments
+    from deepspeed_knap.models.registry import sample_segments
 
     digests = {}
     for gpus in (8, 16, 32):

@@ -8,8 +8,7 @@ import torch
 
 from deepspeed_knap.bench import planner as bench
 from deepspeed_knap.cli import main as cli_main
-from deepspeed_knap.cost.model import default_cost_model
-from deepspeed_knap.data.mixes import sample_mix
+from deepspeed_knap.models.registry import default_cost_model, sample_mix
 from deepspeed_knap.planner import plan_loads, plan_routing
 from deepspeed_knap.planner.topology import build_topology
 

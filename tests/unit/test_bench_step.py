@@ -10,8 +10,10 @@ import torch
 
 from deepspeed_knap.bench import step as bench_step
 from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.models.flux.calibrate import FluxBlockTimer
 from deepspeed_knap.planner import plan_loads, plan_routing
 from deepspeed_knap.planner.topology import build_topology
+from deepspeed_knap.runtime import emulation
 from deepspeed_knap.runtime.layout import gpu_layout
 from tests.support.distributed import run_distributed
 
@@ -47,9 +49,9 @@ def _kernel_calls_worker(rank: int, world: int) -> dict:
     for spec in ("g4n1", "g1n2+g2n1"):
         topology = build_topology(spec, world)
         plan = plan_routing(SEQ_LENS, topology, FREE_ALLTOALL, "refine")
-        routed = bench_step.emulated_rank_batch(plan, rank, TEXT_LENS, HEADS * HEAD_DIM, torch.device("cpu"),
+        routed = emulation.emulated_rank_batch(plan, rank, TEXT_LENS, HEADS * HEAD_DIM, torch.device("cpu"),
                                                 torch.float64)  # fmt: skip
-        real, emulated = KnapDistributedAttention(HEADS), bench_step.EmulatedUlyssesAttention(HEADS)
+        real, emulated = KnapDistributedAttention(HEADS), emulation.EmulatedUlyssesAttention(HEADS)
         real.varlen_attn, emulated.varlen_attn = Recorder(real.varlen_attn), Recorder(emulated.varlen_attn)
         qkv = [torch.randn(routed.batch.num_tokens, HEADS, HEAD_DIM, dtype=torch.float64) for _ in range(3)]
         real_routed = dataclasses.replace(routed, groups=create_process_groups(topology))
@@ -78,17 +80,17 @@ def test_emulated_attention_is_exact_where_no_bag_is_used():
     from deepspeed_knap.runtime.attention import KnapDistributedAttention
 
     plan = plan_routing(SEQ_LENS, build_topology("g4n1"), FREE_ALLTOALL, "none")
-    routed = bench_step.emulated_rank_batch(plan, 2, TEXT_LENS, HEADS * HEAD_DIM, torch.device("cpu"), torch.float64)
+    routed = emulation.emulated_rank_batch(plan, 2, TEXT_LENS, HEADS * HEAD_DIM, torch.device("cpu"), torch.float64)
     qkv = [torch.randn(routed.batch.num_tokens, HEADS, HEAD_DIM, dtype=torch.float64) for _ in range(3)]
     expected = KnapDistributedAttention(HEADS)(*qkv, routed)
-    torch.testing.assert_close(bench_step.EmulatedUlyssesAttention(HEADS)(*qkv, routed), expected, rtol=0, atol=0)
+    torch.testing.assert_close(emulation.EmulatedUlyssesAttention(HEADS)(*qkv, routed), expected, rtol=0, atol=0)
 
 
 def test_emulated_rank_holds_the_plans_tokens_text_first():
     plan = plan_routing(SEQ_LENS, build_topology("g4n1"), FREE_ALLTOALL, "refine")
     total_text = 0
     for gpu in range(4):
-        routed = bench_step.emulated_rank_batch(plan, gpu, TEXT_LENS, 8, torch.device("cpu"), torch.float32)
+        routed = emulation.emulated_rank_batch(plan, gpu, TEXT_LENS, 8, torch.device("cpu"), torch.float32)
         assert routed.batch.num_tokens == plan.gpu_tokens[gpu]
         total_text += int(routed.batch.token_data["is_text"].sum())
     assert total_text == TEXT_LENS.sum()
@@ -146,7 +148,7 @@ def test_bench_step_runs_end_to_end_and_reports_against_the_given_model(tmp_path
 
 
 def test_bench_step_errors_name_the_fix():
-    timer = bench_step.FluxBlockTimer(2, 8, 1, 1, torch.device("cpu"), torch.float32)
+    timer = FluxBlockTimer(2, 8, 1, 1, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="bags of 4 GPUs but the blocks have 2 heads; give --heads"):
         bench_step.bench_step("g4n1", "kf_lowres", 1, timer, 0.01)
     with pytest.raises(ValueError, match="--solver none would compare"):

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from deepspeed_knap.cost.model import CostModel, default_cost_model
+from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.models.registry import default_cost_model
 from deepspeed_knap.runtime.config import KnapFormerConfig, get_knapformer_config
 
 

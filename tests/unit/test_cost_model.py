@@ -8,13 +8,10 @@ import numpy as np
 import pytest
 from scipy.optimize import nnls
 
-from deepspeed_knap.cost.model import (
-    MODEL_PRESETS,
-    CostModel,
-    default_cost_model,
-    degree_efficiency_pairs,
-    fit_cost_model,
-)
+from deepspeed_knap.cost.model import COEFFICIENTS, CostModel, degree_efficiency_pairs, fit_cost_model
+from deepspeed_knap.models.registry import PRESETS, default_cost_model
+from deepspeed_knap.models.wan.spec import from_wan_dims
+from deepspeed_knap.planner import build_topology, plan_routing
 
 
 def test_formula_splits_compute_and_adds_alltoall_only_for_bags():
@@ -178,10 +175,12 @@ def test_wan_14b_magnitudes_match_the_design_notes():
 
 def test_wan_dims_and_flux_dims_do_not_mix():
     assert default_cost_model({"dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30}).num_heads == 12
-    with pytest.raises(ValueError, match=r"mix Wan's \(dim, .*\) and FLUX's \(hidden\)"):
+    with pytest.raises(ValueError, match=r"hidden are not dims of Wan 2\.x preset 'wan2\.1-14b', which takes dim, "):
         default_cost_model("wan2.1-14b", hidden=64)
+    with pytest.raises(ValueError, match=r"model dims dim, hidden mix the dims of different models"):
+        default_cost_model({"dim": 1536, "hidden": 64})
     with pytest.raises(ValueError, match="not a whole number of heads"):
-        CostModel.from_wan_dims(dim=1000, num_heads=12)
+        from_wan_dims(dim=1000, num_heads=12)
 
 
 def test_the_config_block_and_the_cli_take_wan_presets():
@@ -191,12 +190,12 @@ def test_the_config_block_and_the_cli_take_wan_presets():
     assert KnapCostModelConfig(model="wan2.1-14b").build() == default_cost_model("wan2.1-14b")
     lora = KnapCostModelConfig(model="wan2.1-1.3b", frozen_base=True, tflops=200).build()
     assert lora == default_cost_model("wan2.1-1.3b", frozen_base=True, tflops=200)
-    with pytest.raises(ValueError, match=r"Wan preset 'wan2\.1-14b' takes none"):
+    with pytest.raises(ValueError, match=r"Wan 2\.x preset 'wan2\.1-14b' takes none"):
         KnapCostModelConfig(model="wan2.1-14b", hidden=4096)
-    assert parse_model("wan2.2-ti2v-5b") == MODEL_PRESETS["wan2.2-ti2v-5b"]
-    assert parse_model("num_layers=20") == {**MODEL_PRESETS["wan2.1-14b"], "num_layers": 20}
-    assert parse_model("hidden=64") == {**MODEL_PRESETS["flux-dev"], "hidden": 64}
-    with pytest.raises(argparse.ArgumentTypeError, match="not both"):
+    assert parse_model("wan2.2-ti2v-5b") == PRESETS["wan2.2-ti2v-5b"][1]
+    assert parse_model("num_layers=20") == {**PRESETS["wan2.1-14b"][1], "num_layers": 20}
+    assert parse_model("hidden=64") == {**PRESETS["flux-dev"][1], "hidden": 64}
+    with pytest.raises(argparse.ArgumentTypeError, match=r"key=number pairs of one family's dims"):
         parse_model("hidden=64,dim=128")
 
 
@@ -219,3 +218,30 @@ def test_degree_efficiency_pairs_reads_what_calibrate_writes(value, expected):
 def test_degree_efficiency_pairs_refuses_anything_else_naming_it(value):
     with pytest.raises(ValueError, match=r"degree_efficiency = .*; expected \[\[bag size, efficiency\], \.\.\.\]"):
         degree_efficiency_pairs(value)
+
+
+@pytest.mark.parametrize("name", COEFFICIENTS)
+def test_each_coefficient_flows_through_the_config_block_calibration_files_and_the_refit(name, tmp_path):
+    """One name per coefficient: a value given for it in the "knapformer" block reaches the cost
+    model, a calibration file carries it, and the online refit plans with it (and keeps it where it
+    does not fit it). A coefficient added to COEFFICIENTS must pass all three."""
+    import dataclasses
+
+    from deepspeed_knap.cost.calibrate import read_calibration, write_calibration
+    from deepspeed_knap.cost.online import FITTED, OnlineCostModel, OnlineSettings
+    from deepspeed_knap.runtime.config import KnapCostModelConfig
+
+    assert name in {field.name for field in dataclasses.fields(CostModel)}
+    value = 1.25e-7
+    model = dataclasses.replace(CostModel(2e-6, 3e-10), **{name: value})
+    given = {"linear_coef": 2e-6, "quadratic_coef": 3e-10, name: value}
+    assert KnapCostModelConfig(**given).build() == model
+    write_calibration(tmp_path / "calibration.json", model, [1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0], {}, {})
+    assert read_calibration(tmp_path / "calibration.json") == model
+    online = OnlineCostModel(model, 2, OnlineSettings(warmup_steps=1))
+    assert getattr(online.model(), name) == value
+    plan = plan_routing([[300, 20], [40]], build_topology("g1n2"), model, "refine")
+    for _ in range(3):
+        online.observe(plan, [3000, 2000], [-1, -1])
+    assert online.compute_fitted
+    assert name in FITTED or getattr(online.model(), name) == value

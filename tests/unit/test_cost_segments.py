@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from deepspeed_knap import build_topology, default_cost_model, plan_routing
-from deepspeed_knap.cost.model import MODEL_PRESETS, CostModel, segment_square_sums
-from deepspeed_knap.data.mixes import sample_mix, sample_segments, sample_shapes
+from deepspeed_knap.cost.model import CostModel, segment_square_sums
+from deepspeed_knap.models.registry import PRESETS, sample_mix, sample_segments, sample_shapes
 from deepspeed_knap.planner.solve import lower_bound, plan_loads
 from tests.support.flux3_cases import CONFIGS, diffusers_output, random_samples, reference_model
 
@@ -112,7 +112,7 @@ def test_the_flux3_preset_has_diffusers_default_dims():
     defaults = {
         k: p.default for k, p in inspect.signature(diffusers.Flux3Transformer2DModel.__init__).parameters.items()
     }
-    preset = MODEL_PRESETS["flux3"]
+    preset = PRESETS["flux3"][1]
     assert preset["hidden"] == defaults["num_attention_heads"] * defaults["attention_head_dim"]
     assert preset["num_heads"] == defaults["num_attention_heads"]
     assert preset["mode_blocks"] == defaults["num_layers"]

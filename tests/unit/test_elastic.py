@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepspeed_knap.cost.model import CostModel, default_cost_model
-from deepspeed_knap.data.mixes import MIXES, sample_mix
+from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.models.registry import MIXES, default_cost_model, sample_mix
 from deepspeed_knap.planner import lower_bound, plan_loads, plan_routing, search
 from deepspeed_knap.planner.topology import build_topology
 from tests.support.plans import check_plan_covers_every_token, lengths_strategy, near_optimal, per_rank_lengths
@@ -465,7 +465,8 @@ def test_the_wan_image_video_mix_holds_wan_shapes():
     """Video tokens only (the 512 text rows are cross-attention's, outside the sequence), Wan 2.1's
     token counts of 480p and 720p images and 4k + 1 frame clips up to 81 frames, about 30% images,
     and ranks filled up to one 720p 81-frame clip."""
-    from deepspeed_knap.data.mixes import sample_shapes, wan_tokens
+    from deepspeed_knap.models.registry import sample_shapes
+    from deepspeed_knap.models.wan.spec import wan_tokens
 
     assert wan_tokens(81, 720, 1280) == 21 * 45 * 80 == 75_600 and wan_tokens(81, 480, 832) == 32_760
     assert wan_tokens(1, 480, 832) == 1_560

@@ -137,7 +137,7 @@ def test_rope_and_timestep_features_are_bitwise_diffusers():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_loads_in_diffusers_and_diffusers_checkpoints_load_here(family, tmp_path):
-    from deepspeed_knap.models.registry import from_pretrained
+    from deepspeed_knap.models.auto import from_pretrained
 
     ref = reference_model(family, torch.float32)
     samples = random_samples(family, SHAPES[:3], 4, torch.float32)
@@ -189,10 +189,10 @@ def test_bad_samples_name_the_problem(family):
 
 
 def test_bad_checkpoints_name_the_file_and_the_key(tmp_path):
+    from deepspeed_knap.models.auto import from_pretrained
     from deepspeed_knap.models.flux import PackedFluxTransformer
     from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
     from deepspeed_knap.models.loading import CheckpointError
-    from deepspeed_knap.models.registry import from_pretrained
     from deepspeed_knap.planner.topology import build_topology
 
     (tmp_path / "config.json").write_text(json.dumps({**CONFIGS["flux"], "ip_adapter_layers": 3}))
@@ -337,8 +337,8 @@ def test_flux2_dev_config_prices_and_fits_flux2_dev():
     """ds_configs/flux2_dev_zero3_4x8.json: its cost model is FLUX.2 [dev]'s FLOP model (the one the
     routing bench uses), its bags fit FLUX.2 [dev]'s heads, and the README's P is the model's."""
     from deepspeed_knap.bench.routing import FLUX_MODELS
-    from deepspeed_knap.cost.model import default_cost_model
     from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
+    from deepspeed_knap.models.registry import default_cost_model
     from deepspeed_knap.planner.topology import build_topology
     from deepspeed_knap.runtime.config import get_knapformer_config, load_ds_config
 

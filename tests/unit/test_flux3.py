@@ -123,8 +123,8 @@ def test_attention_segments_are_block_diagonal_and_exact():
 def test_export_loads_in_diffusers_and_diffusers_checkpoints_load_here(tmp_path):
     from diffusers import Flux3Transformer2DModel
 
+    from deepspeed_knap.models.auto import from_pretrained
     from deepspeed_knap.models.flux3 import PackedFlux3Transformer
-    from deepspeed_knap.models.registry import from_pretrained
 
     ref = reference_model("flux3_narrow_refs", torch.float32)
     samples = random_samples("flux3_narrow_refs", SHAPES[:3], 6, torch.float32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepspeed_knap.data.mixes import SampleShape, sample_shapes
+from deepspeed_knap.data.mixes import SampleShape
 from deepspeed_knap.models.flux3.data import (
     check_flux3_latent_file,
     latent_directory,
@@ -17,8 +17,10 @@ from deepspeed_knap.models.flux3.data import (
     synthetic_flux3_samples,
     write_latent_manifest,
 )
-from deepspeed_knap.models.flux3.flux3 import TINY_FLUX3, PackedFlux3Transformer
+from deepspeed_knap.models.flux3.flux3 import PackedFlux3Transformer
+from deepspeed_knap.models.flux3.spec import TINY_FLUX3
 from deepspeed_knap.models.latents import latent_directory_error
+from deepspeed_knap.models.registry import sample_shapes
 
 CONFIG = PackedFlux3Transformer(**TINY_FLUX3).config
 # (text, visual, frames, reference): text-to-image, one reference, three references.

@@ -439,20 +439,24 @@ def test_a_set_without_joiners_that_cannot_be_planned_raises():
 def test_the_forward_cost_model_prices_a_forward_not_a_training_step():
     from deepspeed_knap.cost.model import CostModel
     from deepspeed_knap.generation.balancer import forward_cost_model
-    from deepspeed_knap.models.flux.finetune import TINY_FLUX
+    from deepspeed_knap.models.flux.spec import TINY_FLUX, TINY_FLUX2
+    from deepspeed_knap.models.wan.spec import from_wan_dims
 
     config = {**TINY_FLUX, "num_attention_heads": 24, "attention_head_dim": 128, "num_layers": 19,
               "num_single_layers": 38}  # fmt: skip
-    forward = forward_cost_model(config)
+    forward = forward_cost_model("flux", config)
     training = CostModel.from_model_dims(hidden=3072, double_blocks=19, single_blocks=38)
     assert forward.linear_coef == pytest.approx(training.linear_coef / 3)
     assert forward.quadratic_coef == pytest.approx(training.quadratic_coef / 3.5)
     assert forward.alltoall_coef == pytest.approx(training.alltoall_coef / 2)
     assert forward.num_heads == 24
+    # FLUX.2's SwiGLU MLP (mlp_ratio 3.0 in its config) is three matrices: priced as a plain MLP 4.5x wide.
+    flux2 = forward_cost_model("flux2", {**TINY_FLUX2, "num_attention_heads": 48, "attention_head_dim": 128})
+    assert flux2.linear_coef == pytest.approx(2 * (4 + 2 * 4.5) * 6144**2 * 4 / 400e12)
     # Wan 2.1 14B's diffusers config: the same factors, and the per-sequence text term a forward's.
-    wan = forward_cost_model({"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824,
+    wan = forward_cost_model("wan", {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824,
                               "num_layers": 40})  # fmt: skip
-    wan_training = CostModel.from_wan_dims(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
+    wan_training = from_wan_dims(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
     assert wan.quadratic_coef == pytest.approx(wan_training.quadratic_coef / 3.5)
     assert wan.sequence_coef == pytest.approx(wan_training.sequence_coef / 3)
     assert wan.alltoall_coef == pytest.approx(wan_training.alltoall_coef / 2)
@@ -469,12 +473,13 @@ def test_generate_command_in_one_process_writes_what_flux_pipeline_draws_and_ref
     from safetensors.torch import save_file
 
     from deepspeed_knap.cli import main
-    from deepspeed_knap.models.flux.finetune import TINY_FLUX, diffusers_transformer, tiny_pipeline_components
+    from deepspeed_knap.models.flux.finetune import tiny_pipeline_components
     from deepspeed_knap.models.flux.generate import tiny_flux_generator
+    from deepspeed_knap.models.flux.spec import TINY_FLUX
 
     ours = tiny_flux_generator(torch.float64, "cpu", seed=3)
     pipe = FluxPipeline(**tiny_pipeline_components(TINY_FLUX, 3),
-                        transformer=diffusers_transformer(TINY_FLUX, ours.model.state_dict())).to(torch.float64)  # fmt: skip
+                        transformer=type(ours.model).diffusers_model(TINY_FLUX, ours.model.state_dict())).to(torch.float64)  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
     text, pooled, _ = pipe.encode_prompt("precomputed", prompt_2=None, max_sequence_length=6)
     save_file({"prompt_embeds": text[0].contiguous(), "pooled_prompt_embeds": pooled[0].contiguous()},
@@ -522,8 +527,8 @@ def test_generate_command_with_a_tiny_flux2_writes_what_flux2_pipeline_draws_and
     from deepspeed_knap.cli import main
     from deepspeed_knap.generation.runner import generate
     from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components
-    from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
     from deepspeed_knap.models.flux.generate import Flux2Generator, tiny_flux_generator
+    from deepspeed_knap.models.flux.spec import TINY_FLUX2
 
     ours = tiny_flux_generator(torch.float64, "cpu", seed=3, family="flux2")
     assert isinstance(ours, Flux2Generator)
@@ -580,7 +585,7 @@ def test_generate_command_loads_a_flux2_pipeline_directory_by_its_transformer_fa
 
     from deepspeed_knap.cli import main
     from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components
-    from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
+    from deepspeed_knap.models.flux.spec import TINY_FLUX2
 
     torch.manual_seed(1)
     saved = Flux2Pipeline(**tiny_flux2_pipeline_components(TINY_FLUX2, 5),

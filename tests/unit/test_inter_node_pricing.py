@@ -9,12 +9,8 @@ import numpy as np
 import pytest
 
 from deepspeed_knap import build_topology, plan_routing
-from deepspeed_knap.cost.model import (
-    DEFAULT_ALLTOALL_GBPS,
-    DEFAULT_INTER_NODE_ALLTOALL_GBPS,
-    CostModel,
-    default_cost_model,
-)
+from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, DEFAULT_INTER_NODE_ALLTOALL_GBPS, CostModel
+from deepspeed_knap.models.registry import default_cost_model
 from deepspeed_knap.planner.solve import plan_loads
 from tests.support.plans import check_plan_covers_every_token, near_optimal
 

@@ -10,7 +10,7 @@ import torch
 
 from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.cost.online import OnlineCostModel, OnlineSettings, plan_terms
-from deepspeed_knap.data.mixes import sample_mix
+from deepspeed_knap.models.registry import sample_mix
 from deepspeed_knap.planner import plan_routing
 from deepspeed_knap.planner.topology import build_topology
 from tests.support.distributed import run_distributed
@@ -305,7 +305,7 @@ def run_route(prior, steps, settings, route_us):
     topology, online = build_topology("auto", 8), OnlineCostModel(prior, 8, settings)
     for step in range(steps):
         plan = plan_routing(sample_mix("kf_mixed_res", 8, step), topology, online.model())
-        online.observe(plan, measure(plan), [0] * 8, None, route_us(step, plan))
+        online.observe(plan, measure(plan), [0] * 8, None, route_us(step, plan), moved_tokens(plan))
     return online
 
 
@@ -333,7 +333,7 @@ def test_route_refit_recovers_the_route_coefficient_once_enough_steps_moved_toke
     assert max(moved) > 2 * min(moved)
     home = plan_routing(sample_mix("kf_mixed_res", 8, 0), build_topology("auto", 8), prior, "none")
     for _ in range(6):
-        unmeasured.observe(home, measure(home), [0] * 8, None, [500] * 8)
+        unmeasured.observe(home, measure(home), [0] * 8, None, [500] * 8, moved_tokens(home))
     assert unmeasured.model().route_coef == 0 and unmeasured.route_steps == 0
     online = run_route(prior, 8, settings, true_route_us)
     # Microsecond rounding of the phases: within 1e-3 of the generating coefficient.
@@ -352,11 +352,11 @@ def test_a_route_fit_that_keeps_every_sequence_home_expires():
     home = plan_routing(sample_mix("kf_mixed_res", 8, 0), build_topology("auto", 8), online.model(), "none")
     for idle in range(1, 45):
         assert online.model().route_coef == pytest.approx(ROUTE_COEF, rel=1e-3), idle  # 0.9**43 > 1%
-        online.observe(home, measure(home), [0] * 8, None, [500] * 8)  # nothing moved: no evidence
+        online.observe(home, measure(home), [0] * 8, None, [500] * 8, moved_tokens(home))  # nothing moved: no evidence
     assert online.model().route_coef == 0 and not online.route_fitted
     plan = plan_routing(sample_mix("kf_mixed_res", 8, 1), build_topology("auto", 8), online.model())
     assert max(moved_tokens(plan)) > 0  # moving is free again: the plan moves tokens, and is measured
-    online.observe(plan, measure(plan), [0] * 8, None, true_route_us(1, plan))
+    online.observe(plan, measure(plan), [0] * 8, None, true_route_us(1, plan), moved_tokens(plan))
     # Refit at the first such step (from one step's phases: their microsecond rounding within 0.5%).
     assert online.model().route_coef == pytest.approx(ROUTE_COEF, rel=5e-3)
 
@@ -462,7 +462,7 @@ def test_route_refit_fits_a_latency_where_the_moved_tokens_vary_and_not_where_th
             lengths = [[max(1, round(s * scale)) for s in rank] for rank in sample_mix("kf_mixed_res", 8, step)]
             plan = plan_routing(lengths, topology, online.model())
             moved.append(max(moved_tokens(plan)))
-            online.observe(plan, measure(plan), [0] * 8, None, phases(step, plan))
+            online.observe(plan, measure(plan), [0] * 8, None, phases(step, plan), moved_tokens(plan))
         model = online.model()
         assert online.route_fitted and min(moved) > 0
         if shown:

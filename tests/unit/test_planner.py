@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepspeed_knap.cost.model import CostModel, default_cost_model
-from deepspeed_knap.data.mixes import MIXES, sample_mix
+from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.models.registry import MIXES, default_cost_model, sample_mix
 from deepspeed_knap.planner import SOLVERS, lower_bound, plan_loads, plan_routing
 from deepspeed_knap.planner.topology import build_topology
 from tests.support.plans import check_plan_covers_every_token, per_rank_lengths

@@ -2,11 +2,10 @@
 
 import matplotlib.pyplot as plt
 
-from deepspeed_knap.bench.plots import loads_figure
-from deepspeed_knap.cost.model import default_cost_model
-from deepspeed_knap.data.mixes import sample_mix
+from deepspeed_knap.models.registry import default_cost_model, sample_mix
 from deepspeed_knap.planner import plan_routing
 from deepspeed_knap.planner.topology import build_topology
+from deepspeed_knap.plots import loads_figure
 
 
 def test_bag_boundaries_are_drawn_and_the_legend_hides_no_bar():

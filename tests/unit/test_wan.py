@@ -186,7 +186,7 @@ def test_cross_attention_kernel_attends_each_query_chunk_to_its_own_keys():
 def test_export_loads_in_diffusers_and_diffusers_checkpoints_load_here(tmp_path):
     from diffusers import WanTransformer3DModel
 
-    from deepspeed_knap.models.registry import from_pretrained
+    from deepspeed_knap.models.auto import from_pretrained
     from deepspeed_knap.models.wan import PackedWanTransformer
 
     ref = reference_model("wan22_ti2v", torch.float32)

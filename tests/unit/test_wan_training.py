@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from deepspeed_knap.data.mixes import sample_shapes
+from deepspeed_knap.models.registry import sample_shapes
 from deepspeed_knap.models.wan.data import SyntheticVideoLatents, check_video_latent_file, save_video_sample
 from deepspeed_knap.models.wan.finetune import flow_matching
-from deepspeed_knap.models.wan.wan import TINY_WAN, PackedWanTransformer, unpatchify
+from deepspeed_knap.models.wan.spec import TINY_WAN
+from deepspeed_knap.models.wan.wan import PackedWanTransformer, unpatchify
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,8 +83,7 @@ def test_wan14b_config_fits_wan21_14b_and_its_cap_holds_a_full_size_step():
     """docs/training.md's premises: P is Wan 2.1 14B's, the config prices with its FLOP model, and
     full-size wan_image_video steps on 4 x 8 GPUs (each rank's samples fill up to one 720p 81-frame
     clip, 75,600 tokens) plan every GPU under the 76,800-token cap."""
-    from deepspeed_knap.cost.model import default_cost_model
-    from deepspeed_knap.data.mixes import sample_mix
+    from deepspeed_knap.models.registry import default_cost_model, sample_mix
     from deepspeed_knap.planner.solve import plan_routing
     from deepspeed_knap.planner.topology import build_topology
     from deepspeed_knap.runtime.config import get_knapformer_config, load_ds_config

@@ -1,9 +1,27 @@
 """The FLUX families: FLUX.1 (:mod:`.flux1`) and FLUX.2 (:mod:`.flux2`) on a shared base
-(:mod:`.base`, :mod:`.layers`), their prepared data (:mod:`.data`) and fine-tuning helpers
-(:mod:`.finetune`)."""
+(:mod:`.base`, :mod:`.layers`), their specs (:mod:`.spec`), prepared data (:mod:`.data`) and
+fine-tuning hooks (:mod:`.finetune`).
 
-from deepspeed_knap.models.flux.base import FluxInputs, PackedFluxBase
-from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer, latent_ids, rope_axes
-from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
+``from deepspeed_knap.models.flux import PackedFluxTransformer`` works as before; the names load on
+first use, so that reading the family's spec (:mod:`deepspeed_knap.models.registry`) imports no torch.
+"""
 
-__all__ = ["FluxInputs", "PackedFlux2Transformer", "PackedFluxBase", "PackedFluxTransformer", "latent_ids", "rope_axes"]
+import importlib
+
+_EXPORTS = {
+    "FluxInputs": "deepspeed_knap.models.flux.base",
+    "PackedFluxBase": "deepspeed_knap.models.flux.base",
+    "PackedFluxTransformer": "deepspeed_knap.models.flux.flux1",
+    "latent_ids": "deepspeed_knap.models.flux.flux1",
+    "rope_axes": "deepspeed_knap.models.flux.flux1",
+    "PackedFlux2Transformer": "deepspeed_knap.models.flux.flux2",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,13 +40,6 @@ from deepspeed_knap.runtime.attention import KnapDistributedAttention
 from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
 from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import RoutedBatch, route_subset_rows
-
-# Every attention projection of both streams of a double-stream block, by diffusers' names (the same
-# in FLUX.1 and FLUX.2): the start of each family's default LoRA targets.
-JOINT_ATTENTION_PROJECTIONS = (
-    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,15 +143,9 @@ class PackedFluxBase(DiffusersCheckpoint, nn.Module):
       :data:`~deepspeed_knap.models.loading.EXTRA_ARGS`, calls :meth:`_init_common`, and builds modules with diffusers' names,
       including ``x_embedder``, ``context_embedder``, ``norm_out`` and ``proj_out``.
     * :meth:`embed_conditioning` and :meth:`transform`.
-    * ``family`` (the registry's name), ``diffusers_class`` (``config.json``'s ``_class_name``),
-      ``diffusers_pipeline`` (the pipeline whose LoRA loader reads the family's adapters) and
-      ``lora_targets`` (the linear layers LoRA adapts by default, by diffusers' names).
+    * ``spec``: the family's :class:`~deepspeed_knap.models.spec.ModelSpec` (its name, diffusers
+      class, LoRA targets and loader, ...).
     """
-
-    family: ClassVar[str]
-    diffusers_class: ClassVar[str]
-    diffusers_pipeline: ClassVar[str]
-    lora_targets: ClassVar[tuple[str, ...]]
 
     def _init_common(
         self, config: dict, attention_backend: str, topology: Topology | None, gradient_checkpointing: bool

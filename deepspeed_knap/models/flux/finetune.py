@@ -1,13 +1,7 @@
-"""FLUX fine-tuning around :class:`~deepspeed_knap.models.flux.PackedFluxTransformer`: LoRA through
-``peft``, the adapter in the file format diffusers' ``load_lora_weights`` reads, and diffusers'
-own ``FluxPipeline`` over trained weights (validation images), with tiny random pipeline
-components for runs without downloaded weights.
-
-LoRA targets are module names as diffusers names them (``"attn.to_q"``, ``"ff.net.2"``, ...): the
-packed models have diffusers' module trees, so the same names match the same layers in both, and an
-adapter trained here loads into diffusers' ``FluxTransformer2DModel`` or ``Flux2Transformer2DModel``
-unchanged (each family names its default targets, ``lora_targets``). Validation images use
-``FluxPipeline``: FLUX.1 only. No function here communicates: under ZeRO-3 the training script
+"""FLUX.1 and FLUX.2 fine-tuning: the families' training hooks (:class:`FluxTraining`,
+:class:`Flux2Training`), diffusers' own ``FluxPipeline`` over trained weights (validation images),
+and tiny random pipeline components for runs without downloaded weights. LoRA is every family's
+(:mod:`deepspeed_knap.models.lora`). No function here communicates: under ZeRO-3 the trainer
 gathers the weights and passes them in.
 """
 
@@ -18,97 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-# A FLUX small enough for CPU ranks (``train_dit.py --tiny``): every kind of block and guidance, 4
-# heads for bags of up to 4; :func:`tiny_pipeline_components` fit it.
-TINY_FLUX = dict(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
-                 joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))  # fmt: skip
-
-ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
-
-
-def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: Sequence[str] | None = None):
-    """Freeze ``model`` and add LoRA adapters of ``rank`` (scale ``alpha / rank``; ``alpha``
-    defaults to ``rank``) to the linear layers whose names end in one of ``targets`` (default: the
-    family's ``lora_targets``). The adapters' ``A`` is random (seed torch first, identically on every
-    rank), ``B`` zero, so the model's output is unchanged until training moves ``B``. Returns the
-    ``peft.LoraConfig``.
-
-    Raises:
-        ValueError: a rank below 1, or a target that names no linear layer of the model.
-    """
-    from peft import LoraConfig, inject_adapter_in_model
-
-    if rank < 1:
-        raise ValueError(f"LoRA rank must be at least 1; got {rank}")
-    defaults = model.lora_targets
-    modules = dict(model.named_modules())
-    target_modules = []
-    for target in defaults if targets is None else targets:
-        named = [name for name in modules if name == target or name.endswith(f".{target}")]
-        linear = [name for name in named if isinstance(modules[name], nn.Linear)]
-        if not linear:
-            raise ValueError(
-                f"LoRA target {target!r} names no linear layer of the model; use diffusers' module names of "
-                f"{type(model).__name__} such as {', '.join(defaults[:4])}, ..."
-            )
-        # peft adapts every module a name ends in: where that is more than linear layers (FLUX.2's
-        # attn.to_out is also a list in other blocks), name the layers one by one.
-        target_modules += [target] if len(linear) == len(named) else linear
-    config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=target_modules, init_lora_weights=True)
-    model.requires_grad_(False)
-    inject_adapter_in_model(config, model)
-    return config
-
-
-def lora_config(model: nn.Module):
-    """The ``peft.LoraConfig`` :func:`add_lora` put on ``model``, or ``None`` for a model without LoRA."""
-    return getattr(model, "peft_config", {}).get("default")
-
-
-def adapter_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The LoRA weights of ``model``'s full ``state_dict`` (peft's names, e.g.
-    ``transformer_blocks.0.attn.to_q.lora_A.weight``): what diffusers' FLUX LoRA files hold, less
-    the ``transformer.`` prefix."""
-    from peft import get_peft_model_state_dict
-
-    return get_peft_model_state_dict(model, state_dict=dict(state_dict))
-
-
-def base_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A LoRA model's ``state_dict`` without the adapters, under the base model's names."""
-    return {name.replace(".base_layer.", "."): t for name, t in state_dict.items() if ".lora_" not in name}
-
-
-def save_adapter(directory: str | Path, adapter: Mapping[str, Tensor], config, pipeline: str = "FluxPipeline") -> Path:
-    """Write ``adapter`` (:func:`adapter_state_dict`) and its ``LoraConfig`` as diffusers'
-    ``pipeline.save_lora_weights`` does (the model's ``diffusers_pipeline``: ``FluxPipeline``,
-    ``Flux2Pipeline``, ``WanPipeline``, or for FLUX.3, which has no pipeline class, the LoRA loader
-    ``Flux3LoraLoaderMixin``): ``directory/pytorch_lora_weights.safetensors``, which that pipeline's
-    ``load_lora_weights(directory)`` reads (alpha included, in the file's metadata), and the diffusers
-    transformer's ``load_lora_adapter(directory, prefix="transformer")``."""
-    import diffusers
-    import diffusers.loaders
-
-    loader = getattr(diffusers, pipeline, None) or getattr(diffusers.loaders, pipeline)
-    loader.save_lora_weights(
-        directory,
-        transformer_lora_layers={name: t.detach().contiguous().cpu() for name, t in adapter.items()},
-        transformer_lora_adapter_metadata=config.to_dict(),
-    )
-    return Path(directory) / ADAPTER_FILE
-
-
-def diffusers_transformer(config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> nn.Module:
-    """diffusers' ``FluxTransformer2DModel`` of ``config`` (the packed model's) holding ``state_dict``
-    (the packed model's names, which are diffusers'), in the state dict's dtype."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(**config)
-    model.load_state_dict(dict(state_dict), strict=True, assign=True)
-    return model.eval()
+from deepspeed_knap.models.flux.data import SyntheticLatents, latent_directory, rectified_flow
+from deepspeed_knap.models.hooks import TrainingHooks, ValidationHooks
+from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents
 
 
 def tiny_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
@@ -207,13 +115,41 @@ def tiny_flux2_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> 
     return {"scheduler": scheduler, "vae": vae.eval(), "text_encoder": text_encoder.eval(), "tokenizer": tokenizer}
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """Validation prompts: one per non-empty line of a text file.
+class FluxValidation(ValidationHooks):
+    """Validation images through diffusers' ``FluxPipeline`` (FLUX.1)."""
 
-    Raises:
-        ValueError: a file without prompts.
-    """
-    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts; write one prompt per line")
-    return prompts
+    def tiny_components(self, config: Mapping, seed: int) -> dict[str, Any]:
+        return tiny_pipeline_components(config, seed)
+
+
+class Flux2Validation(ValidationHooks):
+    """Validation images through diffusers' ``Flux2Pipeline``."""
+
+    default_guidance = 4.0
+
+    def tiny_components(self, config: Mapping, seed: int) -> dict[str, Any]:
+        return tiny_flux2_pipeline_components(config, seed)
+
+
+class FluxTraining(TrainingHooks):
+    """FLUX.1 training: prepared latents (``examples/prepare_flux_latents.py``) or a synthetic mix,
+    FLUX's rectified flow (:func:`~deepspeed_knap.models.flux.data.rectified_flow`), validation
+    images through ``FluxPipeline``."""
+
+    validation = FluxValidation
+
+    def synthetic_data(self, mix: str, config: Mapping, token_scale: float, seed: int) -> SyntheticMixLatents:
+        return SyntheticLatents(mix, config, token_scale, seed)
+
+    def latent_directory(self, path: str | Path, samples_per_rank: int, repeat: bool) -> LatentDirectory:
+        return latent_directory(path, samples_per_rank, repeat)
+
+    def objective(self, latents: Sequence[Mapping[str, Tensor]], generator: torch.Generator, config: Mapping,
+                  guidance: float | None) -> tuple[list[dict[str, Tensor]], list[Tensor]]:  # fmt: skip
+        return rectified_flow(latents, generator, guidance)
+
+
+class Flux2Training(FluxTraining):
+    """FLUX.2 training: FLUX.1's data and objective, validation images through ``Flux2Pipeline``."""
+
+    validation = Flux2Validation

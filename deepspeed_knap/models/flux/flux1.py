@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from deepspeed_knap.models.flux.base import JOINT_ATTENTION_PROJECTIONS, FluxInputs, PackedFluxBase
+from deepspeed_knap.models.flux.base import FluxInputs, PackedFluxBase
 from deepspeed_knap.models.flux.layers import AdaNormOut, FluxDoubleBlock, FluxSingleBlock, FluxStep, TimeTextEmbedding
+from deepspeed_knap.models.flux.spec import FLUX1
 from deepspeed_knap.planner.topology import Topology
 
 __all__ = ["FluxInputs", "PackedFluxTransformer", "latent_ids", "rope_axes"]
@@ -58,18 +59,7 @@ class PackedFluxTransformer(PackedFluxBase):
     guidance-distilled models such as FLUX.1-dev), ``img_ids [L, 3]``, ``txt_ids [Tt, 3]``.
     """
 
-    family = "flux"
-    diffusers_class = "FluxTransformer2DModel"
-    diffusers_pipeline = "FluxPipeline"
-    # What diffusers' FLUX LoRA training adapts by default: every attention projection of both
-    # streams and the double-stream blocks' feed-forwards.
-    lora_targets = (
-        *JOINT_ATTENTION_PROJECTIONS,
-        "ff.net.0.proj",
-        "ff.net.2",
-        "ff_context.net.0.proj",
-        "ff_context.net.2",
-    )
+    spec = FLUX1
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deepspeed_knap.models.flux.base import JOINT_ATTENTION_PROJECTIONS, PackedFluxBase
+from deepspeed_knap.models.flux.base import PackedFluxBase
 from deepspeed_knap.models.flux.layers import (
     AdaNormOut,
     FluxAttentionWeights,
@@ -39,13 +39,8 @@ from deepspeed_knap.models.flux.layers import (
     modulate,
     timestep_features,
 )
+from deepspeed_knap.models.flux.spec import FLUX2
 from deepspeed_knap.planner.topology import Topology
-
-# A FLUX.2 small enough for CPU ranks (``train_dit.py --tiny --family flux2``): every kind of block,
-# guidance, 4 position axes, 4 heads for bags of up to 4.
-TINY_FLUX2 = dict(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
-                  joint_attention_dim=48, timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4),
-                  guidance_embeds=True)  # fmt: skip
 
 
 def image_ids(height: int, width: int, t: int = 0) -> Tensor:
@@ -170,17 +165,7 @@ class PackedFlux2Transformer(PackedFluxBase):
         gradient_checkpointing: recompute each block in backward instead of keeping its activations.
     """
 
-    family = "flux2"
-    diffusers_class = "Flux2Transformer2DModel"
-    diffusers_pipeline = "Flux2Pipeline"
-    # FLUX.1's choice in FLUX.2's layers: the double-stream blocks' attention projections and
-    # feed-forwards, and the single-stream blocks' fused q, k, v + MLP input and their output
-    # (``attn.to_out``: a linear layer there, a list holding one in the double-stream blocks).
-    lora_targets = (
-        *JOINT_ATTENTION_PROJECTIONS,
-        "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
-        "attn.to_qkv_mlp_proj", "attn.to_out",
-    )  # fmt: skip
+    spec = FLUX2
 
     def __init__(
         self,

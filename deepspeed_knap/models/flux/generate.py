@@ -38,7 +38,8 @@ from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
 from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
-from deepspeed_knap.models.flux.flux2 import TINY_FLUX2, PackedFlux2Transformer
+from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
+from deepspeed_knap.models.flux.spec import TINY_FLUX2
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses a larger max_sequence_length (it truncates prompts)
 
@@ -218,6 +219,17 @@ class FluxGenerator(Generator):
         image = pipe.vae.decode(latents, return_dict=False)[0]
         return pipe.image_processor.postprocess(image, output_type="np")[0]
 
+    @classmethod
+    def tiny(cls, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+             config: Mapping[str, Any] | None = None) -> FluxGenerator:  # fmt: skip
+        """A tiny random generator of this family (:func:`tiny_flux_generator`)."""
+        return tiny_flux_generator(dtype, device, seed, config, family=cls.family)
+
+    @classmethod
+    def load(cls, model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> FluxGenerator:
+        """A pipeline directory of this family (:func:`load_flux_generator`)."""
+        return load_flux_generator(model_path, dtype, device)
+
 
 class Flux2Generator(FluxGenerator):
     """FLUX.2 requests, around a diffusers ``Flux2Pipeline`` (its ``transformer`` may be ``None``) and
@@ -295,13 +307,13 @@ def load_flux_generator(model_path: str | Path, dtype: torch.dtype, device: torc
     """
     import diffusers
 
-    from deepspeed_knap.models.registry import checkpoint_family, family_class, from_pretrained
+    from deepspeed_knap.models.auto import checkpoint_family, from_pretrained, model_class
 
     family = checkpoint_family(model_path)
     if family not in GENERATORS:
         raise ValueError(f"{model_path} holds a {family!r} transformer; this loads {sorted(GENERATORS)} pipelines "
-                         "(Wan's: models.wan.generate.load_wan_generator; FLUX.3 has no diffusers pipeline yet)")  # fmt: skip
-    pipeline_class = getattr(diffusers, family_class(family).diffusers_pipeline)
+                         "(deepspeed_knap.models.generators.load_generator loads any family's)")  # fmt: skip
+    pipeline_class = getattr(diffusers, model_class(family).spec.pipeline)
     pipeline = pipeline_class.from_pretrained(model_path, transformer=None, torch_dtype=dtype).to(device)
     model = from_pretrained(model_path, torch_dtype=dtype).to(device).eval()
     return GENERATORS[family](pipeline, model)
@@ -320,7 +332,8 @@ def tiny_flux_generator(dtype: torch.dtype, device: torch.device | str, seed: in
     """
     import diffusers
 
-    from deepspeed_knap.models.flux.finetune import TINY_FLUX, tiny_flux2_pipeline_components, tiny_pipeline_components
+    from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components, tiny_pipeline_components
+    from deepspeed_knap.models.flux.spec import TINY_FLUX
 
     tiny = {"flux": (TINY_FLUX, tiny_pipeline_components, PackedFluxTransformer),
             "flux2": (TINY_FLUX2, tiny_flux2_pipeline_components, PackedFlux2Transformer)}  # fmt: skip
@@ -328,7 +341,7 @@ def tiny_flux_generator(dtype: torch.dtype, device: torch.device | str, seed: in
         raise ValueError(f"family {family!r}: deepspeed-knap generate runs {sorted(tiny)}; pick one of them")
     default, components, model_class = tiny[family]
     config = dict(default if config is None else config)
-    pipeline_class = getattr(diffusers, model_class.diffusers_pipeline)
+    pipeline_class = getattr(diffusers, model_class.spec.pipeline)
     pipeline = pipeline_class(**components(config, seed), transformer=None).to(device, dtype)
     torch.manual_seed(seed)
     model = model_class(**config).to(device, dtype).eval()

@@ -49,19 +49,14 @@ from torch import Tensor, nn
 from deepspeed_knap.models.flux.base import PackedFluxBase, _ranks_within
 from deepspeed_knap.models.flux.layers import AdaNormOut, MLPEmbedder, rotary_cos_sin, timestep_features
 from deepspeed_knap.models.flux3.layers import MODES, Flux3Block, Flux3Modulation, Flux3Step, mode_layer, single_layer
+from deepspeed_knap.models.flux3.spec import FLUX3
 from deepspeed_knap.planner.topology import Topology
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
 from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
 from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import RoutedBatch, gather_sample_ints, route_subset_rows
 
-__all__ = ["TINY_FLUX3", "Flux3Inputs", "PackedFlux3Transformer"]
-
-# A FLUX.3 small enough for CPU ranks (``train_dit.py --tiny --family flux3``), sized like TINY_FLUX:
-# every kind of block, 4 heads for groups of up to 4, references as wide as the image latents.
-TINY_FLUX3 = dict(in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-                  num_attention_heads=4, joint_attention_dim=32, timestep_channels=32, mlp_ratio=3.0,
-                  axes_dims_rope=(4, 4, 4, 4))  # fmt: skip
+__all__ = ["Flux3Inputs", "PackedFlux3Transformer"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,12 +126,7 @@ class PackedFlux3Transformer(PackedFluxBase):
         gradient_checkpointing: recompute each layer in backward instead of keeping its activations.
     """
 
-    family = "flux3"
-    diffusers_class = "Flux3Transformer2DModel"
-    # diffusers 0.42.1 has no FLUX.3 pipeline class, but its FLUX.3 LoRA loader writes and reads the
-    # adapter file (finetune.save_adapter); Flux3Transformer2DModel.load_lora_adapter loads it.
-    diffusers_pipeline = "Flux3LoraLoaderMixin"
-    lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.linear_in", "ff.linear_out")
+    spec = FLUX3
 
     def __init__(
         self,

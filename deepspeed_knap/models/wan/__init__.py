@@ -1,6 +1,19 @@
-"""Wan 2.x (:mod:`.wan`, diffusers' ``WanTransformer3DModel``) on packed, balanced batches; its
-layers in :mod:`.layers`."""
+"""Wan 2.x (:mod:`.wan`, diffusers' ``WanTransformer3DModel``) on packed, balanced batches; its layers
+in :mod:`.layers`, its spec in :mod:`.spec`. The names load on first use (reading the spec imports no
+torch)."""
 
-from deepspeed_knap.models.wan.wan import PackedWanTransformer, WanInputs, output_rows, patchify, unpatchify
+import importlib
 
-__all__ = ["PackedWanTransformer", "WanInputs", "output_rows", "patchify", "unpatchify"]
+_EXPORTS = {
+    name: "deepspeed_knap.models.wan.wan"
+    for name in ("PackedWanTransformer", "WanInputs", "output_rows", "patchify", "unpatchify")
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

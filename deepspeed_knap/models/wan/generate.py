@@ -38,7 +38,8 @@ from torch import Tensor
 from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
-from deepspeed_knap.models.wan.wan import TINY_WAN, PackedWanTransformer
+from deepspeed_knap.models.wan.spec import TINY_WAN
+from deepspeed_knap.models.wan.wan import PackedWanTransformer
 
 DEFAULT_FRAMES = 81  # WanPipeline's num_frames
 DEFAULT_GUIDANCE = 5.0  # WanPipeline's guidance_scale
@@ -161,6 +162,17 @@ class WanGenerator(Generator):
         std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         video = vae.decode(latents / std + mean, return_dict=False)[0]
         return self.pipeline.video_processor.postprocess_video(video, output_type="np")[0]
+
+    @classmethod
+    def tiny(cls, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+             config: Mapping[str, Any] | None = None) -> WanGenerator:  # fmt: skip
+        """A tiny random Wan (:func:`tiny_wan_generator`)."""
+        return tiny_wan_generator(dtype, device, seed, config)
+
+    @classmethod
+    def load(cls, model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> WanGenerator:
+        """A ``WanPipeline`` directory (:func:`load_wan_generator`)."""
+        return load_wan_generator(model_path, dtype, device)
 
 
 def refuse_wan_pipeline(model_path: str | Path) -> str | None:

@@ -34,7 +34,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ from deepspeed_knap.models.wan.layers import (
     rotary_cos_sin,
     varlen_seqs,
 )
+from deepspeed_knap.models.wan.spec import WAN
 from deepspeed_knap.planner.topology import Topology
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
 from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
@@ -61,10 +62,6 @@ from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import RoutedBatch, route_sample_rows
 
 __all__ = ["PackedWanTransformer", "WanInputs", "output_rows", "patchify", "unpatchify"]
-
-# A Wan 2.1 T2V 1.3B small enough for CPU ranks: every kind of layer, 12 heads as the 1.3B has.
-TINY_WAN = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=6, in_channels=4, out_channels=4,
-                text_dim=24, freq_dim=16, ffn_dim=48, num_layers=2, rope_max_seq_len=64)  # fmt: skip
 
 
 def patchify(latents: Tensor, patch_size: Sequence[int]) -> Tensor:
@@ -177,16 +174,7 @@ class PackedWanTransformer(DiffusersCheckpoint, nn.Module):
         ValueError: a config this implementation cannot run faithfully.
     """
 
-    family: ClassVar[str] = "wan"
-    diffusers_class: ClassVar[str] = "WanTransformer3DModel"
-    diffusers_pipeline: ClassVar[str] = "WanPipeline"
-    # The attention projections of both attentions and the MLP, by diffusers' names (what Wan LoRA
-    # trainers adapt). Not yet exercised by a training test here.
-    lora_targets: ClassVar[tuple[str, ...]] = (
-        "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
-        "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
-        "ffn.net.0.proj", "ffn.net.2",
-    )  # fmt: skip
+    spec = WAN
 
     def __init__(
         self,

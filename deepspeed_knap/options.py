@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from deepspeed_knap.data.mixes import MIXES
+from deepspeed_knap.models.registry import MIXES, SPECS, family_names
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -39,6 +39,16 @@ def add_mix_argument(parser: argparse.ArgumentParser, default: str | list[str], 
                         help="bundled data mix" + ("es" if many else "") + f": {', '.join(MIXES)}")  # fmt: skip
     parser.add_argument(old, dest=dest, nargs=nargs, choices=list(MIXES), metavar="MIX", action=_DeprecatedSpelling,
                         new=new, default=argparse.SUPPRESS, help=f"deprecated spelling of {new}")  # fmt: skip
+
+
+def add_family_argument(parser: argparse.ArgumentParser, what: str, default: str | None = "flux",
+                        having: str | None = None) -> None:  # fmt: skip
+    """``--family NAME``: a registered model family (:mod:`deepspeed_knap.models.registry`), those whose
+    spec has ``having`` set (``"generator"``, ``"block_timer"``) where the command needs it; ``what``
+    says what the option picks ("the --tiny model")."""
+    names = family_names(having)
+    listed = ", ".join(f"{name} ({SPECS[name].title})" for name in names)
+    parser.add_argument("--family", choices=names, default=default, help=f"{what}: {listed}")
 
 
 def _int_at_least(minimum: int):

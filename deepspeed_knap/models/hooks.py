@@ -1,0 +1,129 @@
+"""What the trainer (:class:`~deepspeed_knap.training.trainer.Trainer`) asks of a model family.
+
+A family's ``finetune.py`` subclasses :class:`TrainingHooks` and names it in its spec
+(``training="deepspeed_knap.models.wan.finetune:WanTraining"``); the trainer keeps the loop,
+checkpoints, resume, LoRA, validation's timing and the per-step agreement, and calls these for what
+differs between families: the data (synthetic or prepared files), the objective, how a batch is
+packed, and validation through the family's diffusers pipeline. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents
+from deepspeed_knap.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    """What validation renders, as the user gave it (``None``: the family's default)."""
+
+    tiny: bool
+    height: int | None = None
+    width: int | None = None
+    frames: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+
+
+class ValidationHooks(ABC):
+    """Validation renders through a family's diffusers pipeline (its spec's ``pipeline``;
+    :attr:`TrainingHooks.validation`); the defaults are FLUX.1's images.
+
+    Attributes:
+        default_guidance: the guidance scale validation renders at unless told (the pipeline's).
+    """
+
+    default_guidance: ClassVar[float] = 3.5
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    def options(self, settings: ValidationSettings) -> dict[str, Any]:
+        """The pipeline's call arguments (sizes, steps, guidance) of a validation render."""
+        side = settings.height or (32 if settings.tiny else 1024)
+        options = dict(height=side, width=settings.width or side, num_inference_steps=28,
+                       max_sequence_length=32 if settings.tiny else 512)  # fmt: skip
+        if settings.steps or settings.tiny:
+            options.update(num_inference_steps=settings.steps or 2)
+        guidance = self.default_guidance if settings.guidance is None else settings.guidance
+        return {**options, "guidance_scale": guidance}
+
+    @abstractmethod
+    def tiny_components(self, config: Mapping, seed: int) -> dict[str, Any]:
+        """Small random pipeline parts but the transformer that fit a tiny ``config`` (no download)."""
+
+    def components(self, model_path: str | None, config: Mapping, seed: int, dtype: torch.dtype) -> dict[str, Any]:
+        """The pipeline's parts but the transformer: the checkpoint's, or tiny random ones without a
+        ``model_path``."""
+        if model_path is None:
+            return self.tiny_components(config, seed)
+        import diffusers
+
+        pipeline = getattr(diffusers, self.spec.pipeline)
+        return pipeline.from_pretrained(model_path, transformer=None, torch_dtype=dtype).components
+
+    def render(self, pipe: Any, prompt: str, generator: torch.Generator, options: Mapping, path: Path) -> Path:
+        """Render one validation prompt to ``path`` (without its suffix); returns the file written."""
+        file = path.with_suffix(".png")
+        pipe(prompt, generator=generator, **options).images[0].save(file)
+        return file
+
+
+class TrainingHooks(ABC):
+    """A family's part of training (subclass per family).
+
+    Attributes:
+        spec: the family's spec.
+        validation: the family's validation renders, or ``None`` where none is wired up.
+        segment_columns: attention segments per sequence the balancer plans with (FLUX.3's 3 token
+            modes), or ``None``.
+        carries_problems: balanced, :meth:`pack` carries a sample the model cannot pack into the
+            step's first collective, which raises it on every rank (a ``ValueError`` from the forward).
+    """
+
+    validation: ClassVar[type[ValidationHooks] | None] = None
+    segment_columns: ClassVar[int | None] = None
+    carries_problems: ClassVar[bool] = False
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    def refuse(self, model: nn.Module, model_path: str | None) -> str | None:
+        """Why this checkpoint cannot be trained here, or ``None``. Read from the config (and files
+        that are the same on every rank): the trainer still agrees on the answer."""
+        return None
+
+    @abstractmethod
+    def synthetic_data(self, mix: str, config: Mapping, token_scale: float, seed: int) -> SyntheticMixLatents:
+        """Random latent samples of a bundled mix's sizes, each step and rank its own."""
+
+    @abstractmethod
+    def latent_directory(self, path: str | Path, samples_per_rank: int, repeat: bool) -> LatentDirectory:
+        """A directory of this family's prepared samples."""
+
+    @abstractmethod
+    def objective(self, latents: Sequence[Mapping[str, Tensor]], generator: torch.Generator, config: Mapping,
+                  guidance: float | None) -> tuple[list[dict[str, Tensor]], list[Tensor]]:  # fmt: skip
+        """``(model samples, targets)``: the noised inputs ``model.pack`` takes and each sample's
+        target rows, in the order of the model's packed output."""
+
+    def pack(self, model: nn.Module, samples: list[dict[str, Tensor]], balanced: bool) -> tuple[Any, str | None]:
+        """``(packed inputs, None)``, or ``(None, why)`` for samples the model cannot pack where the
+        trainer must agree on it first. A family whose model carries a bad sample into the step's
+        first collective (raised there on every rank) packs with ``on_problem="carry"`` when
+        ``balanced``."""
+        return model.pack(samples), None
+
+    def segments(self, inputs: Any) -> np.ndarray | None:
+        """``[N, segment_columns]`` attention segments of packed inputs, or ``None``."""
+        return None

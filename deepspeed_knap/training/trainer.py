@@ -1,0 +1,358 @@
+"""Fine-tuning a diffusion transformer of any registered family with DeepSpeed (ZeRO-3) and balancing.
+
+    trainer = Trainer(TrainingArguments(deepspeed_config="ds_configs/flux_cpu_demo.json", family="wan"))
+    losses = trainer.train()   # collective: every rank runs it
+    trainer.export()
+
+Each step every rank takes its samples (synthetic latents of a bundled mix, or files of prepared
+latents), draws the flow-matching noise level per sample (the family's objective), runs the packed
+model (balanced when the config's ``"knapformer"`` block is enabled) and steps on the global
+token-mean loss. Rank 0 shows a progress bar and prints, per step, the loss, the step time, tokens
+per second and the modeled imbalance before and after balancing.
+
+What differs between families (data, objective, packing, validation pipeline) comes from the
+family's training hooks (:class:`~deepspeed_knap.models.hooks.TrainingHooks`, named by its spec);
+the loop, checkpoints, resume, LoRA, validation's schedule and the per-step agreement are here.
+
+Checkpoints: each tag gets a ``manifest.json`` (every file's size and sha256, hashed by the rank that
+wrote it) after all its files, and ``latest`` names the tag only then; resume has every rank check
+the files it sees against the manifest and the ranks agree before DeepSpeed reads anything, so a
+missing, truncated or changed file, or a tag whose save did not finish, is one error on every rank
+naming the tag and the file (:mod:`deepspeed_knap.runtime.manifest`). Prepared data files are
+checked against the manifest the preparing script writes, each when a rank reads it.
+
+Every error the trainer raises (:class:`TrainingError`) is raised on every rank together, with the
+same message.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import deepspeed
+import deepspeed.comm as dist
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from deepspeed_knap.engine import global_mean_loss, initialize, token_mean_loss
+from deepspeed_knap.models.auto import from_pretrained
+from deepspeed_knap.models.hooks import ValidationSettings
+from deepspeed_knap.models.latents import LatentFileError, check_latent_directory
+from deepspeed_knap.models.lora import adapter_state_dict, add_lora, lora_config, save_adapter
+from deepspeed_knap.models.registry import spec
+from deepspeed_knap.runtime.config import load_ds_config
+from deepspeed_knap.runtime.groups import raise_together
+from deepspeed_knap.runtime.manifest import (
+    ManifestError,
+    find_checkpoint,
+    prepare_checkpoint_save,
+    write_checkpoint_manifest,
+)
+from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
+from deepspeed_knap.training.arguments import TrainingArguments
+from deepspeed_knap.training.validation import Validator, read_prompts
+
+# ZeRO-3 calls two torch.distributed functions that torch deprecated, on every rank, every step.
+warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+
+
+class TrainingError(ValueError):
+    """A run that cannot go on: raised on every rank together, with the same message."""
+
+
+class Trainer:
+    """One training run (collective: every rank builds one and calls the same methods).
+
+    Building it loads the model (a checkpoint, partitioned under ZeRO-3, or a tiny random one), adds
+    LoRA, creates the DeepSpeed engine and the balancer, checks the data on every rank, and resumes
+    from a checkpoint when asked.
+
+    Args:
+        arguments: the run's :class:`~deepspeed_knap.training.arguments.TrainingArguments`.
+        name: how progress and errors name the run (the script's name).
+
+    Attributes:
+        engine: DeepSpeed's engine; ``model`` its packed model; ``balancer`` the balancer or ``None``.
+        start_step: the steps a resumed checkpoint had done (0 for a new run).
+    """
+
+    def __init__(self, arguments: TrainingArguments, name: str = "train_dit") -> None:
+        self.arguments, self.name = arguments, name
+        a = arguments
+        torch.manual_seed(a.seed)  # the same initial weights (and LoRA A matrices) on every rank
+        options = dict(gradient_checkpointing=a.gradient_checkpointing)
+        if a.model_path:  # the family from config.json; under ZeRO-3 each rank reads only the partitions it keeps
+            model = from_pretrained(a.model_path, ds_config=a.deepspeed_config, **options)
+        else:
+            model = spec(a.family).tiny_model(**options)
+        if a.lora_rank:
+            add_lora(model, a.lora_rank, a.lora_alpha, a.lora_targets)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if "optimizer" in load_ds_config(a.deepspeed_config):  # DeepSpeed's own (fused on GPU)
+            parts = initialize(model=model, config=a.deepspeed_config, model_parameters=trainable)
+        else:
+            optimizer = torch.optim.AdamW(trainable, lr=a.lr, weight_decay=0.0)
+            parts = initialize(model=model, config=a.deepspeed_config, optimizer=optimizer)
+        self.engine, self.balancer = parts[0], parts[4]
+        if self.balancer is not None:  # the plan worker imports the planner during set-up: step 1 plans ahead too
+            self.balancer.plan_worker().start()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the files can go
+        unlink_own_shm_buffer(self.rank)
+        self.model = self.engine.module
+        self.hooks = self.model.spec.hooks()
+        self.dtype = next(self.model.parameters()).dtype  # bf16 under a "bf16" config: inputs must match
+        self.guidance = a.guidance if self.model.config.get("guidance_embeds") else None
+        self.raise_together(self.hooks.refuse(self.model, a.model_path))
+        self.data = self._data()
+        self.start_step, self.position = 0, 0  # steps done; files consumed by all ranks together
+        if a.resume:
+            self._resume()
+        self.validator = self._validator() if a.validation_every else None
+        self.progress: tqdm | None = None
+
+    # ---- errors every rank raises together ----
+
+    def raise_together(self, problem: str | None) -> None:
+        """Raise :class:`TrainingError` on every rank when any rank found a ``problem`` (files, paths,
+        data): a rank raising alone would leave the others waiting in their next collective.
+        Collective."""
+        try:
+            raise_together(problem, self.name)
+        except ValueError as error:
+            raise TrainingError(str(error)) from None
+
+    # ---- set-up ----
+
+    def _data(self) -> Any:
+        """Every rank checks its share of the files' headers and sizes; all ranks agree first."""
+        a = self.arguments
+        if not a.data_dir:
+            return self.hooks.synthetic_data(a.mix or self.model.spec.default_mix, self.model.config, a.token_scale,
+                                             a.seed)  # fmt: skip
+        data = self.hooks.latent_directory(a.data_dir, a.samples_per_rank, a.repeat_data)
+        try:
+            check_latent_directory(data, self.model.config)
+        except ValueError as error:
+            raise TrainingError(str(error)) from None
+        if self.rank == 0 and data.manifest is None:
+            print(f"note: {a.data_dir} has no manifest.json: the ranks compared a sampled digest of each file; "
+                  f"{data.writer} writes one (or python -m deepspeed_knap.runtime.manifest DIR) to have "
+                  "each file's sha256 checked when it is read", flush=True)  # fmt: skip
+        return data
+
+    def _resume(self) -> None:
+        """DeepSpeed's checkpoint plus where the loop and the data were."""
+        a = self.arguments
+        try:  # every rank checks the files it sees against the tag's manifest; the ranks agree before any load
+            choice = find_checkpoint(a.resume)
+        except ManifestError as error:
+            raise TrainingError(f"--resume {a.resume}: {error}") from None
+        if self.rank == 0:  # say which tag, and why newer ones were not taken
+            for tag, why in choice.skipped:
+                print(f"--resume: skipped checkpoint {tag}: {why}", flush=True)
+            print(f"--resume: loading checkpoint {choice.tag} from {choice.load_dir}"
+                  + ("" if choice.given else ", the newest complete one"), flush=True)  # fmt: skip
+        _, client_state = self.engine.load_checkpoint(choice.load_dir, choice.tag)
+        self.raise_together(None if client_state else f"DeepSpeed found no checkpoint to load in {a.resume}")
+        self.start_step, self.position = client_state["step"], client_state["data_position"]
+
+    def _validator(self) -> Validator:
+        a = self.arguments
+        try:
+            prompts, problem = read_prompts(a.validation_prompts), None
+        except (OSError, ValueError) as error:
+            prompts, problem = [], f"--validation-prompts: {error}"
+        family = self.model.spec
+        validation = self.hooks.validation
+        if validation is None:  # the same config on every rank: every rank stops here with it
+            problem = (f"--validation-every renders with the family's diffusers pipeline; {family.title} has none here "
+                       f"({'diffusers has no pipeline class for it' if family.pipeline is None else 'not wired up'}): "
+                       "train without --validation-every and render the export yourself")  # fmt: skip
+        elif a.model_path and not problem and not os.path.isfile(os.path.join(a.model_path, "model_index.json")):
+            problem = (f"--validation-every needs --model-path to be a {family.pipeline} directory (with "
+                       f"model_index.json); {a.model_path} is not")  # fmt: skip
+        self.raise_together(problem)
+        settings = ValidationSettings(a.tiny, a.validation_resolution, a.validation_width, a.validation_frames,
+                                      a.validation_inference_steps, a.validation_guidance)  # fmt: skip
+        return Validator(validation(family), prompts, settings, a.model_path, a.validation_dir, a.seed,
+                         a.validation_timeout)  # fmt: skip
+
+    # ---- one step ----
+
+    def step_samples(self, step: int, position: int) -> tuple[list[str], list[dict]]:
+        """This rank's ``(sample names, latent samples)`` of a step; ``position`` is the step's first
+        file (global, over all ranks) with prepared data."""
+        a = self.arguments
+        if a.data_dir:
+            return self.data.read(position + self.rank * a.samples_per_rank, a.samples_per_rank, self.dtype)
+        samples = self.data.step_samples(step, self.rank, self.world, self.dtype)
+        return [f"synthetic sample {i} of rank {self.rank} at step {step}" for i in range(len(samples))], samples
+
+    def step_inputs(
+        self, step: int, position: int
+    ) -> tuple[tuple[list[str], Any, list[torch.Tensor]] | None, str | None]:
+        """This rank's ``(sample names, packed noised inputs, flow-matching targets)`` of a step, on the
+        CPU (the next step's wait there while this one runs), and ``None``; or ``None`` and why a file
+        could not be used (unreadable, or not what its manifest says): the ranks agree on it before
+        anyone trains on that step (the step before's all-reduce carries the count)."""
+        try:
+            names, latents = self.step_samples(step, position)
+        except LatentFileError as error:
+            return None, str(error)
+        generator = torch.Generator().manual_seed((self.arguments.seed * 7919 + step) * 4099 + self.rank)
+        samples, targets = self.hooks.objective(latents, generator, self.model.config, self.guidance)
+        inputs, problem = self.hooks.pack(self.model, samples, self.balancer is not None)
+        if problem:
+            return None, f"{problem} (files {names})"
+        return (names, inputs, targets), None
+
+    def _prefetch(self, next_inputs: tuple | None) -> None:
+        """Solve the next step's plan in the plan worker while this step runs. Collective: a rank
+        whose next samples are unusable still takes part (with none); this step's all-reduce then
+        stops every rank."""
+        columns = self.hooks.segment_columns
+        if next_inputs is None:
+            lens, segments = [], None if columns is None else np.zeros((0, columns), dtype=np.int64)
+        else:
+            lens, segments = next_inputs[1].seq_lens, self.hooks.segments(next_inputs[1])
+        self.balancer.prefetch(lens, self.engine.device, next_segments=segments)
+
+    def steps(self) -> range:
+        """The steps left to train (after a resumed checkpoint's)."""
+        return range(self.start_step, self.arguments.steps)
+
+    def train(self) -> list[float]:
+        """Train until ``arguments.steps`` are done, checkpointing and validating when due. Returns
+        each step's global mean loss (the same on every rank). Collective."""
+        a = self.arguments
+        self.progress = tqdm(self.steps(), desc=self.name, disable=self.rank != 0, file=sys.stdout,
+                             initial=self.start_step, total=a.steps)  # fmt: skip
+        losses = []
+        next_inputs, unusable = self.step_inputs(self.start_step, self.position) if self.steps() else (None, None)
+        self.raise_together(unusable)
+        for step in self.progress:
+            start = time.perf_counter()
+            names, inputs, targets = next_inputs
+            inputs = inputs.to(self.engine.device)
+            self.position += self.world * a.samples_per_rank  # the next step's first file
+            unusable = None
+            if step + 1 < a.steps:
+                next_inputs, unusable = self.step_inputs(step + 1, self.position)
+                if self.balancer is not None:
+                    self._prefetch(next_inputs)
+            loss, tokens = self._forward_backward(step, names, inputs, targets, unusable)
+            self.engine.step()
+            mean_loss = global_mean_loss(loss)  # also a barrier: the step is over everywhere
+            losses.append(mean_loss)
+            self._log(step, mean_loss, time.perf_counter() - start, tokens)
+            self._after_step(step + 1)
+        return losses
+
+    def _forward_backward(self, step: int, names: list[str], inputs: Any, targets: list[torch.Tensor],
+                          unusable: str | None) -> tuple[torch.Tensor, float]:  # fmt: skip
+        """The step's loss after its backward, and the step's tokens over all ranks."""
+        try:  # [tokens, C] for this rank's predicted tokens
+            prediction = self.engine(inputs, self.balancer)
+        except ValueError as error:
+            if self.balancer is None or not self.hooks.carries_problems:
+                raise
+            # a sample a rank could not pack, raised on every rank by the step's first collective
+            raise TrainingError(str(error)) from None
+        target = torch.cat(targets).to(prediction.device) if targets else torch.zeros_like(prediction)
+        per_token = (prediction.float() - target.float()).square().mean(dim=-1)  # [tokens]
+        per_sample = per_token.split([len(rows) for rows in targets]) if targets else ()
+        nonfinite = [name for name, rows in zip(names, per_sample, strict=True) if not rows.isfinite().all()]
+        # Collectives take tensors on the engine's device: NCCL refuses CPU tensors.
+        totals = torch.tensor([sum(inputs.seq_lens), len(nonfinite), unusable is not None],
+                              dtype=torch.float64, device=self.engine.device)  # fmt: skip
+        dist.all_reduce(totals)
+        if (
+            totals[1].item() + totals[2].item() > 0
+        ):  # every rank sees the counts, so every rank raises, naming the files
+            found = [f"non-finite loss at step {step} in {nonfinite}"] if nonfinite else []
+            found += [f"step {step + 1}'s data: {unusable}"] if unusable else []
+            self.raise_together("; ".join(found) or None)
+        loss = token_mean_loss(per_token)
+        self.engine.backward(loss)
+        return loss, totals[0].item()
+
+    def _log(self, step: int, mean_loss: float, seconds: float, tokens: float) -> None:
+        if self.rank != 0:
+            return
+        line = f"step {step} loss {mean_loss:.6f} time {seconds:.2f}s tokens/s {tokens / seconds:,.0f}"
+        if self.balancer is not None:
+            metrics = self.balancer.metrics()
+            line += (f" modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
+                     f"{metrics['knapformer/imbalance_after']:.3f}"
+                     + (" (planned ahead)" if metrics["knapformer/planned_ahead"] else ""))  # fmt: skip
+        self.progress.write(line)
+
+    def _after_step(self, steps_done: int) -> None:
+        """Checkpoints and validation renders when due."""
+        a = self.arguments
+        if a.save_dir and (steps_done == a.steps or (a.checkpoint_every and steps_done % a.checkpoint_every == 0)):
+            self.save_checkpoint(steps_done)
+        if self.validator is not None and steps_done % a.validation_every == 0:
+            self.validate(steps_done)
+
+    # ---- checkpoints, validation, export ----
+
+    def save_checkpoint(self, steps_done: int) -> None:
+        """A DeepSpeed checkpoint ``step{steps_done}`` in ``save_dir``, with its manifest. Collective."""
+        save_dir, tag = self.arguments.save_dir, f"step{steps_done}"
+        client_state = {"step": steps_done, "data_position": self.position}
+        prepare_checkpoint_save(save_dir, tag)  # a save over an older tag must not look complete half-way
+        # 'latest' is written with the manifest, after it: DeepSpeed's own would name the tag before that.
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+        try:  # each rank hashes the files it wrote; the ranks write the manifest, then 'latest'
+            write_checkpoint_manifest(save_dir, tag, client_state)
+        except ManifestError as error:
+            raise TrainingError(str(error)) from None
+
+    def current_state_dict(self) -> dict | None:
+        """The full current weights on rank 0 (ZeRO-3: gathered layer by layer; collective), else ``None``."""
+        if self.engine.zero_optimization_stage() == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return {name: t.detach().cpu() for name, t in self.model.state_dict().items()} if self.rank == 0 else None
+
+    def validate(self, steps_done: int) -> None:
+        """Rank 0 renders the validation prompts with the current weights; the others wait.
+        Collective."""
+        state, problem = self.current_state_dict(), None
+        if self.rank == 0:
+            try:
+                renders = self.validator.render(self.model, state, steps_done, self.engine.device, self.dtype)
+                kind = "clip" if self.model.spec.video else "image"
+                for path, prompt in renders:
+                    self.progress.write(f"validation {kind} {path} after step {steps_done - 1}: {prompt!r}")
+            except Exception as error:  # the others wait in the barrier: tell them, rather than leave them there
+                problem = f"validation after step {steps_done - 1} failed on rank 0: {type(error).__name__}: {error}"
+        self.validator.wait()
+        self.raise_together(problem)
+
+    def export(self) -> None:
+        """Write the trained weights (or the LoRA adapter) in diffusers' format to ``export_dir``
+        (nothing without one). Collective."""
+        export_dir = self.arguments.export_dir
+        if not export_dir:
+            return
+        if self.arguments.lora_rank:
+            lora_parameters = [p for p in self.model.parameters() if p.requires_grad]
+            with deepspeed.zero.GatheredParameters(lora_parameters):  # ZeRO-3 partitions them; no-op otherwise
+                if self.rank == 0:
+                    state = {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()
+                             if p.requires_grad}  # fmt: skip
+                    path = save_adapter(export_dir, adapter_state_dict(self.model, state), lora_config(self.model),
+                                        self.model.spec.lora_loader)  # fmt: skip
+                    print(f"exported the LoRA adapter to {path}", flush=True)
+        else:
+            state = self.current_state_dict() if self.engine.zero_optimization_stage() == 3 else None
+            if self.rank == 0:
+                self.model.save_pretrained(export_dir, state)
+                print(f"exported diffusers weights to {export_dir}", flush=True)

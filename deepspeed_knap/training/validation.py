@@ -1,0 +1,87 @@
+"""Validation renders during training: rank 0 renders each prompt through the family's own diffusers
+pipeline with the current weights (a LoRA adapter loaded the way a user loads the exported one),
+while the other ranks wait in a barrier of their own, longer than a collective's deadline allows (a
+14B clip of 81 frames takes minutes)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed
+from torch import nn
+
+from deepspeed_knap.models.hooks import ValidationHooks, ValidationSettings
+from deepspeed_knap.models.lora import adapter_state_dict, base_state_dict, lora_config, save_adapter
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Validation prompts: one per non-empty line of a text file.
+
+    Raises:
+        ValueError: a file without prompts.
+    """
+    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts; write one prompt per line")
+    return prompts
+
+
+class Validator:
+    """Renders validation prompts on rank 0 every so many steps.
+
+    Args:
+        hooks: the family's validation hooks.
+        prompts: the prompts, one render each.
+        settings: sizes, steps and guidance as the user gave them.
+        model_path: the checkpoint (its pipeline's parts are loaded once, on rank 0), or ``None``:
+            tiny random parts.
+        out: where the renders go.
+        seed: render ``i`` draws from ``seed + i``.
+        timeout_minutes: how long the other ranks wait for rank 0's renders.
+    """
+
+    def __init__(self, hooks: ValidationHooks, prompts: list[str], settings: ValidationSettings,
+                 model_path: str | None, out: str | Path, seed: int, timeout_minutes: float) -> None:  # fmt: skip
+        self.hooks, self.prompts, self.model_path, self.out, self.seed = hooks, prompts, model_path, Path(out), seed
+        self.options = hooks.options(settings)
+        # Collective: every rank creates the group (gloo, on the host: the wait is long, not a step's).
+        self.wait_group = torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+        self._components: dict[str, Any] | None = None  # VAE, text encoders, tokenizers, scheduler: rank 0, CPU
+
+    @torch.no_grad()
+    def render(self, model: nn.Module, state: dict, steps_done: int, device: torch.device,
+               dtype: torch.dtype) -> list[tuple[Path, str]]:  # fmt: skip
+        """Rank 0: one render per prompt with the weights ``state`` (the full state dict of ``model``),
+        named by ``steps_done``. Returns each file written and its prompt."""
+        import diffusers
+
+        # Quiet diffusers' note that the text encoders get no LoRA weights (we train none).
+        diffusers.utils.logging.set_verbosity_error()
+        spec = self.hooks.spec
+        if self._components is None:
+            self._components = self.hooks.components(self.model_path, model.config, self.seed, dtype)
+            self._components.pop("transformer", None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        lora = lora_config(model)
+        transformer = type(model).diffusers_model(model.config, base_state_dict(state) if lora else state)
+        pipe = getattr(diffusers, spec.pipeline)(**self._components, transformer=transformer).to(device)
+        pipe.set_progress_bar_config(disable=True)  # one line per render instead
+        if lora:
+            adapter = save_adapter(self.out / f"step{steps_done:06d}_adapter", adapter_state_dict(model, state), lora,
+                                   spec.lora_loader)  # fmt: skip
+            pipe.load_lora_weights(adapter.parent)
+        files = []
+        for index, prompt in enumerate(self.prompts):
+            generator = torch.Generator().manual_seed(self.seed + index)
+            path = self.hooks.render(pipe, prompt, generator, self.options,
+                                     self.out / f"step{steps_done:06d}_prompt{index:02d}")  # fmt: skip
+            files.append((path, prompt))
+        pipe.to("cpu")  # the text encoders and VAE wait on the CPU, off the training GPU
+        return files
+
+    def wait(self) -> None:
+        """Every rank: wait for rank 0's renders (a barrier with the long deadline)."""
+        torch.distributed.barrier(group=self.wait_group)
