@@ -78,7 +78,7 @@ class FluxDims:
     @property
     def text_embedded(self) -> bool:
         """Text travels embedded (``D`` wide, with a gradient) rather than raw: the models' rule."""
-        from deepspeed_knap.models.flux.base import route_text_embedded
+        from deepspeed_knap.models.inputs import route_text_embedded
 
         return route_text_embedded(self.text_dim, self.dim)
 

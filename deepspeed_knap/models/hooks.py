@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -86,7 +85,7 @@ class TrainingHooks(ABC):
         spec: the family's spec.
         validation: the family's validation renders, or ``None`` where none is wired up.
         segment_columns: attention segments per sequence the balancer plans with (FLUX.3's 3 token
-            modes), or ``None``.
+            modes: its packed inputs' ``segments``), or ``None``.
         carries_problems: balanced, :meth:`pack` carries a sample the model cannot pack into the
             step's first collective, which raises it on every rank (a ``ValueError`` from the forward).
     """
@@ -123,7 +122,3 @@ class TrainingHooks(ABC):
         first collective (raised there on every rank) packs with ``on_problem="carry"`` when
         ``balanced``."""
         return model.pack(samples), None
-
-    def segments(self, inputs: Any) -> np.ndarray | None:
-        """``[N, segment_columns]`` attention segments of packed inputs, or ``None``."""
-        return None

@@ -220,7 +220,7 @@ class Trainer:
         if next_inputs is None:
             lens, segments = [], None if columns is None else np.zeros((0, columns), dtype=np.int64)
         else:
-            lens, segments = next_inputs[1].seq_lens, self.hooks.segments(next_inputs[1])
+            lens, segments = next_inputs[1].seq_lens, next_inputs[1].segments
         self.balancer.prefetch(lens, self.engine.device, next_segments=segments)
 
     def steps(self) -> range:

@@ -104,7 +104,7 @@ def test_a_rank_without_samples_runs_forward_and_backward(family):
 
 
 def test_modulation_gradients_are_exact():
-    from deepspeed_knap.models.flux.layers import gate, modulate
+    from deepspeed_knap.models.layers import gate, modulate
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, 4, generator=g, dtype=torch.float64, requires_grad=True)
@@ -123,7 +123,8 @@ def test_rope_and_timestep_features_are_bitwise_diffusers():
     from deepspeed_knap.models.flux import latent_ids
     from deepspeed_knap.models.flux.base import text_ids
     from deepspeed_knap.models.flux.flux2 import image_ids
-    from deepspeed_knap.models.flux.layers import rotary_cos_sin, timestep_features
+    from deepspeed_knap.models.flux.layers import rotary_cos_sin
+    from deepspeed_knap.models.layers import timestep_features
 
     ids = latent_ids(3, 5, 7) * 1.5
     for ours, theirs in zip(rotary_cos_sin(ids, (16, 56, 56)), FluxPosEmbed(10000, [16, 56, 56])(ids), strict=True):

@@ -22,7 +22,6 @@ routing.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspeed_knap.models.flux.layers import FluxStep
+from deepspeed_knap.models.inputs import PackedInputs, route_text_embedded
 from deepspeed_knap.models.loading import DiffusersCheckpoint
 from deepspeed_knap.planner.topology import Topology
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
@@ -43,7 +43,7 @@ from deepspeed_knap.runtime.routing import RoutedBatch, route_subset_rows
 
 
 @dataclass(frozen=True, eq=False)
-class FluxInputs:
+class FluxInputs(PackedInputs):
     """One rank's samples, packed per stream; the names are diffusers' forward arguments.
 
     Attributes:
@@ -68,14 +68,14 @@ class FluxInputs:
     pooled_projections: Tensor | None = None
 
     @property
-    def num_samples(self) -> int:
-        return len(self.img_lens)
+    def seq_lens(self) -> tuple[int, ...]:
+        """``N`` joint lengths (text + image tokens per sample): what the balancer plans."""
+        return tuple(t + i for t, i in zip(self.txt_lens, self.img_lens, strict=True))
 
     @property
-    def seq_lens(self) -> tuple[int, ...]:
-        """``N`` joint lengths (text + image tokens per sample): what the balancer plans, e.g. for
-        :meth:`~deepspeed_knap.runtime.balancer.KnapBalancer.prefetch`."""
-        return tuple(t + i for t, i in zip(self.txt_lens, self.img_lens, strict=True))
+    def output_lens(self) -> tuple[int, ...]:
+        """The model predicts the image tokens: ``img_lens``."""
+        return self.img_lens
 
     @functools.cached_property
     def _joint_rows(self) -> tuple[np.ndarray, np.ndarray]:
@@ -91,15 +91,6 @@ class FluxInputs:
         ``pooled_projections`` where the model has them."""
         rows = {"timestep": self.timestep, "guidance": self.guidance, "pooled_projections": self.pooled_projections}
         return {name: row for name, row in rows.items() if row is not None}
-
-    def to(self, device: torch.device | str) -> FluxInputs:
-        """The same inputs on ``device``."""
-        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return FluxInputs(**{name: t.to(device) if isinstance(t, Tensor) else t for name, t in tensors.items()})
-
-    def split(self, image_rows: Tensor) -> list[Tensor]:
-        """``[Ti, ...]`` rows (the model's output) -> one ``[L_i, ...]`` tensor per sample."""
-        return list(torch.split(image_rows, list(self.img_lens)))
 
 
 def _ranks_within(lens: np.ndarray) -> np.ndarray:
@@ -125,13 +116,6 @@ def position_ids(config: Mapping[str, Any], grid: Tensor, text_tokens: int) -> t
     if axes == 4:
         return torch.cat([grid.float(), torch.zeros(len(grid), 1)], dim=1), text_ids(text_tokens)
     raise ValueError(f"no FLUX family has {axes} position axes (axes_dims_rope {config['axes_dims_rope']})")
-
-
-def route_text_embedded(text_dim: int, dim: int) -> bool:
-    """Route text tokens as their ``dim``-wide embedding (sent forward, its gradient sent back)
-    rather than the ``text_dim``-wide text-encoder rows (sent forward only) when that is fewer bytes
-    in training: FLUX.2 [dev] (15360 > 2 * 6144) yes, FLUX.1 (4096 < 2 * 3072) no."""
-    return text_dim > 2 * dim
 
 
 class PackedFluxBase(DiffusersCheckpoint, nn.Module):

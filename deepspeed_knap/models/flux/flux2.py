@@ -28,18 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deepspeed_knap.models.flux.base import PackedFluxBase
-from deepspeed_knap.models.flux.layers import (
-    AdaNormOut,
-    FluxAttentionWeights,
-    FluxStep,
-    MLPEmbedder,
-    double_stream,
-    gate,
-    layer_norm,
-    modulate,
-    timestep_features,
-)
+from deepspeed_knap.models.flux.layers import AdaNormOut, FluxAttentionWeights, FluxStep, double_stream
 from deepspeed_knap.models.flux.spec import FLUX2
+from deepspeed_knap.models.layers import MLPEmbedder, gate, layer_norm, modulate, timestep_features
 from deepspeed_knap.planner.topology import Topology
 
 

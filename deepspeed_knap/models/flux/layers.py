@@ -1,4 +1,5 @@
-"""FLUX building blocks on packed tokens: per-sequence modulation, RoPE from position ids, and FLUX.1's blocks.
+"""FLUX building blocks on packed tokens: RoPE from position ids, the step's stream selection and FLUX.1's
+blocks (per-sequence modulation and the feed-forwards every family shares: :mod:`deepspeed_knap.models.layers`).
 
 Every module here has the parameter names and shapes of its diffusers counterpart, so
 ``PackedFluxTransformer`` loads a ``FluxTransformer2DModel`` state dict as is. The arithmetic follows
@@ -12,7 +13,6 @@ Shapes: ``T`` tokens on this GPU (``Tt`` text, ``Ti`` image/video), ``n`` sequen
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,65 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepspeed_knap.models.layers import (
+    NORM_EPS,
+    FeedForward,
+    MLPEmbedder,
+    gate,
+    layer_norm,
+    modulate,
+    timestep_features,
+)
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
 from deepspeed_knap.runtime.routing import RoutedBatch
-
-_NORM_EPS = 1e-6
-
-
-class _SeqAffine(torch.autograd.Function):
-    """``x * (offset + scale[seq]) + shift[seq]``, keeping only ``x`` and the ``[n, D]`` rows for
-    backward (autograd of the plain expression would also keep the gathered ``[T, D]`` factor)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, seq: Tensor, scale: Tensor, shift: Tensor | None, offset: float) -> Tensor:
-        factor = offset + scale if offset else scale
-        out = x * factor.index_select(0, seq)
-        if shift is not None:
-            out = out + shift.index_select(0, seq)
-        ctx.save_for_backward(x, seq, scale)
-        ctx.offset, ctx.has_shift = offset, shift is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, seq, scale = ctx.saved_tensors
-        factor = ctx.offset + scale if ctx.offset else scale
-        grad_x = grad * factor.index_select(0, seq) if ctx.needs_input_grad[0] else None
-        grad_scale = _seq_sum(grad * x, seq, scale) if ctx.needs_input_grad[2] else None
-        grad_shift = _seq_sum(grad, seq, scale) if ctx.has_shift and ctx.needs_input_grad[3] else None
-        return grad_x, None, grad_scale, grad_shift, None
-
-
-def _seq_sum(rows: Tensor, seq: Tensor, like: Tensor) -> Tensor:
-    """``[T, D]`` rows summed per sequence into ``like``'s ``[n, D]``, accumulated in fp32 (bf16
-    sums over thousands of tokens would lose the gradient's low bits)."""
-    total = torch.zeros(like.shape, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
-    return total.index_add_(0, seq, rows.to(total.dtype)).to(like.dtype)
-
-
-def modulate(x: Tensor, seq: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """AdaLN: ``x * (1 + scale[seq]) + shift[seq]``; ``x [T, D]``, ``seq [T]``, ``shift, scale [n, D]``."""
-    return _SeqAffine.apply(x, seq, scale, shift, 1.0)
-
-
-def gate(x: Tensor, seq: Tensor, gates: Tensor) -> Tensor:
-    """``x * gates[seq]``; ``x [T, D]``, ``seq [T]``, ``gates [n, D]``."""
-    return _SeqAffine.apply(x, seq, gates, None, 0.0)
-
-
-def layer_norm(x: Tensor, eps: float = _NORM_EPS) -> Tensor:
-    """LayerNorm over the last dim without weights (every FLUX norm before a modulation)."""
-    return F.layer_norm(x, (x.shape[-1],), eps=eps)
-
-
-def timestep_features(timestep: Tensor, channels: int = 256) -> Tensor:
-    """``[N]`` timesteps (already scaled by 1000) -> ``[N, channels]`` fp32 sinusoidal features,
-    cosines first (diffusers' ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)``)."""
-    half = channels // 2
-    exponent = -math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=timestep.device) / half
-    angles = timestep[:, None].float() * torch.exp(exponent)[None, :]
-    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 
 def rotary_cos_sin(ids: Tensor, axes_dims: Sequence[int], theta: float = 10000.0) -> tuple[Tensor, Tensor]:
@@ -175,28 +127,6 @@ class AdaNormZero(nn.Module):
         return self.linear(F.silu(temb)).chunk(self.chunks, dim=1)
 
 
-class GeluProjection(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
-
-
-class FeedForward(nn.Module):
-    """``net.0.proj`` -> GELU(tanh) -> ``net.2``, as diffusers' ``FeedForward(dim, dim_out=dim)``."""
-
-    def __init__(self, dim: int, mult: int = 4) -> None:
-        super().__init__()
-        self.net = nn.ModuleList([GeluProjection(dim, mult * dim), nn.Dropout(0.0), nn.Linear(mult * dim, dim)])
-
-    def forward(self, x: Tensor) -> Tensor:
-        for layer in self.net:
-            x = layer(x)
-        return x
-
-
 class FluxAttentionWeights(nn.Module):
     """The projections and q/k norms of diffusers' ``FluxAttention`` (FLUX.2's ``Flux2Attention``
     has the same names, without biases: ``bias=False``); the attention itself is the step's shared
@@ -204,7 +134,7 @@ class FluxAttentionWeights(nn.Module):
     (``add_*_proj``, ``norm_added_*``, ``to_add_out``) and the image output ``to_out``."""
 
     def __init__(
-        self, dim: int, num_heads: int, head_dim: int, joint: bool, bias: bool = True, eps: float = _NORM_EPS
+        self, dim: int, num_heads: int, head_dim: int, joint: bool, bias: bool = True, eps: float = NORM_EPS
     ) -> None:
         super().__init__()
         self.heads, self.head_dim = num_heads, head_dim
@@ -240,8 +170,8 @@ class FluxDoubleBlock(nn.Module):
         self.norm1 = AdaNormZero(dim, 6)
         self.norm1_context = AdaNormZero(dim, 6)
         self.attn = FluxAttentionWeights(dim, num_heads, head_dim, joint=True)
-        self.ff = FeedForward(dim)
-        self.ff_context = FeedForward(dim)
+        self.ff = FeedForward(dim, 4 * dim)
+        self.ff_context = FeedForward(dim, 4 * dim)
 
     def forward(self, txt: Tensor, img: Tensor, step: FluxStep) -> tuple[Tensor, Tensor]:
         return double_stream(self, txt, img, self.norm1_context(step.temb), self.norm1(step.temb), step)
@@ -254,7 +184,7 @@ def double_stream(
     txt_mods: Sequence[Tensor],
     img_mods: Sequence[Tensor],
     step: FluxStep,
-    eps: float = _NORM_EPS,
+    eps: float = NORM_EPS,
 ) -> tuple[Tensor, Tensor]:
     """A double-stream block of either FLUX family (their arithmetic is the same; FLUX.2 computes the
     modulation once per step instead of per block, and its MLPs differ inside ``ff``).
@@ -314,19 +244,6 @@ class FluxSingleBlock(nn.Module):
         return x
 
 
-class MLPEmbedder(nn.Module):
-    """``linear_2(silu(linear_1(x)))``: diffusers' ``TimestepEmbedding`` and (with ``act_1``)
-    ``PixArtAlphaTextProjection`` have these parameter names."""
-
-    def __init__(self, in_dim: int, dim: int, bias: bool = True) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(in_dim, dim, bias=bias)
-        self.linear_2 = nn.Linear(dim, dim, bias=bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
-
-
 class TimeTextEmbedding(nn.Module):
     """``temb [N, D]`` from timestep ``[N]``, guidance ``[N]`` (when the model has guidance) and
     pooled text ``[N, Dp]``, as diffusers' ``CombinedTimestep(Guidance)TextProjEmbeddings``."""
@@ -349,7 +266,7 @@ class AdaNormOut(nn.Module):
     """diffusers' ``AdaLayerNormContinuous`` at the output: ``norm(x) * (1 + scale) + shift`` with
     ``scale, shift = linear(silu(temb))`` (scale first)."""
 
-    def __init__(self, dim: int, bias: bool = True, eps: float = _NORM_EPS) -> None:
+    def __init__(self, dim: int, bias: bool = True, eps: float = NORM_EPS) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, 2 * dim, bias=bias)
         self.eps = eps

@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -49,6 +48,3 @@ class Flux3Training(TrainingHooks):
             return model.pack(samples, on_problem="carry"), None
         problem = model.check_samples(samples)
         return (None, problem) if problem else (model.pack(samples), None)
-
-    def segments(self, inputs: Any) -> np.ndarray:
-        return inputs.segments

@@ -47,9 +47,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deepspeed_knap.models.flux.base import PackedFluxBase, _ranks_within
-from deepspeed_knap.models.flux.layers import AdaNormOut, MLPEmbedder, rotary_cos_sin, timestep_features
+from deepspeed_knap.models.flux.layers import AdaNormOut, rotary_cos_sin
 from deepspeed_knap.models.flux3.layers import MODES, Flux3Block, Flux3Modulation, Flux3Step, mode_layer, single_layer
 from deepspeed_knap.models.flux3.spec import FLUX3
+from deepspeed_knap.models.inputs import PackedInputs
+from deepspeed_knap.models.layers import MLPEmbedder, timestep_features
 from deepspeed_knap.planner.topology import Topology
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
 from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
@@ -60,7 +62,7 @@ __all__ = ["Flux3Inputs", "PackedFlux3Transformer"]
 
 
 @dataclass(frozen=True, eq=False)
-class Flux3Inputs:
+class Flux3Inputs(PackedInputs):
     """One rank's samples, packed per mode; the names are diffusers' forward arguments.
 
     Attributes:
@@ -91,8 +93,9 @@ class Flux3Inputs:
     problem: str | None = None
 
     @property
-    def num_samples(self) -> int:
-        return len(self.img_lens)
+    def output_lens(self) -> tuple[int, ...]:
+        """The model predicts the image tokens: ``img_lens``."""
+        return self.img_lens
 
     @property
     def segments(self) -> np.ndarray:
@@ -103,15 +106,6 @@ class Flux3Inputs:
     def seq_lens(self) -> tuple[int, ...]:
         """``N`` sequence lengths (all modes): what the balancer plans."""
         return tuple(int(n) for n in self.segments.sum(axis=1))
-
-    def to(self, device: torch.device | str) -> Flux3Inputs:
-        """The same inputs on ``device``."""
-        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return Flux3Inputs(**{name: t.to(device) if isinstance(t, Tensor) else t for name, t in tensors.items()})
-
-    def split(self, image_rows: Tensor) -> list[Tensor]:
-        """``[Ti, ...]`` rows (the model's output) -> one ``[L_i, ...]`` tensor per sample."""
-        return list(torch.split(image_rows, list(self.img_lens)))
 
 
 class PackedFlux3Transformer(PackedFluxBase):

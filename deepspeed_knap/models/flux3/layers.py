@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from deepspeed_knap.models.flux.flux2 import Flux2FeedForward
-from deepspeed_knap.models.flux.layers import apply_rotary, gate, layer_norm, modulate
+from deepspeed_knap.models.flux.layers import apply_rotary
+from deepspeed_knap.models.layers import gate, layer_norm, modulate
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
 from deepspeed_knap.runtime.routing import RoutedBatch
 

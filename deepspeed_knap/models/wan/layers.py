@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deepspeed_knap.models.flux.layers import MLPEmbedder, gate, modulate, timestep_features
+from deepspeed_knap.models.layers import FeedForward, MLPEmbedder, gate, modulate, timestep_features
 from deepspeed_knap.runtime.attention import KnapDistributedAttention, VarlenSeqs
 from deepspeed_knap.runtime.routing import RoutedBatch
 
@@ -231,33 +231,6 @@ class PatchEmbedding(nn.Conv3d):
 
     def forward(self, patches: Tensor) -> Tensor:
         return F.linear(patches, self.weight.flatten(1), self.bias)
-
-
-class GeluProjection(nn.Module):
-    """diffusers' ``GELU`` activation module: ``proj`` then GELU (exact or tanh)."""
-
-    def __init__(self, dim: int, hidden: int, approximate: str) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, hidden)
-        self.approximate = approximate
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.proj(x), approximate=self.approximate)
-
-
-class FeedForward(nn.Module):
-    """diffusers' ``FeedForward(dim, dim_out, inner_dim)`` with a GELU: ``net.0.proj`` -> GELU -> ``net.2``."""
-
-    def __init__(self, dim: int, hidden: int, dim_out: int | None = None, approximate: str = "tanh") -> None:
-        super().__init__()
-        self.net = nn.ModuleList(
-            [GeluProjection(dim, hidden, approximate), nn.Dropout(0.0), nn.Linear(hidden, dim_out or dim)]
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        for layer in self.net:
-            x = layer(x)
-        return x
 
 
 class TextProjection(nn.Module):

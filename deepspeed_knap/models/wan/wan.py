@@ -41,8 +41,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from deepspeed_knap.models.flux.base import route_text_embedded
-from deepspeed_knap.models.flux.layers import modulate
+from deepspeed_knap.models.inputs import PackedInputs, route_text_embedded
+from deepspeed_knap.models.layers import modulate
 from deepspeed_knap.models.loading import DiffusersCheckpoint
 from deepspeed_knap.models.wan.layers import (
     PatchEmbedding,
@@ -97,7 +97,7 @@ def grid_positions(frames: int, height: int, width: int) -> Tensor:
 
 
 @dataclass(frozen=True, eq=False)
-class WanInputs:
+class WanInputs(PackedInputs):
     """One rank's samples, packed; the names are diffusers' forward arguments where they exist.
 
     Attributes:
@@ -127,24 +127,18 @@ class WanInputs:
     problem: str | None = None
 
     @property
-    def num_samples(self) -> int:
-        return len(self.grids)
-
-    @property
     def seq_lens(self) -> tuple[int, ...]:
-        """``N`` video token counts: what the balancer plans, e.g. for
-        :meth:`~deepspeed_knap.runtime.balancer.KnapBalancer.prefetch`."""
+        """``N`` video token counts: what the balancer plans."""
         return tuple(math.prod(grid) for grid in self.grids)
 
-    def to(self, device: torch.device | str) -> WanInputs:
-        """The same inputs on ``device``."""
-        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return WanInputs(**{name: t.to(device) if isinstance(t, Tensor) else t for name, t in tensors.items()})
+    @property
+    def output_lens(self) -> tuple[int, ...]:
+        """The model predicts every video token: ``seq_lens``."""
+        return self.seq_lens
 
     def split(self, rows: Tensor) -> list[Tensor]:
         """The model's ``[T, P * C]`` output -> one ``[C, F, H, W]`` tensor per sample (diffusers' output)."""
-        pieces = torch.split(rows, list(self.seq_lens))
-        return [unpatchify(p, grid, self.patch_size) for p, grid in zip(pieces, self.grids, strict=True)]
+        return [unpatchify(p, grid, self.patch_size) for p, grid in zip(super().split(rows), self.grids, strict=True)]
 
 
 def _context_column(name: str, context: Tensor) -> str:
