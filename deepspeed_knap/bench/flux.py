@@ -25,8 +25,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from deepspeed_knap.models.registry import sample_shapes
-from deepspeed_knap.options import add_mix_argument, device, nonnegative_int, positive_float, positive_int
+from deepspeed_knap.models.registry import sample_shapes, spec
+from deepspeed_knap.options import (
+    add_family_argument,
+    add_mix_argument,
+    device,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from deepspeed_knap.runtime.timing import backward_seconds
 
 HELP = "packed FLUX against diffusers sample by sample: time and memory"
@@ -96,7 +103,7 @@ def bench_flux(
     from deepspeed_knap.models.flux.data import rectified_flow, synthetic_samples
 
     torch.manual_seed(seed)
-    reference_class = {"flux": diffusers.FluxTransformer2DModel, "flux2": diffusers.Flux2Transformer2DModel}[family]
+    reference_class = getattr(diffusers, spec(family).diffusers_class)
     # Initialised where it runs, in its dtype: FLUX.1 [dev] built in float32 on the host took minutes.
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -147,7 +154,7 @@ def bench_flux(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--family", default="flux", choices=["flux", "flux2"], help="FLUX.1 or FLUX.2")
+    add_family_argument(parser, "the packed model and its diffusers reference", having="bench_configs")
     add_mix_argument(parser, "kf_mixed_res")
     parser.add_argument("--ranks", type=positive_int, default=8, help="pool the samples of this many ranks' step")
     parser.add_argument("--token-scale", type=positive_float, default=1 / 16)

@@ -4,11 +4,10 @@
     deepspeed-knap bench train --ranks 2 --mix kf_image_video --token-scale 0.03 --slow-rank 1:3 --online
     deepspeed-knap bench train --ranks 2 --family wan --mix wan_image_video --token-scale 0.015625
 
-Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA) that train a tiny
-packed FLUX (``TINY_FLUX``; ``--flux-dims`` for FLUX.1's width on GPUs) or, with ``--family wan``, a
-tiny packed Wan 2.1 (``TINY_WAN``: 12 heads, cross-attention to each sample's text, videos as
-``[C, F, H, W]`` latents) with DeepSpeed, the real routes and Ulysses all-to-alls, on the same
-synthetic samples of ``--mix`` in every mode:
+Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA) that train the tiny
+packed model of ``--family`` (any registered family: its spec's ``tiny_config``; ``--flux-dims`` for
+FLUX.1's width on GPUs) with DeepSpeed, the real routes and Ulysses all-to-alls, on the same
+synthetic samples of ``--mix`` (default: the family's ``default_mix``) in every mode:
 ``off`` (no balancing: every sequence stays home), ``knapformer`` and ``refine`` on ``--topology``
 (default: one bag of all ranks) or on a topology of their own (``knapformer@g1n2``: the mode may be
 given once per topology, to compare fixed topologies in the same run), and ``auto``. Every mode is
@@ -53,7 +52,8 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from deepspeed_knap.options import add_mix_argument, output_file, positive_float, positive_int
+from deepspeed_knap.models.registry import spec
+from deepspeed_knap.options import add_family_argument, add_mix_argument, output_file, positive_float, positive_int
 from deepspeed_knap.planner.solve import plan_loads
 from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.plots import write_report
@@ -147,26 +147,20 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     from deepspeed.accelerator import get_accelerator
 
     from deepspeed_knap.engine import initialize, token_mean_loss
-    from deepspeed_knap.models.flux.data import SyntheticLatents, rectified_flow
-    from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
-    from deepspeed_knap.models.flux.spec import TINY_FLUX
-    from deepspeed_knap.models.wan.data import SyntheticVideoLatents
-    from deepspeed_knap.models.wan.finetune import flow_matching
-    from deepspeed_knap.models.wan.spec import TINY_WAN
-    from deepspeed_knap.models.wan.wan import PackedWanTransformer
     from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
     deepspeed.init_distributed(verbose=False)
     get_accelerator().set_device(rank)  # one GPU each: bind before anything lands on a device
-    wan = options["family"] == "wan"
-    dims = dict(TINY_WAN if wan else TINY_FLUX)
+    family = spec(options["family"])
+    hooks = family.hooks()
+    dims = dict(family.tiny_config)
     if options["flux_dims"]:
         dims.update(num_attention_heads=24, attention_head_dim=128, axes_dims_rope=(16, 56, 56))
     device = torch.device(get_accelerator().current_device_name())
     runs: list[_ModeRun] = []
     for mode in options["modes"]:  # every mode built first: then the modes take turns, step by step
         torch.manual_seed(0)  # every mode trains the same initial weights
-        model = (PackedWanTransformer if wan else PackedFluxTransformer)(**dims)
+        model = family.model_class(**dims)
         config = ds_config(mode, options["topology"], world, options["cost_model"], options["online"])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine, _, _, _, balancer = initialize(model=model, optimizer=optimizer, config=config)
@@ -174,20 +168,15 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
         dit = engine.module
         slow = None
         if options["slow_rank"] is not None and options["slow_rank"][0] == rank:
-            blocks = dit.blocks if wan else [*dit.transformer_blocks, *dit.single_transformer_blocks]
-            slow = _SlowDown(blocks, options["slow_rank"][1])
-        data = (SyntheticVideoLatents if wan else SyntheticLatents)(
-            options["mix"], dit.config, options["token_scale"], 0
-        )
+            slow = _SlowDown(dit.block_stack, options["slow_rank"][1])
+        data = hooks.synthetic_data(options["mix"], dit.config, options["token_scale"], 0)
         guidance = 1.0 if dit.config.get("guidance_embeds") else None
 
         def step_inputs(step: int, data=data, dit=dit, guidance=guidance):  # bound: this mode's
             latents, generator = data.step_samples(step, rank, world), torch.Generator().manual_seed(step * 4099 + rank)
-            if wan:
-                samples, targets = flow_matching(latents, generator, dit.config["patch_size"])
-            else:
-                samples, targets = rectified_flow(latents, generator, guidance)
-            return dit.pack(samples).to(device), targets
+            samples, targets = hooks.objective(latents, generator, dit.config, guidance)
+            inputs, _ = hooks.pack(dit, samples, balanced=True)
+            return inputs.to(device), targets
 
         if options["prefetch"]:  # as train_dit.py: the worker starts during set-up, not at step 0
             balancer.plan_worker().start()
@@ -211,7 +200,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
             dist.barrier()  # every rank starts the step together: the step time is the slowest rank's
             start = time.perf_counter()
             if options["prefetch"] and run.upcoming is not None:  # as train_dit.py: this mode's next plan solves now
-                run.balancer.prefetch(run.upcoming[0].seq_lens)
+                run.balancer.prefetch(run.upcoming[0].seq_lens, next_segments=run.upcoming[0].segments)
             prediction = run.engine(inputs, run.balancer)
             forward_end = time.perf_counter()
             target = torch.cat(targets).to(device) if targets else torch.zeros_like(prediction)
@@ -425,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
         cost_model = {"calibration_file": str(Path(args.calibration).resolve())}
     if args.route_coef:
         cost_model["route_coef"] = args.route_coef
-    mix = args.mix or ("wan_image_video" if args.family == "wan" else "long_video")
+    mix = args.mix or spec(args.family).default_mix
     options = {"ranks": args.ranks, "family": args.family, "mix": mix, "token_scale": args.token_scale, "steps": args.steps,
                "modes": modes, "topology": topology, "slow_rank": args.slow_rank,
                "online": args.online, "flux_dims": args.flux_dims, "threads": args.threads, "prefetch": args.prefetch,
@@ -438,9 +427,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=positive_int, default=2, help="local processes (one GPU each on CUDA)")
-    parser.add_argument("--family", default="flux", choices=["flux", "wan"],
-                        help="the tiny model trained: FLUX.1 (TINY_FLUX) or Wan 2.1 (TINY_WAN)")  # fmt: skip
-    add_mix_argument(parser, None)  # default: long_video (flux), wan_image_video (wan)
+    add_family_argument(parser, "the tiny model trained (its spec's tiny_config)")
+    add_mix_argument(parser, None)  # default: the family's default_mix
     parser.add_argument(
         "--token-scale", type=positive_float, default=1 / 16, help="scale the mix's lengths (CPU: small)"
     )

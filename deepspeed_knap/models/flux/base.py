@@ -131,6 +131,11 @@ class PackedFluxBase(DiffusersCheckpoint, nn.Module):
       class, LoRA targets and loader, ...).
     """
 
+    @property
+    def block_stack(self) -> list[nn.Module]:
+        """The transformer blocks, in the order they run."""
+        return [*self.transformer_blocks, *self.single_transformer_blocks]
+
     def _init_common(
         self, config: dict, attention_backend: str, topology: Topology | None, gradient_checkpointing: bool
     ):

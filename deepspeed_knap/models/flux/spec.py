@@ -147,7 +147,10 @@ FLUX2 = ModelSpec(
     model="deepspeed_knap.models.flux.flux2:PackedFlux2Transformer",
     tiny_config=TINY_FLUX2,
     # FLUX.2 [dev]: a SwiGLU MLP 3x wide has 2 * 3 + 3 = 9 d^2 matrices, what mlp_ratio 4.5 counts.
-    presets={"flux2-dev": {"hidden": 6144, "double_blocks": 8, "single_blocks": 48, "mlp_ratio": 4.5}},
+    presets={
+        "flux2-dev": {"hidden": 6144, "double_blocks": 8, "single_blocks": 48, "mlp_ratio": 4.5},
+        "flux2-tiny": {"hidden": 64, "double_blocks": 2, "single_blocks": 2, "mlp_ratio": 4.5},  # TINY_FLUX2
+    },
     cost_model=flux_cost_model,
     cost_dims=swiglu_cost_dims,
     mixes={"flux2_buckets": flux2_buckets, "flux2_edit": flux2_edit},

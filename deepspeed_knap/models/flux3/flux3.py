@@ -180,6 +180,12 @@ class PackedFlux3Transformer(PackedFluxBase):
         self.norm_out = AdaNormOut(dim, bias=False, eps=eps)
         self.proj_out = nn.Linear(dim, in_channels, bias=False)
 
+    @property
+    def block_stack(self) -> list[nn.Module]:
+        """The transformer blocks: each mode's, then the joint single blocks."""
+        modes = [*self.txt_mode_blocks, *(block for blocks in self.mode_blocks.values() for block in blocks)]
+        return [*modes, *self.single_transformer_blocks]
+
     # ---- packing ----
 
     def sample_shapes(self, image_tokens: int, text_tokens: int, ref_tokens: int = 0) -> dict[str, tuple[int, ...]]:

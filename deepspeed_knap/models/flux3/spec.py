@@ -102,7 +102,16 @@ FLUX3 = ModelSpec(
             "mode_blocks": 5,
             "mlp_ratio": 4.5,
             "num_heads": 24,
-        }
+        },
+        # TINY_FLUX3
+        "flux3-tiny": {
+            "hidden": 64,
+            "double_blocks": 0,
+            "single_blocks": 2,
+            "mode_blocks": 2,
+            "mlp_ratio": 4.5,
+            "num_heads": 4,
+        },
     },
     cost_model=flux_cost_model,
     cost_dims=flux3_cost_dims,

@@ -236,6 +236,11 @@ class PackedWanTransformer(DiffusersCheckpoint, nn.Module):
 
     # ---- packing ----
 
+    @property
+    def block_stack(self) -> list[nn.Module]:
+        """The transformer blocks, in the order they run."""
+        return list(self.blocks)
+
     def pack(self, samples: Sequence[Mapping[str, Tensor]], on_problem: str = "raise") -> WanInputs:
         """Pack per-sample diffusers arguments (unbatched; see the module docstring) into
         :class:`WanInputs`. No samples gives an empty batch with the right columns (a rank may have

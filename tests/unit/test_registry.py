@@ -1,0 +1,138 @@
+"""The model registry: every spec's names import, every command's --family choices are the
+registry's, a checkpoint's family comes from its config.json, and each spec's presets agree with its
+own configs and FLOP formula."""
+
+import argparse
+import importlib
+import json
+import runpy
+import sys
+
+import pytest
+
+from deepspeed_knap.models.registry import (
+    MIXES,
+    PRESETS,
+    SPECS,
+    checkpoint_spec,
+    default_cost_model,
+    family_names,
+    spec,
+)
+from tests.support.launch import ROOT
+
+# What a --family option may be restricted to: a spec attribute a command needs set.
+CAPABILITIES = (None, "generator", "block_timer", "pipeline", "bench_configs")
+
+
+@pytest.mark.parametrize("family", list(SPECS))
+def test_every_name_a_spec_gives_imports_and_the_model_is_the_spec_s(family):
+    """The lazy ``module:attribute`` names resolve (a typo would otherwise fail only when used), and
+    the packed model class says it is the spec's family."""
+    family_spec = spec(family)
+    for attribute in ("model", "training", "generator", "block_timer"):
+        if getattr(family_spec, attribute) is not None:
+            assert family_spec.load(attribute) is not None
+    assert family_spec.model_class.spec is family_spec and family_spec.model_class.family == family
+    assert family_spec.hooks().spec is family_spec
+    assert family_spec.default_mix in MIXES
+
+
+def _family_choices(parser: argparse.ArgumentParser) -> list[str] | None:
+    for action in parser._actions:
+        if "--family" in action.option_strings:
+            return list(action.choices)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if (choices := _family_choices(sub)) is not None:
+                    return choices
+    return None
+
+
+def _command_parsers() -> dict[str, argparse.ArgumentParser]:
+    from deepspeed_knap import cli
+
+    parsers = {}
+    for name, module in {**cli.COMMANDS, **{f"bench {n}": m for n, m in cli.BENCHES.items()}}.items():
+        parser = argparse.ArgumentParser(prog=name)
+        importlib.import_module(module).add_arguments(parser)
+        parsers[name] = parser
+    # examples/train_dit.py: its parser, built by running the script's main() up to parse_args.
+    script = runpy.run_path(str(ROOT / "examples" / "train_dit.py"), run_name="train_dit")
+    captured = {}
+
+    def capture(self, *args, **kwargs):
+        captured["parser"] = self
+        raise SystemExit(0)
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        with pytest.raises(SystemExit):
+            script["main"]()
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    parsers["examples/train_dit.py"] = captured["parser"]
+    return parsers
+
+
+def test_every_command_s_family_choices_are_the_registry_s():
+    """Each --family lists the registered families (in registration order), or those whose spec has
+    what the command needs (a generator, a block timer, ...): never a list of its own."""
+    allowed = {capability: family_names(capability) for capability in CAPABILITIES}
+    found = {}
+    for name, parser in _command_parsers().items():
+        choices = _family_choices(parser)
+        if choices is not None:
+            found[name] = choices
+            assert choices in allowed.values(), (name, choices, allowed)
+    assert {"generate", "bench train", "bench generate", "examples/train_dit.py"} <= set(found)
+    assert found["examples/train_dit.py"] == list(SPECS) == found["bench train"]
+
+
+def test_a_checkpoint_s_family_comes_from_its_config(tmp_path):
+    for family in SPECS.values():
+        (tmp_path / family.name / "transformer").mkdir(parents=True)
+        config = {"_class_name": family.diffusers_class, **family.tiny_config}
+        (tmp_path / family.name / "transformer" / "config.json").write_text(json.dumps(config))
+        assert checkpoint_spec(tmp_path / family.name) is family
+    (tmp_path / "other" / "config.json").parent.mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel"}))
+    with pytest.raises(ValueError, match="'UNet2DConditionModel', which no model family implements"):
+        checkpoint_spec(tmp_path / "other")
+
+
+@pytest.mark.parametrize("family", list(SPECS))
+def test_presets_are_the_formula_s_dims_of_the_family_s_configs(family):
+    """A bench config (a real full-size transformer config) and its preset agree on every dim the
+    preset gives; the tiny preset (``<family>-tiny``, where there is one) prices the tiny config;
+    and a preset's cost model is the family's formula of its dims."""
+    family_spec = spec(family)
+    configs = {**family_spec.bench_configs}
+    tiny = next((name for name in family_spec.presets if name.endswith("-tiny")), None)
+    if tiny is not None:
+        configs[tiny] = family_spec.tiny_config
+    for preset, config in configs.items():
+        dims = family_spec.cost_dims(config)
+        # text_len is the data's (the pipeline's padding, a mix scaled down), not the model's
+        assert {k: v for k, v in family_spec.presets[preset].items() if k != "text_len"} == {
+            k: dims[k] for k in family_spec.presets[preset] if k != "text_len"
+        }, preset
+    for preset, dims in family_spec.presets.items():
+        assert PRESETS[preset][0] is family_spec
+        assert default_cost_model(preset) == family_spec.cost_model(dict(dims))
+
+
+def test_no_two_families_register_a_mix_or_a_preset_under_one_name():
+    mixes = [name for family in SPECS.values() for name in family.mixes]
+    presets = [name for family in SPECS.values() for name in family.presets]
+    assert len(set(mixes)) == len(mixes) and len(set(presets)) == len(presets)
+    assert set(mixes) <= set(MIXES) and set(presets) == set(PRESETS)
+
+
+def test_the_registry_and_specs_load_no_torch():
+    import subprocess
+
+    code = "import sys, deepspeed_knap.models.registry; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
