@@ -45,6 +45,7 @@ import torch
 import torch.multiprocessing as mp
 
 from deepspeed_knap.bench.train import _free_port
+from deepspeed_knap.models.registry import spec
 from deepspeed_knap.options import add_family_argument, output_file, positive_int
 from deepspeed_knap.plots import write_report
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
@@ -90,7 +91,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     unlink_own_shm_buffer(rank)
     device = torch.device(get_accelerator().current_device_name())
     dtype = getattr(torch, options["dtype"])
-    config = tiny_config(options["family"], options["heads"], options["head_dim"])
+    config = spec(options["family"]).load("generator").tiny_config(options["heads"], options["head_dim"])
     generator = tiny_generator(options["family"], dtype, device, seed=0, config=config)
     balancers = {
         "balanced": generation_balancer(generator.model, options["max_tokens_per_gpu"], reuse=True),
@@ -98,7 +99,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     }
     pipe, intake = None, None
     if "pipeline" in options["modes"]:
-        pipe = _reference_pipeline(generator, options["family"], config)
+        pipe = _reference_pipeline(generator, config)
         # The requests the balanced run accepts (the same intake, collective), refusals skipped.
         topology = balancers["balanced"].groups.topology
         intake = take_requests(options["requests"], generator, options["max_tokens_per_gpu"],
@@ -126,21 +127,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     dist.barrier()
 
 
-def tiny_config(family: str, heads: int, head_dim: int) -> dict:
-    """The family's tiny transformer config at ``heads`` x ``head_dim`` (RoPE axes split to fit)."""
-    from deepspeed_knap.models.flux.flux1 import rope_axes
-    from deepspeed_knap.models.flux.spec import TINY_FLUX, TINY_FLUX2
-    from deepspeed_knap.models.wan.spec import TINY_WAN
-
-    width = {"num_attention_heads": heads, "attention_head_dim": head_dim}
-    if family == "wan":
-        return {**TINY_WAN, **width}  # Wan splits a head's channels over its RoPE axes itself
-    if family == "flux2":
-        return {**TINY_FLUX2, **width, "axes_dims_rope": (head_dim // 4,) * 4}
-    return {**TINY_FLUX, **width, "axes_dims_rope": rope_axes(head_dim)}
-
-
-def _reference_pipeline(generator, family: str, config: dict):
+def _reference_pipeline(generator, config: dict):
     """The family's diffusers pipeline with the generator's parts and a diffusers transformer of its weights."""
     transformer = type(generator.model).diffusers_model(config, generator.model.state_dict())
     transformer = transformer.to(generator.device, generator.dtype)
@@ -153,34 +140,9 @@ def _pipeline_calls(pipe, mine: dict, generator) -> dict:
     """This rank's accepted requests (:attr:`~deepspeed_knap.generation.runner.Intake.mine`: parsed
     with the request file's directory, refusals left out), one pipeline call each, in file order, at
     the guidance ``generator`` gives each (Wan: its frames; FLUX.1: true CFG where asked)."""
-    for _, r in sorted(mine.items()):
-        options = {"guidance_scale": generator.guidance_scale(r)}
-        if generator.family == "wan":
-            options.update(num_frames=generator.frames(r), negative_prompt=r.negative_prompt)
-        elif r.true_cfg_scale is not None:
-            options.update(true_cfg_scale=r.true_cfg_scale, negative_prompt=r.negative_prompt)
-        pipe(**_pipeline_text(pipe, r, generator.family), height=r.height, width=r.width, num_inference_steps=r.steps,
-             generator=torch.Generator().manual_seed(r.seed), **options)  # fmt: skip
+    for _, request in sorted(mine.items()):
+        pipe(**generator.pipeline_call(request))
     return {"images": len(mine), "steps": 0, "solves": 0, "plan_s": [], "route_s": []}
-
-
-# The embeddings each family's pipeline takes by these names (what its generator reads from a file).
-_EMBEDDINGS = {"flux": ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds",
-                        "negative_pooled_prompt_embeds"),
-               "flux2": ("prompt_embeds",), "wan": ("prompt_embeds", "negative_prompt_embeds")}  # fmt: skip
-
-
-def _pipeline_text(pipe, request, family: str) -> dict:
-    """A request's text arguments to its pipeline: its prompt, or its precomputed embeddings (those
-    the family's pipeline takes, batched, on the pipeline's device and in its dtype, as the
-    generator reads them)."""
-    if request.prompt is not None:
-        return {"prompt": request.prompt, "max_sequence_length": request.max_sequence_length}
-    from safetensors.torch import load_file
-
-    saved = load_file(request.embeddings)
-    device, dtype = pipe.vae.device, pipe.transformer.dtype
-    return {key: saved[key][None].to(device, dtype) for key in _EMBEDDINGS[family] if key in saved}
 
 
 def bench_generate(options: dict) -> dict:
@@ -189,7 +151,7 @@ def bench_generate(options: dict) -> dict:
         if options["requests"] is None:
             path = Path(out_dir, "requests.jsonl")
             steps = (options["steps"], options["steps"] * 2)
-            frames = options["frames"] if options["family"] == "wan" else None
+            frames = options["frames"] if spec(options["family"]).video else None
             lines = imbalanced_requests(options["count"], options["large"], options["small"], steps, frames)
             path.write_text("".join(json.dumps(line) + "\n" for line in lines))
             options = {**options, "requests": str(path)}
@@ -219,7 +181,7 @@ def _median_ms(seconds: list[float]) -> float:
 
 def format_report(report: dict) -> str:
     options = report["options"]
-    name = {"flux": "FLUX.1", "flux2": "FLUX.2", "wan": "Wan"}[options["family"]]
+    name = spec(options["family"]).title
     lines = [f"{options['ranks']} ranks, {options['dtype']}, {name} {options['heads']} heads x {options['head_dim']}; "
              f"best of {options['repeats']}; images/s = all images / the slowest rank's wall time", "",
              f"{'mode':<11}{'images/s':>9}{'wall s':>8}{'steps':>6}{'solves':>7}{'plan ms/step':>13}"
@@ -269,16 +231,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--modes {args.modes!r}: choose among {', '.join(MODES)}")
     if args.head_dim % 2 or args.head_dim < 8:
         raise ValueError(f"--head-dim {args.head_dim}: give an even number >= 8 (RoPE rotates channel pairs)")
-    if args.family == "flux2" and args.head_dim % 8:
-        raise ValueError(f"--head-dim {args.head_dim}: FLUX.2 splits a head over 4 RoPE axes of even size; give a "
-                         "multiple of 8")  # fmt: skip
-    side = 16 if args.family == "wan" else 4  # the tiny VAE's scale times the 2x2 patches
-    for name in ("large", "small"):
-        if getattr(args, name) % side:
-            raise ValueError(f"--{name} {getattr(args, name)}: the tiny {args.family} VAE and patches need "
-                             f"multiples of {side} px")  # fmt: skip
-    if args.family == "wan" and (args.frames - 1) % 4:
-        raise ValueError(f"--frames {args.frames}: Wan's VAE takes 1 + a multiple of 4 frames")
+    if args.head_dim % 8:  # FLUX.2 splits a head over 4 RoPE axes of even size
+        raise ValueError(f"--head-dim {args.head_dim}: give a multiple of 8 (every family's RoPE axes fit)")
+    for name in ("large", "small"):  # the tiny VAEs' scale times the 2x2 patches: 4 px (FLUX), 16 px (Wan)
+        if getattr(args, name) % 16:
+            raise ValueError(f"--{name} {getattr(args, name)}: give a multiple of 16 px (the tiny VAEs and patches)")
+    if (args.frames - 1) % 4:
+        raise ValueError(f"--frames {args.frames}: video VAEs take 1 + a multiple of 4 frames")
     options = {"ranks": args.ranks, "family": args.family, "frames": args.frames, "requests": args.requests,
                "count": args.count, "large": args.large,
                "small": args.small, "steps": args.steps, "modes": modes, "heads": args.heads,

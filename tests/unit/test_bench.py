@@ -146,11 +146,12 @@ def test_bench_generate_builds_each_family_and_its_default_requests_are_imbalanc
     of 2 (even lines) holds most of the tokens."""
     import torch
 
-    from deepspeed_knap.bench.generate import imbalanced_requests, tiny_config
+    from deepspeed_knap.bench.generate import imbalanced_requests
     from deepspeed_knap.generation.requests import parse_request
     from deepspeed_knap.models.generators import tiny_generator
+    from deepspeed_knap.models.registry import spec
 
-    config = tiny_config(family, heads=8, head_dim=32)
+    config = spec(family).load("generator").tiny_config(heads=8, head_dim=32)
     generator = tiny_generator(family, torch.float32, torch.device("cpu"), config=config)
     assert generator.model.config["num_attention_heads"] * generator.model.config["attention_head_dim"] == 256
     lines = imbalanced_requests(4, 64, 32, (2, 4), frames=9 if family == "wan" else None)

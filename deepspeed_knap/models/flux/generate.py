@@ -37,9 +37,9 @@ from torch import Tensor
 from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
-from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer
+from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer, rope_axes
 from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
-from deepspeed_knap.models.flux.spec import TINY_FLUX2
+from deepspeed_knap.models.flux.spec import FLUX1, FLUX2, TINY_FLUX2
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses a larger max_sequence_length (it truncates prompts)
 
@@ -60,9 +60,20 @@ class FluxGenerator(Generator):
     """FLUX.1 requests: token counts and checks, start (encode, noise, scheduler), decode, around a
     diffusers ``FluxPipeline`` (:class:`~deepspeed_knap.generation.generator.Generator`'s arguments)."""
 
-    family = "flux"
-    name = "FLUX.1"
+    spec = FLUX1
     default_guidance = 3.5  # FluxPipeline's guidance_scale
+    pipeline_embeddings = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds",
+                           "negative_pooled_prompt_embeds")  # fmt: skip
+
+    @classmethod
+    def tiny_config(cls, heads: int, head_dim: int) -> dict[str, Any]:
+        return {**super().tiny_config(heads, head_dim), "axes_dims_rope": rope_axes(head_dim)}
+
+    def pipeline_options(self, request: Request) -> dict[str, Any]:
+        options = super().pipeline_options(request)
+        if request.true_cfg_scale is not None:
+            options.update(true_cfg_scale=request.true_cfg_scale, negative_prompt=request.negative_prompt)
+        return options
 
     @property
     def patch_pixels(self) -> int:
@@ -236,9 +247,13 @@ class Flux2Generator(FluxGenerator):
     a :class:`~deepspeed_knap.models.flux.flux2.PackedFlux2Transformer`. An embeddings file holds
     ``prompt_embeds [Tt, Dj]`` alone (FLUX.2 has no pooled text)."""
 
-    family = "flux2"
-    name = "FLUX.2"
+    spec = FLUX2
     default_guidance = 4.0  # Flux2Pipeline's guidance_scale
+    pipeline_embeddings = ("prompt_embeds",)
+
+    @classmethod
+    def tiny_config(cls, heads: int, head_dim: int) -> dict[str, Any]:  # four RoPE axes of equal size
+        return {**Generator.tiny_config.__func__(cls, heads, head_dim), "axes_dims_rope": (head_dim // 4,) * 4}
 
     @property
     def text_positions(self) -> tuple[int, str]:

@@ -38,7 +38,7 @@ from torch import Tensor
 from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
-from deepspeed_knap.models.wan.spec import TINY_WAN
+from deepspeed_knap.models.wan.spec import TINY_WAN, WAN
 from deepspeed_knap.models.wan.wan import PackedWanTransformer
 
 DEFAULT_FRAMES = 81  # WanPipeline's num_frames
@@ -62,9 +62,12 @@ class WanGenerator(Generator):
     """Wan requests: token counts and checks, start (encode, noise, scheduler), decode, around a
     diffusers ``WanPipeline`` (:class:`~deepspeed_knap.generation.generator.Generator`'s arguments)."""
 
-    family = "wan"
-    name = "Wan"
+    spec = WAN
     default_guidance = DEFAULT_GUIDANCE
+
+    def pipeline_options(self, request: Request) -> dict[str, Any]:
+        options = super().pipeline_options(request)
+        return {**options, "num_frames": self.frames(request), "negative_prompt": request.negative_prompt}
 
     def request_seq_lens(self, request: Request) -> tuple[int, ...]:
         """Video tokens of each sequence ``request`` runs per step (two with a guidance above 1):
