@@ -136,3 +136,41 @@ def test_the_registry_and_specs_load_no_torch():
     code = "import sys, deepspeed_knap.models.registry; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
+
+
+def test_every_training_flag_is_documented_in_the_cli_page():
+    """examples/train_dit.py's flags (the trainer's, and its own) each have a row in docs/cli.md's
+    section on the script."""
+    import re
+
+    page = (ROOT / "docs" / "cli.md").read_text()
+    section = page[page.index("## `examples/train_dit.py`") :]
+    section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else len(section)]
+    parser = _command_parsers()["examples/train_dit.py"]
+    options = {o for action in parser._actions for o in action.option_strings if o.startswith("--")}
+    options -= {"--help", "--local_rank", "--deepspeed", "--deepscale", "--deepscale_config"}
+    documented = set(re.findall(r"`(--[a-z_-]+)", section))
+    assert options <= documented, sorted(options - documented)
+
+
+def test_the_models_page_has_a_row_per_family_that_matches_its_spec():
+    """docs/models.md's table of registered families: one row per spec, in registry order, each
+    column the spec's (name, title, diffusers class, pipeline, presets, mixes, LoRA targets)."""
+    page = (ROOT / "docs" / "models.md").read_text()
+    table = page[page.index("## Registered families") :].split("\n## ")[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("| `")]  # fmt: skip
+
+    def names(cell: str) -> list[str]:
+        return re.findall(r"`([^`]+)`", cell)
+
+    import re
+
+    assert [names(row[0])[0] for row in rows] == list(SPECS)
+    for row, family in zip(rows, SPECS.values(), strict=True):
+        assert row[1] == family.title, row
+        assert names(row[2]) == [family.diffusers_class], row
+        assert names(row[3]) == ([family.pipeline] if family.pipeline else []), row
+        assert names(row[4]) == list(family.presets), row
+        assert names(row[5]) == list(family.mixes), row
+        assert names(row[6]) == list(family.lora_targets), row
