@@ -486,6 +486,12 @@ class DiffusersCheckpoint:
         return model.eval()
 
     @classmethod
+    def pipeline_transformers(cls, config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> dict[str, nn.Module]:
+        """The diffusers pipeline's transformer components holding these weights: ``{"transformer":
+        diffusers_model(...)}`` (a two-expert model gives two)."""
+        return {"transformer": cls.diffusers_model(config, state_dict)}
+
+    @classmethod
     def from_diffusers(cls, model: nn.Module, **kwargs: Any):
         """A copy of a diffusers model of this family (same weights, dtypes and device).
         ``kwargs``: :data:`EXTRA_ARGS`."""

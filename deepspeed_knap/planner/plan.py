@@ -90,6 +90,26 @@ class RoutingPlan:
             digest.update(array.tobytes())
         return int.from_bytes(digest.digest(), "little") >> 1
 
+    def subset(self, keep: np.ndarray) -> RoutingPlan:
+        """The plan of the sequences ``keep`` (``[N]`` bool) marks, renumbered in order, each placed
+        as here: what runs one part of a step on its own (a two-expert model's samples of one expert)
+        with the layout, attention groups and routes of exactly those sequences. Loads and the bound
+        are the whole step's.
+
+        Raises:
+            ValueError: ``keep`` is not one bool per sequence.
+        """
+        keep = np.asarray(keep)
+        if keep.dtype != np.bool_ or keep.shape != self.seq_lens.shape:
+            raise ValueError(f"keep must be [N] = [{len(self.seq_lens)}] bools; got {keep.dtype} {keep.shape}")
+        chunks_per_seq = np.diff(self.chunk_offsets)
+        kept_chunks = np.repeat(keep, chunks_per_seq)
+        offsets = np.concatenate([[0], np.cumsum(chunks_per_seq[keep])]).astype(np.int64)
+        return RoutingPlan(self.topology_spec, self.solver, self.seq_lens[keep], self.seq_src_rank[keep],
+                           self.seq_group_start[keep], self.seq_group_size[keep], offsets, self.chunk_gpu[kept_chunks],
+                           self.chunk_start[kept_chunks], self.chunk_len[kept_chunks], self.gpu_loads,
+                           self.lower_bound, self.max_tokens_per_gpu)  # fmt: skip
+
     def __eq__(self, other: object) -> bool:
         """Bitwise equality of every field (arrays compared element by element, dtypes included)."""
         if not isinstance(other, RoutingPlan):

@@ -167,6 +167,32 @@ class RoutedBatch:
         """The same routed batch holding ``tokens`` (``[T_routed, ...]``, e.g. a stamped view)."""
         return dataclasses.replace(self, batch=dataclasses.replace(self.batch, tokens=tokens))
 
+    def subset(self, keep: np.ndarray) -> tuple[RoutedBatch, np.ndarray]:
+        """The part of this batch that belongs to the step's sequences ``keep`` marks (``[N]`` bool
+        by sequence id, the same on every rank; a :func:`local_batch`'s: by local order), and the
+        rows of this batch it holds (``[T']`` int64, in order). The part has a layout of its own (the
+        sub-plan's, :meth:`~deepspeed_knap.planner.plan.RoutingPlan.subset`), so its attention runs
+        the groups of those sequences only, and its per-sample routes carry their rows only: a
+        model whose samples run through different weights (two experts) runs each set on its own
+        part. Communicates nothing; every rank derives the same part layouts."""
+        keep = np.asarray(keep, dtype=bool)
+        held = keep[self.layout.seq_ids]  # [n] per chunk held
+        lens = np.asarray(self.batch.seq_lens, dtype=np.int64)
+        rows = _ranges((np.cumsum(lens) - lens)[held], lens[held])
+        index = self.device_array(("subset_rows", keep.tobytes()), rows)
+        chunks = self.device_array(("subset_chunks", keep.tobytes()), np.flatnonzero(held))
+        batch = self.batch
+        part = PackedBatch(
+            tokens=batch.tokens.index_select(0, index),
+            seq_lens=tuple(lens[held].tolist()),
+            token_data={key: t.index_select(0, index) for key, t in batch.token_data.items()},
+            sample_data={key: t.index_select(0, chunks) for key, t in batch.sample_data.items()},
+        )
+        if self.plan is None:
+            return RoutedBatch(part, local_layout(part.seq_lens), None, None), rows
+        plan = self.plan.subset(keep)
+        return RoutedBatch(part, gpu_layout(plan, self.layout.gpu), plan, self.groups), rows
+
     def device_array(self, key: Any, array: np.ndarray, dtype: torch.dtype = torch.int64) -> Tensor:
         """``array`` as a tensor on the batch's device, made once per step (attention layers reuse it)."""
         if key not in self._device_arrays:

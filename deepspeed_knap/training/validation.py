@@ -66,8 +66,8 @@ class Validator:
             self._components.pop("transformer", None)
         self.out.mkdir(parents=True, exist_ok=True)
         lora = lora_config(model)
-        transformer = type(model).diffusers_model(model.config, base_state_dict(state) if lora else state)
-        pipe = getattr(diffusers, spec.pipeline)(**self._components, transformer=transformer).to(device)
+        transformers = type(model).pipeline_transformers(model.config, base_state_dict(state) if lora else state)
+        pipe = getattr(diffusers, spec.pipeline)(**self._components, **transformers).to(device)
         pipe.set_progress_bar_config(disable=True)  # one line per render instead
         if lora:
             adapter = save_adapter(self.out / f"step{steps_done:06d}_adapter", adapter_state_dict(model, state), lora,

@@ -131,3 +131,72 @@ def test_balanced_auto_plans_mixing_degrees_equal_the_unbalanced_model():
         for case, measured in result.items():
             for key in ("out_err", "grad_err", "input_grad_err", "diffusers_err"):
                 assert measured[key] <= 1e-10, (rank, case, key, measured)
+
+
+# Wan 2.2 A14B: per rank, (latent frames, height, width, text rows, timestep): samples on both sides
+# of the boundary (875), a rank holding only one expert's, one holding none.
+EXPERT_SHAPES = [[(4, 8, 12, 5, 990.0), (1, 4, 6, 3, 100.0)], [], [(2, 8, 8, 7, 875.0), (3, 4, 4, 2, 874.0)],
+                 [(5, 4, 4, 6, 20.0)]]  # fmt: skip
+
+
+def _experts_worker(rank: int, world: int) -> dict:
+    import deepspeed.comm as dist
+
+    from deepspeed_knap.cost.model import CostModel
+    from deepspeed_knap.models.wan import PackedWanTransformer
+    from deepspeed_knap.models.wan.experts import PackedWanExperts
+    from deepspeed_knap.planner.topology import build_topology
+    from deepspeed_knap.runtime.groups import create_process_groups
+    from tests.support.balancing import RecordingBalancer, join_gloo
+    from tests.support.wan_cases import diffusers_output, random_samples, reference_model, relative_error
+
+    join_gloo(rank)
+    topology = build_topology("auto", world, max_degree=world)
+    groups = create_process_groups(topology)
+    references = [reference_model("wan21", torch.float64, seed) for seed in (0, 1)]
+    shapes = EXPERT_SHAPES[rank]
+    runs = []
+    for balancer in (None, RecordingBalancer(groups, CostModel(**COST_MODEL), solver="refine")):
+        experts = [PackedWanTransformer.from_diffusers(ref, attention_backend="sdpa", topology=topology)
+                   for ref in references]  # fmt: skip
+        model = PackedWanExperts(*experts, boundary_ratio=0.875)
+        samples = random_samples("wan21", [shape[:4] for shape in shapes], 10 + rank, torch.float64, requires_grad=True)
+        for sample, shape in zip(samples, shapes, strict=True):
+            sample["timestep"] = torch.tensor(shape[4])
+        inputs = model.pack(samples)
+        if not samples:
+            inputs = _needing_grad(inputs, ("hidden_states", "encoder_hidden_states"))
+        out = model(inputs, balancer)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(20 + rank), dtype=out.dtype)
+        (out * weights).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        for grad in grads.values():
+            dist.all_reduce(grad)
+        runs.append((inputs.split(out.detach()), grads, samples, balancer))
+    (plain, plain_grads, samples, _), (balanced, grads, _, balancer) = runs
+    expected = [diffusers_output(references[0 if shape[4] >= 875 else 1], sample)
+                for sample, shape in zip(samples, shapes, strict=True)]  # fmt: skip
+    return {
+        "out_err": max((relative_error(a, b) for a, b in zip(balanced, plain, strict=True)), default=0.0),
+        "grad_err": max(relative_error(grads[name], plain_grads[name]) for name in grads),
+        "diffusers_err": max((relative_error(a, b) for a, b in zip(balanced, expected, strict=True)), default=0.0),
+        "group_sizes": sorted(set(balancer.plans[0].seq_group_size.tolist())),
+        "both_experts_trained": all(
+            grads[f"{name}.blocks.0.attn1.to_q.weight"].abs().sum() > 0 for name in ("transformer", "transformer_2")
+        ),
+    }
+
+
+@pytest.mark.multirank
+def test_two_experts_balanced_by_one_plan_equal_each_expert_on_its_own_samples():
+    """Wan 2.2 A14B's experts as one model: one plan over every sample of the step, each expert's
+    blocks on its own samples' chunks (a group may hold samples of both). Outputs equal diffusers'
+    expert of each sample's timestep (the pipeline's ``t >= boundary_ratio * 1000``) and the
+    unbalanced model; rank-summed gradients equal the unbalanced ones (fp64, 1e-10); both experts
+    get gradients."""
+    results = run_distributed(_experts_worker, 4, timeout=300)
+    assert max(results[0]["group_sizes"]) == 4, results[0]  # a group of 4 holds samples of both experts
+    for rank, result in enumerate(results):
+        assert result["both_experts_trained"], rank
+        for key in ("out_err", "grad_err", "diffusers_err"):
+            assert result[key] <= 1e-10, (rank, key, result)

@@ -136,6 +136,40 @@ class WanInputs(PackedInputs):
         """The model predicts every video token: ``seq_lens``."""
         return self.seq_lens
 
+    def subset(self, keep: np.ndarray) -> WanInputs:
+        """The samples ``keep`` (``[N]`` bool) marks, in order (a two-expert model's samples of one
+        expert)."""
+        keep = np.asarray(keep, dtype=bool)
+
+        def rows(lens: Sequence[int]) -> Tensor:
+            lens = np.asarray(lens, dtype=np.int64)
+            index = np.concatenate([np.arange(start, start + n) for start, n, kept
+                                    in zip(np.cumsum(lens) - lens, lens, keep, strict=True) if kept] or [[]])  # fmt: skip
+            return torch.as_tensor(index, dtype=torch.int64, device=self.hidden_states.device)
+
+        def kept(values: Sequence) -> tuple:
+            return tuple(value for value, k in zip(values, keep, strict=True) if k)
+
+        tokens, text = rows(self.seq_lens), rows(self.text_lens)
+        image = None if self.encoder_hidden_states_image is None else rows(self.image_lens)
+        return dataclasses.replace(
+            self,
+            hidden_states=self.hidden_states.index_select(0, tokens),
+            positions=self.positions.index_select(0, tokens.to(self.positions.device)),
+            timestep=self.timestep.index_select(0, tokens.to(self.timestep.device)),
+            encoder_hidden_states=self.encoder_hidden_states.index_select(0, text),
+            grids=kept(self.grids),
+            text_lens=kept(self.text_lens),
+            encoder_hidden_states_image=None
+            if image is None
+            else self.encoder_hidden_states_image.index_select(0, image),
+            image_lens=kept(self.image_lens) if image is not None else (),
+        )
+
+    def sample_timesteps(self) -> list[float]:
+        """Each sample's noise level: the largest timestep of its tokens (TI2V's clean first frame is 0)."""
+        return [float(t.max()) if len(t) else 0.0 for t in torch.split(self.timestep, list(self.seq_lens))]
+
     def split(self, rows: Tensor) -> list[Tensor]:
         """The model's ``[T, P * C]`` output -> one ``[C, F, H, W]`` tensor per sample (diffusers' output)."""
         return [unpatchify(p, grid, self.patch_size) for p, grid in zip(super().split(rows), self.grids, strict=True)]
@@ -374,12 +408,20 @@ class PackedWanTransformer(DiffusersCheckpoint, nn.Module):
             ValueError: ``inputs.problem`` (a bad sample :meth:`pack` carried): here without a
                 balancer; with one, on every rank, by the step's first collective.
         """
+        batch, text, image = self.packed_batch(inputs)
+        blocks = functools.partial(self._blocks, inputs=inputs, text=text, image=image)
+        return balanced_forward(batch, blocks, balancer, problem=inputs.problem)
+
+    def packed_batch(
+        self, inputs: WanInputs
+    ) -> tuple[PackedBatch, tuple[Tensor, str], tuple[Tensor | None, str | None]]:
+        """What travels (latent patches, positions and timesteps per token, no gradient in training;
+        per sample the context lengths, so a GPU knows how many context rows come with a chunk), and
+        the home text and image context rows with the names of their per-sample length columns."""
         device = inputs.hidden_states.device
         text, image = inputs.encoder_hidden_states, inputs.encoder_hidden_states_image
         if self.embed_text_before_routing:
             text = self.condition_embedder.text_embedder(text)
-        # What travels: latent patches, positions and timesteps per token (no gradient in training),
-        # and per sample the context lengths, so a GPU knows how many context rows come with a chunk.
         text_key = _context_column("text", text)
         sample_data = {text_key: torch.tensor(inputs.text_lens, dtype=torch.int64, device=device)}
         image_key = None if image is None else _context_column("image", image)
@@ -391,8 +433,7 @@ class PackedWanTransformer(DiffusersCheckpoint, nn.Module):
             token_data={"position": inputs.positions.to(device), "timestep": inputs.timestep.to(device)},
             sample_data=sample_data,
         )
-        blocks = functools.partial(self._blocks, inputs=inputs, text=(text, text_key), image=(image, image_key))
-        return balanced_forward(batch, blocks, balancer, problem=inputs.problem)
+        return batch, (text, text_key), (image, image_key)
 
     def _blocks(self, routed: RoutedBatch, inputs: WanInputs, text: tuple[Tensor, str],
                 image: tuple[Tensor | None, str | None]) -> Tensor:  # fmt: skip
