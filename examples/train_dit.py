@@ -33,8 +33,12 @@ Each checkpoint tag gets a ``manifest.json`` (every file's size and sha256, hash
 wrote it) after all its files, and ``latest`` names the tag only then; ``--resume`` has every rank
 check the files it sees against the manifest and the ranks agree before DeepSpeed reads anything, so
 a missing, truncated or changed file, or a tag whose save did not finish, is one error on every rank
-naming the tag and the file (see ``deepspeed_knap/runtime/manifest.py``). ``--data-dir`` files are
-checked against the manifest the preparing script writes, each when a rank reads it.
+naming the tag and the file (see ``deepspeed_knap/runtime/manifest.py``). DeepSpeed's files are then
+read weights-only (``deepspeed_knap/runtime/checkpoint.py``): a file holding anything but tensors,
+numbers and the few classes DeepSpeed stores is refused, its pickle never run, and a checkpoint of
+another model (another family, LoRA or not, another LoRA rank) is one error on every rank before
+DeepSpeed reads it. ``--data-dir`` files are checked against the manifest the preparing script writes,
+each when a rank reads it.
 """
 
 import argparse
@@ -78,6 +82,7 @@ from deepspeed_knap.models.registry import family_class, from_pretrained
 from deepspeed_knap.models.wan import data as wan_data
 from deepspeed_knap.models.wan import finetune as wan_finetune
 from deepspeed_knap.models.wan.wan import TINY_WAN
+from deepspeed_knap.runtime.checkpoint import CheckpointError, load_checkpoint
 from deepspeed_knap.runtime.config import load_ds_config
 from deepspeed_knap.runtime.manifest import (
     ManifestError,
@@ -259,7 +264,10 @@ if args.resume:
             print(f"--resume: skipped checkpoint {tag}: {why}", flush=True)
         print(f"--resume: loading checkpoint {choice.tag} from {choice.load_dir}"
               + ("" if choice.given else ", the newest complete one"), flush=True)  # fmt: skip
-    _, client_state = engine.load_checkpoint(choice.load_dir, choice.tag)
+    try:  # weights-only: no code runs from the folder; a file refused, or another model's, stops every rank
+        _, client_state = load_checkpoint(engine, choice.load_dir, choice.tag)
+    except CheckpointError as error:
+        fail(f"--resume {args.resume}: {error}")
     raise_together(None if client_state else f"DeepSpeed found no checkpoint to load in {args.resume}")
     start_step, position = client_state["step"], client_state["data_position"]
 
