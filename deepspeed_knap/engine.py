@@ -52,9 +52,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
     config unreadable or a block invalid on any rank raises the same ``ValueError`` on every rank,
     naming the node and ranks and the key. The topology is checked against the world size, node size
     and the model's attention heads before DeepSpeed builds the engine, with the same error
-    everywhere. So is a setting that differs between ranks (the block itself, the node size the
-    launcher reports, the calibration file, whether the attention kernel is installed, the model's
-    parameters): one collective compares them first. Every ``KnapDistributedAttention`` in ``model``
+    everywhere. So is a setting that differs between ranks (the block itself, the rest of the
+    DeepSpeed config, a ZeRO stage say, the node size the launcher reports, the calibration file,
+    whether the attention kernel is installed, the model's parameters): collectives compare them first. Every ``KnapDistributedAttention`` in ``model``
     gets the block's ``attention_backend``.
 
     Deadlines (``timeout_s``, 300 s unless the block gives it): when the block is enabled or gives
