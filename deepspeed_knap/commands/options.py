@@ -8,6 +8,7 @@ import os
 import sys
 
 from deepspeed_knap.data.mixes import MIXES
+from deepspeed_knap.planner.topology import MAX_GPUS
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -41,23 +42,32 @@ def add_mix_argument(parser: argparse.ArgumentParser, default: str | list[str], 
                         new=new, default=argparse.SUPPRESS, help=f"deprecated spelling of {new}")  # fmt: skip
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: a whole number >= ``minimum`` (``--repeat 0`` is a usage error, not a failure later)."""
+def int_at_least(minimum: int, maximum: int | None = None, why: str = ""):
+    """An argparse type: a whole number >= ``minimum`` (``--repeat 0`` is a usage error, not a failure
+    later), and at most ``maximum`` when given (``why``: what the bound is)."""
 
     def parse(text: str) -> int:
+        digits = text.strip().lstrip("+")
+        if maximum is not None and digits.isdigit() and len(digits) > len(str(maximum)) + 1:  # before int() reads it
+            shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text):,} characters)"
+            raise argparse.ArgumentTypeError(f"{shown} is over {maximum:,}{why}")
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is not >= {minimum}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value:,} is over {maximum:,}{why}")
         return value
 
     return parse
 
 
-positive_int = _int_at_least(1)
-nonnegative_int = _int_at_least(0)
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+# A GPU count: at most MAX_GPUS, the most one balance group (one plan) may have.
+gpu_count = int_at_least(1, MAX_GPUS, ", the most GPUs a balance group may have")
 
 
 def positive_float(text: str) -> float:
