@@ -98,10 +98,17 @@ def seq_lens(text: str) -> list[int]:
 
 
 def output_file(text: str) -> str:
-    """An argparse type: a file path whose folder exists (checked before any work, not after it)."""
+    """An argparse type: a file path whose folder exists and can be written, and that is not a
+    folder itself (checked before any work, not after it)."""
     folder = os.path.dirname(os.path.abspath(text))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: {folder} is not a folder")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text}: the folder {folder} does not exist; create it first")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name in it")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: this user cannot write there (the folder {folder} or the file)")
     return text
 
 

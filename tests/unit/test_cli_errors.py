@@ -10,6 +10,10 @@ import torch
 from deepspeed_knap.cli import main
 
 
+def _no_timing(*args, **kwargs):
+    raise AssertionError("calibrate timed blocks before refusing its arguments")
+
+
 def failing_step(seq_len: int) -> float:
     """A ``--callable`` that fails the way a broken user function does."""
     raise RuntimeError(f"the model broke at {seq_len} tokens")
@@ -39,6 +43,24 @@ CASES = [
         "--mix kf_lowres over 16,384 GPUs gives 524,288 sequences, over 65,536, the most `plan` solves",
     ),
     (["plan", "--repeat", "1000"], "argument --repeat: 1,000 is over 100"),
+    # calibrate's arguments, all checked before any timing (before: after 6-15 s of it, or an internal error).
+    (["calibrate", "--out", "c.json", "--heads", "3", "--head-dim", "7"], "--head-dim 7: FLUX blocks rotate a head's"),
+    (["calibrate", "--out", "c.json", "--degrees", "2,x"], "argument --degrees: '2,x': give comma-separated bag sizes"),
+    (
+        ["calibrate", "--out", "c.json", "--degrees", "2,8"],
+        "--degrees 2,8: bag sizes must be between 2 and the blocks' 4",
+    ),
+    (["calibrate", "--out", "c.json", "--degrees", "2", "--callable", "os:getcwd"], "it cannot time a --callable"),
+    (
+        ["calibrate", "--out", "c.json", "--callable", "no_such_module:f"],
+        "--callable no_such_module:f: cannot import it",
+    ),
+    (["calibrate", "--out", "."], "argument --out: . is a folder; give a file name in it"),
+    (
+        ["calibrate", "--out", "/dev/null/c.json"],
+        "argument --out: /dev/null/c.json: /dev/null is not a folder",
+    ),
+    (["calibrate", "--out", "c.json", "--repeats", "1000000"], "argument --repeats: 1000000 is over 100"),
 ]
 if not torch.cuda.is_available():
     CASES.append((["calibrate", "--out", "c.json", "--device", "cuda"], "argument --device: cuda: this torch"))
@@ -47,6 +69,7 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize(("argv", "message"), CASES, ids=[" ".join(argv[:3]) for argv, _ in CASES])
 def test_a_mistake_exits_2_with_one_message_and_no_traceback(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("deepspeed_knap.cost.calibrate.calibrate", _no_timing)  # refused before any timing
     with pytest.raises(SystemExit) as exit_info:  # argparse exits; a command's ValueError returns 2
         sys.exit(main(argv))
     err = capsys.readouterr().err
