@@ -171,6 +171,7 @@ def _stages_worker(rank: int, world: int, root: str) -> dict:
     out["lora into no lora"] = _outcome(_engine(TinyDiT(DIM, HEADS, COND)), save, "zero3_lora")
     out["lora into lora of rank 8"] = _outcome(_engine(_lora(TinyDiT(DIM, HEADS, COND), 8)), save, "zero3_lora")
     out["no lora into lora"] = _outcome(_engine(_lora(TinyDiT(DIM, HEADS, COND), 4), BF16_ZERO1), save, "zero1_bf16")
+    out["zero2 into zero3"] = _outcome(_engine(_lora(TinyDiT(DIM, HEADS, COND), 4)), save, "zero2_lora")
     return out
 
 
@@ -190,6 +191,18 @@ def test_zero_stages_bf16_and_lora_checkpoints_load_and_a_lora_mismatch_is_one_l
     assert result["lora into lora of rank 8"].startswith(
         f"{head} from a TinyDiT of other dimensions: 'blocks.0.qkv.lora_A.default.weight' is [4, 24] there, [8, 24] "
         "here; "
+    )
+    zero2 = tmp_path / "save" / "zero2_lora"
+    assert result["zero2 into zero3"] == (
+        f"error: checking checkpoint {zero2} before loading it failed:\nrank(s) [0]: {zero2}/zero_pp_rank_0_mp_rank_00_"
+        "model_states.pt is not there, and this rank loads it (ZeRO stage 3); the tag holds ['mp_rank_00_model_states"
+        ".pt', 'zero_pp_rank_0_mp_rank_00_optim_states.pt', 'zero_pp_rank_1_mp_rank_00_optim_states.pt']: saved under "
+        "another ZeRO stage or precision, or by other ranks; resume with the model, LoRA settings and ranks of the run "
+        "that saved it, or from another checkpoint"
+        f"\nrank(s) [1]: {zero2}/zero_pp_rank_1_mp_rank_00_model_states.pt is not there, and this rank loads it (ZeRO "
+        "stage 3); the tag holds ['mp_rank_00_model_states.pt', 'zero_pp_rank_0_mp_rank_00_optim_states.pt', "
+        "'zero_pp_rank_1_mp_rank_00_optim_states.pt']: saved under another ZeRO stage or precision, or by other ranks; "
+        "resume with the model, LoRA settings and ranks of the run that saved it, or from another checkpoint"
     )
     assert result["no lora into lora"] == (
         f"error: checking checkpoint {zero1} before loading it failed:\nrank(s) [0, 1]: checkpoint {zero1} was saved "
