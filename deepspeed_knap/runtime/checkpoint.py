@@ -173,6 +173,7 @@ def _rank_problem(engine: Any, load_dir: Path, tag: str) -> str | None:
     """What is wrong, for this rank, with loading ``load_dir/tag`` into ``engine``; ``None``: nothing."""
     import deepspeed.comm as dist
 
+    # DeepSpeed's own (private) namers of this rank's files: the files checked are those it loads.
     model_file = Path(engine._get_ckpt_name(str(load_dir), tag))
     files = [model_file]
     if engine.zero_optimization():
