@@ -32,10 +32,12 @@ from deepspeed_knap.runtime.attention import KnapDistributedAttention, backend_p
 from deepspeed_knap.runtime.balancer import KnapBalancer
 from deepspeed_knap.runtime.config import KNAPFORMER, KnapFormerConfig, get_knapformer_config, load_ds_config
 from deepspeed_knap.runtime.groups import (
+    all_gather_bytes,
     check_same_on_every_rank,
     create_process_groups,
     raise_together,
     set_collective_timeout,
+    text_digest,
 )
 from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
@@ -50,9 +52,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
     config unreadable or a block invalid on any rank raises the same ``ValueError`` on every rank,
     naming the node and ranks and the key. The topology is checked against the world size, node size
     and the model's attention heads before DeepSpeed builds the engine, with the same error
-    everywhere. So is a setting that differs between ranks (the block itself, the node size the
-    launcher reports, the calibration file, whether the attention kernel is installed, the model's
-    parameters): one collective compares them first. Every ``KnapDistributedAttention`` in ``model``
+    everywhere. So is a setting that differs between ranks (the block itself, the rest of the
+    DeepSpeed config, a ZeRO stage say, the node size the launcher reports, the calibration file,
+    whether the attention kernel is installed, the model's parameters): collectives compare them first. Every ``KnapDistributedAttention`` in ``model``
     gets the block's ``attention_backend``.
 
     Deadlines (``timeout_s``, 300 s unless the block gives it): when the block is enabled or gives
@@ -143,6 +145,7 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
     # next, so the block is agreed on before anything branches on it.
     check_same_on_every_rank({'"knapformer" block': json.dumps(ds_config.get(KNAPFORMER), sort_keys=True)})
     plain_config = {key: value for key, value in ds_config.items() if key != KNAPFORMER}
+    check_same_deepspeed_config(plain_config)
     topology = cost_model = None
     if knap.enabled:
         attention = [m for m in model.modules() if isinstance(m, KnapDistributedAttention)] if model is not None else []
@@ -171,6 +174,54 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
         knap.cost_model.online_settings(),
     )
     return engine, optimizer, dataloader, lr_scheduler, balancer
+
+
+def check_same_deepspeed_config(config: Mapping[str, Any]) -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks were given different DeepSpeed
+    configs (the ``"knapformer"`` block is agreed on before). DeepSpeed builds each rank's engine
+    from its own config without comparing: ranks of another ZeRO stage, batch size or precision run
+    other collectives, and the job hangs or ends in an opaque store error. Collective: one all-gather
+    of a digest of the config; only where digests differ, one more of the configs, so that the
+    error names each setting that differs (dotted, e.g. ``zero_optimization.stage``), which ranks
+    have which value, up to the first five."""
+    import torch
+
+    text = json.dumps(config, sort_keys=True, default=repr)
+    mine = torch.tensor([text_digest(text)], dtype=torch.int64, device=get_accelerator().current_device_name())
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    if len({int(t.item()) for t in gathered}) == 1:
+        return
+    flat = [_flatten(json.loads(raw)) for raw in all_gather_bytes(text.encode())]
+    # The ZeRO stage first: it decides which collectives a rank runs.
+    keys = sorted(set().union(*flat), key=lambda key: (key != "zero_optimization.stage", key))
+    differing = []
+    for key in keys:
+        by_value: dict[str, list[int]] = {}
+        for rank, settings in enumerate(flat):
+            by_value.setdefault(settings.get(key, "(not set)"), []).append(rank)
+        if len(by_value) > 1:
+            seen = ", ".join(
+                f"{value} on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+                for value, ranks in by_value.items()
+            )
+            differing.append(f"{key}: {seen}")
+    raise ValueError(
+        f"the ranks were given different DeepSpeed configs, so their engines would run different collectives and "
+        f"the job would hang: {'; '.join(differing[:5])}"
+        + (f"; and {len(differing) - 5} more settings" if len(differing) > 5 else "")
+        + ". Give every rank the same config (the same file on every node)"
+    )
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    """``{"a.b": JSON text}`` of every leaf of a JSON object (a list is a leaf)."""
+    if isinstance(value, dict) and value:
+        flat = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: json.dumps(value, sort_keys=True)}
 
 
 # Environment variables holding this node's index in the job, by launcher.

@@ -8,6 +8,7 @@ import os
 import sys
 
 from deepspeed_knap.models.registry import MIXES, SPECS, family_names
+from deepspeed_knap.planner.topology import MAX_GPUS
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -51,23 +52,32 @@ def add_family_argument(parser: argparse.ArgumentParser, what: str, default: str
     parser.add_argument("--family", choices=names, default=default, help=f"{what}: {listed}")
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: a whole number >= ``minimum`` (``--repeat 0`` is a usage error, not a failure later)."""
+def int_at_least(minimum: int, maximum: int | None = None, why: str = ""):
+    """An argparse type: a whole number >= ``minimum`` (``--repeat 0`` is a usage error, not a failure
+    later), and at most ``maximum`` when given (``why``: what the bound is)."""
 
     def parse(text: str) -> int:
+        digits = text.strip().lstrip("+")
+        if maximum is not None and digits.isdigit() and len(digits) > len(str(maximum)) + 1:  # before int() reads it
+            shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text):,} characters)"
+            raise argparse.ArgumentTypeError(f"{shown} is over {maximum:,}{why}")
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is not >= {minimum}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value:,} is over {maximum:,}{why}")
         return value
 
     return parse
 
 
-positive_int = _int_at_least(1)
-nonnegative_int = _int_at_least(0)
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+# A GPU count: at most MAX_GPUS, the most one balance group (one plan) may have.
+gpu_count = int_at_least(1, MAX_GPUS, ", the most GPUs a balance group may have")
 
 
 def positive_float(text: str) -> float:
@@ -98,10 +108,17 @@ def seq_lens(text: str) -> list[int]:
 
 
 def output_file(text: str) -> str:
-    """An argparse type: a file path whose folder exists (checked before any work, not after it)."""
+    """An argparse type: a file path whose folder exists and can be written, and that is not a
+    folder itself (checked before any work, not after it)."""
     folder = os.path.dirname(os.path.abspath(text))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: {folder} is not a folder")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text}: the folder {folder} does not exist; create it first")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name in it")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: this user cannot write there (the folder {folder} or the file)")
     return text
 
 

@@ -12,8 +12,9 @@ file format and the frame and size rules are documented in deepspeed_knap/models
 docs/models.md ("Preparing video data"): each sample keeps its own frame count (the first 4k+1) and
 size (center-cropped to a multiple of 16 for Wan 2.1): no buckets.
 
-A file that cannot be prepared (unreadable, no video frames, no caption, smaller than 16 pixels) is
-refused with its reason and the others go on; the run ends with a summary of what it refused, trimmed,
+An ``--inputs`` folder holding no videos or images is an error (exit 2), before anything is loaded
+or written. A file that cannot be prepared (unreadable, no video frames, no caption, smaller than 16
+pixels) is refused with its reason and the others go on; the run ends with a summary of what it refused, trimmed,
 scaled and cropped, and exits 1 if it refused anything. ``manifest.json`` (each sample's size and
 sha256, and the summary in its metadata) is written last: a run that did not finish leaves none.
 Needs diffusers, transformers and PyAV (``pip install -e .[diffusers]`` installs them).
@@ -74,6 +75,10 @@ def sources(directory: Path) -> tuple[list[Path], list[Path]]:
     entries = sorted(directory.iterdir())
     media = [p for p in entries if p.is_file() and p.suffix.lower() in VIDEO_SUFFIXES + IMAGE_SUFFIXES]
     other = [p for p in entries if p not in media and not (p.is_file() and p.suffix.lower() == CAPTION_SUFFIX)]
+    if not media:  # an empty manifest and exit 0 would pass for a prepared folder
+        held = f"it holds {len(entries)} other entries" if entries else "it is empty"
+        parser.error(f"--inputs {directory} holds no videos or images to prepare: looked for "
+                     f"{' '.join(VIDEO_SUFFIXES + IMAGE_SUFFIXES)} files in it, not in its subfolders ({held})")  # fmt: skip
     return media, other
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from deepspeed_knap.models.wan.spec import WAN
 from deepspeed_knap.options import (
     device,
+    int_at_least,
     nonnegative_int,
     output_file,
     positive_float,
@@ -22,6 +23,17 @@ from deepspeed_knap.runtime.timing import check_fits_memory
 
 HELP = "fit the cost model to timed blocks on this device"
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+# Timed runs per length (and per degree): each repeats every timing.
+MAX_REPEATS = 100
+
+
+def degree_list(text: str) -> list[int]:
+    """An argparse type: comma-separated bag sizes, each a whole number >= 2 (checked against the
+    blocks' heads before any timing, in :func:`run`)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and len(part) <= 6 and int(part) >= 2 for part in parts):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: give comma-separated bag sizes of 2 or more, e.g. 2,4,8")
+    return [int(part) for part in parts]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,10 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seq-lens", type=seq_lens, default="256,512,1024,2048,4096", help="comma-separated lengths to time"
     )
-    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per length (median)")
+    parser.add_argument("--repeats", type=int_at_least(1, MAX_REPEATS), default=3,
+                        help=f"timed runs per length (median), at most {MAX_REPEATS}")  # fmt: skip
     parser.add_argument("--callable", metavar="MODULE:FN", help="time FN(seq_len) instead of FLUX blocks")
     parser.add_argument("--heads", type=positive_int, default=4, help="FLUX blocks: attention heads")
-    parser.add_argument("--head-dim", type=positive_int, default=32, help="FLUX blocks: channels per head")
+    parser.add_argument("--head-dim", type=positive_int, default=32, help="FLUX blocks: channels per head (even)")
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
     parser.add_argument("--wan", metavar="PRESET", choices=list(WAN.presets),
                         help=f"time Wan blocks of a preset's dims instead of FLUX blocks: {', '.join(WAN.presets)}")  # fmt: skip
@@ -44,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--backend", default="auto", help="attention kernel (docs/integration.md, Attention kernels)")
     parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="plot measured and fitted seconds")
-    parser.add_argument("--degrees", default=None, metavar="2,4,8",
-                        help="also time emulated members of bags of these sizes and fit their efficiency")  # fmt: skip
+    parser.add_argument("--degrees", type=degree_list, default=None, metavar="2,4,8",
+                        help="also time emulated members of bags of these sizes (2 to the heads) and fit their "
+                        "efficiency")  # fmt: skip
     parser.add_argument("--alltoall-gbps", type=positive_float, metavar="GB/s",
                         help="all-to-all bandwidth per GPU measured on the job's GPUs (e.g. NCCL's alltoall_perf "
                         "busbw); writes alltoall_coef for the timed blocks' width and count (not timed here: one "
@@ -90,14 +104,32 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.wan and (args.callable or args.flux_dims or args.degrees):
         raise ValueError(f"--wan {args.wan} times Wan blocks; it goes without --callable, --flux-dims and --degrees")
+    if args.degrees and args.callable:
+        raise ValueError(f"--degrees {','.join(map(str, args.degrees))} times emulated bag members of FLUX blocks; it "
+                         "cannot time a --callable")  # fmt: skip
     wan = WAN.presets[args.wan] if args.wan else None
     heads, head_dim = (24, 128) if args.flux_dims else (args.heads, args.head_dim)
     if wan:
         heads, head_dim = wan["num_heads"], wan["dim"] // wan["num_heads"]
+    elif not args.callable and not args.flux_dims and head_dim % 2:
+        raise ValueError(f"--head-dim {head_dim}: FLUX blocks rotate a head's channels in pairs (over three axes); "
+                         "give an even number, e.g. 32 or 128")  # fmt: skip
+    over = [degree for degree in args.degrees or () if degree > heads]
+    if over:
+        raise ValueError(f"--degrees {','.join(map(str, args.degrees))}: bag sizes must be between 2 and the blocks' "
+                         f"{heads} heads (--heads{'' if not args.flux_dims else ', 24 with --flux-dims'}); got {over}")  # fmt: skip
     if not args.callable:
         check_fits_memory(max(lengths), heads, head_dim, getattr(torch, args.dtype), device)
     if args.callable:
-        step, about = load_callable(args.callable), {"callable": args.callable}
+        try:
+            step = load_callable(args.callable)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(
+                f"--callable {args.callable}: cannot import it ({type(error).__name__}: {error})"
+            ) from None
+        if not callable(step):
+            raise ValueError(f"--callable {args.callable} is a {type(step).__name__}, not a function of seq_len")
+        about = {"callable": args.callable}
     elif wan:
         step = wan_blocks_step(heads, head_dim, wan["ffn_dim"], wan["num_layers"], wan["text_len"], device,
                                getattr(torch, args.dtype), args.backend)  # fmt: skip
@@ -110,10 +142,8 @@ def run(args: argparse.Namespace) -> int:
         about = {"blocks": f"FLUX {args.double_blocks}+{args.single_blocks} blocks, {heads}x{head_dim} heads"}
     about.update(device=torch.cuda.get_device_name() if device.startswith("cuda") else device, dtype=args.dtype)
     model, times, fit = calibrate(step, lengths, args.repeats)
-    degrees = [int(g) for g in args.degrees.split(",")] if args.degrees else []
+    degrees = args.degrees or []
     if degrees:
-        if args.callable:
-            raise ValueError("--degrees times emulated bag members of FLUX blocks; it cannot time a --callable")
         from deepspeed_knap.runtime.emulation import calibrate_degrees
 
         timer = FluxBlockTimer(heads, head_dim, args.double_blocks, args.single_blocks, torch.device(device),

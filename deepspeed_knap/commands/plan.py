@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import stat
 import sys
-from pathlib import Path
 
 from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, DEFAULT_TFLOPS
 from deepspeed_knap.models.registry import PRESETS, SPECS, default_cost_model, sample_mix, sample_segments
 from deepspeed_knap.options import (
     DefaultsHelp,
     add_mix_argument,
+    gpu_count,
+    int_at_least,
     nonnegative_int,
     output_file,
     positive_float,
@@ -25,10 +28,21 @@ from deepspeed_knap.options import (
 )
 from deepspeed_knap.planner import DEFAULT_SOLVER, SOLVERS, RoutingPlan, lower_bound
 from deepspeed_knap.planner.solve import timed_plan
-from deepspeed_knap.planner.topology import AUTO, build_topology
+from deepspeed_knap.planner.topology import AUTO, MAX_GPUS, build_topology
 
 HELP = "solve one step and compare solvers"
 FORMATTER = DefaultsHelp
+
+# The most sequences `plan` solves in a step: the slowest case measured at it (2-core CPU; topology
+# auto, refine, per solve; --repeat solves each solver that many times) is all 65,536 on 2 GPUs, 23 s;
+# on 8 GPUs 5.9 s; --mix kf_image_video over 16,384 GPUs (45,568) 6.1 s; fixed bags under 1 s. 2**17
+# took 87 s on 2 GPUs and 2**20 ran past 280 s. The planner itself takes up to 2**20 (problem.py).
+MAX_PLAN_SEQUENCES = 2**16
+# Solves per solver: each repeats the whole solve.
+MAX_REPEAT = 100
+# A --lengths file's most bytes: 65,536 lengths of up to 13 digits, separated and indented, in 16,384
+# ranks' lists fill ~2 MiB.
+MAX_LENGTHS_BYTES = 16 * 2**20
 
 
 def parse_model(text: str) -> dict[str, float]:
@@ -57,21 +71,48 @@ def parse_model(text: str) -> dict[str, float]:
 
 
 def load_lengths(path: str) -> list[list[int]]:
-    """A JSON list with one list of sequence lengths per rank.
+    """A JSON list with one list of sequence lengths per rank: a regular file of at most
+    ``MAX_LENGTHS_BYTES``, at most ``MAX_GPUS`` ranks and ``MAX_PLAN_SEQUENCES`` sequences.
 
     Raises:
-        ValueError: an unreadable file or another shape (the CLI exits 2 with the message).
+        ValueError: an unreadable file, not a regular file (a device, a pipe: never read), too large,
+            or another shape (the CLI exits 2 with the message).
     """
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
+        # Non-blocking: opening a FIFO for reading would wait for a writer. Nothing is read before
+        # the descriptor is known to be a regular file's.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"--lengths {path} is not a regular file; give a JSON file")
+            text = file.read(MAX_LENGTHS_BYTES + 1)
+        if len(text) > MAX_LENGTHS_BYTES:
+            raise ValueError(
+                f"--lengths {path} is over {MAX_LENGTHS_BYTES // 2**20} MiB, more than {MAX_PLAN_SEQUENCES:,} "
+                "sequences take; give one step's lengths"
+            )
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"cannot read --lengths {path}: {error}") from None
     if not isinstance(data, list) or not all(isinstance(rank, list) for rank in data):
         raise ValueError(
             f"--lengths {path} must hold a JSON list with one list of lengths per rank, e.g. [[4096, 256], [], "
             f"[16384]]; got {json.dumps(data)[:80]}"
         )
+    if len(data) > MAX_GPUS:
+        raise ValueError(f"--lengths {path} holds {len(data):,} ranks' lists, over {MAX_GPUS:,}, the most GPUs a "
+                         "balance group may have")  # fmt: skip
+    _check_sequence_count(sum(map(len, data)), f"--lengths {path}")
     return data
+
+
+def _check_sequence_count(count: int, source: str) -> None:
+    """Refuse a step of more than ``MAX_PLAN_SEQUENCES`` sequences before solving it."""
+    if count > MAX_PLAN_SEQUENCES:
+        raise ValueError(
+            f"{source} gives {count:,} sequences, over {MAX_PLAN_SEQUENCES:,}, the most `plan` solves (at the cap a "
+            "solve takes up to ~25 s); give fewer GPUs or a smaller step"
+        )
 
 
 def _plural(count: int, noun: str) -> str:
@@ -106,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             sample_mix(args.mix, topology.group_size, args.seed),
             f"{args.mix} (seed {args.seed})",
         )
+        _check_sequence_count(sum(map(len, lengths)), f"--mix {args.mix} over {topology.group_size:,} GPUs")
     cost_model = default_cost_model(args.model, tflops=args.tflops, alltoall_gbps=args.alltoall_gbps)
     # A model with blocks that attend by segment (flux3) prices a mix's samples by their segments
     # (text, image, references); --lengths files carry none.
@@ -176,8 +218,10 @@ def _flexible_bound(lengths, topology, cost_model, cap, segments=None) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", default="g8n4", help="auto, or bags such as g8n4 or g1n8+g2n4")
-    parser.add_argument("--gpus", type=positive_int, default=32, help="GPUs of topology auto (with --mix)")
-    parser.add_argument("--max-degree", type=positive_int, default=None,
+    parser.add_argument(
+        "--gpus", type=gpu_count, default=32, help=f"GPUs of topology auto (with --mix), at most {MAX_GPUS:,}"
+    )
+    parser.add_argument("--max-degree", type=gpu_count, default=None,
                         help="topology auto: the largest group (8, or the node if smaller, when not given); "
                              "above the node, groups of whole nodes for sequences the cap keeps out of a node")  # fmt: skip
     source = parser.add_mutually_exclusive_group()
@@ -194,11 +238,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--alltoall-gbps", type=float, default=DEFAULT_ALLTOALL_GBPS, help="per-GPU all-to-all GB/s inside a bag"
     )
     parser.add_argument(
-        "--gpus-per-node", type=positive_int, default=None, help="keep bags inside nodes of this many GPUs"
+        "--gpus-per-node", type=gpu_count, default=None, help="keep bags inside nodes of this many GPUs"
     )
     parser.add_argument(
         "--max-tokens-per-gpu", type=positive_int, default=None, help="hard memory cap on routed tokens"
     )
-    parser.add_argument("--repeat", type=positive_int, default=5, help="solves per solver; the median time is reported")
+    parser.add_argument("--repeat", type=int_at_least(1, MAX_REPEAT), default=5,
+                        help=f"solves per solver (at most {MAX_REPEAT}); the median time is reported")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="write per-GPU loads before and after")

@@ -34,6 +34,12 @@ AUTO = "auto"
 GRAMMAR = "g{G}n{N}(+g{G}n{N})*, e.g. 'g8n4' (4 bags of 8 GPUs) or 'g1n8+g2n4', or 'auto'"
 _TERM = re.compile(r"g([1-9][0-9]*)n([1-9][0-9]*)")
 DEFAULT_MAX_DEGREE = 8
+# The most GPUs one balance group (what one plan covers) may have: 16x the largest benchmarked
+# (1,024), the size of the largest single training jobs reported (16,384 H100s). The planner's arrays
+# grow with it: `deepspeed-knap plan --gpus 16384` (topology auto, 45,568 sequences of kf_image_video)
+# solves in 6.7 s and 0.18 GB on a 2-core CPU, 65,536 GPUs in 31 s and 0.9 GB; a typo's billion GPUs
+# would take longer than any job.
+MAX_GPUS = 16_384
 
 
 def parse_topology_spec(spec: str) -> list[tuple[int, int]]:
@@ -46,7 +52,7 @@ def parse_topology_spec(spec: str) -> list[tuple[int, int]]:
         raise ValueError(f"topology must be a non-empty string of the form {GRAMMAR}; got {spec!r}")
     if spec.strip() == AUTO:
         return []
-    terms = []
+    terms, total = [], 0
     for term in spec.strip().split("+"):
         match = _TERM.fullmatch(term.strip())
         if match is None:
@@ -54,8 +60,27 @@ def parse_topology_spec(spec: str) -> list[tuple[int, int]]:
                 f"malformed topology term {term!r} in {spec!r}: expected {GRAMMAR} "
                 "(G and N are positive integers without leading zeros)"
             )
+        # Compared as digits first: a number of thousands of digits is refused before int() reads it.
+        for digits, what in ((match.group(1), "bag size G"), (match.group(2), "bag count N")):
+            if len(digits) > len(str(MAX_GPUS)) or int(digits) > MAX_GPUS:
+                raise ValueError(
+                    f"topology term {_shortened(term.strip())!r}: its {what} {_shortened(digits)} is over "
+                    f"{MAX_GPUS:,}, the most GPUs a balance group may have; give the bags of one balance group"
+                )
         terms.append((int(match.group(1)), int(match.group(2))))
+        total += terms[-1][0] * terms[-1][1]  # checked term by term: every term holds at least one GPU
+        if total > MAX_GPUS:
+            raise ValueError(
+                f"topology {_shortened(spec.strip())!r} has over {MAX_GPUS:,} GPUs (sum of G*N: {total:,} by its "
+                f"term {len(terms)}), the most GPUs a balance group may have; give the bags of one balance group (a "
+                "world of several such groups balances each alone)"
+            )
     return terms
+
+
+def _shortened(text: str, limit: int = 40) -> str:
+    """``text`` for an error message, cut to ``limit`` characters (a typo may be thousands long)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 @dataclass(frozen=True)
@@ -209,6 +234,11 @@ def default_max_degree(world_size: int, gpus_per_node: int | None = None, num_he
 def _build_auto(world_size: int | None, gpus_per_node: int | None, max_degree: int | None) -> Topology:
     if not _positive_int(world_size):
         raise ValueError(f"topology 'auto' needs the world size (a positive integer); got {world_size!r}")
+    if world_size > MAX_GPUS:  # auto's balance group is the world
+        raise ValueError(
+            f"topology 'auto' over {world_size:,} GPUs: its balance group is the whole world, and {MAX_GPUS:,} GPUs "
+            "is the most one may have; use fixed bags, whose balance groups replicate over the world"
+        )
     if max_degree is None:
         max_degree = default_max_degree(world_size, gpus_per_node)
     elif not _positive_int(max_degree) or max_degree & (max_degree - 1):

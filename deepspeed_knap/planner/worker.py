@@ -33,7 +33,6 @@ import os
 import pickle
 import select
 import signal
-import stat
 import struct
 import subprocess
 import sys
@@ -393,10 +392,16 @@ class _SharedPlans:
     (written aside, then renamed: a reader sees all of it or nothing); one that finds the plan, or
     gets the lock after a sibling published it, reads it. Sharing only saves work: whatever fails
     (no folder, a full disk, a file that is not a plan, a sibling holding the lock too long, a file
-    removed under it) leaves this worker solving the job itself."""
+    removed under it) leaves this worker solving the job itself.
 
-    def __init__(self, folder: Path, code: bytes) -> None:
-        self.folder, self.code = folder, code
+    The folder is opened once (``fd``: not through a link) and checked through that descriptor,
+    and every file is reached relative to it (``dir_fd``), never through the path again: a plan file
+    is a pickle, and a folder renamed and replaced by a link to another user's after the check (its
+    parent writable by others and not sticky, as a group's scratch folder may be) would otherwise
+    have this worker unpickle that user's files."""
+
+    def __init__(self, folder: Path, fd: int, code: bytes) -> None:
+        self.folder, self.fd, self.code = folder, fd, code
         self.kept: deque[str] = deque()  # the keys of this worker's last jobs, oldest first
         self.published: set[str] = set()  # those of them this worker solved and published
         self.longest_solve_s = 0.0  # of the solves this worker made or read: how long a sibling may take
@@ -404,22 +409,29 @@ class _SharedPlans:
     @classmethod
     def open(cls) -> _SharedPlans | None:
         """Sharing in the folder ``DEEPSPEED_KNAP_PLAN_FOLDER`` names, else in this user's folder
-        under ``/dev/shm`` (else the temporary directory); ``None`` when it cannot be made or is not
-        this user's own."""
+        under ``/dev/shm`` (else the temporary directory); ``None`` when it cannot be made, is a
+        link, or is not this user's own with no access for others."""
         base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
         folder = Path(os.environ.get(PLAN_FOLDER_VARIABLE) or base / f"deepspeed-knap-plans-{os.getuid()}")
+        fd = None
         try:
-            folder.mkdir(mode=0o700, exist_ok=True)
-            info = os.lstat(folder)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-                return None  # another user's (or a link): its files could be anyone's
+            with contextlib.suppress(FileExistsError):  # a link there is refused by the open below
+                os.mkdir(folder, 0o700)
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            info = os.fstat(fd)  # the folder opened, whatever the path names by now
+            if info.st_uid != os.getuid() or info.st_mode & 0o077:
+                os.close(fd)
+                return None  # another user's, or open to others: its files could be anyone's
             stale = time.time() - _SHARED_STALE_S
-            for path in folder.iterdir():
+            for name in os.listdir(fd):
                 with contextlib.suppress(OSError):
-                    if path.lstat().st_mtime < stale:
-                        path.unlink()
-            return cls(folder, _code_digest())
+                    if os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime < stale:
+                        os.unlink(name, dir_fd=fd)
+            return cls(folder, fd, _code_digest())
         except Exception:  # a folder it cannot use (OSError), an odd file name in it: solve alone
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             return None
 
     def key(self, job: tuple) -> str:
@@ -441,7 +453,7 @@ class _SharedPlans:
         if (found := self._read(key)) is not None:
             return found
         try:
-            lock = os.open(self._path(key, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            lock = self._open(f"{key}.lock", os.O_RDWR | os.O_CREAT)
         except OSError:
             return _solve(job)
         try:
@@ -459,9 +471,7 @@ class _SharedPlans:
                     os.write(lock, b"1")  # this worker is solving it
             reply = _solve(job)
             self.longest_solve_s = max(self.longest_solve_s, reply[1])
-            if reply[2] is None and _publish(
-                self._path(key, ".plan"), pickle.dumps(reply[:2], pickle.HIGHEST_PROTOCOL)
-            ):
+            if reply[2] is None and self._publish(f"{key}.plan", pickle.dumps(reply[:2], pickle.HIGHEST_PROTOCOL)):
                 self.published.add(key)
             return reply
         finally:
@@ -469,15 +479,25 @@ class _SharedPlans:
                 os.close(lock)  # releases the lock
 
     def close(self) -> None:
-        """Remove this worker's files (a sibling that comes later solves the job itself)."""
+        """Remove this worker's files (a sibling that comes later solves the job itself), and close
+        the folder."""
         while self.kept:
             self._remove(self.kept.popleft())
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1  # closed: a descriptor of that number may be another file's by now
+
+    def _open(self, name: str, flags: int) -> int:
+        """A descriptor of the file ``name`` in the folder opened (never a link: refused)."""
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
 
     def _read(self, key: str) -> tuple[RoutingPlan, float, None, bool] | None:
         """The reply published for ``key``, or ``None`` if there is none (yet) or it is not a plan;
         ``shared`` unless this worker published it (a job it had before)."""
         try:
-            plan, solve_s = pickle.loads(self._path(key, ".plan").read_bytes())
+            with os.fdopen(self._open(f"{key}.plan", os.O_RDONLY), "rb") as file:
+                plan, solve_s = pickle.loads(file.read())
         except Exception:  # none yet (OSError), or a file that is not a plan: solve instead
             return None
         if not isinstance(plan, RoutingPlan) or not isinstance(solve_s, float):
@@ -485,21 +505,31 @@ class _SharedPlans:
         self.longest_solve_s = max(self.longest_solve_s, solve_s)
         return plan, solve_s, None, key not in self.published
 
+    def _publish(self, name: str, data: bytes) -> bool:
+        """Write ``data`` to the file ``name`` whole, or not at all (a full disk: the siblings solve
+        themselves): written aside, then renamed over it; whether it was written."""
+        aside = f"{name}.{os.getpid()}.{os.urandom(6).hex()}"
+        try:
+            with os.fdopen(self._open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as file:
+                file.write(data)
+            os.replace(aside, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            return True
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(aside, dir_fd=self.fd)
+            return False
+
     def _keep(self, key: str) -> None:
         if key not in self.kept:
             self.kept.append(key)
         while len(self.kept) > _SHARED_KEPT:
             self._remove(self.kept.popleft())
 
-    def _path(self, key: str, suffix: str) -> Path:
-        """Job ``key``'s plan (``.plan``) or lock (``.lock``) file."""
-        return self.folder / f"{key}{suffix}"
-
     def _remove(self, key: str) -> None:
         self.published.discard(key)
         for suffix in (".plan", ".lock"):
             with contextlib.suppress(OSError):
-                self._path(key, suffix).unlink()
+                os.unlink(f"{key}{suffix}", dir_fd=self.fd)
 
 
 def _canonical(value: Any) -> Any:
@@ -523,24 +553,6 @@ def _code_digest() -> bytes:
     for path in sorted(package.rglob("*.py")):
         digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.digest()
-
-
-def _publish(path: Path, data: bytes) -> bool:
-    """Write ``data`` to ``path`` whole, or not at all (a full disk: the siblings solve themselves);
-    whether it was written."""
-    try:
-        fd, aside = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.")
-    except OSError:
-        return False
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-        os.replace(aside, path)
-        return True
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(aside)
-        return False
 
 
 def _lock(fd: int, timeout_s: float) -> bool:

@@ -18,8 +18,12 @@ Checkpoints: each tag gets a ``manifest.json`` (every file's size and sha256, ha
 wrote it) after all its files, and ``latest`` names the tag only then; resume has every rank check
 the files it sees against the manifest and the ranks agree before DeepSpeed reads anything, so a
 missing, truncated or changed file, or a tag whose save did not finish, is one error on every rank
-naming the tag and the file (:mod:`deepspeed_knap.runtime.manifest`). Prepared data files are
-checked against the manifest the preparing script writes, each when a rank reads it.
+naming the tag and the file (:mod:`deepspeed_knap.runtime.manifest`). DeepSpeed's files are then read
+weights-only (:mod:`deepspeed_knap.runtime.checkpoint`): a file holding anything but tensors, numbers
+and the few classes DeepSpeed stores is refused, its pickle never run, and a checkpoint of another
+model (another family, LoRA or not, another LoRA rank) is one error on every rank before DeepSpeed
+reads it. Prepared data files are checked against the manifest the preparing script writes, each when
+a rank reads it.
 
 Every error the trainer raises (:class:`TrainingError`) is raised on every rank together, with the
 same message.
@@ -45,6 +49,7 @@ from deepspeed_knap.models.hooks import ValidationSettings
 from deepspeed_knap.models.latents import LatentFileError, check_latent_directory
 from deepspeed_knap.models.lora import adapter_state_dict, add_lora, lora_config, save_adapter
 from deepspeed_knap.models.registry import spec
+from deepspeed_knap.runtime.checkpoint import CheckpointError, load_checkpoint
 from deepspeed_knap.runtime.config import load_ds_config
 from deepspeed_knap.runtime.groups import raise_together
 from deepspeed_knap.runtime.manifest import (
@@ -158,7 +163,10 @@ class Trainer:
                 print(f"--resume: skipped checkpoint {tag}: {why}", flush=True)
             print(f"--resume: loading checkpoint {choice.tag} from {choice.load_dir}"
                   + ("" if choice.given else ", the newest complete one"), flush=True)  # fmt: skip
-        _, client_state = self.engine.load_checkpoint(choice.load_dir, choice.tag)
+        try:  # weights-only: no pickle of the checkpoint runs; another model's checkpoint is one error
+            _, client_state = load_checkpoint(self.engine, choice.load_dir, choice.tag)
+        except CheckpointError as error:
+            raise TrainingError(f"--resume {a.resume}: {error}") from None
         self.raise_together(None if client_state else f"DeepSpeed found no checkpoint to load in {a.resume}")
         self.start_step, self.position = client_state["step"], client_state["data_position"]
 

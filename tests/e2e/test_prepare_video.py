@@ -52,6 +52,25 @@ def test_read_source_rate_and_limits(tmp_path):
     assert source.pixels.min() >= -1 and source.pixels.max() <= 1
 
 
+@pytest.mark.parametrize("contents", [(), ("notes.md", "clip.txt", "more/")])
+def test_a_folder_without_videos_or_images_is_an_error_naming_it(tmp_path, contents):
+    """Before, it exited 0 with an empty manifest."""
+    inputs, out = tmp_path / "inputs", tmp_path / "out"
+    inputs.mkdir()
+    for name in contents:
+        (inputs / name).mkdir() if name.endswith("/") else (inputs / name).write_text("x")
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--pretrained", str(tmp_path / "no-pipeline"), "--inputs", str(inputs), "--out",
+         str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    held = "it holds 3 other entries" if contents else "it is empty"
+    assert run.returncode == 2 and run.stderr.splitlines()[-1].endswith(
+        f"error: --inputs {inputs} holds no videos or images to prepare: looked for .mp4 .webm .mkv .mov .avi .png "
+        f".jpg .jpeg .webp files in it, not in its subfolders ({held})"
+    ), run.stderr
+    assert "Traceback" not in run.stderr and not out.exists()
+
+
 def test_prepare_videos_and_images(tmp_path):
     from PIL import Image
 

@@ -186,6 +186,57 @@ def test_a_damaged_or_partial_checkpoint_is_one_error_on_every_rank_naming_the_f
         assert "Traceback" not in output and "Connection closed" not in output, output[-3000:]
 
 
+class _Payload:
+    """Unpickling it creates the file ``marker``: a stand-in for any code a crafted pickle runs."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+@pytest.mark.parametrize("case", ["crafted shard", "lora", "wan"])
+def test_a_crafted_shard_or_another_models_checkpoint_is_one_error_on_every_rank(full_runs, case):
+    """A copy of the balanced run's step1 given to --resume: with rank 1's optimizer shard replaced by a
+    pickle that would run code, and the manifest written again to match (a manifest proves files
+    unchanged, not who wrote them), the pickle never runs and every rank names the file; resumed with
+    LoRA adapters, or as a Wan model, every rank says the checkpoint is another model's, before
+    DeepSpeed reads it, and no traceback."""
+    from deepspeed_knap.runtime.manifest import build_manifest, write_manifest
+
+    d, _, (on_run, _) = full_runs
+    check(on_run)
+    name = case.replace(" ", "_")
+    tag = shutil.copytree(d / "ckpt" / "step1", d / name / "step1")
+    marker, extra = d / name / "payload-ran", ()
+    if case == "crafted shard":
+        torch.save({"optimizer_state_dict": _Payload(str(marker))}, tag / SHARD.format(1))
+        write_manifest(tag, build_manifest(tag, metadata={"step": 1, "data_position": 2}))
+        expected = (f"checking checkpoint {tag} before loading it failed:\nrank(s) [1]: {tag / SHARD.format(1)} was "
+                    "not loaded: it holds the global io.open, which no DeepSpeed checkpoint holds (loading it would "
+                    "run code from the checkpoint folder); restore the file the save wrote, or load another tag")  # fmt: skip
+    elif case == "lora":
+        extra = LORA
+        expected = (f"checking checkpoint {tag} before loading it failed:\nrank(s) [0, 1]: checkpoint {tag} was "
+                    "saved without LoRA adapters and this PackedFluxTransformer (family 'flux') has them (e.g. "
+                    "'single_transformer_blocks.0.attn.to_k.lora_A.default.weight'): resume without LoRA, as the run "
+                    "that saved it (train_dit.py: no --lora-rank)")  # fmt: skip
+    else:
+        extra = ("--family", "wan")
+        expected = (f"checking checkpoint {tag} before loading it failed:\nrank(s) [0, 1]: checkpoint {tag} was "
+                    "saved from another model: ")  # fmt: skip
+    result, losses = train(d / name, "resumed", False, *COMMON, *extra, "--resume", str(tag),
+                           rank_logs=d / name / "logs")  # fmt: skip
+    assert result.returncode != 0 and losses == {}
+    assert not marker.exists()
+    for rank in (0, 1):
+        (log,) = (d / name / "logs").glob(f"*_rank{rank}.log")
+        output = log.read_text()
+        assert f"train_dit: error (rank {rank}): --resume {tag}: {expected}" in output, output[-3000:]
+        assert "Traceback" not in output and "Connection closed" not in output, output[-3000:]
+
+
 def test_lora_balanced_on_zero3_equals_unbalanced_on_zero2_and_writes_validation_images(lora_runs):
     d, (on_run, on), (off_run, off) = lora_runs
     check(on_run)

@@ -247,3 +247,33 @@ def test_config_errors_before_the_first_step_on_every_rank(tmp_path):
     assert "unknown key 'knapformer.topolgy'" in typo and "[0, 1]" not in typo
     missing = errors["config_missing_on_some_nodes"]
     assert "rank(s) [2, 3]: host " in missing and ".no-config-on-this-node.json" in missing, missing
+
+
+def _differing_config_worker(rank: int, world: int) -> dict:
+    import deepspeed_knap
+    from deepspeed_knap.models.tiny_dit import TinyDiT
+
+    errors = {}
+    # Rank 1 was given ZeRO-2 where rank 0 has ZeRO-3; then a batch size differing alone (balancing on).
+    cases = {"stage": ds_config(3 - rank, None),
+             "batch": {**ds_config(1, {"enabled": True, "topology": "g2n1"}), "train_micro_batch_size_per_gpu": 1 + rank}}  # fmt: skip
+    for name, config in cases.items():
+        model = TinyDiT(DIM, HEADS, COND)
+        try:
+            deepspeed_knap.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+def test_a_deepspeed_config_differing_between_ranks_is_one_error_naming_the_setting_and_ranks():
+    """Before, ranks given other ZeRO stages went into DeepSpeed's start-up and the job hung, or ended
+    in an opaque gloo store error: the harness's timeout reports it."""
+    results = run_distributed(_differing_config_worker, 2, timeout=60)
+    assert results[0] == results[1]  # word for word on every rank
+    head = "the ranks were given different DeepSpeed configs, so their engines would run different collectives and "
+    fix = ". Give every rank the same config (the same file on every node)"
+    assert results[0] == {
+        "stage": f"{head}the job would hang: zero_optimization.stage: 3 on rank 0, 2 on rank 1{fix}",
+        "batch": f"{head}the job would hang: train_micro_batch_size_per_gpu: 1 on rank 0, 2 on rank 1{fix}",
+    }

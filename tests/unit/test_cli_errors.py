@@ -10,6 +10,10 @@ import torch
 from deepspeed_knap.cli import main
 
 
+def _no_timing(*args, **kwargs):
+    raise AssertionError("calibrate timed blocks before refusing its arguments")
+
+
 def failing_step(seq_len: int) -> float:
     """A ``--callable`` that fails the way a broken user function does."""
     raise RuntimeError(f"the model broke at {seq_len} tokens")
@@ -29,6 +33,34 @@ CASES = [
     (["calibrate", "--out", "c.json", "--seq-lens", "64,128,256,1000000000000000"], "every length must be in [1,"),
     (["calibrate", "--out", "c.json", "--seq-lens", "64,128,256,1000000"], "needs about"),  # 44,000 GiB on CPU
     (["bench", "train", "--ranks", "2", "--topology", "g4n1"], "topology 'g4n1' needs a world size"),
+    # Bounds checked before any work (before, each grew to many GB or ran for minutes).
+    (["plan", "--gpus", "1000000000"], "argument --gpus: 1000000000 is over 16,384, the most GPUs a balance group"),
+    (["plan", "--topology", "g99999999999999999999n1"], "its bag size G 99999999999999999999 is over 16,384"),
+    (["plan", "--topology", "g8n4096"], "topology 'g8n4096' has over 16,384 GPUs"),
+    (["plan", "--lengths", "/dev/zero"], "--lengths /dev/zero is not a regular file"),
+    (
+        ["plan", "--gpus", "16384", "--topology", "auto", "--mix", "kf_lowres"],
+        "--mix kf_lowres over 16,384 GPUs gives 524,288 sequences, over 65,536, the most `plan` solves",
+    ),
+    (["plan", "--repeat", "1000"], "argument --repeat: 1,000 is over 100"),
+    # calibrate's arguments, all checked before any timing (before: after 6-15 s of it, or an internal error).
+    (["calibrate", "--out", "c.json", "--heads", "3", "--head-dim", "7"], "--head-dim 7: FLUX blocks rotate a head's"),
+    (["calibrate", "--out", "c.json", "--degrees", "2,x"], "argument --degrees: '2,x': give comma-separated bag sizes"),
+    (
+        ["calibrate", "--out", "c.json", "--degrees", "2,8"],
+        "--degrees 2,8: bag sizes must be between 2 and the blocks' 4",
+    ),
+    (["calibrate", "--out", "c.json", "--degrees", "2", "--callable", "os:getcwd"], "it cannot time a --callable"),
+    (
+        ["calibrate", "--out", "c.json", "--callable", "no_such_module:f"],
+        "--callable no_such_module:f: cannot import it",
+    ),
+    (["calibrate", "--out", "."], "argument --out: . is a folder; give a file name in it"),
+    (
+        ["calibrate", "--out", "/dev/null/c.json"],
+        "argument --out: /dev/null/c.json: /dev/null is not a folder",
+    ),
+    (["calibrate", "--out", "c.json", "--repeats", "1000000"], "argument --repeats: 1000000 is over 100"),
 ]
 if not torch.cuda.is_available():
     CASES.append((["calibrate", "--out", "c.json", "--device", "cuda"], "argument --device: cuda: this torch"))
@@ -37,6 +69,7 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize(("argv", "message"), CASES, ids=[" ".join(argv[:3]) for argv, _ in CASES])
 def test_a_mistake_exits_2_with_one_message_and_no_traceback(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("deepspeed_knap.cost.calibrate.calibrate", _no_timing)  # refused before any timing
     with pytest.raises(SystemExit) as exit_info:  # argparse exits; a command's ValueError returns 2
         sys.exit(main(argv))
     err = capsys.readouterr().err
@@ -55,3 +88,30 @@ def test_a_failure_exits_1_with_one_line_and_debug_shows_the_traceback(tmp_path,
     )
     with pytest.raises(RuntimeError, match="the model broke"):  # the traceback reaches the console
         main(["--debug", *argv])
+
+
+def test_a_lengths_file_is_read_only_if_regular_and_small_with_few_enough_ranks_and_sequences(tmp_path, capsys):
+    """Before, --lengths /dev/zero was read until the kernel killed the process at 24 GB, a FIFO
+    waited for a writer forever, and 2**20 sequences were still solving at 280 s."""
+    import json
+    import os
+    import time
+
+    fifo, big, ranks, sequences = (tmp_path / name for name in ("fifo", "big.json", "ranks.json", "sequences.json"))
+    os.mkfifo(fifo)
+    with open(big, "wb") as file:  # sparse: 17 MiB that take no disk
+        file.truncate(17 * 2**20)
+    ranks.write_text(json.dumps([[] for _ in range(16_385)]))
+    sequences.write_text(json.dumps([[64] * 40_000, [256] * 25_537]))
+    expected = {
+        fifo: f"--lengths {fifo} is not a regular file; give a JSON file",
+        big: f"--lengths {big} is over 16 MiB, more than 65,536 sequences take; give one step's lengths",
+        ranks: f"--lengths {ranks} holds 16,385 ranks' lists, over 16,384, the most GPUs a balance group may have",
+        sequences: f"--lengths {sequences} gives 65,537 sequences, over 65,536, the most `plan` solves",
+    }
+    for path, message in expected.items():
+        start = time.perf_counter()
+        assert main(["plan", "--topology", "auto", "--lengths", str(path)]) == 2
+        assert time.perf_counter() - start < 5
+        err = capsys.readouterr().err
+        assert err.startswith(f"deepspeed-knap plan: error: {message}") and len(err.splitlines()) == 1, err

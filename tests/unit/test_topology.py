@@ -83,3 +83,31 @@ def test_alignment_matches_brute_force(terms, gpus_per_node):
     assert topology.node_aligned == possible
     if possible:
         assert not _crosses(topology.bag_sizes, gpus_per_node)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("g99999999999999999999n1", "its bag size G 99999999999999999999 is over 16,384, the most GPUs a balance group"),
+    ("g1n" + "9" * 5000, "its bag count N 9999999999999999999999999999999999999999... (5,000 characters) is over"),
+    ("g8n2049", "topology 'g8n2049' has over 16,384 GPUs (sum of G*N: 16,392 by its term 1)"),
+    ("+".join(["g1n1"] * 100_000), "(499,999 characters)' has over 16,384 GPUs (sum of G*N: 16,385 by its term 16385)"),
+])  # fmt: skip
+def test_bag_sizes_and_counts_over_the_most_gpus_are_refused_by_the_parser_at_once(spec, message):
+    """Before, g99999999999999999999n1 grew a list of that many bags until memory ran out."""
+    import time
+
+    from deepspeed_knap.runtime.config import get_knapformer_config
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as parsed:
+        parse_topology_spec(spec)
+    with pytest.raises(ValueError) as configured:  # the config's topology goes through the same parser
+        get_knapformer_config({"knapformer": {"enabled": True, "topology": spec}})
+    assert time.perf_counter() - start < 2
+    assert message in str(parsed.value) and message in str(configured.value)
+    assert parse_topology_spec("g8n2048") == [(8, 2048)]  # 16,384 GPUs: the most
+
+
+def test_auto_over_the_most_gpus_is_refused_before_laying_out_groups():
+    with pytest.raises(ValueError, match="topology 'auto' over 1,000,000,000 GPUs: its balance group is the whole"):
+        build_topology("auto", 10**9)
+    assert build_topology("auto", 16_384).group_size == 16_384
