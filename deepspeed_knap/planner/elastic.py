@@ -1104,7 +1104,7 @@ class _GroupSearch(BranchAndBound):
         # Stops where the starts do (elastic_good_enough): proving the last 0.1% took most of the
         # budget on small steps (kf_image_video x1/4 at 2 GPUs: 400-2,000 nodes, 12.8 against 1.5 ms
         # a solve, for at most 0.02% of the step), CPU each rank's plan worker took from training
-        # where there is a core per rank (docs/benchmarks_measured.md).
+        # where there is a core per rank (docs/notes/benchmarks-2026.md).
         super().__init__(problem, order, incumbent_max, ELASTIC_EXACT_NODE_BUDGET, elastic_good_enough(problem))
         self.cap = problem.cap
         # With unequal speeds, the GPU-seconds test on work at speed 1 too (a slow GPU does less of it

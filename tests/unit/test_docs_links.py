@@ -1,5 +1,6 @@
-"""Every relative link and ``#anchor`` in README.md and docs/*.md resolves: the file (or folder)
-exists, and an anchor names a heading of the page it points to, slugged the way GitHub does."""
+"""Every relative link and ``#anchor`` in README.md, CHANGELOG.md, docs/*.md and the lab notes
+(docs/notes/*.md) resolves: the file (or folder) exists, and an anchor names a heading of the page
+it points to, slugged the way GitHub does."""
 
 import re
 from pathlib import Path
@@ -7,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *DOCS, *sorted((ROOT / "docs" / "notes").glob("*.md"))]
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
 _CODE_SPAN = re.compile(r"(`+).+?\1", re.DOTALL)
@@ -71,7 +73,7 @@ def test_every_relative_link_and_anchor_resolves(page):
 
 def test_the_docs_pages_are_linked_from_the_readme():
     readme = set(links((ROOT / "README.md").read_text()))
-    missing = [page.name for page in PAGES[1:] if f"docs/{page.name}" not in readme]
+    missing = [page.name for page in DOCS if f"docs/{page.name}" not in readme]
     assert not missing, f"README.md links no docs page of {missing}"
 
 

@@ -11,7 +11,7 @@
 # (the four lanes wrote the same names, so one run of each row survives as r3), and with the lanes
 # named apart (deadline 150 s):
 #   for l in 4 5 6 7; do ( matrix L$l $l kf_mixed_res:0.25 kf_image_video:0.25 kf_lowres:0.25 ) & done
-# Summaries: cpu16_run11.txt; the table: benchmarks_measured.md (issue 26, thirteenth session).
+# Summaries: cpu16_run11.txt; the table: docs/notes/benchmarks-2026.md (issue 26, thirteenth session).
 source "$(dirname "$0")/lib.sh"  # the wheels, $knap, section
 deadline=$((SECONDS + 480))
 source "$REPO/docs/bench/gpu/matrix.sh"
