@@ -301,7 +301,7 @@ def _build_topology(knap: KnapFormerConfig, world_size: int, heads: int | None) 
     return topology
 
 
-def token_mean_loss(per_token_loss: Tensor) -> Tensor:
+def token_mean_loss(per_token_loss: Tensor, weights: Tensor | None = None) -> Tensor:
     """This rank's share of the mean of ``per_token_loss`` over every token of every rank.
 
     DeepSpeed averages gradients over the ranks, so the loss each rank backpropagates must be its
@@ -311,6 +311,8 @@ def token_mean_loss(per_token_loss: Tensor) -> Tensor:
 
     Args:
         per_token_loss: ``[T, ...]`` losses of this rank's tokens (all elements are averaged).
+        weights: ``[T, ...]`` each element's weight (0: no loss, e.g. a clean conditioning frame's
+            tokens), or ``None``: all 1. The mean is then over the weights' global sum.
 
     Returns:
         A scalar to pass to ``engine.backward``. Its value is not the global mean; that is
@@ -318,7 +320,12 @@ def token_mean_loss(per_token_loss: Tensor) -> Tensor:
     """
     import torch
 
-    count = torch.tensor([float(per_token_loss.numel())], dtype=torch.float64, device=per_token_loss.device)
+    if weights is not None:
+        total = float(weights.double().sum())
+        per_token_loss = per_token_loss * weights
+    else:
+        total = float(per_token_loss.numel())
+    count = torch.tensor([total], dtype=torch.float64, device=per_token_loss.device)
     dist.all_reduce(count)
     if count.item() == 0:
         return per_token_loss.sum()

@@ -7,7 +7,13 @@ Every ``.mp4 .webm .mkv .mov .avi`` (decoded with PyAV) and ``.png .jpg .jpeg .w
 (name order, not recursive) is one sample, captioned by its sidecar text file (``clip.mp4`` ->
 ``clip.txt``). Latents come from the pipeline's ``AutoencoderKLWan`` (the mode of its posterior,
 normalised with the VAE's ``latents_mean``/``latents_std`` as ``WanPipeline`` un-normalises them),
-text rows from ``WanPipeline.encode_prompt`` (UMT5, zero-padded to ``--max-sequence-length``). The
+text rows from ``WanPipeline.encode_prompt`` (UMT5, zero-padded to ``--max-sequence-length``). For an
+image-to-video pipeline (``WanImageToVideoPipeline``: Wan 2.1 I2V, Wan 2.2 I2V-A14B) each sample also
+holds the pipeline's condition for its first frame, made by the pipeline's own
+``prepare_latents`` (the first-frame mask and the VAE latents of the first frame followed by empty
+frames), and, where the pipeline has an image encoder (Wan 2.1), the CLIP context of that frame
+(``encode_image``). Wan 2.2 TI2V-5B needs nothing more: its condition is the clip's first latent
+frame. The
 file format and the frame and size rules are documented in deepspeed_knap/models/wan/data.py and
 docs/models.md ("Preparing video data"): each sample keeps its own frame count (the first 4k+1) and
 size (center-cropped to a multiple of 16 for Wan 2.1): no buckets.
@@ -88,8 +94,36 @@ def patch_size(pretrained: Path) -> list[int]:
     return json.loads(config.read_text()).get("patch_size", [1, 2, 2]) if config.is_file() else [1, 2, 2]
 
 
+def image_to_video(pretrained: Path) -> bool:
+    """Whether the pipeline folder is an image-to-video one (``model_index.json``'s ``_class_name``)."""
+    index = pretrained / "model_index.json"
+    return index.is_file() and json.loads(index.read_text()).get("_class_name") == "WanImageToVideoPipeline"
+
+
+def image_condition(pipe, pixels: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    """The image-to-video condition of a clip (``pixels [3, F, H, W]`` in ``[-1, 1]``): what
+    ``WanImageToVideoPipeline`` makes from its first frame, with the pipeline's own code:
+    ``prepare_latents``' condition (``[4 + C, F', H', W']``: the first-frame mask, then the VAE latents
+    of the first frame followed by empty frames, normalised), and with an image encoder the CLIP
+    context of the frame (``encode_image``, ``[257, D]`` for ViT-H/14)."""
+    from PIL import Image
+
+    frames, height, width = pixels.shape[1:]
+    z_dim = pipe.vae.config.z_dim
+    shape = (1, z_dim, (frames - 1) // pipe.vae_scale_factor_temporal + 1, height // pipe.vae_scale_factor_spatial,
+             width // pipe.vae_scale_factor_spatial)  # fmt: skip
+    # Given latents the pipeline draws no noise: only the condition is wanted.
+    _, condition = pipe.prepare_latents(pixels[:, 0][None].to(device), 1, z_dim, height, width, frames,
+                                        torch.float32, device, latents=torch.zeros(shape, device=device))  # fmt: skip
+    sample = {"condition": condition[0].float()}
+    if pipe.image_encoder is not None:
+        first = ((pixels[:, 0].permute(1, 2, 0).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+        sample["encoder_hidden_states_image"] = pipe.encode_image(Image.fromarray(first), device)[0].float()
+    return sample
+
+
 def main() -> int:
-    from diffusers import WanPipeline
+    from diffusers import WanImageToVideoPipeline, WanPipeline
 
     out, inputs, pretrained = Path(args.out), Path(args.inputs), Path(args.pretrained)
     max_frames = args.max_frames or None
@@ -116,10 +150,14 @@ def main() -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # The VAE in fp32, as Wan's pipelines run it; the text encoder in bf16 on a GPU.
-    pipe = WanPipeline.from_pretrained(pretrained, transformer=None, transformer_2=None,
-                                       torch_dtype={"vae": torch.float32, "default": dtype})  # fmt: skip
+    i2v = image_to_video(pretrained)
+    pipeline_class = WanImageToVideoPipeline if i2v else WanPipeline
+    pipe = pipeline_class.from_pretrained(pretrained, transformer=None, transformer_2=None,
+                                          torch_dtype={"vae": torch.float32, "default": dtype})  # fmt: skip
     pipe.vae.to(device)
     pipe.text_encoder.to(device)
+    if i2v and pipe.image_encoder is not None:
+        pipe.image_encoder.to(device)
     if args.vae_tiling:
         pipe.vae.enable_tiling()
     vae = pipe.vae.config
@@ -143,13 +181,14 @@ def main() -> int:
                                   "pass --vae-tiling") from None  # fmt: skip
                 text, _ = pipe.encode_prompt(caption, do_classifier_free_guidance=False,
                                              max_sequence_length=args.max_sequence_length, device=device)  # fmt: skip
+                condition = image_condition(pipe, source.pixels, device) if i2v else {}
         except Refused as error:
             refused[path.name] = error
             print(f"refused {path.name}: {error}", file=sys.stderr)
             continue
         latents = (z.float() - mean) / std  # WanPipeline decodes latents * std + mean
         name = f"{len(written):08d}.safetensors"
-        save_video_sample(out / name, {"latents": latents, "encoder_hidden_states": text[0]}, {
+        save_video_sample(out / name, {"latents": latents, "encoder_hidden_states": text[0], **condition}, {
             "source": path.name, "caption": caption, "kind": "video" if source.is_video else "image",
             "frames_read": source.source_frames, "frames": source.frames, "fps": source.fps or "",
             "source_size": "x".join(map(str, source.source_size)), "size": "x".join(map(str, source.size)),

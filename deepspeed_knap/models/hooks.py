@@ -19,7 +19,24 @@ import torch
 from torch import Tensor, nn
 
 from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents
+from deepspeed_knap.models.lora import adapter_state_dict, lora_config, save_adapter
 from deepspeed_knap.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One step's samples as the model takes them and what it must predict.
+
+    Attributes:
+        samples: the noised per-sample inputs ``model.pack`` takes.
+        targets: ``[L_i, C]`` each sample's target rows, in the order of the model's packed output.
+        weights: ``[L_i]`` each row's weight in the loss (0: none, e.g. a clean conditioning
+            frame's), or ``None``: every row 1.
+    """
+
+    samples: list[dict[str, Tensor]]
+    targets: list[Tensor]
+    weights: list[Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -57,24 +74,36 @@ class ValidationHooks(ABC):
         guidance = self.default_guidance if settings.guidance is None else settings.guidance
         return {**options, "guidance_scale": guidance}
 
-    @abstractmethod
-    def tiny_components(self, config: Mapping, seed: int) -> dict[str, Any]:
-        """Small random pipeline parts but the transformer that fit a tiny ``config`` (no download)."""
+    def pipeline(self, model: nn.Module) -> tuple[str, dict[str, Any]]:
+        """The diffusers pipeline class that renders ``model`` and the pipeline config it is built
+        with beside its parts (a two-expert model's ``boundary_ratio``)."""
+        return self.spec.pipeline, {}
 
-    def components(self, model_path: str | None, config: Mapping, seed: int, dtype: torch.dtype) -> dict[str, Any]:
-        """The pipeline's parts but the transformer: the checkpoint's, or tiny random ones without a
+    @abstractmethod
+    def tiny_components(self, model: nn.Module, seed: int) -> dict[str, Any]:
+        """Small random pipeline parts but the transformers that fit a tiny model (no download)."""
+
+    def components(self, model_path: str | None, model: nn.Module, seed: int, dtype: torch.dtype) -> dict[str, Any]:
+        """The pipeline's parts but the transformers: the checkpoint's, or tiny random ones without a
         ``model_path``."""
         if model_path is None:
-            return self.tiny_components(config, seed)
+            return self.tiny_components(model, seed)
         import diffusers
 
-        pipeline = getattr(diffusers, self.spec.pipeline)
-        return pipeline.from_pretrained(model_path, transformer=None, torch_dtype=dtype).components
+        pipeline = getattr(diffusers, self.pipeline(model)[0])
+        second = {"transformer_2": None} if "transformer_2" in pipeline._optional_components else {}
+        return pipeline.from_pretrained(model_path, transformer=None, **second, torch_dtype=dtype).components
 
-    def render(self, pipe: Any, prompt: str, generator: torch.Generator, options: Mapping, path: Path) -> Path:
+    def call(self, line: str, directory: Path) -> dict[str, Any]:
+        """A prompts file's line as the pipeline's arguments (``directory``: the file's, for paths
+        it names)."""
+        return {"prompt": line}
+
+    def render(self, pipe: Any, call: Mapping[str, Any], generator: torch.Generator, options: Mapping,
+               path: Path) -> Path:  # fmt: skip
         """Render one validation prompt to ``path`` (without its suffix); returns the file written."""
         file = path.with_suffix(".png")
-        pipe(prompt, generator=generator, **options).images[0].save(file)
+        pipe(**call, generator=generator, **options).images[0].save(file)
         return file
 
 
@@ -97,10 +126,34 @@ class TrainingHooks(ABC):
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
 
+    def check_arguments(self, arguments: Any) -> None:
+        """Refuse arguments this family cannot train with, before any weight loads (reads only
+        small files, such as a pipeline's ``model_index.json``; the trainer agrees on the outcome).
+
+        Raises:
+            ValueError: naming the argument and the fix.
+        """
+        return None
+
+    def load_model(self, arguments: Any, options: Mapping[str, Any]) -> nn.Module:
+        """The model to train: ``arguments.model_path``'s checkpoint (collective; under ZeRO-3 each
+        rank reads only its partitions) or a tiny random one, with ``options``
+        (``gradient_checkpointing``)."""
+        if arguments.model_path is None:
+            return self.spec.tiny_model(**options)
+        return self.spec.model_class.from_pretrained(arguments.model_path, ds_config=arguments.deepspeed_config,
+                                                     **options)  # fmt: skip
+
     def refuse(self, model: nn.Module, model_path: str | None) -> str | None:
         """Why this checkpoint cannot be trained here, or ``None``. Read from the config (and files
         that are the same on every rank): the trainer still agrees on the answer."""
         return None
+
+    def save_adapters(self, model: nn.Module, state: Mapping[str, Tensor], directory: Path) -> list[tuple[Path, dict]]:
+        """Write the LoRA adapter of ``model``'s full ``state`` as the family's pipeline loads it;
+        returns each file written and the ``load_lora_weights`` keywords that load it."""
+        adapter = adapter_state_dict(model, state)
+        return [(save_adapter(directory, adapter, lora_config(model), self.spec.lora_loader), {})]
 
     @abstractmethod
     def synthetic_data(self, mix: str, config: Mapping, token_scale: float, seed: int) -> SyntheticMixLatents:
@@ -112,9 +165,9 @@ class TrainingHooks(ABC):
 
     @abstractmethod
     def objective(self, latents: Sequence[Mapping[str, Tensor]], generator: torch.Generator, config: Mapping,
-                  guidance: float | None) -> tuple[list[dict[str, Tensor]], list[Tensor]]:  # fmt: skip
-        """``(model samples, targets)``: the noised inputs ``model.pack`` takes and each sample's
-        target rows, in the order of the model's packed output."""
+                  guidance: float | None) -> Objective:  # fmt: skip
+        """The noised inputs ``model.pack`` takes and each sample's target rows, in the order of the
+        model's packed output."""
 
     def pack(self, model: nn.Module, samples: list[dict[str, Tensor]], balanced: bool) -> tuple[Any, str | None]:
         """``(packed inputs, None)``, or ``(None, why)`` for samples the model cannot pack where the

@@ -84,13 +84,18 @@ def non_float_tensors(file: str | Path, headers: Mapping[str, tuple[tuple[int, .
     return None
 
 
-def flow_noise(x0: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+def flow_noise(x0: Tensor, generator: torch.Generator,
+               sigma_range: tuple[float, float] | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``(sigma, noisy, velocity)`` of one sample's flow-matching step (FLUX's rectified flow, Wan's
     flow matching): ``sigma = sigmoid(n)``, ``n ~ N(0, 1)`` (logit-normal), a 0-dim tensor in
     ``x0``'s dtype, one value for the mix and the timestep; ``noisy = (1 - sigma) * x0 + sigma *
     noise`` and the target ``velocity = noise - x0``, both shaped as ``x0``. Draws ``n``, then the
-    noise (fp32), from ``generator``."""
-    sigma = torch.sigmoid(torch.randn((), generator=generator)).to(x0.dtype)
+    noise (fp32), from ``generator``. ``sigma_range`` ``(lo, hi)``: the logit-normal draw scaled into
+    it (one expert of a two-expert model trains on its side of the boundary)."""
+    sigma = torch.sigmoid(torch.randn((), generator=generator))
+    if sigma_range is not None:
+        sigma = sigma_range[0] + (sigma_range[1] - sigma_range[0]) * sigma
+    sigma = sigma.to(x0.dtype)
     noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.dtype)
     return sigma, (1 - sigma) * x0 + sigma * noise, noise - x0
 

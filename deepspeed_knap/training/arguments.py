@@ -29,6 +29,13 @@ class TrainingArguments:
         steps: train until this many steps are done (resumed ones count).
         lr: AdamW's learning rate, unless the DeepSpeed config has an optimizer.
         guidance: the guidance scale fed to guidance-distilled models.
+        expert: a two-expert model (Wan 2.2 A14B): ``"both"`` (the default for a two-expert pipeline:
+            each sample's noise level picks its expert), ``"high"`` or ``"low"`` (that expert alone,
+            on its side of the pipeline's ``boundary_ratio``). ``None``: the checkpoint's one model.
+        first_frame_share: Wan 2.2 TI2V's image-to-video training: the share of clips trained with
+            their first latent frame clean (timestep 0, no loss), as ``WanImageToVideoPipeline``
+            with ``expand_timesteps`` generates them. ``None``: 0.5 for a pipeline with
+            ``expand_timesteps``, else 0.
         gradient_checkpointing: recompute each block in backward.
         seed: the same initial weights (and LoRA A matrices) on every rank; the data's draws.
         lora_rank: train LoRA adapters of this rank instead of every weight (0: full fine-tuning).
@@ -57,6 +64,8 @@ class TrainingArguments:
     steps: int = 10
     lr: float = 1e-5
     guidance: float = 1.0
+    expert: str | None = None
+    first_frame_share: float | None = None
     gradient_checkpointing: bool = False
     seed: int = 0
     lora_rank: int = 0
@@ -79,6 +88,10 @@ class TrainingArguments:
     def __post_init__(self) -> None:
         if self.family not in SPECS:
             raise ValueError(f"family {self.family!r}: choose one of {', '.join(SPECS)}")
+        if self.expert not in (None, "high", "low", "both"):
+            raise ValueError(f"expert {self.expert!r}: choose high, low or both")
+        if self.first_frame_share is not None and not 0 <= self.first_frame_share <= 1:
+            raise ValueError(f"first_frame_share {self.first_frame_share} must lie in [0, 1]")
         if self.validation_every and not self.validation_prompts:
             raise ValueError("validation_every needs validation_prompts (a file of prompts, one per line)")
 
@@ -121,6 +134,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--lr", type=float, default=1e-5, help="AdamW learning rate (unless the config has an optimizer)"
     )
     parser.add_argument("--guidance", type=float, default=1.0, help="guidance scale fed to guidance-distilled models")
+    parser.add_argument("--expert", choices=["high", "low", "both"], default=None,
+                        help="a two-expert model (Wan 2.2 A14B): both (default: each sample's noise level picks its "
+                        "expert), or the high- or low-noise expert alone on its side of boundary_ratio")  # fmt: skip
+    parser.add_argument("--first-frame-share", type=float, default=None,
+                        help="Wan 2.2 TI2V: the share of clips trained image-conditioned (first latent frame clean, "
+                        "timestep 0, no loss); default 0.5 with expand_timesteps, else 0")  # fmt: skip
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -35,6 +35,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -44,10 +45,11 @@ import torch
 from tqdm import tqdm
 
 from deepspeed_knap.engine import global_mean_loss, initialize, token_mean_loss
-from deepspeed_knap.models.auto import from_pretrained
-from deepspeed_knap.models.hooks import ValidationSettings
+from deepspeed_knap.models.auto import checkpoint_family
+from deepspeed_knap.models.hooks import Objective, ValidationSettings
 from deepspeed_knap.models.latents import LatentFileError, check_latent_directory
-from deepspeed_knap.models.lora import adapter_state_dict, add_lora, lora_config, save_adapter
+from deepspeed_knap.models.loading import checked, plain_ds_config
+from deepspeed_knap.models.lora import add_lora
 from deepspeed_knap.models.registry import spec
 from deepspeed_knap.runtime.checkpoint import CheckpointError, load_checkpoint
 from deepspeed_knap.runtime.config import load_ds_config
@@ -91,10 +93,16 @@ class Trainer:
         a = arguments
         torch.manual_seed(a.seed)  # the same initial weights (and LoRA A matrices) on every rank
         options = dict(gradient_checkpointing=a.gradient_checkpointing)
-        if a.model_path:  # the family from config.json; under ZeRO-3 each rank reads only the partitions it keeps
-            model = from_pretrained(a.model_path, ds_config=a.deepspeed_config, **options)
+        if a.model_path:  # the family from config.json, agreed on by every rank
+            plain = plain_ds_config(a.deepspeed_config)
+            family = checked(plain, "reading a checkpoint's model family", lambda: checkpoint_family(a.model_path))
         else:
-            model = spec(a.family).tiny_model(**options)
+            family = a.family
+        self.hooks = spec(family).hooks()
+        ds_config = plain_ds_config(a.deepspeed_config) if a.model_path else None
+        checked(ds_config, "checking the training arguments", lambda: self.hooks.check_arguments(a))
+        # Under ZeRO-3 each rank reads only the partitions it keeps (collective: errors agreed inside).
+        model = self.hooks.load_model(a, options)
         if a.lora_rank:
             add_lora(model, a.lora_rank, a.lora_alpha, a.lora_targets)
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -110,7 +118,6 @@ class Trainer:
         dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the files can go
         unlink_own_shm_buffer(self.rank)
         self.model = self.engine.module
-        self.hooks = self.model.spec.hooks()
         self.dtype = next(self.model.parameters()).dtype  # bf16 under a "bf16" config: inputs must match
         self.guidance = a.guidance if self.model.config.get("guidance_embeds") else None
         self.raise_together(self.hooks.refuse(self.model, a.model_path))
@@ -185,11 +192,18 @@ class Trainer:
         elif a.model_path and not problem and not os.path.isfile(os.path.join(a.model_path, "model_index.json")):
             problem = (f"--validation-every needs --model-path to be a {family.pipeline} directory (with "
                        f"model_index.json); {a.model_path} is not")  # fmt: skip
+        hooks = validation(family)
+        calls = []
+        if not problem:
+            try:
+                calls = [hooks.call(line, Path(a.validation_prompts).parent) for line in prompts]
+            except (OSError, ValueError) as error:
+                problem = f"--validation-prompts {a.validation_prompts}: {error}"
         self.raise_together(problem)
         settings = ValidationSettings(a.tiny, a.validation_resolution, a.validation_width, a.validation_frames,
                                       a.validation_inference_steps, a.validation_guidance)  # fmt: skip
-        return Validator(validation(family), prompts, settings, a.model_path, a.validation_dir, a.seed,
-                         a.validation_timeout)  # fmt: skip
+        return Validator(hooks, calls, settings, a.model_path, a.validation_dir, a.seed, a.validation_timeout,
+                         self.hooks.save_adapters)  # fmt: skip
 
     # ---- one step ----
 
@@ -202,10 +216,8 @@ class Trainer:
         samples = self.data.step_samples(step, self.rank, self.world, self.dtype)
         return [f"synthetic sample {i} of rank {self.rank} at step {step}" for i in range(len(samples))], samples
 
-    def step_inputs(
-        self, step: int, position: int
-    ) -> tuple[tuple[list[str], Any, list[torch.Tensor]] | None, str | None]:
-        """This rank's ``(sample names, packed noised inputs, flow-matching targets)`` of a step, on the
+    def step_inputs(self, step: int, position: int) -> tuple[tuple[list[str], Any, Objective] | None, str | None]:
+        """This rank's ``(sample names, packed noised inputs, objective)`` of a step, on the
         CPU (the next step's wait there while this one runs), and ``None``; or ``None`` and why a file
         could not be used (unreadable, or not what its manifest says): the ranks agree on it before
         anyone trains on that step (the step before's all-reduce carries the count)."""
@@ -214,11 +226,11 @@ class Trainer:
         except LatentFileError as error:
             return None, str(error)
         generator = torch.Generator().manual_seed((self.arguments.seed * 7919 + step) * 4099 + self.rank)
-        samples, targets = self.hooks.objective(latents, generator, self.model.config, self.guidance)
-        inputs, problem = self.hooks.pack(self.model, samples, self.balancer is not None)
+        objective = self.hooks.objective(latents, generator, self.model.config, self.guidance)
+        inputs, problem = self.hooks.pack(self.model, objective.samples, self.balancer is not None)
         if problem:
             return None, f"{problem} (files {names})"
-        return (names, inputs, targets), None
+        return (names, inputs, objective), None
 
     def _prefetch(self, next_inputs: tuple | None) -> None:
         """Solve the next step's plan in the plan worker while this step runs. Collective: a rank
@@ -246,7 +258,7 @@ class Trainer:
         self.raise_together(unusable)
         for step in self.progress:
             start = time.perf_counter()
-            names, inputs, targets = next_inputs
+            names, inputs, objective = next_inputs
             inputs = inputs.to(self.engine.device)
             self.position += self.world * a.samples_per_rank  # the next step's first file
             unusable = None
@@ -254,7 +266,7 @@ class Trainer:
                 next_inputs, unusable = self.step_inputs(step + 1, self.position)
                 if self.balancer is not None:
                     self._prefetch(next_inputs)
-            loss, tokens = self._forward_backward(step, names, inputs, targets, unusable)
+            loss, tokens = self._forward_backward(step, names, inputs, objective, unusable)
             self.engine.step()
             mean_loss = global_mean_loss(loss)  # also a barrier: the step is over everywhere
             losses.append(mean_loss)
@@ -262,7 +274,7 @@ class Trainer:
             self._after_step(step + 1)
         return losses
 
-    def _forward_backward(self, step: int, names: list[str], inputs: Any, targets: list[torch.Tensor],
+    def _forward_backward(self, step: int, names: list[str], inputs: Any, objective: Objective,
                           unusable: str | None) -> tuple[torch.Tensor, float]:  # fmt: skip
         """The step's loss after its backward, and the step's tokens over all ranks."""
         try:  # [tokens, C] for this rank's predicted tokens
@@ -272,6 +284,7 @@ class Trainer:
                 raise
             # a sample a rank could not pack, raised on every rank by the step's first collective
             raise TrainingError(str(error)) from None
+        targets = objective.targets
         target = torch.cat(targets).to(prediction.device) if targets else torch.zeros_like(prediction)
         per_token = (prediction.float() - target.float()).square().mean(dim=-1)  # [tokens]
         per_sample = per_token.split([len(rows) for rows in targets]) if targets else ()
@@ -286,7 +299,10 @@ class Trainer:
             found = [f"non-finite loss at step {step} in {nonfinite}"] if nonfinite else []
             found += [f"step {step + 1}'s data: {unusable}"] if unusable else []
             self.raise_together("; ".join(found) or None)
-        loss = token_mean_loss(per_token)
+        weights = None
+        if objective.weights is not None:  # rows out of the loss (a clean conditioning frame's)
+            weights = torch.cat(objective.weights).to(per_token.device, per_token.dtype)
+        loss = token_mean_loss(per_token, weights)
         self.engine.backward(loss)
         return loss, totals[0].item()
 
@@ -356,9 +372,8 @@ class Trainer:
                 if self.rank == 0:
                     state = {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()
                              if p.requires_grad}  # fmt: skip
-                    path = save_adapter(export_dir, adapter_state_dict(self.model, state), lora_config(self.model),
-                                        self.model.spec.lora_loader)  # fmt: skip
-                    print(f"exported the LoRA adapter to {path}", flush=True)
+                    for path, _ in self.hooks.save_adapters(self.model, state, Path(export_dir)):
+                        print(f"exported the LoRA adapter to {path}", flush=True)
         else:
             state = self.current_state_dict() if self.engine.zero_optimization_stage() == 3 else None
             if self.rank == 0:

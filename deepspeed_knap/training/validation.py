@@ -5,6 +5,7 @@ while the other ranks wait in a barrier of their own, longer than a collective's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import torch.distributed
 from torch import nn
 
 from deepspeed_knap.models.hooks import ValidationHooks, ValidationSettings
-from deepspeed_knap.models.lora import adapter_state_dict, base_state_dict, lora_config, save_adapter
+from deepspeed_knap.models.lora import base_state_dict, lora_config
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -34,18 +35,22 @@ class Validator:
 
     Args:
         hooks: the family's validation hooks.
-        prompts: the prompts, one render each.
+        prompts: the pipeline's arguments of each render (:meth:`ValidationHooks.call` of a line).
         settings: sizes, steps and guidance as the user gave them.
         model_path: the checkpoint (its pipeline's parts are loaded once, on rank 0), or ``None``:
             tiny random parts.
         out: where the renders go.
         seed: render ``i`` draws from ``seed + i``.
         timeout_minutes: how long the other ranks wait for rank 0's renders.
+        save_adapters: writes a LoRA model's adapters as the pipeline loads them (the family's
+            :meth:`~deepspeed_knap.models.hooks.TrainingHooks.save_adapters`).
     """
 
-    def __init__(self, hooks: ValidationHooks, prompts: list[str], settings: ValidationSettings,
-                 model_path: str | None, out: str | Path, seed: int, timeout_minutes: float) -> None:  # fmt: skip
+    def __init__(self, hooks: ValidationHooks, prompts: list[dict[str, Any]], settings: ValidationSettings,
+                 model_path: str | None, out: str | Path, seed: int, timeout_minutes: float,
+                 save_adapters: Callable[[nn.Module, Mapping, Path], list[tuple[Path, dict]]]) -> None:  # fmt: skip
         self.hooks, self.prompts, self.model_path, self.out, self.seed = hooks, prompts, model_path, Path(out), seed
+        self.save_adapters = save_adapters
         self.options = hooks.options(settings)
         # Collective: every rank creates the group (gloo, on the host: the wait is long, not a step's).
         self.wait_group = torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
@@ -60,25 +65,25 @@ class Validator:
 
         # Quiet diffusers' note that the text encoders get no LoRA weights (we train none).
         diffusers.utils.logging.set_verbosity_error()
-        spec = self.hooks.spec
+        name, config = self.hooks.pipeline(model)
         if self._components is None:
-            self._components = self.hooks.components(self.model_path, model.config, self.seed, dtype)
-            self._components.pop("transformer", None)
+            self._components = self.hooks.components(self.model_path, model, self.seed, dtype)
+            for part in ("transformer", "transformer_2"):
+                self._components.pop(part, None)
         self.out.mkdir(parents=True, exist_ok=True)
         lora = lora_config(model)
         transformers = type(model).pipeline_transformers(model.config, base_state_dict(state) if lora else state)
-        pipe = getattr(diffusers, spec.pipeline)(**self._components, **transformers).to(device)
+        pipe = getattr(diffusers, name)(**self._components, **transformers, **config).to(device)
         pipe.set_progress_bar_config(disable=True)  # one line per render instead
         if lora:
-            adapter = save_adapter(self.out / f"step{steps_done:06d}_adapter", adapter_state_dict(model, state), lora,
-                                   spec.lora_loader)  # fmt: skip
-            pipe.load_lora_weights(adapter.parent)
+            for adapter, load in self.save_adapters(model, state, self.out / f"step{steps_done:06d}_adapter"):
+                pipe.load_lora_weights(adapter.parent, **load)
         files = []
-        for index, prompt in enumerate(self.prompts):
+        for index, call in enumerate(self.prompts):
             generator = torch.Generator().manual_seed(self.seed + index)
-            path = self.hooks.render(pipe, prompt, generator, self.options,
+            path = self.hooks.render(pipe, call, generator, self.options,
                                      self.out / f"step{steps_done:06d}_prompt{index:02d}")  # fmt: skip
-            files.append((path, prompt))
+            files.append((path, call["prompt"]))
         pipe.to("cpu")  # the text encoders and VAE wait on the CPU, off the training GPU
         return files
 

@@ -24,7 +24,9 @@ def test_flow_matching_noises_each_sample_at_its_own_level_and_targets_the_veloc
         {"latents": torch.randn(4, 3, 4, 6, generator=g), "encoder_hidden_states": torch.randn(5, 24, generator=g)},
         {"latents": torch.randn(4, 1, 8, 2, generator=g), "encoder_hidden_states": torch.randn(2, 24, generator=g)},
     ]
-    samples, targets = flow_matching(latents, torch.Generator().manual_seed(1), [1, 2, 2])
+    objective = flow_matching(latents, torch.Generator().manual_seed(1), [1, 2, 2])
+    samples, targets = objective.samples, objective.targets
+    assert objective.weights is None  # every row in the loss
     sigmas = []
     for latent, sample, target in zip(latents, samples, targets, strict=True):
         x0 = latent["latents"]
@@ -36,6 +38,50 @@ def test_flow_matching_noises_each_sample_at_its_own_level_and_targets_the_veloc
         assert sample["encoder_hidden_states"] is latent["encoder_hidden_states"]
         sigmas.append(float(sigma))
     assert min(sigmas) > 0 and max(sigmas) < 1 and sigmas[0] != sigmas[1]
+
+
+def test_one_expert_draws_its_noise_levels_on_its_side_of_the_boundary():
+    """Wan 2.2 A14B trained one expert at a time: the high-noise expert's timesteps are at least
+    boundary * 1000 (the pipeline runs it at t >= boundary * 1000), the low-noise one's below."""
+    g = torch.Generator().manual_seed(0)
+    latents = [{"latents": torch.randn(4, 1, 2, 2, generator=g), "encoder_hidden_states": torch.randn(2, 24, generator=g)}
+               for _ in range(64)]  # fmt: skip
+    high = flow_matching(latents, torch.Generator().manual_seed(1), [1, 2, 2], sigma_range=(0.875, 1.0)).samples
+    low = flow_matching(latents, torch.Generator().manual_seed(1), [1, 2, 2], sigma_range=(0.0, 0.875)).samples
+    assert min(float(s["timestep"]) for s in high) >= 875 and max(float(s["timestep"]) for s in low) < 875
+    both = [float(s["timestep"]) for s in flow_matching(latents, torch.Generator().manual_seed(1), [1, 2, 2]).samples]
+    assert min(both) < 875 <= max(both)  # both: the draw picks the expert
+
+
+def test_image_to_video_samples_feed_the_condition_beside_the_noisy_latents():
+    """WanImageToVideoPipeline's input: [noisy latents | first-frame mask | first-frame latents] on
+    the channels; the target is the noisy latents' velocity only; the CLIP context goes along."""
+    g = torch.Generator().manual_seed(0)
+    x0, condition = torch.randn(4, 3, 2, 2, generator=g), torch.randn(8, 3, 2, 2, generator=g)
+    image = torch.randn(5, 8, generator=g)
+    latent = {"latents": x0, "encoder_hidden_states": torch.randn(2, 24, generator=g), "condition": condition,
+              "encoder_hidden_states_image": image}  # fmt: skip
+    (sample,), (target,) = (lambda o: (o.samples, o.targets))(flow_matching([latent], g, [1, 2, 2]))
+    assert sample["hidden_states"].shape == (12, 3, 2, 2) and torch.equal(sample["hidden_states"][4:], condition)
+    assert target.shape == (3 * 1 * 1, 4 * 4) and sample["encoder_hidden_states_image"] is image
+
+
+def test_ti2v_image_conditioned_clips_keep_the_first_frame_clean_at_timestep_zero_out_of_the_loss():
+    """Wan 2.2 TI2V (expand_timesteps): a clip trained image-conditioned has its first latent frame
+    clean in the input, those tokens at timestep 0 and weight 0; the rest as text-to-video. An image
+    (one latent frame) is never conditioned on itself."""
+    g = torch.Generator().manual_seed(0)
+    clip = {"latents": torch.randn(4, 3, 4, 2, generator=g), "encoder_hidden_states": torch.randn(2, 24, generator=g)}
+    still = {"latents": torch.randn(4, 1, 4, 2, generator=g), "encoder_hidden_states": torch.randn(2, 24, generator=g)}
+    objective = flow_matching([clip, still], torch.Generator().manual_seed(1), [1, 2, 2], first_frame_share=1.0)
+    (conditioned, image), (weights, image_weights) = objective.samples, objective.weights
+    frame = 2 * 1  # tokens of one latent frame: 4 / 2 x 2 / 2
+    assert torch.equal(conditioned["hidden_states"][:, :1], clip["latents"][:, :1])
+    assert not torch.equal(conditioned["hidden_states"][:, 1:], clip["latents"][:, 1:])
+    assert conditioned["timestep"].shape == (3 * frame,) and (conditioned["timestep"][:frame] == 0).all()
+    assert (conditioned["timestep"][frame:] > 0).all() and len(set(conditioned["timestep"][frame:].tolist())) == 1
+    assert weights.tolist() == [0.0] * frame + [1.0] * 2 * frame and (image_weights == 1).all()
+    assert image["timestep"].dim() == 0
 
 
 def test_synthetic_clips_have_the_mix_sizes_scaled():
@@ -59,7 +105,7 @@ def test_prepared_file_check_names_each_problem(tmp_path):
     good = {"latents": torch.zeros(4, 2, 4, 6), "encoder_hidden_states": torch.zeros(16, 24)}
     cases = {
         "good": (good, None),
-        "channels": ({**good, "latents": torch.zeros(6, 2, 4, 6)}, "must be [C, F, H, W] with C = in_channels = 4"),
+        "channels": ({**good, "latents": torch.zeros(6, 2, 4, 6)}, "must be [C, F, H, W] with C = 4 latent channels"),
         "odd": ({**good, "latents": torch.zeros(4, 2, 5, 6)}, "height 5 not a positive multiple of the patch"),
         "text": ({**good, "encoder_hidden_states": torch.zeros(16, 32)}, "must be [Lt >= 1, text_dim = 24]"),
         "rope": ({**good, "latents": torch.zeros(4, 65, 2, 2)}, "exceeds the model's rope_max_seq_len=64"),
@@ -76,7 +122,20 @@ def test_prepared_file_check_names_each_problem(tmp_path):
     from safetensors.torch import save_file
 
     save_file({**good, "img_ids": torch.zeros(3, 3)}, str(tmp_path / "flux.safetensors"))
-    assert "a video latent sample holds exactly" in check_video_latent_file(tmp_path / "flux.safetensors", config)
+    assert "a video latent sample for this model holds exactly" in check_video_latent_file(
+        tmp_path / "flux.safetensors", config
+    )
+    # An image-to-video model's samples hold its condition and, with image_dim, the CLIP context.
+    i2v = {**config, "in_channels": 12, "out_channels": 4, "image_dim": 8, "added_kv_proj_dim": 72}
+    assert "holds exactly ['latents', 'encoder_hidden_states', 'condition', 'encoder_hidden_states_image']" in (
+        check_video_latent_file(tmp_path / "good.safetensors", i2v)
+    )
+    save_video_sample(tmp_path / "i2v.safetensors", {**good, "condition": torch.zeros(8, 2, 4, 6),
+                                                      "encoder_hidden_states_image": torch.zeros(3, 8)})  # fmt: skip
+    assert check_video_latent_file(tmp_path / "i2v.safetensors", i2v) is None
+    save_video_sample(tmp_path / "short.safetensors", {**good, "condition": torch.zeros(8, 1, 4, 6),
+                                                        "encoder_hidden_states_image": torch.zeros(3, 8)})  # fmt: skip
+    assert "condition [8, 1, 4, 6] must be [8, 2, 4, 6]" in check_video_latent_file(tmp_path / "short.safetensors", i2v)
 
 
 def test_wan14b_config_fits_wan21_14b_and_its_cap_holds_a_full_size_step():

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from deepspeed_knap.models.flux.data import SyntheticLatents, latent_directory, rectified_flow
-from deepspeed_knap.models.hooks import TrainingHooks, ValidationHooks
+from deepspeed_knap.models.hooks import Objective, TrainingHooks, ValidationHooks
 from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents
 
 
@@ -118,8 +118,8 @@ def tiny_flux2_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> 
 class FluxValidation(ValidationHooks):
     """Validation images through diffusers' ``FluxPipeline`` (FLUX.1)."""
 
-    def tiny_components(self, config: Mapping, seed: int) -> dict[str, Any]:
-        return tiny_pipeline_components(config, seed)
+    def tiny_components(self, model: nn.Module, seed: int) -> dict[str, Any]:
+        return tiny_pipeline_components(model.config, seed)
 
 
 class Flux2Validation(ValidationHooks):
@@ -127,8 +127,8 @@ class Flux2Validation(ValidationHooks):
 
     default_guidance = 4.0
 
-    def tiny_components(self, config: Mapping, seed: int) -> dict[str, Any]:
-        return tiny_flux2_pipeline_components(config, seed)
+    def tiny_components(self, model: nn.Module, seed: int) -> dict[str, Any]:
+        return tiny_flux2_pipeline_components(model.config, seed)
 
 
 class FluxTraining(TrainingHooks):
@@ -145,8 +145,8 @@ class FluxTraining(TrainingHooks):
         return latent_directory(path, samples_per_rank, repeat)
 
     def objective(self, latents: Sequence[Mapping[str, Tensor]], generator: torch.Generator, config: Mapping,
-                  guidance: float | None) -> tuple[list[dict[str, Tensor]], list[Tensor]]:  # fmt: skip
-        return rectified_flow(latents, generator, guidance)
+                  guidance: float | None) -> Objective:  # fmt: skip
+        return Objective(*rectified_flow(latents, generator, guidance))
 
 
 class Flux2Training(FluxTraining):

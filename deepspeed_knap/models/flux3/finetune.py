@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from deepspeed_knap.models.flux3.data import SyntheticFlux3Latents, latent_directory, rectified_flow
-from deepspeed_knap.models.hooks import TrainingHooks
+from deepspeed_knap.models.hooks import Objective, TrainingHooks
 from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents
 
 
@@ -40,8 +40,8 @@ class Flux3Training(TrainingHooks):
         return latent_directory(path, samples_per_rank, repeat)
 
     def objective(self, latents: Sequence[Mapping[str, Tensor]], generator: torch.Generator, config: Mapping,
-                  guidance: float | None) -> tuple[list[dict[str, Tensor]], list[Tensor]]:  # fmt: skip
-        return rectified_flow(latents, generator)
+                  guidance: float | None) -> Objective:  # fmt: skip
+        return Objective(*rectified_flow(latents, generator))
 
     def pack(self, model: nn.Module, samples: list[dict[str, Tensor]], balanced: bool) -> tuple[Any, str | None]:
         if balanced:  # the step's first collective raises a bad sample on every rank

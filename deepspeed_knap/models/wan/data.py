@@ -73,6 +73,12 @@ VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 CAPTION_SUFFIX = ".txt"
 VIDEO_LATENT_KEYS = ("latents", "encoder_hidden_states")
+# Image-to-video samples also hold the pipeline's condition (``WanImageToVideoPipeline.prepare_latents``:
+# the first-frame mask, 4 channels, then the VAE latents of the first frame and zeros), and for a model
+# with ``image_dim`` (Wan 2.1 I2V) the CLIP image context.
+CONDITION_KEY, IMAGE_CONTEXT_KEY = "condition", "encoder_hidden_states_image"
+# Image context rows (CLIP ViT-H/14 at 224 px: 256 patches and the class token) before a mix's scale.
+IMAGE_CONTEXT_TOKENS = 257
 
 
 class Refused(ValueError):
@@ -265,7 +271,8 @@ def read_source(
 
 
 def save_video_sample(path: str | Path, sample: Mapping[str, Tensor], metadata: Mapping[str, object] = ()) -> None:
-    """Write one video latent sample (:data:`VIDEO_LATENT_KEYS`) as ``.safetensors``, ``metadata``
+    """Write one video latent sample (:data:`VIDEO_LATENT_KEYS`, and an image-to-video sample's
+    ``condition`` and ``encoder_hidden_states_image``) as ``.safetensors``, ``metadata``
     (stringified) in its header."""
     from safetensors.torch import save_file
 
@@ -275,7 +282,8 @@ def save_video_sample(path: str | Path, sample: Mapping[str, Tensor], metadata: 
     latents, text = sample["latents"], sample["encoder_hidden_states"]
     if latents.dim() != 4 or text.dim() != 2:
         raise ValueError(f"latents {list(latents.shape)} must be [C, F, H, W], text {list(text.shape)} [Lt, Dj]")
-    tensors = {key: sample[key].detach().contiguous().cpu() for key in VIDEO_LATENT_KEYS}
+    keys = [key for key in (*VIDEO_LATENT_KEYS, CONDITION_KEY, IMAGE_CONTEXT_KEY) if key in sample]
+    tensors = {key: sample[key].detach().contiguous().cpu() for key in keys}
     save_file(tensors, str(path), metadata={str(k): str(v) for k, v in dict(metadata).items()})
 
 
@@ -292,12 +300,16 @@ def load_video_sample(path: str | Path) -> tuple[dict[str, Tensor], dict[str, st
     return tensors, metadata
 
 
-def tiny_wan_pipeline(text_dim: int = 24, z_dim: int = 4, seed: int = 0):
+def tiny_wan_pipeline(text_dim: int = 24, z_dim: int = 4, seed: int = 0, image_to_video: bool = False,
+                      image_dim: int | None = None):  # fmt: skip
     """A ``WanPipeline`` of tiny random components for tests and CPU demos, built offline: an
     ``AutoencoderKLWan`` (spatial 8, temporal 4, ``z_dim`` channels), a 2-layer ``UMT5EncoderModel``
     of width ``text_dim``, a word-level tokenizer made with ``tokenizers`` (no download), a UniPC
-    scheduler, no transformer. ``text_dim``/``z_dim`` match ``wan.TINY_WAN``. A function of ``seed``."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    scheduler, no transformer. ``text_dim``/``z_dim`` match ``wan.TINY_WAN``. With
+    ``image_to_video`` a ``WanImageToVideoPipeline`` of the same parts, and with ``image_dim`` a tiny
+    CLIP vision encoder of that width (32 px images, 8 px patches: 17 context rows) and its image
+    processor (Wan 2.1 I2V's). A function of ``seed``."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
@@ -325,8 +337,18 @@ def tiny_wan_pipeline(text_dim: int = 24, z_dim: int = 4, seed: int = 0):
     vae = AutoencoderKLWan(base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True], latents_mean=[0.1] * z_dim,
                            latents_std=[2.0] * z_dim)  # fmt: skip
-    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=None,
-                       scheduler=UniPCMultistepScheduler())  # fmt: skip
+    parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=None,
+                 scheduler=UniPCMultistepScheduler())  # fmt: skip
+    if not image_to_video:
+        return WanPipeline(**parts)
+    if image_dim:
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+        clip = CLIPVisionConfig(hidden_size=image_dim, intermediate_size=2 * image_dim, num_hidden_layers=2,
+                                num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+        parts.update(image_encoder=CLIPVisionModel(clip).eval(),
+                     image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}))  # fmt: skip
+    return WanImageToVideoPipeline(**parts)
 
 
 def write_tiny_wan_pipeline(directory: str | Path, text_dim: int = 24, z_dim: int = 4, seed: int = 0) -> Path:
@@ -338,25 +360,45 @@ def write_tiny_wan_pipeline(directory: str | Path, text_dim: int = 24, z_dim: in
 # ---- training on prepared (or synthetic) samples ----
 
 
+def latent_channels(config: Mapping) -> int:
+    """The VAE latent channels a ``PackedWanTransformer`` ``config`` denoises (its ``out_channels``)."""
+    return config.get("out_channels") or config["in_channels"]
+
+
+def condition_channels(config: Mapping) -> int:
+    """The channels of an image-to-video model's condition (its input beyond the noisy latents: the
+    4-channel first-frame mask and the first frame's latents), 0 for text-to-video."""
+    return config["in_channels"] - latent_channels(config)
+
+
+def sample_keys(config: Mapping) -> tuple[str, ...]:
+    """The tensors one prepared sample holds for a model ``config``."""
+    keys = VIDEO_LATENT_KEYS + ((CONDITION_KEY,) if condition_channels(config) else ())
+    return keys + ((IMAGE_CONTEXT_KEY,) if config.get("image_dim") else ())
+
+
 def check_video_latent_file(file: str | Path, config: Mapping) -> str | None:
     """What is wrong with one video latent sample file for a ``PackedWanTransformer`` ``config``, or
-    ``None``. Reads only the header: an unreadable file, keys other than :data:`VIDEO_LATENT_KEYS`,
-    non-float tensors, latents that are not ``[in_channels, F, H, W]`` with ``F``, ``H``, ``W``
-    positive multiples of the patch (within the RoPE table), text that is not ``[Lt >= 1, text_dim]``."""
+    ``None``. Reads only the header: an unreadable file, keys other than the model's
+    (:func:`sample_keys`), non-float tensors, latents that are not ``[C, F, H, W]`` (``C`` the latent
+    channels) with ``F``, ``H``, ``W`` positive multiples of the patch (within the RoPE table), text
+    that is not ``[Lt >= 1, text_dim]``, an image-to-video condition not ``[in_channels - C, F, H, W]``
+    or image context not ``[Li >= 1, image_dim]``."""
     fix = "rewrite it with examples/prepare_video_latents.py (the VAE and text encoder of this model) or remove it"
     headers = sample_file_header(file, fix)
     if isinstance(headers, str):
         return headers
-    if sorted(headers) != sorted(VIDEO_LATENT_KEYS):
-        return (
-            f"{file}: has keys {sorted(headers)}; a video latent sample holds exactly {list(VIDEO_LATENT_KEYS)}; {fix}"
-        )
+    keys = sample_keys(config)
+    if sorted(headers) != sorted(keys):
+        what = "an image-to-video sample" if condition_channels(config) else "a video latent sample"
+        return f"{file}: has keys {sorted(headers)}; {what} for this model holds exactly {list(keys)}; {fix}"
     if problem := non_float_tensors(file, headers, fix):
         return problem
     latents, text = headers["latents"][0], headers["encoder_hidden_states"][0]
     patch = config["patch_size"]
-    if len(latents) != 4 or latents[0] != config["in_channels"]:
-        return f"{file}: latents {list(latents)} must be [C, F, H, W] with C = in_channels = {config['in_channels']}; {fix}"
+    channels = latent_channels(config)
+    if len(latents) != 4 or latents[0] != channels:
+        return f"{file}: latents {list(latents)} must be [C, F, H, W] with C = {channels} latent channels; {fix}"
     sizes = latents[1:]
     bad = [f"{axis} {size}" for axis, size, p in zip(("frames", "height", "width"), sizes, patch, strict=True)
            if size == 0 or size % p]  # fmt: skip
@@ -368,6 +410,16 @@ def check_video_latent_file(file: str | Path, config: Mapping) -> str | None:
                 f"positions on an axis; prepare it smaller (--max-area, --max-frames)")  # fmt: skip
     if len(text) != 2 or text[0] < 1 or text[1] != config["text_dim"]:
         return f"{file}: encoder_hidden_states {list(text)} must be [Lt >= 1, text_dim = {config['text_dim']}]; {fix}"
+    if CONDITION_KEY in headers and list(headers[CONDITION_KEY][0]) != [condition_channels(config), *sizes]:
+        return (f"{file}: condition {list(headers[CONDITION_KEY][0])} must be [{condition_channels(config)}, "
+                f"{', '.join(map(str, sizes))}]: the first-frame mask (4) and latents, as the latents' frames and size; "
+                f"{fix}")  # fmt: skip
+    if IMAGE_CONTEXT_KEY in headers:
+        image = headers[IMAGE_CONTEXT_KEY][0]
+        if len(image) != 2 or image[0] < 1 or image[1] != config["image_dim"]:
+            return (
+                f"{file}: {IMAGE_CONTEXT_KEY} {list(image)} must be [Li >= 1, image_dim = {config['image_dim']}]; {fix}"
+            )
     return None
 
 
@@ -381,11 +433,13 @@ def latent_directory(path: str | Path, samples_per_rank: int = 1, repeat: bool =
 def synthetic_video_samples(
     shapes: list[SampleShape], config: Mapping, seed: int, token_scale: float = 1.0, dtype=torch.float32
 ) -> list[dict[str, Tensor]]:
-    """Random video latent samples (:data:`VIDEO_LATENT_KEYS`) of a data mix's sizes scaled by
+    """Random video latent samples (:func:`sample_keys`) of a data mix's sizes scaled by
     ``token_scale``: each sample keeps its latent frames, and a frame's tokens are laid out as a
     near-square post-patch grid (so a sample's video tokens are the mix's, scaled, to within
     rounding); text rows are the sample's cross-attention text (its in-sequence text for a FLUX
-    mix), scaled, at least one. A function of ``seed`` only."""
+    mix), scaled, at least one. An image-to-video model's samples also hold a condition (the mask
+    of the first latent frame, then random latents) and, with ``image_dim``, 257 image context rows
+    scaled. A function of ``seed`` only."""
     generator = torch.Generator().manual_seed(seed)
     pt, ph, pw = config["patch_size"]
     samples = []
@@ -396,9 +450,18 @@ def synthetic_video_samples(
         height = max(1, math.isqrt(per_frame))
         width = max(1, round(per_frame / height))
         text = max(1, scaled.cross_text or scaled.text)
-        latents = torch.randn(config["in_channels"], frames * pt, height * ph, width * pw, generator=generator)
+        latents = torch.randn(latent_channels(config), frames * pt, height * ph, width * pw, generator=generator)
         text_rows = torch.randn(text, config["text_dim"], generator=generator)
-        samples.append({"latents": latents.to(dtype), "encoder_hidden_states": text_rows.to(dtype)})
+        sample = {"latents": latents.to(dtype), "encoder_hidden_states": text_rows.to(dtype)}
+        if condition_channels(config):
+            mask = torch.zeros(4, *latents.shape[1:])
+            mask[:, 0] = 1  # the first latent frame is the given image (all 4 of its video frames)
+            image = torch.randn(condition_channels(config) - 4, *latents.shape[1:], generator=generator)
+            sample[CONDITION_KEY] = torch.cat([mask, image]).to(dtype)
+        if config.get("image_dim"):
+            rows = max(1, round(IMAGE_CONTEXT_TOKENS * token_scale))
+            sample[IMAGE_CONTEXT_KEY] = torch.randn(rows, config["image_dim"], generator=generator).to(dtype)
+        samples.append(sample)
     return samples
 
 

@@ -55,6 +55,13 @@ def pipeline_experts(path: str | Path | None) -> tuple[float | None, bool]:
     return config.get("boundary_ratio"), bool((config.get("transformer_2") or [None])[0])
 
 
+def expand_timesteps(path: str | Path | None) -> bool:
+    """Whether a pipeline directory's ``model_index.json`` sets ``expand_timesteps`` (Wan 2.2 TI2V-5B:
+    a timestep per token, the first frame clean when generating from an image)."""
+    index = Path(path or ".") / "model_index.json"
+    return path is not None and index.is_file() and bool(json.loads(index.read_text()).get("expand_timesteps"))
+
+
 class PackedWanExperts(nn.Module):
     """Two Wan experts over packed samples, balanced or not: each sample runs through
     ``transformer`` when its timestep (its tokens' largest) is at least ``boundary_ratio * 1000``,

@@ -10,7 +10,6 @@ communicates: under ZeRO-3 the trainer gathers the weights and passes them in.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,27 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from deepspeed_knap.models.hooks import TrainingHooks, ValidationHooks, ValidationSettings
+from deepspeed_knap.models.hooks import Objective, TrainingHooks, ValidationHooks, ValidationSettings
 from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents, flow_noise
-from deepspeed_knap.models.wan.data import SyntheticVideoLatents, latent_directory, tiny_wan_pipeline
-from deepspeed_knap.models.wan.wan import output_rows
+from deepspeed_knap.models.lora import adapter_state_dict, lora_config, save_adapter
+from deepspeed_knap.models.wan.data import (
+    CONDITION_KEY,
+    IMAGE_CONTEXT_KEY,
+    SyntheticVideoLatents,
+    condition_channels,
+    latent_channels,
+    latent_directory,
+    tiny_wan_pipeline,
+)
+from deepspeed_knap.models.wan.experts import (
+    DEFAULT_BOUNDARY_RATIO,
+    EXPERTS,
+    PackedWanExperts,
+    expand_timesteps,
+    expert_state,
+    pipeline_experts,
+)
+from deepspeed_knap.models.wan.wan import PackedWanTransformer, output_rows
 
 __all__ = ["TINY_WAN_VALIDATION", "WanTraining", "flow_matching", "write_gif"]
 
@@ -33,32 +49,67 @@ WAN_VALIDATION = dict(height=480, width=832, num_frames=81, num_inference_steps=
 
 
 def flow_matching(
-    samples: Sequence[Mapping[str, Tensor]], generator: torch.Generator, patch_size: Sequence[int]
-) -> tuple[list[dict[str, Tensor]], list[Tensor]]:
+    samples: Sequence[Mapping[str, Tensor]],
+    generator: torch.Generator,
+    patch_size: Sequence[int],
+    sigma_range: tuple[float, float] | None = None,
+    first_frame_share: float = 0.0,
+) -> Objective:
     """The flow-matching objective of Wan training, per video latent sample (``latents [C, F, H, W]``,
-    ``encoder_hidden_states [Lt, Dj]``).
+    ``encoder_hidden_states [Lt, Dj]``, and for image-to-video ``condition``, maybe
+    ``encoder_hidden_states_image``: :func:`~deepspeed_knap.models.wan.data.sample_keys`).
 
     ``sigma = sigmoid(n)``, ``n ~ N(0, 1)`` (logit-normal, as FLUX fine-tuning here; Wan's own
-    trainers also draw it uniformly and shift it); ``noisy = (1 - sigma) * x0 + sigma * noise``; the
-    model sees ``noisy`` at timestep ``1000 * sigma`` (diffusers' scale, one per sample: text-to-video
-    training, every token at the same noise level) and must predict ``noise - x0``, what
-    ``WanPipeline``'s flow-matching scheduler integrates.
+    trainers also draw it uniformly and shift it), scaled into ``sigma_range`` where given (one
+    expert of Wan 2.2 A14B: its side of ``boundary_ratio``); ``noisy = (1 - sigma) * x0 + sigma *
+    noise``; the model sees ``noisy`` at timestep ``1000 * sigma`` (diffusers' scale) and must predict
+    ``noise - x0``, what the pipelines' flow-matching scheduler integrates.
+
+    * Image-to-video (a ``condition``): the model's input is ``[noisy | condition]`` along the
+      channels, as ``WanImageToVideoPipeline`` builds it (noise latents, first-frame mask, first
+      frame's latents); the CLIP image context goes along.
+    * Wan 2.2 TI2V (``first_frame_share``): with that probability a clip of more than one latent
+      frame trains image-conditioned, as the pipeline with ``expand_timesteps`` generates: its first
+      latent frame clean in the input, its tokens at timestep 0 and out of the loss (weight 0).
 
     Returns:
-        ``(model_samples, targets)``: per-sample inputs for ``PackedWanTransformer.pack`` and the
-        targets as ``[L, P * C]`` rows in the order of the model's packed output (:func:`output_rows`).
+        The :class:`~deepspeed_knap.models.hooks.Objective`: inputs for ``PackedWanTransformer.pack``,
+        targets as ``[L, P * C]`` rows in the order of the model's packed output (:func:`output_rows`),
+        and each row's weight where a sample trained image-conditioned.
     """
-    model_samples, targets = [], []
+    model_samples, targets, weights = [], [], []
     for sample in samples:
+        x0 = sample["latents"]
         # One sigma, in the data's dtype, for both the mix and the timestep (bf16 rounds it).
-        sigma, noisy, velocity = flow_noise(sample["latents"], generator)
-        model_samples.append({
-            "hidden_states": noisy,
-            "timestep": 1000 * sigma.float(),
-            "encoder_hidden_states": sample["encoder_hidden_states"],
-        })  # fmt: skip
-        targets.append(output_rows(velocity, patch_size))
-    return model_samples, targets
+        sigma, noisy, velocity = flow_noise(x0, generator, sigma_range)
+        timestep = 1000 * sigma.float()
+        rows = output_rows(velocity, patch_size)
+        weight = None
+        if (
+            first_frame_share
+            and x0.shape[1] > patch_size[0]
+            and torch.rand((), generator=generator) < first_frame_share
+        ):
+            first = patch_size[0]  # the first latent frame (the patch holds one frame in time)
+            noisy = torch.cat([x0[:, :first], noisy[:, first:]], dim=1)
+            frame_tokens = (x0.shape[2] // patch_size[1]) * (x0.shape[3] // patch_size[2])
+            timestep = timestep.expand(len(rows)).clone()
+            timestep[:frame_tokens] = 0
+            weight = torch.ones(len(rows))
+            weight[:frame_tokens] = 0
+        model_sample = {"hidden_states": noisy, "timestep": timestep,
+                        "encoder_hidden_states": sample["encoder_hidden_states"]}  # fmt: skip
+        if CONDITION_KEY in sample:
+            model_sample["hidden_states"] = torch.cat([noisy, sample[CONDITION_KEY].to(noisy.dtype)])
+        if IMAGE_CONTEXT_KEY in sample:
+            model_sample[IMAGE_CONTEXT_KEY] = sample[IMAGE_CONTEXT_KEY]
+        model_samples.append(model_sample)
+        targets.append(rows)
+        weights.append(weight)
+    if all(weight is None for weight in weights):
+        return Objective(model_samples, targets)
+    return Objective(model_samples, targets,
+                     [torch.ones(len(rows)) if w is None else w for w, rows in zip(weights, targets, strict=True)])  # fmt: skip
 
 
 def write_gif(frames: np.ndarray, path: str | Path, fps: int = 16) -> Path:
@@ -72,24 +123,9 @@ def write_gif(frames: np.ndarray, path: str | Path, fps: int = 16) -> Path:
     return Path(path)
 
 
-def two_expert_pipeline(path: str | None) -> str | None:
-    """Why ``path`` cannot be trained as one model: a Wan 2.2 A14B pipeline (``transformer_2``), whose
-    experts each serve one side of the pipeline's ``boundary_ratio`` of noise levels, where training
-    draws them from all of (0, 1)."""
-    index = Path(path or ".") / "model_index.json"
-    try:
-        two = path is not None and index.is_file() and (json.loads(index.read_text()).get("transformer_2") or [None])[0]
-    except (OSError, ValueError) as error:
-        return f"--model-path {path}: cannot read {index} ({error})"
-    return (f"{path} is a two-expert Wan 2.2 pipeline (transformer_2): each expert trains on its own side of the "
-            "pipeline's boundary_ratio of noise levels, which this trainer does not do; train Wan 2.1 or Wan 2.2 "
-            "TI2V-5B") if two else None  # fmt: skip
-
-
 class WanValidation(ValidationHooks):
     """Validation clips through diffusers' ``WanPipeline``, written as GIFs."""
 
-    pipeline = "WanPipeline"
     default_guidance = 5.0
 
     def options(self, settings: ValidationSettings) -> dict[str, Any]:
@@ -101,27 +137,76 @@ class WanValidation(ValidationHooks):
         guidance = self.default_guidance if settings.guidance is None else settings.guidance
         return {**options, "guidance_scale": guidance}
 
-    def tiny_components(self, config: Mapping, seed: int) -> dict[str, Any]:
-        return tiny_wan_pipeline(config["text_dim"], config["in_channels"], seed).components
+    def pipeline(self, model: nn.Module) -> tuple[str, dict[str, Any]]:
+        """``WanImageToVideoPipeline`` for an image-to-video model (a condition input), else
+        ``WanPipeline``; a two-expert model's ``boundary_ratio`` with it."""
+        name = "WanImageToVideoPipeline" if condition_channels(model.config) else "WanPipeline"
+        return name, {"boundary_ratio": model.boundary_ratio} if isinstance(model, PackedWanExperts) else {}
 
-    def render(self, pipe: Any, prompt: str, generator: torch.Generator, options: Mapping, path: Path) -> Path:
-        clip = pipe(prompt, generator=generator, output_type="np", **options).frames[0]
+    def tiny_components(self, model: nn.Module, seed: int) -> dict[str, Any]:
+        config = model.config
+        pipe = tiny_wan_pipeline(config["text_dim"], latent_channels(config), seed,
+                                 image_to_video=condition_channels(config) > 0, image_dim=config.get("image_dim"))  # fmt: skip
+        return pipe.components
+
+    def call(self, line: str, directory: Path) -> dict[str, Any]:
+        """Image-to-video: ``IMAGE<TAB>PROMPT`` (the image's path relative to the prompts file)."""
+        image, tab, prompt = line.partition("\t")
+        if not tab:
+            return {"prompt": line}
+        from PIL import Image
+
+        return {"image": Image.open(directory / image).convert("RGB"), "prompt": prompt}
+
+    def render(self, pipe: Any, call: Mapping[str, Any], generator: torch.Generator, options: Mapping,
+               path: Path) -> Path:  # fmt: skip
+        clip = pipe(**call, generator=generator, output_type="np", **options).frames[0]
         return write_gif(clip, path.with_suffix(".gif"))
 
 
 class WanTraining(TrainingHooks):
     """Wan training: prepared clips and images (``examples/prepare_video_latents.py``) or a synthetic
-    mix, Wan's flow matching (:func:`flow_matching`), validation clips through ``WanPipeline``.
-    Image-to-video and two-expert (A14B) checkpoints are refused."""
+    mix, Wan's flow matching (:func:`flow_matching`), validation clips through ``WanPipeline`` (or
+    ``WanImageToVideoPipeline``). Text-to-video and image-to-video models (Wan 2.1, Wan 2.2 TI2V-5B,
+    A14B), and Wan 2.2 A14B's two experts: both (:class:`~deepspeed_knap.models.wan.experts.PackedWanExperts`,
+    each sample's noise level picks its expert) or one on its side of ``boundary_ratio``."""
 
     validation = WanValidation
 
-    def refuse(self, model: nn.Module, model_path: str | None) -> str | None:
-        if model.config["image_dim"] is not None:
-            return (f"{model_path} is a Wan image-to-video model (image_dim={model.config['image_dim']}); this trains "
-                    "text-to-video models (Wan 2.1 T2V, Wan 2.2 TI2V-5B) from prepare_video_latents.py's samples, "
-                    "which hold no image context")  # fmt: skip
-        return two_expert_pipeline(model_path)
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        self.sigma_range: tuple[float, float] | None = None  # one expert's side of the boundary
+        self.first_frame_share = 0.0
+
+    def check_arguments(self, arguments: Any) -> None:
+        path, expert = arguments.model_path, arguments.expert
+        if path is not None and expert is not None and not pipeline_experts(path)[1]:
+            raise ValueError(f"--expert {expert}: {path} is not a two-expert Wan pipeline (its model_index.json names "
+                             "no transformer_2); drop --expert")  # fmt: skip
+        if arguments.first_frame_share and path is not None and not expand_timesteps(path):
+            raise ValueError(f"--first-frame-share {arguments.first_frame_share}: {path} is not a Wan 2.2 TI2V "
+                             "pipeline (its model_index.json does not set expand_timesteps); drop it")  # fmt: skip
+
+    def load_model(self, arguments: Any, options: Mapping[str, Any]) -> nn.Module:
+        path, expert = arguments.model_path, arguments.expert
+        boundary, two = pipeline_experts(path)
+        if two and expert is None:
+            expert = "both"
+        if path is None and expert is not None:
+            boundary = DEFAULT_BOUNDARY_RATIO
+        share = arguments.first_frame_share
+        self.first_frame_share = (0.5 if expand_timesteps(path) else 0.0) if share is None else share
+        if expert in ("high", "low"):  # one expert, trained on its side of the boundary
+            self.sigma_range = (boundary, 1.0) if expert == "high" else (0.0, boundary)
+        if expert is None:
+            return super().load_model(arguments, options)
+        if path is None:
+            experts = [self.spec.tiny_model(**options) for _ in EXPERTS]
+            return PackedWanExperts(*experts, boundary) if expert == "both" else experts[0]
+        if expert == "both":
+            return PackedWanExperts.from_pretrained(path, ds_config=arguments.deepspeed_config, **options)
+        name = EXPERTS[0 if expert == "high" else 1]
+        return PackedWanTransformer.from_pretrained(Path(path) / name, ds_config=arguments.deepspeed_config, **options)
 
     def synthetic_data(self, mix: str, config: Mapping, token_scale: float, seed: int) -> SyntheticMixLatents:
         return SyntheticVideoLatents(mix, config, token_scale, seed)
@@ -130,5 +215,18 @@ class WanTraining(TrainingHooks):
         return latent_directory(path, samples_per_rank, repeat)
 
     def objective(self, latents: Sequence[Mapping[str, Tensor]], generator: torch.Generator, config: Mapping,
-                  guidance: float | None) -> tuple[list[dict[str, Tensor]], list[Tensor]]:  # fmt: skip
-        return flow_matching(latents, generator, config["patch_size"])
+                  guidance: float | None) -> Objective:  # fmt: skip
+        return flow_matching(latents, generator, config["patch_size"], self.sigma_range, self.first_frame_share)
+
+    def save_adapters(self, model: nn.Module, state: Mapping[str, Tensor], directory: Path) -> list[tuple[Path, dict]]:
+        """Two experts: one adapter file each, ``directory/transformer`` and ``directory/transformer_2``
+        (``WanPipeline.load_lora_weights`` reads the second with ``load_into_transformer_2=True``)."""
+        if not isinstance(model, PackedWanExperts):
+            return super().save_adapters(model, state, directory)
+        adapter = adapter_state_dict(model, state)
+        files = []
+        for index, name in enumerate(EXPERTS):
+            part = expert_state(adapter, name)
+            path = save_adapter(Path(directory) / name, part, lora_config(model), self.spec.lora_loader)
+            files.append((path, {"load_into_transformer_2": True} if index else {}))
+        return files
