@@ -94,6 +94,10 @@ class ValidationHooks(ABC):
         second = {"transformer_2": None} if "transformer_2" in pipeline._optional_components else {}
         return pipeline.from_pretrained(model_path, transformer=None, **second, torch_dtype=dtype).components
 
+    def render_options(self, model: nn.Module) -> dict[str, Any]:
+        """Call arguments ``model`` needs whatever the settings (none by default)."""
+        return {}
+
     def call(self, line: str, directory: Path) -> dict[str, Any]:
         """A prompts file's line as the pipeline's arguments (``directory``: the file's, for paths
         it names)."""

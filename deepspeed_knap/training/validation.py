@@ -78,10 +78,10 @@ class Validator:
         if lora:
             for adapter, load in self.save_adapters(model, state, self.out / f"step{steps_done:06d}_adapter"):
                 pipe.load_lora_weights(adapter.parent, **load)
-        files = []
+        files, options = [], {**self.options, **self.hooks.render_options(model)}
         for index, call in enumerate(self.prompts):
             generator = torch.Generator().manual_seed(self.seed + index)
-            path = self.hooks.render(pipe, call, generator, self.options,
+            path = self.hooks.render(pipe, call, generator, options,
                                      self.out / f"step{steps_done:06d}_prompt{index:02d}")  # fmt: skip
             files.append((path, call["prompt"]))
         pipe.to("cpu")  # the text encoders and VAE wait on the CPU, off the training GPU

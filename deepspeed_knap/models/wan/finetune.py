@@ -143,6 +143,11 @@ class WanValidation(ValidationHooks):
         name = "WanImageToVideoPipeline" if condition_channels(model.config) else "WanPipeline"
         return name, {"boundary_ratio": model.boundary_ratio} if isinstance(model, PackedWanExperts) else {}
 
+    def render_options(self, model: nn.Module) -> dict[str, Any]:
+        """Wan 2.1 I2V's attention splits its context at 512 text rows (diffusers): the text of its
+        renders is padded to 512 whatever the tiny defaults."""
+        return {"max_sequence_length": 512} if model.config.get("image_dim") else {}
+
     def tiny_components(self, model: nn.Module, seed: int) -> dict[str, Any]:
         config = model.config
         pipe = tiny_wan_pipeline(config["text_dim"], latent_channels(config), seed,
