@@ -46,6 +46,15 @@ from deepspeed_knap.generation.requests import Request, RequestError, RequestFil
 from deepspeed_knap.generation.schedule import Job, StepBatcher
 from deepspeed_knap.runtime.groups import all_gather_bytes, text_digest
 
+# The most tokens one request may put on a GPU when no --max-tokens-per-gpu is given (times the
+# GPUs of the largest group it may be split over; a guided pair's two sequences, every GPU's):
+# 2**18, an 8,192 x 8,192 px FLUX image or a 720p Wan clip of 285 frames. Around it one forward's
+# activations fill a GPU (FLUX.1 in bfloat16 keeps ~16 x 3,072 values a token live: 26 GB, the
+# attention's own aside), and one step of FLUX.1 takes about two minutes on an H100. It is the same
+# on every rank, unlike free memory, so every run of a file refuses the same lines;
+# --max-tokens-per-gpu sets the bound instead.
+DEFAULT_MAX_TOKENS_PER_GPU = 2**18
+
 
 def rank_and_world() -> tuple[int, int]:
     """``(rank, world size)``; ``(0, 1)`` in a process that joined no process group."""
@@ -94,7 +103,8 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
     Args:
         path: the JSONL request file.
         generator: the family's generator (``request_seq_lens``).
-        max_tokens_per_gpu: the per-GPU token budget, or ``None``.
+        max_tokens_per_gpu: the per-GPU token budget, or ``None``: a request may then put at most
+            :data:`DEFAULT_MAX_TOKENS_PER_GPU` tokens on a GPU.
         max_degree: the largest group a sequence may be split over (its GPUs hold it together).
         balanced: the requests run balanced; ``False``: each on its home rank, all its sequences there.
         solve: the batcher's planner (raises ``ValueError`` for a set it cannot place). Given, a
@@ -137,8 +147,12 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
     table = sorted((entry for view in views for entry in view["entries"]), key=lambda e: e["index"])
     mine = {e["index"]: e["request"] for e in entries if e["reason"] is None}
     seen: dict[str, int] = {}
-    limit = None if max_tokens_per_gpu is None else max_tokens_per_gpu * max_degree
+    # Without a budget every request runs at once, but one request still has to fit the GPUs it may
+    # spread over: the ceiling stands in for the budget in the checks of one request.
+    per_gpu = DEFAULT_MAX_TOKENS_PER_GPU if max_tokens_per_gpu is None else max_tokens_per_gpu
+    limit = per_gpu * max_degree
     hold = world if balanced else 1  # the GPUs a request's sequences may spread over
+    fix = "raise --max-tokens-per-gpu" if max_tokens_per_gpu is not None else "give --max-tokens-per-gpu"
     placeable: dict[tuple[int, tuple[int, ...]], bool] = {}  # (home, sequences) planned alone: requests repeat sizes
     jobs, ids, refused = [], {}, []
     for entry in table:
@@ -146,16 +160,19 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
         if reason is None and entry["id"] in seen:
             reason = (f"line {entry['line']}: id {entry['id']!r} is line {seen[entry['id']]}'s too; ids name the "
                       "output files: make them unique")  # fmt: skip
-        elif reason is None and limit is not None and max(seq_lens) > limit:
+        elif reason is None and max(seq_lens) > limit:
+            under = ("the budget" if max_tokens_per_gpu is not None
+                     else "the ceiling without --max-tokens-per-gpu")  # fmt: skip
             reason = (f"line {entry['line']}: {max(seq_lens)} tokens exceed what the largest group holds under "
-                      f"the budget, {max_tokens_per_gpu} per GPU x {max_degree} GPUs = {limit}; make the image "
-                      "smaller, or raise --max-tokens-per-gpu")  # fmt: skip
-        elif reason is None and max_tokens_per_gpu is not None and sum(seq_lens) > max_tokens_per_gpu * hold:
+                      f"{under}, {per_gpu} per GPU x {max_degree} GPUs = {limit}; make the image smaller, or "
+                      f"{fix}")  # fmt: skip
+        elif reason is None and sum(seq_lens) > per_gpu * hold:
+            under = "budget" if max_tokens_per_gpu is not None else "ceiling (without --max-tokens-per-gpu)"
             reason = (f"line {entry['line']}: its {len(seq_lens)} sequences (classifier-free guidance runs the "
-                      f"unconditional branch too) of {seq_lens} tokens exceed the budget of {hold} GPU(s) "
+                      f"unconditional branch too) of {seq_lens} tokens exceed the {under} of {hold} GPU(s) "
                       f"({'every GPU together' if balanced else 'unbalanced, its home rank holds them all'}), "
-                      f"{max_tokens_per_gpu} per GPU; make the image smaller, or raise --max-tokens-per-gpu")  # fmt: skip
-        elif (reason is None and solve is not None and limit is not None and len(seq_lens) > 1
+                      f"{per_gpu} per GPU; make the image smaller, or {fix}")  # fmt: skip
+        elif (reason is None and solve is not None and max_tokens_per_gpu is not None and len(seq_lens) > 1
               and sum(seq_lens) > limit):  # fmt: skip
             home = entry["index"] % world
             if (home, tuple(seq_lens)) not in placeable:  # deterministic: every rank decides alike
