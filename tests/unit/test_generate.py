@@ -890,3 +890,25 @@ def test_only_regular_files_of_at_most_the_limit_are_read(tmp_path):
         read_regular_file(tmp_path, 2**20)
     with pytest.raises(FileNotFoundError):
         read_regular_file(tmp_path / "missing", 10)
+
+
+def test_generate_command_refuses_a_flux1_pipeline_directory_holding_a_flux2_transformer(tmp_path, capsys):
+    """It loaded, and then every request failed with an AttributeError inside Flux2Pipeline's
+    parts (the directory's text encoders are FLUX.1's); now it is refused at load, in one line."""
+    from diffusers import Flux2Transformer2DModel, FluxPipeline
+
+    from deepspeed_knap.cli import main
+    from deepspeed_knap.models.flux.finetune import TINY_FLUX, tiny_pipeline_components
+    from deepspeed_knap.models.flux.flux2 import TINY_FLUX2
+
+    FluxPipeline(**tiny_pipeline_components(TINY_FLUX, 0),
+                 transformer=Flux2Transformer2DModel(**TINY_FLUX2)).save_pretrained(tmp_path / "model")  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text('{"prompt": "a", "height": 16, "width": 16, "steps": 1}\n')
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--model-path", str(tmp_path / "model"),
+                 "--out", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    assert code == 1
+    output = capsys.readouterr().out.strip().splitlines()
+    assert output == [f"deepspeed-knap generate: error loading the model: cannot load {tmp_path / 'model'}: "
+                      f"ValueError: {tmp_path / 'model'}: its transformer is a Flux2Transformer2DModel but "
+                      "model_index.json names a FluxPipeline, which takes a FluxTransformer2DModel; give a "
+                      "Flux2Pipeline directory (its transformer of the same family)"]  # fmt: skip

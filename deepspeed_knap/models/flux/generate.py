@@ -25,6 +25,7 @@ FLUX.2: 3 x Mistral's), ``Dp`` CLIP width (FLUX.1 only).
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,17 +310,27 @@ def load_flux_generator(model_path: str | Path, dtype: torch.dtype, device: torc
     ``Flux2Pipeline``).
 
     Raises:
-        ValueError: the checkpoint is another family's (FLUX.3, Wan).
+        ValueError: the checkpoint is another family's (FLUX.3, Wan), or its pipeline
+            (``model_index.json``) is not its transformer's family's.
     """
     import diffusers
 
-    from deepspeed_knap.models.registry import checkpoint_family, family_class, from_pretrained
+    from deepspeed_knap.models.registry import FAMILIES, checkpoint_family, family_class, from_pretrained
 
     family = checkpoint_family(model_path)
     if family not in GENERATORS:
         raise ValueError(f"{model_path} holds a {family!r} transformer; this loads {sorted(GENERATORS)} pipelines "
                          "(Wan's: models.wan.generate.load_wan_generator; FLUX.3 has no diffusers pipeline yet)")  # fmt: skip
-    pipeline_class = getattr(diffusers, family_class(family).diffusers_pipeline)
+    model_class = family_class(family)
+    # A transformer of one family in another's pipeline directory loads, then every request fails
+    # inside the pipeline's parts (its text encoders are the other family's).
+    named = json.loads((Path(model_path) / "model_index.json").read_text()).get("_class_name")
+    if named != model_class.diffusers_pipeline:
+        takes = {cls.diffusers_pipeline: cls.diffusers_class for cls in FAMILIES.values()}.get(named)
+        raise ValueError(f"{model_path}: its transformer is a {model_class.diffusers_class} but model_index.json "
+                         f"names a {named}" + (f", which takes a {takes}" if takes else "") + "; give a "
+                         f"{model_class.diffusers_pipeline} directory (its transformer of the same family)")  # fmt: skip
+    pipeline_class = getattr(diffusers, model_class.diffusers_pipeline)
     pipeline = pipeline_class.from_pretrained(model_path, transformer=None, torch_dtype=dtype).to(device)
     model = from_pretrained(model_path, torch_dtype=dtype).to(device).eval()
     return GENERATORS[family](pipeline, model)
