@@ -30,6 +30,8 @@ two with classifier-free guidance; raises ``RequestError``), ``start(request)`` 
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import time
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 
 from deepspeed_knap.generation.balancer import ReusingBalancer, WorkerPlanAhead, forward_cost_model
+from deepspeed_knap.generation.deadline import Deadline
 from deepspeed_knap.generation.requests import Request, RequestError, RequestFileError, parse_request, request_lines
 from deepspeed_knap.generation.schedule import Job, StepBatcher
 from deepspeed_knap.runtime.groups import all_gather_bytes, text_digest
@@ -203,11 +206,12 @@ def _public(entry: dict) -> dict:
 
 
 def generation_balancer(model: torch.nn.Module, max_tokens_per_gpu: int | None = None, reuse: bool = True,
-                        cost_model: Any = None) -> ReusingBalancer:  # fmt: skip
+                        cost_model: Any = None, timeout: datetime.timedelta | None = None) -> ReusingBalancer:  # fmt: skip
     """Process groups of topology ``auto`` over the world (groups up to the model's heads, inside
     nodes: :func:`gpus_per_node`) and a :class:`ReusingBalancer` with the forward-only cost model of
-    ``model.config`` unless ``cost_model`` is given. Collective: every rank calls it, after joining
-    the process group."""
+    ``model.config`` unless ``cost_model`` is given. The groups' collectives wait ``timeout`` at most
+    for a rank (default DeepSpeed's: ``DEEPSPEED_TIMEOUT`` minutes, 10 unless set). Collective:
+    every rank calls it, after joining the process group."""
     import deepspeed.comm as dist
 
     from deepspeed_knap.planner.topology import build_topology, default_max_degree
@@ -216,7 +220,7 @@ def generation_balancer(model: torch.nn.Module, max_tokens_per_gpu: int | None =
     world, node = dist.get_world_size(), gpus_per_node()
     heads = model.config["num_attention_heads"]
     topology = build_topology("auto", world, node, max_degree=default_max_degree(world, node, heads))  # fmt: skip
-    groups = create_process_groups(topology)
+    groups = create_process_groups(topology, timeout)
     model.attention.configure(topology)  # checks the heads against the groups
     cost_model = forward_cost_model(model.config) if cost_model is None else cost_model
     return ReusingBalancer(groups, cost_model, max_tokens_per_gpu=max_tokens_per_gpu, reuse=reuse)
@@ -274,7 +278,8 @@ class GenerationReport:
 
 def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None = None,
              on_image: Callable[[Request, np.ndarray], None] | None = None, max_tokens_per_gpu: int | None = None,
-             progress: bool = True, plan_ahead: bool = True) -> GenerationReport:  # fmt: skip
+             progress: bool = True, plan_ahead: bool = True, deadline: Deadline | None = None,
+             on_record: Callable[[str, dict], None] | None = None) -> GenerationReport:  # fmt: skip
     """Generate every acceptable request of ``path``. Collective: every rank calls it.
 
     With a balancer that reuses plans, each request set's plan after the first is solved in a plan
@@ -294,11 +299,22 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
         plan_ahead: plan the next request set in the worker process; ``False``: solve each set's
             plan at the step that starts it. Unused unbalanced and with ``balancer.reuse`` off
             (which solves every step's plan in the step).
+        deadline: names where the run was (``"the intake"``, ``"step N"``, steps counted from 0 as
+            the report's ``first_step``) and the ranks missing when a collective fails
+            (:class:`~deepspeed_knap.generation.deadline.Deadline`; the groups' timeout is its
+            caller's to set); ``None``: a collective's failure raises as the backend raised it.
+        on_record: called as the run goes, so that what is done is kept whatever happens later:
+            ``("request", record)`` on the home rank as each request's output was handed over (the
+            record as :attr:`GenerationReport.requests` holds it), ``("failed", failure)`` as
+            :attr:`GenerationReport.failed` gets it, and on rank 0 ``("refused", refusal)`` for each
+            of :attr:`Intake.refused` once the intake is agreed.
 
     Raises:
         RequestFileError: on every rank, for a request file that ranks cannot read alike.
         GenerationError: on every rank, when a request's ``generator.start`` raised on its rank (its
             encoders or embeddings file failed after the intake's checks), at the step it joins.
+        MissingRanksError: on the ranks that waited, when a collective timed out or a rank left
+            (with a ``deadline``).
     """
     from tqdm import tqdm
 
@@ -310,9 +326,14 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     max_degree = 1 if topology is None else max(size for _, size in topology.groups)
     busy = time.perf_counter()
     solve = _solver(balancer, max_tokens_per_gpu)
-    intake = take_requests(path, generator, max_tokens_per_gpu, max_degree, balanced=balancer is not None,
-                           solve=solve if balancer is not None else None)  # fmt: skip
+    watching = contextlib.nullcontext if deadline is None else deadline.watching
+    keep = on_record or (lambda kind, value: None)
+    with watching("the intake"):
+        intake = take_requests(path, generator, max_tokens_per_gpu, max_degree, balanced=balancer is not None,
+                               solve=solve if balancer is not None else None)  # fmt: skip
     busy = time.perf_counter() - busy  # the intake's own checks; the gather is shared waiting
+    for refusal in intake.refused if rank == 0 else []:
+        keep("refused", refusal)
     planner = None
     if plan_ahead and balancer is not None and balancer.reuse:
         planner = WorkerPlanAhead(balancer, generator.device)
@@ -326,59 +347,68 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     bar = tqdm(total=batcher.total_request_steps, disable=not progress or rank != 0, unit="step",
                desc=f"generate ({len(intake.jobs)} requests, {world} ranks)")  # fmt: skip
     try:
-        while (step := batcher.next_step()) is not None:
-            step_start = time.perf_counter()
-            report.set_changes += step.changed
-            problem = None
-            for index in step.joined:
-                if index in intake.mine and problem is None:
-                    request = intake.mine[index]
-                    records[index] = {"id": request.id, "line": request.line, "tokens": batcher.jobs[index].tokens,
-                                      "steps": request.steps, "first_step": step.number, "started_at": step_start}  # fmt: skip
-                    clock = time.perf_counter()
-                    try:
-                        states[index] = generator.start(request)
-                    except Exception as error:  # raised here alone, it would leave the others in the forward
-                        problem = (f"rank {rank}, line {request.line} ({request.id!r}): cannot start the request: "
-                                   f"{type(error).__name__}: {error}")  # fmt: skip
-                    records[index]["encode_s"] = time.perf_counter() - clock
-            if step.joined:  # every rank knows the joiners: it agrees at the same steps
-                problems = [p for p in all_gather_json(problem) if p]
-                if problems:
-                    raise GenerationError("; ".join(problems))
-            clock = time.perf_counter()
-            mine = [index for index in step.active if index in states]
-            inputs = model.pack([sample for index in mine for sample in states[index].samples()]).to(generator.device)
-            if balancer is not None:
-                balancer.begin_step(step.active, step.plan, batcher.seq_lens_per_rank(step.active))
-            busy += time.perf_counter() - clock
-            clock = time.perf_counter()
-            with torch.no_grad():
-                predictions = inputs.split(model(inputs, balancer))
-            busy += balancer.forward_seconds()["compute"] if balancer is not None else time.perf_counter() - clock
-            clock = time.perf_counter()
-            for index in mine:  # each request's branches, in the order packed
-                branches = len(states[index].branches)
-                states[index].advance(predictions[:branches])
-                predictions = predictions[branches:]
-            busy += time.perf_counter() - clock
-            for index in [index for index in mine if states[index].done]:
+        with watching():
+            while True:
+                if deadline is not None:  # next_step may collect the plan made ahead: collective
+                    deadline.at(f"step {batcher.steps_taken}")
+                if (step := batcher.next_step()) is None:
+                    break
+                step_start = time.perf_counter()
+                report.set_changes += step.changed
+                problem = None
+                for index in step.joined:
+                    if index in intake.mine and problem is None:
+                        request = intake.mine[index]
+                        records[index] = {"id": request.id, "line": request.line, "tokens": batcher.jobs[index].tokens,
+                                          "steps": request.steps, "first_step": step.number, "started_at": step_start}  # fmt: skip
+                        clock = time.perf_counter()
+                        try:
+                            states[index] = generator.start(request)
+                        except Exception as error:  # raised here alone, it would leave the others in the forward
+                            problem = (f"rank {rank}, line {request.line} ({request.id!r}): cannot start the request: "
+                                       f"{type(error).__name__}: {error}")  # fmt: skip
+                        records[index]["encode_s"] = time.perf_counter() - clock
+                if step.joined:  # every rank knows the joiners: it agrees at the same steps
+                    problems = [p for p in all_gather_json(problem) if p]
+                    if problems:
+                        raise GenerationError("; ".join(problems))
                 clock = time.perf_counter()
-                request, record = intake.mine[index], records[index]
-                try:  # a failure here is this request's alone: the rank goes on (no other rank waits on it)
-                    image = generator.decode(states.pop(index))
-                    decode_s = time.perf_counter() - clock
-                    if on_image is not None:
-                        on_image(request, image)
-                except Exception as error:
-                    report.failed.append({"line": request.line, "id": request.id, "rank": rank,
-                                          "reason": f"line {request.line}: cannot decode or hand over the output: "
-                                          f"{type(error).__name__}: {error}"})  # fmt: skip
-                    continue
-                record.update(last_step=step.number, denoise_s=clock - record.pop("started_at"), decode_s=decode_s)
-                busy += decode_s
-                report.requests.append(record)
-            bar.update(len(step.active))
+                mine = [index for index in step.active if index in states]
+                inputs = model.pack([sample for index in mine for sample in states[index].samples()]).to(
+                    generator.device
+                )
+                if balancer is not None:
+                    balancer.begin_step(step.active, step.plan, batcher.seq_lens_per_rank(step.active))
+                busy += time.perf_counter() - clock
+                clock = time.perf_counter()
+                with torch.no_grad():
+                    predictions = inputs.split(model(inputs, balancer))
+                busy += balancer.forward_seconds()["compute"] if balancer is not None else time.perf_counter() - clock
+                clock = time.perf_counter()
+                for index in mine:  # each request's branches, in the order packed
+                    branches = len(states[index].branches)
+                    states[index].advance(predictions[:branches])
+                    predictions = predictions[branches:]
+                busy += time.perf_counter() - clock
+                for index in [index for index in mine if states[index].done]:
+                    clock = time.perf_counter()
+                    request, record = intake.mine[index], records[index]
+                    try:  # a failure here is this request's alone: the rank goes on (no other rank waits on it)
+                        image = generator.decode(states.pop(index))
+                        decode_s = time.perf_counter() - clock
+                        if on_image is not None:
+                            on_image(request, image)
+                    except Exception as error:
+                        report.failed.append({"line": request.line, "id": request.id, "rank": rank,
+                                              "reason": f"line {request.line}: cannot decode or hand over the output: "
+                                              f"{type(error).__name__}: {error}"})  # fmt: skip
+                        keep("failed", report.failed[-1])
+                        continue
+                    record.update(last_step=step.number, denoise_s=clock - record.pop("started_at"), decode_s=decode_s)
+                    busy += decode_s
+                    report.requests.append(record)
+                    keep("request", record)
+                bar.update(len(step.active))
     finally:
         if planner is not None:
             planner.close()

@@ -892,6 +892,73 @@ def test_only_regular_files_of_at_most_the_limit_are_read(tmp_path):
         read_regular_file(tmp_path / "missing", 10)
 
 
+def test_generate_command_refuses_an_out_it_cannot_write_in_before_any_work(tmp_path, capsys, monkeypatch):
+    """A read-only --out lost timings.json and the summary of unwritten images after all the work;
+    now a file is written and removed there first. ``/proc/self/fdinfo`` is a directory in which
+    nobody, root included, can make a file."""
+    import os
+
+    import deepspeed_knap.commands.generate as command
+    from deepspeed_knap.cli import main
+
+    if not os.path.isdir("/proc/self/fdinfo"):
+        pytest.skip("no /proc/self/fdinfo here")
+    loads = []
+    monkeypatch.setattr(command, "_load", lambda args, dtype: loads.append(args))
+    (tmp_path / "requests.jsonl").write_text('{"prompt": "a", "height": 8, "width": 8}\n')
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--out", "/proc/self/fdinfo",
+                 "--no-progress"])  # fmt: skip
+    assert code == 1 and loads == []
+    output = capsys.readouterr().out.strip().splitlines()
+    assert len(output) == 1 and output[0].startswith(
+        "deepspeed-knap generate: error checking --out: cannot write in --out /proc/self/fdinfo: ")  # fmt: skip
+
+
+def test_generate_command_keeps_each_output_and_its_timings_as_it_finishes_when_the_run_fails_later(
+    tmp_path, capsys, monkeypatch
+):
+    """One request finishes, then the next one's start fails on its rank (the run stops, on every
+    rank alike): the first's image and its timings, in this rank's timings.rank0.jsonl, are kept
+    (before, the timings went only into timings.json at the end, which a late failure never wrote).
+    A run that ends removes the journal: timings.json holds it all."""
+    import deepspeed_knap.commands.generate as command
+    from deepspeed_knap.cli import main
+
+    load = command._load
+
+    def failing_second_start(args, dtype):
+        generator = load(args, dtype)
+        start = generator.start
+
+        def start_or_fail(request):
+            if request.id == "late":
+                raise OSError("the text encoder's shard is gone (simulated)")
+            return start(request)
+
+        generator.start = start_or_fail
+        return generator
+
+    monkeypatch.setattr(command, "_load", failing_second_start)
+    lines = [{"id": "done", "prompt": "a", "height": 8, "width": 8, "steps": 2, "max_sequence_length": 4},
+             {"id": "late", "prompt": "b", "height": 8, "width": 8, "steps": 1, "max_sequence_length": 4},
+             {"id": "refused", "prompt": "c", "height": 9, "width": 8}]  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # 8 text + 4 image tokens each: one request at a time, so "late" joins after "done" has finished.
+    args = ["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--no-progress",
+            "--max-tokens-per-gpu", "12"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "out")]) == 1
+    assert "cannot start the request: OSError: the text encoder's shard is gone" in capsys.readouterr().out
+    out = tmp_path / "out"
+    assert sorted(path.name for path in out.iterdir()) == ["done.png", "timings.rank0.jsonl"]
+    journal = [json.loads(line) for line in (out / "timings.rank0.jsonl").read_text().splitlines()]
+    assert [next(iter(entry)) for entry in journal] == ["refused", "request"]
+    assert journal[0]["refused"]["line"] == 3 and journal[1]["request"]["id"] == "done"
+    assert journal[1]["request"]["last_step"] == 1 and journal[1]["request"]["denoise_s"] > 0
+    monkeypatch.setattr(command, "_load", load)
+    assert main([*args, "--out", str(out)]) == 1  # the refused line
+    assert sorted(path.name for path in out.iterdir()) == ["done.png", "late.png", "timings.json"]
+
+
 def test_generate_command_refuses_a_flux1_pipeline_directory_holding_a_flux2_transformer(tmp_path, capsys):
     """It loaded, and then every request failed with an AttributeError inside Flux2Pipeline's
     parts (the directory's text encoders are FLUX.1's); now it is refused at load, in one line."""
@@ -912,3 +979,17 @@ def test_generate_command_refuses_a_flux1_pipeline_directory_holding_a_flux2_tra
                       f"ValueError: {tmp_path / 'model'}: its transformer is a Flux2Transformer2DModel but "
                       "model_index.json names a FluxPipeline, which takes a FluxTransformer2DModel; give a "
                       "Flux2Pipeline directory (its transformer of the same family)"]  # fmt: skip
+
+
+def test_generate_timeout_is_trainings_timeout_s_and_out_of_range_is_a_usage_error(tmp_path, capsys):
+    from deepspeed_knap.cli import main
+    from deepspeed_knap.commands.generate import DEFAULT_TIMEOUT_S, TIMEOUT_RANGE_S
+    from deepspeed_knap.runtime.config import KnapFormerConfig
+
+    field = KnapFormerConfig.model_fields["timeout_s"]
+    bounds = {type(rule).__name__: rule for rule in field.metadata}
+    assert (field.default, (bounds["Ge"].ge, bounds["Le"].le)) == (DEFAULT_TIMEOUT_S, TIMEOUT_RANGE_S)
+    for bad in ("0.5", "86401", "nan", "soon"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["generate", "--requests", "r.jsonl", "--tiny", "--out", str(tmp_path), "--timeout", bad])
+        assert exit_.value.code == 2 and "--timeout" in capsys.readouterr().err
