@@ -203,8 +203,9 @@ def _check_options(args: argparse.Namespace, out: Path) -> list[str] | None:
     try:  # the outputs and timings.json go here after all the work: find out now
         with tempfile.NamedTemporaryFile(dir=out, prefix=".deepspeed-knap-write-check-"):
             pass
-    except OSError as error:
-        return ["checking --out", f"cannot write in --out {out}: {error}; give a directory this user can write in"]
+    except OSError as error:  # its reason alone: the file's name differs between ranks, the message may not
+        return ["checking --out", f"cannot write in --out {out}: {error.strerror or error}; give a directory this "
+                "user can write in"]  # fmt: skip
     return None
 
 
