@@ -133,13 +133,14 @@ class Deadline:
 
 def collective_failure(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) is a collective's failure: torch's ``DistError``, or
-    the backend's ``RuntimeError`` (gloo and NCCL name themselves in it)."""
+    the plain ``RuntimeError`` a backend raises (gloo's names its source file, NCCL's itself). A
+    subclass is someone's own error (``GenerationError``: agreed by every rank, so none is missing)."""
     import torch.distributed
 
     for cause in _chain(error):
         if isinstance(cause, torch.distributed.DistError):
             return True
-        if isinstance(cause, RuntimeError) and any(word in str(cause) for word in ("gloo", "NCCL", "Timed out")):
+        if type(cause) is RuntimeError and any(word in str(cause) for word in ("gloo", "NCCL", "Timed out")):
             return True
     return False
 

@@ -993,3 +993,23 @@ def test_generate_timeout_is_trainings_timeout_s_and_out_of_range_is_a_usage_err
         with pytest.raises(SystemExit) as exit_:
             main(["generate", "--requests", "r.jsonl", "--tiny", "--out", str(tmp_path), "--timeout", bad])
         assert exit_.value.code == 2 and "--timeout" in capsys.readouterr().err
+
+
+def test_only_a_collectives_failure_calls_the_roll():
+    """gloo raises a plain RuntimeError (the balancer wraps it, naming the step); a rank's own
+    error, or one every rank raised together (GenerationError), is not a missing rank."""
+    from deepspeed_knap.generation.deadline import collective_failure
+    from deepspeed_knap.generation.runner import GenerationError
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 2000ms for "
+                        "recv operation to complete")  # fmt: skip
+    try:
+        try:
+            raise gloo
+        except RuntimeError as error:
+            raise RuntimeError("knapformer step 3 failed on rank 0: ...") from error
+    except RuntimeError as wrapped:
+        assert collective_failure(wrapped)
+    assert collective_failure(gloo)
+    assert not collective_failure(RuntimeError("CUDA out of memory"))
+    assert not collective_failure(GenerationError("rank 1, line 4: cannot start the request: Timed out (gloo)"))
