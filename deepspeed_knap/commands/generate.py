@@ -14,17 +14,25 @@ checkpoint, or ``--tiny --family``; the transformer runs every rank's running re
 balanced (topology ``auto``), and requests join and leave at step boundaries under the token
 budget; each request set's plan is solved in a worker process while the set before it runs
 (``--no-plan-ahead``: at the step the set starts). Writes ``OUT/{id}.png`` per image
-(``OUT/{id}.gif`` per video) and ``OUT/timings.json`` (per request and per rank). Bad lines are refused before any work and the others generated; the exit code is then 1,
-as it is for a missing model, and for an image that could not be written (the others still are).
-Launched without a launcher it runs as one rank, unbalanced.
+(``OUT/{id}.gif`` per video) as each finishes, each rank's timings so far in
+``OUT/timings.rank{r}.jsonl``, and at the end ``OUT/timings.json`` (per request and per rank), which
+replaces them. Bad lines are refused before any work and the others generated; the exit code is
+then 1, as it is for a missing model, an ``--out`` this user cannot write in (found before any
+work), and an image that could not be written (the others still are). A rank that does not reach a
+collective within ``--timeout`` fails the ranks that waited, each naming the step and the missing
+ranks. Launched without a launcher it runs as one rank, unbalanced.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import datetime
 import json
 import os
+import sys
+import tempfile
 from pathlib import Path
 
 from deepspeed_knap.options import DefaultsHelp, add_family_argument, positive_int
@@ -32,6 +40,9 @@ from deepspeed_knap.options import DefaultsHelp, add_family_argument, positive_i
 HELP = "images for a JSONL file of requests, balanced across the ranks"
 FORMATTER = DefaultsHelp
 DTYPES = ("bfloat16", "float16", "float32", "float64")
+# Training's knapformer.timeout_s, its default and its range (runtime/config.py: 1 s to a day).
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_RANGE_S = (1.0, 86400.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,18 +57,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="of the --tiny weights")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--max-tokens-per-gpu", type=positive_int, default=None,
-                        help="token budget of the running requests, per GPU (default: every request at once)")  # fmt: skip
+                        help="token budget of the running requests, per GPU (default: every request at once, "
+                        "each of at most 2**18 tokens a GPU)")  # fmt: skip
     parser.add_argument("--no-reuse", action="store_true",
                         help="gather, solve and prepare the route every step, as training does (to compare)")  # fmt: skip
     parser.add_argument("--no-plan-ahead", action="store_true",
                         help="solve each request set's plan at the step it starts, not in a worker process "
                         "while the set before it runs (the plans are the same)")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
+    parser.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help="seconds a rank waits in a collective for the others (one stopped, stuck or dead) "
+                        "before the run fails on the ranks that waited, naming the step and the missing ranks; "
+                        "while the model loads, this or DEEPSPEED_TIMEOUT, whichever is longer (training's "
+                        "knapformer.timeout_s)")  # fmt: skip
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: seconds in :data:`TIMEOUT_RANGE_S` (gloo rounds less than a millisecond to no
+    wait at all, and ``datetime.timedelta`` overflows far above a day)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    low, high = TIMEOUT_RANGE_S
+    if not low <= value <= high:  # NaN fails it too
+        raise argparse.ArgumentTypeError(f"{text} is not from {low:g} to {high:g} seconds")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from deepspeed_knap.generation.deadline import MissingRanksError
     from deepspeed_knap.generation.requests import RequestFileError
     from deepspeed_knap.generation.runner import (
         GenerationError,
@@ -67,32 +98,34 @@ def run(args: argparse.Namespace) -> int:
         rank_and_world,
     )
 
-    _join_launched_job()
+    _join_launched_job(args.timeout)
     rank, world = rank_and_world()
+    deadline = _start_deadline(args.timeout) if world > 1 else None
+    watching = contextlib.nullcontext if deadline is None else deadline.watching
     dtype = getattr(torch, args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32"))
-    problem = None
-    if args.family is not None and not args.tiny:
-        problem = (f"--family {args.family} picks the --tiny model's family; --model-path {args.model_path}'s family "
-                   "is its checkpoint's: drop --family")  # fmt: skip
-    elif args.model_path and not (Path(args.model_path) / "model_index.json").is_file():
-        problem = (f"--model-path {args.model_path}: no model_index.json there; give a diffusers FLUX.1, FLUX.2 or "
-                   "Wan pipeline directory (what FluxPipeline, Flux2Pipeline or WanPipeline.save_pretrained writes), "
-                   "or --tiny")  # fmt: skip
     out = Path(args.out)
-    if problem is None:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            problem = f"cannot make --out {out}: {error}"
+    problem = _check_options(args, out)  # [what, message]
     generator = None
     if problem is None:
         try:
             generator = _load(args, dtype)
         except Exception as error:  # every rank must hear of it, or the others wait in the gather
-            problem = f"cannot load {args.model_path or 'the --tiny model'}: {type(error).__name__}: {error}"
-    if _report_fatal(all_gather_json(problem), rank, "loading the model"):
+            problem = ["loading the model",
+                       f"cannot load {args.model_path or 'the --tiny model'}: {type(error).__name__}: {error}"]  # fmt: skip
+    try:
+        with watching("loading the model"):  # the fast ranks wait for the slow loaders here
+            problems = all_gather_json(problem)
+    except MissingRanksError as error:
+        return _report_missing(error, rank)
+    if _report_fatal(problems, rank):
         return 1
-    balancer = generation_balancer(generator.model, args.max_tokens_per_gpu, not args.no_reuse) if world > 1 else None
+    if deadline is not None:
+        deadline.set_timeout()  # from here on every collective waits --timeout at most
+    balancer = None
+    if world > 1:
+        balancer = generation_balancer(generator.model, args.max_tokens_per_gpu, not args.no_reuse,
+                                       timeout=deadline.timeout)  # fmt: skip
+    journal = _Journal(out / f"timings.rank{rank}.jsonl")
     unwritten: list[dict] = []
 
     def write_output(request, image) -> None:
@@ -109,27 +142,104 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as error:  # a full disk, a name the file system refuses: go on
             unwritten.append({"line": request.line, "id": request.id, "rank": rank,
                               "reason": f"line {request.line}: cannot write {path}: {error}"})  # fmt: skip
+            journal.add("unwritten", unwritten[-1])
 
     try:
         report = generate(args.requests, generator, balancer, write_output, args.max_tokens_per_gpu,
-                          progress=not args.no_progress, plan_ahead=not args.no_plan_ahead)  # fmt: skip
+                          progress=not args.no_progress, plan_ahead=not args.no_plan_ahead, deadline=deadline,
+                          on_record=journal.add)  # fmt: skip
     except RequestFileError as error:  # the same error on every rank
-        return 1 if _report_fatal([str(error)], rank, "reading the requests") else 0
+        return 1 if _report_fatal([["reading the requests", str(error)]], rank) else 0
+    except MissingRanksError as error:  # this rank's view: each rank that waited says it
+        return _report_missing(error, rank, journal)
     except GenerationError as error:  # the same error on every rank
-        return 1 if _report_fatal([str(error)], rank, "generating") else 0
+        _report_fatal([["generating", str(error)]], rank)
+        if rank == 0:
+            print(f"what was done is kept: the outputs in {out}, their timings in {out}/timings.rank*.jsonl")
+        return 1
     # Outputs not written: by write_output (a file system error), or by the loop (a decode, or any
     # other error handing the output over).
-    reports = all_gather_json({**dataclasses.asdict(report), "unwritten": unwritten + report.failed})
+    try:
+        with watching("the final report"):
+            reports = all_gather_json({**dataclasses.asdict(report), "unwritten": unwritten + report.failed})
+    except MissingRanksError as error:
+        return _report_missing(error, rank, journal)
+    written = True
     if rank == 0:
         summary = summarize(reports)
-        (out / "timings.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(format_summary(summary, out))
-    return 1 if report.refused or any(r["unwritten"] for r in reports) else 0
+        try:
+            (out / "timings.json").write_text(json.dumps(summary, indent=1) + "\n")
+        except OSError as error:
+            written = False
+            print(f"deepspeed-knap generate: error: cannot write {out / 'timings.json'}: {error}; the timings are "
+                  f"in {out}/timings.rank*.jsonl")  # fmt: skip
+    try:
+        with watching("the final report"):
+            written = all_gather_json(written)[0]
+    except MissingRanksError as error:
+        return _report_missing(error, rank, journal)
+    if written:  # timings.json holds this rank's records
+        journal.remove()
+    return 1 if report.refused or any(r["unwritten"] for r in reports) or not written else 0
 
 
-def _join_launched_job() -> None:
+def _check_options(args: argparse.Namespace, out: Path) -> list[str] | None:
+    """``[what, message]`` of the first problem with the options that stops the run, or ``None``;
+    ``--out`` is made, and a file written and removed in it, before any work."""
+    if args.family is not None and not args.tiny:
+        return ["checking the options", f"--family {args.family} picks the --tiny model's family; --model-path "
+                f"{args.model_path}'s family is its checkpoint's: drop --family"]  # fmt: skip
+    if args.model_path and not (Path(args.model_path) / "model_index.json").is_file():
+        return ["checking the options", f"--model-path {args.model_path}: no model_index.json there; give a "
+                "diffusers FLUX.1, FLUX.2 or Wan pipeline directory (what FluxPipeline, Flux2Pipeline or "
+                "WanPipeline.save_pretrained writes), or --tiny"]  # fmt: skip
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return ["checking --out", f"cannot make --out {out}: {error}"]
+    try:  # the outputs and timings.json go here after all the work: find out now
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".deepspeed-knap-write-check-"):
+            pass
+    except OSError as error:  # its reason alone: the file's name differs between ranks, the message may not
+        return ["checking --out", f"cannot write in --out {out}: {error.strerror or error}; give a directory this "
+                "user can write in"]  # fmt: skip
+    return None
+
+
+class _Journal:
+    """This rank's timings as the run goes (``OUT/timings.rank{r}.jsonl``): a JSON line per request
+    handed over (``{"request": record}``), per failure (``"failed"``, ``"unwritten"``) and, on
+    rank 0, per refusal (``"refused"``), appended as each comes, so a run that fails late keeps the
+    timings of what it finished. An earlier run's is removed at the start, this run's once
+    ``timings.json`` holds them all. A journal that cannot be written is said once on stderr; the
+    run goes on (never raises: a rank raising alone would leave the others waiting)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._failed = False
+        self.remove()
+
+    def add(self, kind: str, value: dict) -> None:
+        if self._failed:
+            return
+        try:
+            with self.path.open("a") as file:
+                file.write(json.dumps({kind: value}) + "\n")
+        except OSError as error:
+            self._failed = True
+            print(f"deepspeed-knap generate: warning: cannot write {self.path}: {error}; the timings are kept "
+                  "only in timings.json at the end", file=sys.stderr)  # fmt: skip
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):  # --out was found writable; a file left behind is harmless
+            self.path.unlink(missing_ok=True)
+
+
+def _join_launched_job(timeout_s: float) -> None:
     """Join the process group when a launcher started this process (``RANK`` set), on one device per
-    local rank, and drop this rank's DeepSpeed CPU all-reduce buffer once every rank has mapped it."""
+    local rank, and drop this rank's DeepSpeed CPU all-reduce buffer once every rank has mapped it.
+    The rendezvous waits ``timeout_s`` or DeepSpeed's default, whichever is longer."""
     if "RANK" not in os.environ:
         return
     import deepspeed
@@ -138,10 +248,28 @@ def _join_launched_job() -> None:
 
     from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
-    deepspeed.init_distributed(verbose=False)
+    deepspeed.init_distributed(verbose=False, timeout=_start_up_timeout(timeout_s))
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.barrier()
     unlink_own_shm_buffer(dist.get_rank())
+
+
+def _start_deadline(timeout_s: float):
+    """The run's :class:`~deepspeed_knap.generation.deadline.Deadline` (collective). Until the model
+    is loaded on every rank, collectives wait ``timeout_s`` or DeepSpeed's default
+    (``DEEPSPEED_TIMEOUT`` minutes, 10 unless set), whichever is longer, as training's start-up
+    does: ranks load at their own pace."""
+    from deepspeed_knap.generation.deadline import Deadline
+
+    deadline = Deadline(timeout_s)
+    deadline.set_timeout(_start_up_timeout(timeout_s).total_seconds())
+    return deadline
+
+
+def _start_up_timeout(timeout_s: float) -> datetime.timedelta:
+    from deepspeed.constants import default_pg_timeout
+
+    return max(datetime.timedelta(seconds=timeout_s), default_pg_timeout)
 
 
 def _load(args: argparse.Namespace, dtype):
@@ -156,14 +284,30 @@ def _load(args: argparse.Namespace, dtype):
     return load_generator(args.model_path, dtype, device)
 
 
-def _report_fatal(problems: list[str | None], rank: int, what: str) -> bool:
-    """Whether any rank found a problem that stops the run; rank 0 prints them (every rank has them)."""
-    found = {message: [r for r, m in enumerate(problems) if m == message] for message in problems if message}
+def _report_fatal(problems: list[list[str] | None], rank: int) -> bool:
+    """Whether any rank found a problem (``[what, message]``) that stops the run; rank 0 prints them
+    (every rank has them)."""
+    found: dict[tuple[str, str], list[int]] = {}
+    for r, problem in enumerate(problems):
+        if problem:
+            found.setdefault(tuple(problem), []).append(r)
     if found and rank == 0:
-        for message, ranks in found.items():
+        for (what, message), ranks in found.items():
             where = "" if len(problems) == 1 else f" (rank(s) {ranks})"
             print(f"deepspeed-knap generate: error {what}{where}: {message}")
     return bool(found)
+
+
+def _report_missing(error: Exception, rank: int, journal: _Journal | None = None) -> int:
+    """A collective that some rank did not reach: every rank that waited says so (rank 0 may be the
+    one missing), and what it had done is kept."""
+    kept = (
+        ""
+        if journal is None or not journal.path.exists()
+        else f"; its finished requests' timings are in {journal.path}"
+    )
+    print(f"deepspeed-knap generate: error on rank {rank}: {error}{kept}")
+    return 1
 
 
 def summarize(reports: list[dict]) -> dict:

@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-from deepspeed_knap.generation.requests import Request, RequestError
+from deepspeed_knap.generation.requests import MAX_EMBEDDINGS_BYTES, Request, RequestError, read_regular_file
 from deepspeed_knap.models.spec import ModelSpec
 
 
@@ -45,18 +46,20 @@ class Generator:
         return self.default_guidance if request.guidance is None else request.guidance
 
     @staticmethod
-    def embeddings_file_shapes(request: Request) -> dict[str, tuple[int, ...]]:
-        """Every tensor of ``request``'s embeddings file and its shape, read from the header only.
+    def embeddings_file(request: Request) -> dict[str, Tensor]:
+        """Every tensor of ``request``'s embeddings file, on the CPU. The file is read only if it is
+        a regular file of at most :data:`~deepspeed_knap.generation.requests.MAX_EMBEDDINGS_BYTES`
+        (:func:`~deepspeed_knap.generation.requests.read_regular_file`).
 
         Raises:
-            RequestError: the file is missing or unreadable (the message names the line).
+            RequestError: the file is missing, unreadable, not a regular file, too large or not
+                safetensors (the message names the line and the file).
         """
-        from safetensors import safe_open
+        from safetensors.torch import load
 
         try:
-            with safe_open(request.embeddings, "pt") as file:
-                return {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}  # noqa: SIM118
-        except Exception as error:  # safetensors raises its own types for a missing or damaged file
+            return load(read_regular_file(request.embeddings, MAX_EMBEDDINGS_BYTES))
+        except Exception as error:  # safetensors raises its own types for a damaged file
             raise RequestError(f"line {request.line}: cannot read embeddings {request.embeddings}: {error}") from None
 
     @classmethod
@@ -77,10 +80,29 @@ class Generator:
         if request.prompt is not None:
             text: Mapping[str, Any] = {"prompt": request.prompt, "max_sequence_length": request.max_sequence_length}
         else:
-            from safetensors.torch import load_file
-
-            saved = load_file(request.embeddings)
+            saved = self.embeddings_file(request)
             device = next(self.pipeline.vae.parameters()).device
             text = {key: saved[key][None].to(device, self.dtype) for key in self.pipeline_embeddings if key in saved}
         return {**text, "height": request.height, "width": request.width, "num_inference_steps": request.steps,
                 "generator": torch.Generator().manual_seed(request.seed), **self.pipeline_options(request)}  # fmt: skip
+
+    @staticmethod
+    def check_embedding_values(request: Request, tensors: dict[str, Tensor], keys: list[str]) -> None:
+        """Refuse text embeddings ``keys`` of ``tensors`` that no text encoder gives: whole numbers or
+        booleans (a cast would turn them into text the model never saw), or NaN or infinite values
+        (the image would be NaN: black, with nothing said).
+
+        Raises:
+            RequestError: naming the line, the file, the tensor and what is wrong.
+        """
+        for key in keys:
+            tensor = tensors[key]
+            problem = None
+            if not tensor.is_floating_point():
+                problem = f"{key} is {str(tensor.dtype).removeprefix('torch.')}; text embeddings are floating point"
+            elif not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                problem = f"{key} holds {bad:,} NaN or infinite value(s) of {tensor.numel():,}"
+            if problem is not None:
+                raise RequestError(f"line {request.line}: embeddings {request.embeddings}: {problem}; give the "
+                                   "text encoder's output for the prompt")  # fmt: skip

@@ -20,7 +20,12 @@ silently a default.
 
 An ``id`` names the output file ``{id}.png`` (a video's ``{id}.gif``): no ``/`` and no control
 characters in it, and at most 255 bytes (UTF-8) with the ``.png``. ``seed`` is ``0`` to ``2**64 - 1`` (what ``manual_seed`` takes);
-the other whole numbers are at most ``2**31 - 1``.
+``steps`` at most :data:`MAX_STEPS`; the other whole numbers are at most ``2**31 - 1`` (what a request's
+size may be is its family's and the token ceiling's to say).
+
+The request file and an embeddings file are read only if they are regular files, of at most
+:data:`MAX_REQUEST_FILE_BYTES` and :data:`MAX_EMBEDDINGS_BYTES` (:func:`read_regular_file`): a FIFO
+would block every rank in ``open`` with no writer, and ``/dev/zero`` would never end.
 
 Pure Python, no torch: what a family checks of a request (its sizes, its embeddings file) is in
 the family's module, and the agreement between ranks in
@@ -31,15 +36,27 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 # The families deepspeed-knap generate runs (FLUX.3 has no diffusers pipeline to follow yet).
 DEFAULTS = {"steps": 28, "seed": 0, "max_sequence_length": 512}  # guidance: the family's (generator's) default
-# The largest value of each whole-number field: a seed is what torch.Generator.manual_seed takes; the
-# others are bounded so that what is derived from them (tokens) stays a plain number everywhere.
-LARGEST = {"seed": 2**64 - 1, "height": 2**31 - 1, "width": 2**31 - 1, "steps": 2**31 - 1,
+# Denoising steps a request may take: 30 to 300 times the usual 28 to 50, which both families'
+# schedulers (FLUX's flow-match Euler, Wan's UniPC) take. More is a typo: a scheduler sets every
+# step's timestep up front, and 10**9 of them held gigabytes and ran on for hours.
+MAX_STEPS = 10_000
+# The largest value of each whole-number field: a seed is what torch.Generator.manual_seed takes;
+# steps MAX_STEPS; the others are bounded so that what is derived from them (tokens) stays a plain
+# number everywhere (a family bounds the size, the intake the tokens).
+LARGEST = {"seed": 2**64 - 1, "height": 2**31 - 1, "width": 2**31 - 1, "steps": MAX_STEPS,
            "max_sequence_length": 2**31 - 1, "frames": 2**31 - 1}  # fmt: skip
+# The largest request file read: a million requests of 256 bytes (every rank holds its lines).
+MAX_REQUEST_FILE_BYTES = 2**28
+# The largest embeddings file read (at the intake, whole, to check its values; again at the start):
+# FLUX.2's widest text, 15,360 x 4 bytes, is 31 MB at 512 tokens; 1 GiB holds 17,000 tokens of it.
+MAX_EMBEDDINGS_BYTES = 2**30
 MAX_FILE_NAME_BYTES = 255  # of "{id}.png", what common file systems take
 _KEYS = ("id", "prompt", "embeddings", "height", "width", "steps", "guidance", "seed", "max_sequence_length",
          "frames", "negative_prompt", "true_cfg_scale")  # fmt: skip
@@ -99,10 +116,48 @@ def request_lines(path: str | Path) -> list[tuple[int, str]]:
         RequestFileError: the file cannot be read (the message names it).
     """
     try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as error:
+        text = read_regular_file(path, MAX_REQUEST_FILE_BYTES).decode()
+    except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
         raise RequestFileError(f"cannot read the request file {path}: {error}") from None
     return [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+
+
+def read_regular_file(path: str | Path, limit: int) -> bytes:
+    """The bytes of ``path`` when it is a regular file (or a link to one) of at most ``limit`` bytes.
+
+    What the path names is checked before it is opened, and again on the open file (the path may
+    have been swapped in between): a FIFO would block ``open`` until a writer comes, and a device
+    such as ``/dev/zero`` would never end.
+
+    Raises:
+        OSError: the path cannot be opened or read.
+        ValueError: not a regular file, or larger than ``limit`` (the message says which).
+    """
+    _check_regular(os.stat(path), limit)
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in: no wait
+    try:
+        _check_regular(os.fstat(descriptor), limit)
+        chunks, size = [], 0
+        while chunk := os.read(descriptor, min(2**24, limit + 1 - size)):  # a file grown since: still bounded
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ValueError(f"it grew past {limit:,} bytes while read")
+    finally:
+        os.close(descriptor)
+    return b"".join(chunks)
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}  # fmt: skip
+
+
+def _check_regular(status: os.stat_result, limit: int) -> None:
+    if not stat.S_ISREG(status.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(status.st_mode), "not a file")
+        raise ValueError(f"it is {kind}, not a regular file; give a file")
+    if status.st_size > limit:
+        raise ValueError(f"it holds {status.st_size:,} bytes, over the {limit:,} read at most")
 
 
 def parse_request(index: int, line: int, text: str, directory: str | Path = ".") -> Request:

@@ -30,6 +30,8 @@ two with classifier-free guidance; raises ``RequestError``), ``start(request)`` 
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import time
@@ -42,9 +44,19 @@ import numpy as np
 import torch
 
 from deepspeed_knap.generation.balancer import ReusingBalancer, WorkerPlanAhead, forward_cost_model
+from deepspeed_knap.generation.deadline import Deadline
 from deepspeed_knap.generation.requests import Request, RequestError, RequestFileError, parse_request, request_lines
 from deepspeed_knap.generation.schedule import Job, StepBatcher
 from deepspeed_knap.runtime.groups import all_gather_bytes, text_digest
+
+# The most tokens one request may put on a GPU when no --max-tokens-per-gpu is given (times the
+# GPUs of the largest group it may be split over; a guided pair's two sequences, every GPU's):
+# 2**18, an 8,192 x 8,192 px FLUX image or a 720p Wan clip of 285 frames. Around it one forward's
+# activations fill a GPU (FLUX.1 in bfloat16 keeps ~16 x 3,072 values a token live: 26 GB, the
+# attention's own aside), and one step of FLUX.1 takes about two minutes on an H100. It is the same
+# on every rank, unlike free memory, so every run of a file refuses the same lines;
+# --max-tokens-per-gpu sets the bound instead.
+DEFAULT_MAX_TOKENS_PER_GPU = 2**18
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -94,7 +106,8 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
     Args:
         path: the JSONL request file.
         generator: the family's generator (``request_seq_lens``).
-        max_tokens_per_gpu: the per-GPU token budget, or ``None``.
+        max_tokens_per_gpu: the per-GPU token budget, or ``None``: a request may then put at most
+            :data:`DEFAULT_MAX_TOKENS_PER_GPU` tokens on a GPU.
         max_degree: the largest group a sequence may be split over (its GPUs hold it together).
         balanced: the requests run balanced; ``False``: each on its home rank, all its sequences there.
         solve: the batcher's planner (raises ``ValueError`` for a set it cannot place). Given, a
@@ -137,8 +150,12 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
     table = sorted((entry for view in views for entry in view["entries"]), key=lambda e: e["index"])
     mine = {e["index"]: e["request"] for e in entries if e["reason"] is None}
     seen: dict[str, int] = {}
-    limit = None if max_tokens_per_gpu is None else max_tokens_per_gpu * max_degree
+    # Without a budget every request runs at once, but one request still has to fit the GPUs it may
+    # spread over: the ceiling stands in for the budget in the checks of one request.
+    per_gpu = DEFAULT_MAX_TOKENS_PER_GPU if max_tokens_per_gpu is None else max_tokens_per_gpu
+    limit = per_gpu * max_degree
     hold = world if balanced else 1  # the GPUs a request's sequences may spread over
+    fix = "raise --max-tokens-per-gpu" if max_tokens_per_gpu is not None else "give --max-tokens-per-gpu"
     placeable: dict[tuple[int, tuple[int, ...]], bool] = {}  # (home, sequences) planned alone: requests repeat sizes
     jobs, ids, refused = [], {}, []
     for entry in table:
@@ -146,16 +163,19 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
         if reason is None and entry["id"] in seen:
             reason = (f"line {entry['line']}: id {entry['id']!r} is line {seen[entry['id']]}'s too; ids name the "
                       "output files: make them unique")  # fmt: skip
-        elif reason is None and limit is not None and max(seq_lens) > limit:
+        elif reason is None and max(seq_lens) > limit:
+            under = ("the budget" if max_tokens_per_gpu is not None
+                     else "the ceiling without --max-tokens-per-gpu")  # fmt: skip
             reason = (f"line {entry['line']}: {max(seq_lens)} tokens exceed what the largest group holds under "
-                      f"the budget, {max_tokens_per_gpu} per GPU x {max_degree} GPUs = {limit}; make the image "
-                      "smaller, or raise --max-tokens-per-gpu")  # fmt: skip
-        elif reason is None and max_tokens_per_gpu is not None and sum(seq_lens) > max_tokens_per_gpu * hold:
+                      f"{under}, {per_gpu} per GPU x {max_degree} GPUs = {limit}; make the image smaller, or "
+                      f"{fix}")  # fmt: skip
+        elif reason is None and sum(seq_lens) > per_gpu * hold:
+            under = "budget" if max_tokens_per_gpu is not None else "ceiling (without --max-tokens-per-gpu)"
             reason = (f"line {entry['line']}: its {len(seq_lens)} sequences (classifier-free guidance runs the "
-                      f"unconditional branch too) of {seq_lens} tokens exceed the budget of {hold} GPU(s) "
+                      f"unconditional branch too) of {seq_lens} tokens exceed the {under} of {hold} GPU(s) "
                       f"({'every GPU together' if balanced else 'unbalanced, its home rank holds them all'}), "
-                      f"{max_tokens_per_gpu} per GPU; make the image smaller, or raise --max-tokens-per-gpu")  # fmt: skip
-        elif (reason is None and solve is not None and limit is not None and len(seq_lens) > 1
+                      f"{per_gpu} per GPU; make the image smaller, or {fix}")  # fmt: skip
+        elif (reason is None and solve is not None and max_tokens_per_gpu is not None and len(seq_lens) > 1
               and sum(seq_lens) > limit):  # fmt: skip
             home = entry["index"] % world
             if (home, tuple(seq_lens)) not in placeable:  # deterministic: every rank decides alike
@@ -186,11 +206,12 @@ def _public(entry: dict) -> dict:
 
 
 def generation_balancer(model: torch.nn.Module, max_tokens_per_gpu: int | None = None, reuse: bool = True,
-                        cost_model: Any = None) -> ReusingBalancer:  # fmt: skip
+                        cost_model: Any = None, timeout: datetime.timedelta | None = None) -> ReusingBalancer:  # fmt: skip
     """Process groups of topology ``auto`` over the world (groups up to the model's heads, inside
     nodes: :func:`gpus_per_node`) and a :class:`ReusingBalancer` with the forward-only cost model of
-    ``model.config`` unless ``cost_model`` is given. Collective: every rank calls it, after joining
-    the process group."""
+    ``model.config`` unless ``cost_model`` is given. The groups' collectives wait ``timeout`` at most
+    for a rank (default DeepSpeed's: ``DEEPSPEED_TIMEOUT`` minutes, 10 unless set). Collective:
+    every rank calls it, after joining the process group."""
     import deepspeed.comm as dist
 
     from deepspeed_knap.planner.topology import build_topology, default_max_degree
@@ -199,7 +220,7 @@ def generation_balancer(model: torch.nn.Module, max_tokens_per_gpu: int | None =
     world, node = dist.get_world_size(), gpus_per_node()
     heads = model.config["num_attention_heads"]
     topology = build_topology("auto", world, node, max_degree=default_max_degree(world, node, heads))  # fmt: skip
-    groups = create_process_groups(topology)
+    groups = create_process_groups(topology, timeout)
     model.attention.configure(topology)  # checks the heads against the groups
     cost_model = forward_cost_model(model.family, model.config) if cost_model is None else cost_model
     return ReusingBalancer(groups, cost_model, max_tokens_per_gpu=max_tokens_per_gpu, reuse=reuse)
@@ -257,7 +278,8 @@ class GenerationReport:
 
 def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None = None,
              on_image: Callable[[Request, np.ndarray], None] | None = None, max_tokens_per_gpu: int | None = None,
-             progress: bool = True, plan_ahead: bool = True) -> GenerationReport:  # fmt: skip
+             progress: bool = True, plan_ahead: bool = True, deadline: Deadline | None = None,
+             on_record: Callable[[str, dict], None] | None = None) -> GenerationReport:  # fmt: skip
     """Generate every acceptable request of ``path``. Collective: every rank calls it.
 
     With a balancer that reuses plans, each request set's plan after the first is solved in a plan
@@ -277,11 +299,22 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
         plan_ahead: plan the next request set in the worker process; ``False``: solve each set's
             plan at the step that starts it. Unused unbalanced and with ``balancer.reuse`` off
             (which solves every step's plan in the step).
+        deadline: names where the run was (``"the intake"``, ``"step N"``, steps counted from 0 as
+            the report's ``first_step``) and the ranks missing when a collective fails
+            (:class:`~deepspeed_knap.generation.deadline.Deadline`; the groups' timeout is its
+            caller's to set); ``None``: a collective's failure raises as the backend raised it.
+        on_record: called as the run goes, so that what is done is kept whatever happens later:
+            ``("request", record)`` on the home rank as each request's output was handed over (the
+            record as :attr:`GenerationReport.requests` holds it), ``("failed", failure)`` as
+            :attr:`GenerationReport.failed` gets it, and on rank 0 ``("refused", refusal)`` for each
+            of :attr:`Intake.refused` once the intake is agreed.
 
     Raises:
         RequestFileError: on every rank, for a request file that ranks cannot read alike.
         GenerationError: on every rank, when a request's ``generator.start`` raised on its rank (its
             encoders or embeddings file failed after the intake's checks), at the step it joins.
+        MissingRanksError: on the ranks that waited, when a collective timed out or a rank left
+            (with a ``deadline``).
     """
     from tqdm import tqdm
 
@@ -293,9 +326,14 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     max_degree = 1 if topology is None else max(size for _, size in topology.groups)
     busy = time.perf_counter()
     solve = _solver(balancer, max_tokens_per_gpu)
-    intake = take_requests(path, generator, max_tokens_per_gpu, max_degree, balanced=balancer is not None,
-                           solve=solve if balancer is not None else None)  # fmt: skip
+    watching = contextlib.nullcontext if deadline is None else deadline.watching
+    keep = on_record or (lambda kind, value: None)
+    with watching("the intake"):
+        intake = take_requests(path, generator, max_tokens_per_gpu, max_degree, balanced=balancer is not None,
+                               solve=solve if balancer is not None else None)  # fmt: skip
     busy = time.perf_counter() - busy  # the intake's own checks; the gather is shared waiting
+    for refusal in intake.refused if rank == 0 else []:
+        keep("refused", refusal)
     planner = None
     if plan_ahead and balancer is not None and balancer.reuse:
         planner = WorkerPlanAhead(balancer, generator.device)
@@ -309,59 +347,68 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     bar = tqdm(total=batcher.total_request_steps, disable=not progress or rank != 0, unit="step",
                desc=f"generate ({len(intake.jobs)} requests, {world} ranks)")  # fmt: skip
     try:
-        while (step := batcher.next_step()) is not None:
-            step_start = time.perf_counter()
-            report.set_changes += step.changed
-            problem = None
-            for index in step.joined:
-                if index in intake.mine and problem is None:
-                    request = intake.mine[index]
-                    records[index] = {"id": request.id, "line": request.line, "tokens": batcher.jobs[index].tokens,
-                                      "steps": request.steps, "first_step": step.number, "started_at": step_start}  # fmt: skip
-                    clock = time.perf_counter()
-                    try:
-                        states[index] = generator.start(request)
-                    except Exception as error:  # raised here alone, it would leave the others in the forward
-                        problem = (f"rank {rank}, line {request.line} ({request.id!r}): cannot start the request: "
-                                   f"{type(error).__name__}: {error}")  # fmt: skip
-                    records[index]["encode_s"] = time.perf_counter() - clock
-            if step.joined:  # every rank knows the joiners: it agrees at the same steps
-                problems = [p for p in all_gather_json(problem) if p]
-                if problems:
-                    raise GenerationError("; ".join(problems))
-            clock = time.perf_counter()
-            mine = [index for index in step.active if index in states]
-            inputs = model.pack([sample for index in mine for sample in states[index].samples()]).to(generator.device)
-            if balancer is not None:
-                balancer.begin_step(step.active, step.plan, batcher.seq_lens_per_rank(step.active))
-            busy += time.perf_counter() - clock
-            clock = time.perf_counter()
-            with torch.no_grad():
-                predictions = inputs.split(model(inputs, balancer))
-            busy += balancer.forward_seconds()["compute"] if balancer is not None else time.perf_counter() - clock
-            clock = time.perf_counter()
-            for index in mine:  # each request's branches, in the order packed
-                branches = len(states[index].branches)
-                states[index].advance(predictions[:branches])
-                predictions = predictions[branches:]
-            busy += time.perf_counter() - clock
-            for index in [index for index in mine if states[index].done]:
+        with watching():
+            while True:
+                if deadline is not None:  # next_step may collect the plan made ahead: collective
+                    deadline.at(f"step {batcher.steps_taken}")
+                if (step := batcher.next_step()) is None:
+                    break
+                step_start = time.perf_counter()
+                report.set_changes += step.changed
+                problem = None
+                for index in step.joined:
+                    if index in intake.mine and problem is None:
+                        request = intake.mine[index]
+                        records[index] = {"id": request.id, "line": request.line, "tokens": batcher.jobs[index].tokens,
+                                          "steps": request.steps, "first_step": step.number, "started_at": step_start}  # fmt: skip
+                        clock = time.perf_counter()
+                        try:
+                            states[index] = generator.start(request)
+                        except Exception as error:  # raised here alone, it would leave the others in the forward
+                            problem = (f"rank {rank}, line {request.line} ({request.id!r}): cannot start the request: "
+                                       f"{type(error).__name__}: {error}")  # fmt: skip
+                        records[index]["encode_s"] = time.perf_counter() - clock
+                if step.joined:  # every rank knows the joiners: it agrees at the same steps
+                    problems = [p for p in all_gather_json(problem) if p]
+                    if problems:
+                        raise GenerationError("; ".join(problems))
                 clock = time.perf_counter()
-                request, record = intake.mine[index], records[index]
-                try:  # a failure here is this request's alone: the rank goes on (no other rank waits on it)
-                    image = generator.decode(states.pop(index))
-                    decode_s = time.perf_counter() - clock
-                    if on_image is not None:
-                        on_image(request, image)
-                except Exception as error:
-                    report.failed.append({"line": request.line, "id": request.id, "rank": rank,
-                                          "reason": f"line {request.line}: cannot decode or hand over the output: "
-                                          f"{type(error).__name__}: {error}"})  # fmt: skip
-                    continue
-                record.update(last_step=step.number, denoise_s=clock - record.pop("started_at"), decode_s=decode_s)
-                busy += decode_s
-                report.requests.append(record)
-            bar.update(len(step.active))
+                mine = [index for index in step.active if index in states]
+                inputs = model.pack([sample for index in mine for sample in states[index].samples()]).to(
+                    generator.device
+                )
+                if balancer is not None:
+                    balancer.begin_step(step.active, step.plan, batcher.seq_lens_per_rank(step.active))
+                busy += time.perf_counter() - clock
+                clock = time.perf_counter()
+                with torch.no_grad():
+                    predictions = inputs.split(model(inputs, balancer))
+                busy += balancer.forward_seconds()["compute"] if balancer is not None else time.perf_counter() - clock
+                clock = time.perf_counter()
+                for index in mine:  # each request's branches, in the order packed
+                    branches = len(states[index].branches)
+                    states[index].advance(predictions[:branches])
+                    predictions = predictions[branches:]
+                busy += time.perf_counter() - clock
+                for index in [index for index in mine if states[index].done]:
+                    clock = time.perf_counter()
+                    request, record = intake.mine[index], records[index]
+                    try:  # a failure here is this request's alone: the rank goes on (no other rank waits on it)
+                        image = generator.decode(states.pop(index))
+                        decode_s = time.perf_counter() - clock
+                        if on_image is not None:
+                            on_image(request, image)
+                    except Exception as error:
+                        report.failed.append({"line": request.line, "id": request.id, "rank": rank,
+                                              "reason": f"line {request.line}: cannot decode or hand over the output: "
+                                              f"{type(error).__name__}: {error}"})  # fmt: skip
+                        keep("failed", report.failed[-1])
+                        continue
+                    record.update(last_step=step.number, denoise_s=clock - record.pop("started_at"), decode_s=decode_s)
+                    busy += decode_s
+                    report.requests.append(record)
+                    keep("request", record)
+                bar.update(len(step.active))
     finally:
         if planner is not None:
             planner.close()

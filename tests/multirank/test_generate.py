@@ -297,3 +297,80 @@ def test_bad_lines_are_refused_on_every_rank_and_the_others_generated_without_re
     assert "584 tokens exceed" in refused[2]["reason"] and "160 per GPU x 2 GPUs" in refused[2]["reason"]
     assert "id 'small' is line 4's too" in refused[3]["reason"]
     assert "needs both 'true_cfg_scale' above 1 and a negative prompt" in refused[4]["reason"]
+
+
+TIMEOUT_S = 2
+
+
+def _stopped_rank_generate(rank: int, world: int, requests: str, out: str, signals: str) -> dict:
+    """``deepspeed-knap generate --timeout 2`` on 2 ranks; rank 1 stops itself (SIGSTOP, as ``kill
+    -STOP`` would) while it decodes its request, after step 0. Rank 0 continues it once its own
+    command has returned, so that both ranks end. Returns the exit code, what the rank printed, and
+    on rank 0 the seconds from the stop to its command's return."""
+    import contextlib
+    import io
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    import deepspeed_knap.commands.generate as command
+    from deepspeed_knap.cli import main
+
+    pid_file = Path(signals) / "stopped.pid"
+    load = command._load
+
+    def load_and_stop_in_decode(args, dtype):
+        generator = load(args, dtype)
+        if rank == 1:
+            decode = generator.decode
+
+            def stopped_decode(state):
+                pid_file.write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return decode(state)
+
+            generator.decode = stopped_decode
+        return generator
+
+    command._load = load_and_stop_in_decode
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["generate", "--requests", requests, "--tiny", "--out", out, "--no-progress",
+                     "--timeout", str(TIMEOUT_S)])  # fmt: skip
+    # What the command says (DeepSpeed may print that it built its op).
+    said = [line for line in printed.getvalue().splitlines() if line.startswith("deepspeed-knap generate")]
+    result = {"code": code, "said": said}
+    if rank == 0:
+        result["after_stop_s"] = time.time() - pid_file.stat().st_mtime
+        os.kill(int(pid_file.read_text()), signal.SIGCONT)
+    return result
+
+
+def test_a_stopped_rank_fails_the_others_within_the_timeout_naming_the_step_and_the_rank(tmp_path):
+    """A SIGSTOPped rank left the other waiting with no message (DeepSpeed's default: 10 minutes).
+    With --timeout 2, rank 0 fails 2 s after rank 1 stopped (plus the 2 s roll call), naming the
+    step it waited at and the rank that did not arrive; rank 1, continued, finds rank 0 gone and
+    says so; the output rank 1 finished is kept."""
+    requests = [{"id": "long", "prompt": "a", "height": 8, "width": 8, "steps": 3, "max_sequence_length": 4},
+                {"id": "short", "prompt": "b", "height": 8, "width": 8, "steps": 1, "max_sequence_length": 4}]  # fmt: skip
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    (tmp_path / "signals").mkdir()
+    ranks = run_distributed(_stopped_rank_generate, 2, args=(str(path), str(tmp_path / "out"),
+                                                             str(tmp_path / "signals")), timeout=120)  # fmt: skip
+    first, second = ranks
+    assert first["code"] == second["code"] == 1
+    assert first["said"] == [
+        "deepspeed-knap generate: error on rank 0: step 1: rank(s) [1] did not arrive within the 2 s timeout "
+        "(--timeout): stopped, stuck or slower than that; rank 0 was there"  # and it had finished nothing
+    ]
+    assert TIMEOUT_S <= first["after_stop_s"] < 3 * TIMEOUT_S + 5  # the timeout, the roll call, slack
+    assert second["said"] == [
+        "deepspeed-knap generate: error on rank 1: step 1: rank(s) [0] had left the run (failed or killed: see their "
+        "output); rank 1 was there; its finished requests' timings are in "
+        f"{tmp_path / 'out' / 'timings.rank1.jsonl'}"
+    ]
+    assert (tmp_path / "out" / "short.png").exists()
+    journal = (tmp_path / "out" / "timings.rank1.jsonl").read_text().splitlines()
+    assert [json.loads(line)["request"]["id"] for line in journal] == ["short"]

@@ -4,6 +4,7 @@ generate`` in one process against diffusers' FluxPipeline and Flux2Pipeline."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -47,6 +48,7 @@ def test_a_request_line_with_defaults_and_a_relative_embeddings_path(tmp_path):
         ('{"prompt": "a", "height": 64, "width": 64, "seed": 18446744073709551616}', "from 0 to 18446744073709551615"),
         ('{"prompt": "a", "height": 64, "width": 64, "seed": -1}', "'seed' must be a whole number from 0"),
         ('{"prompt": "a", "height": 64, "width": 64, "steps": 2147483648}', "'steps' must be a whole number from 1"),
+        ('{"prompt": "a", "height": 64, "width": 64, "steps": 1000000000}', "from 1 to 10000; got 1000000000"),
         ('{"prompt": "a", "height": 64, "width": 64, "seed": 1' + "0" * 5000 + "}", "not JSON that can be read"),
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ],
@@ -86,6 +88,24 @@ def test_the_intake_refuses_a_line_whatever_its_check_raises(tmp_path):
     assert [r["line"] for r in intake.refused] == [2, 3]
     assert intake.refused[0]["reason"] == "line 2: cannot take this request: RuntimeError: an unexpected failure"
     assert "nested too deeply" in intake.refused[1]["reason"]
+
+
+def test_without_a_budget_one_request_over_the_ceiling_is_refused_and_the_others_taken(tmp_path):
+    """No --max-tokens-per-gpu: every request runs at once, but one request of more tokens than
+    the ceiling (2**18 a GPU, one GPU here) is refused at the intake with the reason (such a request
+    aborted every rank and lost every other request's outputs)."""
+    from deepspeed_knap.generation.runner import DEFAULT_MAX_TOKENS_PER_GPU, take_requests
+
+    lines = [{"prompt": "a", "height": 8, "width": 8}, {"id": "huge", "prompt": "b", "height": 2**18 + 1, "width": 8},
+             {"prompt": "c", "height": 2**18, "width": 8}]  # fmt: skip
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    intake = take_requests(path, _Tokens())
+    assert DEFAULT_MAX_TOKENS_PER_GPU == 2**18
+    assert [job.index for job in intake.jobs] == [0, 2]
+    assert intake.refused == [{"line": 2, "id": "huge", "reason": "line 2: 262145 tokens exceed what the largest "
+                               "group holds under the ceiling without --max-tokens-per-gpu, 262144 per GPU x 1 GPUs "
+                               "= 262144; make the image smaller, or give --max-tokens-per-gpu"}]  # fmt: skip
 
 
 # ---- step-level batching ----
@@ -396,9 +416,11 @@ def test_the_worker_plans_ahead_what_the_planner_plans_in_the_step_and_ranks_agr
 
 @functools.cache
 def _tiny_generator(family: str):
+    """The tiny generator of ``family`` in float32, or of ``"{family}-bf16"`` in bfloat16."""
     from deepspeed_knap.models.generators import tiny_generator
 
-    return tiny_generator(family, torch.float32, "cpu")
+    family, _, dtype = family.partition("-")
+    return tiny_generator(family, torch.bfloat16 if dtype == "bf16" else torch.float32, "cpu")
 
 
 @pytest.mark.parametrize(("family", "fields", "expected"), [
@@ -414,6 +436,11 @@ def _tiny_generator(family: str):
     ("flux", {"height": 32, "width": 48, "true_cfg_scale": 1.0}, (104,)),  # off, as in FluxPipeline
     ("flux", {"height": 32, "width": 48, "frames": 1}, "FLUX.1 makes images: drop 'frames'"),
     ("flux2", {"height": 32, "width": 48, "negative_prompt": "x"}, "FLUX.2 is guidance-distilled"),
+    # Tiny FLUX.1 in bfloat16: 4 px a patch, positions exact up to 256 patches a side (1,024 px).
+    ("flux-bf16", {"height": 1024, "width": 8, "steps": 1}, (8 + 256 * 2,)),
+    ("flux-bf16", {"height": 8, "width": 1028}, "image positions are bfloat16 (as FluxPipeline makes them), exact "
+     "up to 256 a side; make it at most 1024 px a side"),
+    ("flux2-bf16", {"height": 1028, "width": 8, "steps": 1}, (8 + 257 * 2,)),  # FLUX.2's ids are int64
 ])  # fmt: skip
 def test_each_family_counts_a_requests_sequences_and_refuses_what_it_cannot_take(family, fields, expected):
     generator = _tiny_generator(family)
@@ -754,3 +781,240 @@ def test_flux_embeddings_take_true_cfg_scale_1_as_off_and_above_1_need_the_negat
     assert generator.request_seq_lens(request(1.0)) == (5 + 16,)  # off, as with a prompt
     with pytest.raises(RequestError, match="negative_prompt_embeds"):
         generator.request_seq_lens(request(2.0))  # on: the file must hold the negative branch
+
+
+def _flux_embeddings(path, text=None, pooled=None) -> str:
+    """A tiny FLUX.1 embeddings file (``prompt_embeds [5, 32]`` and ``pooled_prompt_embeds [16]``
+    of ones unless given) at ``path``."""
+    from safetensors.torch import save_file
+
+    config = _tiny_generator("flux").model.config
+    text = torch.ones(5, config["joint_attention_dim"]) if text is None else text
+    pooled = torch.ones(config["pooled_projection_dim"]) if pooled is None else pooled
+    save_file({"prompt_embeds": text, "pooled_prompt_embeds": pooled}, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda path: _flux_embeddings(path, text=torch.full((5, 32), float("nan"))),
+     "prompt_embeds holds 160 NaN or infinite value(s) of 160; give the text encoder's output"),
+    (lambda path: _flux_embeddings(path, pooled=torch.tensor([float("inf")] + [0.0] * 15)),
+     "pooled_prompt_embeds holds 1 NaN or infinite value(s) of 16"),
+    (lambda path: _flux_embeddings(path, text=torch.ones(5, 32, dtype=torch.int64)),
+     "prompt_embeds is int64; text embeddings are floating point"),
+    (lambda path: _flux_embeddings(path, pooled=torch.ones(16, dtype=torch.bool)),
+     "pooled_prompt_embeds is bool; text embeddings are floating point"),
+    (lambda path: _flux_embeddings(path, text=torch.ones(0, 32)), "Tt >= 1"),
+])  # fmt: skip
+def test_embeddings_no_text_encoder_gives_are_refused_at_the_intake_naming_the_line_and_the_file(tmp_path, make,
+                                                                                                   message):  # fmt: skip
+    """All-NaN embeddings drew a black PNG with exit code 0; whole-number, boolean and empty ones
+    were taken too. Each is the request's refusal, naming its line and file."""
+    path = make(tmp_path / "emb.safetensors")
+    request = parse_request(0, 3, json.dumps({"embeddings": path, "height": 16, "width": 16}))
+    with pytest.raises(RequestError) as error:
+        _tiny_generator("flux").request_seq_lens(request)
+    assert str(error.value).startswith(f"line 3: embeddings {path}") and message in str(error.value)
+
+
+def test_wan_embeddings_with_nan_are_refused_at_the_intake(tmp_path):
+    from safetensors.torch import save_file
+
+    width = _tiny_generator("wan").model.config["text_dim"]
+    text = torch.ones(4, width)
+    text[2, 1] = float("nan")
+    save_file({"prompt_embeds": text, "negative_prompt_embeds": torch.ones(3, width)}, tmp_path / "emb.safetensors")
+    request = parse_request(0, 2, json.dumps({"embeddings": "emb.safetensors", "height": 16, "width": 16,
+                                              "frames": 1}), tmp_path)  # fmt: skip
+    with pytest.raises(RequestError, match=r"^line 2: embeddings .*emb.safetensors: prompt_embeds holds 1 NaN"):
+        _tiny_generator("wan").request_seq_lens(request)
+
+
+@contextlib.contextmanager
+def _fifo_unblocked_after(path, seconds: float):
+    """From ``seconds`` on, until the block ends, open the FIFO ``path`` for reading and writing
+    (which never blocks) and close it, every 0.1 s, in a process of its own (a reader blocked in
+    ``open`` may hold this one's GIL): such a reader then goes on, and reads the end of the file.
+    Without it, a test of code that opens a FIFO would hang instead of failing."""
+    import subprocess
+
+    loop = 'sleep "$1"; while :; do : <> "$2"; sleep 0.1; done'
+    helper = subprocess.Popen(["sh", "-c", loop, "sh", str(seconds), str(path)])
+    try:
+        yield
+    finally:
+        helper.kill()
+        helper.wait()
+
+
+@pytest.mark.parametrize("which", ["embeddings", "requests"])
+def test_a_fifo_is_refused_at_once_not_opened(tmp_path, which):
+    """A FIFO as an embeddings file, or as the request file, hung every rank in ``open`` with no
+    message. It is refused before it is opened; the other requests of the file run (the request
+    file's refusal is the same error on every rank). Here a timer lets a reader blocked in ``open``
+    go on after 5 s, so that a regression fails instead of hanging."""
+    import os
+    import time
+
+    from deepspeed_knap.generation.requests import RequestFileError
+    from deepspeed_knap.generation.runner import take_requests
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    path = tmp_path / "requests.jsonl"
+    path.write_text(json.dumps({"id": "kept", "embeddings": _flux_embeddings(tmp_path / "e.safetensors"),
+                                "height": 16, "width": 16}) + "\n"
+                    + json.dumps({"embeddings": "fifo", "height": 16, "width": 16}) + "\n")  # fmt: skip
+    start = time.monotonic()
+    with _fifo_unblocked_after(fifo, 5.0):
+        if which == "embeddings":
+            intake = take_requests(path, _tiny_generator("flux"))
+            assert [job.index for job in intake.jobs] == [0]
+            assert intake.refused == [{"line": 2, "id": "line2", "reason": f"line 2: cannot read embeddings {fifo}: "
+                                       "it is a FIFO (named pipe), not a regular file; give a file"}]  # fmt: skip
+        else:
+            with pytest.raises(RequestFileError, match=r"cannot read the request file .*fifo: it is a FIFO"):
+                take_requests(fifo, _tiny_generator("flux"))
+    assert time.monotonic() - start < 4.0
+
+
+def test_only_regular_files_of_at_most_the_limit_are_read(tmp_path):
+    import os
+
+    from deepspeed_knap.generation.requests import read_regular_file
+
+    (tmp_path / "ten").write_bytes(b"0123456789")
+    assert read_regular_file(tmp_path / "ten", 10) == b"0123456789"
+    os.symlink(tmp_path / "ten", tmp_path / "link")
+    assert read_regular_file(tmp_path / "link", 10) == b"0123456789"  # a link to a regular file
+    with pytest.raises(ValueError, match="it holds 10 bytes, over the 9 read at most"):
+        read_regular_file(tmp_path / "ten", 9)
+    with pytest.raises(ValueError, match="it is a character device, not a regular file"):
+        read_regular_file("/dev/zero", 2**20)  # it would never end
+    with pytest.raises(ValueError, match="it is a directory"):
+        read_regular_file(tmp_path, 2**20)
+    with pytest.raises(FileNotFoundError):
+        read_regular_file(tmp_path / "missing", 10)
+
+
+def test_generate_command_refuses_an_out_it_cannot_write_in_before_any_work(tmp_path, capsys, monkeypatch):
+    """A read-only --out lost timings.json and the summary of unwritten images after all the work;
+    now a file is written and removed there first. ``/proc/self/fdinfo`` is a directory in which
+    nobody, root included, can make a file."""
+    import os
+
+    import deepspeed_knap.commands.generate as command
+    from deepspeed_knap.cli import main
+
+    if not os.path.isdir("/proc/self/fdinfo"):
+        pytest.skip("no /proc/self/fdinfo here")
+    loads = []
+    monkeypatch.setattr(command, "_load", lambda args, dtype: loads.append(args))
+    (tmp_path / "requests.jsonl").write_text('{"prompt": "a", "height": 8, "width": 8}\n')
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--out", "/proc/self/fdinfo",
+                 "--no-progress"])  # fmt: skip
+    assert code == 1 and loads == []
+    output = capsys.readouterr().out.strip().splitlines()
+    assert output == ["deepspeed-knap generate: error checking --out: cannot write in --out /proc/self/fdinfo: No "
+                      "such file or directory; give a directory this user can write in"]  # fmt: skip
+
+
+def test_generate_command_keeps_each_output_and_its_timings_as_it_finishes_when_the_run_fails_later(
+    tmp_path, capsys, monkeypatch
+):
+    """One request finishes, then the next one's start fails on its rank (the run stops, on every
+    rank alike): the first's image and its timings, in this rank's timings.rank0.jsonl, are kept
+    (before, the timings went only into timings.json at the end, which a late failure never wrote).
+    A run that ends removes the journal: timings.json holds it all."""
+    import deepspeed_knap.commands.generate as command
+    from deepspeed_knap.cli import main
+
+    load = command._load
+
+    def failing_second_start(args, dtype):
+        generator = load(args, dtype)
+        start = generator.start
+
+        def start_or_fail(request):
+            if request.id == "late":
+                raise OSError("the text encoder's shard is gone (simulated)")
+            return start(request)
+
+        generator.start = start_or_fail
+        return generator
+
+    monkeypatch.setattr(command, "_load", failing_second_start)
+    lines = [{"id": "done", "prompt": "a", "height": 8, "width": 8, "steps": 2, "max_sequence_length": 4},
+             {"id": "late", "prompt": "b", "height": 8, "width": 8, "steps": 1, "max_sequence_length": 4},
+             {"id": "refused", "prompt": "c", "height": 9, "width": 8}]  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # 8 text + 4 image tokens each: one request at a time, so "late" joins after "done" has finished.
+    args = ["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--no-progress",
+            "--max-tokens-per-gpu", "12"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "out")]) == 1
+    assert "cannot start the request: OSError: the text encoder's shard is gone" in capsys.readouterr().out
+    out = tmp_path / "out"
+    assert sorted(path.name for path in out.iterdir()) == ["done.png", "timings.rank0.jsonl"]
+    journal = [json.loads(line) for line in (out / "timings.rank0.jsonl").read_text().splitlines()]
+    assert [next(iter(entry)) for entry in journal] == ["refused", "request"]
+    assert journal[0]["refused"]["line"] == 3 and journal[1]["request"]["id"] == "done"
+    assert journal[1]["request"]["last_step"] == 1 and journal[1]["request"]["denoise_s"] > 0
+    monkeypatch.setattr(command, "_load", load)
+    assert main([*args, "--out", str(out)]) == 1  # the refused line
+    assert sorted(path.name for path in out.iterdir()) == ["done.png", "late.png", "timings.json"]
+
+
+def test_generate_command_refuses_a_flux1_pipeline_directory_holding_a_flux2_transformer(tmp_path, capsys):
+    """It loaded, and then every request failed with an AttributeError inside Flux2Pipeline's
+    parts (the directory's text encoders are FLUX.1's); now it is refused at load, in one line."""
+    from diffusers import Flux2Transformer2DModel, FluxPipeline
+
+    from deepspeed_knap.cli import main
+    from deepspeed_knap.models.flux.finetune import tiny_pipeline_components
+    from deepspeed_knap.models.flux.spec import TINY_FLUX, TINY_FLUX2
+
+    FluxPipeline(**tiny_pipeline_components(TINY_FLUX, 0),
+                 transformer=Flux2Transformer2DModel(**TINY_FLUX2)).save_pretrained(tmp_path / "model")  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text('{"prompt": "a", "height": 16, "width": 16, "steps": 1}\n')
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--model-path", str(tmp_path / "model"),
+                 "--out", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    assert code == 1
+    output = capsys.readouterr().out.strip().splitlines()
+    assert output == [f"deepspeed-knap generate: error loading the model: cannot load {tmp_path / 'model'}: "
+                      f"ValueError: {tmp_path / 'model'}: its transformer is a Flux2Transformer2DModel but "
+                      "model_index.json names a FluxPipeline, which takes a FluxTransformer2DModel; give a "
+                      "Flux2Pipeline directory (its transformer of the same family)"]  # fmt: skip
+
+
+def test_generate_timeout_is_trainings_timeout_s_and_out_of_range_is_a_usage_error(tmp_path, capsys):
+    from deepspeed_knap.cli import main
+    from deepspeed_knap.commands.generate import DEFAULT_TIMEOUT_S, TIMEOUT_RANGE_S
+    from deepspeed_knap.runtime.config import KnapFormerConfig
+
+    field = KnapFormerConfig.model_fields["timeout_s"]
+    bounds = {type(rule).__name__: rule for rule in field.metadata}
+    assert (field.default, (bounds["Ge"].ge, bounds["Le"].le)) == (DEFAULT_TIMEOUT_S, TIMEOUT_RANGE_S)
+    for bad in ("0.5", "86401", "nan", "soon"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["generate", "--requests", "r.jsonl", "--tiny", "--out", str(tmp_path), "--timeout", bad])
+        assert exit_.value.code == 2 and "--timeout" in capsys.readouterr().err
+
+
+def test_only_a_collectives_failure_calls_the_roll():
+    """gloo raises a plain RuntimeError (the balancer wraps it, naming the step); a rank's own
+    error, or one every rank raised together (GenerationError), is not a missing rank."""
+    from deepspeed_knap.generation.deadline import collective_failure
+    from deepspeed_knap.generation.runner import GenerationError
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 2000ms for "
+                        "recv operation to complete")  # fmt: skip
+    try:
+        try:
+            raise gloo
+        except RuntimeError as error:
+            raise RuntimeError("knapformer step 3 failed on rank 0: ...") from error
+    except RuntimeError as wrapped:
+        assert collective_failure(wrapped)
+    assert collective_failure(gloo)
+    assert not collective_failure(RuntimeError("CUDA out of memory"))
+    assert not collective_failure(GenerationError("rank 1, line 4: cannot start the request: Timed out (gloo)"))

@@ -25,6 +25,7 @@ FLUX.2: 3 x Mistral's), ``Dp`` CLIP width (FLUX.1 only).
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +98,13 @@ class FluxGenerator(Generator):
             fit = f"{_nearest(request.height, patch)}x{_nearest(request.width, patch)}"
             raise RequestError(f"line {line}: {request.height}x{request.width} px: {self.name}'s VAE ({patch // 2}x) "
                                f"and 2x2 patches need height and width in multiples of {patch} px; e.g. {fit}")  # fmt: skip
-        image_tokens = (request.height // patch) * (request.width // patch)
+        grid, most = (request.height // patch, request.width // patch), self.position_extent
+        if most is not None and max(grid) > most:
+            raise RequestError(f"line {line}: {request.height}x{request.width} px is {grid[0]}x{grid[1]} latent "
+                               f"patches: {self.name}'s image positions are {str(self.dtype).removeprefix('torch.')} "
+                               f"(as {type(self.pipeline).__name__} makes them), exact up to {most} a side; make it at "
+                               f"most {most * patch} px a side")  # fmt: skip
+        image_tokens = grid[0] * grid[1]
         if request.embeddings is None:
             most, encoder = self.text_positions
             if request.max_sequence_length > most:
@@ -133,6 +140,14 @@ class FluxGenerator(Generator):
         return True
 
     @property
+    def position_extent(self) -> int | None:
+        """The most latent patches a side of an image may have, or ``None``: FLUX.1's pipeline makes
+        the image position ids in the model's dtype (``prepare_latents``), whose whole numbers are
+        exact up to ``2 ** (mantissa bits + 1)`` (bfloat16: 256, 4,096 px; float16: 2,048): past it
+        two rows would share a position. FLUX.1 was trained up to about 2 megapixels."""
+        return int(2 / torch.finfo(self.dtype).eps)  # eps = 2 ** -(mantissa bits)
+
+    @property
     def text_positions(self) -> tuple[int, str]:
         """The longest ``max_sequence_length`` a prompt may be padded to, and the text encoder's name."""
         return MAX_SEQUENCE_LENGTH, "T5"
@@ -152,15 +167,19 @@ class FluxGenerator(Generator):
         line, wanted = request.line, self._embeddings_shapes(request)
         expected = {key: "[" + ", ".join("Tt" if d is None else str(d) for d in shape) + "]"
                     for key, shape in wanted.items()}  # fmt: skip
-        shapes = self.embeddings_file_shapes(request)
+        tensors = self.embeddings_file(request)
+        shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
         fits = all(key in shapes and len(shapes[key]) == len(shape)
                    and all(d is None or d == s for d, s in zip(shape, shapes[key], strict=True))
                    for key, shape in wanted.items())  # fmt: skip
         negative = shapes.get("negative_prompt_embeds")
-        if not fits or (negative is not None and "negative_prompt_embeds" in wanted
-                        and negative != shapes["prompt_embeds"]):  # fmt: skip
+        if (not fits or shapes["prompt_embeds"][0] < 1  # no text token: nothing to condition on
+                or (negative is not None and "negative_prompt_embeds" in wanted
+                    and negative != shapes["prompt_embeds"])):  # fmt: skip
             raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; this model takes "
-                               f"{expected} (one prompt, unbatched; the negative ones of the same shapes)")  # fmt: skip
+                               f"{expected}, Tt >= 1 (one prompt, unbatched; the negative ones of the same "
+                               "shapes)")  # fmt: skip
+        self.check_embedding_values(request, tensors, list(wanted))
         return shapes["prompt_embeds"][0], shapes["prompt_embeds"][1]
 
     @torch.no_grad()
@@ -203,11 +222,9 @@ class FluxGenerator(Generator):
             text, pooled, text_ids = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=device,
                                                         max_sequence_length=request.max_sequence_length)  # fmt: skip
         else:
-            from safetensors.torch import load_file
-
-            saved, prefix = load_file(request.embeddings, device=str(device)), "negative_" if negative else ""
-            text = saved[f"{prefix}prompt_embeds"][None].to(self.dtype)
-            pooled = saved[f"{prefix}pooled_prompt_embeds"][None].to(self.dtype)
+            saved, prefix = self.embeddings_file(request), "negative_" if negative else ""
+            text = saved[f"{prefix}prompt_embeds"][None].to(device, self.dtype)
+            pooled = saved[f"{prefix}pooled_prompt_embeds"][None].to(device, self.dtype)
             text_ids = torch.zeros(text.shape[1], 3, device=device, dtype=self.dtype)
         return {"encoder_hidden_states": text[0], "pooled_projections": pooled[0], "txt_ids": text_ids}
 
@@ -265,6 +282,10 @@ class Flux2Generator(FluxGenerator):
     def true_cfg(self) -> bool:
         return False  # Flux2Pipeline has no negative prompt
 
+    @property
+    def position_extent(self) -> int | None:
+        return None  # Flux2Pipeline's position ids are whole numbers (int64): the token ceiling bounds the size
+
     def _embeddings_shapes(self, request: Request) -> dict[str, tuple[int | None, ...]]:
         return {"prompt_embeds": (None, self.model.config["joint_attention_dim"])}
 
@@ -276,11 +297,9 @@ class Flux2Generator(FluxGenerator):
             text, text_ids = pipe.encode_prompt(prompt=request.prompt, device=device,
                                                 max_sequence_length=request.max_sequence_length)  # fmt: skip
         else:
-            from safetensors.torch import load_file
-
-            saved = load_file(request.embeddings, device=str(device))
+            saved = self.embeddings_file(request)
             text, text_ids = pipe.encode_prompt(prompt=None, device=device,
-                                                prompt_embeds=saved["prompt_embeds"][None].to(self.dtype))  # fmt: skip
+                                                prompt_embeds=saved["prompt_embeds"][None].to(device, self.dtype))  # fmt: skip
         return {"encoder_hidden_states": text[0], "txt_ids": text_ids[0]}
 
     def _shift(self, image_tokens: int, steps: int) -> float:
@@ -318,17 +337,28 @@ def load_flux_generator(model_path: str | Path, dtype: torch.dtype, device: torc
     ``Flux2Pipeline``).
 
     Raises:
-        ValueError: the checkpoint is another family's (FLUX.3, Wan).
+        ValueError: the checkpoint is another family's (FLUX.3, Wan), or its pipeline
+            (``model_index.json``) is not its transformer's family's.
     """
     import diffusers
 
     from deepspeed_knap.models.auto import checkpoint_family, from_pretrained, model_class
+    from deepspeed_knap.models.registry import SPECS
 
     family = checkpoint_family(model_path)
     if family not in GENERATORS:
         raise ValueError(f"{model_path} holds a {family!r} transformer; this loads {sorted(GENERATORS)} pipelines "
                          "(deepspeed_knap.models.generators.load_generator loads any family's)")  # fmt: skip
-    pipeline_class = getattr(diffusers, model_class(family).spec.pipeline)
+    spec = model_class(family).spec
+    # A transformer of one family in another's pipeline directory loads, then every request fails
+    # inside the pipeline's parts (its text encoders are the other family's).
+    named = json.loads((Path(model_path) / "model_index.json").read_text()).get("_class_name")
+    if named != spec.pipeline:
+        takes = {other.pipeline: other.diffusers_class for other in SPECS.values() if other.pipeline}.get(named)
+        raise ValueError(f"{model_path}: its transformer is a {spec.diffusers_class} but model_index.json "
+                         f"names a {named}" + (f", which takes a {takes}" if takes else "") + "; give a "
+                         f"{spec.pipeline} directory (its transformer of the same family)")  # fmt: skip
+    pipeline_class = getattr(diffusers, spec.pipeline)
     pipeline = pipeline_class.from_pretrained(model_path, transformer=None, torch_dtype=dtype).to(device)
     model = from_pretrained(model_path, torch_dtype=dtype).to(device).eval()
     return GENERATORS[family](pipeline, model)

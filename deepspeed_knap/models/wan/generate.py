@@ -118,12 +118,14 @@ class WanGenerator(Generator):
         [Tn, Dj]``."""
         width, line = self.model.config["text_dim"], request.line
         wanted = ["prompt_embeds", "negative_prompt_embeds"][:branches]
-        shapes = self.embeddings_file_shapes(request)
+        tensors = self.embeddings_file(request)
+        shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
         if not all(key in shapes and len(shapes[key]) == 2 and shapes[key][1] == width and shapes[key][0] >= 1
                    for key in wanted):  # fmt: skip
             raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; this model takes "
                                f"{', '.join(f'{key} [Tt, {width}]' for key in wanted)} (one prompt, unbatched; "
                                "the negative one for guidance above 1)")  # fmt: skip
+        self.check_embedding_values(request, tensors, wanted)
 
     @torch.no_grad()
     def start(self, request: Request) -> WanDenoising:
@@ -137,9 +139,7 @@ class WanGenerator(Generator):
                                                 do_classifier_free_guidance=cfg, device=device,
                                                 max_sequence_length=request.max_sequence_length)  # fmt: skip
         else:
-            from safetensors.torch import load_file
-
-            saved = load_file(request.embeddings, device=str(device))
+            saved = {key: tensor.to(device) for key, tensor in self.embeddings_file(request).items()}
             text, negative = saved["prompt_embeds"][None], saved.get("negative_prompt_embeds") if cfg else None
             negative = None if negative is None else negative[None]
         branches = [{"encoder_hidden_states": text[0].to(self.dtype)}]
