@@ -1,5 +1,5 @@
 """tests/support/host_tensors.py fails on gloo where NCCL would: a collective given a tensor never put on
-the accelerator. (tests/e2e/test_train_flux.py runs the FLUX example under it.)"""
+the accelerator. (tests/multirank/test_training_flux.py trains FLUX with LoRA under it.)"""
 
 from tests.support.distributed import run_distributed
 

@@ -1,56 +1,36 @@
-"""examples/train_dit.py --family flux3 on 2 CPU ranks under the deepspeed launcher, ZeRO-3, topology
-``auto``, the ``flux3`` cost model (planned by segment): FLUX.3 latent files with and without
+"""Training FLUX.3 on 2 gloo ranks in process (``Trainer``, tests/support/training.py), ZeRO-3,
+topology ``auto``, the ``flux3`` cost model (planned by segment): FLUX.3 latent files with and without
 references (written with ``save_flux3_sample`` and a manifest).
 
 The tiny FLUX.3 balanced (checkpointed every step, exported) trains to the losses of the same weights
 loaded from a diffusers ``Flux3Transformer2DModel`` checkpoint (sharded, partitioned as read) and
 trained unbalanced; the export loads in diffusers with the trained tensors; a run resumed from the
 step-1 checkpoint continues with the same losses and ends with the same weights. LoRA on synthetic
-``flux3_edit`` samples: the adapter loads into diffusers' model with ``load_lora_adapter``
-and gives what peft's LoRA on our model gives. The launcher runs are shared by module-scoped
-fixtures. Two ranks, as the other training e2e tests run (four cost 20 s more on 2 cores); balanced
-runs on 4 ranks, splitting samples with references over groups of 2 and 4, are
-tests/multirank/test_flux3.py's.
+``flux3_edit`` samples: the adapter loads into diffusers' model with ``load_lora_adapter`` and gives
+what peft's LoRA on our model gives. The runs are shared by module-scoped fixtures. Balanced runs on
+4 ranks, splitting samples with references over groups of 2 and 4, are tests/multirank/test_flux3.py's.
 """
 
 from __future__ import annotations
 
-import json
-import re
-
 import pytest
 import torch
 
-from tests.support.launch import ROOT, local_launch, run
+from tests.support.training import demo_config, train
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-SCRIPT = ROOT / "examples" / "train_dit.py"
-DEMO_CONFIG = json.loads((ROOT / "ds_configs" / "flux_cpu_demo.json").read_text())
 STEPS = 3
-STEP_LINE = re.compile(r"^step (\d+) loss (\S+) time \S+ tokens/s \S+(?: modeled imbalance (\S+) -> (\S+))?", re.M)
+TINY = dict(family="flux3", steps=STEPS, lr=1e-3)  # model_path None: the tiny FLUX.3
 
 
-def train(d, name: str, balanced: bool, *args: str, ranks: int = 2) -> tuple[str, dict[int, float]]:
-    knapformer = {
-        **DEMO_CONFIG["knapformer"],
-        "enabled": balanced,
-        "topology": "auto",
-        "cost_model": {"model": "flux3"},
-    }
-    (d / f"{name}.json").write_text(json.dumps({**DEMO_CONFIG, "knapformer": knapformer}))
-    command = local_launch(SCRIPT, "--deepspeed_config", str(d / f"{name}.json"), "--steps", str(STEPS),
-                           "--lr", "1e-3", *args, ranks=ranks)  # fmt: skip
-    result = run(command)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    steps = STEP_LINE.findall(result.stdout)
-    assert steps and all(bool(before) == balanced for _, _, before, _ in steps), result.stdout[-2000:]
-    return result.stdout + result.stderr, {int(step): float(loss) for step, loss, *_ in steps}
+def config(balanced: bool) -> dict:
+    return demo_config(balanced=balanced, topology="auto", cost_model={"model": "flux3"})
 
 
 def initial_model():
-    """``--tiny --family flux3``'s initial weights (``--seed 0``)."""
+    """The tiny FLUX.3's initial weights (seed 0)."""
     from deepspeed_knap.models.flux3.flux3 import PackedFlux3Transformer
     from deepspeed_knap.models.flux3.spec import TINY_FLUX3
 
@@ -77,13 +57,11 @@ def full_runs(tmp_path_factory):
     for index, sample in enumerate(samples):
         save_flux3_sample(d / "data" / f"{index:03d}.safetensors", sample)
     write_latent_manifest(d / "data")
-    data = ("--data-dir", str(d / "data"), "--samples-per-rank", "2")
-    tiny = ("--tiny", "--family", "flux3")
-    on = train(d, "on", True, *tiny, *data, "--save-dir", str(d / "ckpt"), "--checkpoint-every", "1",
-               "--export-dir", str(d / "export"))  # fmt: skip
-    off = train(d, "off", False, "--model-path", str(d / "initial"), *data)
-    resumed = train(d, "resumed", True, *tiny, *data, "--resume", str(d / "ckpt" / "step1"), "--export-dir",
-                    str(d / "resumed"))  # fmt: skip
+    data = dict(data_dir=str(d / "data"), samples_per_rank=2)
+    on = train(config(True), **TINY, **data, save_dir=str(d / "ckpt"), checkpoint_every=1,
+               export_dir=str(d / "export"))  # fmt: skip
+    off = train(config(False), model_path=str(d / "initial"), steps=STEPS, lr=1e-3, **data)
+    resumed = train(config(True), **TINY, **data, resume=str(d / "ckpt" / "step1"), export_dir=str(d / "resumed"))
     return d, samples, on, off, resumed
 
 
@@ -94,16 +72,14 @@ def test_data_mixes_samples_with_and_without_references(full_runs):
 
 
 def test_zero3_balanced_equals_unbalanced_loaded_from_diffusers(full_runs):
-    _, _, (on_log, on), (off_log, off), _ = full_runs
-    assert sorted(on) == list(range(STEPS))
-    assert list(on.values()) == pytest.approx(list(off.values()), rel=1e-5)
-    assert "ZeRO-3 partitioned" in off_log  # rank 0's loading report
-    imbalances = [(float(before), float(after)) for _, _, before, after in STEP_LINE.findall(on_log)]
-    assert any(after < before for before, after in imbalances), imbalances
-    # Every step's plan but the first was solved a step ahead with that step's segments: lengths or
-    # segments that did not match what the step packed would have it solved in the step instead.
-    ahead = ["(planned ahead)" in line for line in on_log.splitlines() if re.match(r"step \d+ loss", line)]
-    assert ahead == [False] + [True] * (STEPS - 1), on_log[-2000:]
+    """Every step's plan but the first was solved a step ahead with that step's segments: lengths or
+    segments that did not match what the step packed would have it solved in the step instead."""
+    _, _, on, off, _ = full_runs
+    assert sorted(on.losses) == list(range(STEPS))
+    assert list(on.losses.values()) == pytest.approx(list(off.losses.values()), rel=1e-5)
+    assert "ZeRO-3 partitioned" in off.stdout  # rank 0's loading report
+    assert any(after < before for before, after in on.imbalances()), on.imbalances()
+    assert on.planned_ahead() == [False] + [True] * (STEPS - 1), on.stdout[-2000:]
 
 
 def test_export_loads_in_diffusers_with_the_trained_tensors(full_runs):
@@ -120,9 +96,9 @@ def test_export_loads_in_diffusers_with_the_trained_tensors(full_runs):
 
 
 def test_resumed_run_continues_with_the_uninterrupted_losses_and_weights(full_runs):
-    d, _, (_, on), _, (resumed_log, resumed) = full_runs
-    assert f"--resume: loading checkpoint step1 from {d / 'ckpt'}" in resumed_log
-    assert resumed == {step: on[step] for step in range(1, STEPS)}
+    d, _, on, _, resumed = full_runs
+    assert f"--resume: loading checkpoint step1 from {d / 'ckpt'}" in resumed.stdout
+    assert resumed.losses == {step: on.losses[step] for step in range(1, STEPS)}
     uninterrupted = diffusers.Flux3Transformer2DModel.from_pretrained(d / "export").state_dict()
     continued = diffusers.Flux3Transformer2DModel.from_pretrained(d / "resumed").state_dict()
     assert all(torch.equal(continued[name], tensor) for name, tensor in uninterrupted.items())
@@ -140,12 +116,11 @@ def test_lora_adapter_loads_into_diffusers_flux3_as_peft_lora_on_our_model(tmp_p
     from deepspeed_knap.models.registry import sample_shapes
     from tests.support.flux3_cases import diffusers_output, relative_error
 
-    _, losses = train(tmp_path, "lora", True, "--tiny", "--family", "flux3", "--token-scale", "0.015625",
-                      "--lora-rank", "4", "--lora-alpha", "8", "--export-dir", str(tmp_path / "lora"))  # fmt: skip
-    assert sorted(losses) == list(range(STEPS))
+    run = train(config(True), **TINY, token_scale=1 / 64, lora_rank=4, lora_alpha=8, export_dir=str(tmp_path / "lora"))
+    assert sorted(run.losses) == list(range(STEPS))
     adapter = load_file(tmp_path / "lora" / ADAPTER_FILE)
     ours = initial_model()
-    layers = sum(name.endswith(target) for name, _ in ours.named_modules() for target in ours.lora_targets)
+    layers = sum(name.endswith(target) for name, _ in ours.named_modules() for target in ours.spec.lora_targets)
     assert len(adapter) == 2 * layers  # A and B of every targeted layer
     model = diffusers.Flux3Transformer2DModel(**ours.config)
     model.load_state_dict(ours.state_dict())

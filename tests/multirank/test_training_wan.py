@@ -1,17 +1,16 @@
-"""Wan end to end on CPU: video files and images this test writes (PyAV, PIL) -> examples/prepare_video_latents.py
-(a tiny random WanPipeline with a transformer) -> examples/train_dit.py on 2 ranks with ZeRO-3 and LoRA, the
-model loaded from that pipeline folder (partitioned), clips and images of mixed sizes in each step, topology
-``auto``.
+"""Training Wan on 2 gloo ranks in process (``Trainer``, tests/support/training.py): video files and
+images this test writes (PyAV, PIL) -> examples/prepare_video_latents.py (a tiny random WanPipeline
+with a transformer) -> ZeRO-3 and LoRA, the model loaded from that pipeline folder (partitioned),
+clips and images of mixed sizes in each step, topology ``auto``.
 
-Balanced training gives the losses of unbalanced training; a run resumed from the step-2 checkpoint continues
-with the uninterrupted run's losses and ends with its adapter; validation clips are GIFs written through
-diffusers' WanPipeline; the exported adapter loads into WanPipeline with load_lora_weights, and its
-transformer then computes what our packed model computes with peft's LoRA holding the same weights. The
-launcher runs are shared by one module-scoped fixture.
+Balanced training gives the losses of unbalanced training; a run resumed from the step-2 checkpoint
+continues with the uninterrupted run's losses and ends with its adapter; validation clips are GIFs
+written through diffusers' WanPipeline; the exported adapter loads into WanPipeline with
+load_lora_weights, and its transformer then computes what our packed model computes with peft's LoRA
+holding the same weights. The runs are shared by one module-scoped fixture. The documented CPU demo
+(its config file as the example is given it) trains synthetic clips and renders at the tiny defaults.
 """
 
-import json
-import re
 import subprocess
 import sys
 
@@ -19,33 +18,18 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.launch import ROOT, deepspeed_launch, local_launch, run
+from tests.support.training import ROOT, demo_config, train
 
 pytest.importorskip("av")
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-SCRIPT = ROOT / "examples" / "train_dit.py"
-DEMO_CONFIG = json.loads((ROOT / "ds_configs" / "wan_cpu_demo.json").read_text())
 STEPS = 4
-COMMON = ("--lora-rank", "4", "--lora-alpha", "8", "--samples-per-rank", "2", "--steps", str(STEPS), "--lr", "1e-3")
-STEP_LINE = re.compile(r"^step (\d+) loss (\S+) time \S+ tokens/s \S+(?: modeled imbalance (\S+) -> (\S+))?", re.M)
+COMMON = dict(lora_rank=4, lora_alpha=8, samples_per_rank=2, steps=STEPS, lr=1e-3)
 # source name: (frames, height, width), captions from the tiny tokenizer's words
 SOURCES = {"a_clip.mp4": (9, 32, 48), "b_clip.mp4": (13, 48, 64), "c_clip.mp4": (5, 32, 32),
            "d_still.png": (1, 16, 32), "e_still.png": (1, 48, 48), "f_clip.mp4": (17, 32, 32)}  # fmt: skip
-
-
-def train(d, name: str, balanced: bool, *args: str) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
-    config = {**DEMO_CONFIG, "knapformer": {**DEMO_CONFIG["knapformer"], "enabled": balanced}}
-    (d / f"{name}.json").write_text(json.dumps(config))
-    command = local_launch(SCRIPT, "--deepspeed_config", str(d / f"{name}.json"), "--model-path", str(d / "pipe"),
-                           "--data-dir", str(d / "data"), *COMMON, *args, ranks=2)  # fmt: skip
-    result = run(command)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    steps = STEP_LINE.findall(result.stdout)
-    assert all(bool(before) == balanced for _, _, before, _ in steps), result.stdout[-2000:]
-    return result, {int(step): float(loss) for step, loss, *_ in steps}
 
 
 @pytest.fixture(scope="module")
@@ -81,22 +65,21 @@ def wan_job(tmp_path_factory):
     )  # fmt: skip
     assert prepare.returncode == 0, prepare.stdout[-3000:] + prepare.stderr[-3000:]
     (d / "prompts.txt").write_text("a red cat\nthe blue dog\n")
-    on = train(d, "on", True, "--save-dir", str(d / "ckpt"), "--checkpoint-every", "2", "--export-dir",
-               str(d / "on"), "--validation-every", str(STEPS), "--validation-prompts", str(d / "prompts.txt"),
-               "--validation-dir", str(d / "clips"), "--validation-resolution", "32",
-               "--validation-width", "32", "--validation-frames", "5", "--validation-inference-steps", "2")  # fmt: skip
-    off = train(d, "off", False)
-    resumed = train(d, "resumed", True, "--resume", str(d / "ckpt" / "step2"), "--export-dir", str(d / "resumed"))
+    job = dict(model_path=str(d / "pipe"), data_dir=str(d / "data"), **COMMON)
+    on = train(demo_config("wan"), **job, save_dir=str(d / "ckpt"), checkpoint_every=2, export_dir=str(d / "on"),
+               validation_every=STEPS, validation_prompts=str(d / "prompts.txt"), validation_dir=str(d / "clips"),
+               validation_resolution=32, validation_width=32, validation_frames=5, validation_inference_steps=2)  # fmt: skip
+    off = train(demo_config("wan", balanced=False), **job)
+    resumed = train(demo_config("wan"), **job, resume=str(d / "ckpt" / "step2"), export_dir=str(d / "resumed"))
     return d, on, off, resumed
 
 
 def test_prepared_videos_and_images_train_balanced_as_unbalanced(wan_job):
-    _, (on_run, on), (_, off), _ = wan_job
-    assert sorted(on) == list(range(STEPS))
-    assert list(on.values()) == pytest.approx(list(off.values()), rel=1e-5)
+    _, on, off, _ = wan_job
+    assert sorted(on.losses) == list(range(STEPS))
+    assert list(on.losses.values()) == pytest.approx(list(off.losses.values()), rel=1e-5)
     # The steps mix clips and images of every prepared size; balancing moved work (imbalance fell).
-    imbalances = [(float(before), float(after)) for _, _, before, after in STEP_LINE.findall(on_run.stdout)]
-    assert any(after < before for before, after in imbalances), imbalances
+    assert any(after < before for before, after in on.imbalances()), on.imbalances()
 
 
 def test_resumed_run_continues_with_the_uninterrupted_losses_and_adapter(wan_job):
@@ -104,9 +87,9 @@ def test_resumed_run_continues_with_the_uninterrupted_losses_and_adapter(wan_job
 
     from deepspeed_knap.models.lora import ADAPTER_FILE
 
-    d, (_, on), _, (resumed_run, resumed) = wan_job
-    assert f"--resume: loading checkpoint step2 from {d / 'ckpt'}\n" in resumed_run.stdout
-    assert resumed == {step: on[step] for step in range(2, STEPS)}
+    d, on, _, resumed = wan_job
+    assert f"--resume: loading checkpoint step2 from {d / 'ckpt'}\n" in resumed.stdout
+    assert resumed.losses == {step: on.losses[step] for step in range(2, STEPS)}
     uninterrupted, continued = (load_file(d / name / ADAPTER_FILE) for name in ("on", "resumed"))
     assert uninterrupted.keys() == continued.keys()
     assert all(torch.equal(continued[name], tensor) for name, tensor in uninterrupted.items())
@@ -115,13 +98,13 @@ def test_resumed_run_continues_with_the_uninterrupted_losses_and_adapter(wan_job
 def test_validation_clips_are_gifs_of_the_pipeline(wan_job):
     from PIL import Image
 
-    d, (on_run, _), _, _ = wan_job
+    d, on, _, _ = wan_job
     clips = sorted((d / "clips").glob("*.gif"))
     assert [p.name for p in clips] == [f"step{STEPS:06d}_prompt00.gif", f"step{STEPS:06d}_prompt01.gif"]
     for clip in clips:
         with Image.open(clip) as gif:
             assert (gif.size, gif.n_frames) == ((32, 32), 5)  # the tiny pipeline's 32 x 32, 5 frames
-    assert f"validation clip {clips[1]} after step {STEPS - 1}: 'the blue dog'" in on_run.stdout
+    assert f"validation clip {clips[1]} after step {STEPS - 1}: 'the blue dog'" in on.stdout
 
 
 def test_exported_adapter_loads_into_wan_pipeline_as_peft_lora_on_our_model(wan_job):
@@ -140,9 +123,9 @@ def test_exported_adapter_loads_into_wan_pipeline_as_peft_lora_on_our_model(wan_
 
     d, _, _, _ = wan_job
     adapter = load_file(d / "on" / ADAPTER_FILE)
-    assert len(adapter) == 2 * 2 * len(PackedWanTransformer.lora_targets)  # A and B, 2 blocks
+    assert len(adapter) == 2 * 2 * len(PackedWanTransformer.spec.lora_targets)  # A and B, 2 blocks
     latents, _ = load_video_sample(sorted((d / "data").glob("*.safetensors"))[1])
-    (sample,), _ = flow_matching([latents], torch.Generator().manual_seed(0), [1, 2, 2])
+    (sample,) = flow_matching([latents], torch.Generator().manual_seed(0), [1, 2, 2]).samples
     pipe = WanPipeline.from_pretrained(d / "pipe")
     with torch.no_grad():
         before = diffusers_output(pipe.transformer, sample)
@@ -158,17 +141,14 @@ def test_exported_adapter_loads_into_wan_pipeline_as_peft_lora_on_our_model(wan_
 
 
 def test_the_documented_cpu_demo_trains_synthetic_clips_and_renders_with_the_tiny_defaults(tmp_path):
-    """train_dit.py's Wan demo command (synthetic wan_image_video clips, the tiny model, full
+    """train_dit.py's Wan demo (its config file, synthetic wan_image_video clips, the tiny model, full
     fine-tuning) with validation at the tiny pipeline's defaults: 32 x 32, 5 frames."""
     from PIL import Image
 
     (tmp_path / "prompts.txt").write_text("a red cat\n")
-    command = deepspeed_launch(SCRIPT, "--deepspeed_config", str(ROOT / "ds_configs" / "wan_cpu_demo.json"), "--tiny",
-                               "--family", "wan", "--token-scale", "0.015625", "--steps", "2", "--validation-every",
-                               "2", "--validation-prompts", str(tmp_path / "prompts.txt"), "--validation-dir",
-                               str(tmp_path / "clips"), ranks=2)  # fmt: skip
-    result = run(command)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert [int(step) for step, *_ in STEP_LINE.findall(result.stdout)] == [0, 1]
+    run = train(str(ROOT / "ds_configs" / "wan_cpu_demo.json"), family="wan", token_scale=1 / 64, steps=2,
+                validation_every=2, validation_prompts=str(tmp_path / "prompts.txt"),
+                validation_dir=str(tmp_path / "clips"))  # fmt: skip
+    assert sorted(run.losses) == [0, 1]
     with Image.open(tmp_path / "clips" / "step000002_prompt00.gif") as gif:
         assert (gif.size, gif.n_frames) == ((32, 32), 5)
