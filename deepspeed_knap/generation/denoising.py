@@ -55,15 +55,20 @@ class Denoising:
         shared = self.step_inputs(self.timesteps[self.step])
         return [{**shared, **branch} for branch in self.branches]
 
+    def guidance_at(self, timestep: Tensor) -> float | None:
+        """The guidance scale of the step at ``timestep``: :attr:`guidance_scale` (a family whose
+        pipeline changes it during the run says how)."""
+        return self.guidance_scale
+
     def advance(self, predictions: list[Tensor]) -> None:
         """One scheduler step with the transformer's predictions for :meth:`samples`, in their order."""
         if len(predictions) != len(self.branches):
             raise ValueError(f"request {self.request.id!r} runs {len(self.branches)} branch(es); got "
                              f"{len(predictions)} prediction(s)")  # fmt: skip
         prediction = predictions[0]
+        t = self.timesteps[self.step]
         if len(predictions) == 2:
             conditional, unconditional = predictions
-            prediction = unconditional + self.guidance_scale * (conditional - unconditional)
-        t = self.timesteps[self.step]
+            prediction = unconditional + self.guidance_at(t) * (conditional - unconditional)
         self.latents = self.scheduler.step(prediction[None], t, self.latents[None], return_dict=False)[0][0]
         self.step += 1

@@ -11,7 +11,13 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from deepspeed_knap.generation.requests import MAX_EMBEDDINGS_BYTES, Request, RequestError, read_regular_file
+from deepspeed_knap.generation.requests import (
+    MAX_EMBEDDINGS_BYTES,
+    MAX_IMAGE_BYTES,
+    Request,
+    RequestError,
+    read_regular_file,
+)
 from deepspeed_knap.models.spec import ModelSpec
 
 
@@ -61,6 +67,26 @@ class Generator:
             return load(read_regular_file(request.embeddings, MAX_EMBEDDINGS_BYTES))
         except Exception as error:  # safetensors raises its own types for a damaged file
             raise RequestError(f"line {request.line}: cannot read embeddings {request.embeddings}: {error}") from None
+
+    @staticmethod
+    def image_file(request: Request) -> Any:
+        """``request``'s image as an RGB ``PIL.Image``, oriented by its EXIF tag (as diffusers'
+        ``load_image``). The file is read only if it is a regular file of at most
+        :data:`~deepspeed_knap.generation.requests.MAX_IMAGE_BYTES`.
+
+        Raises:
+            RequestError: the file is missing, unreadable, not a regular file, too large or not an
+                image PIL reads (the message names the line and the file).
+        """
+        import io
+
+        from PIL import Image, ImageOps
+
+        try:
+            image = Image.open(io.BytesIO(read_regular_file(request.image, MAX_IMAGE_BYTES)))
+            return ImageOps.exif_transpose(image).convert("RGB")
+        except Exception as error:  # PIL raises its own types for a damaged file
+            raise RequestError(f"line {request.line}: cannot read image {request.image}: {error}") from None
 
     @classmethod
     def tiny_config(cls, heads: int, head_dim: int) -> dict[str, Any]:

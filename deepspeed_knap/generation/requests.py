@@ -14,8 +14,11 @@ diffusers' pipelines do) and ``id`` (default ``line{N}``) are optional. Video fa
 ``frames`` (Wan: 81, its pipeline's default; an image is 1). Classifier-free guidance, where the
 family uses it, takes ``negative_prompt`` (Wan: its ``guidance`` above 1 turns it on, with ``""``
 unless given; FLUX.1: ``true_cfg_scale`` above 1 with a ``negative_prompt``, as ``FluxPipeline``'s
-``true_cfg_scale``); the unconditional branch is then a sequence of its own for the planner. A
-family refuses the keys it does not take. Unknown keys are refused, so a typo (``"step": 4``) is not
+``true_cfg_scale``); the unconditional branch is then a sequence of its own for the planner.
+Image-to-video pipelines take ``image``, the path of the first frame (relative paths are the
+request file's directory's), and Wan 2.2 A14B's two experts ``guidance_2``, the low-noise expert's
+guidance scale (the pipeline's ``guidance_scale_2``; default ``guidance``). A family refuses the
+keys it does not take. Unknown keys are refused, so a typo (``"step": 4``) is not
 silently a default.
 
 An ``id`` names the output file ``{id}.png`` (a video's ``{id}.gif``): no ``/`` and no control
@@ -23,8 +26,9 @@ characters in it, and at most 255 bytes (UTF-8) with the ``.png``. ``seed`` is `
 ``steps`` at most :data:`MAX_STEPS`; the other whole numbers are at most ``2**31 - 1`` (what a request's
 size may be is its family's and the token ceiling's to say).
 
-The request file and an embeddings file are read only if they are regular files, of at most
-:data:`MAX_REQUEST_FILE_BYTES` and :data:`MAX_EMBEDDINGS_BYTES` (:func:`read_regular_file`): a FIFO
+The request file, an embeddings file and an image are read only if they are regular files, of at
+most :data:`MAX_REQUEST_FILE_BYTES`, :data:`MAX_EMBEDDINGS_BYTES` and :data:`MAX_IMAGE_BYTES`
+(:func:`read_regular_file`): a FIFO
 would block every rank in ``open`` with no writer, and ``/dev/zero`` would never end.
 
 Pure Python, no torch: what a family checks of a request (its sizes, its embeddings file) is in
@@ -57,9 +61,11 @@ MAX_REQUEST_FILE_BYTES = 2**28
 # The largest embeddings file read (at the intake, whole, to check its values; again at the start):
 # FLUX.2's widest text, 15,360 x 4 bytes, is 31 MB at 512 tokens; 1 GiB holds 17,000 tokens of it.
 MAX_EMBEDDINGS_BYTES = 2**30
+# The largest image file read (an 8k x 8k PNG of noise is about 200 MB).
+MAX_IMAGE_BYTES = 2**28
 MAX_FILE_NAME_BYTES = 255  # of "{id}.png", what common file systems take
 _KEYS = ("id", "prompt", "embeddings", "height", "width", "steps", "guidance", "seed", "max_sequence_length",
-         "frames", "negative_prompt", "true_cfg_scale")  # fmt: skip
+         "frames", "negative_prompt", "true_cfg_scale", "image", "guidance_2")  # fmt: skip
 
 
 class RequestError(ValueError):
@@ -91,6 +97,10 @@ class Request:
         frames: video frames, or ``None``: the family's default (an image family takes none).
         negative_prompt: the unconditional branch's text, or ``None``: the family's default.
         true_cfg_scale: FLUX.1's true classifier-free guidance scale, or ``None`` (off).
+        image: path of the image an image-to-video request starts from (relative paths are the
+            request file's directory's), or ``None``.
+        guidance_2: the low-noise expert's guidance scale of a two-expert pipeline, or ``None``:
+            ``guidance``'s.
     """
 
     index: int
@@ -107,6 +117,8 @@ class Request:
     frames: int | None = None
     negative_prompt: str | None = None
     true_cfg_scale: float | None = None
+    image: str | None = None
+    guidance_2: float | None = None
 
 
 def request_lines(path: str | Path) -> list[tuple[int, str]]:
@@ -161,8 +173,8 @@ def _check_regular(status: os.stat_result, limit: int) -> None:
 
 
 def parse_request(index: int, line: int, text: str, directory: str | Path = ".") -> Request:
-    """The request of one line; a relative ``embeddings`` path is taken from ``directory`` (the
-    request file's).
+    """The request of one line; a relative ``embeddings`` or ``image`` path is taken from
+    ``directory`` (the request file's).
 
     Raises:
         RequestError: malformed JSON, an unknown key, a missing or ill-typed value; the message
@@ -185,7 +197,7 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
     if ("prompt" in fields) == ("embeddings" in fields):
         raise RequestError(f"line {line}: give exactly one of 'prompt' (text) and 'embeddings' (a safetensors file "
                            "of precomputed text embeddings)")  # fmt: skip
-    for key in ("prompt", "embeddings", "id"):
+    for key in ("prompt", "embeddings", "id", "image"):
         if key in fields and not (isinstance(fields[key], str) and fields[key]):
             raise RequestError(f"line {line}: {key!r} must be a non-empty string; got {fields[key]!r}")
         if key in fields and not _encodable(fields[key]):  # a lone surrogate ("\\ud800") is valid JSON
@@ -211,18 +223,21 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
             shown = repr(value) if not isinstance(value, int) or value.bit_length() <= 128 else "a larger number"
             raise RequestError(f"line {line}: {key!r} must be a whole number from {lowest} to {LARGEST[key]}; "
                                f"got {shown}")  # fmt: skip
-    for key in ("guidance", "true_cfg_scale"):
+    for key in ("guidance", "true_cfg_scale", "guidance_2"):
         scale = values.get(key)
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                                   or not math.isfinite(scale)):  # fmt: skip
             raise RequestError(f"line {line}: {key!r} must be a finite number; got {scale!r}")
     guidance, true_cfg_scale = values.get("guidance"), values.get("true_cfg_scale")
+    guidance_2 = values.get("guidance_2")
     return Request(index=index, line=line, id=request_id, prompt=fields.get("prompt"),
                    embeddings=str(Path(directory, fields["embeddings"])) if "embeddings" in fields else None, height=values["height"], width=values["width"],
                    steps=values["steps"], guidance=None if guidance is None else float(guidance), seed=values["seed"],
                    max_sequence_length=values["max_sequence_length"], frames=values.get("frames"),
                    negative_prompt=fields.get("negative_prompt"),
-                   true_cfg_scale=None if true_cfg_scale is None else float(true_cfg_scale))  # fmt: skip
+                   true_cfg_scale=None if true_cfg_scale is None else float(true_cfg_scale),
+                   image=str(Path(directory, fields["image"])) if "image" in fields else None,
+                   guidance_2=None if guidance_2 is None else float(guidance_2))  # fmt: skip
 
 
 def _check_id(line: int, request_id: str) -> None:

@@ -47,6 +47,7 @@ from deepspeed_knap.generation.balancer import ReusingBalancer, WorkerPlanAhead,
 from deepspeed_knap.generation.deadline import Deadline
 from deepspeed_knap.generation.requests import Request, RequestError, RequestFileError, parse_request, request_lines
 from deepspeed_knap.generation.schedule import Job, StepBatcher
+from deepspeed_knap.runtime.attention import KnapDistributedAttention
 from deepspeed_knap.runtime.groups import all_gather_bytes, text_digest
 
 # The most tokens one request may put on a GPU when no --max-tokens-per-gpu is given (times the
@@ -221,7 +222,9 @@ def generation_balancer(model: torch.nn.Module, max_tokens_per_gpu: int | None =
     heads = model.config["num_attention_heads"]
     topology = build_topology("auto", world, node, max_degree=default_max_degree(world, node, heads))  # fmt: skip
     groups = create_process_groups(topology, timeout)
-    model.attention.configure(topology)  # checks the heads against the groups
+    for module in model.modules():  # every attention (two experts have two): checks the heads against the groups
+        if isinstance(module, KnapDistributedAttention):
+            module.configure(topology)
     cost_model = forward_cost_model(model.family, model.config) if cost_model is None else cost_model
     return ReusingBalancer(groups, cost_model, max_tokens_per_gpu=max_tokens_per_gpu, reuse=reuse)
 

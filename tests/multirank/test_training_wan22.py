@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from tests.support.training import ROOT, demo_config, train
+from tests.support.wan_cases import WAN22_KINDS as KINDS
+from tests.support.wan_cases import save_wan22_pipeline
 
 pytest.importorskip("av")
 diffusers = pytest.importorskip("diffusers")
@@ -33,34 +35,6 @@ STEPS = 3
 COMMON = dict(lora_rank=4, lora_alpha=8, samples_per_rank=2, steps=STEPS, lr=1e-3, checkpoint_every=2)
 SOURCES = {"a_clip.mp4": (9, 32, 48), "b_clip.mp4": (13, 48, 64), "c_clip.mp4": (5, 32, 32), "d_still.png": (1, 32, 32)}
 WORDS = ["a red cat", "the blue dog", "a green bird", "an image of a cat"]
-I2V = dict(in_channels=12, out_channels=4)  # noise (4) | first-frame mask (4) | first-frame latents (4)
-KINDS = {
-    # Boundaries of 0.5, not A14B's 0.875 and 0.9: in 3 steps both experts get samples (logit-normal
-    # noise levels are above 0.875 2.6% of the time).
-    "a14b": dict(pipeline="WanPipeline", experts=2, config={}, boundary=0.5),
-    "i2v21": dict(pipeline="WanImageToVideoPipeline", experts=1, config={**I2V, "image_dim": 8, "added_kv_proj_dim": 72},
-                  clip=8),
-    "i2v_a14b": dict(pipeline="WanImageToVideoPipeline", experts=2, config=I2V, boundary=0.5),
-    "ti2v": dict(pipeline="WanPipeline", experts=1, config={}, expand_timesteps=True, first_frame_share=1.0),
-}  # fmt: skip
-
-
-def _save_pipeline(directory, kind: dict) -> None:
-    from diffusers import WanTransformer3DModel
-
-    from deepspeed_knap.models.wan.data import tiny_wan_pipeline
-    from deepspeed_knap.models.wan.spec import TINY_WAN
-
-    image_to_video = kind["pipeline"] == "WanImageToVideoPipeline"
-    pipe = tiny_wan_pipeline(image_to_video=image_to_video, image_dim=kind.get("clip"))
-    parts = pipe.components
-    for index, name in enumerate(("transformer", "transformer_2")[: kind["experts"]]):
-        torch.manual_seed(index)
-        parts[name] = WanTransformer3DModel(**{**TINY_WAN, **kind["config"]})
-    config = {"boundary_ratio": kind["boundary"]} if "boundary" in kind else {}
-    if kind.get("expand_timesteps"):
-        config["expand_timesteps"] = True
-    type(pipe)(**parts, **config).save_pretrained(directory)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +57,7 @@ def wan22(tmp_path_factory):
         (inputs / name).with_suffix(".txt").write_text(caption)
     runs = {}
     for name, kind in KINDS.items():
-        _save_pipeline(d / name, kind)
+        save_wan22_pipeline(d / name, kind)
         prepare = subprocess.run(
             [sys.executable, str(ROOT / "examples" / "prepare_video_latents.py"), "--pretrained", str(d / name),
              "--inputs", str(inputs), "--out", str(d / f"{name}_data"), "--max-sequence-length", "16",

@@ -122,3 +122,37 @@ def norm_relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def grads(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+# Tiny pipelines of the Wan kinds people train and generate with, saved as diffusers folders.
+WAN22_I2V = dict(in_channels=12, out_channels=4)  # noise (4) | first-frame mask (4) | first-frame latents (4)
+WAN22_KINDS = {
+    # Boundaries of 0.5, not A14B's 0.875 and 0.9: in 3 training steps both experts get samples
+    # (logit-normal noise levels are above 0.875 2.6% of the time), and a few denoising steps run both.
+    "a14b": dict(pipeline="WanPipeline", experts=2, config={}, boundary=0.5),
+    "i2v21": dict(pipeline="WanImageToVideoPipeline", experts=1,
+                  config={**WAN22_I2V, "image_dim": 8, "added_kv_proj_dim": 72}, clip=8),
+    "i2v_a14b": dict(pipeline="WanImageToVideoPipeline", experts=2, config=WAN22_I2V, boundary=0.5),
+    "ti2v": dict(pipeline="WanPipeline", experts=1, config={}, expand_timesteps=True, first_frame_share=1.0),
+}  # fmt: skip
+
+
+def save_wan22_pipeline(directory, kind: dict) -> None:
+    """A tiny pipeline of ``kind`` (a :data:`WAN22_KINDS` value) saved in ``directory``: the
+    pipeline class, one or two random ``WanTransformer3DModel`` (``TINY_WAN`` with the kind's
+    changes), ``boundary_ratio`` and ``expand_timesteps`` as the kind says."""
+    from diffusers import WanTransformer3DModel
+
+    from deepspeed_knap.models.wan.data import tiny_wan_pipeline
+    from deepspeed_knap.models.wan.spec import TINY_WAN
+
+    image_to_video = kind["pipeline"] == "WanImageToVideoPipeline"
+    pipe = tiny_wan_pipeline(image_to_video=image_to_video, image_dim=kind.get("clip"))
+    parts = pipe.components
+    for index, name in enumerate(("transformer", "transformer_2")[: kind["experts"]]):
+        torch.manual_seed(index)
+        parts[name] = WanTransformer3DModel(**{**TINY_WAN, **kind["config"]})
+    config = {"boundary_ratio": kind["boundary"]} if "boundary" in kind else {}
+    if kind.get("expand_timesteps"):
+        config["expand_timesteps"] = True
+    type(pipe)(**parts, **config).save_pretrained(directory)

@@ -39,6 +39,8 @@ def test_a_request_line_with_defaults_and_a_relative_embeddings_path(tmp_path):
         ('{"prompt": "a", "height": 64.0, "width": 64}', "'height' must be a whole number"),
         ('{"prompt": "a", "height": 64, "width": 64, "seed": true}', "'seed' must be a whole number from 0 to"),
         ('{"prompt": "a", "height": 64, "width": 64, "guidance": "high"}', "'guidance' must be a finite number"),
+        ('{"prompt": "a", "height": 64, "width": 64, "guidance_2": NaN}', "'guidance_2' must be a finite number"),
+        ('{"prompt": "a", "height": 64, "width": 64, "image": ""}', "'image' must be a non-empty string"),
         ('{"prompt": "a", "height": 64, "width": 64, "id": "x/y"}', "no '/' in it"),
         ('{"prompt": "a", "height": 64, "width": 64, "id": "x\\u0000y"}', "no control characters"),
         ('{"prompt": "a", "height": 64, "width": 64, "id": "' + "x" * 252 + '"}', "at most 255 bytes"),
@@ -435,6 +437,10 @@ def _tiny_generator(family: str):
     ("flux", {"height": 32, "width": 48, "true_cfg_scale": 2.0}, "needs both 'true_cfg_scale' above 1"),
     ("flux", {"height": 32, "width": 48, "true_cfg_scale": 1.0}, (104,)),  # off, as in FluxPipeline
     ("flux", {"height": 32, "width": 48, "frames": 1}, "FLUX.1 makes images: drop 'frames'"),
+    ("flux", {"height": 32, "width": 48, "image": "cat.png"}, "FLUX.1 generates from text alone here: drop 'image'"),
+    ("flux2", {"height": 32, "width": 48, "guidance_2": 2.0}, "FLUX.2 takes 'guidance': drop 'guidance_2'"),
+    ("wan", {"height": 32, "width": 48, "frames": 5, "image": "cat.png"}, "makes videos from text alone: drop 'image'"),
+    ("wan", {"height": 32, "width": 48, "frames": 5, "guidance_2": 2.0}, "one transformer: drop 'guidance_2'"),
     ("flux2", {"height": 32, "width": 48, "negative_prompt": "x"}, "FLUX.2 is guidance-distilled"),
     # Tiny FLUX.1 in bfloat16: 4 px a patch, positions exact up to 256 patches a side (1,024 px).
     ("flux-bf16", {"height": 1024, "width": 8, "steps": 1}, (8 + 256 * 2,)),
@@ -453,6 +459,74 @@ def test_each_family_counts_a_requests_sequences_and_refuses_what_it_cannot_take
     else:
         with pytest.raises(RequestError, match=re.escape(expected)):
             generator.request_seq_lens(request)
+
+
+@functools.cache
+def _image_to_video_generator(two_experts: bool):
+    """A tiny ``WanImageToVideoPipeline`` generator: Wan 2.1 I2V's (CLIP context), or two experts
+    without it (I2V-A14B's), in float32."""
+    from deepspeed_knap.models.wan import PackedWanTransformer
+    from deepspeed_knap.models.wan.data import tiny_wan_pipeline
+    from deepspeed_knap.models.wan.experts import PackedWanExperts
+    from deepspeed_knap.models.wan.generate import WanGenerator
+    from deepspeed_knap.models.wan.spec import TINY_WAN
+    from tests.support.wan_cases import WAN22_KINDS
+
+    kind = WAN22_KINDS["i2v_a14b" if two_experts else "i2v21"]
+    pipe = tiny_wan_pipeline(image_to_video=True, image_dim=kind.get("clip"))
+    if two_experts:
+        pipe.register_to_config(boundary_ratio=kind["boundary"])
+        model = PackedWanExperts(*(PackedWanTransformer(**{**TINY_WAN, **kind["config"]}) for _ in range(2)),
+                                 boundary_ratio=kind["boundary"])  # fmt: skip
+    else:
+        model = PackedWanTransformer(**{**TINY_WAN, **kind["config"]})
+    return WanGenerator(pipe, model.eval())
+
+
+@pytest.mark.parametrize(("two_experts", "fields", "expected"), [
+    (False, {"image": "cat.png"}, (18, 18)),
+    (True, {"image": "cat.png", "guidance_2": 2.0, "max_sequence_length": 8}, (18, 18)),
+    (False, {}, "this WanImageToVideoPipeline makes a video from an image: give 'image'"),
+    (False, {"image": "missing.png"}, "cannot read image"),
+    (False, {"image": "not_an_image.png"}, "cannot read image"),
+    (False, {"image": "cat.png", "max_sequence_length": 8}, "takes its text as 512 rows"),
+    (True, {"image": "cat.png", "guidance": 1.0, "guidance_2": 2.0, "max_sequence_length": 8}, "'guidance_2' does "
+     "nothing at guidance 1.0"),
+])  # fmt: skip
+def test_image_to_video_requests_are_checked_at_the_intake(tmp_path, two_experts, fields, expected):
+    """An image-to-video pipeline needs a readable image (the path is the request file's directory's);
+    Wan 2.1 I2V's text is 512 rows (diffusers splits its context there); a two-expert pipeline takes
+    ``guidance_2`` with guidance on. What the intake counts is what the start packs."""
+    from PIL import Image
+
+    Image.fromarray(np.zeros((20, 30, 3), dtype=np.uint8)).save(tmp_path / "cat.png")
+    (tmp_path / "not_an_image.png").write_bytes(b"no image here")
+    generator = _image_to_video_generator(two_experts)
+    # 3 steps: timesteps 999, 666, 333.
+    fields = {"prompt": "a cat", "height": 32, "width": 48, "frames": 9, "steps": 3, **fields}
+    request = parse_request(0, 1, json.dumps(fields), tmp_path)
+    if isinstance(expected, tuple):
+        assert request.image == str(tmp_path / "cat.png")
+        assert generator.request_seq_lens(request) == expected
+        state = generator.start(request)
+        samples = state.samples()
+        assert samples[0]["hidden_states"].shape[0] == generator.model.config["in_channels"]  # noise | mask | latents
+        assert tuple(generator.model.pack(samples).seq_lens) == expected
+        assert ("encoder_hidden_states_image" in samples[0]) == (not two_experts)
+        if two_experts:  # the low-noise expert's steps take guidance_2
+            assert state.guidance_at(state.timesteps[0]) == 5.0 and state.guidance_at(state.timesteps[-1]) == 2.0
+    else:
+        with pytest.raises(RequestError, match=re.escape(expected)):
+            generator.request_seq_lens(request)
+
+
+def test_load_wan_generator_refuses_other_wan_pipelines(tmp_path):
+    from deepspeed_knap.models.wan.generate import load_wan_generator
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanVACEPipeline"}))
+    with pytest.raises(ValueError, match="is a WanVACEPipeline; deepspeed-knap generate runs WanPipeline and "
+                                         "WanImageToVideoPipeline checkpoints"):  # fmt: skip
+        load_wan_generator(tmp_path, torch.float32, "cpu")
 
 
 def test_a_set_without_joiners_that_cannot_be_planned_raises():

@@ -89,7 +89,8 @@ class FluxGenerator(Generator):
             RequestError: a size the VAE and the patching cannot take (the pipeline would silently
                 resize it), a ``max_sequence_length`` over T5's 512 (a longer prompt is truncated, as
                 diffusers does), an embeddings file that is unreadable or does not fit the model,
-                a key the family does not take (``frames``; FLUX.2's ``negative_prompt``), guidance
+                a key the family does not take (``frames``, ``image``, ``guidance_2``; FLUX.2's
+                ``negative_prompt``), guidance
                 keys that would be ignored.
         """
         branches = self._branches(request)
@@ -119,6 +120,11 @@ class FluxGenerator(Generator):
         line, name = request.line, self.name
         if request.frames is not None:
             raise RequestError(f"line {line}: {name} makes images: drop 'frames'")
+        if request.image is not None:
+            raise RequestError(f"line {line}: {name} generates from text alone here: drop 'image'")
+        if request.guidance_2 is not None:
+            raise RequestError(f"line {line}: 'guidance_2' is a two-expert Wan pipeline's; {name} takes 'guidance': "
+                               "drop 'guidance_2'")  # fmt: skip
         scale = request.true_cfg_scale
         guided = scale is not None and scale > 1
         # With embeddings the negative branch is the file's: there when the scale asks for it.

@@ -79,6 +79,10 @@ VIDEO_LATENT_KEYS = ("latents", "encoder_hidden_states")
 CONDITION_KEY, IMAGE_CONTEXT_KEY = "condition", "encoder_hidden_states_image"
 # Image context rows (CLIP ViT-H/14 at 224 px: 256 patches and the class token) before a mix's scale.
 IMAGE_CONTEXT_TOKENS = 257
+# A model with image context (Wan 2.1 I2V) takes its text as this many rows: diffusers' Wan attention
+# splits the context it is given there (image rows first, then 512 of text), so the pipelines pad
+# the prompt to 512 (their max_sequence_length) and shorter text would be split wrong.
+I2V_TEXT_ROWS = 512
 
 
 class Refused(ValueError):

@@ -143,7 +143,9 @@ class PackedWanExperts(nn.Module):
                 part_image = (mine.encoder_hidden_states_image, image[1])
                 outputs.append(expert._blocks(part, mine, part_text, part_image))
                 rows.append(part_rows)
-            order = routed.device_array("expert_order", np.argsort(np.concatenate(rows), kind="stable"))
+            # Keyed by the experts: generation reuses a step's routes while its requests' experts change.
+            order = routed.device_array(("expert_order", expert_of_seq.tobytes()),
+                                        np.argsort(np.concatenate(rows), kind="stable"))  # fmt: skip
             return torch.cat(outputs).index_select(0, order)
 
         return balanced_forward(batch, blocks, balancer, problem=inputs.problem)

@@ -23,6 +23,7 @@ from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents, 
 from deepspeed_knap.models.lora import adapter_state_dict, lora_config, save_adapter
 from deepspeed_knap.models.wan.data import (
     CONDITION_KEY,
+    I2V_TEXT_ROWS,
     IMAGE_CONTEXT_KEY,
     SyntheticVideoLatents,
     condition_channels,
@@ -144,9 +145,9 @@ class WanValidation(ValidationHooks):
         return name, {"boundary_ratio": model.boundary_ratio} if isinstance(model, PackedWanExperts) else {}
 
     def render_options(self, model: nn.Module) -> dict[str, Any]:
-        """Wan 2.1 I2V's attention splits its context at 512 text rows (diffusers): the text of its
-        renders is padded to 512 whatever the tiny defaults."""
-        return {"max_sequence_length": 512} if model.config.get("image_dim") else {}
+        """Wan 2.1 I2V's attention splits its context at 512 text rows (diffusers, :data:`I2V_TEXT_ROWS`):
+        the text of its renders is padded to 512 whatever the tiny defaults."""
+        return {"max_sequence_length": I2V_TEXT_ROWS} if model.config.get("image_dim") else {}
 
     def tiny_components(self, model: nn.Module, seed: int) -> dict[str, Any]:
         config = model.config
