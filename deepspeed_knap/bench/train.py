@@ -3,10 +3,12 @@
     deepspeed-knap bench train --ranks 2 --mix long_video --token-scale 0.0625 --steps 8
     deepspeed-knap bench train --ranks 2 --mix kf_image_video --token-scale 0.03 --slow-rank 1:3 --online
     deepspeed-knap bench train --ranks 2 --family wan --mix wan_image_video --token-scale 0.015625
+    deepspeed-knap bench train --ranks 2 --family wan --expert both --token-scale 0.0625 --modes off,knapformer,auto
 
 Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA) that train the tiny
 packed model of ``--family`` (any registered family: its spec's ``tiny_config``; ``--flux-dims`` for
-FLUX.1's width on GPUs) with DeepSpeed, the real routes and Ulysses all-to-alls, on the same
+FLUX.1's width on GPUs; ``--expert`` for Wan 2.2 A14B's two experts as training builds them) with
+DeepSpeed, the real routes and Ulysses all-to-alls, on the same
 synthetic samples of ``--mix`` (default: the family's ``default_mix``) in every mode:
 ``off`` (no balancing: every sequence stays home), ``knapformer`` and ``refine`` on ``--topology``
 (default: one bag of all ranks) or on a topology of their own (``knapformer@g1n2``: the mode may be
@@ -58,6 +60,7 @@ from deepspeed_knap.planner.solve import plan_loads
 from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.plots import write_report
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
+from deepspeed_knap.training.arguments import TrainingArguments
 
 MODES = ("off", "knapformer", "refine", "auto")
 # The plan by part (the lengths gather, recording the closed step and the online refit, the solve or
@@ -160,7 +163,10 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     runs: list[_ModeRun] = []
     for mode in options["modes"]:  # every mode built first: then the modes take turns, step by step
         torch.manual_seed(0)  # every mode trains the same initial weights
-        model = family.model_class(**dims)
+        if options["expert"] is None:
+            model = family.model_class(**dims)
+        else:  # the family's hooks build what training builds for --expert (tiny: both experts' shape)
+            model = hooks.load_model(TrainingArguments(None, family=options["family"], expert=options["expert"]), {})
         config = ds_config(mode, options["topology"], world, options["cost_model"], options["online"])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine, _, _, _, balancer = initialize(model=model, optimizer=optimizer, config=config)
@@ -174,9 +180,9 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
 
         def step_inputs(step: int, data=data, dit=dit, guidance=guidance):  # bound: this mode's
             latents, generator = data.step_samples(step, rank, world), torch.Generator().manual_seed(step * 4099 + rank)
-            samples, targets = hooks.objective(latents, generator, dit.config, guidance)
-            inputs, _ = hooks.pack(dit, samples, balanced=True)
-            return inputs.to(device), targets
+            objective = hooks.objective(latents, generator, dit.config, guidance)
+            inputs, _ = hooks.pack(dit, objective.samples, balanced=True)
+            return inputs.to(device), objective
 
         if options["prefetch"]:  # as train_dit.py: the worker starts during set-up, not at step 0
             balancer.plan_worker().start()
@@ -195,7 +201,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     for step in range(steps):
         for index in orders[step % len(orders)]:
             run = runs[index]
-            (inputs, targets), run.upcoming = run.upcoming, run.step_inputs(step + 1) if step + 1 < steps else None
+            (inputs, objective), run.upcoming = run.upcoming, run.step_inputs(step + 1) if step + 1 < steps else None
             get_accelerator().synchronize()
             dist.barrier()  # every rank starts the step together: the step time is the slowest rank's
             start = time.perf_counter()
@@ -203,8 +209,10 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
                 run.balancer.prefetch(run.upcoming[0].seq_lens, next_segments=run.upcoming[0].segments)
             prediction = run.engine(inputs, run.balancer)
             forward_end = time.perf_counter()
+            targets = objective.targets
             target = torch.cat(targets).to(device) if targets else torch.zeros_like(prediction)
-            loss = token_mean_loss((prediction.float() - target.float()).square().mean(dim=-1))
+            weights = torch.cat(objective.weights).to(device) if objective.weights else None
+            loss = token_mean_loss((prediction.float() - target.float()).square().mean(dim=-1), weights)
             run.engine.backward(loss)
             get_accelerator().synchronize()
             backward_end = time.perf_counter()
@@ -318,7 +326,8 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
 
 def format_report(report: dict) -> str:
     options = report["options"]
-    lines = [f"{options['ranks']} ranks, tiny {options['family']}, {options['mix']} x{options['token_scale']:g} tokens, topology "
+    family = options["family"] + (f" (--expert {options['expert']})" if options.get("expert") else "")
+    lines = [f"{options['ranks']} ranks, tiny {family}, {options['mix']} x{options['token_scale']:g} tokens, topology "
              f"{options['topology']} (knapformer, refine) and auto; off keeps every sequence home"
              + (f", rank {options['slow_rank'][0]} {options['slow_rank'][1]:g}x slower" if options["slow_rank"] else "")
              + (", online refit" if options["online"] else "")
@@ -409,6 +418,7 @@ def run(args: argparse.Namespace) -> int:
         build_topology(topology, args.ranks)  # a topology the ranks cannot form is refused before they start
     if args.flux_dims and args.family != "flux":
         raise ValueError("--flux-dims sets FLUX.1's width: it goes with --family flux")
+    spec(args.family).hooks().check_arguments(TrainingArguments(None, family=args.family, expert=args.expert))
     cost_model = {"model": f"{args.family}-tiny"}
     if args.calibration:
         cost_model = {"calibration_file": str(Path(args.calibration).resolve())}
@@ -418,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
     options = {"ranks": args.ranks, "family": args.family, "mix": mix, "token_scale": args.token_scale, "steps": args.steps,
                "modes": modes, "topology": topology, "slow_rank": args.slow_rank,
                "online": args.online, "flux_dims": args.flux_dims, "threads": args.threads, "prefetch": args.prefetch,
-               "cost_model": cost_model}  # fmt: skip
+               "cost_model": cost_model, "expert": args.expert}  # fmt: skip
     report = bench_train(options)
     print(format_report(report))
     write_report(report, args.json, "per-step, per-rank figures", args.plot, plot_report)
@@ -454,6 +464,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--route-coef", type=positive_float, default=None, metavar="S",
                         help="seconds of one moved token's round trip: the planner prices routes (default: free)")  # fmt: skip
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPUs)")
+    parser.add_argument("--expert", choices=["both", "high", "low"], default=None,
+                        help="Wan 2.2 A14B's experts, as examples/train_dit.py --expert trains them: both (two tiny "
+                             "experts, each sample's noise level picks its own; boundary_ratio 0.875), or one")  # fmt: skip
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     parser.add_argument("--json", type=output_file, metavar="OUT.json", help="write every per-step, per-rank figure")
     parser.add_argument(

@@ -135,9 +135,16 @@ class TrainingHooks(ABC):
         small files, such as a pipeline's ``model_index.json``; the trainer agrees on the outcome).
 
         Raises:
-            ValueError: naming the argument and the fix.
+            ValueError: naming the argument and the fix: here, Wan's ``expert`` and
+                ``first_frame_share``, which a family without experts or image-conditioned frames
+                would silently ignore.
         """
-        return None
+        if arguments.expert is not None:
+            raise ValueError(f"--expert {arguments.expert}: {self.spec.title} has one transformer (--expert chooses "
+                             "among Wan 2.2 A14B's two); drop --expert")  # fmt: skip
+        if arguments.first_frame_share is not None:
+            raise ValueError(f"--first-frame-share {arguments.first_frame_share}: {self.spec.title} has no "
+                             "image-conditioned first frame (Wan 2.2 TI2V's); drop it")  # fmt: skip
 
     def load_model(self, arguments: Any, options: Mapping[str, Any]) -> nn.Module:
         """The model to train: ``arguments.model_path``'s checkpoint (collective; under ZeRO-3 each

@@ -106,3 +106,19 @@ def test_a_fixed_solver_may_run_on_topologies_of_its_own_in_one_run(capsys):
                            ("auto,knapformer", "including off"), ("off,auto,auto", "each once")]:  # fmt: skip
         assert main(["bench", "train", "--ranks", "2", "--modes", modes]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_bench_train_runs_both_experts_of_wan_22_a14b_and_refuses_experts_elsewhere(tmp_path, capsys):
+    """``--expert both`` trains two tiny experts as examples/train_dit.py builds them (each sample's
+    noise level picks its own), balanced; a family of one transformer refuses ``--expert`` before any
+    rank starts."""
+    assert main(["bench", "train", "--family", "flux", "--expert", "both"]) == 2
+    assert "--expert both: FLUX.1 has one transformer" in capsys.readouterr().err
+    out = tmp_path / "experts.json"
+    argv = ["bench", "train", "--ranks", "2", "--family", "wan", "--expert", "both", "--token-scale", "0.02",
+            "--steps", "2", "--modes", "off,auto", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "tiny wan (--expert both)" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert {(r["mode"], r["step"]) for r in report["steps"]} == {(m, s) for m in ("off", "auto") for s in range(2)}
+    assert all(p["compute"] > 0 for r in report["steps"] for p in r["phases"])
