@@ -55,6 +55,11 @@ class Denoising:
         shared = self.step_inputs(self.timesteps[self.step])
         return [{**shared, **branch} for branch in self.branches]
 
+    def target_rows(self, prediction: Tensor) -> Tensor:
+        """The rows of one branch's prediction that predict :attr:`latents` (a family whose samples
+        also carry conditioning tokens, such as FLUX.2's reference images, drops theirs)."""
+        return prediction
+
     def guidance_at(self, timestep: Tensor) -> float | None:
         """The guidance scale of the step at ``timestep``: :attr:`guidance_scale` (a family whose
         pipeline changes it during the run says how)."""
@@ -65,6 +70,7 @@ class Denoising:
         if len(predictions) != len(self.branches):
             raise ValueError(f"request {self.request.id!r} runs {len(self.branches)} branch(es); got "
                              f"{len(predictions)} prediction(s)")  # fmt: skip
+        predictions = [self.target_rows(prediction) for prediction in predictions]
         prediction = predictions[0]
         t = self.timesteps[self.step]
         if len(predictions) == 2:

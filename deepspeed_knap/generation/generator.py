@@ -69,9 +69,9 @@ class Generator:
             raise RequestError(f"line {request.line}: cannot read embeddings {request.embeddings}: {error}") from None
 
     @staticmethod
-    def image_file(request: Request) -> Any:
-        """``request``'s image as an RGB ``PIL.Image``, oriented by its EXIF tag (as diffusers'
-        ``load_image``). The file is read only if it is a regular file of at most
+    def image_file(request: Request, index: int = 0) -> Any:
+        """``request``'s image ``index`` as an RGB ``PIL.Image``, oriented by its EXIF tag (as
+        diffusers' ``load_image``). The file is read only if it is a regular file of at most
         :data:`~deepspeed_knap.generation.requests.MAX_IMAGE_BYTES`.
 
         Raises:
@@ -82,11 +82,12 @@ class Generator:
 
         from PIL import Image, ImageOps
 
+        path = request.image[index]
         try:
-            image = Image.open(io.BytesIO(read_regular_file(request.image, MAX_IMAGE_BYTES)))
+            image = Image.open(io.BytesIO(read_regular_file(path, MAX_IMAGE_BYTES)))
             return ImageOps.exif_transpose(image).convert("RGB")
         except Exception as error:  # PIL raises its own types for a damaged file
-            raise RequestError(f"line {request.line}: cannot read image {request.image}: {error}") from None
+            raise RequestError(f"line {request.line}: cannot read image {path}: {error}") from None
 
     @classmethod
     def tiny_config(cls, heads: int, head_dim: int) -> dict[str, Any]:

@@ -15,10 +15,10 @@ diffusers' pipelines do) and ``id`` (default ``line{N}``) are optional. Video fa
 family uses it, takes ``negative_prompt`` (Wan: its ``guidance`` above 1 turns it on, with ``""``
 unless given; FLUX.1: ``true_cfg_scale`` above 1 with a ``negative_prompt``, as ``FluxPipeline``'s
 ``true_cfg_scale``); the unconditional branch is then a sequence of its own for the planner.
-Image-to-video pipelines take ``image``, the path of the first frame (relative paths are the
-request file's directory's), and Wan 2.2 A14B's two experts ``guidance_2``, the low-noise expert's
-guidance scale (the pipeline's ``guidance_scale_2``; default ``guidance``). A family refuses the
-keys it does not take. Unknown keys are refused, so a typo (``"step": 4``) is not
+Image-conditioned pipelines take ``image``: a path, or a list of paths (relative paths are the
+request file's directory's): Wan's image-to-video the first frame, FLUX.2 its reference images.
+Wan 2.2 A14B's two experts take ``guidance_2``, the low-noise expert's guidance scale (the
+pipeline's ``guidance_scale_2``; default ``guidance``). A family refuses the keys it does not take. Unknown keys are refused, so a typo (``"step": 4``) is not
 silently a default.
 
 An ``id`` names the output file ``{id}.png`` (a video's ``{id}.gif``): no ``/`` and no control
@@ -61,8 +61,10 @@ MAX_REQUEST_FILE_BYTES = 2**28
 # The largest embeddings file read (at the intake, whole, to check its values; again at the start):
 # FLUX.2's widest text, 15,360 x 4 bytes, is 31 MB at 512 tokens; 1 GiB holds 17,000 tokens of it.
 MAX_EMBEDDINGS_BYTES = 2**30
-# The largest image file read (an 8k x 8k PNG of noise is about 200 MB).
+# The largest image file read (an 8k x 8k PNG of noise is about 200 MB), and the most images a request
+# names (FLUX.2's pipeline takes any number of references; each is ~4k tokens of every step).
 MAX_IMAGE_BYTES = 2**28
+MAX_IMAGES = 16
 MAX_FILE_NAME_BYTES = 255  # of "{id}.png", what common file systems take
 _KEYS = ("id", "prompt", "embeddings", "height", "width", "steps", "guidance", "seed", "max_sequence_length",
          "frames", "negative_prompt", "true_cfg_scale", "image", "guidance_2")  # fmt: skip
@@ -97,8 +99,8 @@ class Request:
         frames: video frames, or ``None``: the family's default (an image family takes none).
         negative_prompt: the unconditional branch's text, or ``None``: the family's default.
         true_cfg_scale: FLUX.1's true classifier-free guidance scale, or ``None`` (off).
-        image: path of the image an image-to-video request starts from (relative paths are the
-            request file's directory's), or ``None``.
+        image: paths of the request's images (Wan's first frame; FLUX.2's references, in order;
+            relative paths are the request file's directory's), or ``None``.
         guidance_2: the low-noise expert's guidance scale of a two-expert pipeline, or ``None``:
             ``guidance``'s.
     """
@@ -117,7 +119,7 @@ class Request:
     frames: int | None = None
     negative_prompt: str | None = None
     true_cfg_scale: float | None = None
-    image: str | None = None
+    image: tuple[str, ...] | None = None
     guidance_2: float | None = None
 
 
@@ -197,7 +199,16 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
     if ("prompt" in fields) == ("embeddings" in fields):
         raise RequestError(f"line {line}: give exactly one of 'prompt' (text) and 'embeddings' (a safetensors file "
                            "of precomputed text embeddings)")  # fmt: skip
-    for key in ("prompt", "embeddings", "id", "image"):
+    raw = fields.get("image")
+    paths = [raw] if isinstance(raw, str) else raw
+    if "image" in fields and not (
+        isinstance(paths, list) and 0 < len(paths) <= MAX_IMAGES
+        and all(isinstance(path, str) and path and _encodable(path) for path in paths)
+    ):  # fmt: skip
+        shown = repr(raw) if len(repr(raw)) <= 80 else repr(raw)[:80] + "..."
+        raise RequestError(f"line {line}: 'image' must be a path (a non-empty string) or a list of 1 to {MAX_IMAGES} "
+                           f"of them; got {shown}")  # fmt: skip
+    for key in ("prompt", "embeddings", "id"):
         if key in fields and not (isinstance(fields[key], str) and fields[key]):
             raise RequestError(f"line {line}: {key!r} must be a non-empty string; got {fields[key]!r}")
         if key in fields and not _encodable(fields[key]):  # a lone surrogate ("\\ud800") is valid JSON
@@ -236,7 +247,7 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
                    max_sequence_length=values["max_sequence_length"], frames=values.get("frames"),
                    negative_prompt=fields.get("negative_prompt"),
                    true_cfg_scale=None if true_cfg_scale is None else float(true_cfg_scale),
-                   image=str(Path(directory, fields["image"])) if "image" in fields else None,
+                   image=None if raw is None else tuple(str(Path(directory, path)) for path in paths),
                    guidance_2=None if guidance_2 is None else float(guidance_2))  # fmt: skip
 
 

@@ -56,10 +56,27 @@ WAN_REQUESTS = [
 # 2 ranks x 50 = 100 tokens at a time: "clip" (2 x 18) and "still" start, "long" (2 x 48) waits for
 # both to leave, the last two wait for it.
 WAN_BUDGET = 50
-FAMILY_REQUESTS = {"flux": [*REQUESTS, GUIDED], "flux2": REQUESTS, "wan": WAN_REQUESTS}
+# FLUX.2 edits (Flux2Pipeline(image=...)): reference images as reference tokens after the noise's.
+# The tiny VAE is 2x, so a token is 4x4 px, and the pipeline takes references of 64 px a side or more:
+# "edit" holds 8 + 64 + 256 tokens, "edits" (two references) 8 + 48 + 288 + 256.
+FLUX2_EDITS = [
+    {"id": "edit", "prompt": "the same cat in red", "image": "ref_a.png", "height": 32, "width": 32, "steps": 3,
+     "seed": 9},
+    {"id": "edits", "prompt": "both together", "image": ["ref_b.png", "ref_a.png"], "height": 24, "width": 32,
+     "steps": 2, "seed": 10},
+]  # fmt: skip
+REFERENCE_IMAGES = {"ref_a.png": (64, 64), "ref_b.png": (72, 64)}  # (height, width) px
+FAMILY_REQUESTS = {"flux": [*REQUESTS, GUIDED], "flux2": [*REQUESTS, *FLUX2_EDITS], "wan": WAN_REQUESTS}
+
+
+def _write_images(directory) -> None:
+    """The reference images the FLUX.2 edits name (:func:`_reference_image`)."""
+    for name in REFERENCE_IMAGES:
+        _reference_image(name).save(directory / name)
 
 
 def _write_requests(path, requests) -> str:
+    _write_images(path.parent)
     path.write_text("".join(json.dumps({"max_sequence_length": TEXT_TOKENS, **r}) + "\n" for r in requests))
     return str(path)
 
@@ -186,6 +203,9 @@ def _references(family: str) -> dict:
     for r in FAMILY_REQUESTS[family]:
         options = {"guidance_scale": r["guidance"]} if "guidance" in r else {}
         options.update({key: r[key] for key in ("negative_prompt", "true_cfg_scale") if key in r})
+        if "image" in r:
+            names = [r["image"]] if isinstance(r["image"], str) else r["image"]
+            options["image"] = [_reference_image(name) for name in names]
         if "frames" in r:
             options["num_frames"] = r["frames"]
         output = pipe(prompt=r["prompt"], height=r["height"], width=r["width"], num_inference_steps=r["steps"],
@@ -193,6 +213,15 @@ def _references(family: str) -> dict:
                       output_type="np", **options)  # fmt: skip
         images[r["id"]] = output.frames[0] if family == "wan" else output.images[0]
     return images
+
+
+def _reference_image(name: str):
+    """A reference image of :data:`REFERENCE_IMAGES`, the same pixels wherever made."""
+    from PIL import Image
+
+    height, width = REFERENCE_IMAGES[name]
+    rng = np.random.default_rng(list(REFERENCE_IMAGES).index(name))
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 def _check_images(results, references, expected_ids):
@@ -211,10 +240,11 @@ def _check_images(results, references, expected_ids):
 # batcher backs off, each set solved in the step (the refusing planner is this rank's: the plan
 # worker process runs the real one); FLUX.2 (its tokens are FLUX.1's) and Wan (videos, CFG pairs)
 # as well, planning each set ahead in the worker.
+# FLUX.2's budget is twice FLUX.1's: its edits hold up to 600 tokens a step.
 CASES = {
     2: [{"family": "flux", "budget": BUDGET, "most_sequences": 3, "plan_ahead": False},
-        {"family": "flux2", "budget": BUDGET}, {"family": "wan", "budget": WAN_BUDGET}],
-    4: [{"family": "flux", "budget": BUDGET // 2}, {"family": "flux2", "budget": BUDGET // 2}],
+        {"family": "flux2", "budget": 2 * BUDGET}, {"family": "wan", "budget": WAN_BUDGET}],
+    4: [{"family": "flux", "budget": BUDGET // 2}, {"family": "flux2", "budget": BUDGET}],
 }  # fmt: skip
 
 

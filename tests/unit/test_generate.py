@@ -40,7 +40,9 @@ def test_a_request_line_with_defaults_and_a_relative_embeddings_path(tmp_path):
         ('{"prompt": "a", "height": 64, "width": 64, "seed": true}', "'seed' must be a whole number from 0 to"),
         ('{"prompt": "a", "height": 64, "width": 64, "guidance": "high"}', "'guidance' must be a finite number"),
         ('{"prompt": "a", "height": 64, "width": 64, "guidance_2": NaN}', "'guidance_2' must be a finite number"),
-        ('{"prompt": "a", "height": 64, "width": 64, "image": ""}', "'image' must be a non-empty string"),
+        ('{"prompt": "a", "height": 64, "width": 64, "image": ""}', "'image' must be a path (a non-empty string) or"),
+        ('{"prompt": "a", "height": 64, "width": 64, "image": []}', "a list of 1 to 16 of them; got []"),
+        ('{"prompt": "a", "height": 64, "width": 64, "image": ["a", 3]}', "got ['a', 3]"),
         ('{"prompt": "a", "height": 64, "width": 64, "id": "x/y"}', "no '/' in it"),
         ('{"prompt": "a", "height": 64, "width": 64, "id": "x\\u0000y"}', "no control characters"),
         ('{"prompt": "a", "height": 64, "width": 64, "id": "' + "x" * 252 + '"}', "at most 255 bytes"),
@@ -490,6 +492,7 @@ def _image_to_video_generator(two_experts: bool):
     (False, {"image": "missing.png"}, "cannot read image"),
     (False, {"image": "not_an_image.png"}, "cannot read image"),
     (False, {"image": "cat.png", "max_sequence_length": 8}, "takes its text as 512 rows"),
+    (False, {"image": ["cat.png", "cat.png"]}, "2 images: Wan's image to video starts from one"),
     (True, {"image": "cat.png", "guidance": 1.0, "guidance_2": 2.0, "max_sequence_length": 8}, "'guidance_2' does "
      "nothing at guidance 1.0"),
 ])  # fmt: skip
@@ -506,7 +509,7 @@ def test_image_to_video_requests_are_checked_at_the_intake(tmp_path, two_experts
     fields = {"prompt": "a cat", "height": 32, "width": 48, "frames": 9, "steps": 3, **fields}
     request = parse_request(0, 1, json.dumps(fields), tmp_path)
     if isinstance(expected, tuple):
-        assert request.image == str(tmp_path / "cat.png")
+        assert request.image == (str(tmp_path / "cat.png"),)
         assert generator.request_seq_lens(request) == expected
         state = generator.start(request)
         samples = state.samples()
@@ -518,6 +521,26 @@ def test_image_to_video_requests_are_checked_at_the_intake(tmp_path, two_experts
     else:
         with pytest.raises(RequestError, match=re.escape(expected)):
             generator.request_seq_lens(request)
+
+
+def test_flux2_references_are_counted_and_checked_as_the_pipeline_prepares_them(tmp_path):
+    """A FLUX.2 request's reference images add their tokens as ``Flux2Pipeline`` prepares them (each
+    side floored to 4 px for the tiny 2x VAE); an image the pipeline refuses (under 64 px a side) is
+    refused at the intake, naming it."""
+    from PIL import Image
+
+    Image.fromarray(np.zeros((66, 81, 3), dtype=np.uint8)).save(tmp_path / "ref.png")  # 64 x 80 px used
+    Image.fromarray(np.zeros((40, 90, 3), dtype=np.uint8)).save(tmp_path / "small.png")
+    generator = _tiny_generator("flux2")
+    fields = {"prompt": "a cat", "height": 32, "width": 48, "max_sequence_length": 8}
+    request = parse_request(0, 1, json.dumps({**fields, "image": ["ref.png", "ref.png"]}), tmp_path)
+    assert generator.request_seq_lens(request) == (8 + 8 * 12 + 2 * 16 * 20,)
+    state = generator.start(request)
+    assert tuple(generator.model.pack(state.samples()).seq_lens) == (8 + 8 * 12 + 2 * 16 * 20,)
+    assert state.target_rows(torch.zeros(8 * 12 + 2 * 16 * 20, 1)).shape[0] == 8 * 12  # the noise's rows
+    small = parse_request(0, 2, json.dumps({**fields, "image": "small.png"}), tmp_path)
+    with pytest.raises(RequestError, match=re.escape(f"line 2: image {tmp_path / 'small.png'}: Image too small")):
+        generator.request_seq_lens(small)
 
 
 def test_load_wan_generator_refuses_other_wan_pipelines(tmp_path):

@@ -15,7 +15,9 @@ FLUX.2 (:class:`Flux2Generator`) the same way around ``Flux2Pipeline``: ``encode
 text encoder's stacked hidden states, position ids ``(0, 0, 0, l)``), ``prepare_latents`` (the noise
 already in 2x2 patches, ids ``(0, h, w, 0)``), the shift ``mu = compute_empirical_mu(image tokens,
 steps)``, and the decode: the latents un-normalised by the VAE's batch-norm statistics, unpatchified
-and decoded. Both families are guidance-distilled: the guidance scale goes into the transformer.
+and decoded; a request's reference images (an edit: ``Flux2Pipeline(image=...)``) as the pipeline
+prepares them (``prepare_image_latents``), their tokens after the noise's in the sequence. Both
+families are guidance-distilled: the guidance scale goes into the transformer.
 
 Shapes: ``L`` image tokens (``(height / 16) * (width / 16)`` for an 8x VAE and 2x2 patches), ``C``
 packed latent channels (FLUX.1: 64, FLUX.2: 128), ``Tt`` text tokens, ``Dj`` text width (T5's;
@@ -49,12 +51,23 @@ MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses a larger max_sequence_length (
 class FluxDenoising(Denoising):
     """One FLUX request's state (:class:`~deepspeed_knap.generation.denoising.Denoising`):
     ``latents [L, C]`` packed; each branch holds ``encoder_hidden_states [Tt, Dj]``, ``img_ids
-    [L, A]``, ``txt_ids [Tt, A]`` (``A`` position axes: FLUX.1 3, FLUX.2 4), ``guidance`` and
-    FLUX.1's ``pooled_projections [Dp]``."""
+    [L + Lr, A]``, ``txt_ids [Tt, A]`` (``A`` position axes: FLUX.1 3, FLUX.2 4), ``guidance`` and
+    FLUX.1's ``pooled_projections [Dp]``. ``reference [Lr, C]``: FLUX.2's reference images' packed
+    latents, put after the noise every step (their ids after the noise's), or ``None``."""
+
+    reference: Tensor | None = None
 
     def step_inputs(self, timestep: Tensor) -> dict[str, Tensor]:
-        """The pipeline's ``timestep = t.to(latents.dtype) / 1000``."""
-        return {"hidden_states": self.latents, "timestep": timestep.to(self.latents.dtype) / 1000}
+        """The pipeline's ``timestep = t.to(latents.dtype) / 1000`` and, with references,
+        ``cat([latents, reference])``."""
+        hidden = self.latents
+        if self.reference is not None:
+            hidden = torch.cat([self.latents, self.reference.to(self.latents.dtype)])
+        return {"hidden_states": hidden, "timestep": timestep.to(self.latents.dtype) / 1000}
+
+    def target_rows(self, prediction: Tensor) -> Tensor:
+        """The noise's rows (``Flux2Pipeline`` keeps ``noise_pred[:, :L]``)."""
+        return prediction[: len(self.latents)]
 
 
 class FluxGenerator(Generator):
@@ -76,14 +89,21 @@ class FluxGenerator(Generator):
             options.update(true_cfg_scale=request.true_cfg_scale, negative_prompt=request.negative_prompt)
         return options
 
+    takes_references = False  # FLUX.2's pipeline takes reference images (a request's "image")
+
+    def _reference_grids(self, request: Request) -> list[tuple[int, int]]:
+        """``(height, width)`` in latent tokens of each reference image the request names, as the
+        pipeline prepares them; none here (:class:`Flux2Generator` takes them)."""
+        return []
+
     @property
     def patch_pixels(self) -> int:
         """Pixels per latent token along each side: the VAE's scale times the 2x2 patches."""
         return self.pipeline.vae_scale_factor * 2
 
     def request_seq_lens(self, request: Request) -> tuple[int, ...]:
-        """Text + image tokens of each sequence ``request`` runs per step (two with true CFG): what
-        the planner balances.
+        """Text + image tokens (FLUX.2's reference images' too) of each sequence ``request`` runs per
+        step (two with true CFG): what the planner balances.
 
         Raises:
             RequestError: a size the VAE and the patching cannot take (the pipeline would silently
@@ -105,7 +125,7 @@ class FluxGenerator(Generator):
                                f"patches: {self.name}'s image positions are {str(self.dtype).removeprefix('torch.')} "
                                f"(as {type(self.pipeline).__name__} makes them), exact up to {most} a side; make it at "
                                f"most {most * patch} px a side")  # fmt: skip
-        image_tokens = grid[0] * grid[1]
+        image_tokens = grid[0] * grid[1] + sum(height * width for height, width in self._reference_grids(request))
         if request.embeddings is None:
             most, encoder = self.text_positions
             if request.max_sequence_length > most:
@@ -120,7 +140,7 @@ class FluxGenerator(Generator):
         line, name = request.line, self.name
         if request.frames is not None:
             raise RequestError(f"line {line}: {name} makes images: drop 'frames'")
-        if request.image is not None:
+        if request.image is not None and not self.takes_references:
             raise RequestError(f"line {line}: {name} generates from text alone here: drop 'image'")
         if request.guidance_2 is not None:
             raise RequestError(f"line {line}: 'guidance_2' is a two-expert Wan pipeline's; {name} takes 'guidance': "
@@ -208,15 +228,22 @@ class FluxGenerator(Generator):
         timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=self._shift(len(latents), steps))
         scheduler.set_begin_index(0)
         shared = {"img_ids": img_ids.reshape(len(latents), -1)}  # FLUX.2's come batched
+        reference = self._reference_latents(request, generator)
+        if reference is not None:
+            reference, reference_ids = reference
+            shared["img_ids"] = torch.cat([shared["img_ids"], reference_ids.to(shared["img_ids"])])
         if self.model.config["guidance_embeds"]:
             # The pipeline's float32 guidance, in the latents' dtype as every rank packs it (an empty
             # rank's columns are all in the model's dtype); the model casts it to that dtype anyway.
             guidance = torch.tensor(self.guidance_scale(request), dtype=torch.float32, device=device)
             shared["guidance"] = guidance.to(latents.dtype)
         branches = [{**branch, **shared} for branch in branches]
-        return FluxDenoising(
-            request, latents, scheduler, timesteps, branches, request.true_cfg_scale if guided else None
-        )
+        return FluxDenoising(request, latents, scheduler, timesteps, branches,
+                             request.true_cfg_scale if guided else None, reference=reference)  # fmt: skip
+
+    def _reference_latents(self, request: Request, generator: torch.Generator) -> tuple[Tensor, Tensor] | None:
+        """``(reference [Lr, C], ids [Lr, A])`` of the request's reference images, or ``None``."""
+        return None
 
     def _encode(self, request: Request, negative: bool = False) -> dict[str, Tensor]:
         """The text conditioning of one branch: ``encoder_hidden_states``, ``txt_ids`` and
@@ -288,6 +315,54 @@ class Flux2Generator(FluxGenerator):
     def true_cfg(self) -> bool:
         return False  # Flux2Pipeline has no negative prompt
 
+    takes_references = True
+
+    def pipeline_options(self, request: Request) -> dict[str, Any]:
+        options = super().pipeline_options(request)
+        if request.image is not None:
+            options["image"] = [self.image_file(request, index) for index in range(len(request.image))]
+        return options
+
+    def _reference_images(self, request: Request) -> list[Any]:
+        """The request's reference images as ``Flux2Pipeline.__call__`` prepares them: checked
+        (``check_image_input``), brought down to 1024 x 1024 px of area where larger, each side
+        floored to the VAE's scale times the 2x2 patch; PIL images of those sizes.
+
+        Raises:
+            RequestError: an image the pipeline refuses (too small, too elongated), naming it.
+        """
+        processor, multiple = self.pipeline.image_processor, self.patch_pixels
+        images = []
+        for index, path in enumerate(request.image):
+            image = self.image_file(request, index)
+            try:
+                processor.check_image_input(image)
+            except ValueError as error:
+                raise RequestError(f"line {request.line}: image {path}: {error}") from None
+            if image.width * image.height > 1024 * 1024:
+                image = processor._resize_to_target_area(image, 1024 * 1024)
+            images.append((image, image.height // multiple * multiple, image.width // multiple * multiple))
+        return images
+
+    def _reference_grids(self, request: Request) -> list[tuple[int, int]]:
+        if request.image is None:
+            return []
+        multiple = self.patch_pixels
+        return [(height // multiple, width // multiple) for _, height, width in self._reference_images(request)]
+
+    def _reference_latents(self, request: Request, generator: torch.Generator) -> tuple[Tensor, Tensor] | None:
+        """``Flux2Pipeline``'s ``preprocess(image, height, width, resize_mode="crop")`` and
+        ``prepare_image_latents`` (the VAE's posterior mode, normalised by its batch-norm statistics,
+        packed; ids ``(10 + 10 i, h, w, 0)`` for reference ``i``)."""
+        if request.image is None:
+            return None
+        pipe = self.pipeline
+        pixels = [pipe.image_processor.preprocess(image, height=height, width=width, resize_mode="crop")
+                  for image, height, width in self._reference_images(request)]  # fmt: skip
+        latents, ids = pipe.prepare_image_latents(images=pixels, batch_size=1, generator=generator,
+                                                  device=self.device, dtype=pipe.vae.dtype)  # fmt: skip
+        return latents[0], ids[0]
+
     @property
     def position_extent(self) -> int | None:
         return None  # Flux2Pipeline's position ids are whole numbers (int64): the token ceiling bounds the size
@@ -319,7 +394,8 @@ class Flux2Generator(FluxGenerator):
         """``[height, width, 3]`` float image in ``[0, 1]``: ``Flux2Pipeline``'s unpacking by the
         position ids, the VAE batch-norm statistics undone, unpatchify, VAE decode, post-processing."""
         pipe = self.pipeline
-        latents = pipe._unpack_latents_with_ids(state.latents[None], state.branches[0]["img_ids"][None])
+        ids = state.branches[0]["img_ids"][: len(state.latents)]  # the noise's, not the references'
+        latents = pipe._unpack_latents_with_ids(state.latents[None], ids[None])
         bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
         mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(latents.device, latents.dtype)

@@ -211,6 +211,9 @@ class WanGenerator(Generator):
         if request.image is not None and not self.takes_image:
             raise RequestError(f"line {line}: this {name} makes videos from text alone: drop 'image' (image to video "
                                "needs a WanImageToVideoPipeline checkpoint or Wan 2.2 TI2V-5B)")  # fmt: skip
+        if request.image is not None and len(request.image) > 1:
+            raise RequestError(f"line {line}: {len(request.image)} images: Wan's image to video starts from one (the "
+                               "first frame); give one path")  # fmt: skip
         if request.image is not None:
             self.image_file(request)
 
