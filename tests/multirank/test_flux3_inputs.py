@@ -103,7 +103,7 @@ def test_flux3_steps_are_planned_by_segment_and_bad_samples_raise_on_every_rank(
         assert errors["reference without ids"] == (
             "invalid input, so no rank runs this step: balance-group rank(s) [1]: sample 1 has "
             "image_cond_hidden_states without image_cond_ids: reference latents and their position ids come "
-            "together (diffusers' ids put reference image i at t = 10 + 10 i)"
+            "together (diffusers' ids put reference image i at (0, h / 2, w / 2, -1 - i))"
         )
         message = errors["empty text and narrow ids"]
         assert "balance-group rank(s) [0]: sample 0 has a text of zero tokens" in message

@@ -42,10 +42,10 @@ def reference_model(case: str, dtype: torch.dtype, seed: int = 0):
 
 
 def random_samples(case: str, shapes, seed: int, dtype: torch.dtype, requires_grad: bool = False) -> list[dict]:
-    """Samples with diffusers' pipeline positions: image at ``(0, h, w, 0)``, reference ``i`` at
-    ``(10 + 10 i, h, w, 0)``, text at ``(0, 0, 0, l)``."""
+    """Samples with diffusers' modular pipeline's positions (half positions on the grid): image at
+    ``(0, h / 2, w / 2, 0)``, reference ``i`` at ``(0, h / 2, w / 2, -1 - i)``, text at ``(0, 0, 0, l)``."""
     from deepspeed_knap.models.flux.base import text_ids
-    from deepspeed_knap.models.flux.flux2 import image_ids
+    from deepspeed_knap.models.flux3.data import flux3_image_ids
 
     config = CONFIGS[case]
     g = torch.Generator().manual_seed(seed)
@@ -55,14 +55,14 @@ def random_samples(case: str, shapes, seed: int, dtype: torch.dtype, requires_gr
             "hidden_states": torch.randn(height * width, config["in_channels"], generator=g, dtype=dtype),
             "encoder_hidden_states": torch.randn(text, config["joint_attention_dim"], generator=g, dtype=dtype),
             "timestep": torch.rand((), generator=g, dtype=dtype),
-            "img_ids": image_ids(height, width),
+            "img_ids": flux3_image_ids(height, width),
             "txt_ids": text_ids(text),
         }
         if refs:
             tokens = sum(h * w for h, w in refs)
             sample["image_cond_hidden_states"] = torch.randn(tokens, config["cond_in_channels"], generator=g,
                                                              dtype=dtype)  # fmt: skip
-            sample["image_cond_ids"] = torch.cat([image_ids(h, w, 10 + 10 * i) for i, (h, w) in enumerate(refs)])
+            sample["image_cond_ids"] = torch.cat([flux3_image_ids(h, w, i) for i, (h, w) in enumerate(refs)])
         if config.get("flow_map"):
             sample["target_timestep"] = sample["timestep"] * torch.rand((), generator=g, dtype=dtype)
         if requires_grad:

@@ -32,9 +32,9 @@ def test_synthetic_samples_have_the_segments_and_the_pipeline_ids():
     assert [tuple(len(s.get(key, ())) for key in ("encoder_hidden_states", "latents", "image_cond_hidden_states"))
             for s in samples] == [shape.segments for shape in SHAPES]  # fmt: skip
     refs = samples[2]["image_cond_ids"]
-    assert sorted(set(refs[:, 0].tolist())) == [10.0, 20.0, 30.0]  # three references at t = 10, 20, 30
-    assert [int((refs[:, 0] == t).sum()) for t in (10, 20, 30)] == [4, 4, 3]
-    assert (samples[0]["img_ids"][:, 0] == 0).all() and (samples[0]["txt_ids"][:, 3] == torch.arange(5)).all()
+    assert sorted(set(refs[:, 3].tolist())) == [-3.0, -2.0, -1.0]  # three references at l = -1, -2, -3
+    assert [int((refs[:, 3] == layer).sum()) for layer in (-1, -2, -3)] == [4, 4, 3]
+    assert (samples[0]["img_ids"][:, 3] == 0).all() and (samples[0]["txt_ids"][:, 3] == torch.arange(5)).all()
     inputs = PackedFlux3Transformer(**TINY_FLUX3).pack(rectified_flow(samples, torch.Generator())[0])
     assert inputs.segments.tolist() == [list(shape.segments) for shape in SHAPES]
     # A mix scaled far down keeps one text and one image token per sample.
@@ -105,3 +105,16 @@ def test_an_unreadable_file_and_a_bad_sample_to_save_are_refused(tmp_path):
     del sample["image_cond_ids"]
     with pytest.raises(ValueError, match="optionally both of"):
         save_flux3_sample(tmp_path / "x.safetensors", sample)
+
+
+def test_flux3_ids_are_the_modular_pipelines():
+    """The target's and each reference's ids are what diffusers' modular FLUX.3 pipeline makes
+    (half positions; reference ``i`` on the fourth axis at ``-1 - i``)."""
+    pytest.importorskip("diffusers")
+    from diffusers.modular_pipelines.flux3.before_denoise import _prepare_image_ids
+
+    from deepspeed_knap.models.flux3.data import flux3_image_ids
+
+    assert torch.equal(flux3_image_ids(3, 5), _prepare_image_ids(3, 5, image_rope_scale=0.5))
+    for i in range(3):
+        assert torch.equal(flux3_image_ids(4, 2, i), _prepare_image_ids(4, 2, image_rope_scale=0.5, l_coord=-(1 + i)))

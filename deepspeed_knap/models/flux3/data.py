@@ -10,13 +10,13 @@ key                           shape            what
 ============================  ===============  ===============================================
 ``latents``                   ``[L, C]``       packed VAE latents of the target image (FLUX.3:
                                                2x2 patches, ``C = in_channels`` = 128)
-``img_ids``                   ``[L, 4]``       positions ``(0, h, w, 0)``
+``img_ids``                   ``[L, 4]``       positions ``(0, h / 2, w / 2, 0)`` (:func:`flux3_image_ids`)
 ``encoder_hidden_states``     ``[Lt, Dj]``     text-encoder rows (FLUX.3: Qwen3-VL, Dj = 20480),
                                                ``Lt >= 1``
 ``txt_ids``                   ``[Lt, 4]``      positions ``(0, 0, 0, l)``
 ``image_cond_hidden_states``  ``[Lr, Cr]``     optional: packed latents of the reference images,
                                                concatenated (``Cr = cond_in_channels``)
-``image_cond_ids``            ``[Lr, 4]``      with them: reference ``i`` at ``(10 + 10 i, h, w, 0)``
+``image_cond_ids``            ``[Lr, 4]``      with them: reference ``i`` at ``(0, h / 2, w / 2, -1 - i)``
 ============================  ===============  ===============================================
 
 On disk one sample is one ``.safetensors`` file holding exactly these keys, floating point (the
@@ -40,7 +40,6 @@ from torch import Tensor
 from deepspeed_knap.data.mixes import SampleShape
 from deepspeed_knap.models.flux.base import text_ids
 from deepspeed_knap.models.flux.data import latent_sample_shapes
-from deepspeed_knap.models.flux.flux2 import image_ids
 from deepspeed_knap.models.latents import (
     LatentDirectory,
     SyntheticMixLatents,
@@ -67,6 +66,18 @@ FLUX3_LATENT_KEYS = ("latents", "img_ids", "encoder_hidden_states", "txt_ids")
 FLUX3_REFERENCE_KEYS = ("image_cond_hidden_states", "image_cond_ids")  # optional, together
 WRITER = "save_flux3_sample and write_latent_manifest of deepspeed_knap.models.flux3.data"
 
+
+
+def flux3_image_ids(height: int, width: int, reference: int | None = None) -> Tensor:
+    """``[height * width, 4]`` float32 positions of a latent grid, row by row, as diffusers' modular
+    FLUX.3 pipeline makes them (``before_denoise._prepare_image_ids`` with ``image_rope_scale=0.5``):
+    ``(0, h / 2, w / 2, 0)`` for the generated image, ``(0, h / 2, w / 2, -1 - i)`` for reference
+    image ``i`` (from 0). Half positions: FLUX.3's RoPE takes fractional ids (FLUX.2's are whole)."""
+    h, w = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    layer = 0 if reference is None else -1 - reference
+    ids = torch.stack([torch.zeros_like(h), h, w, torch.full_like(h, layer)], dim=-1).reshape(-1, 4).float()
+    ids[:, 1:3] *= 0.5
+    return ids
 
 def flux3_sample_shapes(config: Mapping, image: int, text: int, reference: int = 0) -> dict[str, tuple[int, ...]]:
     """The shape of each tensor of one FLUX.3 latent sample with these token counts, for a model
@@ -169,7 +180,7 @@ def synthetic_flux3_samples(
         text = max(text, 1)
         sample = {
             "latents": randn(image, config["in_channels"]),
-            "img_ids": image_ids(*_grid(image)),
+            "img_ids": flux3_image_ids(*_grid(image)),
             "encoder_hidden_states": randn(text, config["joint_attention_dim"]),
             "txt_ids": text_ids(text),
         }
@@ -177,7 +188,7 @@ def synthetic_flux3_samples(
             count = min(max(shape.frames - 1, 1), reference)
             sizes = [reference // count + (i < reference % count) for i in range(count)]
             sample["image_cond_hidden_states"] = randn(reference, config["cond_in_channels"])
-            sample["image_cond_ids"] = torch.cat([image_ids(*_grid(n), 10 + 10 * i) for i, n in enumerate(sizes)])
+            sample["image_cond_ids"] = torch.cat([flux3_image_ids(*_grid(n), i) for i, n in enumerate(sizes)])
         samples.append(sample)
     return samples
 

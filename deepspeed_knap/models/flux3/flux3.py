@@ -292,7 +292,7 @@ class PackedFlux3Transformer(PackedFluxBase):
             given, absent = ("image_cond_hidden_states", "image_cond_ids")[:: 1 if has_refs else -1]
             raise ValueError(
                 f"sample {index} has {given} without {absent}: reference latents and their position ids come "
-                "together (diffusers' ids put reference image i at t = 10 + 10 i)"
+                "together (diffusers' ids put reference image i at (0, h / 2, w / 2, -1 - i))"
             )
         has_target = sample.get("target_timestep") is not None
         if has_target != bool(self.config["flow_map"]):
