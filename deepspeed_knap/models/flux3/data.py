@@ -67,7 +67,6 @@ FLUX3_REFERENCE_KEYS = ("image_cond_hidden_states", "image_cond_ids")  # optiona
 WRITER = "save_flux3_sample and write_latent_manifest of deepspeed_knap.models.flux3.data"
 
 
-
 def flux3_image_ids(height: int, width: int, reference: int | None = None) -> Tensor:
     """``[height * width, 4]`` float32 positions of a latent grid, row by row, as diffusers' modular
     FLUX.3 pipeline makes them (``before_denoise._prepare_image_ids`` with ``image_rope_scale=0.5``):
@@ -78,6 +77,7 @@ def flux3_image_ids(height: int, width: int, reference: int | None = None) -> Te
     ids = torch.stack([torch.zeros_like(h), h, w, torch.full_like(h, layer)], dim=-1).reshape(-1, 4).float()
     ids[:, 1:3] *= 0.5
     return ids
+
 
 def flux3_sample_shapes(config: Mapping, image: int, text: int, reference: int = 0) -> dict[str, tuple[int, ...]]:
     """The shape of each tensor of one FLUX.3 latent sample with these token counts, for a model
