@@ -121,12 +121,16 @@ class QwenImageStep(FluxStep):
         return cls(routed, attention, temb, **streams, cos=freqs.real, sin=freqs.imag, img_temb=img_temb,
                    img_mod_index=img_mod_index, target_rows=(~is_reference).nonzero().squeeze(1))  # fmt: skip
 
+    @functools.cached_property
+    def freqs(self) -> Tensor:
+        """``[T, 1, Dh / 2]`` complex64 rotations, made once per step (every block's q and k take them)."""
+        return torch.complex(self.cos, self.sin).unsqueeze(1)
+
     def rotate(self, x: Tensor) -> Tensor:
         """diffusers' ``apply_rotary_emb_qwen(use_real=False)``: the channel pairs of ``x [T, H, Dh]``
         as complex64 numbers times the tokens' rotations, back to ``x``'s dtype."""
         pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # unflatten works on 0 tokens
-        freqs = torch.complex(self.cos, self.sin)
-        return torch.view_as_real(pairs * freqs.unsqueeze(1)).flatten(2).type_as(x)
+        return torch.view_as_real(pairs * self.freqs).flatten(2).type_as(x)
 
 
 class QwenImageBlock(nn.Module):
