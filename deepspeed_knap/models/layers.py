@@ -62,12 +62,16 @@ def layer_norm(x: Tensor, eps: float = NORM_EPS) -> Tensor:
     return F.layer_norm(x, (x.shape[-1],), eps=eps)
 
 
-def timestep_features(timestep: Tensor, channels: int = 256) -> Tensor:
-    """``[N]`` timesteps (already scaled by 1000) -> ``[N, channels]`` fp32 sinusoidal features,
-    cosines first (diffusers' ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)``)."""
+def timestep_features(timestep: Tensor, channels: int = 256, scale: float = 1.0) -> Tensor:
+    """``[N]`` timesteps -> ``[N, channels]`` fp32 sinusoidal features, cosines first (diffusers'
+    ``Timesteps(channels, flip_sin_to_cos=True, downscale_freq_shift=0, scale=scale)``). FLUX and Wan
+    pass timesteps already scaled by 1000 (``scale=1``); Qwen-Image passes them in ``[0, 1]`` and
+    ``scale=1000``, which multiplies the fp32 angles, a rounding of its own."""
     half = channels // 2
     exponent = -math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=timestep.device) / half
     angles = timestep[:, None].float() * torch.exp(exponent)[None, :]
+    if scale != 1:
+        angles = scale * angles
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 

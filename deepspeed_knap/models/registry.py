@@ -24,10 +24,11 @@ from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.data.mixes import SHARED_MIXES, Mix, SampleShape, draw_shapes
 from deepspeed_knap.models.flux.spec import FLUX1, FLUX2
 from deepspeed_knap.models.flux3.spec import FLUX3
+from deepspeed_knap.models.qwenimage.spec import QWEN_IMAGE
 from deepspeed_knap.models.spec import ModelSpec
 from deepspeed_knap.models.wan.spec import WAN
 
-SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (FLUX1, FLUX2, FLUX3, WAN)}
+SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (FLUX1, FLUX2, FLUX3, WAN, QWEN_IMAGE)}
 
 CONFIG_NAME = "config.json"  # a diffusers model's config, beside its weights
 

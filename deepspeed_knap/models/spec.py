@@ -56,7 +56,8 @@ class ModelSpec:
         default_mix: the mix synthetic training draws unless told otherwise.
         lora_targets: the linear layers LoRA adapts by default, by diffusers' module names.
         training: ``"module:Class"`` of the family's training hooks
-            (:class:`~deepspeed_knap.models.hooks.TrainingHooks`).
+            (:class:`~deepspeed_knap.models.hooks.TrainingHooks`), or ``None``: the trainer does not
+            run the family (its packed model runs, trains under a loop of your own, and is balanced).
         generator: ``"module:Class"`` of the family's generator
             (:class:`~deepspeed_knap.generation.generator.Generator`), or ``None``: ``generate``
             does not run the family.
@@ -80,7 +81,7 @@ class ModelSpec:
     cost_dims: Callable[[Mapping[str, Any]], dict[str, float]]
     default_mix: str
     lora_targets: tuple[str, ...]
-    training: str
+    training: str | None = None
     generator: str | None = None
     block_timer: str | None = None
     mixes: Mapping[str, Mix] = field(default_factory=dict)
@@ -109,7 +110,11 @@ class ModelSpec:
         return self.model_class(**self.tiny_config, **options)
 
     def hooks(self) -> Any:
-        """The family's training hooks (:class:`~deepspeed_knap.models.hooks.TrainingHooks`)."""
+        """The family's training hooks (:class:`~deepspeed_knap.models.hooks.TrainingHooks`).
+
+        Raises:
+            ValueError: the family has none (``training=None``).
+        """
         return self.load("training")(self)
 
     def preset_cost_model(self, preset: str, **rates: Any) -> CostModel:

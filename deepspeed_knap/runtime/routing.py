@@ -552,7 +552,10 @@ def _exchange_columns(
 
 def _row_bytes(column: Tensor) -> Tensor:
     """``[R, ...]`` -> ``[R, bytes per row]`` uint8, reinterpreting the bits."""
-    flat = column.contiguous().reshape(column.shape[0], math.prod(column.shape[1:]))
+    # contiguous() keeps an empty tensor's strides (torch.as_tensor of an empty NumPy array has
+    # stride 0), which view() to a narrower dtype rejects.
+    column = column.clone(memory_format=torch.contiguous_format) if column.numel() == 0 else column.contiguous()
+    flat = column.reshape(column.shape[0], math.prod(column.shape[1:]))
     return flat.view(torch.uint8)
 
 

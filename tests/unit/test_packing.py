@@ -47,3 +47,15 @@ def test_pack_errors_name_the_sample_and_key():
         pack_samples([])
     with pytest.raises(ValueError, match="cannot be split"):
         unpack_tokens(torch.zeros(4, 1), [2, 3])
+
+
+def test_columns_turn_into_bytes_and_back_even_empty():
+    """Routed columns travel as raw bytes, an empty one from NumPy too (``torch.as_tensor`` gives it
+    stride 0, which a view to bytes rejects: a rank with no samples failed its route)."""
+    import numpy as np
+
+    from deepspeed_knap.runtime.routing import _from_row_bytes, _row_bytes
+
+    for column in (torch.arange(12).view(4, 3), torch.as_tensor(np.zeros((0, 3), dtype=np.int64))):
+        raw = _row_bytes(column)
+        assert raw.shape == (len(column), 24) and torch.equal(_from_row_bytes(raw, column), column)

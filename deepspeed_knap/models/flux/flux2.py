@@ -72,7 +72,8 @@ class Flux2DoubleBlock(nn.Module):
         self.eps = eps
 
     def forward(self, txt: Tensor, img: Tensor, txt_mod: Tensor, img_mod: Tensor, step: FluxStep):
-        return double_stream(self, txt, img, txt_mod.chunk(6, dim=1), img_mod.chunk(6, dim=1), step, self.eps)
+        return double_stream(self.attn, self.ff, self.ff_context, txt, img, txt_mod.chunk(6, dim=1),
+                             img_mod.chunk(6, dim=1), step, self.eps)  # fmt: skip
 
 
 class Flux2ParallelAttentionWeights(nn.Module):

@@ -13,7 +13,7 @@ Shapes: ``T`` tokens on this GPU (``Tt`` text, ``Ti`` image/video), ``n`` sequen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,23 +94,33 @@ class FluxStep:
         """From the routed batch's ``ids`` and ``is_text`` columns; ``temb`` defaults to its
         ``sample_data["temb"]``; ``theta`` is the RoPE base (FLUX.1 10000, FLUX.2 2000)."""
         batch = routed.batch
-        is_text = batch.token_data["is_text"]
+        cos, sin = rotary_cos_sin(batch.token_data["ids"], axes_dims, theta)
+        temb = batch.sample_data["temb"] if temb is None else temb
+        return cls(routed, attention, temb, **cls.streams(routed), cos=cos, sin=sin)
+
+    @staticmethod
+    def streams(routed: RoutedBatch) -> dict[str, Tensor]:
+        """``txt_rows``, ``img_rows``, ``txt_seq``, ``img_seq`` and ``joint_order`` of the routed
+        batch's ``is_text`` column."""
+        is_text = routed.batch.token_data["is_text"]
         txt_rows = is_text.nonzero().squeeze(1)
         img_rows = (~is_text).nonzero().squeeze(1)
+        seq = routed.batch.seq_index
         joint_order = torch.argsort(torch.cat([txt_rows, img_rows]))  # inverse of the stream order
-        cos, sin = rotary_cos_sin(batch.token_data["ids"], axes_dims, theta)
-        seq = batch.seq_index
-        temb = batch.sample_data["temb"] if temb is None else temb
-        return cls(routed, attention, temb, txt_rows, img_rows,
-                   seq.index_select(0, txt_rows), seq.index_select(0, img_rows), joint_order, cos, sin)  # fmt: skip
+        return {"txt_rows": txt_rows, "img_rows": img_rows, "txt_seq": seq.index_select(0, txt_rows),
+                "img_seq": seq.index_select(0, img_rows), "joint_order": joint_order}  # fmt: skip
 
     def joint(self, txt: Tensor, img: Tensor) -> Tensor:
         """Text rows ``[Tt, ...]`` and image rows ``[Ti, ...]`` -> ``[T, ...]`` in joint order."""
         return torch.cat([txt, img]).index_select(0, self.joint_order)
 
+    def rotate(self, x: Tensor) -> Tensor:
+        """RoPE of ``x [T, H, Dh]`` (joint order) by this step's tables."""
+        return apply_rotary(x, self.cos, self.sin)
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """RoPE, then attention over whole sequences: ``[T, H, Dh]`` each -> ``[T, H * Dh]``."""
-        q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        q, k = self.rotate(q), self.rotate(k)
         return self.attention(q, k, v, self.routed).flatten(1).to(q.dtype)
 
 
@@ -131,21 +141,30 @@ class FluxAttentionWeights(nn.Module):
     """The projections and q/k norms of diffusers' ``FluxAttention`` (FLUX.2's ``Flux2Attention``
     has the same names, without biases: ``bias=False``); the attention itself is the step's shared
     :class:`KnapDistributedAttention`. ``joint=True`` adds the text stream's own projections
-    (``add_*_proj``, ``norm_added_*``, ``to_add_out``) and the image output ``to_out``."""
+    (``add_*_proj``, ``norm_added_*``, ``to_add_out``) and the image output ``to_out``. ``norm`` is
+    the q/k norms' class, ``norm(head_dim, eps=eps)``: FLUX's ``nn.RMSNorm``, or Qwen-Image's
+    diffusers ``RMSNorm`` (the same weights and names, another rounding)."""
 
     def __init__(
-        self, dim: int, num_heads: int, head_dim: int, joint: bool, bias: bool = True, eps: float = NORM_EPS
+        self,
+        dim: int,
+        num_heads: int,
+        head_dim: int,
+        joint: bool,
+        bias: bool = True,
+        eps: float = NORM_EPS,
+        norm: Callable[..., nn.Module] = nn.RMSNorm,
     ) -> None:
         super().__init__()
         self.heads, self.head_dim = num_heads, head_dim
         inner = num_heads * head_dim
-        self.norm_q = nn.RMSNorm(head_dim, eps=eps)
-        self.norm_k = nn.RMSNorm(head_dim, eps=eps)
+        self.norm_q = norm(head_dim, eps=eps)
+        self.norm_k = norm(head_dim, eps=eps)
         self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner, bias=bias) for _ in range(3))
         if joint:
             self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=bias), nn.Dropout(0.0)])
-            self.norm_added_q = nn.RMSNorm(head_dim, eps=eps)
-            self.norm_added_k = nn.RMSNorm(head_dim, eps=eps)
+            self.norm_added_q = norm(head_dim, eps=eps)
+            self.norm_added_k = norm(head_dim, eps=eps)
             self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, inner, bias=bias) for _ in range(3))
             self.to_add_out = nn.Linear(inner, dim, bias=bias)
 
@@ -174,48 +193,57 @@ class FluxDoubleBlock(nn.Module):
         self.ff_context = FeedForward(dim, 4 * dim)
 
     def forward(self, txt: Tensor, img: Tensor, step: FluxStep) -> tuple[Tensor, Tensor]:
-        return double_stream(self, txt, img, self.norm1_context(step.temb), self.norm1(step.temb), step)
+        txt_mods, img_mods = self.norm1_context(step.temb), self.norm1(step.temb)
+        return double_stream(self.attn, self.ff, self.ff_context, txt, img, txt_mods, img_mods, step)
 
 
 def double_stream(
-    block: nn.Module,
+    attn: FluxAttentionWeights,
+    ff: nn.Module,
+    ff_context: nn.Module,
     txt: Tensor,
     img: Tensor,
     txt_mods: Sequence[Tensor],
     img_mods: Sequence[Tensor],
     step: FluxStep,
     eps: float = NORM_EPS,
+    img_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """A double-stream block of either FLUX family (their arithmetic is the same; FLUX.2 computes the
-    modulation once per step instead of per block, and its MLPs differ inside ``ff``).
+    """A double-stream (MMDiT) block: FLUX.1's, FLUX.2's and Qwen-Image's arithmetic is the same
+    (FLUX.2 computes the modulation once per step instead of per block, the MLPs differ, and
+    Qwen-Image's Edit-2511 modulates reference image tokens by their own rows).
 
     Args:
-        block: has ``attn`` (:class:`FluxAttentionWeights`, joint), ``ff`` and ``ff_context``.
+        attn: the block's joint :class:`FluxAttentionWeights`.
+        ff, ff_context: the image and the text stream's MLPs.
         txt, img: ``[Tt, D]``, ``[Ti, D]`` the two streams.
-        txt_mods, img_mods: six ``[n, D]`` rows each: shift, scale, gate of attention, then of the MLP.
+        txt_mods, img_mods: six rows each: shift, scale, gate of attention, then of the MLP; the
+            text's ``[n, D]`` (per held sequence), the image's ``[m, D]`` rows that ``img_index`` picks.
         step: this step's routed tokens.
         eps: of the weightless LayerNorms.
+        img_index: ``[Ti]`` the row of ``img_mods`` of each image token; default ``step.img_seq``
+            (per held sequence).
 
     Returns:
         ``(txt, img)`` after the block.
     """
     shift, scale, gate_attn, shift_mlp, scale_mlp, gate_mlp = img_mods
     c_shift, c_scale, c_gate_attn, c_shift_mlp, c_scale_mlp, c_gate_mlp = txt_mods
-    attn = block.attn
+    img_index = step.img_seq if img_index is None else img_index
 
-    img_q, img_k, img_v = attn.qkv(modulate(layer_norm(img, eps), step.img_seq, shift, scale))
+    img_q, img_k, img_v = attn.qkv(modulate(layer_norm(img, eps), img_index, shift, scale))
     txt_q, txt_k, txt_v = attn.added_qkv(modulate(layer_norm(txt, eps), step.txt_seq, c_shift, c_scale))
     attended = step.attend(step.joint(txt_q, img_q), step.joint(txt_k, img_k), step.joint(txt_v, img_v))
     img_attn = attn.to_out[1](attn.to_out[0](attended.index_select(0, step.img_rows)))
     txt_attn = attn.to_add_out(attended.index_select(0, step.txt_rows))
 
-    img = img + gate(img_attn, step.img_seq, gate_attn)
-    mlp_in = modulate(layer_norm(img, eps), step.img_seq, shift_mlp, scale_mlp)
-    img = img + gate(block.ff(mlp_in), step.img_seq, gate_mlp)
+    img = img + gate(img_attn, img_index, gate_attn)
+    mlp_in = modulate(layer_norm(img, eps), img_index, shift_mlp, scale_mlp)
+    img = img + gate(ff(mlp_in), img_index, gate_mlp)
 
     txt = txt + gate(txt_attn, step.txt_seq, c_gate_attn)
     mlp_in = modulate(layer_norm(txt, eps), step.txt_seq, c_shift_mlp, c_scale_mlp)
-    txt = txt + gate(block.ff_context(mlp_in), step.txt_seq, c_gate_mlp)
+    txt = txt + gate(ff_context(mlp_in), step.txt_seq, c_gate_mlp)
     if txt.dtype == torch.float16:
         txt = txt.clip(-65504, 65504)
     return txt, img
