@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
@@ -51,6 +52,7 @@ __all__ = [
     "check_latent_directory",
     "flow_noise",
     "latent_directory_error",
+    "near_square_grid",
     "non_float_tensors",
     "sample_file_header",
     "write_latent_manifest",
@@ -98,6 +100,13 @@ def flow_noise(x0: Tensor, generator: torch.Generator,
     sigma = sigma.to(x0.dtype)
     noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.dtype)
     return sigma, (1 - sigma) * x0 + sigma * noise, noise - x0
+
+
+def near_square_grid(tokens: int) -> tuple[int, int]:
+    """``(height, width)`` of a near-square grid of exactly ``tokens`` cells (the widest divisor of
+    ``tokens`` up to its square root gives the height): a synthetic image of that many tokens."""
+    height = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
+    return height, tokens // height
 
 
 class SyntheticMixLatents:

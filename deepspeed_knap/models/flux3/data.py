@@ -30,7 +30,6 @@ captions here: the tensors come from your own encoding with FLUX.3's VAE and tex
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from deepspeed_knap.models.latents import (
     LatentDirectory,
     SyntheticMixLatents,
     flow_noise,
+    near_square_grid,
     non_float_tensors,
     sample_file_header,
     write_latent_manifest,
@@ -155,13 +155,6 @@ def latent_directory(path: str | Path, samples_per_rank: int = 1, repeat: bool =
     return LatentDirectory(path, samples_per_rank, repeat, check_file=check_flux3_latent_file, writer=WRITER)
 
 
-def _grid(tokens: int) -> tuple[int, int]:
-    """``(height, width)`` of a near-square grid of exactly ``tokens`` cells (the widest divisor of
-    ``tokens`` up to its square root gives the height)."""
-    height = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
-    return height, tokens // height
-
-
 def synthetic_flux3_samples(
     shapes: Sequence[SampleShape], config: Mapping, seed: int, token_scale: float = 1.0, dtype=torch.float32
 ) -> list[dict[str, Tensor]]:
@@ -180,7 +173,7 @@ def synthetic_flux3_samples(
         text = max(text, 1)
         sample = {
             "latents": randn(image, config["in_channels"]),
-            "img_ids": flux3_image_ids(*_grid(image)),
+            "img_ids": flux3_image_ids(*near_square_grid(image)),
             "encoder_hidden_states": randn(text, config["joint_attention_dim"]),
             "txt_ids": text_ids(text),
         }
@@ -188,7 +181,8 @@ def synthetic_flux3_samples(
             count = min(max(shape.frames - 1, 1), reference)
             sizes = [reference // count + (i < reference % count) for i in range(count)]
             sample["image_cond_hidden_states"] = randn(reference, config["cond_in_channels"])
-            sample["image_cond_ids"] = torch.cat([flux3_image_ids(*_grid(n), i) for i, n in enumerate(sizes)])
+            grids = [near_square_grid(n) for n in sizes]
+            sample["image_cond_ids"] = torch.cat([flux3_image_ids(*grid, i) for i, grid in enumerate(grids)])
         samples.append(sample)
     return samples
 

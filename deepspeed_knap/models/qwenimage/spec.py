@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
+from deepspeed_knap.data.mixes import SampleShape, bucket_tokens
 from deepspeed_knap.models.flux.spec import JOINT_ATTENTION_PROJECTIONS, flux_cost_model
 from deepspeed_knap.models.spec import ModelSpec
 
@@ -29,8 +32,51 @@ def qwen_image_cost_dims(config: Mapping[str, Any]) -> dict[str, float]:
             "single_blocks": 0, "mlp_ratio": 4.0, "num_heads": heads}  # fmt: skip
 
 
+# Qwen-Image editing as diffusers 0.42.1's QwenImageEditPlusPipeline (Edit-2509, Edit-2511) prepares
+# it (pipeline_qwenimage_edit_plus.py): each reference is VAE-encoded at about 1 megapixel (sides
+# rounded to 32 px: ~4,096 tokens of 16 x 16 px), the output defaults to the last reference's ~1
+# megapixel, and the text holds, besides the prompt, each reference seen by the vision-language
+# encoder at ~384 x 384 px (Qwen2.5-VL's 28-px merged patches: ~196 tokens, plus "Picture i:" and
+# its vision markers) and the template's tail after the dropped prefix. Assumptions, not from the
+# pipeline: half the samples text-to-image (a flux_buckets bucket, prompts of 20 to 400 tokens),
+# edits with 1, 2 or 3 references at 0.5 / 0.3 / 0.2, prompts of 20 to 200 tokens; 16,384 image
+# tokens per rank, as flux3_edit.
+QWEN_EDIT_SHARE = 0.5
+_QWEN_REFERENCE_COUNTS = ((1, 0.5), (2, 0.3), (3, 0.2))
+_QWEN_MEGAPIXEL_TOKENS = 1024 * 1024 // 256
+_QWEN_VISION_TOKENS = (392 // 28) ** 2 + 8  # a ~384 px condition image, its markers and "Picture i: "
+_QWEN_TEMPLATE_TAIL = 5  # "<|im_end|>\n<|im_start|>assistant\n" after the prompt
+
+
+def _qwen_sample(rng: np.random.Generator) -> SampleShape:
+    if rng.random() >= QWEN_EDIT_SHARE:
+        return SampleShape(int(rng.integers(20, 401)) + _QWEN_TEMPLATE_TAIL, bucket_tokens(rng), 1)
+    counts, odds = zip(*_QWEN_REFERENCE_COUNTS, strict=True)
+    references = int(rng.choice(counts, p=odds))
+    reference = sum(min(_QWEN_MEGAPIXEL_TOKENS, bucket_tokens(rng)) for _ in range(references))
+    text = int(rng.integers(20, 201)) + references * _QWEN_VISION_TOKENS + _QWEN_TEMPLATE_TAIL
+    return SampleShape(text, _QWEN_MEGAPIXEL_TOKENS + reference, 1 + references, reference=reference)
+
+
+def qwen_edit(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape]]:
+    """Qwen-Image text-to-image plus editing with 1 to 3 reference images, as the Edit-Plus pipeline
+    prepares them: a sample is text (the prompt, and for an edit each reference's vision tokens), a
+    target image and its references, one joint attention sequence. Half the samples are
+    text-to-image (a ``flux_buckets`` bucket); an edit's target is about 1 megapixel (4,096 tokens)
+    and each reference up to that. Each rank holds samples until its image tokens reach 16,384.
+    Sources and assumptions at :data:`QWEN_EDIT_SHARE`."""
+    shapes = []
+    for _ in range(num_gpus):
+        samples, visual_total = [], 0
+        while not samples or visual_total < 16384:
+            samples.append(_qwen_sample(rng))
+            visual_total += samples[-1].visual
+        shapes.append(samples)
+    return shapes
+
+
 QWEN_IMAGE = ModelSpec(
-    name="qwenimage",
+    name="qwen-image",
     title="Qwen-Image",
     diffusers_class="QwenImageTransformer2DModel",
     lora_loader="QwenImagePipeline",
@@ -46,9 +92,9 @@ QWEN_IMAGE = ModelSpec(
     },
     cost_model=flux_cost_model,
     cost_dims=qwen_image_cost_dims,
-    # Text-to-image fine-tuning draws as FLUX.1's: 16x16 pixels per token (8x VAE, 2x2 patches) and
-    # prompts of up to 512 tokens (the pipeline's max_sequence_length).
-    default_mix="flux_buckets",
+    default_mix="qwen_edit",
+    mixes={"qwen_edit": qwen_edit},
+    training="deepspeed_knap.models.qwenimage.finetune:QwenImageTraining",
     # FLUX.1's choice in Qwen-Image's double-stream blocks: every attention projection of both
     # streams and both streams' feed-forwards.
     lora_targets=(

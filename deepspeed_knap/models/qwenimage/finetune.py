@@ -1,0 +1,114 @@
+"""Qwen-Image fine-tuning: the family's training hooks (:class:`QwenImageTraining`), validation images
+through diffusers' own ``QwenImagePipeline`` over the trained weights, and tiny random pipeline parts
+for runs without downloaded weights. LoRA is every family's (:mod:`deepspeed_knap.models.lora`); the
+adapter is written in the format ``QwenImagePipeline.load_lora_weights`` reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from deepspeed_knap.models.hooks import Objective, TrainingHooks, ValidationHooks, ValidationSettings
+from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents
+from deepspeed_knap.models.qwenimage.data import SyntheticQwenImageLatents, flow_matching, latent_directory
+
+# Qwen-Image's scheduler_config.json (the released checkpoints): dynamic, exponential shifting from
+# the image's tokens, ending at sigma 0.02. The tiny pipeline uses it, so its schedule is the real one.
+QWEN_IMAGE_SCHEDULER = dict(base_image_seq_len=256, max_image_seq_len=8192, base_shift=0.5, max_shift=0.9,
+                            use_dynamic_shifting=True, time_shift_type="exponential", shift_terminal=0.02,
+                            shift=1.0, num_train_timesteps=1000)  # fmt: skip
+# Qwen2.5-VL's chat markers: each must stay one token for the pipelines' templates.
+_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                   "<|image_pad|>", "<|video_pad|>")  # fmt: skip
+
+
+def tiny_qwen_image_components(config: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Small random parts of a ``QwenImagePipeline`` that fit a packed Qwen-Image ``config``, built
+    locally with no download: a 2-layer Qwen2.5-VL text encoder of width ``joint_attention_dim``, a
+    character tokenizer that keeps Qwen's chat markers whole (so the pipeline's template and its
+    dropped 34-token prefix work as written), an ``AutoencoderKLQwenImage`` of ``in_channels / 4``
+    latent channels (4x spatial: 16 px per token with the 2x2 patches) whose ``latents_mean`` and
+    ``latents_std`` are not 0 and 1 (so the normalisation shows), and Qwen-Image's scheduler config.
+    A function of ``seed``."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    width, channels = config["joint_attention_dim"], config["in_channels"] // 4
+    if config["in_channels"] % 4 or width % 16:
+        raise ValueError(f"in_channels={config['in_channels']} must be 4 x the VAE's latent channels (2x2 patches) "
+                         f"and joint_attention_dim={width} a multiple of 16 (the tiny text encoder's 2 heads)")  # fmt: skip
+    vocab = {token: i for i, token in enumerate([*_SPECIAL_TOKENS, "<unk>", *map(chr, range(32, 127)), "\n"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
+                                        additional_special_tokens=list(_SPECIAL_TOKENS[1:]))  # fmt: skip
+    torch.manual_seed(seed)
+    head = width // 2
+    text = dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, vocab_size=len(vocab),
+                rope_scaling={"mrope_section": [head // 8, head // 8, head // 2 - head // 4], "rope_type": "default",
+                              "type": "default"})  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=width)
+    markers = dict(bos_token_id=vocab["<|im_start|>"], eos_token_id=vocab["<|im_end|>"],
+                   pad_token_id=vocab["<|endoftext|>"])  # fmt: skip
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={**text, **markers}, vision_config=vision, vocab_size=len(vocab), **markers,
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"]))  # fmt: skip
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=channels, dim_mult=[1, 2, 2], num_res_blocks=1,
+                                 temperal_downsample=[False, True], latents_mean=[0.1] * channels,
+                                 latents_std=[2.0] * channels)  # fmt: skip
+    return {"scheduler": FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), "vae": vae.eval(),
+            "text_encoder": text_encoder.eval(), "tokenizer": tokenizer}  # fmt: skip
+
+
+class QwenImageValidation(ValidationHooks):
+    """Validation images through diffusers' ``QwenImagePipeline`` (text to image), with its true
+    classifier-free guidance: a negative prompt of one space and ``true_cfg_scale`` (4.0, the
+    pipeline's default; ``--validation-guidance`` sets it), as Qwen-Image's model card renders."""
+
+    default_guidance = 4.0
+
+    def options(self, settings: ValidationSettings) -> dict[str, Any]:
+        options = super().options(settings)
+        options["true_cfg_scale"] = options.pop("guidance_scale")  # the model is not guidance-distilled
+        if not settings.steps and not settings.tiny:
+            options["num_inference_steps"] = 50  # QwenImagePipeline's default
+        return {**options, "negative_prompt": " "}
+
+    def tiny_components(self, model: nn.Module, seed: int) -> dict[str, Any]:
+        return tiny_qwen_image_components(model.config, seed)
+
+
+class QwenImageTraining(TrainingHooks):
+    """Qwen-Image training (text to image and editing): files of precomputed latents, references and
+    text embeddings (:mod:`deepspeed_knap.models.qwenimage.data`'s format) or a synthetic mix
+    (``qwen_edit``); the flow-matching velocity of the target's tokens; a sample the model cannot
+    pack is raised on every rank by the step's first collective; validation images through
+    ``QwenImagePipeline``."""
+
+    validation = QwenImageValidation
+    carries_problems = True
+
+    def synthetic_data(self, mix: str, config: Mapping, token_scale: float, seed: int) -> SyntheticMixLatents:
+        return SyntheticQwenImageLatents(mix, config, token_scale, seed)
+
+    def latent_directory(self, path: str | Path, samples_per_rank: int, repeat: bool) -> LatentDirectory:
+        return latent_directory(path, samples_per_rank, repeat)
+
+    def objective(self, latents: Sequence[Mapping[str, Tensor]], generator: torch.Generator, config: Mapping,
+                  guidance: float | None) -> Objective:  # fmt: skip
+        return Objective(*flow_matching(latents, generator))
+
+    def pack(self, model: nn.Module, samples: list[dict[str, Tensor]], balanced: bool) -> tuple[Any, str | None]:
+        if balanced:  # the step's first collective raises a bad sample on every rank
+            return model.pack(samples, on_problem="carry"), None
+        problem = model.check_samples(samples)
+        return (None, problem) if problem else (model.pack(samples), None)
