@@ -37,6 +37,7 @@ import torch
 
 from deepspeed_knap.models.wan.data import (
     CAPTION_SUFFIX,
+    I2V_TEXT_ROWS,
     IMAGE_SUFFIXES,
     VIDEO_SUFFIXES,
     Refused,
@@ -151,9 +152,14 @@ def main() -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # The VAE in fp32, as Wan's pipelines run it; the text encoder in bf16 on a GPU.
     i2v = image_to_video(pretrained)
+    if i2v and (pretrained / "image_encoder").is_dir() and args.max_sequence_length != I2V_TEXT_ROWS:
+        parser.error(f"--max-sequence-length {args.max_sequence_length}: {pretrained} has image context (Wan 2.1 I2V), "
+                     f"whose text is {I2V_TEXT_ROWS} rows (diffusers splits the context there); drop it")  # fmt: skip
     pipeline_class = WanImageToVideoPipeline if i2v else WanPipeline
+    # The VAE and the CLIP image encoder in fp32, as Wan's pipelines and `generate` run them.
     pipe = pipeline_class.from_pretrained(pretrained, transformer=None, transformer_2=None,
-                                          torch_dtype={"vae": torch.float32, "default": dtype})  # fmt: skip
+                                          torch_dtype={"vae": torch.float32, "image_encoder": torch.float32,
+                                                       "default": dtype})  # fmt: skip
     pipe.vae.to(device)
     pipe.text_encoder.to(device)
     if i2v and pipe.image_encoder is not None:
@@ -173,15 +179,15 @@ def main() -> int:
             source = read_source(path, multiple, pipe.vae_scale_factor_temporal, max_frames, args.max_area or None,
                                  args.fps)  # fmt: skip
             with torch.no_grad():
-                try:
+                try:  # the clip, and for image to video its first frame's condition (a second encode)
                     z = pipe.vae.encode(source.pixels[None].to(device)).latent_dist.mode()[0]
+                    condition = image_condition(pipe, source.pixels, device) if i2v else {}
                 except torch.cuda.OutOfMemoryError:
                     raise Refused("out of memory", f"out of memory encoding {source.frames} frames of "
                                   f"{source.size[0]}x{source.size[1]}; lower --max-area or --max-frames, or "
                                   "pass --vae-tiling") from None  # fmt: skip
                 text, _ = pipe.encode_prompt(caption, do_classifier_free_guidance=False,
                                              max_sequence_length=args.max_sequence_length, device=device)  # fmt: skip
-                condition = image_condition(pipe, source.pixels, device) if i2v else {}
         except Refused as error:
             refused[path.name] = error
             print(f"refused {path.name}: {error}", file=sys.stderr)

@@ -98,9 +98,14 @@ class ValidationHooks(ABC):
         """Call arguments ``model`` needs whatever the settings (none by default)."""
         return {}
 
-    def call(self, line: str, directory: Path) -> dict[str, Any]:
-        """A prompts file's line as the pipeline's arguments (``directory``: the file's, for paths
-        it names)."""
+    def call(self, line: str, directory: Path, model: nn.Module) -> dict[str, Any]:
+        """A prompts file's line as the pipeline's arguments for rendering ``model`` (``directory``:
+        the file's, for paths it names). Made at start-up, so a line the pipeline cannot take is
+        refused before any training step.
+
+        Raises:
+            ValueError: a line this model's pipeline cannot render (naming it), or an unreadable file.
+        """
         return {"prompt": line}
 
     def render(self, pipe: Any, call: Mapping[str, Any], generator: torch.Generator, options: Mapping,

@@ -196,7 +196,7 @@ class Trainer:
         calls = []
         if not problem:
             try:
-                calls = [hooks.call(line, Path(a.validation_prompts).parent) for line in prompts]
+                calls = [hooks.call(line, Path(a.validation_prompts).parent, self.model) for line in prompts]
             except (OSError, ValueError) as error:
                 problem = f"--validation-prompts {a.validation_prompts}: {error}"
         self.raise_together(problem)

@@ -130,10 +130,16 @@ def test_prepared_file_check_names_each_problem(tmp_path):
     assert "holds exactly ['latents', 'encoder_hidden_states', 'condition', 'encoder_hidden_states_image']" in (
         check_video_latent_file(tmp_path / "good.safetensors", i2v)
     )
-    save_video_sample(tmp_path / "i2v.safetensors", {**good, "condition": torch.zeros(8, 2, 4, 6),
+    i2v_text = torch.zeros(512, 24)  # Wan 2.1 I2V's text is 512 rows (diffusers splits the context there)
+    save_video_sample(tmp_path / "i2v.safetensors", {**good, "encoder_hidden_states": i2v_text,
+                                                      "condition": torch.zeros(8, 2, 4, 6),
                                                       "encoder_hidden_states_image": torch.zeros(3, 8)})  # fmt: skip
     assert check_video_latent_file(tmp_path / "i2v.safetensors", i2v) is None
-    save_video_sample(tmp_path / "short.safetensors", {**good, "condition": torch.zeros(8, 1, 4, 6),
+    save_video_sample(tmp_path / "i2v16.safetensors", {**good, "condition": torch.zeros(8, 2, 4, 6),
+                                                        "encoder_hidden_states_image": torch.zeros(3, 8)})  # fmt: skip
+    assert "takes its text as 512 rows" in check_video_latent_file(tmp_path / "i2v16.safetensors", i2v)
+    save_video_sample(tmp_path / "short.safetensors", {**good, "encoder_hidden_states": i2v_text,
+                                                        "condition": torch.zeros(8, 1, 4, 6),
                                                         "encoder_hidden_states_image": torch.zeros(3, 8)})  # fmt: skip
     assert "condition [8, 1, 4, 6] must be [8, 2, 4, 6]" in check_video_latent_file(tmp_path / "short.safetensors", i2v)
 
@@ -159,3 +165,34 @@ def test_wan14b_config_fits_wan21_14b_and_its_cap_holds_a_full_size_step():
         seq_lens = sample_mix("wan_image_video", 32, seed=seed)
         plan = plan_routing(seq_lens, topology, ours, knap.solver, knap.max_tokens_per_gpu)
         assert np.max(plan.gpu_tokens) <= knap.max_tokens_per_gpu
+
+
+def test_validation_lines_and_one_experts_runs_are_checked_for_the_pipeline_that_renders_them(tmp_path):
+    """A text-to-video model's validation line is its prompt (a tab in it too); an image-to-video
+    model's must be IMAGE<TAB>PROMPT. One expert of two trains without --validation-every (the
+    pipeline renders with both), and its adapter goes to its own folder as the pipeline loads it."""
+    from PIL import Image
+
+    from deepspeed_knap.models.registry import spec
+    from deepspeed_knap.models.wan.finetune import WanTraining, WanValidation
+    from deepspeed_knap.training.arguments import TrainingArguments
+
+    validation = WanValidation(spec("wan"))
+    t2v = PackedWanTransformer(**TINY_WAN)
+    i2v = PackedWanTransformer(**{**TINY_WAN, "in_channels": 12, "out_channels": 4})
+    assert validation.call("a cat\ton a mat", tmp_path, t2v) == {"prompt": "a cat\ton a mat"}
+    with pytest.raises(ValueError, match="an image-to-video model renders from an image: write IMAGE<TAB>PROMPT"):
+        validation.call("a cat", tmp_path, i2v)
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp_path / "cat.png")
+    assert validation.call("cat.png\ta cat", tmp_path, i2v)["prompt"] == "a cat"
+    hooks = WanTraining(spec("wan"))
+    with pytest.raises(ValueError, match="--validation-every with --expert low: validation renders run both experts"):
+        hooks.check_arguments(TrainingArguments(None, family="wan", expert="low", validation_every=5,
+                                                validation_prompts="p.txt"))  # fmt: skip
+    from deepspeed_knap.models.lora import add_lora, lora_config
+
+    model = hooks.load_model(TrainingArguments(None, family="wan", expert="low"), {})
+    add_lora(model, rank=2, alpha=2)
+    assert lora_config(model) is not None
+    [(path, load)] = hooks.save_adapters(model, model.state_dict(), tmp_path / "lora")
+    assert path.parent == tmp_path / "lora" / "transformer_2" and load == {"load_into_transformer_2": True}

@@ -386,8 +386,9 @@ def check_video_latent_file(file: str | Path, config: Mapping) -> str | None:
     ``None``. Reads only the header: an unreadable file, keys other than the model's
     (:func:`sample_keys`), non-float tensors, latents that are not ``[C, F, H, W]`` (``C`` the latent
     channels) with ``F``, ``H``, ``W`` positive multiples of the patch (within the RoPE table), text
-    that is not ``[Lt >= 1, text_dim]``, an image-to-video condition not ``[in_channels - C, F, H, W]``
-    or image context not ``[Li >= 1, image_dim]``."""
+    that is not ``[Lt >= 1, text_dim]`` (with image context: 512 rows, :data:`I2V_TEXT_ROWS`), an
+    image-to-video condition not ``[in_channels - C, F, H, W]`` or image context not ``[Li >= 1,
+    image_dim]``."""
     fix = "rewrite it with examples/prepare_video_latents.py (the VAE and text encoder of this model) or remove it"
     headers = sample_file_header(file, fix)
     if isinstance(headers, str):
@@ -414,6 +415,10 @@ def check_video_latent_file(file: str | Path, config: Mapping) -> str | None:
                 f"positions on an axis; prepare it smaller (--max-area, --max-frames)")  # fmt: skip
     if len(text) != 2 or text[0] < 1 or text[1] != config["text_dim"]:
         return f"{file}: encoder_hidden_states {list(text)} must be [Lt >= 1, text_dim = {config['text_dim']}]; {fix}"
+    if config.get("image_dim") is not None and text[0] != I2V_TEXT_ROWS:
+        return (f"{file}: encoder_hidden_states {list(text)}: a model with image context (Wan 2.1 I2V) takes its text "
+                f"as {I2V_TEXT_ROWS} rows (diffusers splits the context there); prepare it with --max-sequence-length "
+                f"{I2V_TEXT_ROWS}")  # fmt: skip
     if CONDITION_KEY in headers and list(headers[CONDITION_KEY][0]) != [condition_channels(config), *sizes]:
         return (f"{file}: condition {list(headers[CONDITION_KEY][0])} must be [{condition_channels(config)}, "
                 f"{', '.join(map(str, sizes))}]: the first-frame mask (4) and latents, as the latents' frames and size; "

@@ -57,9 +57,18 @@ def pipeline_experts(path: str | Path | None) -> tuple[float | None, bool]:
 
 def expand_timesteps(path: str | Path | None) -> bool:
     """Whether a pipeline directory's ``model_index.json`` sets ``expand_timesteps`` (Wan 2.2 TI2V-5B:
-    a timestep per token, the first frame clean when generating from an image)."""
+    a timestep per token, the first frame clean when generating from an image).
+
+    Raises:
+        ValueError: an unreadable ``model_index.json``, naming it.
+    """
     index = Path(path or ".") / "model_index.json"
-    return path is not None and index.is_file() and bool(json.loads(index.read_text()).get("expand_timesteps"))
+    if path is None or not index.is_file():
+        return False
+    try:
+        return bool(json.loads(index.read_text()).get("expand_timesteps"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {index}: {error}") from None
 
 
 class PackedWanExperts(nn.Module):
@@ -160,8 +169,9 @@ class PackedWanExperts(nn.Module):
         each rank reads only its partitions of either)."""
         boundary, two = pipeline_experts(path)
         if not two or boundary is None:
-            raise ValueError(f"{path} is not a two-expert Wan pipeline (model_index.json names no transformer_2 "
-                             "and boundary_ratio)")  # fmt: skip
+            missing = " and ".join(name for name, given in (("transformer_2", two), ("boundary_ratio", boundary))
+                                   if not given)  # fmt: skip
+            raise ValueError(f"{path} is not a two-expert Wan pipeline: its model_index.json names no {missing}")
         experts = [PackedWanTransformer.from_pretrained(Path(path) / name, ds_config=ds_config, **kwargs)
                    for name in EXPERTS]  # fmt: skip
         return cls(*experts, boundary)

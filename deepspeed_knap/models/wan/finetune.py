@@ -155,11 +155,15 @@ class WanValidation(ValidationHooks):
                                  image_to_video=condition_channels(config) > 0, image_dim=config.get("image_dim"))  # fmt: skip
         return pipe.components
 
-    def call(self, line: str, directory: Path) -> dict[str, Any]:
-        """Image-to-video: ``IMAGE<TAB>PROMPT`` (the image's path relative to the prompts file)."""
+    def call(self, line: str, directory: Path, model: nn.Module) -> dict[str, Any]:
+        """Text to video: the line is the prompt. Image to video (a condition input):
+        ``IMAGE<TAB>PROMPT``, the image's path relative to the prompts file."""
+        if not condition_channels(model.config):
+            return {"prompt": line}
         image, tab, prompt = line.partition("\t")
         if not tab:
-            return {"prompt": line}
+            raise ValueError(f"{line[:60]!r}: an image-to-video model renders from an image: write IMAGE<TAB>PROMPT "
+                             "(the image's path relative to the prompts file)")  # fmt: skip
         from PIL import Image
 
         return {"image": Image.open(directory / image).convert("RGB"), "prompt": prompt}
@@ -182,13 +186,22 @@ class WanTraining(TrainingHooks):
     def __init__(self, spec) -> None:
         super().__init__(spec)
         self.sigma_range: tuple[float, float] | None = None  # one expert's side of the boundary
+        self.expert: str | None = None  # "high" or "low": one expert of a two-expert pipeline trained
         self.first_frame_share = 0.0
 
     def check_arguments(self, arguments: Any) -> None:
         path, expert = arguments.model_path, arguments.expert
         if path is not None and expert is not None and not pipeline_experts(path)[1]:
-            raise ValueError(f"--expert {expert}: {path} is not a two-expert Wan pipeline (its model_index.json names "
-                             "no transformer_2); drop --expert")  # fmt: skip
+            what = ("its model_index.json names no transformer_2" if (Path(path) / "model_index.json").is_file()
+                    else "a folder without model_index.json; give the pipeline folder")  # fmt: skip
+            raise ValueError(f"--expert {expert}: {path} is not a two-expert Wan pipeline ({what}); drop --expert or "
+                             "give a Wan 2.2 A14B pipeline folder")  # fmt: skip
+        if expert in ("high", "low") and arguments.validation_every:
+            # The pipeline runs both experts, each on its side of the boundary: the one trained alone
+            # would render from noise levels it never trained on.
+            raise ValueError(f"--validation-every with --expert {expert}: validation renders run both experts; train "
+                             "both (--expert both) to validate, or render the exported expert with the pipeline "
+                             "yourself")  # fmt: skip
         if arguments.first_frame_share and path is not None and not expand_timesteps(path):
             raise ValueError(f"--first-frame-share {arguments.first_frame_share}: {path} is not a Wan 2.2 TI2V "
                              "pipeline (its model_index.json does not set expand_timesteps); drop it")  # fmt: skip
@@ -204,6 +217,7 @@ class WanTraining(TrainingHooks):
         self.first_frame_share = (0.5 if expand_timesteps(path) else 0.0) if share is None else share
         if expert in ("high", "low"):  # one expert, trained on its side of the boundary
             self.sigma_range = (boundary, 1.0) if expert == "high" else (0.0, boundary)
+            self.expert = expert
         if expert is None:
             return super().load_model(arguments, options)
         if path is None:
@@ -226,7 +240,13 @@ class WanTraining(TrainingHooks):
 
     def save_adapters(self, model: nn.Module, state: Mapping[str, Tensor], directory: Path) -> list[tuple[Path, dict]]:
         """Two experts: one adapter file each, ``directory/transformer`` and ``directory/transformer_2``
-        (``WanPipeline.load_lora_weights`` reads the second with ``load_into_transformer_2=True``)."""
+        (``WanPipeline.load_lora_weights`` reads the second with ``load_into_transformer_2=True``); one
+        expert of the two (``--expert high`` or ``low``): its folder alone."""
+        if self.expert is not None:
+            index = 0 if self.expert == "high" else 1
+            adapter = adapter_state_dict(model, state)
+            path = save_adapter(Path(directory) / EXPERTS[index], adapter, lora_config(model), self.spec.lora_loader)
+            return [(path, {"load_into_transformer_2": True} if index else {})]
         if not isinstance(model, PackedWanExperts):
             return super().save_adapters(model, state, directory)
         adapter = adapter_state_dict(model, state)

@@ -331,6 +331,11 @@ def load_wan_generator(model_path: str | Path, dtype: torch.dtype, device: torch
     pipeline = getattr(diffusers, name).from_pretrained(model_path, transformer=None, transformer_2=None, **parts,
                                                         torch_dtype=dtype).to(device)  # fmt: skip
     _, two_experts = pipeline_experts(model_path)
+    if two_experts and pipeline.scheduler.config.num_train_timesteps != 1000:
+        # PackedWanExperts switches at boundary_ratio * 1000, the pipelines at boundary_ratio times this.
+        raise ValueError(f"{model_path}: its scheduler has num_train_timesteps "
+                         f"{pipeline.scheduler.config.num_train_timesteps}; the two experts switch at boundary_ratio x "
+                         "1000 (Wan's 1000 train timesteps)")  # fmt: skip
     packed = PackedWanExperts if two_experts else PackedWanTransformer
     model = packed.from_pretrained(model_path, torch_dtype=dtype).to(device).eval()
     return WanGenerator(pipeline, model)

@@ -72,7 +72,8 @@ def main() -> None:
             for s, out in zip(samples, packed.forward_samples(samples), strict=True):
                 grids = [tuple(row) for row in s["img_shapes"].tolist()]
                 ref = reference(hidden_states=s["hidden_states"][None], timestep=s["timestep"].reshape(1),
-                                encoder_hidden_states=s["encoder_hidden_states"][None], img_shapes=[grids]).sample
+                                encoder_hidden_states=s["encoder_hidden_states"][None],
+                                img_shapes=[grids]).sample  # fmt: skip
                 ref = ref[0, : len(out)]
                 errors.append(((out.double() - ref.double()).norm() / ref.double().norm()).item())
         results = {"diffusers": measure(functools.partial(run_diffusers, reference), reference, device, args.repeats),
