@@ -65,6 +65,11 @@ class Denoising:
         pipeline changes it during the run says how)."""
         return self.guidance_scale
 
+    def combine(self, conditional: Tensor, unconditional: Tensor, timestep: Tensor) -> Tensor:
+        """Classifier-free guidance of the two branches' predictions at ``timestep``:
+        ``uncond + scale * (cond - uncond)`` (a family whose pipeline rescales says how)."""
+        return unconditional + self.guidance_at(timestep) * (conditional - unconditional)
+
     def advance(self, predictions: list[Tensor]) -> None:
         """One scheduler step with the transformer's predictions for :meth:`samples`, in their order."""
         if len(predictions) != len(self.branches):
@@ -74,7 +79,6 @@ class Denoising:
         prediction = predictions[0]
         t = self.timesteps[self.step]
         if len(predictions) == 2:
-            conditional, unconditional = predictions
-            prediction = unconditional + self.guidance_at(t) * (conditional - unconditional)
+            prediction = self.combine(*predictions, t)
         self.latents = self.scheduler.step(prediction[None], t, self.latents[None], return_dict=False)[0][0]
         self.step += 1

@@ -66,7 +66,20 @@ FLUX2_EDITS = [
      "steps": 2, "seed": 10},
 ]  # fmt: skip
 REFERENCE_IMAGES = {"ref_a.png": (64, 64), "ref_b.png": (72, 64)}  # (height, width) px
-FAMILY_REQUESTS = {"flux": [*REQUESTS, GUIDED], "flux2": [*REQUESTS, *FLUX2_EDITS], "wan": WAN_REQUESTS}
+# Tiny Qwen-Image: a 4x VAE and 2x2 patches, 8 px a token; true CFG (a negative prompt) runs two
+# sequences of the two texts' lengths. Tokens per sequence with 8 text rows: 32, 2 x 44, 2 x 40, 14, 33.
+QWEN_REQUESTS = [
+    {"id": "a", "prompt": "a red cat", "height": 32, "width": 48, "steps": 3, "seed": 1},
+    {"id": "b", "prompt": "a dog", "negative_prompt": " ", "height": 48, "width": 48, "steps": 2, "seed": 2},
+    {"id": "c", "prompt": "tall tower", "negative_prompt": "blurry", "true_cfg_scale": 2.5, "height": 64, "width": 32,
+     "steps": 4, "seed": 3},
+    {"id": "d", "prompt": "dot", "height": 16, "width": 24, "steps": 5, "seed": 4},
+    {"id": "e", "prompt": "the sea", "height": 40, "width": 40, "steps": 2, "seed": 5},
+]  # fmt: skip
+# 2 ranks x 50 = 100 tokens at a time: "a" starts, "b" (88) waits for it, the others join as they leave.
+QWEN_BUDGET = 50
+FAMILY_REQUESTS = {"flux": [*REQUESTS, GUIDED], "flux2": [*REQUESTS, *FLUX2_EDITS], "wan": WAN_REQUESTS,
+                   "qwen-image": QWEN_REQUESTS}  # fmt: skip
 
 
 def _write_images(directory) -> None:
@@ -187,7 +200,13 @@ def _references(family: str) -> dict:
     from deepspeed_knap.models.wan.spec import TINY_WAN
 
     ours = tiny_generator(family, torch.float64, "cpu", seed=0)
-    if family == "wan":
+    if family == "qwen-image":
+        from diffusers import QwenImagePipeline
+
+        transformer = type(ours.model).diffusers_model(ours.model.config, ours.model.state_dict())
+        parts = {key: part for key, part in ours.pipeline.components.items() if key != "transformer"}
+        pipe = QwenImagePipeline(**parts, transformer=transformer)
+    elif family == "wan":
         pipe = tiny_wan_pipeline(TINY_WAN["text_dim"], TINY_WAN["in_channels"], seed=0)
         pipe.transformer = type(ours.model).diffusers_model(TINY_WAN, ours.model.state_dict())
     elif family == "flux":
@@ -243,8 +262,10 @@ def _check_images(results, references, expected_ids):
 # FLUX.2's budget is twice FLUX.1's: its edits hold up to 600 tokens a step.
 CASES = {
     2: [{"family": "flux", "budget": BUDGET, "most_sequences": 3, "plan_ahead": False},
-        {"family": "flux2", "budget": 2 * BUDGET}, {"family": "wan", "budget": WAN_BUDGET}],
-    4: [{"family": "flux", "budget": BUDGET // 2}, {"family": "flux2", "budget": BUDGET}],
+        {"family": "flux2", "budget": 2 * BUDGET}, {"family": "wan", "budget": WAN_BUDGET},
+        {"family": "qwen-image", "budget": QWEN_BUDGET}],
+    4: [{"family": "flux", "budget": BUDGET // 2}, {"family": "flux2", "budget": BUDGET},
+        {"family": "qwen-image", "budget": QWEN_BUDGET // 2}],
 }  # fmt: skip
 
 

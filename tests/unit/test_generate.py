@@ -423,8 +423,8 @@ def _tiny_generator(family: str):
     """The tiny generator of ``family`` in float32, or of ``"{family}-bf16"`` in bfloat16."""
     from deepspeed_knap.models.generators import tiny_generator
 
-    family, _, dtype = family.partition("-")
-    return tiny_generator(family, torch.bfloat16 if dtype == "bf16" else torch.float32, "cpu")
+    bf16 = family.endswith("-bf16")
+    return tiny_generator(family.removesuffix("-bf16"), torch.bfloat16 if bf16 else torch.float32, "cpu")
 
 
 @pytest.mark.parametrize(("family", "fields", "expected"), [
@@ -444,6 +444,13 @@ def _tiny_generator(family: str):
     ("wan", {"height": 32, "width": 48, "frames": 5, "image": "cat.png"}, "makes videos from text alone: drop 'image'"),
     ("wan", {"height": 32, "width": 48, "frames": 5, "guidance_2": 2.0}, "one transformer: drop 'guidance_2'"),
     ("flux2", {"height": 32, "width": 48, "negative_prompt": "x"}, "FLUX.2 is guidance-distilled"),
+    # Tiny Qwen-Image: 8 px a token; text rows capped by max_sequence_length (8); true CFG with a negative.
+    ("qwen-image", {"height": 32, "width": 48}, (8 + 24,)),
+    ("qwen-image", {"height": 32, "width": 48, "negative_prompt": " "}, (8 + 24, 8 + 24)),
+    ("qwen-image", {"height": 32, "width": 48, "guidance": 3.0}, "not guidance-distilled"),
+    ("qwen-image", {"height": 32, "width": 48, "true_cfg_scale": 2.0}, "needs both 'true_cfg_scale' above 1"),
+    ("qwen-image", {"height": 32, "width": 48, "negative_prompt": "x", "true_cfg_scale": 1.0}, "would ignore"),
+    ("qwen-image", {"height": 30, "width": 48}, "multiples of 8 px"),
     # Tiny FLUX.1 in bfloat16: 4 px a patch, positions exact up to 256 patches a side (1,024 px).
     ("flux-bf16", {"height": 1024, "width": 8, "steps": 1}, (8 + 256 * 2,)),
     ("flux-bf16", {"height": 8, "width": 1028}, "image positions are bfloat16 (as FluxPipeline makes them), exact "

@@ -95,6 +95,7 @@ QWEN_IMAGE = ModelSpec(
     default_mix="qwen_edit",
     mixes={"qwen_edit": qwen_edit},
     training="deepspeed_knap.models.qwenimage.finetune:QwenImageTraining",
+    generator="deepspeed_knap.models.qwenimage.generate:QwenImageGenerator",
     # FLUX.1's choice in Qwen-Image's double-stream blocks: every attention projection of both
     # streams and both streams' feed-forwards.
     lora_targets=(
