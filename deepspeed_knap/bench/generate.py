@@ -130,8 +130,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
 def _reference_pipeline(generator, config: dict):
     """The family's diffusers pipeline with the generator's parts and a diffusers transformer of its weights."""
     transformer = type(generator.model).diffusers_model(config, generator.model.state_dict())
-    transformer = transformer.to(generator.device, generator.dtype)
-    pipe = type(generator.pipeline)(**{**generator.pipeline.components, "transformer": transformer})
+    pipe = generator.reference_pipeline(transformer.to(generator.device, generator.dtype))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -141,7 +140,7 @@ def _pipeline_calls(pipe, mine: dict, generator) -> dict:
     with the request file's directory, refusals left out), one pipeline call each, in file order, at
     the guidance ``generator`` gives each (Wan: its frames; FLUX.1: true CFG where asked)."""
     for _, request in sorted(mine.items()):
-        pipe(**generator.pipeline_call(request))
+        generator.run_pipeline(pipe, request)
     return {"images": len(mine), "steps": 0, "solves": 0, "plan_s": [], "route_s": []}
 
 

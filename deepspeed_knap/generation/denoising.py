@@ -65,16 +65,21 @@ class Denoising:
         pipeline changes it during the run says how)."""
         return self.guidance_scale
 
+    def combine(self, predictions: list[Tensor], timestep: Tensor) -> Tensor:
+        """The prediction the scheduler steps with, from the branches' (:meth:`target_rows`) at
+        ``timestep``: the conditional one alone, or with guidance ``uncond + scale * (cond - uncond)``
+        (a family whose pipeline guides otherwise says how)."""
+        if len(predictions) == 1:
+            return predictions[0]
+        conditional, unconditional = predictions
+        return unconditional + self.guidance_at(timestep) * (conditional - unconditional)
+
     def advance(self, predictions: list[Tensor]) -> None:
         """One scheduler step with the transformer's predictions for :meth:`samples`, in their order."""
         if len(predictions) != len(self.branches):
             raise ValueError(f"request {self.request.id!r} runs {len(self.branches)} branch(es); got "
                              f"{len(predictions)} prediction(s)")  # fmt: skip
-        predictions = [self.target_rows(prediction) for prediction in predictions]
-        prediction = predictions[0]
         t = self.timesteps[self.step]
-        if len(predictions) == 2:
-            conditional, unconditional = predictions
-            prediction = unconditional + self.guidance_at(t) * (conditional - unconditional)
+        prediction = self.combine([self.target_rows(prediction) for prediction in predictions], t)
         self.latents = self.scheduler.step(prediction[None], t, self.latents[None], return_dict=False)[0][0]
         self.step += 1

@@ -23,7 +23,8 @@ def test_a_request_line_with_defaults_and_a_relative_embeddings_path(tmp_path):
     request = parse_request(3, 7, '{"embeddings": "e.safetensors", "height": 64, "width": 32}', tmp_path)
     assert (request.index, request.line, request.id) == (3, 7, "line7")
     assert request.embeddings == str(tmp_path / "e.safetensors") and request.prompt is None
-    assert (request.steps, request.guidance, request.seed, request.max_sequence_length) == (28, None, 0, 512)
+    # guidance and max_sequence_length: the family's defaults (its pipeline's)
+    assert (request.steps, request.guidance, request.seed, request.max_sequence_length) == (28, None, 0, None)
 
 
 @pytest.mark.parametrize(
@@ -521,6 +522,28 @@ def test_image_to_video_requests_are_checked_at_the_intake(tmp_path, two_experts
     else:
         with pytest.raises(RequestError, match=re.escape(expected)):
             generator.request_seq_lens(request)
+
+
+@pytest.mark.parametrize(("family", "missing"), [("flux2", "'height' and 'width'"), ("wan", "'width'")])
+def test_a_request_with_an_image_may_leave_out_its_size_only_where_the_pipeline_sizes_by_it(tmp_path, family,
+                                                                                            missing):  # fmt: skip
+    """The intake lets a request with ``image`` leave out ``height`` and ``width`` (FLUX.3's pipeline
+    takes the first reference's size); FLUX.2 and Wan here need them, and say which is missing."""
+    from PIL import Image
+
+    Image.fromarray(np.zeros((64, 64, 3), dtype=np.uint8)).save(tmp_path / "cat.png")
+    fields = {"prompt": "a cat", "image": "cat.png", **({"height": 32} if family == "wan" else {})}
+    request = parse_request(0, 3, json.dumps(fields), tmp_path)
+    assert (request.width, request.max_sequence_length) == (None, None)
+    if family == "wan":  # TI2V-5B's WanPipeline takes an image
+        generator = _image_to_video_generator(two_experts=False)
+    else:
+        generator = _tiny_generator(family)
+    with pytest.raises(RequestError, match=re.escape(f"line 3: {generator.name} needs {missing} (pixels) with an "
+                                                     "image too")):  # fmt: skip
+        generator.request_seq_lens(request)
+    with pytest.raises(RequestError, match="'height' is required"):  # without an image, as before
+        parse_request(0, 3, json.dumps({"prompt": "a cat", "width": 32}))
 
 
 def test_flux2_references_are_counted_and_checked_as_the_pipeline_prepares_them(tmp_path):
