@@ -535,10 +535,8 @@ def test_a_request_with_an_image_may_leave_out_its_size_only_where_the_pipeline_
     fields = {"prompt": "a cat", "image": "cat.png", **({"height": 32} if family == "wan" else {})}
     request = parse_request(0, 3, json.dumps(fields), tmp_path)
     assert (request.width, request.max_sequence_length) == (None, None)
-    if family == "wan":  # TI2V-5B's WanPipeline takes an image
-        generator = _image_to_video_generator(two_experts=False)
-    else:
-        generator = _tiny_generator(family)
+    # Wan: an image-to-video pipeline (it takes the image, and still needs the size)
+    generator = _image_to_video_generator(two_experts=False) if family == "wan" else _tiny_generator(family)
     with pytest.raises(RequestError, match=re.escape(f"line 3: {generator.name} needs {missing} (pixels) with an "
                                                      "image too")):  # fmt: skip
         generator.request_seq_lens(request)
