@@ -7,17 +7,17 @@ Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA)
 request file (``--requests``, or by default an imbalanced one: lines alternate a large and a small
 image, and rank ``r`` owns lines ``r``, ``r + ranks``, ...: with ``--ranks 2`` rank 0 gets every large
 one, with any even number of ranks the even ranks get them) with a random tiny model of
-``--family`` (FLUX.1 ``TINY_FLUX``, FLUX.2 ``TINY_FLUX2`` or Wan ``TINY_WAN``; ``--heads`` and
-``--head-dim`` widen it). For Wan the large requests are clips of ``--frames`` frames, run with
-classifier-free guidance (two sequences per step), the small ones one-frame images without. In
-each mode:
+``--family`` (FLUX.1 ``TINY_FLUX``, FLUX.2 ``TINY_FLUX2``, FLUX.3 ``TINY_FLUX3`` or Wan
+``TINY_WAN``; ``--heads`` and ``--head-dim`` widen it). For Wan the large requests are clips of
+``--frames`` frames, run with classifier-free guidance (two sequences per step), the small ones
+one-frame images without; FLUX.3 guides every request (its default guidance, 3.5). In each mode:
 
 * ``balanced``: ``deepspeed-knap generate``'s path: topology ``auto``, plan and route reused per set;
 * ``no-reuse``: the same, but the plan gathered and solved, and the route prepared, every step (the
   training path): what reuse saves, per step;
 * ``unbalanced``: each rank runs its own requests packed, with no communication;
 * ``pipeline``: each rank calls the family's diffusers pipeline (``FluxPipeline``,
-  ``Flux2Pipeline``, ``WanPipeline``) once per request it owns (the requests the balanced modes'
+  ``Flux2Pipeline``, FLUX.3's modular ``Flux3AutoBlocks``, ``WanPipeline``) once per request it owns (the requests the balanced modes'
   intake accepts: its refusals are skipped; ``embeddings`` requests are given their embeddings).
 
 ``--ranks 1`` runs the balanced modes' path on one process (a plan of one group, routes that move
