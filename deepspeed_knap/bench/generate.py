@@ -7,17 +7,17 @@ Spawns ``--ranks`` local processes (gloo on CPU, NCCL with one GPU each on CUDA)
 request file (``--requests``, or by default an imbalanced one: lines alternate a large and a small
 image, and rank ``r`` owns lines ``r``, ``r + ranks``, ...: with ``--ranks 2`` rank 0 gets every large
 one, with any even number of ranks the even ranks get them) with a random tiny model of
-``--family`` (FLUX.1 ``TINY_FLUX``, FLUX.2 ``TINY_FLUX2`` or Wan ``TINY_WAN``; ``--heads`` and
-``--head-dim`` widen it). For Wan the large requests are clips of ``--frames`` frames, run with
-classifier-free guidance (two sequences per step), the small ones one-frame images without. In
-each mode:
+``--family`` (FLUX.1 ``TINY_FLUX``, FLUX.2 ``TINY_FLUX2``, FLUX.3 ``TINY_FLUX3`` or Wan
+``TINY_WAN``; ``--heads`` and ``--head-dim`` widen it). For Wan the large requests are clips of
+``--frames`` frames, run with classifier-free guidance (two sequences per step), the small ones
+one-frame images without; FLUX.3 guides every request (its default guidance, 3.5). In each mode:
 
 * ``balanced``: ``deepspeed-knap generate``'s path: topology ``auto``, plan and route reused per set;
 * ``no-reuse``: the same, but the plan gathered and solved, and the route prepared, every step (the
   training path): what reuse saves, per step;
 * ``unbalanced``: each rank runs its own requests packed, with no communication;
 * ``pipeline``: each rank calls the family's diffusers pipeline (``FluxPipeline``,
-  ``Flux2Pipeline``, ``WanPipeline``) once per request it owns (the requests the balanced modes'
+  ``Flux2Pipeline``, FLUX.3's modular ``Flux3AutoBlocks``, ``WanPipeline``) once per request it owns (the requests the balanced modes'
   intake accepts: its refusals are skipped; ``embeddings`` requests are given their embeddings).
 
 ``--ranks 1`` runs the balanced modes' path on one process (a plan of one group, routes that move
@@ -130,8 +130,7 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
 def _reference_pipeline(generator, config: dict):
     """The family's diffusers pipeline with the generator's parts and a diffusers transformer of its weights."""
     transformer = type(generator.model).diffusers_model(config, generator.model.state_dict())
-    transformer = transformer.to(generator.device, generator.dtype)
-    pipe = type(generator.pipeline)(**{**generator.pipeline.components, "transformer": transformer})
+    pipe = generator.reference_pipeline(transformer.to(generator.device, generator.dtype))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -141,7 +140,7 @@ def _pipeline_calls(pipe, mine: dict, generator) -> dict:
     with the request file's directory, refusals left out), one pipeline call each, in file order, at
     the guidance ``generator`` gives each (Wan: its frames; FLUX.1: true CFG where asked)."""
     for _, request in sorted(mine.items()):
-        pipe(**generator.pipeline_call(request))
+        generator.run_pipeline(pipe, request)
     return {"images": len(mine), "steps": 0, "solves": 0, "plan_s": [], "route_s": []}
 
 

@@ -4,12 +4,13 @@
         --requests prompts.jsonl --model-path /models/FLUX.1-dev --out images/ --max-tokens-per-gpu 65536
     deepspeed-knap generate --requests prompts.jsonl --tiny --out images/   # one process, a tiny random FLUX.1
     deepspeed-knap generate --requests prompts.jsonl --tiny --family flux2 --out images/   # a tiny FLUX.2
+    deepspeed-knap generate --requests prompts.jsonl --tiny --family flux3 --out images/   # a tiny FLUX.3
     deepspeed-knap generate --requests clips.jsonl --tiny --family wan --out videos/   # a tiny Wan 2.1
 
 One request per line (``{"prompt": ..., "height": ..., "width": ..., "steps": ..., "guidance": ...,
 "seed": ...}``, Wan's ``"frames"``, ``"negative_prompt"`` for classifier-free guidance, or
 ``"embeddings"`` for precomputed text embeddings; docs/generation.md). Rank ``r`` encodes and decodes
-lines ``r``, ``r + N``, ...; the family (FLUX.1, FLUX.2 or Wan) is the model's: ``--model-path``'s
+lines ``r``, ``r + N``, ...; the family (FLUX.1, FLUX.2, FLUX.3 or Wan) is the model's: ``--model-path``'s
 checkpoint, or ``--tiny --family``; the transformer runs every rank's running requests together,
 balanced (topology ``auto``), and requests join and leave at step boundaries under the token
 budget; each request set's plan is solved in a worker process while the set before it runs
@@ -50,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="where the PNGs and timings.json go")
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--model-path", metavar="DIR",
-                       help="a diffusers FLUX.1, FLUX.2 or Wan (text-to-video) pipeline directory (model_index.json); "
-                       "its family is its transformer's")  # fmt: skip
+                       help="a diffusers FLUX.1, FLUX.2, FLUX.3 (modular) or Wan pipeline directory (model_index.json "
+                       "or modular_model_index.json); its family is its transformer's")  # fmt: skip
     model.add_argument("--tiny", action="store_true", help="a tiny random pipeline of --family (CPU demos, tests)")
     add_family_argument(parser, "the --tiny model's family (default: flux)", default=None, having="generator")
     parser.add_argument("--seed", type=int, default=0, help="of the --tiny weights")
@@ -190,9 +191,11 @@ def _check_options(args: argparse.Namespace, out: Path) -> list[str] | None:
     if args.family is not None and not args.tiny:
         return ["checking the options", f"--family {args.family} picks the --tiny model's family; --model-path "
                 f"{args.model_path}'s family is its checkpoint's: drop --family"]  # fmt: skip
-    if args.model_path and not (Path(args.model_path) / "model_index.json").is_file():
-        return ["checking the options", f"--model-path {args.model_path}: no model_index.json there; give a "
-                "diffusers FLUX.1, FLUX.2 or Wan pipeline directory (what FluxPipeline, Flux2Pipeline or "
+    indexes = ("model_index.json", "modular_model_index.json")  # a FLUX.3 modular pipeline's may be the second
+    if args.model_path and not any((Path(args.model_path) / index).is_file() for index in indexes):
+        return ["checking the options", f"--model-path {args.model_path}: no model_index.json there (nor a modular "
+                "pipeline's modular_model_index.json); give a diffusers FLUX.1, FLUX.2, FLUX.3 or Wan pipeline "
+                "directory (what FluxPipeline, Flux2Pipeline, FLUX.3's modular pipeline or "
                 "WanPipeline.save_pretrained writes), or --tiny"]  # fmt: skip
     try:
         out.mkdir(parents=True, exist_ok=True)

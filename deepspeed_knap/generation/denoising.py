@@ -65,9 +65,13 @@ class Denoising:
         pipeline changes it during the run says how)."""
         return self.guidance_scale
 
-    def combine(self, conditional: Tensor, unconditional: Tensor, timestep: Tensor) -> Tensor:
-        """Classifier-free guidance of the two branches' predictions at ``timestep``:
-        ``uncond + scale * (cond - uncond)`` (a family whose pipeline rescales says how)."""
+    def combine(self, predictions: list[Tensor], timestep: Tensor) -> Tensor:
+        """The prediction the scheduler steps with, from the branches' (:meth:`target_rows`) at
+        ``timestep``: the conditional one alone, or with guidance ``uncond + scale * (cond - uncond)``
+        (a family whose pipeline guides otherwise says how)."""
+        if len(predictions) == 1:
+            return predictions[0]
+        conditional, unconditional = predictions
         return unconditional + self.guidance_at(timestep) * (conditional - unconditional)
 
     def advance(self, predictions: list[Tensor]) -> None:
@@ -75,10 +79,7 @@ class Denoising:
         if len(predictions) != len(self.branches):
             raise ValueError(f"request {self.request.id!r} runs {len(self.branches)} branch(es); got "
                              f"{len(predictions)} prediction(s)")  # fmt: skip
-        predictions = [self.target_rows(prediction) for prediction in predictions]
-        prediction = predictions[0]
         t = self.timesteps[self.step]
-        if len(predictions) == 2:
-            prediction = self.combine(*predictions, t)
+        prediction = self.combine([self.target_rows(prediction) for prediction in predictions], t)
         self.latents = self.scheduler.step(prediction[None], t, self.latents[None], return_dict=False)[0][0]
         self.step += 1

@@ -1,7 +1,9 @@
-"""What every family's generator shares: its pipeline and packed model, the guidance default, and
-reading a request's embeddings file. A family's generator (FLUX.1 and FLUX.2 in
-:mod:`deepspeed_knap.models.flux.generate`, Wan in :mod:`deepspeed_knap.models.wan.generate`) adds
-``request_seq_lens``, ``start`` and ``decode`` (:mod:`deepspeed_knap.generation.runner`)."""
+"""What every family's generator shares: its pipeline and packed model, the guidance and text-length
+defaults, reading a request's embeddings file and images, and the diffusers pipeline call that
+draws one request alone. A family's generator (FLUX.1 and FLUX.2 in
+:mod:`deepspeed_knap.models.flux.generate`, FLUX.3 in :mod:`deepspeed_knap.models.flux3.generate`,
+Wan in :mod:`deepspeed_knap.models.wan.generate`) adds ``request_seq_lens``, ``start`` and
+``decode`` (:mod:`deepspeed_knap.generation.runner`)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Generator:
     family: ClassVar[str]
     name: ClassVar[str]
     default_guidance: ClassVar[float]  # the pipeline's guidance_scale
+    default_max_sequence_length: ClassVar[int] = 512  # the pipeline's max_sequence_length
     # The embeddings file's tensors the family's pipeline takes by the same names (pipeline_call).
     pipeline_embeddings: ClassVar[tuple[str, ...]] = ("prompt_embeds", "negative_prompt_embeds")
 
@@ -50,6 +53,22 @@ class Generator:
     def guidance_scale(self, request: Request) -> float:
         """The request's guidance scale, or the pipeline's default where it gives none."""
         return self.default_guidance if request.guidance is None else request.guidance
+
+    def max_sequence_length(self, request: Request) -> int:
+        """The request's ``max_sequence_length``, or the pipeline's default where it gives none."""
+        return self.default_max_sequence_length if request.max_sequence_length is None else request.max_sequence_length
+
+    def check_size_given(self, request: Request) -> None:
+        """Refuse a request without ``height`` or ``width`` (the intake lets a request with ``image``
+        leave them out, for a family whose pipeline sizes the output by its image).
+
+        Raises:
+            RequestError: naming the line and the missing key.
+        """
+        missing = [key for key in ("height", "width") if getattr(request, key) is None]
+        if missing:
+            raise RequestError(f"line {request.line}: {self.name} needs {' and '.join(map(repr, missing))} (pixels) "
+                               f"with an image too; e.g. \"{missing[0]}\": 1024")  # fmt: skip
 
     @staticmethod
     def embeddings_file(request: Request) -> dict[str, Tensor]:
@@ -105,13 +124,23 @@ class Generator:
         import torch
 
         if request.prompt is not None:
-            text: Mapping[str, Any] = {"prompt": request.prompt, "max_sequence_length": request.max_sequence_length}
+            length = self.max_sequence_length(request)
+            text: Mapping[str, Any] = {"prompt": request.prompt, "max_sequence_length": length}
         else:
             saved = self.embeddings_file(request)
             device = next(self.pipeline.vae.parameters()).device
             text = {key: saved[key][None].to(device, self.dtype) for key in self.pipeline_embeddings if key in saved}
         return {**text, "height": request.height, "width": request.width, "num_inference_steps": request.steps,
                 "generator": torch.Generator().manual_seed(request.seed), **self.pipeline_options(request)}  # fmt: skip
+
+    def reference_pipeline(self, transformer: nn.Module) -> Any:
+        """The family's diffusers pipeline of this generator's parts with diffusers' ``transformer``
+        (the packed model's weights): what ``bench generate``'s ``pipeline`` mode times."""
+        return type(self.pipeline)(**{**self.pipeline.components, "transformer": transformer})
+
+    def run_pipeline(self, pipe: Any, request: Request) -> Any:
+        """``pipe`` (:meth:`reference_pipeline`) drawing ``request`` alone (:meth:`pipeline_call`)."""
+        return pipe(**self.pipeline_call(request))
 
     @staticmethod
     def check_embedding_values(request: Request, tensors: dict[str, Tensor], keys: list[str]) -> None:

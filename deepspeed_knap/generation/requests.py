@@ -7,16 +7,19 @@
 A request names its text by ``prompt`` (the rank that owns it runs the family's text encoders) or by
 ``embeddings``, a safetensors file of precomputed text embeddings (FLUX.1: ``prompt_embeds [Tt, Dj]``
 and ``pooled_prompt_embeds [Dp]``; with classifier-free guidance also ``negative_prompt_embeds``
-and FLUX.1's ``negative_pooled_prompt_embeds``). ``height`` and ``width`` (pixels) are required;
-``steps`` (default 28), ``guidance`` (the family's pipeline's default: FLUX.1 3.5, FLUX.2 4.0, Wan
-5.0), ``seed`` (0), ``max_sequence_length`` (512: the text tokens a prompt is padded to, as
-diffusers' pipelines do) and ``id`` (default ``line{N}``) are optional. Video families take
-``frames`` (Wan: 81, its pipeline's default; an image is 1). Classifier-free guidance, where the
-family uses it, takes ``negative_prompt`` (Wan: its ``guidance`` above 1 turns it on, with ``""``
+and FLUX.1's ``negative_pooled_prompt_embeds``). ``height`` and ``width`` (pixels) are required,
+except with ``image`` where the family's pipeline sizes the output by its image (FLUX.3; the other
+families refuse the request without them); ``steps`` (default 28), ``guidance`` (the family's
+pipeline's default: FLUX.1 3.5, FLUX.2 4.0, FLUX.3 3.5, Wan 5.0), ``seed`` (0),
+``max_sequence_length`` (the family's pipeline's default: 512, FLUX.3 8192; the text tokens a prompt
+is padded or truncated to, as diffusers' pipelines do) and ``id`` (default ``line{N}``) are
+optional. Video families take ``frames`` (Wan: 81, its pipeline's default; an image is 1).
+Classifier-free guidance, where the family uses it, takes ``negative_prompt`` (Wan: its ``guidance`` above 1 turns it on, with ``""``
 unless given; FLUX.1: ``true_cfg_scale`` above 1 with a ``negative_prompt``, as ``FluxPipeline``'s
 ``true_cfg_scale``); the unconditional branch is then a sequence of its own for the planner.
 Image-conditioned pipelines take ``image``: a path, or a list of paths (relative paths are the
-request file's directory's): Wan's image-to-video the first frame, FLUX.2 its reference images.
+request file's directory's): Wan's image-to-video the first frame, FLUX.2 and FLUX.3 their reference
+images.
 Wan 2.2 A14B's two experts take ``guidance_2``, the low-noise expert's guidance scale (the
 pipeline's ``guidance_scale_2``; default ``guidance``). A family refuses the keys it does not take. Unknown keys are refused, so a typo (``"step": 4``) is not
 silently a default.
@@ -45,8 +48,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-# The families deepspeed-knap generate runs (FLUX.3 has no diffusers pipeline to follow yet).
-DEFAULTS = {"steps": 28, "seed": 0, "max_sequence_length": 512}  # guidance: the family's (generator's) default
+# guidance and max_sequence_length: the family's (generator's) defaults, its pipeline's.
+DEFAULTS = {"steps": 28, "seed": 0}
 # Denoising steps a request may take: 30 to 300 times the usual 28 to 50, which both families'
 # schedulers (FLUX's flow-match Euler, Wan's UniPC) take. More is a typo: a scheduler sets every
 # step's timestep up front, and 10**9 of them held gigabytes and ran on for hours.
@@ -90,17 +93,19 @@ class Request:
         prompt: the text, or ``None`` when ``embeddings`` is given.
         embeddings: path of a safetensors file of precomputed text embeddings (relative paths are
             the request file's directory's), or ``None``.
-        height, width: pixels.
+        height, width: pixels, or ``None`` (with ``image`` only): the family's pipeline's size of
+            its image (FLUX.3: the first reference's).
         steps: denoising steps.
         guidance: the guidance scale (embedded, for guidance-distilled models such as FLUX.1 and
             FLUX.2 [dev]), or ``None``: the family's pipeline's default (``guidance_scale``).
         seed: of the initial noise (``torch.Generator().manual_seed(seed)``, as given to diffusers).
-        max_sequence_length: text tokens a prompt is padded to (ignored with ``embeddings``).
+        max_sequence_length: text tokens a prompt is padded (or truncated) to, or ``None``: the
+            family's pipeline's default (ignored with ``embeddings``).
         frames: video frames, or ``None``: the family's default (an image family takes none).
         negative_prompt: the unconditional branch's text, or ``None``: the family's default.
         true_cfg_scale: FLUX.1's true classifier-free guidance scale, or ``None`` (off).
-        image: paths of the request's images (Wan's first frame; FLUX.2's references, in order;
-            relative paths are the request file's directory's), or ``None``.
+        image: paths of the request's images (Wan's first frame; FLUX.2's and FLUX.3's references,
+            in order; relative paths are the request file's directory's), or ``None``.
         guidance_2: the low-noise expert's guidance scale of a two-expert pipeline, or ``None``:
             ``guidance``'s.
     """
@@ -110,12 +115,12 @@ class Request:
     id: str
     prompt: str | None
     embeddings: str | None
-    height: int
-    width: int
+    height: int | None
+    width: int | None
     steps: int
     guidance: float | None
     seed: int
-    max_sequence_length: int
+    max_sequence_length: int | None
     frames: int | None = None
     negative_prompt: str | None = None
     true_cfg_scale: float | None = None
@@ -224,8 +229,8 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
     if "negative_prompt" in fields and not _encodable(fields["negative_prompt"]):
         raise RequestError(f"line {line}: 'negative_prompt' must be valid Unicode; got {fields['negative_prompt']!r}")
     for key in ("height", "width", "steps", "seed", "max_sequence_length", "frames"):
-        if key == "frames" and key not in values:
-            continue
+        if key not in values and (key in ("frames", "max_sequence_length") or "image" in fields):
+            continue  # the family's default (an image's size: its pipeline's)
         if key not in values:
             raise RequestError(f'line {line}: {key!r} is required (pixels); e.g. "{key}": 1024')
         value = values[key]
@@ -242,9 +247,9 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
     guidance, true_cfg_scale = values.get("guidance"), values.get("true_cfg_scale")
     guidance_2 = values.get("guidance_2")
     return Request(index=index, line=line, id=request_id, prompt=fields.get("prompt"),
-                   embeddings=str(Path(directory, fields["embeddings"])) if "embeddings" in fields else None, height=values["height"], width=values["width"],
+                   embeddings=str(Path(directory, fields["embeddings"])) if "embeddings" in fields else None, height=values.get("height"), width=values.get("width"),
                    steps=values["steps"], guidance=None if guidance is None else float(guidance), seed=values["seed"],
-                   max_sequence_length=values["max_sequence_length"], frames=values.get("frames"),
+                   max_sequence_length=values.get("max_sequence_length"), frames=values.get("frames"),
                    negative_prompt=fields.get("negative_prompt"),
                    true_cfg_scale=None if true_cfg_scale is None else float(true_cfg_scale),
                    image=None if raw is None else tuple(str(Path(directory, path)) for path in paths),

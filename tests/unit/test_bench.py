@@ -139,11 +139,11 @@ def test_ahead_bench_workers_share_each_solve_unless_told_not_to(capsys, plan_fo
     assert cpu["--no-share"] > 1.5 * cpu["--share"], cpu  # 3 solves against 1 (and the reads)
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2", "wan"])
+@pytest.mark.parametrize("family", ["flux", "flux2", "flux3", "wan"])
 def test_bench_generate_builds_each_family_and_its_default_requests_are_imbalanced(family):
     """The default request file's lines alternate large and small (Wan: CFG clips, then one-frame
-    images without guidance); the family's tiny model at the bench's width takes them, and rank 0
-    of 2 (even lines) holds most of the tokens."""
+    images without guidance; FLUX.3 guides every request by default); the family's tiny model at the
+    bench's width takes them, and rank 0 of 2 (even lines) holds most of the tokens."""
     import torch
 
     from deepspeed_knap.bench.generate import imbalanced_requests
@@ -158,6 +158,8 @@ def test_bench_generate_builds_each_family_and_its_default_requests_are_imbalanc
     seq_lens = [generator.request_seq_lens(parse_request(i, i + 1, json.dumps(line))) for i, line in enumerate(lines)]
     if family == "wan":  # 3 latent frames x 4 x 4 tokens, twice; 2 x 2 once
         assert seq_lens == [(48, 48), (4,), (48, 48), (4,)]
+    elif family == "flux3":  # as FLUX's, twice: the guider's unconditional branch (text "", also cut at 16)
+        assert seq_lens == [(272, 272), (80, 80), (272, 272), (80, 80)]
     else:  # 16 text tokens + 16 x 16 or 8 x 8 image tokens
         assert seq_lens == [(272,), (80,), (272,), (80,)]
     assert [line["steps"] for line in lines] == [2, 2, 4, 4]

@@ -23,7 +23,8 @@ def test_a_request_line_with_defaults_and_a_relative_embeddings_path(tmp_path):
     request = parse_request(3, 7, '{"embeddings": "e.safetensors", "height": 64, "width": 32}', tmp_path)
     assert (request.index, request.line, request.id) == (3, 7, "line7")
     assert request.embeddings == str(tmp_path / "e.safetensors") and request.prompt is None
-    assert (request.steps, request.guidance, request.seed, request.max_sequence_length) == (28, None, 0, 512)
+    # guidance and max_sequence_length: the family's defaults (its pipeline's)
+    assert (request.steps, request.guidance, request.seed, request.max_sequence_length) == (28, None, 0, None)
 
 
 @pytest.mark.parametrize(
@@ -528,6 +529,26 @@ def test_image_to_video_requests_are_checked_at_the_intake(tmp_path, two_experts
     else:
         with pytest.raises(RequestError, match=re.escape(expected)):
             generator.request_seq_lens(request)
+
+
+@pytest.mark.parametrize(("family", "missing"), [("flux2", "'height' and 'width'"), ("wan", "'width'")])
+def test_a_request_with_an_image_may_leave_out_its_size_only_where_the_pipeline_sizes_by_it(tmp_path, family,
+                                                                                            missing):  # fmt: skip
+    """The intake lets a request with ``image`` leave out ``height`` and ``width`` (FLUX.3's pipeline
+    takes the first reference's size); FLUX.2 and Wan here need them, and say which is missing."""
+    from PIL import Image
+
+    Image.fromarray(np.zeros((64, 64, 3), dtype=np.uint8)).save(tmp_path / "cat.png")
+    fields = {"prompt": "a cat", "image": "cat.png", **({"height": 32} if family == "wan" else {})}
+    request = parse_request(0, 3, json.dumps(fields), tmp_path)
+    assert (request.width, request.max_sequence_length) == (None, None)
+    # Wan: an image-to-video pipeline (it takes the image, and still needs the size)
+    generator = _image_to_video_generator(two_experts=False) if family == "wan" else _tiny_generator(family)
+    with pytest.raises(RequestError, match=re.escape(f"line 3: {generator.name} needs {missing} (pixels) with an "
+                                                     "image too")):  # fmt: skip
+        generator.request_seq_lens(request)
+    with pytest.raises(RequestError, match="'height' is required"):  # without an image, as before
+        parse_request(0, 3, json.dumps({"prompt": "a cat", "width": 32}))
 
 
 def test_flux2_references_are_counted_and_checked_as_the_pipeline_prepares_them(tmp_path):
@@ -1122,3 +1143,14 @@ def test_only_a_collectives_failure_calls_the_roll():
     assert collective_failure(gloo)
     assert not collective_failure(RuntimeError("CUDA out of memory"))
     assert not collective_failure(GenerationError("rank 1, line 4: cannot start the request: Timed out (gloo)"))
+
+
+def test_qwen_image_counts_a_prompts_own_rows_without_a_max_sequence_length():
+    """Without ``max_sequence_length`` a Qwen-Image prompt is its chat-templated tokens less the
+    template's dropped prefix (the pipeline pads nothing), what the start packs."""
+    generator = _tiny_generator("qwen-image")
+    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "height": 32, "width": 48, "steps": 1}))
+    pipe = generator.pipeline
+    rows = len(pipe.tokenizer(pipe.prompt_template_encode.format("a cat"))["input_ids"]) - 34
+    assert generator.request_seq_lens(request) == (rows + 24,)
+    assert tuple(generator.model.pack(generator.start(request).samples()).seq_lens) == (rows + 24,)

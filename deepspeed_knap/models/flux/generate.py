@@ -114,6 +114,7 @@ class FluxGenerator(Generator):
                 keys that would be ignored.
         """
         branches = self._branches(request)
+        self.check_size_given(request)
         patch, line = self.patch_pixels, request.line
         if request.height % patch or request.width % patch:
             fit = f"{_nearest(request.height, patch)}x{_nearest(request.width, patch)}"
@@ -127,11 +128,11 @@ class FluxGenerator(Generator):
                                f"most {most * patch} px a side")  # fmt: skip
         image_tokens = grid[0] * grid[1] + sum(height * width for height, width in self._reference_grids(request))
         if request.embeddings is None:
-            most, encoder = self.text_positions
-            if request.max_sequence_length > most:
-                raise RequestError(f"line {line}: max_sequence_length {request.max_sequence_length} is over {encoder}'s "
+            most, encoder, length = *self.text_positions, self.max_sequence_length(request)
+            if length > most:
+                raise RequestError(f"line {line}: max_sequence_length {length} is over {encoder}'s "
                                    f"{most} that {type(self.pipeline).__name__} takes")  # fmt: skip
-            return (request.max_sequence_length + image_tokens,) * branches
+            return (length + image_tokens,) * branches
         return (self._embeddings_shape(request)[0] + image_tokens,) * branches
 
     def _branches(self, request: Request) -> int:
@@ -253,7 +254,7 @@ class FluxGenerator(Generator):
         if request.prompt is not None:
             prompt = request.negative_prompt if negative else request.prompt
             text, pooled, text_ids = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=device,
-                                                        max_sequence_length=request.max_sequence_length)  # fmt: skip
+                                                        max_sequence_length=self.max_sequence_length(request))  # fmt: skip
         else:
             saved, prefix = self.embeddings_file(request), "negative_" if negative else ""
             text = saved[f"{prefix}prompt_embeds"][None].to(device, self.dtype)
@@ -376,7 +377,7 @@ class Flux2Generator(FluxGenerator):
         pipe, device = self.pipeline, self.device
         if request.prompt is not None:
             text, text_ids = pipe.encode_prompt(prompt=request.prompt, device=device,
-                                                max_sequence_length=request.max_sequence_length)  # fmt: skip
+                                                max_sequence_length=self.max_sequence_length(request))  # fmt: skip
         else:
             saved = self.embeddings_file(request)
             text, text_ids = pipe.encode_prompt(prompt=None, device=device,

@@ -119,4 +119,6 @@ FLUX3 = ModelSpec(
     default_mix="flux3_edit",
     lora_targets=("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.linear_in", "ff.linear_out"),
     training="deepspeed_knap.models.flux3.finetune:Flux3Training",
+    # Around diffusers' modular FLUX.3 blocks (Flux3AutoBlocks): there is no pipeline class.
+    generator="deepspeed_knap.models.flux3.generate:Flux3Generator",
 )

@@ -50,9 +50,12 @@ class QwenImageDenoising(Denoising):
         """The pipeline's ``timestep = t.to(latents.dtype) / 1000``."""
         return {"hidden_states": self.latents, "timestep": timestep.to(self.latents.dtype) / 1000}
 
-    def combine(self, conditional: Tensor, unconditional: Tensor, timestep: Tensor) -> Tensor:
+    def combine(self, predictions: list[Tensor], timestep: Tensor) -> Tensor:
         """``QwenImagePipeline``'s true CFG: ``uncond + scale * (cond - uncond)``, rescaled per token
-        to the conditional prediction's norm."""
+        to the conditional prediction's norm (the conditional one alone without guidance)."""
+        if len(predictions) == 1:
+            return predictions[0]
+        conditional, unconditional = predictions
         combined = unconditional + self.guidance_scale * (conditional - unconditional)
         return combined * (conditional.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
@@ -131,11 +134,12 @@ class QwenImageGenerator(Generator):
         image = (request.height // side) * (request.width // side)
         if request.embeddings is not None:
             return tuple(rows + image for rows in self._embedding_rows(request)[:branches])
-        if request.max_sequence_length > pipe.tokenizer_max_length:
-            raise RequestError(f"line {line}: max_sequence_length {request.max_sequence_length} is over "
+        length = self.max_sequence_length(request)
+        if length > pipe.tokenizer_max_length:
+            raise RequestError(f"line {line}: max_sequence_length {length} is over "
                                f"QwenImagePipeline's {pipe.tokenizer_max_length}")  # fmt: skip
         prompts = [request.prompt, request.negative_prompt][:branches]
-        return tuple(self._text_rows(prompt, request.max_sequence_length) + image for prompt in prompts)
+        return tuple(self._text_rows(prompt, length) + image for prompt in prompts)
 
     def _text_rows(self, prompt: str, max_sequence_length: int) -> int:
         """The rows ``encode_prompt`` gives ``prompt``: its chat-templated tokens (truncated as the
@@ -191,7 +195,8 @@ class QwenImageGenerator(Generator):
         pipe, device = self.pipeline, self.device
         if request.prompt is not None:
             prompts = [request.prompt, request.negative_prompt][: 1 + guided]
-            return [pipe.encode_prompt(prompt=prompt, device=device, max_sequence_length=request.max_sequence_length)[0][0]
+            length = self.max_sequence_length(request)
+            return [pipe.encode_prompt(prompt=prompt, device=device, max_sequence_length=length)[0][0]
                     for prompt in prompts]  # fmt: skip
         saved = self.embeddings_file(request)
         keys = self.pipeline_embeddings[: 1 + guided]

@@ -163,6 +163,7 @@ class WanGenerator(Generator):
             raise RequestError(f"line {line}: Wan's 'guidance' is its classifier-free guidance scale (default "
                                f"{DEFAULT_GUIDANCE}); drop 'true_cfg_scale'")  # fmt: skip
         self._check_image(request)
+        self.check_size_given(request)
         frames, temporal = self.frames(request), pipe.vae_scale_factor_temporal
         if (frames - 1) % temporal:
             below = (frames - 1) // temporal * temporal + 1
@@ -192,7 +193,7 @@ class WanGenerator(Generator):
                                    "guidance runs above 1); drop it or raise 'guidance'")  # fmt: skip
         if request.embeddings is not None:
             self._check_embeddings(request, branches)
-        elif config.get("image_dim") is not None and request.max_sequence_length != I2V_TEXT_ROWS:
+        elif config.get("image_dim") is not None and self.max_sequence_length(request) != I2V_TEXT_ROWS:
             raise RequestError(f"line {line}: max_sequence_length {request.max_sequence_length}: a model with image "
                                f"context (Wan 2.1 I2V) takes its text as {I2V_TEXT_ROWS} rows (diffusers splits the "
                                f"context there); drop 'max_sequence_length'")  # fmt: skip
@@ -245,7 +246,7 @@ class WanGenerator(Generator):
         if request.prompt is not None:
             text, negative = pipe.encode_prompt(prompt=request.prompt, negative_prompt=request.negative_prompt,
                                                 do_classifier_free_guidance=cfg, device=device,
-                                                max_sequence_length=request.max_sequence_length)  # fmt: skip
+                                                max_sequence_length=self.max_sequence_length(request))  # fmt: skip
         else:
             saved = {key: tensor.to(device) for key, tensor in self.embeddings_file(request).items()}
             text, negative = saved["prompt_embeds"][None], saved.get("negative_prompt_embeds") if cfg else None
