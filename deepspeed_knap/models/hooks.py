@@ -187,7 +187,12 @@ class TrainingHooks(ABC):
 
     def pack(self, model: nn.Module, samples: list[dict[str, Tensor]], balanced: bool) -> tuple[Any, str | None]:
         """``(packed inputs, None)``, or ``(None, why)`` for samples the model cannot pack where the
-        trainer must agree on it first. A family whose model carries a bad sample into the step's
-        first collective (raised there on every rank) packs with ``on_problem="carry"`` when
-        ``balanced``."""
-        return model.pack(samples), None
+        trainer must agree on it first. A family whose model carries a bad sample
+        (:attr:`carries_problems`) packs with ``on_problem="carry"``: balanced, the step's first
+        collective raises it on every rank; unbalanced, the trainer agrees on the ``why``."""
+        if not self.carries_problems:
+            return model.pack(samples), None
+        inputs = model.pack(samples, on_problem="carry")
+        if balanced or inputs.problem is None:
+            return inputs, None
+        return None, inputs.problem

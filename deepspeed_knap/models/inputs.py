@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +47,26 @@ class PackedInputs(ABC):
     def split(self, rows: Tensor) -> list[Tensor]:
         """The model's ``[sum output_lens, ...]`` output -> one tensor per sample."""
         return list(torch.split(rows, list(self.output_lens)))
+
+
+def pack_carrying(pack: Callable[[Sequence[Mapping]], PackedInputs], samples: Sequence[Mapping],
+                  on_problem: str) -> PackedInputs | None:  # fmt: skip
+    """A model's ``pack(samples, on_problem)`` prologue: ``None`` for ``"raise"`` (the model packs and
+    raises itself), and for ``"carry"`` ``pack(samples)``, or, where that raises, the empty inputs
+    whose ``problem`` names why (a balanced forward raises it on every rank of the step together).
+
+    Raises:
+        ValueError: ``on_problem`` other than ``"raise"`` and ``"carry"``.
+    """
+    if on_problem not in ("raise", "carry"):
+        raise ValueError(f"on_problem must be 'raise' or 'carry'; got {on_problem!r}")
+    if on_problem == "raise":
+        return None
+    try:
+        return pack(samples)
+    except (ValueError, TypeError, AttributeError, RuntimeError) as error:  # a non-tensor value, too
+        problem = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+        return dataclasses.replace(pack([]), problem=problem)
 
 
 def route_text_embedded(text_dim: int, dim: int) -> bool:

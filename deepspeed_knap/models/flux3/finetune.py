@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -42,9 +41,3 @@ class Flux3Training(TrainingHooks):
     def objective(self, latents: Sequence[Mapping[str, Tensor]], generator: torch.Generator, config: Mapping,
                   guidance: float | None) -> Objective:  # fmt: skip
         return Objective(*rectified_flow(latents, generator))
-
-    def pack(self, model: nn.Module, samples: list[dict[str, Tensor]], balanced: bool) -> tuple[Any, str | None]:
-        if balanced:  # the step's first collective raises a bad sample on every rank
-            return model.pack(samples, on_problem="carry"), None
-        problem = model.check_samples(samples)
-        return (None, problem) if problem else (model.pack(samples), None)

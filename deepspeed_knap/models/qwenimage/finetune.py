@@ -106,9 +106,3 @@ class QwenImageTraining(TrainingHooks):
     def objective(self, latents: Sequence[Mapping[str, Tensor]], generator: torch.Generator, config: Mapping,
                   guidance: float | None) -> Objective:  # fmt: skip
         return Objective(*flow_matching(latents, generator))
-
-    def pack(self, model: nn.Module, samples: list[dict[str, Tensor]], balanced: bool) -> tuple[Any, str | None]:
-        if balanced:  # the step's first collective raises a bad sample on every rank
-            return model.pack(samples, on_problem="carry"), None
-        problem = model.check_samples(samples)
-        return (None, problem) if problem else (model.pack(samples), None)

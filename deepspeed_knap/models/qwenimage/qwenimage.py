@@ -39,7 +39,6 @@ width, ``n`` chunks held after routing.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -51,7 +50,7 @@ from torch import Tensor, nn
 
 from deepspeed_knap.models.flux.base import PackedFluxBase, _ranks_within
 from deepspeed_knap.models.flux.layers import AdaNormOut
-from deepspeed_knap.models.inputs import PackedInputs
+from deepspeed_knap.models.inputs import PackedInputs, pack_carrying
 from deepspeed_knap.models.qwenimage.layers import (
     ROPE_POSITIONS,
     QwenImageBlock,
@@ -249,14 +248,8 @@ class PackedQwenImageTransformer(PackedFluxBase):
                 padding mask, a shape that does not fit the config, RoPE positions outside
                 diffusers' tables.
         """
-        if on_problem not in ("raise", "carry"):
-            raise ValueError(f"on_problem must be 'raise' or 'carry'; got {on_problem!r}")
-        if on_problem == "carry":
-            try:
-                return self.pack(samples)
-            except (ValueError, TypeError, AttributeError, RuntimeError) as error:  # a non-tensor value, too
-                problem = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-                return dataclasses.replace(self.pack([]), problem=problem)
+        if (carried := pack_carrying(self.pack, samples, on_problem)) is not None:
+            return carried
         shapes = tuple(self._check_sample(index, sample) for index, sample in enumerate(samples))
         config = self.config
         dtype = next(self.parameters()).dtype

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from deepspeed_knap.models.inputs import PackedInputs, route_text_embedded
+from deepspeed_knap.models.inputs import PackedInputs, pack_carrying, route_text_embedded
 from deepspeed_knap.models.layers import modulate
 from deepspeed_knap.models.loading import DiffusersCheckpoint
 from deepspeed_knap.models.wan.layers import (
@@ -291,14 +291,8 @@ class PackedWanTransformer(DiffusersCheckpoint, nn.Module):
                 patch does not divide, a per-token timestep of the wrong length, a shape that does
                 not fit the config.
         """
-        if on_problem not in ("raise", "carry"):
-            raise ValueError(f"on_problem must be 'raise' or 'carry'; got {on_problem!r}")
-        if on_problem == "carry":
-            try:
-                return self.pack(samples)
-            except (ValueError, TypeError, AttributeError, RuntimeError) as error:  # a non-tensor value, too
-                problem = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-                return dataclasses.replace(self.pack([]), problem=problem)
+        if (carried := pack_carrying(self.pack, samples, on_problem)) is not None:
+            return carried
         config = self.config
         patch = tuple(config["patch_size"])
         grids = tuple(self._check_sample(index, sample) for index, sample in enumerate(samples))
