@@ -114,6 +114,21 @@ def _paper_mix(codes: list[_DataCode]) -> Callable[[int, np.random.Generator], l
 ASPECTS = [(1, 1), (9, 7), (7, 9), (19, 13), (13, 19), (7, 4), (4, 7), (12, 5), (5, 12)]
 
 
+def fill_ranks(num_gpus: int, rng: np.random.Generator, draw: Callable[[np.random.Generator], SampleShape],
+               visual_tokens: int = 16384) -> list[list[SampleShape]]:  # fmt: skip
+    """``num_gpus`` ranks' samples, each rank drawing samples (``draw(rng)``) until its visual tokens
+    reach ``visual_tokens``: the editing mixes' step, where samples of a few large images each fill
+    ranks unevenly."""
+    shapes = []
+    for _ in range(num_gpus):
+        samples, visual_total = [], 0
+        while not samples or visual_total < visual_tokens:
+            samples.append(draw(rng))
+            visual_total += samples[-1].visual
+        shapes.append(samples)
+    return shapes
+
+
 def bucket_tokens(rng: np.random.Generator) -> int:
     """Image tokens of one aspect-ratio bucket: base 512 / 768 / 1024 px (0.3 / 0.3 / 0.4) times
     one of nine aspect ratios, sides rounded to 64 px."""

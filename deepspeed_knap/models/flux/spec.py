@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from deepspeed_knap.cost.model import CostModel
-from deepspeed_knap.data.mixes import SampleShape, bucket_tokens
+from deepspeed_knap.data.mixes import SampleShape, bucket_tokens, fill_ranks
 from deepspeed_knap.models.spec import ModelSpec
 
 # A FLUX small enough for CPU ranks (``train_dit.py --tiny``): every kind of block and guidance, 4
@@ -84,16 +84,13 @@ def flux2_edit(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape
     reference images (each a bucket, at most 1024x1024 px as the pipeline resizes them: 4,096 tokens)
     and 512 text tokens; ``frames`` counts the images. Each rank holds samples until its image tokens
     reach 16,384."""
-    shapes = []
-    for _ in range(num_gpus):
-        samples, visual_total = [], 0
-        while not samples or visual_total < 16384:
-            references = int(rng.integers(1, 5))
-            visual = bucket_tokens(rng) + sum(min(4096, bucket_tokens(rng)) for _ in range(references))
-            samples.append(SampleShape(FLUX2_TEXT_TOKENS, visual, 1 + references))
-            visual_total += visual
-        shapes.append(samples)
-    return shapes
+
+    def draw(rng: np.random.Generator) -> SampleShape:
+        references = int(rng.integers(1, 5))
+        visual = bucket_tokens(rng) + sum(min(4096, bucket_tokens(rng)) for _ in range(references))
+        return SampleShape(FLUX2_TEXT_TOKENS, visual, 1 + references)
+
+    return fill_ranks(num_gpus, rng, draw)
 
 
 # FLUX.1 [dev]'s transformer (diffusers' FluxTransformer2DModel defaults; [schnell] has no guidance).

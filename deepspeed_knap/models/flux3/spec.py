@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepspeed_knap.data.mixes import ASPECTS, SampleShape, bucket_tokens
+from deepspeed_knap.data.mixes import ASPECTS, SampleShape, bucket_tokens, fill_ranks
 from deepspeed_knap.models.flux.spec import flux_cost_model, swiglu_cost_dims
 from deepspeed_knap.models.spec import ModelSpec
 
@@ -70,14 +70,7 @@ def flux3_edit(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape
     canvas, or two (0.3) or three (0.2), each fitted under 1 megapixel (4,096 tokens) with the target
     a bucket. Each rank holds samples until its image tokens (targets and references) reach 16,384.
     Sources and assumptions at :data:`FLUX3_TEXT_PAD`."""
-    shapes = []
-    for _ in range(num_gpus):
-        samples, visual_total = [], 0
-        while not samples or visual_total < 16384:
-            samples.append(_flux3_sample(rng))
-            visual_total += samples[-1].visual
-        shapes.append(samples)
-    return shapes
+    return fill_ranks(num_gpus, rng, _flux3_sample)
 
 
 FLUX3 = ModelSpec(

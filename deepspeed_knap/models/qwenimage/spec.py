@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from deepspeed_knap.data.mixes import SampleShape, bucket_tokens
+from deepspeed_knap.data.mixes import SampleShape, bucket_tokens, fill_ranks
 from deepspeed_knap.models.flux.spec import JOINT_ATTENTION_PROJECTIONS, flux_cost_model
 from deepspeed_knap.models.spec import ModelSpec
 
@@ -65,14 +65,7 @@ def qwen_edit(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape]
     text-to-image (a ``flux_buckets`` bucket); an edit's target is about 1 megapixel (4,096 tokens)
     and each reference up to that. Each rank holds samples until its image tokens reach 16,384.
     Sources and assumptions at :data:`QWEN_EDIT_SHARE`."""
-    shapes = []
-    for _ in range(num_gpus):
-        samples, visual_total = [], 0
-        while not samples or visual_total < 16384:
-            samples.append(_qwen_sample(rng))
-            visual_total += samples[-1].visual
-        shapes.append(samples)
-    return shapes
+    return fill_ranks(num_gpus, rng, _qwen_sample)
 
 
 QWEN_IMAGE = ModelSpec(
