@@ -268,29 +268,31 @@ class PackedFluxBase(DiffusersCheckpoint, nn.Module):
         """``[Ti, patch^2 * C_out]`` predictions for ``inputs.hidden_states``' tokens, in their order.
         With a ``balancer`` the blocks run on the tokens the step's plan gives this GPU (collective:
         every rank calls it every step, even with no samples)."""
-        latents = inputs.hidden_states
-        device = latents.device
+        device = inputs.hidden_states.device
         txt_rows, img_rows = inputs._joint_rows
         is_text = np.zeros(len(txt_rows) + len(img_rows), dtype=bool)
         is_text[txt_rows] = True
         img_rows_t = torch.as_tensor(img_rows, device=device)
         joint_order = torch.as_tensor(np.argsort(np.concatenate([txt_rows, img_rows])), device=device)
-        # The route carries raw latents (text rows zero: their input travels separately) and no gradient.
-        tokens = latents.new_zeros(len(is_text), latents.shape[1]).index_copy(0, img_rows_t, latents)
+        token_data = {"ids": torch.cat([inputs.txt_ids, inputs.img_ids]).float().index_select(0, joint_order),
+                      "is_text": torch.as_tensor(is_text, device=device)}  # fmt: skip
+        batch, text = self._joint_batch(inputs, img_rows_t, len(is_text), token_data, inputs.conditioning())
+        blocks = functools.partial(self._blocks, text=text, home_is_text=is_text)
+        return balanced_forward(batch, blocks, balancer).index_select(0, img_rows_t)
+
+    def _joint_batch(self, inputs: Any, img_rows: Tensor, tokens: int, token_data: dict[str, Tensor],
+                     sample_data: dict[str, Tensor]) -> tuple[PackedBatch, Tensor]:  # fmt: skip
+        """The batch the route carries for joint text + image sequences, and the text that travels
+        beside it. The route carries raw latents at their rows of the joint sequences (``[tokens,
+        C]``: text rows zero, their input travels separately, raw or embedded, whichever is fewer
+        bytes) and no gradient."""
+        latents = inputs.hidden_states
+        routed = latents.new_zeros(tokens, latents.shape[1]).index_copy(0, img_rows, latents)
         text = inputs.encoder_hidden_states
         if self.embed_text_before_routing:
             text = self.context_embedder(text)
-        batch = PackedBatch(
-            tokens=tokens,
-            seq_lens=inputs.seq_lens,
-            token_data={
-                "ids": torch.cat([inputs.txt_ids, inputs.img_ids]).float().index_select(0, joint_order),
-                "is_text": torch.as_tensor(is_text, device=device),
-            },
-            sample_data=inputs.conditioning(),
-        )
-        blocks = functools.partial(self._blocks, text=text, home_is_text=is_text)
-        return balanced_forward(batch, blocks, balancer).index_select(0, img_rows_t)
+        batch = PackedBatch(tokens=routed, seq_lens=inputs.seq_lens, token_data=token_data, sample_data=sample_data)
+        return batch, text
 
     def _blocks(self, routed: RoutedBatch, text: Tensor, home_is_text: np.ndarray) -> Tensor:
         """Embed this GPU's routed tokens and run :meth:`transform`: ``[T, C_out]`` in routed order

@@ -61,7 +61,6 @@ from deepspeed_knap.models.qwenimage.layers import (
 from deepspeed_knap.models.qwenimage.spec import QWEN_IMAGE
 from deepspeed_knap.planner.topology import Topology
 from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
-from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import RoutedBatch, route_subset_rows
 
 __all__ = ["PackedQwenImageTransformer", "QwenImageInputs", "image_positions"]
@@ -335,21 +334,12 @@ class PackedQwenImageTransformer(PackedFluxBase):
             ValueError: ``inputs.problem`` (a bad sample :meth:`pack` carried): here without a
                 balancer; with one, on every rank, by the step's first collective.
         """
-        latents = inputs.hidden_states
-        device = latents.device
+        device = inputs.hidden_states.device
         columns = inputs.token_columns
         img_rows = torch.as_tensor(columns["img_rows"], device=device)
-        # The route carries raw latents (text rows zero: the text travels separately) and no gradient.
-        tokens = latents.new_zeros(len(columns["is_text"]), latents.shape[1]).index_copy(0, img_rows, latents)
-        text = inputs.encoder_hidden_states
-        if self.embed_text_before_routing:
-            text = self.context_embedder(text)
-        batch = PackedBatch(
-            tokens=tokens,
-            seq_lens=inputs.seq_lens,
-            token_data={name: torch.as_tensor(columns[name], device=device) for name in ROUTED_COLUMNS},
-            sample_data={"timestep": inputs.timestep.to(device)},
-        )
+        token_data = {name: torch.as_tensor(columns[name], device=device) for name in ROUTED_COLUMNS}
+        batch, text = self._joint_batch(inputs, img_rows, len(columns["is_text"]), token_data,
+                                        {"timestep": inputs.timestep.to(device)})  # fmt: skip
         blocks = functools.partial(self._blocks, text=text, home_is_text=columns["is_text"])
         out = balanced_forward(batch, blocks, balancer, problem=inputs.problem)
         return out.index_select(0, torch.as_tensor(columns["target_rows"], device=device))
