@@ -123,13 +123,14 @@ class Generator:
         pipeline's device and dtype; sizes, steps, seed and guidance as the generator reads them."""
         import torch
 
+        length = self.max_sequence_length(request)
         if request.prompt is not None:
-            length = self.max_sequence_length(request)
             text: Mapping[str, Any] = {"prompt": request.prompt, "max_sequence_length": length}
-        else:
+        else:  # max_sequence_length too: a pipeline may cut given embeddings to it (Qwen-Image's does)
             saved = self.embeddings_file(request)
             device = next(self.pipeline.vae.parameters()).device
             text = {key: saved[key][None].to(device, self.dtype) for key in self.pipeline_embeddings if key in saved}
+            text["max_sequence_length"] = length
         return {**text, "height": request.height, "width": request.width, "num_inference_steps": request.steps,
                 "generator": torch.Generator().manual_seed(request.seed), **self.pipeline_options(request)}  # fmt: skip
 

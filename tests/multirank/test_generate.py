@@ -67,17 +67,21 @@ FLUX2_EDITS = [
 ]  # fmt: skip
 REFERENCE_IMAGES = {"ref_a.png": (64, 64), "ref_b.png": (72, 64)}  # (height, width) px
 # Tiny Qwen-Image: a 4x VAE and 2x2 patches, 8 px a token; true CFG (a negative prompt) runs two
-# sequences of the two texts' lengths. Tokens per sequence with 8 text rows: 32, 2 x 44, 2 x 40, 14, 33.
+# sequences of the two texts' lengths: the character tokenizer makes a prompt its templated characters
+# less the 34 dropped (a 5-letter prompt 133 rows, " " 129), uncapped at 160. Tokens per sequence:
+# "a" 161, "b" 169 and 165, "c" 170 and 166, "d" 137, "e" 160.
+QWEN_TEXT = {"max_sequence_length": 160}
 QWEN_REQUESTS = [
-    {"id": "a", "prompt": "a red cat", "height": 32, "width": 48, "steps": 3, "seed": 1},
-    {"id": "b", "prompt": "a dog", "negative_prompt": " ", "height": 48, "width": 48, "steps": 2, "seed": 2},
+    {"id": "a", "prompt": "a red cat", "height": 32, "width": 48, "steps": 3, "seed": 1, **QWEN_TEXT},
+    {"id": "b", "prompt": "a dog", "negative_prompt": " ", "height": 48, "width": 48, "steps": 2, "seed": 2,
+     **QWEN_TEXT},
     {"id": "c", "prompt": "tall tower", "negative_prompt": "blurry", "true_cfg_scale": 2.5, "height": 64, "width": 32,
-     "steps": 4, "seed": 3},
-    {"id": "d", "prompt": "dot", "height": 16, "width": 24, "steps": 5, "seed": 4},
-    {"id": "e", "prompt": "the sea", "height": 40, "width": 40, "steps": 2, "seed": 5},
+     "steps": 4, "seed": 3, **QWEN_TEXT},
+    {"id": "d", "prompt": "dot", "height": 16, "width": 24, "steps": 5, "seed": 4, **QWEN_TEXT},
+    {"id": "e", "prompt": "the sea", "height": 40, "width": 40, "steps": 2, "seed": 5, **QWEN_TEXT},
 ]  # fmt: skip
-# 2 ranks x 50 = 100 tokens at a time: "a" starts, "b" (88) waits for it, the others join as they leave.
-QWEN_BUDGET = 50
+# 2 ranks x 200 = 400 tokens at a time: "a" starts, "b" (334) waits for it, the others join as they leave.
+QWEN_BUDGET = 200
 FAMILY_REQUESTS = {"flux": [*REQUESTS, GUIDED], "flux2": [*REQUESTS, *FLUX2_EDITS], "wan": WAN_REQUESTS,
                    "qwen-image": QWEN_REQUESTS}  # fmt: skip
 
@@ -228,7 +232,8 @@ def _references(family: str) -> dict:
         if "frames" in r:
             options["num_frames"] = r["frames"]
         output = pipe(prompt=r["prompt"], height=r["height"], width=r["width"], num_inference_steps=r["steps"],
-                      max_sequence_length=TEXT_TOKENS, generator=torch.Generator().manual_seed(r["seed"]),
+                      max_sequence_length=r.get("max_sequence_length", TEXT_TOKENS),
+                      generator=torch.Generator().manual_seed(r["seed"]),
                       output_type="np", **options)  # fmt: skip
         images[r["id"]] = output.frames[0] if family == "wan" else output.images[0]
     return images

@@ -1145,6 +1145,35 @@ def test_only_a_collectives_failure_calls_the_roll():
     assert not collective_failure(GenerationError("rank 1, line 4: cannot start the request: Timed out (gloo)"))
 
 
+def test_qwen_image_intake_counts_each_branchs_text_cuts_embeddings_and_refuses_far_positions(tmp_path):
+    """The two CFG branches are their own texts' lengths; an embeddings file's rows are cut to
+    ``max_sequence_length`` as ``encode_prompt`` cuts them (and what start packs); a request whose
+    RoPE positions fall outside diffusers' tables is refused at the intake, before any rank starts it."""
+    from safetensors.torch import save_file
+
+    generator = _tiny_generator("qwen-image")
+    fields = {"prompt": "a cat", "negative_prompt": "blurry and dark", "height": 32, "width": 48, "steps": 1}
+    rows = [generator._text_rows(text, 512) for text in ("a cat", "blurry and dark")]
+    assert rows[0] != rows[1]
+    request = parse_request(0, 1, json.dumps(fields))
+    assert generator.request_seq_lens(request) == (rows[0] + 24, rows[1] + 24)
+    assert tuple(generator.model.pack(generator.start(request).samples()).seq_lens) == (rows[0] + 24, rows[1] + 24)
+    width = generator.model.config["joint_attention_dim"]
+    save_file({"prompt_embeds": torch.randn(40, width)}, str(tmp_path / "long.safetensors"))
+    cut = parse_request(0, 2, json.dumps({"embeddings": "long.safetensors", "max_sequence_length": 30, "height": 32,
+                                          "width": 48, "steps": 1}), tmp_path)  # fmt: skip
+    assert generator.request_seq_lens(cut) == (30 + 24,)
+    assert tuple(generator.model.pack(generator.start(cut).samples()).seq_lens) == (30 + 24,)
+    save_file({"prompt_embeds": torch.randn(4, width), "prompt_embeds_mask": torch.ones(4)},
+              str(tmp_path / "mask.safetensors"))  # fmt: skip
+    masked = parse_request(0, 3, json.dumps({"embeddings": "mask.safetensors", "height": 32, "width": 48}), tmp_path)
+    with pytest.raises(RequestError, match="nothing else"):
+        generator.request_seq_lens(masked)
+    wide = parse_request(0, 4, json.dumps({"prompt": "a cat", "height": 8, "width": 65600}))
+    with pytest.raises(RequestError, match=re.escape("outside Qwen-Image's -4096..4095; make the image smaller")):
+        generator.request_seq_lens(wide)
+
+
 def test_qwen_image_counts_a_prompts_own_rows_without_a_max_sequence_length():
     """Without ``max_sequence_length`` a Qwen-Image prompt is its chat-templated tokens less the
     template's dropped prefix (the pipeline pads nothing), what the start packs."""

@@ -34,7 +34,8 @@ from torch import Tensor
 from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
-from deepspeed_knap.models.qwenimage.qwenimage import PackedQwenImageTransformer
+from deepspeed_knap.models.qwenimage.layers import ROPE_POSITIONS
+from deepspeed_knap.models.qwenimage.qwenimage import PackedQwenImageTransformer, image_positions
 from deepspeed_knap.models.qwenimage.spec import QWEN_IMAGE, TINY_QWEN_IMAGE
 
 DEFAULT_TRUE_CFG_SCALE = 4.0  # QwenImagePipeline's true_cfg_scale
@@ -122,7 +123,8 @@ class QwenImageGenerator(Generator):
         Raises:
             RequestError: a size the VAE and the patching cannot take (the pipeline would round it),
                 a ``max_sequence_length`` over the pipeline's 1,024, an embeddings file that is
-                unreadable or does not fit, and what :meth:`_branches` refuses.
+                unreadable or does not fit, RoPE positions outside diffusers' tables (a side over
+                ~65k px), and what :meth:`_branches` refuses.
         """
         pipe, line = self.pipeline, request.line
         branches = self._branches(request)
@@ -131,15 +133,24 @@ class QwenImageGenerator(Generator):
             raise RequestError(f"line {line}: {request.height}x{request.width} px: Qwen-Image's VAE "
                                f"({pipe.vae_scale_factor}x) and 2x2 patches need height and width in multiples of "
                                f"{side} px")  # fmt: skip
-        image = (request.height // side) * (request.width // side)
-        if request.embeddings is not None:
-            return tuple(rows + image for rows in self._embedding_rows(request)[:branches])
+        grid = (request.height // side, request.width // side)
         length = self.max_sequence_length(request)
         if length > pipe.tokenizer_max_length:
             raise RequestError(f"line {line}: max_sequence_length {length} is over "
                                f"QwenImagePipeline's {pipe.tokenizer_max_length}")  # fmt: skip
-        prompts = [request.prompt, request.negative_prompt][:branches]
-        return tuple(self._text_rows(prompt, length) + image for prompt in prompts)
+        if request.embeddings is not None:
+            rows = self._embedding_rows(request)[:branches]
+        else:
+            rows = [self._text_rows(prompt, length) for prompt in [request.prompt, request.negative_prompt][:branches]]
+        # Every token's RoPE position must be in diffusers' tables: image rows and columns centred,
+        # the text from the larger half-side on (checked here, before any rank starts the request).
+        positions, text_start = image_positions([(1, *grid)])
+        low, high = int(positions.min()), text_start + max(rows) - 1
+        if low < -ROPE_POSITIONS or high >= ROPE_POSITIONS:
+            raise RequestError(f"line {line}: {request.height}x{request.width} px with {max(rows)} text rows puts RoPE "
+                               f"positions at {low}..{high}, outside Qwen-Image's {-ROPE_POSITIONS}.."
+                               f"{ROPE_POSITIONS - 1}; make the image smaller")  # fmt: skip
+        return tuple(count + grid[0] * grid[1] for count in rows)
 
     def _text_rows(self, prompt: str, max_sequence_length: int) -> int:
         """The rows ``encode_prompt`` gives ``prompt``: its chat-templated tokens (truncated as the
@@ -151,19 +162,22 @@ class QwenImageGenerator(Generator):
         return min(len(tokens) - drop, max_sequence_length)
 
     def _embedding_rows(self, request: Request) -> list[int]:
-        """Rows of the embeddings file's ``prompt_embeds [Tt, Dj]`` (and ``negative_prompt_embeds``)."""
+        """Rows of the embeddings file's ``prompt_embeds [Tt, Dj]`` (and ``negative_prompt_embeds``)
+        the pipeline uses: at most ``max_sequence_length`` (it cuts given embeddings there too)."""
         width, line = self.model.config["joint_attention_dim"], request.line
         tensors = self.embeddings_file(request)
         wanted = [key for key in self.pipeline_embeddings if key in tensors]
         shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
-        if "prompt_embeds" not in wanted or not all(
-            len(shapes[key]) == 2 and shapes[key][0] >= 1 and shapes[key][1] == width for key in wanted
+        if (
+            "prompt_embeds" not in wanted
+            or set(shapes) - set(wanted)
+            or not all(len(shapes[key]) == 2 and shapes[key][0] >= 1 and shapes[key][1] == width for key in wanted)
         ):
             raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; Qwen-Image takes "
-                               f"prompt_embeds [Tt, {width}] and for true CFG negative_prompt_embeds [Tn, {width}] "
-                               "(one prompt each, unbatched, no padding)")  # fmt: skip
+                               f"prompt_embeds [Tt, {width}] and for true CFG negative_prompt_embeds [Tn, {width}], "
+                               "nothing else (one prompt each, unbatched, no padding: no mask)")  # fmt: skip
         self.check_embedding_values(request, tensors, wanted)
-        return [shapes[key][0] for key in wanted]
+        return [min(shapes[key][0], self.max_sequence_length(request)) for key in wanted]
 
     @torch.no_grad()
     def start(self, request: Request) -> QwenImageDenoising:
@@ -198,9 +212,9 @@ class QwenImageGenerator(Generator):
             length = self.max_sequence_length(request)
             return [pipe.encode_prompt(prompt=prompt, device=device, max_sequence_length=length)[0][0]
                     for prompt in prompts]  # fmt: skip
-        saved = self.embeddings_file(request)
+        saved, length = self.embeddings_file(request), self.max_sequence_length(request)
         keys = self.pipeline_embeddings[: 1 + guided]
-        return [saved[key].to(device, pipe.text_encoder.dtype) for key in keys]
+        return [saved[key][:length].to(device, pipe.text_encoder.dtype) for key in keys]  # cut as encode_prompt does
 
     @torch.no_grad()
     def decode(self, state: QwenImageDenoising) -> np.ndarray:
