@@ -3,8 +3,9 @@ refuses bad inputs naming what is wrong and the fix: a folder without target ima
 captions, references without their target or their number, a folder that is not a FLUX.3 modular
 pipeline's, an output folder that holds samples. Validation (``Flux3Validation``) reads a prompts
 line as text or as an edit of the images it names, refuses what the modular pipeline cannot render,
-and takes its parts from a modular pipeline folder only. (Preparing real images, training on them
-and rendering: tests/multirank/test_training_flux3.py.)"""
+takes its parts from a modular pipeline folder only, and with ``--tiny`` renders through the modular
+pipeline with tiny parts. (Preparing real images, training on them and rendering:
+tests/multirank/test_training_flux3.py.)"""
 
 from __future__ import annotations
 
@@ -122,3 +123,27 @@ def test_validation_lines_sizes_and_folders(tmp_path):
         (tmp_path / index).write_text("{}")
         assert hooks.model_path_problem(str(tmp_path)) is None
         (tmp_path / index).unlink()
+
+
+def test_tiny_validation_renders_text_and_an_edit_through_the_modular_pipeline(tmp_path):
+    """``--tiny``: the tiny random parts, the modular pipeline built around a transformer of the
+    model's weights, each line rendered at the validation size and guidance."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from deepspeed_knap.models.flux3.finetune import Flux3Validation
+    from deepspeed_knap.models.hooks import ValidationSettings
+    from deepspeed_knap.models.registry import spec
+
+    Image.fromarray(np.zeros((24, 40, 3), dtype=np.uint8)).save(tmp_path / "wide.png")
+    model = spec("flux3").tiny_model()
+    hooks = Flux3Validation(model.spec)
+    transformers = type(model).pipeline_transformers(model.config, model.state_dict())
+    pipe = hooks.build_pipeline(model, hooks.components(None, model, 0, torch.float32), transformers)
+    options = hooks.options(ValidationSettings(tiny=True, height=16, width=24, steps=1, guidance=2.0))
+    for index, line in enumerate(["a cat", "wide.png\tin blue"]):
+        call = hooks.call(line, tmp_path, model)
+        file = hooks.render(pipe, call, torch.Generator().manual_seed(0), options, tmp_path / f"render{index}")
+        assert Image.open(file).size == (24, 16)
+    assert pipe.guider.guidance_scale == 2.0
