@@ -53,7 +53,8 @@ class ValidationSettings:
 
 class ValidationHooks(ABC):
     """Validation renders through a family's diffusers pipeline (its spec's ``pipeline``;
-    :attr:`TrainingHooks.validation`); the defaults are FLUX.1's images.
+    :attr:`TrainingHooks.validation`); the defaults are FLUX.1's images, through a pipeline class
+    built from its parts (:meth:`build_pipeline`).
 
     Attributes:
         default_guidance: the guidance scale validation renders at unless told (the pipeline's).
@@ -78,6 +79,24 @@ class ValidationHooks(ABC):
         """The diffusers pipeline class that renders ``model`` and the pipeline config it is built
         with beside its parts (a two-expert model's ``boundary_ratio``)."""
         return self.spec.pipeline, {}
+
+    def model_path_problem(self, model_path: str) -> str | None:
+        """Why the parts of the pipeline cannot come from ``model_path``, or ``None``: here, a folder
+        without the ``model_index.json`` of the pipeline class. Reads no weights (start-up, every rank)."""
+        if (Path(model_path) / "model_index.json").is_file():
+            return None
+        return (f"--validation-every needs --model-path to be a {self.spec.pipeline} directory (with "
+                f"model_index.json); {model_path} is not")  # fmt: skip
+
+    def build_pipeline(self, model: nn.Module, components: Mapping[str, Any],
+                       transformers: Mapping[str, nn.Module]) -> Any:  # fmt: skip
+        """The pipeline that renders ``model``: :meth:`pipeline`'s class built from ``components``
+        (:meth:`components`, less the transformers), ``transformers`` (diffusers' models of the
+        current weights) and the pipeline config."""
+        import diffusers
+
+        name, config = self.pipeline(model)
+        return getattr(diffusers, name)(**components, **transformers, **config)
 
     @abstractmethod
     def tiny_components(self, model: nn.Module, seed: int) -> dict[str, Any]:

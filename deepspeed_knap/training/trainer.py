@@ -31,7 +31,6 @@ same message.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -184,16 +183,14 @@ class Trainer:
         except (OSError, ValueError) as error:
             prompts, problem = [], f"--validation-prompts: {error}"
         family = self.model.spec
-        validation = self.hooks.validation
+        validation, hooks, calls = self.hooks.validation, None, []
         if validation is None:  # the same config on every rank: every rank stops here with it
-            problem = (f"--validation-every renders with the family's diffusers pipeline; {family.title} has none here "
-                       f"({'diffusers has no pipeline class for it' if family.pipeline is None else 'not wired up'}): "
-                       "train without --validation-every and render the export yourself")  # fmt: skip
-        elif a.model_path and not problem and not os.path.isfile(os.path.join(a.model_path, "model_index.json")):
-            problem = (f"--validation-every needs --model-path to be a {family.pipeline} directory (with "
-                       f"model_index.json); {a.model_path} is not")  # fmt: skip
-        hooks = validation(family)
-        calls = []
+            problem = (f"--validation-every renders with the family's diffusers pipeline; {family.title} has no "
+                       "validation renders here: train without --validation-every and render the export yourself")  # fmt: skip
+        else:
+            hooks = validation(family)
+            if a.model_path and not problem:
+                problem = hooks.model_path_problem(a.model_path)
         if not problem:
             try:
                 calls = [hooks.call(line, Path(a.validation_prompts).parent, self.model) for line in prompts]

@@ -65,7 +65,6 @@ class Validator:
 
         # Quiet diffusers' note that the text encoders get no LoRA weights (we train none).
         diffusers.utils.logging.set_verbosity_error()
-        name, config = self.hooks.pipeline(model)
         if self._components is None:
             self._components = self.hooks.components(self.model_path, model, self.seed, dtype)
             for part in ("transformer", "transformer_2"):
@@ -73,7 +72,7 @@ class Validator:
         self.out.mkdir(parents=True, exist_ok=True)
         lora = lora_config(model)
         transformers = type(model).pipeline_transformers(model.config, base_state_dict(state) if lora else state)
-        pipe = getattr(diffusers, name)(**self._components, **transformers, **config).to(device)
+        pipe = self.hooks.build_pipeline(model, self._components, transformers).to(device)
         pipe.set_progress_bar_config(disable=True)  # one line per render instead
         if lora:
             for adapter, load in self.save_adapters(model, state, self.out / f"step{steps_done:06d}_adapter"):

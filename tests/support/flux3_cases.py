@@ -91,3 +91,52 @@ def diffusers_output(model, sample: dict) -> torch.Tensor:
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def save_flux3_folder(path, generator) -> None:
+    """A FLUX.3 folder as a modular pipeline's repository holds it, downloaded, of a
+    :class:`~deepspeed_knap.models.flux3.generate.Flux3Generator`'s parts: the transformer (diffusers'
+    ``Flux3Transformer2DModel`` of the packed weights), text encoder, tokenizer and VAE in
+    subfolders, and ``modular_model_index.json`` naming each as the repository's (the modular
+    pipeline loads those found in the folder from it; the scheduler and guider are the blocks'
+    defaults). Loading its tokenizer as the text encoder step's processor needs torchvision, or
+    :func:`tokenizer_as_processor`."""
+    import json
+
+    pipe, model = generator.pipeline, generator.model
+    type(model).diffusers_model({key: model.config[key] for key in model.config_keys()},
+                                model.state_dict()).save_pretrained(path / "transformer")  # fmt: skip
+    pipe.text_encoder.save_pretrained(path / "text_encoder")
+    pipe.tokenizer.tokenizer.save_pretrained(path / "tokenizer")
+    pipe.vae.save_pretrained(path / "vae")
+    parts = {"transformer": ("diffusers", "Flux3Transformer2DModel"),
+             "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration"),
+             "tokenizer": ("transformers", "AutoProcessor"), "vae": ("diffusers", "AutoencoderKLFlux2")}  # fmt: skip
+    index = {"_class_name": "Flux3ModularPipeline", "_blocks_class_name": "Flux3AutoBlocks"}
+    for name, (library, class_name) in parts.items():
+        index[name] = [library, class_name, {"pretrained_model_name_or_path": "example/flux3", "subfolder": name,
+                                             "type_hint": [library, class_name], "variant": None, "revision": None}]  # fmt: skip
+    (path / "modular_model_index.json").write_text(json.dumps(index))
+
+
+def _tokenizer_in_a_processor(cls, path, subfolder=None, **kwargs):
+    import transformers
+
+    from deepspeed_knap.models.flux3.generate import TokenizerProcessor
+
+    return TokenizerProcessor(transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder))
+
+
+def tokenizer_as_processor(monkeypatch=None) -> None:
+    """Have ``AutoProcessor.from_pretrained`` give a folder's tokenizer inside a
+    :class:`~deepspeed_knap.models.flux3.generate.TokenizerProcessor`, what the text encoder step
+    uses of a Qwen3-VL processor: without torchvision transformers builds no Qwen3-VL processor (it
+    gives the tokenizer alone, which FLUX.3's loading refuses). Through ``monkeypatch`` (undone after
+    the test), or for good in a rank's process (``train(..., setup=tokenizer_as_processor)``)."""
+    import transformers
+
+    patched = classmethod(_tokenizer_in_a_processor)
+    if monkeypatch is None:
+        transformers.AutoProcessor.from_pretrained = patched
+    else:
+        monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", patched)

@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,11 @@ def demo_config(family: str = "flux", *, balanced: bool = True, stage: int = 3, 
             "knapformer": {**config["knapformer"], "enabled": balanced, **knapformer}}  # fmt: skip
 
 
-def train_rank(rank: int, world_size: int, arguments: dict, host_tensors: bool) -> dict:
-    """One rank of a run: build the trainer, train, export; ``host_tensors``: under the host-tensor
-    check (every collective refuses a tensor that would stay on the host on a GPU machine). Returns
+def train_rank(rank: int, world_size: int, arguments: dict, host_tensors: bool,
+               setup: Callable[[], None] | None = None) -> dict:  # fmt: skip
+    """One rank of a run: ``setup()`` where given, then build the trainer, train, export;
+    ``host_tensors``: under the host-tensor check (every collective refuses a tensor that would stay
+    on the host on a GPU machine). Returns
     ``{"losses", "start_step", "stdout", "error"}``: ``error`` is the message of the
     :class:`~deepspeed_knap.training.trainer.TrainingError` (or ``ValueError``) the run stopped with,
     which every rank must raise together."""
@@ -51,6 +54,8 @@ def train_rank(rank: int, world_size: int, arguments: dict, host_tensors: bool) 
     from deepspeed_knap.training.trainer import Trainer, TrainingError
     from tests.support.host_tensors import HostTensorTracker, check_collectives
 
+    if setup is not None:
+        setup()
     if host_tensors:
         check_collectives()
     stdout, losses, start_step, error = io.StringIO(), [], None, None
@@ -103,9 +108,10 @@ class Run:
 
 
 def train(config: dict | str, *, ranks: int = 2, host_tensors: bool = False, fails: bool = False,
-          timeout: float = TIMEOUT_S, **arguments: Any) -> Run:  # fmt: skip
+          timeout: float = TIMEOUT_S, setup: Callable[[], None] | None = None, **arguments: Any) -> Run:  # fmt: skip
     """Train on ``ranks`` gloo ranks with the DeepSpeed ``config`` (a dict, or a JSON path) and the
-    :class:`~deepspeed_knap.training.arguments.TrainingArguments` fields ``arguments``.
+    :class:`~deepspeed_knap.training.arguments.TrainingArguments` fields ``arguments``; each rank
+    calls ``setup`` first (a module-level function: it is pickled to the ranks).
 
     Checks what every run must show: no rank failed (unless ``fails``: then every rank failed, with
     the same message); every rank got the same losses; rank 0 printed a line per step with the loss
@@ -113,7 +119,7 @@ def train(config: dict | str, *, ranks: int = 2, host_tensors: bool = False, fai
     step's plan was solved ahead, :meth:`Run.planned_ahead`, is the tests' to check: a plan worker
     still starting when the run's second step comes, on a loaded host, has that plan solved in the
     step, by design.)"""
-    run = Run(run_distributed(train_rank, ranks, ({"deepspeed_config": config, **arguments}, host_tensors),
+    run = Run(run_distributed(train_rank, ranks, ({"deepspeed_config": config, **arguments}, host_tensors, setup),
                               timeout=timeout))  # fmt: skip
     if fails:
         assert run.errors[0] is not None and run.errors == [run.errors[0]] * ranks, run.errors

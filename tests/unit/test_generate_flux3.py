@@ -112,44 +112,19 @@ def test_one_reference_alone_is_cropped_back_and_a_single_small_one_is_padded(im
     assert generator.decode(state).shape == (10, 30, 3)
 
 
-def _save_folder(path, generator) -> None:
-    """A FLUX.3 folder as a modular pipeline's repository holds it, downloaded: the transformer, text
-    encoder, tokenizer and VAE in subfolders, and ``modular_model_index.json`` naming each as the
-    repository's (the modular pipeline loads those found in the folder from it; the scheduler and
-    guider are the blocks' defaults)."""
-    pipe = generator.pipeline
-    _diffusers_transformer(generator).save_pretrained(path / "transformer")
-    pipe.text_encoder.save_pretrained(path / "text_encoder")
-    pipe.tokenizer.tokenizer.save_pretrained(path / "tokenizer")
-    pipe.vae.save_pretrained(path / "vae")
-    parts = {"transformer": ("diffusers", "Flux3Transformer2DModel"),
-             "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration"),
-             "tokenizer": ("transformers", "AutoProcessor"), "vae": ("diffusers", "AutoencoderKLFlux2")}  # fmt: skip
-    index = {"_class_name": "Flux3ModularPipeline", "_blocks_class_name": "Flux3AutoBlocks"}
-    for name, (library, class_name) in parts.items():
-        index[name] = [library, class_name, {"pretrained_model_name_or_path": "example/flux3", "subfolder": name,
-                                             "type_hint": [library, class_name], "variant": None, "revision": None}]  # fmt: skip
-    (path / "modular_model_index.json").write_text(json.dumps(index))
-
-
 def test_generate_command_loads_a_flux3_folder_and_writes_what_the_modular_pipeline_draws(images, monkeypatch):
     """``--model-path`` of a FLUX.3 folder (a modular pipeline's: no ``model_index.json``): the
     transformer's family picks FLUX.3, the modular pipeline loads the other parts; the PNGs are the modular pipeline's own (``output_type="pil"``) for each
     request alone. Without torchvision no Qwen3-VL processor can be built, so ``AutoProcessor`` gives
     the folder's tokenizer in the processor's place (what the text encoder step uses of it)."""
-    import transformers
     from PIL import Image
 
     from deepspeed_knap.cli import main
-    from deepspeed_knap.models.flux3.generate import TokenizerProcessor
+    from tests.support.flux3_cases import save_flux3_folder, tokenizer_as_processor
 
     generator = _generator(torch.float64)
-    _save_folder(images / "flux3", generator)
-
-    def tokenizer_in_a_processor(cls, path, subfolder=None, **kwargs):
-        return TokenizerProcessor(transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder))
-
-    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", classmethod(tokenizer_in_a_processor))
+    save_flux3_folder(images / "flux3", generator)
+    tokenizer_as_processor(monkeypatch)
     lines = [{"id": "cat", "prompt": "a cat", "height": 16, "width": 24, "steps": 2, "seed": 3},
              {"id": "edit", "prompt": "in blue", "image": "wide.png", "steps": 2, "seed": 4, "guidance": 2.0},
              {"prompt": "x", "height": 10, "width": 16}]  # fmt: skip
@@ -181,9 +156,10 @@ def test_a_folder_without_a_part_a_flow_map_and_another_guider_are_refused_at_lo
     from deepspeed_knap.models.flux3.flux3 import PackedFlux3Transformer
     from deepspeed_knap.models.flux3.generate import Flux3Generator, load_flux3_generator
     from deepspeed_knap.models.flux3.spec import TINY_FLUX3
+    from tests.support.flux3_cases import save_flux3_folder
 
     generator = _generator()
-    _save_folder(images / "flux3", generator)
+    save_flux3_folder(images / "flux3", generator)
     with pytest.raises(ValueError, match=re.escape("the pipeline's tokenizer is a TokenizersBackend; FLUX.3's text")):
         load_flux3_generator(images / "flux3", torch.float32, "cpu")
     index_file = images / "flux3" / "modular_model_index.json"

@@ -23,9 +23,10 @@ On disk one sample is one ``.safetensors`` file holding exactly these keys, floa
 references and their ids both or neither): :func:`save_flux3_sample` writes one,
 :func:`check_flux3_latent_file` says what is wrong with one, and :func:`latent_directory` reads a
 directory of them (:class:`~deepspeed_knap.models.latents.LatentDirectory`; write its manifest with
-:func:`write_latent_manifest`, re-exported here, after the samples). diffusers 0.42.1 has
-no FLUX.3 pipeline class (only the modular one), so there is no preparation script from images and
-captions here: the tensors come from your own encoding with FLUX.3's VAE and text encoder.
+:func:`write_latent_manifest`, re-exported here, after the samples).
+``examples/prepare_flux3_latents.py`` writes them from images and captions (and reference images)
+with diffusers' modular FLUX.3 pipeline's own parts: its latents are the pipeline's (normalised by
+the VAE's batch-norm statistics, patchified: :func:`flux3_latent_tokens`), what its decode undoes.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ __all__ = [
     "FLUX3_REFERENCE_KEYS",
     "SyntheticFlux3Latents",
     "check_flux3_latent_file",
+    "flux3_image_ids",
+    "flux3_latent_tokens",
+    "flux3_reference_tokens",
     "flux3_sample_shapes",
     "latent_directory",
     "rectified_flow",
@@ -77,6 +81,22 @@ def flux3_image_ids(height: int, width: int, reference: int | None = None) -> Te
     ids = torch.stack([torch.zeros_like(h), h, w, torch.full_like(h, layer)], dim=-1).reshape(-1, 4).float()
     ids[:, 1:3] *= 0.5
     return ids
+
+
+def flux3_latent_tokens(latents: Tensor, reference: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(tokens [h * w, C], ids [h * w, 4])`` of one image's packed latents ``[1, C, h, w]`` as the
+    modular pipeline's VAE encoder step gives them (normalised, patchified): row by row, as its
+    prepare steps flatten them and its decode reads them back; ids :func:`flux3_image_ids` (of
+    reference image ``reference``, or the generated image)."""
+    return latents[0].flatten(1).T, flux3_image_ids(*latents.shape[-2:], reference=reference)
+
+
+def flux3_reference_tokens(latents: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(image_cond_hidden_states [Lr, Cr], image_cond_ids [Lr, 4])``: reference images' packed
+    latents (each ``[1, Cr, h_i, w_i]``) concatenated in order, reference ``i`` at
+    ``(0, h / 2, w / 2, -1 - i)``, as ``Flux3PrepareImageCondLatentsStep`` joins them."""
+    tokens, ids = zip(*(flux3_latent_tokens(grid, index) for index, grid in enumerate(latents)), strict=True)
+    return torch.cat(tokens), torch.cat(ids)
 
 
 def flux3_sample_shapes(config: Mapping, image: int, text: int, reference: int = 0) -> dict[str, tuple[int, ...]]:

@@ -53,7 +53,7 @@ from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
 from deepspeed_knap.models.flux.generate import _nearest
-from deepspeed_knap.models.flux3.data import flux3_image_ids
+from deepspeed_knap.models.flux3.data import flux3_image_ids, flux3_reference_tokens
 from deepspeed_knap.models.flux3.flux3 import PackedFlux3Transformer
 from deepspeed_knap.models.flux3.spec import FLUX3, TINY_FLUX3
 
@@ -117,28 +117,16 @@ class Flux3Generator(Generator):
             raise ValueError("this FLUX.3 transformer is a flow map (step-distilled, flow_map=True): diffusers runs it "
                              "with Flux3DistilledAutoBlocks (no guidance, a target timestep each step), which generate "
                              "does not follow; give the base FLUX.3 checkpoint")  # fmt: skip
-        if not hasattr(pipeline.tokenizer, "tokenizer"):  # AutoProcessor gives a folder's tokenizer alone without one
-            raise ValueError(f"the pipeline's tokenizer is a {type(pipeline.tokenizer).__name__}; FLUX.3's text encoder "
-                             "step takes a Qwen3-VL processor (it tokenises with the processor's .tokenizer): give a "
-                             "tokenizer/ folder AutoProcessor loads as one (transformers builds Qwen3-VL's processor "
-                             "only with torchvision installed)")  # fmt: skip
+        check_flux3_tokenizer(pipeline.tokenizer)
         if type(pipeline.guider) is not ClassifierFreeGuidance:
             raise ValueError(f"the pipeline's guider is a {type(pipeline.guider).__name__}; generate runs FLUX.3's "
                              "ClassifierFreeGuidance (a request's 'guidance' is its scale)")  # fmt: skip
         self.pad_multiple = pipeline.blocks.sub_blocks["text_encoder"].pad_multiple
         # The modular pipeline's own blocks, each run alone per request on the pipeline's components.
-        self._prepare_references = self._blocks_pipeline(Flux3ProcessImagesInputStep())
-        self._encode_references = self._blocks_pipeline(Flux3VaeEncoderSequentialStep())
-        self._decoder = self._blocks_pipeline(SequentialPipelineBlocks.from_blocks_dict(
-            {"unpack": Flux3UnpackLatentsStep(), "decode": Flux3DecodeStep()}))  # fmt: skip
-
-    def _blocks_pipeline(self, blocks: Any) -> Any:
-        """A ``Flux3ModularPipeline`` of ``blocks`` with the generator's pipeline's components."""
-        from diffusers.modular_pipelines import Flux3ModularPipeline
-
-        pipe = Flux3ModularPipeline(blocks=blocks)
-        pipe.update_components(**{name: getattr(self.pipeline, name) for name in pipe.component_names})
-        return pipe
+        self._prepare_references = blocks_pipeline(Flux3ProcessImagesInputStep(), pipeline)
+        self._encode_references = blocks_pipeline(Flux3VaeEncoderSequentialStep(), pipeline)
+        self._decoder = blocks_pipeline(SequentialPipelineBlocks.from_blocks_dict(
+            {"unpack": Flux3UnpackLatentsStep(), "decode": Flux3DecodeStep()}), pipeline)  # fmt: skip
 
     @classmethod
     def tiny_config(cls, heads: int, head_dim: int) -> dict[str, Any]:  # four RoPE axes of equal size
@@ -154,12 +142,9 @@ class Flux3Generator(Generator):
         return self.pipeline.guider.guidance_scale if request.guidance is None else request.guidance
 
     def guider(self, request: Request) -> Any:
-        """The request's ``ClassifierFreeGuidance``: the pipeline's, at the request's scale. A copy
-        whose scale is set, not ``guider.new(...)``, which prints diffusers' experimental-feature
-        warning each time."""
-        guider = copy.deepcopy(self.pipeline.guider)
-        guider.guidance_scale = self.guidance_scale(request)
-        return guider
+        """The request's ``ClassifierFreeGuidance``: the pipeline's, at the request's scale
+        (:func:`scaled_guider`)."""
+        return scaled_guider(self.pipeline.guider, self.guidance_scale(request))
 
     @staticmethod
     def guided(guider: Any) -> bool:
@@ -254,12 +239,9 @@ class Flux3Generator(Generator):
                 16 px grid the pipeline crops each to (it would crop it to nothing).
         """
         images = [self.image_file(request, index) for index in range(len(request.image))]
-        grid = self.pipeline.image_processor.config.vae_scale_factor
-        for path, image in zip(request.image, images, strict=True):
-            if len(images) > 1 and min(image.size) < grid:
-                raise RequestError(f"line {request.line}: image {path} is {image.width}x{image.height} px: with "
-                                   f"several references {self.name}'s pipeline crops each to its {grid} px grid; give "
-                                   f"images of at least {grid} px a side")  # fmt: skip
+        problem = reference_problem(request.image, images, self.pipeline.image_processor.config.vae_scale_factor)
+        if problem:
+            raise RequestError(f"line {request.line}: {problem}")
         return images
 
     def _reference_grids(self, request: Request) -> tuple[list[tuple[int, int]], list | None]:
@@ -309,9 +291,8 @@ class Flux3Generator(Generator):
                                               output=["image_cond_latents", "reference_crop"])  # fmt: skip
             latents = encoded["image_cond_latents"]  # [1, Cr, h_i, w_i] each
             grids, crops = [tuple(reference.shape[-2:]) for reference in latents], encoded["reference_crop"]
-            shared["image_cond_hidden_states"] = torch.cat([r[0].flatten(1).T for r in latents]).to(device, dtype)
-            shared["image_cond_ids"] = torch.cat([flux3_image_ids(*grid, reference=index)
-                                                  for index, grid in enumerate(grids)]).to(device)  # fmt: skip
+            tokens, ids = flux3_reference_tokens(latents)
+            shared["image_cond_hidden_states"], shared["image_cond_ids"] = tokens.to(device, dtype), ids.to(device)
         height, width, crop = self._size(request, grids, crops)
         rows, columns = height // self.patch_pixels, width // self.patch_pixels
         shape = (1, self.model.config["in_channels"], rows, columns)
@@ -330,16 +311,9 @@ class Flux3Generator(Generator):
 
     def _encode(self, prompt: str, max_sequence_length: int) -> dict[str, Tensor]:
         """One branch's ``encoder_hidden_states [Tt, Dj]`` (the transformer's dtype, as
-        ``Flux3TextInputStep`` casts them) and ``txt_ids [Tt, 4]``, by the text encoder step's
-        helpers."""
-        from diffusers.modular_pipelines.flux3.before_denoise import Flux3TextRoPEInputsStep
-        from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
-
-        pipe, encode = self.pipeline, Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds
-        embeds = encode(pipe.text_encoder, pipe.tokenizer, prompt, self.device, max_sequence_length=max_sequence_length,
-                        pad_multiple=self.pad_multiple)  # fmt: skip
-        text_ids = Flux3TextRoPEInputsStep._prepare_text_ids(embeds)
-        return {"encoder_hidden_states": embeds[0].to(self.dtype), "txt_ids": text_ids.to(self.device)}
+        ``Flux3TextInputStep`` casts them) and ``txt_ids [Tt, 4]`` (:func:`encode_flux3_prompt`)."""
+        embeds, text_ids = encode_flux3_prompt(self.pipeline, prompt, max_sequence_length, self.device)
+        return {"encoder_hidden_states": embeds.to(self.dtype), "txt_ids": text_ids.to(self.device)}
 
     @torch.no_grad()
     def decode(self, state: Flux3Denoising) -> np.ndarray:
@@ -371,15 +345,69 @@ def flux3_blocks() -> Any:
     return blocks
 
 
-def load_flux3_generator(model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> Flux3Generator:
-    """A FLUX.3 modular pipeline folder (``modular_model_index.json`` or ``model_index.json``,
-    ``transformer/``, ``text_encoder/``, ``tokenizer/``, ``vae/``) as a :class:`Flux3Generator`: the
-    transformer packed, the rest loaded by the modular pipeline (:func:`flux3_blocks`'
-    ``init_pipeline(model_path)`` and ``load_components``), in ``dtype``; the scheduler and guider
-    are the folder's where it has them, else the blocks' defaults.
+def blocks_pipeline(blocks: Any, pipeline: Any) -> Any:
+    """A ``Flux3ModularPipeline`` of ``blocks`` (one step of the modular pipeline, or a few) with
+    ``pipeline``'s components, to run that step alone."""
+    from diffusers.modular_pipelines import Flux3ModularPipeline
+
+    pipe = Flux3ModularPipeline(blocks=blocks)
+    pipe.update_components(**{name: getattr(pipeline, name) for name in pipe.component_names})
+    return pipe
+
+
+def scaled_guider(guider: Any, scale: float) -> Any:
+    """A copy of the pipeline's ``ClassifierFreeGuidance`` at ``scale``: a copy whose scale is set,
+    not ``guider.new(...)``, which prints diffusers' experimental-feature warning each time."""
+    guider = copy.deepcopy(guider)
+    guider.guidance_scale = scale
+    return guider
+
+
+def encode_flux3_prompt(pipeline: Any, prompt: str, max_sequence_length: int,
+                        device: torch.device | str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(encoder_hidden_states [Tt, Dj], txt_ids [Tt, 4])`` of ``prompt`` by the text encoder step's
+    helpers (``Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds`` at the step's pad multiple, in the
+    text encoder's dtype; ``Flux3TextRoPEInputsStep._prepare_text_ids``, float32 on the host)."""
+    from diffusers.modular_pipelines.flux3.before_denoise import Flux3TextRoPEInputsStep
+    from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
+
+    pad_multiple = pipeline.blocks.sub_blocks["text_encoder"].pad_multiple
+    embeds = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds(
+        pipeline.text_encoder, pipeline.tokenizer, prompt, device, max_sequence_length=max_sequence_length,
+        pad_multiple=pad_multiple)  # fmt: skip
+    return embeds[0], Flux3TextRoPEInputsStep._prepare_text_ids(embeds)
+
+
+def reference_problem(names: list[str], images: list[Any], grid: int) -> str | None:
+    """What the modular pipeline cannot take of these reference images (PIL, named by ``names``),
+    or ``None``: with several, one smaller than the ``grid`` (the image processor's, 16 px) the
+    pipeline crops each to (it would crop it to nothing). One alone is padded, whatever its size."""
+    for name, image in zip(names, images, strict=True):
+        if len(images) > 1 and min(image.size) < grid:
+            return (f"image {name} is {image.width}x{image.height} px: with several references FLUX.3's pipeline "
+                    f"crops each to its {grid} px grid; give images of at least {grid} px a side")  # fmt: skip
+    return None
+
+
+def check_flux3_tokenizer(tokenizer: Any) -> None:
+    """Raises ``ValueError`` unless ``tokenizer`` is what ``Flux3TextEncoderStep`` takes: a Qwen3-VL
+    processor (it tokenises with the processor's ``.tokenizer``)."""
+    if not hasattr(tokenizer, "tokenizer"):  # AutoProcessor gives a folder's tokenizer alone without one
+        raise ValueError(f"the pipeline's tokenizer is a {type(tokenizer).__name__}; FLUX.3's text encoder step "
+                         "takes a Qwen3-VL processor (it tokenises with the processor's .tokenizer): give a "
+                         "tokenizer/ folder AutoProcessor loads as one (transformers builds Qwen3-VL's processor "
+                         "only with torchvision installed)")  # fmt: skip
+
+
+def load_flux3_pipeline(model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> Any:
+    """The parts of a FLUX.3 modular pipeline folder (``modular_model_index.json`` or
+    ``model_index.json``, ``text_encoder/``, ``tokenizer/``, ``vae/``) but the transformer: a
+    pipeline of :func:`flux3_blocks` (``init_pipeline(model_path)``, ``load_components``) in
+    ``dtype`` on ``device``, its ``transformer`` ``None``; the scheduler and guider are the folder's
+    where it has them, else the blocks' defaults.
 
     Raises:
-        ValueError: a part the folder does not give (naming it), a flow-map checkpoint.
+        ValueError: a part the folder does not give (naming it), a tokenizer that is not a processor.
     """
     pipe = flux3_blocks().init_pipeline(model_path)
     names = [name for name in pipe.pretrained_component_names if name != "transformer"]
@@ -389,7 +417,19 @@ def load_flux3_generator(model_path: str | Path, dtype: torch.dtype, device: tor
     if missing:
         raise ValueError(f"{model_path}: the FLUX.3 modular pipeline could not load {missing}; give a folder with "
                          "them (subfolders named in its modular_model_index.json or model_index.json)")  # fmt: skip
-    pipe.to(device)
+    check_flux3_tokenizer(pipe.tokenizer)
+    return pipe.to(device)
+
+
+def load_flux3_generator(model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> Flux3Generator:
+    """A FLUX.3 modular pipeline folder (``transformer/`` too) as a :class:`Flux3Generator`: the
+    transformer packed, the rest loaded by the modular pipeline (:func:`load_flux3_pipeline`), in
+    ``dtype``.
+
+    Raises:
+        ValueError: as :func:`load_flux3_pipeline`, a flow-map checkpoint.
+    """
+    pipe = load_flux3_pipeline(model_path, dtype, device)
     model = PackedFlux3Transformer.from_pretrained(model_path, torch_dtype=dtype).to(device).eval()
     return Flux3Generator(pipe, model)
 

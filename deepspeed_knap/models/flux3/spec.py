@@ -78,7 +78,8 @@ FLUX3 = ModelSpec(
     title="FLUX.3",
     diffusers_class="Flux3Transformer2DModel",
     # diffusers 0.42.1 has no FLUX.3 pipeline class, but its FLUX.3 LoRA loader writes and reads the
-    # adapter file (finetune.save_adapter); Flux3Transformer2DModel.load_lora_adapter loads it.
+    # adapter file (hooks.save_adapters); Flux3Transformer2DModel.load_lora_adapter and the modular
+    # pipeline's load_lora_weights (Flux3ModularPipeline mixes the loader in) load it.
     lora_loader="Flux3LoraLoaderMixin",
     pipeline=None,
     model="deepspeed_knap.models.flux3.flux3:PackedFlux3Transformer",
@@ -112,6 +113,7 @@ FLUX3 = ModelSpec(
     default_mix="flux3_edit",
     lora_targets=("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.linear_in", "ff.linear_out"),
     training="deepspeed_knap.models.flux3.finetune:Flux3Training",
-    # Around diffusers' modular FLUX.3 blocks (Flux3AutoBlocks): there is no pipeline class.
+    # Generation and validation run around diffusers' modular FLUX.3 blocks (Flux3AutoBlocks): there
+    # is no pipeline class.
     generator="deepspeed_knap.models.flux3.generate:Flux3Generator",
 )
