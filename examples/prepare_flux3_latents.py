@@ -28,10 +28,9 @@ import torch
 from tqdm import tqdm
 
 from deepspeed_knap.models.flux3.data import flux3_latent_tokens, flux3_reference_tokens, save_flux3_sample
-from deepspeed_knap.models.latents import write_latent_manifest
+from deepspeed_knap.models.latents import targets_and_references, write_latent_manifest
 from deepspeed_knap.runtime.manifest import MANIFEST
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
 INDEXES = ("modular_model_index.json", "model_index.json")  # a FLUX.3 modular pipeline folder's, either
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -42,41 +41,6 @@ parser.add_argument("--resolution", type=int, default=1024, help="the longer sid
 parser.add_argument("--max-sequence-length", type=int, default=8192,
                     help="text tokens per caption at most (the text encoder step's default)")  # fmt: skip
 parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-
-
-def targets_and_references(directory: Path) -> list[tuple[Path, str, list[Path]]]:
-    """Every target image of ``directory`` (name order; ``NAME.refN.*`` files are references) with the
-    caption of its ``.txt`` twin and its references ``NAME.ref1``, ``NAME.ref2``, ... in number
-    order. Every missing caption, and every reference without its target, is reported at once,
-    before anything loads."""
-    if not directory.is_dir():
-        raise SystemExit(f"--inputs {directory} is not a directory; give the folder of images and captions")
-    images = sorted(p for p in directory.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-    references = {p for p in images if ".ref" in p.stem}
-    targets = [p for p in images if p not in references]
-    if not targets:
-        raise SystemExit(f"no target images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {directory}; give images with "
-                         "a .txt caption each")  # fmt: skip
-    missing = [str(p.with_suffix(".txt")) for p in targets if not p.with_suffix(".txt").is_file()]
-    if missing:
-        raise SystemExit(f"{len(missing)} images have no caption file: {', '.join(missing[:10])}; write one .txt per "
-                         "image")  # fmt: skip
-    stems = {target.stem for target in targets}
-    orphans = sorted(p.name for p in references if p.stem.rsplit(".ref", 1)[0] not in stems)
-    if orphans:
-        raise SystemExit(f"references without their target image: {', '.join(orphans[:10])}; NAME.refN.png is a "
-                         "reference of NAME.png (with NAME.txt) beside it: add the target or remove them")  # fmt: skip
-    numbered = {p: p.stem.rsplit(".ref", 1)[1] for p in references}
-    unnumbered = sorted(p.name for p, number in numbered.items() if not number.isdigit())
-    if unnumbered:
-        raise SystemExit(f"references not numbered NAME.ref1, NAME.ref2, ...: {', '.join(unnumbered[:10])}; rename "
-                         "them (the number orders them)")  # fmt: skip
-    found = []
-    for target in targets:
-        refs = sorted((p for p in references if p.stem.rsplit(".ref", 1)[0] == target.stem),
-                      key=lambda p: int(numbered[p]))  # fmt: skip
-        found.append((target, target.with_suffix(".txt").read_text().strip(), refs))
-    return found
 
 
 def check_pretrained(path: Path) -> None:
@@ -116,7 +80,10 @@ def main() -> None:
     )
 
     args = parser.parse_args()
-    found = targets_and_references(Path(args.inputs))
+    try:
+        found = targets_and_references(args.inputs)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     check_pretrained(Path(args.pretrained))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

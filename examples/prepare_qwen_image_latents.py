@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.models.latents import write_latent_manifest
+from deepspeed_knap.models.latents import targets_and_references, write_latent_manifest
 from deepspeed_knap.models.qwenimage.data import REFERENCE_KEY, save_qwen_image_sample
 from deepspeed_knap.runtime.manifest import MANIFEST
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
 PIPELINES = ("QwenImagePipeline", "QwenImageEditPlusPipeline")
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -37,27 +36,6 @@ parser.add_argument("--out", required=True, help="directory to write the samples
 parser.add_argument("--resolution", type=int, default=1024, help="the longer side of a target, px")
 parser.add_argument("--max-sequence-length", type=int, default=512, help="text-to-image: tokens per caption")
 parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-
-
-def targets_and_references(directory: Path) -> list[tuple[Path, str, list[Path]]]:
-    """Every target image of ``directory`` (name order; ``NAME.refN.*`` files are references) with the
-    caption of its ``.txt`` twin and its references ``NAME.ref1``, ``NAME.ref2``, ...; every missing
-    caption is reported at once, before any encoding."""
-    images = sorted(p for p in directory.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-    references = {p for p in images if ".ref" in p.stem}
-    targets = [p for p in images if p not in references]
-    if not targets:
-        raise SystemExit(f"no target images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {directory}")
-    missing = [str(p.with_suffix(".txt")) for p in targets if not p.with_suffix(".txt").is_file()]
-    if missing:
-        raise SystemExit(f"{len(missing)} images have no caption file: {', '.join(missing[:10])}; write one .txt per "
-                         "image")  # fmt: skip
-    found = []
-    for target in targets:
-        refs = sorted((p for p in references if p.stem.startswith(target.stem + ".ref")),
-                      key=lambda p: int(p.stem.rsplit(".ref", 1)[1] or 0))  # fmt: skip
-        found.append((target, target.with_suffix(".txt").read_text().strip(), refs))
-    return found
 
 
 @torch.no_grad()
@@ -76,7 +54,10 @@ def main() -> None:
     name = json.loads((Path(args.pretrained) / "model_index.json").read_text()).get("_class_name")
     if name not in PIPELINES:
         raise SystemExit(f"{args.pretrained} is a {name}; give a {' or a '.join(PIPELINES)} directory")
-    found = targets_and_references(Path(args.inputs))
+    try:
+        found = targets_and_references(args.inputs)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     edits = name == "QwenImageEditPlusPipeline"
     if not edits and any(refs for _, _, refs in found):
         raise SystemExit(f"{args.inputs} holds reference images (NAME.refN), which a {name} does not take; give a "

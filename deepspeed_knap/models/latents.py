@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
@@ -55,6 +56,7 @@ __all__ = [
     "near_square_grid",
     "non_float_tensors",
     "sample_file_header",
+    "targets_and_references",
     "write_latent_manifest",
 ]
 
@@ -100,6 +102,57 @@ def flow_noise(x0: Tensor, generator: torch.Generator,
     sigma = sigma.to(x0.dtype)
     noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.dtype)
     return sigma, (1 - sigma) * x0 + sigma * noise, noise - x0
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+# An edit's reference image beside its target: NAME.refN.png is reference N of NAME.png.
+_REFERENCE_NAME = re.compile(r"^(?P<target>.+)\.ref(?P<number>\d+)$")
+
+
+def targets_and_references(directory: str | Path) -> list[tuple[Path, str, list[Path]]]:
+    """The images of a preparation folder: every target (name order) with the caption of its
+    ``.txt`` twin and its references ``NAME.ref1``, ``NAME.ref2``, ... in number order. A file is a
+    reference when its name is exactly ``NAME.refN`` before the suffix; every other image is a target.
+
+    Raises:
+        ValueError: not a directory, no target image, targets without a caption, references without
+            their target or two of one number, each listed at once (before anything loads).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is not a directory; give the folder of images and captions")
+    images = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    matches = {p: _REFERENCE_NAME.match(p.stem) for p in images}
+    targets = [p for p, match in matches.items() if match is None]
+    if not targets:
+        raise ValueError(f"no target images ({', '.join(IMAGE_SUFFIXES)}) in {directory}; give images with a .txt "
+                         "caption each")  # fmt: skip
+    problems = []
+    missing = [p.with_suffix(".txt").name for p in targets if not p.with_suffix(".txt").is_file()]
+    if missing:
+        problems.append(f"{len(missing)} images have no caption file ({', '.join(missing[:10])}): write one .txt "
+                        "per image")  # fmt: skip
+    by_target: dict[str, dict[int, Path]] = {p.stem: {} for p in targets}
+    orphans, doubles = [], []
+    for path, match in matches.items():
+        if match is None:
+            continue
+        numbers = by_target.get(match["target"])
+        if numbers is None:
+            orphans.append(path.name)
+        elif int(match["number"]) in numbers:
+            doubles.append(path.name)
+        else:
+            numbers[int(match["number"])] = path
+    if orphans:
+        problems.append(f"references without their target image ({', '.join(orphans[:10])}): NAME.refN.png is a "
+                        "reference of NAME.png beside it; add the target or remove them")  # fmt: skip
+    if doubles:
+        problems.append(f"references of a number already taken ({', '.join(doubles[:10])}): one file per NAME.refN")
+    if problems:
+        raise ValueError(f"{directory}: " + "; ".join(problems))
+    return [(p, p.with_suffix(".txt").read_text().strip(), [by_target[p.stem][n] for n in sorted(by_target[p.stem])])
+            for p in targets]  # fmt: skip
 
 
 def near_square_grid(tokens: int) -> tuple[int, int]:
