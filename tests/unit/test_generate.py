@@ -452,6 +452,7 @@ def _tiny_generator(family: str):
     ("qwen-image", {"height": 32, "width": 48, "true_cfg_scale": 2.0}, "needs both 'true_cfg_scale' above 1"),
     ("qwen-image", {"height": 32, "width": 48, "negative_prompt": "x", "true_cfg_scale": 1.0}, "would ignore"),
     ("qwen-image", {"height": 30, "width": 48}, "multiples of 8 px"),
+    ("qwen-image", {"height": 32, "width": 48, "steps": 1}, "1 step(s): the scheduler's timesteps are not finite"),
     ("qwen-image", {"height": 32, "width": 48, "image": "cat.png"}, "edits take a QwenImageEditPlusPipeline"),
     # 8,180 tokens wide: the text's 8 rows from RoPE position 4,090 on pass the tables' 4,096.
     ("qwen-image", {"height": 8, "width": 8 * 8180}, "8 text rows from RoPE position 4090 on"),
@@ -1152,7 +1153,7 @@ def test_qwen_image_counts_a_prompts_own_rows_without_a_max_sequence_length():
     """Without ``max_sequence_length`` a Qwen-Image prompt is its chat-templated tokens less the
     template's dropped prefix (the pipeline pads nothing), what the start packs."""
     generator = _tiny_generator("qwen-image")
-    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "height": 32, "width": 48, "steps": 1}))
+    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "height": 32, "width": 48, "steps": 2}))
     pipe = generator.pipeline
     rows = len(pipe.tokenizer(pipe.prompt_template_encode.format("a cat"))["input_ids"]) - 34
     assert generator.request_seq_lens(request) == (rows + 24,)
@@ -1217,7 +1218,7 @@ def test_a_qwen_image_edit_counts_its_text_with_the_vision_tokens_then_the_targe
         ({"image": "wide.png"}, (rows("a cat", [14]) + 72 * 220 + 48,)),
     ]  # fmt: skip
     for fields, expected in cases:
-        request = parse_request(0, 1, json.dumps({"prompt": "a cat", "steps": 1, **fields}), edit_images)
+        request = parse_request(0, 1, json.dumps({"prompt": "a cat", "steps": 2, **fields}), edit_images)
         assert generator.request_seq_lens(request) == expected, fields
         state = generator.start(request)
         assert tuple(generator.model.pack(state.samples()).seq_lens) == expected, fields

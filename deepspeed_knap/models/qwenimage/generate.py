@@ -196,12 +196,13 @@ class QwenImageGenerator(Generator):
 
         Raises:
             RequestError: a size the VAE and the patching cannot take (the pipeline would round it),
-                text rows past the RoPE tables, an embeddings file that is unreadable or does not
+                a step count of NaN timesteps (:meth:`_check_schedule`), text rows past the RoPE tables, an embeddings file that is unreadable or does not
                 fit, and what :meth:`_branches`, :meth:`_references` and :meth:`_text_rows` refuse.
         """
         branches = self._branches(request)
         references = self._references(request)
         grids = self._grids(*self._size(request, references), references)
+        self._check_schedule(request, math.prod(grids[0]))
         image = sum(math.prod(grid) for grid in grids)
         if request.embeddings is not None:
             rows = self._embedding_rows(request)[:branches]
@@ -290,9 +291,7 @@ class QwenImageGenerator(Generator):
     def start(self, request: Request) -> QwenImageDenoising:
         """Encode the prompts (or read the embeddings) and any reference images, draw the seeded noise
         and set the request's own scheduler, as the pipeline's ``__call__`` does for it alone."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
-
-        pipe, device = self.pipeline, self.device
+        device = self.device
         guided = self._branches(request) == 2
         references = self._references(request)
         height, width = self._size(request, references)
@@ -300,17 +299,42 @@ class QwenImageGenerator(Generator):
         generator = torch.Generator().manual_seed(request.seed)
         latents, reference = self._latents(height, width, texts[0].dtype, generator, references)
         grids = torch.tensor(self._grids(height, width, references), device=device)
-        steps, config = request.steps, pipe.scheduler.config
-        # The target's tokens alone, as the pipelines count image_seq_len.
-        mu = calculate_shift(len(latents), config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))  # fmt: skip
-        scheduler = copy.deepcopy(pipe.scheduler)
-        timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-        scheduler.set_begin_index(0)
+        scheduler, timesteps = self._schedule(len(latents), request.steps, device)
         branches = [{"encoder_hidden_states": text, "img_shapes": grids} for text in texts]
         return QwenImageDenoising(request, latents, scheduler, timesteps, branches,
                                   self.true_cfg_scale(request) if guided else None, reference=reference, height=height,
                                   width=width)  # fmt: skip
+
+    def _schedule(self, image_tokens: int, steps: int, device: torch.device | str) -> tuple[Any, Tensor]:
+        """A copy of the pipeline's scheduler set as the pipelines set it for ``steps`` steps of an
+        image of ``image_tokens`` tokens (the target's alone, as they count ``image_seq_len``): the
+        sigmas ``linspace(1, 1/steps, steps)``, the shift ``mu = calculate_shift(image_tokens, ...)``
+        of the scheduler's config, the first step at index 0; and its ``[steps]`` timesteps."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+        config = self.pipeline.scheduler.config
+        mu = calculate_shift(image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))  # fmt: skip
+        scheduler = copy.deepcopy(self.pipeline.scheduler)
+        timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler, timesteps
+
+    def _check_schedule(self, request: Request, image_tokens: int) -> None:
+        """Refuse a step count whose schedule is not finite. Qwen-Image's scheduler config stretches
+        the sigmas to end at ``shift_terminal`` (0.02), dividing by ``1 - `` the last sigma: at one
+        step that is 0, every timestep NaN, and the pipeline's image NaN (black), with nothing said.
+
+        Raises:
+            RequestError: naming the line, the steps and the fix.
+        """
+        with np.errstate(divide="ignore", invalid="ignore"):  # diffusers' 0 / 0, refused here with the reason
+            _, timesteps = self._schedule(image_tokens, request.steps, "cpu")
+        if not bool(torch.isfinite(timesteps).all()):
+            terminal = self.pipeline.scheduler.config.get("shift_terminal")
+            raise RequestError(f"line {request.line}: {request.steps} step(s): the scheduler's timesteps are not finite "
+                               f"(its shift_terminal {terminal} divides by 1 minus the last sigma, 0 at one step), so "
+                               "the image would be NaN; give 'steps' 2 or more")  # fmt: skip
 
     def _encode(self, request: Request, guided: bool, references: EditReferences | None) -> list[Tensor]:
         """``[Tt, Dj]`` text rows of the prompt and, with true CFG, of the negative prompt: from
