@@ -8,8 +8,8 @@ A request names its text by ``prompt`` (the rank that owns it runs the family's 
 ``embeddings``, a safetensors file of precomputed text embeddings (FLUX.1: ``prompt_embeds [Tt, Dj]``
 and ``pooled_prompt_embeds [Dp]``; with classifier-free guidance also ``negative_prompt_embeds``
 and FLUX.1's ``negative_pooled_prompt_embeds``). ``height`` and ``width`` (pixels) are required,
-except with ``image`` where the family's pipeline sizes the output by its image (FLUX.3; the other
-families refuse the request without them); ``steps`` (default 28), ``guidance`` (the family's
+except with ``image`` where the family's pipeline sizes the output by its image (FLUX.3, Qwen-Image
+edits; the other families refuse the request without them); ``steps`` (default 28), ``guidance`` (the family's
 pipeline's default: FLUX.1 3.5, FLUX.2 4.0, FLUX.3 3.5, Wan 5.0), ``seed`` (0),
 ``max_sequence_length`` (the family's pipeline's default: 512, FLUX.3 8192; the text tokens a prompt
 is padded or truncated to, as diffusers' pipelines do) and ``id`` (default ``line{N}``) are
@@ -18,8 +18,8 @@ Classifier-free guidance, where the family uses it, takes ``negative_prompt`` (W
 unless given; FLUX.1: ``true_cfg_scale`` above 1 with a ``negative_prompt``, as ``FluxPipeline``'s
 ``true_cfg_scale``); the unconditional branch is then a sequence of its own for the planner.
 Image-conditioned pipelines take ``image``: a path, or a list of paths (relative paths are the
-request file's directory's): Wan's image-to-video the first frame, FLUX.2 and FLUX.3 their reference
-images.
+request file's directory's): Wan's image-to-video the first frame, FLUX.2, FLUX.3 and Qwen-Image's
+edit pipelines their reference images.
 Wan 2.2 A14B's two experts take ``guidance_2``, the low-noise expert's guidance scale (the
 pipeline's ``guidance_scale_2``; default ``guidance``). A family refuses the keys it does not take. Unknown keys are refused, so a typo (``"step": 4``) is not
 silently a default.
@@ -94,7 +94,8 @@ class Request:
         embeddings: path of a safetensors file of precomputed text embeddings (relative paths are
             the request file's directory's), or ``None``.
         height, width: pixels, or ``None`` (with ``image`` only): the family's pipeline's size of
-            its image (FLUX.3: the first reference's).
+            its image (FLUX.3: the first reference's; Qwen-Image edits: about 1 megapixel at the
+            last reference's aspect ratio).
         steps: denoising steps.
         guidance: the guidance scale (embedded, for guidance-distilled models such as FLUX.1 and
             FLUX.2 [dev]), or ``None``: the family's pipeline's default (``guidance_scale``).
@@ -104,8 +105,8 @@ class Request:
         frames: video frames, or ``None``: the family's default (an image family takes none).
         negative_prompt: the unconditional branch's text, or ``None``: the family's default.
         true_cfg_scale: FLUX.1's true classifier-free guidance scale, or ``None`` (off).
-        image: paths of the request's images (Wan's first frame; FLUX.2's and FLUX.3's references,
-            in order; relative paths are the request file's directory's), or ``None``.
+        image: paths of the request's images (Wan's first frame; FLUX.2's, FLUX.3's and Qwen-Image
+            edits' references, in order; relative paths are the request file's directory's), or ``None``.
         guidance_2: the low-noise expert's guidance scale of a two-expert pipeline, or ``None``:
             ``guidance``'s.
     """

@@ -452,6 +452,10 @@ def _tiny_generator(family: str):
     ("qwen-image", {"height": 32, "width": 48, "true_cfg_scale": 2.0}, "needs both 'true_cfg_scale' above 1"),
     ("qwen-image", {"height": 32, "width": 48, "negative_prompt": "x", "true_cfg_scale": 1.0}, "would ignore"),
     ("qwen-image", {"height": 30, "width": 48}, "multiples of 8 px"),
+    ("qwen-image", {"height": 32, "width": 48, "steps": 1}, "1 step(s): the scheduler's timesteps are not finite"),
+    ("qwen-image", {"height": 32, "width": 48, "image": "cat.png"}, "edits take a QwenImageEditPlusPipeline"),
+    # 8,180 tokens wide: the text's 8 rows from RoPE position 4,090 on pass the tables' 4,096.
+    ("qwen-image", {"height": 8, "width": 8 * 8180}, "8 text rows from RoPE position 4090 on"),
     # Tiny FLUX.1 in bfloat16: 4 px a patch, positions exact up to 256 patches a side (1,024 px).
     ("flux-bf16", {"height": 1024, "width": 8, "steps": 1}, (8 + 256 * 2,)),
     ("flux-bf16", {"height": 8, "width": 1028}, "image positions are bfloat16 (as FluxPipeline makes them), exact "
@@ -1152,16 +1156,16 @@ def test_qwen_image_intake_counts_each_branchs_text_cuts_embeddings_and_refuses_
     from safetensors.torch import save_file
 
     generator = _tiny_generator("qwen-image")
-    fields = {"prompt": "a cat", "negative_prompt": "blurry and dark", "height": 32, "width": 48, "steps": 1}
-    rows = [generator._text_rows(text, 512) for text in ("a cat", "blurry and dark")]
-    assert rows[0] != rows[1]
+    fields = {"prompt": "a cat", "negative_prompt": "blurry and dark", "height": 32, "width": 48, "steps": 2}
     request = parse_request(0, 1, json.dumps(fields))
+    rows = [generator._text_rows(request, text, None) for text in ("a cat", "blurry and dark")]
+    assert rows[0] != rows[1]
     assert generator.request_seq_lens(request) == (rows[0] + 24, rows[1] + 24)
     assert tuple(generator.model.pack(generator.start(request).samples()).seq_lens) == (rows[0] + 24, rows[1] + 24)
     width = generator.model.config["joint_attention_dim"]
     save_file({"prompt_embeds": torch.randn(40, width)}, str(tmp_path / "long.safetensors"))
     cut = parse_request(0, 2, json.dumps({"embeddings": "long.safetensors", "max_sequence_length": 30, "height": 32,
-                                          "width": 48, "steps": 1}), tmp_path)  # fmt: skip
+                                          "width": 48, "steps": 2}), tmp_path)  # fmt: skip
     assert generator.request_seq_lens(cut) == (30 + 24,)
     assert tuple(generator.model.pack(generator.start(cut).samples()).seq_lens) == (30 + 24,)
     save_file({"prompt_embeds": torch.randn(4, width), "prompt_embeds_mask": torch.ones(4)},
@@ -1170,7 +1174,7 @@ def test_qwen_image_intake_counts_each_branchs_text_cuts_embeddings_and_refuses_
     with pytest.raises(RequestError, match="nothing else"):
         generator.request_seq_lens(masked)
     wide = parse_request(0, 4, json.dumps({"prompt": "a cat", "height": 8, "width": 65600}))
-    with pytest.raises(RequestError, match=re.escape("outside Qwen-Image's -4096..4095; make the image smaller")):
+    with pytest.raises(RequestError, match=re.escape("positions of Qwen-Image's RoPE tables")):
         generator.request_seq_lens(wide)
 
 
@@ -1178,8 +1182,186 @@ def test_qwen_image_counts_a_prompts_own_rows_without_a_max_sequence_length():
     """Without ``max_sequence_length`` a Qwen-Image prompt is its chat-templated tokens less the
     template's dropped prefix (the pipeline pads nothing), what the start packs."""
     generator = _tiny_generator("qwen-image")
-    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "height": 32, "width": 48, "steps": 1}))
+    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "height": 32, "width": 48, "steps": 2}))
     pipe = generator.pipeline
     rows = len(pipe.tokenizer(pipe.prompt_template_encode.format("a cat"))["input_ids"]) - 34
     assert generator.request_seq_lens(request) == (rows + 24,)
     assert tuple(generator.model.pack(generator.start(request).samples()).seq_lens) == (rows + 24,)
+
+
+# ---- Qwen-Image edits ----
+
+# Edit pictures (height, width px) and what the tiny edit pipelines make of them with the sizes of
+# _shrink_edit_sizes: the vision-language encoder sees square.png at 128 x 128 px (Qwen2-VL's 28 px
+# grid at most 112 x 112: 16 vision tokens) and wide.png at 64 x 192 (56 x 196: 14); the VAE encodes
+# them at 64 x 64 (8 px a token: 64 tokens) and 32 x 96 (48). thin.png is too narrow for the VAE's area
+# (its width rounds to 0).
+EDIT_IMAGES = {"square.png": (64, 64), "wide.png": (40, 120), "thin.png": (320, 16)}
+
+
+@pytest.fixture
+def edit_images(tmp_path, monkeypatch):
+    """:data:`EDIT_IMAGES` in ``tmp_path``, and ``QwenImageEditPlusPipeline``'s module sizes shrunk
+    (the generator reads them at each call, as the pipeline does): the vision-language encoder's
+    images to ~112 x 112 px of area, the VAE's to ~48 x 48."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+    from PIL import Image
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 112 * 112)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 48 * 48)
+    for index, (name, (height, width)) in enumerate(EDIT_IMAGES.items()):
+        pixels = np.random.default_rng(index).integers(0, 256, (height, width, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(tmp_path / name)
+    return tmp_path
+
+
+@functools.cache
+def _tiny_edit_generator(pipeline: str):
+    """The tiny generator around ``pipeline`` (``QwenImageEditPlusPipeline`` or
+    ``QwenImageEditPipeline``), in float32."""
+    from deepspeed_knap.models.qwenimage.generate import QWEN_IMAGE_GENERATORS
+
+    return QWEN_IMAGE_GENERATORS[pipeline].tiny(torch.float32, "cpu")
+
+
+def test_a_qwen_image_edit_counts_its_text_with_the_vision_tokens_then_the_target_and_references(edit_images):
+    """Each branch: the processor's rows of the templated text (a "Picture i:" block per reference,
+    each image pad expanded to the reference's vision tokens) less the 64 dropped, the target's tokens
+    and each reference's at its VAE size; the unconditional branch the negative prompt's with the same
+    images. Without a size, the last reference's: ``calculate_dimensions(1024 * 1024, 3)`` is 1,760 x
+    576 px. What the intake counts is what the start packs."""
+    generator = _tiny_edit_generator("QwenImageEditPlusPipeline")
+    pipe = generator.pipeline
+
+    def rows(prompt: str, vision: list[int]) -> int:  # the character tokenizer: one token per pad before expansion
+        pictures = "".join(f"Picture {i + 1}: <|vision_start|><|image_pad|><|vision_end|>" for i in range(len(vision)))
+        tokens = pipe.tokenizer(pipe.prompt_template_encode.format(pictures + prompt))["input_ids"]
+        return len(tokens) - len(vision) + sum(vision) - 64
+
+    cases = [
+        ({"image": "square.png", "height": 32, "width": 48}, (rows("a cat", [16]) + 24 + 64,)),
+        ({"image": ["square.png", "wide.png"], "negative_prompt": "dark", "height": 32, "width": 48},
+         (rows("a cat", [16, 14]) + 24 + 64 + 48, rows("dark", [16, 14]) + 24 + 64 + 48)),
+        ({"image": ["square.png", "wide.png"], "height": 64},  # the width the last reference's
+         (rows("a cat", [16, 14]) + 8 * 220 + 64 + 48,)),
+        ({"image": "wide.png"}, (rows("a cat", [14]) + 72 * 220 + 48,)),
+    ]  # fmt: skip
+    for fields, expected in cases:
+        request = parse_request(0, 1, json.dumps({"prompt": "a cat", "steps": 2, **fields}), edit_images)
+        assert generator.request_seq_lens(request) == expected, fields
+        state = generator.start(request)
+        assert tuple(generator.model.pack(state.samples()).seq_lens) == expected, fields
+        assert (state.height, state.width) == (request.height or 576, request.width or 1760)
+
+
+@pytest.mark.parametrize(("pipeline", "fields", "expected"), [
+    ("QwenImageEditPlusPipeline", {}, "it edits reference images; give 'image'"),
+    ("QwenImageEditPlusPipeline", {"image": "square.png", "max_sequence_length": 8}, "ignores max_sequence_length: "
+     "drop 'max_sequence_length'"),
+    ("QwenImageEditPlusPipeline", {"image": "square.png", "height": 36}, "36x48 px: Qwen-Image's VAE (4x) and 2x2 "
+     "patches need height and width in multiples of 8 px"),
+    ("QwenImageEditPlusPipeline", {"image": "square.png", "guidance": 3.0}, "not guidance-distilled"),
+    ("QwenImageEditPlusPipeline", {"image": "square.png", "true_cfg_scale": 2.0}, "needs both 'true_cfg_scale' "
+     "above 1"),
+    ("QwenImageEditPlusPipeline", {"image": ["square.png", "thin.png"]}, "thin.png is 16x320 px: "
+     "QwenImageEditPlusPipeline would size it 0x224 px at 2,304 px of area"),
+    ("QwenImageEditPlusPipeline", {"image": "missing.png"}, "cannot read image"),
+    ("QwenImageEditPipeline", {"image": ["square.png", "square.png"]}, "2 images: QwenImageEditPipeline "
+     "(Qwen-Image-Edit) edits one"),
+])  # fmt: skip
+def test_qwen_image_edits_refuse_what_the_pipelines_would_refuse_or_change(edit_images, pipeline, fields, expected):
+    generator = _tiny_edit_generator(pipeline)
+    request = parse_request(0, 3, json.dumps({"prompt": "a cat", "height": 32, "width": 48, **fields}), edit_images)
+    with pytest.raises(RequestError, match=re.escape(expected)) as error:
+        generator.request_seq_lens(request)
+    assert str(error.value).startswith("line 3: ")
+
+
+def test_qwen_image_edits_in_one_process_draw_what_the_edit_pipelines_draw_sized_as_they_size(tmp_path, monkeypatch):
+    """``QwenImageEditPlusPipeline`` (a default size from the last of two references, and an
+    embeddings file of ``encode_prompt(prompt, image=...)`` with its negative, true CFG) and
+    ``QwenImageEditPipeline`` (one reference, at the pipeline's default size with true CFG, and a
+    height given): each image equals the pipeline's for the request alone (fp64, 1e-6). Both
+    pipelines' ``calculate_dimensions`` shrink every area 256-fold here (1 megapixel: 64 x 64 px)."""
+    import diffusers
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from deepspeed_knap.generation.runner import generate
+    from deepspeed_knap.models.qwenimage.generate import QWEN_IMAGE_GENERATORS
+
+    for module in (pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus):
+        monkeypatch.setattr(module, "calculate_dimensions",
+                            functools.partial(lambda original, area, ratio: original(area // 256, ratio),
+                                              module.calculate_dimensions))  # fmt: skip
+    references = {"a.png": (64, 64), "b.png": (72, 50)}
+    for index, (name, (height, width)) in enumerate(references.items()):
+        pixels = np.random.default_rng(index).integers(0, 256, (height, width, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(tmp_path / name)
+    images = {name: Image.open(tmp_path / name).convert("RGB") for name in references}
+    for pipeline in ("QwenImageEditPlusPipeline", "QwenImageEditPipeline"):
+        ours = QWEN_IMAGE_GENERATORS[pipeline].tiny(torch.float64, "cpu", seed=1)
+        transformer = type(ours.model).diffusers_model(ours.model.config, ours.model.state_dict())
+        parts = {key: part for key, part in ours.pipeline.components.items() if key != "transformer"}
+        pipe = getattr(diffusers, pipeline)(**parts, transformer=transformer).to(torch.float64)
+        pipe.set_progress_bar_config(disable=True)
+        if pipeline == "QwenImageEditPlusPipeline":
+            image = [images["a.png"], images["b.png"]]
+            text = pipe.encode_prompt("precomputed", image=[images["a.png"]])[0]
+            negative = pipe.encode_prompt(" ", image=[images["a.png"]])[0]
+            save_file({"prompt_embeds": text[0].contiguous(), "negative_prompt_embeds": negative[0].contiguous()},
+                      tmp_path / "emb.safetensors")  # fmt: skip
+            lines = [{"id": "sized", "prompt": "make it red", "image": ["a.png", "b.png"], "steps": 3, "seed": 2},
+                     {"id": "embedded", "embeddings": "emb.safetensors", "image": "a.png", "height": 24, "width": 40,
+                      "true_cfg_scale": 3.0, "steps": 2, "seed": 3}]  # fmt: skip
+            expected = {"sized": pipe(image=image, prompt="make it red", num_inference_steps=3, output_type="np",
+                                      generator=torch.Generator().manual_seed(2)),
+                        "embedded": pipe(image=[images["a.png"]], prompt_embeds=text, negative_prompt_embeds=negative,
+                                         true_cfg_scale=3.0, height=24, width=40, num_inference_steps=2,
+                                         output_type="np", generator=torch.Generator().manual_seed(3))}  # fmt: skip
+        else:
+            lines = [{"id": "sized", "prompt": "make it red", "image": "b.png", "negative_prompt": " ", "steps": 3,
+                      "seed": 2},
+                     {"id": "tall", "prompt": "in blue", "image": "a.png", "height": 40, "steps": 2, "seed": 3}]  # fmt: skip
+            expected = {"sized": pipe(image=images["b.png"], prompt="make it red", negative_prompt=" ",
+                                      num_inference_steps=3, output_type="np", generator=torch.Generator().manual_seed(2)),
+                        "tall": pipe(image=images["a.png"], prompt="in blue", height=40, num_inference_steps=2,
+                                     output_type="np", generator=torch.Generator().manual_seed(3))}  # fmt: skip
+        path = tmp_path / f"{pipeline}.jsonl"
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        drawn = {}
+        report = generate(path, ours, on_image=lambda request, image, drawn=drawn: drawn.update({request.id: image}),
+                          progress=False)  # fmt: skip
+        assert report.refused == [] and sorted(drawn) == sorted(expected)
+        for name, output in expected.items():
+            image = output.images[0]
+            assert drawn[name].shape == image.shape, (pipeline, name)
+            assert image.std() > 0.01 and np.abs(drawn[name] - image).max() < 1e-6, (pipeline, name)
+        # The last (Edit-Plus) or only (Edit) reference sizes the image: b.png's 50:72 is 64 x 64 px.
+        assert drawn["sized"].shape == (64, 64, 3)
+
+
+def test_qwen_image_load_follows_the_folders_pipeline_and_refuses_others(tmp_path, monkeypatch):
+    """``QwenImageGenerator.load`` (the family's) gives the generator of the folder's pipeline
+    class: an edit folder the edit generator; another Qwen-Image pipeline is refused, naming those
+    taken."""
+    import diffusers
+
+    from deepspeed_knap.models.qwenimage.generate import QwenImageEditPlusGenerator, QwenImageGenerator
+    from deepspeed_knap.models.qwenimage.qwenimage import PackedQwenImageTransformer
+
+    tiny = _tiny_edit_generator("QwenImageEditPlusPipeline")
+    loaded = []
+    monkeypatch.setattr(diffusers.QwenImageEditPlusPipeline, "from_pretrained",
+                        lambda path, **kwargs: loaded.append(kwargs) or tiny.pipeline)  # fmt: skip
+    monkeypatch.setattr(PackedQwenImageTransformer, "from_pretrained", lambda path, **kwargs: tiny.model)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPlusPipeline"}))
+    generator = QwenImageGenerator.load(tmp_path, torch.float32, "cpu")
+    assert type(generator) is QwenImageEditPlusGenerator and loaded == [{"transformer": None,
+                                                                         "torch_dtype": torch.float32}]  # fmt: skip
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageLayeredPipeline"}))
+    with pytest.raises(ValueError, match="is a QwenImageLayeredPipeline; deepspeed-knap generate runs Qwen-Image "
+                                         "checkpoints of QwenImagePipeline, QwenImageEditPlusPipeline, "
+                                         "QwenImageEditPipeline"):  # fmt: skip
+        QwenImageGenerator.load(tmp_path, torch.float32, "cpu")

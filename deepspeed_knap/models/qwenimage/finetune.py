@@ -69,6 +69,29 @@ def tiny_qwen_image_components(config: Mapping[str, Any], seed: int = 0) -> dict
             "text_encoder": text_encoder.eval(), "tokenizer": tokenizer}  # fmt: skip
 
 
+def tiny_qwen2vl_processor(tokenizer: Any) -> Any:
+    """The ``Qwen2VLProcessor`` of the edit pipelines for :func:`tiny_qwen_image_components`'
+    ``tokenizer``: Qwen2-VL's image processor (its PIL backend, the same with or without torchvision;
+    14 px patches merged 2x2, as the tiny text encoder's vision tower takes them) bounded to 56 x 56
+    to 112 x 112 px, so an image is 4 to 16 vision tokens in the text. No video processor:
+    transformers' check of one looks its class up, which needs torchvision, so the check is skipped
+    for it alone while the processor is built."""
+    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def without_video(self: Any, name: str, argument: Any) -> Any:
+        return None if argument is None else check(self, name, argument)
+
+    ProcessorMixin.check_argument_for_proper_class = without_video
+    try:
+        return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112),
+                                tokenizer=tokenizer)  # fmt: skip
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
 class QwenImageValidation(ValidationHooks):
     """Validation images through diffusers' ``QwenImagePipeline`` (text to image), with its true
     classifier-free guidance: a negative prompt of one space and ``true_cfg_scale`` (4.0, the
