@@ -55,6 +55,7 @@ __all__ = [
     "latent_directory_error",
     "near_square_grid",
     "non_float_tensors",
+    "reference_sizes",
     "sample_file_header",
     "targets_and_references",
     "write_latent_manifest",
@@ -153,6 +154,13 @@ def targets_and_references(directory: str | Path) -> list[tuple[Path, str, list[
         raise ValueError(f"{directory}: " + "; ".join(problems))
     return [(p, p.with_suffix(".txt").read_text().strip(), [by_target[p.stem][n] for n in sorted(by_target[p.stem])])
             for p in targets]  # fmt: skip
+
+
+def reference_sizes(shape: SampleShape, reference: int) -> list[int]:
+    """Tokens of each reference image of a synthetic sample with ``reference`` reference tokens:
+    ``shape.frames - 1`` images (at most one per token), the tokens split evenly."""
+    count = min(max(shape.frames - 1, 1), reference)
+    return [reference // count + (i < reference % count) for i in range(count)]
 
 
 def near_square_grid(tokens: int) -> tuple[int, int]:

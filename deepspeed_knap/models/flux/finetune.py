@@ -74,7 +74,7 @@ def tiny_flux2_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> 
     pipeline's latent normalisation shows. The tokenizer splits text into characters, and its chat
     template keeps the user's text only (not ``Flux2Pipeline``'s long system message), so that a
     short ``max_sequence_length`` still holds the prompt; the text encoder takes 512 positions."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+    from diffusers import FlowMatchEulerDiscreteScheduler
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         Mistral3Config,
@@ -103,16 +103,26 @@ def tiny_flux2_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> 
     vision = PixtralVisionConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1,
                                  image_size=32, patch_size=16)  # fmt: skip
     text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision))
-    vae = AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                             block_out_channels=(8, 16), layers_per_block=1, latent_channels=config["in_channels"] // 4,
-                             norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False)  # fmt: skip
-    with torch.no_grad():
-        vae.bn.running_mean.normal_(std=0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
+    vae = tiny_flux2_vae(config["in_channels"] // 4)
     # Dynamic shifting as in FLUX.1's config; Flux2Pipeline gives mu itself (compute_empirical_mu).
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                 base_image_seq_len=256, max_image_seq_len=4096)  # fmt: skip
     return {"scheduler": scheduler, "vae": vae.eval(), "text_encoder": text_encoder.eval(), "tokenizer": tokenizer}
+
+
+def tiny_flux2_vae(latent_channels: int) -> Any:
+    """A tiny random ``AutoencoderKLFlux2`` (2x spatial) of ``latent_channels``, in eval mode, whose
+    batch-norm statistics are random (not 0 and 1), so that the pipelines' latent normalisation
+    shows: FLUX.2's and FLUX.3's tiny pipelines (draws from torch's global generator)."""
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             block_out_channels=(8, 16), layers_per_block=1, latent_channels=latent_channels,
+                             norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False)  # fmt: skip
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(std=0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae.eval()
 
 
 class FluxValidation(ValidationHooks):

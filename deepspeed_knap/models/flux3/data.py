@@ -46,6 +46,7 @@ from deepspeed_knap.models.latents import (
     flow_noise,
     near_square_grid,
     non_float_tensors,
+    reference_sizes,
     sample_file_header,
     write_latent_manifest,
 )
@@ -198,10 +199,8 @@ def synthetic_flux3_samples(
             "txt_ids": text_ids(text),
         }
         if reference:
-            count = min(max(shape.frames - 1, 1), reference)
-            sizes = [reference // count + (i < reference % count) for i in range(count)]
             sample["image_cond_hidden_states"] = randn(reference, config["cond_in_channels"])
-            grids = [near_square_grid(n) for n in sizes]
+            grids = [near_square_grid(n) for n in reference_sizes(shape, reference)]
             sample["image_cond_ids"] = torch.cat([flux3_image_ids(*grid, i) for i, grid in enumerate(grids)])
         samples.append(sample)
     return samples

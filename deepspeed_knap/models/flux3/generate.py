@@ -456,9 +456,10 @@ def tiny_flux3_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> 
     Raises:
         ValueError: a config these parts cannot fit.
     """
-    from diffusers import AutoencoderKLFlux2
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from deepspeed_knap.models.flux.finetune import tiny_flux2_vae
 
     if config["in_channels"] % 4 or config["cond_in_channels"] != config["in_channels"]:
         raise ValueError(f"in_channels={config['in_channels']} must be 4 x the VAE's latent channels (2x2 patches) "
@@ -483,13 +484,8 @@ def tiny_flux3_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> 
     vision = dict(depth=1, hidden_size=8, intermediate_size=8, num_heads=1, out_hidden_size=width,
                   deepstack_visual_indexes=[])  # fmt: skip
     text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision))
-    vae = AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                             block_out_channels=(8, 16), layers_per_block=1, latent_channels=config["in_channels"] // 4,
-                             norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False)  # fmt: skip
-    with torch.no_grad():
-        vae.bn.running_mean.normal_(std=0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
-    return {"text_encoder": text_encoder.eval(), "tokenizer": TokenizerProcessor(tokenizer), "vae": vae.eval()}
+    vae = tiny_flux2_vae(config["in_channels"] // 4)
+    return {"text_encoder": text_encoder.eval(), "tokenizer": TokenizerProcessor(tokenizer), "vae": vae}
 
 
 def tiny_flux3_generator(dtype: torch.dtype, device: torch.device | str, seed: int = 0,

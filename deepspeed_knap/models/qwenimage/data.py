@@ -42,6 +42,7 @@ from deepspeed_knap.models.latents import (
     flow_noise,
     near_square_grid,
     non_float_tensors,
+    reference_sizes,
     sample_file_header,
 )
 
@@ -67,8 +68,7 @@ def synthetic_qwen_image_samples(
         text, image, reference = shape.scaled(token_scale).segments
         grids = [near_square_grid(image)]
         if reference:
-            count = min(max(shape.frames - 1, 1), reference)
-            grids += [near_square_grid(reference // count + (i < reference % count)) for i in range(count)]
+            grids += [near_square_grid(n) for n in reference_sizes(shape, reference)]
         sample = {
             "latents": randn(image, config["in_channels"]),
             "encoder_hidden_states": randn(max(text, 1), config["joint_attention_dim"]),
