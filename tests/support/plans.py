@@ -47,7 +47,8 @@ def plan_digests() -> dict[str, str]:
     and three fixed topologies, each solver, with equal speeds and with the last GPU at half speed.
     ``tests/support/plan_digests.json`` holds them as the planner gave them before the package was
     reorganised (issue 21); a refactor must leave every one unchanged. ``flux3_edit`` (60 keys, added
-    with it) is planned with the ``flux3`` cost model and its samples' attention segments."""
+    with it) is planned with the ``flux3`` cost model and its samples' attention segments;
+    ``qwen_edit``'s 60 keys were added with it (issue 44)."""
     import dataclasses
     import hashlib
 
