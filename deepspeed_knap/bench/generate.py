@@ -13,7 +13,8 @@ one, with any even number of ranks the even ranks get them) with a random tiny m
 one-frame images without; FLUX.3 guides every request (its default guidance, 3.5). In each mode:
 
 * ``balanced``: ``deepspeed-knap generate``'s path: topology ``auto``, plan and route reused per set;
-* ``no-reuse``: the same, but the plan gathered and solved, and the route prepared, every step (the
+* ``decode-at-home``: the same, but each request decoded on its home rank (the decodes not placed);
+* ``no-reuse``: the same as ``balanced``, but the plan gathered and solved, and the route prepared, every step (the
   training path): what reuse saves, per step;
 * ``unbalanced``: each rank runs its own requests packed, with no communication;
 * ``pipeline``: each rank calls the family's diffusers pipeline (``FluxPipeline``,
@@ -24,7 +25,8 @@ one-frame images without; FLUX.3 guides every request (its default guidance, 3.5
 nothing): against ``unbalanced``, the balancer's own per-step cost (on a GPU at FLUX.1's width:
 ``--ranks 1 --heads 24 --head-dim 128 --dtype bfloat16``).
 
-Reported per mode: images per second (all images over the slowest rank's wall time), each rank's
+Reported per mode: images per second (all images over the slowest rank's wall time), the ranks'
+busy seconds' max over their mean, each rank's
 wall and busy seconds (its own work: encoding, compute less the all-to-alls and the waits in them,
 scheduler steps, decoding) and CPU seconds (the process's, all threads: on a CPU shared with other
 jobs the wall clock also counts their turns), and for the balanced modes the median per-step
@@ -50,7 +52,8 @@ from deepspeed_knap.options import add_family_argument, output_file, positive_in
 from deepspeed_knap.plots import write_report
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 
-MODES = ("balanced", "no-reuse", "unbalanced", "pipeline")
+MODES = ("balanced", "decode-at-home", "no-reuse", "unbalanced", "pipeline")
+BALANCED = ("balanced", "decode-at-home", "no-reuse")
 HELP = "measured generation on local ranks: balanced, unbalanced, one pipeline call per request"
 FORMATTER = argparse.RawDescriptionHelpFormatter
 
@@ -112,8 +115,10 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
             if mode == "pipeline":
                 record = _pipeline_calls(pipe, intake.mine, generator)
             else:
-                report = generate(options["requests"], generator, balancers.get(mode), progress=False,
-                                  max_tokens_per_gpu=options["max_tokens_per_gpu"])  # fmt: skip
+                balancer = balancers["balanced" if mode == "decode-at-home" else mode] if mode in BALANCED else None
+                report = generate(options["requests"], generator, balancer, progress=False,
+                                  max_tokens_per_gpu=options["max_tokens_per_gpu"],
+                                  balance_decodes=mode != "decode-at-home")  # fmt: skip
                 record = {"images": len(report.requests), "busy_s": report.busy_s, "steps": report.steps,
                           "solves": report.solves, "plan_s": report.plan_s, "route_s": report.route_s}  # fmt: skip
             get_accelerator().synchronize()
@@ -183,14 +188,15 @@ def format_report(report: dict) -> str:
     name = spec(options["family"]).title
     lines = [f"{options['ranks']} ranks, {options['dtype']}, {name} {options['heads']} heads x {options['head_dim']}; "
              f"best of {options['repeats']}; images/s = all images / the slowest rank's wall time", "",
-             f"{'mode':<11}{'images/s':>9}{'wall s':>8}{'steps':>6}{'solves':>7}{'plan ms/step':>13}"
+             f"{'mode':<15}{'images/s':>9}{'wall s':>8}{'busy max/mean':>14}{'steps':>6}{'solves':>7}{'plan ms/step':>13}"
              f"{'route ms/step':>14}  per rank: images, busy s / wall s, CPU s"]  # fmt: skip
     base = report["modes"].get("unbalanced", {}).get("images_per_s")
     for mode, m in report["modes"].items():
         ranks = ", ".join(f"{n} {b:.2f}/{w:.2f} {c:.2f}" for n, b, w, c in zip(m["rank_images"], m["rank_busy_s"],
                           m["rank_wall_s"], m["rank_cpu_s"], strict=True))  # fmt: skip
         speedup = f" ({m['images_per_s'] / base:.2f}x)" if base else ""
-        lines.append(f"{mode:<11}{m['images_per_s']:>9.2f}{m['wall_s']:>8.2f}{m['steps']:>6}{m['solves']:>7}"
+        imbalance = max(m["rank_busy_s"]) / statistics.mean(m["rank_busy_s"])
+        lines.append(f"{mode:<15}{m['images_per_s']:>9.2f}{m['wall_s']:>8.2f}{imbalance:>14.2f}{m['steps']:>6}{m['solves']:>7}"
                      f"{m['plan_ms']:>13.2f}{m['route_ms']:>14.2f}  {ranks}{speedup}")  # fmt: skip
     return "\n".join(lines)
 

@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plan-ahead", action="store_true",
                         help="solve each request set's plan at the step it starts, not in a worker process "
                         "while the set before it runs (the plans are the same)")  # fmt: skip
+    parser.add_argument("--decode-at-home", action="store_true",
+                        help="decode each request on its home rank, not where the decodes of its step are "
+                        "spread (docs/generation.md, Decodes; to compare)")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
     parser.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help="seconds a rank waits in a collective for the others (one stopped, stuck or dead) "
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = generate(args.requests, generator, balancer, write_output, args.max_tokens_per_gpu,
                           progress=not args.no_progress, plan_ahead=not args.no_plan_ahead, deadline=deadline,
-                          on_record=journal.add)  # fmt: skip
+                          on_record=journal.add, balance_decodes=not args.decode_at_home)  # fmt: skip
     except RequestFileError as error:  # the same error on every rank
         return 1 if _report_fatal([["reading the requests", str(error)]], rank) else 0
     except MissingRanksError as error:  # this rank's view: each rank that waited says it

@@ -9,6 +9,7 @@ request's own scheduler step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,16 @@ class Denoising:
             return predictions[0]
         conditional, unconditional = predictions
         return unconditional + self.guidance_at(timestep) * (conditional - unconditional)
+
+    def decode_work(self) -> int:
+        """The decode's price where it is placed (:func:`~deepspeed_knap.generation.decodes.place_decodes`):
+        the elements of :attr:`latents`, which a VAE decode's time grows with."""
+        return self.latents.numel()
+
+    def for_decode(self) -> Denoising:
+        """This finished state without what only the steps needed (the scheduler, the branches), to
+        send to the rank that decodes it. A family whose decode reads a branch keeps that part."""
+        return dataclasses.replace(self, scheduler=None, branches=[])
 
     def advance(self, predictions: list[Tensor]) -> None:
         """One scheduler step with the transformer's predictions for :meth:`samples`, in their order."""

@@ -87,7 +87,8 @@ class Request:
 
     Attributes:
         index: position among the file's requests (its non-blank lines), from 0; the rank
-            ``index % world_size`` owns it (encodes it, holds its latents, decodes it).
+            ``index % world_size`` owns it (encodes it, holds its latents; its decode is placed:
+            :mod:`~deepspeed_knap.generation.decodes`).
         line: the line number in the file, from 1.
         id: the output's name (``{id}.png``).
         prompt: the text, or ``None`` when ``embeddings`` is given.

@@ -16,8 +16,10 @@ on every rank. Refused requests are reported; the others are generated.
 (joins and leaves at step boundaries under the token budget, a plan per set). Each step a rank
 packs its own running requests, the transformer runs them balanced with every other rank's
 (:class:`~deepspeed_knap.generation.balancer.ReusingBalancer`, under ``torch.no_grad``), and each
-request takes its scheduler step at home; a request that finishes is decoded there and handed to
-``on_image``. A rank with nothing running still joins every step's collectives.
+request takes its scheduler step at home. The requests that finish at a step are decoded where
+:func:`~deepspeed_knap.generation.decodes.place_decodes` spreads them (their states sent there in
+one all-to-all) and handed to ``on_image`` on that rank. A rank with nothing running still joins
+every step's collectives.
 
 A family's generator (:class:`~deepspeed_knap.models.flux.generate.FluxGenerator` for FLUX.1,
 :class:`~deepspeed_knap.models.flux.generate.Flux2Generator` for FLUX.2,
@@ -32,8 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import json
 import os
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -235,9 +239,10 @@ class GenerationReport:
 
     Attributes:
         rank: global rank.
-        requests: this rank's generated requests: ``id``, ``line``, ``tokens``, ``steps``, ``first_step``
-            and ``last_step`` (of the run), ``encode_s``, ``denoise_s`` (from its first step's start
-            to its last step's end), ``decode_s``.
+        requests: the requests this rank decoded: ``id``, ``line``, ``home`` (its rank), ``tokens``,
+            ``steps``, ``first_step`` and ``last_step`` (of the run), ``encode_s``, ``denoise_s``
+            (from its first step's start to its last step's end, at home), ``decode_s``,
+            ``decoded_on`` (this rank).
         refused: every rank's refused requests (:attr:`Intake.refused`).
         count: requests in the file.
         steps: denoising steps the run took (each runs every running request once).
@@ -256,8 +261,8 @@ class GenerationReport:
         plan_wait_s: this rank's seconds waiting for the plan worker's set plans at the steps that
             started their sets (what planning ahead did not hide).
         plan_s, route_s: per step, this rank's seconds to get the plan and to route (balanced runs).
-        failed: this rank's requests whose decode or ``on_image`` raised (``line``, ``id``, ``rank``,
-            ``reason``); the run went on.
+        failed: the requests whose decode, hand-over to the decoding rank or ``on_image`` raised
+            here (``line``, ``id``, ``rank``, ``reason``); the run went on.
     """
 
     rank: int
@@ -282,7 +287,8 @@ class GenerationReport:
 def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None = None,
              on_image: Callable[[Request, np.ndarray], None] | None = None, max_tokens_per_gpu: int | None = None,
              progress: bool = True, plan_ahead: bool = True, deadline: Deadline | None = None,
-             on_record: Callable[[str, dict], None] | None = None) -> GenerationReport:  # fmt: skip
+             on_record: Callable[[str, dict], None] | None = None,
+             balance_decodes: bool = True) -> GenerationReport:  # fmt: skip
     """Generate every acceptable request of ``path``. Collective: every rank calls it.
 
     With a balancer that reuses plans, each request set's plan after the first is solved in a plan
@@ -295,7 +301,8 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
         generator: the family's generator, the same weights on every rank.
         balancer: from :func:`generation_balancer`; ``None``: each rank runs its own requests alone
             (no communication in the transformer).
-        on_image: called on the home rank with each request and its ``[H, W, 3]`` image (a video:
+        on_image: called on the rank that decoded it (its home rank, unless the decodes are
+            placed: ``balance_decodes``) with each request and its ``[H, W, 3]`` image (a video:
             ``[F, H, W, 3]`` frames) in ``[0, 1]``.
         max_tokens_per_gpu: the per-GPU token budget of the running set (the balancer's, when given).
         progress: a tqdm bar on rank 0 (request-steps done of all).
@@ -307,10 +314,13 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
             (:class:`~deepspeed_knap.generation.deadline.Deadline`; the groups' timeout is its
             caller's to set); ``None``: a collective's failure raises as the backend raised it.
         on_record: called as the run goes, so that what is done is kept whatever happens later:
-            ``("request", record)`` on the home rank as each request's output was handed over (the
+            ``("request", record)`` on the decoding rank as each request's output was handed over (the
             record as :attr:`GenerationReport.requests` holds it), ``("failed", failure)`` as
             :attr:`GenerationReport.failed` gets it, and on rank 0 ``("refused", refusal)`` for each
             of :attr:`Intake.refused` once the intake is agreed.
+        balance_decodes: with a balancer, each step's finished requests are decoded where
+            :func:`~deepspeed_knap.generation.decodes.place_decodes` puts them (their states sent
+            there: :func:`_hand_over`); ``False``, or without a balancer: on their home ranks.
 
     Raises:
         RequestFileError: on every rank, for a request file that ranks cannot read alike.
@@ -346,6 +356,12 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     report = GenerationReport(rank, [], intake.refused, intake.count)
     states: dict[int, Any] = {}
     records: dict[int, dict] = {}
+    place = balancer is not None and balance_decodes and world > 1
+
+    def fail(line: int, request_id: str, reason: str) -> None:
+        report.failed.append({"line": line, "id": request_id, "rank": rank, "reason": f"line {line}: {reason}"})
+        keep("failed", report.failed[-1])
+
     model = generator.model
     bar = tqdm(total=batcher.total_request_steps, disable=not progress or rank != 0, unit="step",
                desc=f"generate ({len(intake.jobs)} requests, {world} ranks)")  # fmt: skip
@@ -362,7 +378,8 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
                 for index in step.joined:
                     if index in intake.mine and problem is None:
                         request = intake.mine[index]
-                        records[index] = {"id": request.id, "line": request.line, "tokens": batcher.jobs[index].tokens,
+                        records[index] = {"id": request.id, "line": request.line, "home": rank,
+                                          "tokens": batcher.jobs[index].tokens,
                                           "steps": request.steps, "first_step": step.number, "started_at": step_start}  # fmt: skip
                         clock = time.perf_counter()
                         try:
@@ -393,21 +410,28 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
                     states[index].advance(predictions[:branches])
                     predictions = predictions[branches:]
                 busy += time.perf_counter() - clock
-                for index in [index for index in mine if states[index].done]:
+                finished = []
+                for index in [index for index in mine if states[index].done]:  # denoised: decoded next
+                    record = records.pop(index)
+                    record.update(last_step=step.number, denoise_s=time.perf_counter() - record.pop("started_at"))
+                    finished.append((index, intake.mine[index], states.pop(index), record))
+                clock = time.perf_counter()
+                if place and batcher.finishing():  # every rank knows the step's leavers: it agrees alike
+                    finished = _hand_over(finished, batcher, busy + time.perf_counter() - clock, generator.device,
+                                          fail)  # fmt: skip
+                busy += time.perf_counter() - clock  # the gather's waits too: small beside the decodes
+                for _, request, state, record in finished:
                     clock = time.perf_counter()
-                    request, record = intake.mine[index], records[index]
                     try:  # a failure here is this request's alone: the rank goes on (no other rank waits on it)
-                        image = generator.decode(states.pop(index))
+                        image = generator.decode(state)
                         decode_s = time.perf_counter() - clock
                         if on_image is not None:
                             on_image(request, image)
                     except Exception as error:
-                        report.failed.append({"line": request.line, "id": request.id, "rank": rank,
-                                              "reason": f"line {request.line}: cannot decode or hand over the output: "
-                                              f"{type(error).__name__}: {error}"})  # fmt: skip
-                        keep("failed", report.failed[-1])
+                        fail(request.line, request.id, f"cannot decode or hand over the output: "
+                             f"{type(error).__name__}: {error}")  # fmt: skip
                         continue
-                    record.update(last_step=step.number, denoise_s=clock - record.pop("started_at"), decode_s=decode_s)
+                    record.update(decode_s=decode_s, decoded_on=rank)
                     busy += decode_s
                     report.requests.append(record)
                     keep("request", record)
@@ -425,6 +449,54 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
         report.plan_wait_s = 0.0 if planner is None else planner.wait_s
         report.plan_s, report.route_s = balancer.plan_s[steps_before:], balancer.route_s[steps_before:]
     return report
+
+
+def _hand_over(finished: list[tuple[int, Request, Any, dict]], batcher: StepBatcher, busy_s: float,
+               device: torch.device, fail: Callable[[int, str, str], None]) -> list[tuple[int, Request, Any, dict]]:  # fmt: skip
+    """The decodes this rank runs for the step just taken: of every rank's ``finished`` requests
+    (``(index, request, state, record)``, this rank's own), those
+    :func:`~deepspeed_knap.generation.decodes.place_decodes` puts here. Collective: one all-gather
+    of each rank's busy seconds so far (``busy_s``) and its finished requests' prices, then, if any
+    decode moves, one exchange of the moving states (:meth:`Denoising.for_decode`, with their
+    requests and records). A state that cannot be sent or read is ``fail``-ed (line, id, reason) on
+    the rank that found it; the others go on."""
+    from deepspeed_knap.generation.decodes import place_decodes
+    from deepspeed_knap.runtime.groups import exchange_bytes
+
+    rank, world = rank_and_world()
+    views = all_gather_json(
+        {"busy_s": busy_s, "works": [[index, state.decode_work()] for index, _, state, _ in finished]}
+    )
+    works = {index: work for view in views for index, work in view["works"]}
+    if sorted(works) != list(batcher.finishing()):  # the same views on every rank: every rank raises
+        raise RuntimeError(f"the ranks finished requests {sorted(works)} at this step; the batcher has "
+                           f"{list(batcher.finishing())}")  # fmt: skip
+    homes = {index: batcher.jobs[index].home for index in works}
+    placed = place_decodes(works, homes, [view["busy_s"] for view in views])
+    kept = [item for item in finished if placed[item[0]] == rank]
+    if all(placed[index] == homes[index] for index in works):
+        return kept
+    outgoing: list[dict[int, tuple[int, str, bytes]]] = [{} for _ in range(world)]
+    for index, request, state, record in finished:
+        if placed[index] != rank:
+            buffer = io.BytesIO()
+            try:
+                torch.save((request, state.for_decode(), record), buffer)
+            except Exception as error:  # this request's alone: the exchange still runs on every rank
+                fail(request.line, request.id, f"cannot send it to rank {placed[index]} to decode: "
+                     f"{type(error).__name__}: {error}")  # fmt: skip
+                continue
+            outgoing[placed[index]][index] = (request.line, request.id, buffer.getvalue())
+    for blob in exchange_bytes([pickle.dumps(items) if items else b"" for items in outgoing]):
+        for index, (line, request_id, data) in (pickle.loads(blob) if blob else {}).items():
+            try:  # the bytes come from this job's own ranks
+                request, state, record = torch.load(io.BytesIO(data), map_location=device, weights_only=False)
+            except Exception as error:
+                fail(line, request_id, f"cannot read its state from rank {homes[index]} to decode: "
+                     f"{type(error).__name__}: {error}")  # fmt: skip
+                continue
+            kept.append((index, request, state, record))
+    return kept
 
 
 def _solver(balancer: ReusingBalancer | None,

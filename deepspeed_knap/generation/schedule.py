@@ -126,6 +126,11 @@ class StepBatcher:
         """Steps :meth:`next_step` has given so far."""
         return self._steps
 
+    def finishing(self) -> tuple[int, ...]:
+        """The requests whose last step is the step :meth:`next_step` gave last, ascending: they
+        leave at the next."""
+        return tuple(sorted(i for i, remaining in self._remaining.items() if remaining == 0))
+
     def next_step(self) -> Step | None:
         """The next step's set (and plan), or ``None`` when every request is done.
 

@@ -223,3 +223,29 @@ def all_gather_bytes(data: bytes) -> list[bytes]:
     gathered = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(gathered, padded)
     return [t[:size].cpu().numpy().tobytes() for t, size in zip(gathered, sizes, strict=True)]
+
+
+def exchange_bytes(payloads: list[bytes]) -> list[bytes]:
+    """Send ``payloads[r]`` to rank ``r`` (``b""``: nothing) and return what each rank sent here, by
+    rank. Collective over the world (two all-to-alls on the accelerator device: lengths, then bytes):
+    every rank calls it, with one payload per rank."""
+    import deepspeed.comm as dist
+    import numpy as np
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    world = dist.get_world_size()
+    if len(payloads) != world:
+        raise ValueError(f"exchange_bytes takes one payload per rank ({world}); got {len(payloads)}")
+    device = torch.device(get_accelerator().current_device_name())
+    send_sizes = [len(payload) for payload in payloads]
+    recv = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv, torch.tensor(send_sizes, dtype=torch.int64, device=device))
+    recv_sizes = recv.tolist()
+    data = np.frombuffer(b"".join(payloads), dtype=np.uint8)
+    sent = torch.from_numpy(data.copy()).to(device)
+    received = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(received, sent, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
+    parts = received.cpu().numpy().tobytes()
+    offsets = np.cumsum([0, *recv_sizes]).tolist()
+    return [parts[offsets[r] : offsets[r + 1]] for r in range(world)]

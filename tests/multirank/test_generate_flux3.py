@@ -133,9 +133,11 @@ def test_each_image_equals_the_modular_pipeline_alone_with_joins_and_leaves(requ
         assert np.abs(image - references[name]).max() < 1e-6, (name, np.abs(image - references[name]).max())
     assert images["edit"].shape == (24, 40, 3)  # sized by its reference's canvas, cropped back to it
     records = {r["id"]: r for result in results for r in result["records"]}
+    for rank, result in enumerate(results):  # each decoded where its record is (home or not)
+        assert {r["decoded_on"] for r in result["records"]} <= {rank}
     for index, request in enumerate(REQUESTS):  # on its home rank, its own steps in a row, its tokens counted
-        assert request["id"] in {r["id"] for r in results[index % world]["records"]}
         record = records[request["id"]]
+        assert record["home"] == index % world
         assert record["last_step"] - record["first_step"] + 1 == request["steps"]
         assert record["tokens"] == sum(SEQ_LENS[request["id"]]), request["id"]
     assert max(r["first_step"] for r in records.values()) > 0  # some joined after the start

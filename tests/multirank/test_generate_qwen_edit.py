@@ -155,9 +155,11 @@ def test_each_edit_equals_the_edit_plus_pipeline_alone_with_joins_and_leaves(req
         assert np.abs(image - expected[name]).max() < 1e-6, (name, np.abs(image - expected[name]).max())
         assert expected[name].std() > 0.01, name  # not a flat image
     records = {r["id"]: r for result in results for r in result["records"]}
+    for rank, result in enumerate(results):  # each decoded where its record is (home or not)
+        assert {r["decoded_on"] for r in result["records"]} <= {rank}
     for index, request in enumerate(REQUESTS):  # on its home rank, its own steps in a row, its tokens counted
-        assert request["id"] in {r["id"] for r in results[index % world]["records"]}
         record = records[request["id"]]
+        assert record["home"] == index % world
         assert record["last_step"] - record["first_step"] + 1 == request["steps"]
         assert record["tokens"] == sum(SEQ_LENS[request["id"]]), request["id"]
     assert max(r["first_step"] for r in records.values()) > 0  # some joined after the start

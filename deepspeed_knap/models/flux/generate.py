@@ -27,6 +27,7 @@ FLUX.2: 3 x Mistral's), ``Dp`` CLIP width (FLUX.1 only).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -68,6 +69,11 @@ class FluxDenoising(Denoising):
     def target_rows(self, prediction: Tensor) -> Tensor:
         """The noise's rows (``Flux2Pipeline`` keeps ``noise_pred[:, :L]``)."""
         return prediction[: len(self.latents)]
+
+    def for_decode(self) -> FluxDenoising:
+        """Without the scheduler and the branches but the conditional one's ``img_ids`` (FLUX.2's
+        decode unpacks the latents by them)."""
+        return dataclasses.replace(self, scheduler=None, branches=[{"img_ids": self.branches[0]["img_ids"]}])
 
 
 class FluxGenerator(Generator):
