@@ -325,7 +325,8 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
     Raises:
         RequestFileError: on every rank, for a request file that ranks cannot read alike.
         GenerationError: on every rank, when a request's ``generator.start`` raised on its rank (its
-            encoders or embeddings file failed after the intake's checks), at the step it joins.
+            encoders or embeddings file failed after the intake's checks), or the packed model
+            refused its inputs (``model.pack`` of its samples alone), at the step it joins.
         MissingRanksError: on the ranks that waited, when a collective timed out or a rank left
             (with a ``deadline``).
     """
@@ -382,10 +383,17 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
                                           "tokens": batcher.jobs[index].tokens,
                                           "steps": request.steps, "first_step": step.number, "started_at": step_start}  # fmt: skip
                         clock = time.perf_counter()
+                        what = "cannot start the request"
                         try:
                             states[index] = generator.start(request)
+                            # Its inputs' shapes are the same every step: packed alone once here, a
+                            # sample the model refuses is agreed on below instead of raising in a
+                            # later step's pack on this rank alone.
+                            what = "its inputs do not fit the packed model"
+                            model.pack(states[index].samples())
                         except Exception as error:  # raised here alone, it would leave the others in the forward
-                            problem = (f"rank {rank}, line {request.line} ({request.id!r}): cannot start the request: "
+                            states.pop(index, None)
+                            problem = (f"rank {rank}, line {request.line} ({request.id!r}): {what}: "
                                        f"{type(error).__name__}: {error}")  # fmt: skip
                         records[index]["encode_s"] = time.perf_counter() - clock
                 if step.joined:  # every rank knows the joiners: it agrees at the same steps

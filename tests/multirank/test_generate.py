@@ -166,6 +166,17 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
                 return start(request)
 
             generator.start = failing_start
+        if run.get("break_pack"):  # this id's inputs miss a key the packed model needs (no start fails)
+            start = generator.start
+
+            def breaking_start(request, start=start, broken=run["break_pack"]):
+                state = start(request)
+                if request.id == broken:
+                    for branch in state.branches:
+                        branch.pop("txt_ids")
+                return state
+
+            generator.start = breaking_start
         images = {}
         try:
             report = generate(run["path"], generator, balancer, progress=False,
@@ -338,12 +349,17 @@ def test_bad_lines_are_refused_on_every_rank_and_the_others_generated_without_re
                "reuse": True, "family": "flux", "fail_start": "tiny"}  # fmt: skip
     # And the same file again on that balancer: its plan worker, left with a plan the failed run never
     # collected, plans this run's sets ahead, and the images are diffusers'.
+    # A request whose inputs the packed model refuses (packed alone when it starts): the same, agreed.
+    broken = {**failing, "fail_start": None, "break_pack": "wide", "same_balancer": True}
     again = {**failing, "fail_start": None, "same_balancer": True}
-    by_rank = run_distributed(_generate, 2, args=([run, failing, again],), timeout=300)
+    by_rank = run_distributed(_generate, 2, args=([run, failing, broken, again],), timeout=300)
     assert by_rank[0][1] == by_rank[1][1]
     assert "rank 1, line 4 ('tiny'): cannot start the request: OSError: the text encoder could not read tiny" in (
         by_rank[0][1]["error"])  # fmt: skip
-    rerun = [ranks[2] for ranks in by_rank]
+    assert by_rank[0][2] == by_rank[1][2]
+    assert "rank 0, line 1 ('wide'): its inputs do not fit the packed model: ValueError:" in by_rank[0][2]["error"]
+    assert "txt_ids" in by_rank[0][2]["error"]
+    rerun = [ranks[3] for ranks in by_rank]
     _check_images(rerun, references("flux"), [r["id"] for r in REQUESTS[:4]])
     assert rerun[0]["report"]["planned_ahead"] == rerun[0]["report"]["set_changes"] - 1 > 0
     results = [ranks[0] for ranks in by_rank]
