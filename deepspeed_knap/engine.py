@@ -27,9 +27,11 @@ from pydantic import ValidationError
 from torch import Tensor, nn
 
 from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.models.registry import family_names
 from deepspeed_knap.planner.topology import AUTO, Topology, build_topology, default_max_degree
 from deepspeed_knap.runtime.attention import KnapDistributedAttention, backend_problem
 from deepspeed_knap.runtime.balancer import KnapBalancer
+from deepspeed_knap.runtime.calibration import calibrate_at_start
 from deepspeed_knap.runtime.config import KNAPFORMER, KnapFormerConfig, get_knapformer_config, load_ds_config
 from deepspeed_knap.runtime.groups import (
     all_gather_bytes,
@@ -164,6 +166,10 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
         set_collective_timeout(timeout)  # DeepSpeed's own groups: ZeRO-1/2 reduce gradients in one
     if topology is None:
         return engine, optimizer, dataloader, lr_scheduler, None
+    if knap.cost_model.calibrates_at_start(get_accelerator().device_name() == "cuda", _family(engine.module)):
+        settings = knap.cost_model.startup_calibration
+        cost_model = calibrate_at_start(engine.module, cost_model, settings.seq_lens, settings.repeats, topology,
+                                        knap.attention_backend).model  # fmt: skip
     balancer = KnapBalancer(
         create_process_groups(topology, datetime.timedelta(seconds=knap.timeout_s)),
         cost_model,
@@ -237,6 +243,12 @@ def _this_node() -> str:
     return f"host {host}"
 
 
+def _family(model: nn.Module) -> str | None:
+    """The registered family of ``model`` (a packed transformer's ``family``), or ``None``."""
+    family = getattr(model, "family", None)
+    return family if family in family_names() else None
+
+
 def _rank_views(knap: KnapFormerConfig, model: nn.Module | None,
                 attention: list[KnapDistributedAttention]) -> tuple[CostModel | Exception, dict[str, str]]:  # fmt: skip
     """This rank's cost model (or the error building it) and what it sees of every setting that
@@ -254,6 +266,7 @@ def _rank_views(knap: KnapFormerConfig, model: nn.Module | None,
         f"attention backend {knap.attention_backend!r}": str(backend_problem(knap.attention_backend)),
         "model parameters (names, shapes, dtypes)": repr(parameters),
         "attention heads": repr(sorted({m.num_heads or 0 for m in attention})),
+        "accelerator (startup_calibration's auto)": get_accelerator().device_name(),
     }
     return cost_model, views
 

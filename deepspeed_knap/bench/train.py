@@ -238,6 +238,22 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
     dist.barrier()
 
 
+def calibration_lengths(mix: str, ranks: int, token_scale: float, steps: int = 8) -> list[int]:
+    """Four lengths for ``--startup-calibration``: the 10th, 50th and 90th percentiles and the
+    longest of the mix's sequences over ``steps`` steps of ``ranks`` ranks, scaled (at least 3
+    different, doubling from the shortest where the mix's are too alike)."""
+    import numpy as np
+
+    from deepspeed_knap.models.registry import sample_shapes
+
+    lengths = [shape.scaled(token_scale).length for step in range(steps)
+               for rank in sample_shapes(mix, ranks, seed=step) for shape in rank]  # fmt: skip
+    picked = sorted({int(np.percentile(lengths, q)) for q in (10, 50, 90)} | {max(lengths)})
+    while len(picked) < 3:
+        picked = sorted({*picked, 2 * picked[-1]})
+    return picked
+
+
 def predicted_compute_s(balancer) -> float:
     """The cost model's compute seconds for this rank under the balancer's last plan (the model it
     planned with, all-to-all term left out: the measured compute excludes the exchanges)."""
@@ -324,6 +340,17 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
     return summary
 
 
+def speed_calls(report: dict) -> dict[str, dict[int, tuple[int, float]]]:
+    """Per mode, each rank whose speed the cost model the mode planned with put off 1: ``rank ->
+    (the first step it did, its speed then)``; modes that called none are left out."""
+    calls: dict[str, dict[int, tuple[int, float]]] = {}
+    for row in report["steps"]:
+        for rank, speed in enumerate(row["speeds"] or ()):
+            if speed != 1.0 and rank not in calls.get(row["mode"], {}):
+                calls.setdefault(row["mode"], {})[rank] = (row["step"], speed)
+    return calls
+
+
 def format_report(report: dict) -> str:
     options = report["options"]
     family = options["family"] + (f" (--expert {options['expert']})" if options.get("expert") else "")
@@ -332,12 +359,20 @@ def format_report(report: dict) -> str:
              + (f", rank {options['slow_rank'][0]} {options['slow_rank'][1]:g}x slower" if options["slow_rank"] else "")
              + (", online refit" if options["online"] else "")
              + (", plans solved a step ahead (prefetch)" if options["prefetch"] else ", plans solved in the step"), "",
-             f"{'mode':<16}{'step':>5}{'step s':>9}{'speedup':>9}{'compute max/mean':>18}  tokens per rank (routed)"]  # fmt: skip
+             f"{'mode':<16}{'step':>5}{'step s':>9}{'speedup':>9}{'compute max/mean':>18}{'|model error|':>15}"
+             "  tokens per rank (routed)"]  # fmt: skip
     off = {row["step"]: row["step_s"] for row in report["steps"] if row["mode"] == "off"}
     for row in report["steps"]:
         speedup = f"{off[row['step']] / row['step_s']:>8.2f}x" if row["step"] in off else f"{'-':>9}"
+        errors = [abs(e) for e in row["model_error"] if e is not None]
+        error = f"{max(errors):>15.1%}" if errors else f"{'-':>15}"
         lines.append(f"{row['mode']:<16}{row['step']:>5}{row['step_s']:>9.3f}{speedup}{row['compute_imbalance']:>18.3f}"
-                     f"  {row['tokens']}")  # fmt: skip
+                     f"{error}  {row['tokens']}")  # fmt: skip
+    lines.append("|model error|: the largest over ranks of (the cost model's compute seconds - the measured) / the "
+                 "measured, the model the step planned with")  # fmt: skip
+    for mode, called in speed_calls(report).items():
+        lines.append(f"{mode}: " + ", ".join(f"rank {rank} called {speed:g}x at step {step}"
+                                             for rank, (step, speed) in sorted(called.items())))  # fmt: skip
     lines += ["", f"medians over steps 1..{options['steps'] - 1} (total: the summed step times):",
               f"{'mode':<16}{'step s':>9}{'speedup':>9}{'total':>8}{'compute max/mean':>18}{'|model error|':>15}"
               f"{'overhead':>10}"]  # fmt: skip
@@ -422,6 +457,9 @@ def run(args: argparse.Namespace) -> int:
     cost_model = {"model": f"{args.family}-tiny"}
     if args.calibration:
         cost_model = {"calibration_file": str(Path(args.calibration).resolve())}
+    if args.startup_calibration:
+        lengths = calibration_lengths(args.mix or spec(args.family).default_mix, args.ranks, args.token_scale)
+        cost_model["startup_calibration"] = {"enabled": True, "seq_lens": lengths}
     if args.route_coef:
         cost_model["route_coef"] = args.route_coef
     mix = args.mix or spec(args.family).default_mix
@@ -461,6 +499,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="solve each step's plan a step ahead in the worker process, as examples/train_dit.py "
                              "does (default); --no-prefetch solves in the step")  # fmt: skip
     parser.add_argument("--calibration", metavar="FILE.json", help="cost model from deepspeed-knap calibrate")
+    parser.add_argument("--startup-calibration", action="store_true",
+                        help="the cost model's startup_calibration at the mix's lengths (10th, 50th, 90th "
+                        "percentile and longest), in every mode")  # fmt: skip
     parser.add_argument("--route-coef", type=positive_float, default=None, metavar="S",
                         help="seconds of one moved token's round trip: the planner prices routes (default: free)")  # fmt: skip
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPUs)")

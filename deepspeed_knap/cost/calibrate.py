@@ -23,6 +23,7 @@ routed token's row, :func:`route_coef_from_bandwidth` turns them into ``route_co
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import statistics
@@ -60,16 +61,111 @@ def calibrate(step: Step, seq_lens: Sequence[int], repeats: int = 3) -> tuple[Co
         ``(model, times, fit)``: the model (``a``, ``b``), ``[M]`` measured seconds, and the fit:
         ``overhead_s``, and its quality (``r2``, ``max_rel_error``) with the overhead included.
     """
-    step(max(seq_lens))  # the first run at the largest size grows the allocator and thread pools
-    times = np.array([time_step(step, s, repeats) for s in tqdm(seq_lens, desc="calibrate", leave=False)])
-    s = np.asarray(seq_lens, dtype=np.float64)
+    times = time_lengths(step, seq_lens, repeats)
+    model, fit = fit_times(seq_lens, times)
+    return model, times, fit
+
+
+def time_lengths(step: Step, seq_lens: Sequence[int], repeats: int, progress: bool = True) -> np.ndarray:
+    """``[M]`` median seconds of ``step`` at each of ``seq_lens`` (:func:`time_step`), after one run
+    at the largest (which grows the allocator and thread pools)."""
+    step(max(seq_lens))
+    lengths = tqdm(seq_lens, desc="calibrate", leave=False, disable=not progress)
+    return np.array([time_step(step, s, repeats) for s in lengths])
+
+
+def fit_times(seq_lens: Sequence[int], times: Sequence[float]) -> tuple[CostModel, dict[str, float]]:
+    """``overhead + a*s + b*s^2`` fitted to ``times`` (seconds at ``seq_lens``) by non-negative least
+    squares: the model (``a``, ``b``) and the fit (``overhead_s``, ``r2``, ``max_rel_error``).
+
+    Raises:
+        ValueError: times that do not grow with the length.
+    """
+    s, times = np.asarray(seq_lens, dtype=np.float64), np.asarray(times, dtype=np.float64)
     overhead, a, b = nonnegative_least_squares(np.stack([np.ones_like(s), s, s * s], axis=1), times)
     if a == 0 and b == 0:
         raise ValueError(f"the times {times.tolist()} do not grow with the length; is the step doing any work?")
     predicted = overhead + a * s + b * s * s
-    r2 = 1 - float(np.sum((times - predicted) ** 2) / np.sum((times - times.mean()) ** 2))
+    spread = float(np.sum((times - times.mean()) ** 2))
+    r2 = 1 - float(np.sum((times - predicted) ** 2)) / spread if spread > 0 else 1.0
     fit = {"overhead_s": float(overhead), "r2": r2, "max_rel_error": float(np.max(np.abs(predicted - times) / times))}
-    return CostModel(float(a), float(b)), times, fit
+    return CostModel(float(a), float(b)), fit
+
+
+# A rank's start-up speed departs from 1 only when it does by more than this share and by more than
+# SPEED_EVIDENCE standard errors of its per-length ratios: equal ranks time a few percent apart.
+SPEED_MARGIN = 0.15
+SPEED_EVIDENCE = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupCalibration:
+    """What the ranks' timings at start-up gave (:func:`startup_model`).
+
+    Attributes:
+        model: the prior with the fitted ``a``, ``b``, its all-to-all and per-sequence prices scaled
+            as the compute was, and ``gpu_speed`` where a rank was shown off the others (the fitted
+            overhead left out, as a calibration file's: every busy GPU pays it).
+        seq_lens: ``[M]`` the lengths timed.
+        times: ``[S][M]`` each rank's median seconds per length.
+        speeds: ``[S]`` each rank's speed (1: the median rank's).
+        scale: the fitted compute over the prior's at the longest length.
+        fit: the fit of the ranks' median times (:func:`fit_times`).
+    """
+
+    model: CostModel
+    seq_lens: tuple[int, ...]
+    times: tuple[tuple[float, ...], ...]
+    speeds: tuple[float, ...]
+    scale: float
+    fit: dict[str, float]
+
+
+def startup_model(
+    prior: CostModel, seq_lens: Sequence[int], times_by_rank: Sequence[Sequence[float]]
+) -> StartupCalibration:
+    """One cost model from every rank's timings of its block stack at ``seq_lens`` (the same on every
+    rank: pure, and every rank calls it on the same all-gathered times).
+
+    The fit is of the ranks' median times per length (the lower median: with 2 ranks the faster's;
+    :func:`fit_times`), so one slow rank does not move it. A rank's speed is the median over the
+    lengths of that median time over its own,
+    called (rounded to 1/32) only when it departs from 1 by more than :data:`SPEED_MARGIN` and
+    :data:`SPEED_EVIDENCE` standard errors of those ratios; else 1. The prior's all-to-all prices
+    (``alltoall_coef``, ``inter_node_alltoall_coef``) and per-sequence cost (``sequence_coef``) are
+    scaled by the fitted compute over the prior's at the longest length, as the online refit scales
+    them before it times an exchange: a FLOP preset guesses the links as it guesses the GPU.
+
+    Args:
+        prior: the configured model (its degree efficiency, route prices and heads are kept).
+        seq_lens: ``[M]`` lengths timed, at least 3 different.
+        times_by_rank: ``[S][M]`` seconds of rank ``r`` at ``seq_lens[m]``.
+
+    Raises:
+        ValueError: fewer than 3 lengths, ragged or non-positive times, or times that do not grow.
+    """
+    times = np.asarray(times_by_rank, dtype=np.float64)
+    if len(set(seq_lens)) < 3 or times.ndim != 2 or times.shape[1] != len(seq_lens) or not (times > 0).all():
+        raise ValueError(f"start-up calibration needs >= 3 different lengths and positive seconds per rank and "
+                         f"length; got lengths {list(seq_lens)} and times {times.tolist()}")  # fmt: skip
+    median = np.sort(times, axis=0)[(len(times) - 1) // 2]  # [M] a rank's own times: the lower median
+    fitted, fit = fit_times(seq_lens, median)
+    ratios = median[None, :] / times  # [S, M]: > 1 where a rank is faster than the median rank
+    speeds = []
+    for row in ratios:
+        speed = float(np.median(row))
+        error = float(np.std(row, ddof=1) / np.sqrt(len(row))) if len(row) > 1 else 0.0
+        shown = abs(speed - 1) > max(SPEED_MARGIN, SPEED_EVIDENCE * error)
+        speeds.append(round(speed * 32) / 32 if shown else 1.0)
+    longest = float(max(seq_lens))
+    priced = prior.linear_coef * longest + prior.quadratic_coef * longest**2
+    scale = (fitted.linear_coef * longest + fitted.quadratic_coef * longest**2) / priced if priced > 0 else 1.0
+    scaled = {name: getattr(prior, name) * scale for name in ("alltoall_coef", "inter_node_alltoall_coef",
+                                                              "sequence_coef") if getattr(prior, name) is not None}  # fmt: skip
+    model = dataclasses.replace(prior, linear_coef=fitted.linear_coef, quadratic_coef=fitted.quadratic_coef, **scaled,
+                                gpu_speed=tuple(speeds) if any(speed != 1.0 for speed in speeds) else None)  # fmt: skip
+    return StartupCalibration(model, tuple(int(s) for s in seq_lens), tuple(tuple(map(float, row)) for row in times),
+                              tuple(speeds), float(scale), fit)  # fmt: skip
 
 
 # A token's round trip off its home GPU: the route and the reverse route, forward and backward.

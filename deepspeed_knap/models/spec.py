@@ -63,6 +63,11 @@ class ModelSpec:
             does not run the family.
         block_timer: ``"module:function"`` of the family's calibration timer
             (``deepspeed-knap calibrate``), or ``None``.
+        block_counts: the config keys that count the transformer's blocks (FLUX: double- and
+            single-stream), which the start-up calibration scales its timed copy by.
+        step_timer: ``"module:function"`` timing forward and backward of a model of the family at
+            its own dims (:func:`~deepspeed_knap.models.timing.model_step_timer`'s signature), for
+            the cost model's ``startup_calibration``.
         bench_configs: full-size transformer configs (diffusers' names) by preset name, for the
             commands that run a family at its real dims on a GPU (``calibrate --preset``,
             ``bench flux --preset``); each preset's dims are ``cost_dims`` of its config.
@@ -84,6 +89,8 @@ class ModelSpec:
     training: str | None = None
     generator: str | None = None
     block_timer: str | None = None
+    block_counts: tuple[str, ...] = ("num_layers",)
+    step_timer: str | None = "deepspeed_knap.models.timing:model_step_timer"
     mixes: Mapping[str, Mix] = field(default_factory=dict)
     bench_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     video: bool = False

@@ -19,7 +19,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.utils import logger
@@ -56,7 +56,9 @@ class _KnapConfigModel(DeepSpeedConfigModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation not in (bool, StrictBool):
+        annotation = cls.model_fields[info.field_name].annotation
+        takes_bool = {bool, StrictBool} & {annotation, *get_args(annotation)}
+        if isinstance(value, bool) and not takes_bool:
             raise ValueError(f"{str(value).lower()} is a boolean; give a number")
         return value
 
@@ -99,6 +101,30 @@ class KnapOnlineConfig(_KnapConfigModel):
             return None
         return OnlineSettings(self.warmup_steps, self.forgetting, self.refit_interval, self.max_speed_ratio,
                               self.fit_route)  # fmt: skip
+
+
+class KnapStartupCalibrationConfig(_KnapConfigModel):
+    """The ``"startup_calibration"`` of the cost model: at start-up every rank times forward and
+    backward of a copy of the model's own blocks (its dims and attention kernel) at ``seq_lens``, the
+    ranks agree on one fit of ``a`` and ``b`` (and on a speed per rank where one is shown), and the
+    first step plans with it (:func:`~deepspeed_knap.cost.calibrate.startup_model`).
+    ``true``/``false`` is this block with ``enabled`` set."""
+
+    enabled: StrictBool | Literal["auto"] = "auto"
+    """``true``, ``false``, or ``"auto"``: on where it costs little, on GPUs with a preset source
+    (the FLOP prior); off on CPU ranks and with measured coefficients or a calibration file."""
+    seq_lens: list[int] = Field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    """Lengths timed (at least 3 different, each > 0): the fit extrapolates from them."""
+    repeats: int = Field(2, ge=1, le=20)
+    """Timed runs per length (the median counts), after one warm-up run."""
+
+    @field_validator("seq_lens")
+    @classmethod
+    def _lengths(cls, value: list[int]) -> list[int]:
+        if len(set(value)) < 3 or min(value) < 1:
+            raise ValueError(f"seq_lens {value}: give at least 3 different lengths, each >= 1 (a, b and an "
+                             "overhead are fitted)")  # fmt: skip
+        return value
 
 
 class KnapCostModelConfig(_KnapConfigModel):
@@ -167,6 +193,35 @@ class KnapCostModelConfig(_KnapConfigModel):
     """Refit the model online from measured step times: ``true``, or an object with
     ``enabled``, ``warmup_steps``, ``forgetting``, ``refit_interval``, ``max_speed_ratio``, ``fit_route``
     (:class:`KnapOnlineConfig`); off when absent or ``false``."""
+
+    startup_calibration: KnapStartupCalibrationConfig = Field(default_factory=KnapStartupCalibrationConfig)
+    """Time the model's blocks at start-up and plan with the fit from the first step: ``true``,
+    ``false``, or an object (:class:`KnapStartupCalibrationConfig`); default ``"auto"`` (on GPUs with
+    a preset source)."""
+
+    @field_validator("startup_calibration", mode="before")
+    @classmethod
+    def _startup_bool(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
+
+    def calibrates_at_start(self, accelerator_is_gpu: bool, family: str | None) -> bool:
+        """Whether the ranks time their blocks at start-up: ``enabled``, or with ``"auto"`` on GPUs
+        when the source is a preset (measured coefficients and a calibration file are measured
+        already) and the model is of a registered ``family`` (its packed model's ``family``).
+
+        Raises:
+            ValueError: ``enabled`` for a model of no registered family (nothing names its blocks).
+        """
+        enabled = self.startup_calibration.enabled
+        if enabled == "auto":
+            measured = self.linear_coef is not None or self.calibration_file is not None
+            return accelerator_is_gpu and not measured and family is not None
+        if enabled and family is None:
+            raise ValueError("knapformer.cost_model.startup_calibration times a model of a registered family (a "
+                             "deepspeed_knap packed transformer, whose family names its blocks); this model has "
+                             "no family: turn it off, or give a calibration_file (deepspeed-knap calibrate "
+                             "--callable times any step)")  # fmt: skip
+        return enabled
 
     @field_validator("online", mode="before")
     @classmethod

@@ -277,3 +277,55 @@ def test_a_deepspeed_config_differing_between_ranks_is_one_error_naming_the_sett
         "stage": f"{head}the job would hang: zero_optimization.stage: 3 on rank 0, 2 on rank 1{fix}",
         "batch": f"{head}the job would hang: train_micro_batch_size_per_gpu: 1 on rank 0, 2 on rank 1{fix}",
     }
+
+
+def _startup_worker(rank: int, world: int) -> list:
+    """Two start-ups of a tiny FLUX.1 under ZeRO-3 with the start-up calibration: rank 1's timer 3x
+    slower, then rank 0's failing. Each gives this rank's cost model, or the error it raised."""
+    import dataclasses
+
+    import deepspeed_knap
+    import deepspeed_knap.models.timing as timing
+    from deepspeed_knap.models.registry import spec
+
+    original = timing.model_step_timer
+
+    def slow_timer(*args, **kwargs):
+        step = original(*args, **kwargs)
+        return lambda seq_len: 3 * step(seq_len)
+
+    def failing_timer(*args, **kwargs):
+        raise RuntimeError("out of memory (made up)")
+
+    results = []
+    for patched in ({1: slow_timer}, {0: failing_timer}):
+        timing.model_step_timer = patched.get(rank, original)
+        family = spec("flux")
+        torch.manual_seed(0)
+        model = family.model_class(**family.tiny_config)
+        calibration = {"enabled": True, "seq_lens": [16, 32, 64, 128], "repeats": 1}
+        config = ds_config(3, {"enabled": True, "topology": "auto", "solver": "refine",
+                               "cost_model": {"model": "flux-tiny", "startup_calibration": calibration}})  # fmt: skip
+        try:
+            _, _, _, _, balancer = deepspeed_knap.initialize(
+                model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+            )
+            results.append(dataclasses.asdict(balancer.cost_model))
+        except ValueError as error:
+            results.append(str(error))
+    return results
+
+
+def test_the_startup_calibration_is_one_model_on_every_rank_and_calls_a_slow_rank():
+    from deepspeed_knap.models.registry import default_cost_model
+
+    results = run_distributed(_startup_worker, 2, timeout=120)
+    calibrated = [result[0] for result in results]
+    assert calibrated[0] == calibrated[1]  # fitted from the gathered times alike on every rank
+    prior = default_cost_model("flux-tiny")
+    assert calibrated[0]["linear_coef"] != prior.linear_coef or calibrated[0]["quadratic_coef"] != prior.quadratic_coef
+    speeds = calibrated[0]["gpu_speed"]
+    assert speeds[0] == 1.0 and speeds[1] < 0.5  # rank 1 timed 3x slower: its share will be smaller
+    failed = [result[1] for result in results]
+    assert failed[0] == failed[1] and "startup_calibration" in failed[0]
+    assert "rank(s) [0]: RuntimeError: out of memory (made up)" in failed[0]

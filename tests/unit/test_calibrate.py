@@ -81,3 +81,82 @@ def test_wan_blocks_on_cpu_and_the_heads_reach_the_cost_model(tmp_path, capsys):
     capsys.readouterr()
     assert main(["calibrate", "--out", str(out), "--seq-lens", "64,128,256,1500", "--wan", "wan-tiny"]) == 2
     assert "lengths above 1024 must be multiples of 1024; got 1500" in capsys.readouterr().err
+
+
+def _times(seq_lens, a, b, overhead, slow=(), ranks=4, noise=0.0, seed=0):
+    """``[ranks][M]`` seconds of ``overhead + a s + b s^2``, rank ``r`` in ``slow`` (a dict of
+    factors) that many times slower, with relative noise."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    s = np.asarray(seq_lens, dtype=float)
+    base = overhead + a * s + b * s * s
+    return [(base * dict(slow).get(r, 1.0) * (1 + noise * rng.standard_normal(len(s)))).tolist() for r in range(ranks)]
+
+
+SEQ_LENS = [1024, 2048, 4096, 8192]
+
+
+def test_startup_model_fits_the_ranks_times_and_calls_only_a_slow_rank():
+    from deepspeed_knap.cost.calibrate import startup_model
+    from deepspeed_knap.cost.model import CostModel
+
+    prior = CostModel(1e-6, 1e-10, alltoall_coef=2e-7, sequence_coef=1e-3, route_coef=5e-8)
+    a, b = 4e-5, 3e-9
+    result = startup_model(prior, SEQ_LENS, _times(SEQ_LENS, a, b, 0.2, slow={2: 2.0}, ranks=5, noise=0.01))
+    model = result.model
+    assert model.linear_coef == pytest.approx(a, rel=0.15) and model.quadratic_coef == pytest.approx(b, rel=0.05)
+    assert (
+        result.speeds[2] == pytest.approx(0.5, abs=1 / 32)
+        and [s for r, s in enumerate(result.speeds) if r != 2] == [1.0] * 4
+    )
+    assert model.gpu_speed == result.speeds
+    # The prior's link and per-sequence prices scale as its compute did; its route prices are kept.
+    scale = (a * 8192 + b * 8192**2) / (1e-6 * 8192 + 1e-10 * 8192**2)
+    assert result.scale == pytest.approx(scale, rel=0.05)
+    assert model.alltoall_coef == pytest.approx(2e-7 * result.scale) and model.sequence_coef == pytest.approx(
+        1e-3 * result.scale
+    )
+    assert model.route_coef == 5e-8
+
+
+def test_startup_model_on_equal_ranks_with_noise_calls_no_speed():
+    """1,024 simulated ranks timing alike within 5% noise: no rank is called, over 20 draws."""
+    from deepspeed_knap.cost.calibrate import startup_model
+    from deepspeed_knap.cost.model import CostModel
+
+    for seed in range(20):
+        times = _times(SEQ_LENS, 4e-5, 3e-9, 0.1, ranks=1024, noise=0.05, seed=seed)
+        result = startup_model(CostModel(1e-6, 1e-10), SEQ_LENS, times)
+        assert set(result.speeds) == {1.0} and result.model.gpu_speed is None
+
+
+def test_startup_model_refuses_what_it_cannot_fit():
+    from deepspeed_knap.cost.calibrate import startup_model
+    from deepspeed_knap.cost.model import CostModel
+
+    with pytest.raises(ValueError, match="needs >= 3 different lengths"):
+        startup_model(CostModel(1, 1), [64, 64, 128], [[1.0, 1.0, 2.0]])
+    with pytest.raises(ValueError, match="positive seconds"):
+        startup_model(CostModel(1, 1), [64, 128, 256], [[1.0, 0.0, 2.0]])
+    with pytest.raises(ValueError, match="do not grow with the length"):
+        startup_model(CostModel(1, 1), [64, 128, 256], [[1.0, 1.0, 1.0]])
+
+
+def test_startup_calibration_config_and_when_auto_turns_it_on():
+    base = {"enabled": True, "topology": "auto"}
+    read = lambda cost_model: get_knapformer_config({"knapformer": {**base, "cost_model": cost_model}}).cost_model  # noqa: E731
+    preset, measured = read({"model": "flux-dev"}), read({"linear_coef": 1.0, "quadratic_coef": 1.0})
+    assert preset.startup_calibration.enabled == "auto" and preset.startup_calibration.seq_lens == SEQ_LENS
+    assert preset.calibrates_at_start(True, "flux") and not preset.calibrates_at_start(False, "flux")
+    assert not preset.calibrates_at_start(True, None) and not measured.calibrates_at_start(True, "flux")
+    on = read({"model": "flux-dev", "startup_calibration": True})
+    assert on.calibrates_at_start(False, "wan") and not read({"startup_calibration": False}).calibrates_at_start(
+        True, "wan"
+    )
+    with pytest.raises(ValueError, match="this model has no family"):
+        on.calibrates_at_start(True, None)
+    for bad, message in [({"seq_lens": [64, 64, 128]}, "at least 3 different lengths"),
+                         ({"repeats": 0}, "repeats"), ({"lengths": [1]}, "lengths")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            read({"startup_calibration": bad})

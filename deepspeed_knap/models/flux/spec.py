@@ -103,6 +103,7 @@ FLUX2_DEV = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=
                  axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=True)  # fmt: skip
 
 FLUX1 = ModelSpec(
+    block_counts=("num_layers", "num_single_layers"),
     name="flux",
     title="FLUX.1",
     diffusers_class="FluxTransformer2DModel",
@@ -136,6 +137,7 @@ FLUX1 = ModelSpec(
 )
 
 FLUX2 = ModelSpec(
+    block_counts=("num_layers", "num_single_layers"),
     name="flux2",
     title="FLUX.2",
     diffusers_class="Flux2Transformer2DModel",

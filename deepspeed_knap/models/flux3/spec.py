@@ -74,6 +74,7 @@ def flux3_edit(num_gpus: int, rng: np.random.Generator) -> list[list[SampleShape
 
 
 FLUX3 = ModelSpec(
+    block_counts=("num_layers", "num_single_layers"),
     name="flux3",
     title="FLUX.3",
     diffusers_class="Flux3Transformer2DModel",
