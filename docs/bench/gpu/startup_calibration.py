@@ -1,0 +1,85 @@
+"""What ``cost_model.startup_calibration`` costs at the real families' widths on one GPU: the
+seconds of its timing (a copy of a fraction of the blocks, forward and backward, at each
+length: :func:`~deepspeed_knap.models.timing.model_step_timer`, one warm-up run, then the median of
+``--repeats``) and the fit it gives, per family.
+
+    python3 docs/bench/gpu/startup_calibration.py --json startup_calibration.json
+
+The timer reads only the model's ``family``, ``config`` and parameters' dtype, so a stand-in
+carrying the full config (FLUX.1 [dev]'s 19 + 38 blocks, FLUX.2 [dev]'s 8 + 48, Wan 14B's 40,
+Qwen-Image's 60) is timed without building the full model. ``--tiny`` runs the tiny configs, for a
+CPU check of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch import nn
+
+from deepspeed_knap.cost.calibrate import fit_times, time_lengths
+from deepspeed_knap.models.flux.spec import FLUX1_DEV, FLUX2_DEV
+from deepspeed_knap.models.registry import spec
+from deepspeed_knap.models.timing import model_step_timer
+
+WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+               text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+               qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)  # fmt: skip
+QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))  # fmt: skip
+CONFIGS = {"flux": FLUX1_DEV, "flux2": FLUX2_DEV, "wan": WAN_14B, "qwen-image": QWEN_IMAGE}
+
+
+class StandIn(nn.Module):
+    """What the timer reads of a model: its family, its config and its parameters' dtype."""
+
+    def __init__(self, family: str, config: dict, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.family, self.config = family, config
+        self.weight = nn.Parameter(torch.zeros(1, dtype=dtype))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", default="1024,2048,4096,8192")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    rows = []
+    for family, overrides in CONFIGS.items():
+        base = spec(family)
+        config = dict(base.tiny_config if args.tiny else overrides)
+        start = time.perf_counter()
+        step = model_step_timer(StandIn(family, config, dtype), device, dtype)
+        built = time.perf_counter() - start
+        times = time_lengths(step, seq_lens, args.repeats, progress=False)
+        timed = time.perf_counter() - start - built
+        try:
+            model, fit = fit_times(seq_lens, times)
+        except ValueError as error:  # times that do not grow: noise on a tiny model
+            print(f"{family:10s} {error}")
+            continue
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        rows.append(dict(family=family, build_s=built, timing_s=timed, seq_lens=seq_lens, seconds=times.tolist(),
+                         linear_coef=model.linear_coef, quadratic_coef=model.quadratic_coef, peak_gib=peak, **fit))  # fmt: skip
+        print(f"{family:10s} copy built in {built:5.1f} s, timed in {timed:5.1f} s (peak {peak:5.1f} GiB): "
+              f"modeled block stack {', '.join(f'{s}: {t:.3f} s' for s, t in zip(seq_lens, times, strict=True))}; "
+              f"a = {model.linear_coef:.3g}, b = {model.quadratic_coef:.3g}, r2 {fit['r2']:.4f}", flush=True)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    if args.json:
+        with open(args.json, "w") as file:
+            name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+            json.dump({"device": name, "dtype": str(dtype), "rows": rows}, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
