@@ -24,12 +24,16 @@ CPU ranks, 10% after a balanced mode's step than after ``off``'s): with the orde
 ``auto`` listed after ``knapformer@g1n2`` followed it in most steps and trailed it 1.30x to 1.53x
 over ``off``; listed before it, the two were level. Per mode and step it reports the measured step time
 (slowest rank, synchronised), the speedup over ``off`` on the same step, the measured max/mean of the
-ranks' compute seconds, the cost model's error per rank, and each rank's time by phase (plan, route,
-Ulysses all-to-alls, compute, reverse route) as the balancer measured it.
+ranks' compute seconds, the cost model's error (the largest over ranks), and each rank's time by
+phase (plan, route, Ulysses all-to-alls, compute, reverse route) as the balancer measured it; and per
+mode the step at which the cost model first put each rank's speed off 1 (``--slow-rank``'s rank
+should be the one, soon).
 
 ``--slow-rank R:F`` makes rank ``R``'s compute ``F`` times slower (it sleeps ``F - 1`` times each
 block's forward and backward; CPU ranks only). ``--online`` turns on the cost model's online refit,
-which learns that rank's speed. The cost model's prior is the FLOP model of the tiny dims, whose
+which learns that rank's speed. ``--startup-calibration`` times the blocks at start-up
+(``cost_model.startup_calibration``) at the mix's lengths; the slow-down does not reach those
+timings (they run a copy of the blocks), so the refit is what finds a slow rank. The cost model's prior is the FLOP model of the tiny dims, whose
 absolute scale is far from a CPU's: its error is large until the refit has run (or give
 ``--calibration FILE`` from ``deepspeed-knap calibrate``).
 """

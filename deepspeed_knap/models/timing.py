@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from deepspeed_knap.cost.calibrate import Step
-from deepspeed_knap.data.mixes import SampleShape
 from deepspeed_knap.models.registry import sample_shapes, spec
 from deepspeed_knap.planner.topology import Topology
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
@@ -38,39 +37,57 @@ def block_fraction(config: Mapping[str, Any], block_counts: tuple[str, ...]) -> 
 
 def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.dtype,
                      topology: Topology | None = None, backend: str | None = None) -> Step:  # fmt: skip
-    """``step(s)``: the seconds of forward and backward of ``model``'s whole block stack on one
-    sequence of ``s`` tokens on ``device``, from a copy of a fraction of its blocks
-    (:func:`block_fraction`) with the attention kernel ``backend`` under ``topology`` (as
+    """``step(s)``: the seconds of forward and backward of ``model``'s block stack alone (what the
+    balancer measures as a rank's compute) on one sequence of ``s`` tokens on ``device``, timed on a
+    copy of a fraction of its blocks (:func:`block_fraction`) from the first block's forward to the
+    last's, and from the last block's backward to the first's (the embeddings, the output layer and
+    the loss left out), scaled to the model's blocks. The copy runs the attention kernel
+    ``backend`` under ``topology`` (as
     :meth:`~deepspeed_knap.runtime.attention.KnapDistributedAttention.configure` sets the model's).
-    The sample is the family's default mix's first one's text (in-sequence, and cross-attention
-    text) with ``s`` less that in visual tokens, in one latent frame."""
+    The sample is the family's default mix's sample of the most frames (the longest of those),
+    scaled to ``s`` tokens: its frames kept, its text and references in proportion."""
     family = spec(model.family)
     config = dict(model.config)
     counts, factor = block_fraction(config, family.block_counts)
     with torch.random.fork_rng(devices=[]):  # the user's seeds draw as before
         torch.manual_seed(0)
         copy = family.model_class(**{**config, **counts}).to(device, dtype)
-    if topology is not None:
-        for module in copy.modules():
-            if isinstance(module, KnapDistributedAttention):
-                module.configure(topology, backend)
+    for module in copy.modules() if topology is not None else ():
+        if isinstance(module, KnapDistributedAttention):
+            module.configure(topology, backend)
     hooks = family.hooks()
     latents = hooks.synthetic_data(family.default_mix, config, 1.0, 0)
-    typical = sample_shapes(family.default_mix, 1, 0)[0][0]
+    # Attention's cost depends on a sequence's tokens, not on its layout; a video's frames keep a
+    # long sequence's grid within the RoPE tables (a one-frame 4,725-token Wan "video" overflows the
+    # tiny model's 64 rows a side).
+    pool = [shape for seed in range(8) for rank in sample_shapes(family.default_mix, 8, seed) for shape in rank]
+    model_shape = max(pool, key=lambda shape: (shape.frames, shape.length))
     guidance = 1.0 if config.get("guidance_embeds") else None
     synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    marks: dict[str, float] = {}
+
+    def mark(name: str):
+        def hook(*_: Any) -> None:
+            synchronize()
+            marks[name] = time.perf_counter()
+
+        return hook
+
+    blocks = copy.block_stack
+    blocks[0].register_forward_pre_hook(mark("forward_start"))
+    blocks[-1].register_forward_hook(mark("forward_end"))
+    blocks[-1].register_full_backward_pre_hook(mark("backward_start"))
+    blocks[0].register_full_backward_hook(mark("backward_end"))
 
     def step(seq_len: int) -> float:
-        shape = SampleShape(typical.text, max(1, seq_len - typical.text), 1, typical.cross_text)
-        samples = type(latents).make_samples([shape], config, seq_len, 1.0, dtype)
+        samples = type(latents).make_samples([model_shape], config, seq_len, seq_len / model_shape.length, dtype)
         objective = hooks.objective(samples, torch.Generator().manual_seed(seq_len), config, guidance)
         inputs = copy.pack(objective.samples).to(device)
-        synchronize()
-        start = time.perf_counter()
+        marks.clear()
         copy(inputs, None).float().square().mean().backward()
-        synchronize()
-        seconds = time.perf_counter() - start
         copy.zero_grad(set_to_none=True)
-        return seconds * factor
+        forward = marks["forward_end"] - marks["forward_start"]
+        backward = marks["backward_end"] - marks["backward_start"]
+        return (forward + backward) * factor
 
     return step

@@ -415,8 +415,10 @@ def _stopped_rank_generate(rank: int, world: int, requests: str, out: str, signa
     command._load = load_and_stop_in_decode
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
+        # --decode-at-home: rank 1 decodes its own request (placed, a lone decode goes to the
+        # rank least busy so far, which timing decides).
         code = main(["generate", "--requests", requests, "--tiny", "--out", out, "--no-progress",
-                     "--timeout", str(TIMEOUT_S)])  # fmt: skip
+                     "--timeout", str(TIMEOUT_S), "--decode-at-home"])  # fmt: skip
     # What the command says (DeepSpeed may print that it built its op).
     said = [line for line in printed.getvalue().splitlines() if line.startswith("deepspeed-knap generate")]
     result = {"code": code, "said": said}
