@@ -1,5 +1,5 @@
-"""FLUX.1 and FLUX.2 generation, request by request, around diffusers' own ``FluxPipeline`` and
-``Flux2Pipeline`` parts.
+"""FLUX.1 and FLUX.2 generation, request by request, around diffusers' own ``FluxPipeline``,
+``Flux2Pipeline`` and ``Flux2KleinPipeline`` parts.
 
 The packed transformer runs the requests of every rank together (balanced by
 :mod:`deepspeed_knap.generation`); everything else is the pipeline's own code, called per request on
@@ -19,9 +19,15 @@ and decoded; a request's reference images (an edit: ``Flux2Pipeline(image=...)``
 prepares them (``prepare_image_latents``), their tokens after the noise's in the sequence. Both
 families are guidance-distilled: the guidance scale goes into the transformer.
 
+FLUX.2 [klein] (:class:`Flux2KleinGenerator`) around ``Flux2KleinPipeline``: FLUX.2's noise,
+references, shift and decode, the klein pipeline's ``encode_prompt`` (Qwen3's stacked hidden
+states), and classifier-free guidance instead of an embedded scale: above guidance 1 the
+unconditional branch (the text ``""``) is a second sequence, unless the checkpoint is step-distilled.
+
 Shapes: ``L`` image tokens (``(height / 16) * (width / 16)`` for an 8x VAE and 2x2 patches), ``C``
-packed latent channels (FLUX.1: 64, FLUX.2: 128), ``Tt`` text tokens, ``Dj`` text width (T5's;
-FLUX.2: 3 x Mistral's), ``Dp`` CLIP width (FLUX.1 only).
+packed latent channels (FLUX.1: 64, FLUX.2: 128), ``Tt`` text tokens (``Tn`` the unconditional
+branch's where they differ), ``Dj`` text width (T5's; FLUX.2: 3 x Mistral's, [klein] 3 x Qwen3's),
+``Dp`` CLIP width (FLUX.1 only).
 """
 
 from __future__ import annotations
@@ -36,13 +42,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
 from deepspeed_knap.models.flux.flux1 import rope_axes
-from deepspeed_knap.models.flux.spec import FLUX1, FLUX2, TINY_FLUX, TINY_FLUX2
+from deepspeed_knap.models.flux.spec import FLUX1, FLUX2, TINY_FLUX, TINY_FLUX2, TINY_FLUX2_KLEIN
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses a larger max_sequence_length (it truncates prompts)
 
@@ -138,8 +144,8 @@ class FluxGenerator(Generator):
 
     def _text_tokens(self, request: Request, branches: int) -> tuple[int, ...]:
         """Text tokens of each of the request's ``branches``: the embeddings file's rows of each text
-        it gives (:meth:`_embedding_rows`); a prompt, or a branch's text the file does not give,
-        padded to ``max_sequence_length``.
+        it gives (:meth:`_embedding_rows`); a prompt, or a branch's text the file does not give
+        (FLUX.2 [klein]'s unconditional ``""``), padded to ``max_sequence_length``.
 
         Raises:
             RequestError: a ``max_sequence_length`` past the text encoder's positions, an embeddings
@@ -379,8 +385,9 @@ class Flux2Generator(FluxGenerator):
     @property
     def text_positions(self) -> tuple[int, str]:
         """The text encoder's positions (``Flux2Pipeline`` pads a prompt to ``max_sequence_length``
-        tokens and refuses no length; past these positions the encoder was not trained)."""
-        return self.pipeline.text_encoder.config.text_config.max_position_embeddings, "the text encoder"
+        tokens and refuses no length; past these positions the encoder was not trained). Mistral 3's
+        are its text model's, Qwen3's (FLUX.2 [klein]) its own."""
+        return self.pipeline.text_encoder.config.get_text_config().max_position_embeddings, "the text encoder"
 
     @property
     def true_cfg(self) -> bool:
@@ -478,6 +485,95 @@ class Flux2Generator(FluxGenerator):
         return pipe.image_processor.postprocess(image, output_type="np")[0]
 
 
+class Flux2KleinGenerator(Flux2Generator):
+    """FLUX.2 [klein] requests, around a diffusers ``Flux2KleinPipeline``: :class:`Flux2Generator`'s
+    noise, reference images, schedule and decode (the two pipelines agree there), the text through
+    the klein pipeline's ``encode_prompt`` (Qwen3's hidden states 9, 18 and 27 stacked, padded to
+    ``max_sequence_length``), and its guidance. Nothing goes into the transformer (klein's has no
+    guidance embedding): above guidance 1 a base checkpoint runs classifier-free guidance, whose
+    unconditional branch is the text ``""`` (the pipeline takes no negative prompt) padded like the
+    prompt, with the request's reference images too; a step-distilled checkpoint (``is_distilled``)
+    runs the conditional branch alone. An embeddings file holds ``prompt_embeds [Tt, Dj]`` and,
+    for the unconditional branch, optionally ``negative_prompt_embeds [Tn, Dj]`` (else ``""`` is
+    encoded), as the pipeline takes them."""
+
+    pipeline_class = "Flux2KleinPipeline"
+    tiny_transformer = TINY_FLUX2_KLEIN
+    pipeline_embeddings = ("prompt_embeds", "negative_prompt_embeds")
+
+    @classmethod
+    def tiny_components(cls, config: Mapping[str, Any], seed: int) -> dict[str, Any]:
+        """:func:`~deepspeed_knap.models.flux.finetune.tiny_flux2_klein_pipeline_components`."""
+        from deepspeed_knap.models.flux.finetune import tiny_flux2_klein_pipeline_components
+
+        return tiny_flux2_klein_pipeline_components(config, seed)
+
+    @property
+    def distilled(self) -> bool:
+        """Whether the checkpoint is step-distilled (``model_index.json``'s ``is_distilled``): its
+        pipeline then runs no guidance."""
+        return bool(self.pipeline.config.is_distilled)
+
+    def guidance_scale(self, request: Request) -> float:
+        """The request's guidance, else the pipeline's 4.0; a step-distilled checkpoint's 1.0 (it
+        guides not at all, and its pipeline warns that it ignores a scale above 1)."""
+        if self.distilled and request.guidance is None:
+            return 1.0
+        return super().guidance_scale(request)
+
+    def _branches(self, request: Request) -> int:
+        """2 where ``Flux2KleinPipeline`` runs classifier-free guidance (``guidance`` above 1 on a base
+        checkpoint), else 1.
+
+        Raises:
+            RequestError: ``negative_prompt`` or ``true_cfg_scale`` (the pipeline takes neither),
+                ``guidance`` above 1 on a step-distilled checkpoint (it would be ignored), a key no
+                FLUX.2 pipeline takes.
+        """
+        self._check_keys(request)
+        line, pipeline, scale = request.line, self.pipeline_class, self.guidance_scale(request)
+        if request.negative_prompt is not None or request.true_cfg_scale is not None:
+            raise RequestError(f"line {line}: {pipeline} guides by 'guidance' alone, its unconditional text \"\" "
+                               "(it takes no negative prompt): drop 'negative_prompt' and 'true_cfg_scale' (another "
+                               "unconditional text goes in an embeddings file's negative_prompt_embeds)")  # fmt: skip
+        if self.distilled and scale > 1:
+            raise RequestError(f"line {line}: guidance {scale}: this {pipeline} is step-distilled (is_distilled in "
+                               "model_index.json) and runs without guidance, ignoring it; drop 'guidance'")  # fmt: skip
+        return 1 if self.distilled or scale <= 1 else 2
+
+    def cfg_scale(self, request: Request) -> float:
+        """``guidance``: the klein pipeline's ``guidance_scale`` is its classifier-free guidance's."""
+        return self.guidance_scale(request)
+
+    @property
+    def embeds_guidance(self) -> bool:
+        return False  # Flux2KleinPipeline gives the transformer guidance=None
+
+    def _embeddings_shapes(self, tensors: Mapping[str, Tensor], branches: int) -> dict[str, tuple[int | str, ...]]:
+        """FLUX.2's ``prompt_embeds``; with guidance the file's ``negative_prompt_embeds`` where it
+        holds them, of any number of rows ``Tn``."""
+        shapes = super()._embeddings_shapes(tensors, branches)
+        if branches == 2 and "negative_prompt_embeds" in tensors:
+            shapes["negative_prompt_embeds"] = ("Tn", self.model.config["joint_attention_dim"])
+        return shapes
+
+    def _branch_text(self, request: Request, negative: bool) -> tuple[str | None, Tensor | None]:
+        """The conditional branch's as FLUX.2's; the unconditional one's the embeddings file's
+        ``negative_prompt_embeds [1, Tn, Dj]`` where it holds them, else the pipeline's ``""``."""
+        if not negative:
+            return super()._branch_text(request, negative)
+        saved = {} if request.embeddings is None else self.embeddings_file(request)
+        if "negative_prompt_embeds" in saved:
+            return None, saved["negative_prompt_embeds"][None].to(self.device, self.dtype)
+        return "", None
+
+    def reference_pipeline(self, transformer: nn.Module) -> Any:
+        """The klein pipeline of this generator's parts with ``transformer``, step-distilled as this
+        one is (``is_distilled`` is the pipeline's config, not a part)."""
+        return type(self.pipeline)(**{**self.pipeline.components, "transformer": transformer},
+                                   is_distilled=self.distilled)  # fmt: skip
+
+
 def _nearest(pixels: int, multiple: int) -> int:
     return max(multiple, round(pixels / multiple) * multiple)
 
@@ -486,14 +582,14 @@ def _nearest(pixels: int, multiple: int) -> int:
 GENERATORS = {"flux": FluxGenerator, "flux2": Flux2Generator}
 # The generator of each diffusers pipeline a FLUX.1 or FLUX.2 directory may name (model_index.json).
 PIPELINE_GENERATORS = {generator.pipeline_class: generator
-                       for generator in (FluxGenerator, Flux2Generator)}  # fmt: skip
+                       for generator in (FluxGenerator, Flux2Generator, Flux2KleinGenerator)}  # fmt: skip
 
 
 def load_flux_generator(model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> FluxGenerator:
     """A diffusers FLUX.1 or FLUX.2 pipeline directory (``model_index.json``, ``transformer/``, text
     encoders, VAE, scheduler) as the generator of the pipeline ``model_index.json`` names
-    (:data:`PIPELINE_GENERATORS`: ``FluxPipeline``, ``Flux2Pipeline``) where it is one of the
-    transformer's family: the transformer packed, the rest diffusers' own.
+    (:data:`PIPELINE_GENERATORS`: ``FluxPipeline``, ``Flux2Pipeline``, ``Flux2KleinPipeline``) where
+    it is one of the transformer's family: the transformer packed, the rest diffusers' own.
 
     Raises:
         ValueError: the checkpoint is another family's (FLUX.3, Wan), or its pipeline
@@ -531,8 +627,8 @@ def tiny_flux_generator(dtype: torch.dtype, device: torch.device | str, seed: in
     :func:`~deepspeed_knap.models.flux.finetune.tiny_pipeline_components`, or with ``family="flux2"``
     a FLUX.2 (``TINY_FLUX2`` or ``config``) with
     :func:`~deepspeed_knap.models.flux.finetune.tiny_flux2_pipeline_components`, the same on every
-    rank for a ``seed`` (:meth:`FluxGenerator.tiny`): for CPU runs, tests and benchmarks without
-    downloaded weights.
+    rank for a ``seed`` (:meth:`FluxGenerator.tiny`; FLUX.2 [klein]'s is
+    ``Flux2KleinGenerator.tiny``): for CPU runs, tests and benchmarks without downloaded weights.
 
     Raises:
         ValueError: a family other than ``flux`` and ``flux2``.
