@@ -197,9 +197,9 @@ def _check_options(args: argparse.Namespace, out: Path) -> list[str] | None:
     indexes = ("model_index.json", "modular_model_index.json")  # a FLUX.3 modular pipeline's may be the second
     if args.model_path and not any((Path(args.model_path) / index).is_file() for index in indexes):
         return ["checking the options", f"--model-path {args.model_path}: no model_index.json there (nor a modular "
-                "pipeline's modular_model_index.json); give a diffusers FLUX.1, FLUX.2, FLUX.3 or Wan pipeline "
-                "directory (what FluxPipeline, Flux2Pipeline, FLUX.3's modular pipeline or "
-                "WanPipeline.save_pretrained writes), or --tiny"]  # fmt: skip
+                "pipeline's modular_model_index.json); give a diffusers FLUX.1, FLUX.2, FLUX.3, Wan or Qwen-Image "
+                "pipeline directory (what FluxPipeline, Flux2Pipeline, Flux2KleinPipeline, FLUX.3's modular "
+                "pipeline, WanPipeline or QwenImagePipeline.save_pretrained writes), or --tiny"]  # fmt: skip
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:

@@ -1,5 +1,6 @@
 """Balanced generation on gloo ranks: every image (or video) equals diffusers' FluxPipeline (FLUX.1),
-Flux2Pipeline (FLUX.2) or WanPipeline (Wan) run alone for that request with the same seed (fp64),
+Flux2Pipeline (FLUX.2), Flux2KleinPipeline (FLUX.2 [klein]), QwenImagePipeline (Qwen-Image) or
+WanPipeline (Wan) run alone for that request with the same seed (fp64),
 with requests of mixed sizes, frames and step counts joining and leaving mid-run under a token
 budget, and classifier-free guidance's two branches as sequences of their own; the plan is solved
 once per change of the request set; bad lines are refused on every rank alike while the others are
@@ -82,8 +83,36 @@ QWEN_REQUESTS = [
 ]  # fmt: skip
 # 2 ranks x 200 = 400 tokens at a time: "a" starts, "b" (334) waits for it, the others join as they leave.
 QWEN_BUDGET = 200
+# FLUX.2 [klein] (Flux2KleinPipeline, base): above guidance 1 (its default 4.0) classifier-free
+# guidance, two sequences of the same tokens (the unconditional text "" padded like the prompt, and an
+# edit's references in both); guidance 1 one. Its Qwen3 chat template puts 6 tokens before the prompt:
+# text padded to 24 tokens. Tokens per sequence: "wide" 24 + 96, "small" 24 + 16, "tall" 24 + 128,
+# "edit" 24 + 64 + 256.
+KLEIN = "flux2-klein"  # a FAMILY_REQUESTS key: FLUX.2's family, the klein pipeline
+KLEIN_TEXT = {"max_sequence_length": 24}
+KLEIN_REQUESTS = [
+    {"id": "wide", "prompt": "a wide red barn", "height": 32, "width": 48, "steps": 4, "seed": 1, **KLEIN_TEXT},
+    {"id": "small", "prompt": "a cat", "height": 16, "width": 16, "steps": 2, "seed": 2, "guidance": 1.0,
+     **KLEIN_TEXT},
+    {"id": "tall", "prompt": "a tall tower at night", "height": 64, "width": 32, "steps": 3, "seed": 3,
+     "guidance": 2.5, **KLEIN_TEXT},
+    {"id": "edit", "prompt": "the same cat in red", "image": "ref_a.png", "height": 32, "width": 32, "steps": 3,
+     "seed": 9, **KLEIN_TEXT},
+]  # fmt: skip
+# 2 ranks x 360 = 720 tokens at a time: the first three (584) start, "edit" (688) waits for them to leave.
+KLEIN_BUDGET = 360
 FAMILY_REQUESTS = {"flux": [*REQUESTS, GUIDED], "flux2": [*REQUESTS, *FLUX2_EDITS], "wan": WAN_REQUESTS,
-                   "qwen-image": QWEN_REQUESTS}  # fmt: skip
+                   "qwen-image": QWEN_REQUESTS, KLEIN: KLEIN_REQUESTS}  # fmt: skip
+
+
+def _tiny(family: str):
+    """The tiny fp64 generator of a :data:`FAMILY_REQUESTS` key: the family's, or FLUX.2 [klein]'s."""
+    from deepspeed_knap.models.flux.generate import Flux2KleinGenerator
+    from deepspeed_knap.models.generators import tiny_generator
+
+    if family == KLEIN:
+        return Flux2KleinGenerator.tiny(torch.float64, "cpu", seed=0)
+    return tiny_generator(family, torch.float64, "cpu", seed=0)
 
 
 def _write_images(directory) -> None:
@@ -109,7 +138,6 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
     import deepspeed_knap.planner.solve as solve_module
     from deepspeed_knap.cost.model import CostModel
     from deepspeed_knap.generation.runner import GenerationError, generate, generation_balancer
-    from deepspeed_knap.models.generators import tiny_generator
     from deepspeed_knap.planner.worker import PlanWorker
     from deepspeed_knap.runtime.balancer import KnapBalancer
     from tests.support.balancing import join_gloo
@@ -144,7 +172,7 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
         if run.get("same_balancer"):  # the run before's generator and balancer (and its plan worker) again
             vars(generator).pop("start", None)  # without the run before's failing start
         else:
-            generator = tiny_generator(family, torch.float64, "cpu", seed=0)
+            generator = _tiny(family)
         if not run.get("same_balancer"):
             cost_model = CostModel(linear_coef=0.0, quadratic_coef=1.0) if run.get("split") else None
             balancer = generation_balancer(generator.model, max_tokens_per_gpu=run["budget"], reuse=run["reuse"],
@@ -206,15 +234,18 @@ def references():
 
 
 def _references(family: str) -> dict:
-    from diffusers import Flux2Pipeline, Flux2Transformer2DModel, FluxPipeline
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel, FluxPipeline
 
-    from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components, tiny_pipeline_components
-    from deepspeed_knap.models.flux.spec import TINY_FLUX, TINY_FLUX2
-    from deepspeed_knap.models.generators import tiny_generator
+    from deepspeed_knap.models.flux.finetune import (
+        tiny_flux2_klein_pipeline_components,
+        tiny_flux2_pipeline_components,
+        tiny_pipeline_components,
+    )
+    from deepspeed_knap.models.flux.spec import TINY_FLUX, TINY_FLUX2, TINY_FLUX2_KLEIN
     from deepspeed_knap.models.wan.data import tiny_wan_pipeline
     from deepspeed_knap.models.wan.spec import TINY_WAN
 
-    ours = tiny_generator(family, torch.float64, "cpu", seed=0)
+    ours = _tiny(family)
     if family == "qwen-image":
         from diffusers import QwenImagePipeline
 
@@ -227,6 +258,10 @@ def _references(family: str) -> dict:
     elif family == "flux":
         transformer = type(ours.model).diffusers_model(TINY_FLUX, ours.model.state_dict())
         pipe = FluxPipeline(**tiny_pipeline_components(TINY_FLUX, 0), transformer=transformer)
+    elif family == KLEIN:
+        transformer = Flux2Transformer2DModel(**TINY_FLUX2_KLEIN)
+        transformer.load_state_dict(ours.model.state_dict())
+        pipe = Flux2KleinPipeline(**tiny_flux2_klein_pipeline_components(TINY_FLUX2_KLEIN, 0), transformer=transformer)
     else:
         transformer = Flux2Transformer2DModel(**TINY_FLUX2)
         transformer.load_state_dict(ours.model.state_dict())
@@ -264,7 +299,8 @@ def _check_images(results, references, expected_ids):
     assert sorted(images) == sorted(expected_ids)
     for name in expected_ids:
         assert images[name].shape == references[name].shape, name
-        assert np.abs(images[name] - references[name]).max() < 1e-6, name
+        difference = np.abs(images[name] - references[name]).max()
+        assert difference < 1e-6, (name, difference)
     # Same-shaped outputs differ: a request given another's noise or prompt would show.
     first = references[expected_ids[0]]
     assert np.abs(first - first[..., ::-1, :, :]).max() > 1e-2
@@ -273,15 +309,15 @@ def _check_images(results, references, expected_ids):
 # Per world size, the runs of one spawn: FLUX.1 (with a true-CFG request) on 2 ranks also under a
 # planner that refuses sets of more than 3 sequences (the budget's total admits more), so the
 # batcher backs off, each set solved in the step (the refusing planner is this rank's: the plan
-# worker process runs the real one); FLUX.2 (its tokens are FLUX.1's) and Wan (videos, CFG pairs)
-# as well, planning each set ahead in the worker.
+# worker process runs the real one); FLUX.2 (its tokens are FLUX.1's), FLUX.2 [klein] (CFG pairs,
+# an edit guided) and Wan (videos, CFG pairs) as well, planning each set ahead in the worker.
 # FLUX.2's budget is twice FLUX.1's: its edits hold up to 600 tokens a step.
 CASES = {
     2: [{"family": "flux", "budget": BUDGET, "most_sequences": 3, "plan_ahead": False},
-        {"family": "flux2", "budget": 2 * BUDGET}, {"family": "wan", "budget": WAN_BUDGET},
-        {"family": "qwen-image", "budget": QWEN_BUDGET}],
+        {"family": "flux2", "budget": 2 * BUDGET}, {"family": KLEIN, "budget": KLEIN_BUDGET},
+        {"family": "wan", "budget": WAN_BUDGET}, {"family": "qwen-image", "budget": QWEN_BUDGET}],
     4: [{"family": "flux", "budget": BUDGET // 2}, {"family": "flux2", "budget": BUDGET},
-        {"family": "qwen-image", "budget": QWEN_BUDGET // 2}],
+        {"family": KLEIN, "budget": KLEIN_BUDGET // 2}, {"family": "qwen-image", "budget": QWEN_BUDGET // 2}],
 }  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """Generation without ranks: the request format, step-level batching (joins, leaves, the budget, one
 solve per set, the next set planned ahead), the forward-only cost model, and ``deepspeed-knap
-generate`` in one process against diffusers' FluxPipeline and Flux2Pipeline."""
+generate`` in one process against diffusers' FluxPipeline, Flux2Pipeline and Flux2KleinPipeline."""
 
 from __future__ import annotations
 
@@ -421,9 +421,16 @@ def test_the_worker_plans_ahead_what_the_planner_plans_in_the_step_and_ranks_agr
 
 @functools.cache
 def _tiny_generator(family: str):
-    """The tiny generator of ``family`` in float32, or of ``"{family}-bf16"`` in bfloat16."""
+    """The tiny generator of ``family`` in float32, or of ``"{family}-bf16"`` in bfloat16;
+    ``"flux2-klein"``: FLUX.2 [klein]'s (its base checkpoint), ``"flux2-klein-distilled"`` its
+    step-distilled one."""
+    from deepspeed_knap.models.flux.generate import Flux2KleinGenerator
     from deepspeed_knap.models.generators import tiny_generator
 
+    if family.startswith("flux2-klein"):
+        generator = Flux2KleinGenerator.tiny(torch.float32, "cpu")
+        generator.pipeline.register_to_config(is_distilled=family.endswith("-distilled"))
+        return generator
     bf16 = family.endswith("-bf16")
     return tiny_generator(family.removesuffix("-bf16"), torch.bfloat16 if bf16 else torch.float32, "cpu")
 
@@ -445,6 +452,20 @@ def _tiny_generator(family: str):
     ("wan", {"height": 32, "width": 48, "frames": 5, "image": "cat.png"}, "makes videos from text alone: drop 'image'"),
     ("wan", {"height": 32, "width": 48, "frames": 5, "guidance_2": 2.0}, "one transformer: drop 'guidance_2'"),
     ("flux2", {"height": 32, "width": 48, "negative_prompt": "x"}, "FLUX.2 is guidance-distilled"),
+    # FLUX.2 [klein]: classifier-free guidance above guidance 1 (4.0 unless given), "" padded like the prompt.
+    ("flux2-klein", {"height": 32, "width": 48}, (8 + 96, 8 + 96)),
+    ("flux2-klein", {"height": 32, "width": 48, "guidance": 1.0}, (8 + 96,)),
+    ("flux2-klein", {"height": 32, "width": 48, "negative_prompt": "x"}, "Flux2KleinPipeline guides by 'guidance' "
+     "alone, its unconditional text \"\" (it takes no negative prompt): drop 'negative_prompt' and 'true_cfg_scale'"),
+    ("flux2-klein", {"height": 32, "width": 48, "true_cfg_scale": 2.0}, "drop 'negative_prompt' and 'true_cfg_scale'"),
+    ("flux2-klein", {"height": 32, "width": 48, "max_sequence_length": 600},
+     "max_sequence_length 600 is over the text encoder's 512 that Flux2KleinPipeline takes"),
+    ("flux2-klein", {"height": 32, "width": 48, "frames": 1}, "FLUX.2 makes images: drop 'frames'"),
+    ("flux2-klein-distilled", {"height": 32, "width": 48}, (8 + 96,)),
+    ("flux2-klein-distilled", {"height": 32, "width": 48, "guidance": 1.0}, (8 + 96,)),
+    ("flux2-klein-distilled", {"height": 32, "width": 48, "guidance": 2.0}, "line 1: guidance 2.0: this "
+     "Flux2KleinPipeline is step-distilled (is_distilled in model_index.json) and runs without guidance, ignoring "
+     "it; drop 'guidance'"),
     # Tiny Qwen-Image: 8 px a token; text rows capped by max_sequence_length (8); true CFG with a negative.
     ("qwen-image", {"height": 32, "width": 48}, (8 + 24,)),
     ("qwen-image", {"height": 32, "width": 48, "negative_prompt": " "}, (8 + 24, 8 + 24)),
@@ -756,6 +777,120 @@ def test_generate_command_loads_a_flux2_pipeline_directory_by_its_transformer_fa
     assert code == 0
     expected = pipe(prompt="a boat", height=24, width=16, num_inference_steps=3, max_sequence_length=8,
                     generator=torch.Generator().manual_seed(9)).images[0]  # fmt: skip
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / "a.png")), np.asarray(expected))
+
+
+def _klein_parts(seed: int, ours):
+    """``Flux2KleinPipeline`` (fp64) of tiny FLUX.2 [klein]'s parts built anew for ``seed`` and the
+    diffusers transformer of ``ours``' weights."""
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+
+    from deepspeed_knap.models.flux.finetune import tiny_flux2_klein_pipeline_components
+    from deepspeed_knap.models.flux.spec import TINY_FLUX2_KLEIN
+
+    transformer = Flux2Transformer2DModel(**TINY_FLUX2_KLEIN)
+    transformer.load_state_dict(ours.model.state_dict())
+    pipe = Flux2KleinPipeline(**tiny_flux2_klein_pipeline_components(TINY_FLUX2_KLEIN, seed), transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(torch.float64)
+
+
+def test_flux2_klein_in_one_process_draws_what_its_pipeline_draws_guided_edited_embedded_and_distilled(tmp_path):
+    """FLUX.2 [klein]: Flux2KleinPipeline's Qwen3 text, no guidance embedding, classifier-free guidance
+    above guidance 1 with the unconditional text "" (or an embeddings file's negative_prompt_embeds,
+    of its own length), an edit's references in both branches; a step-distilled checkpoint runs one
+    branch. Each image equals the pipeline's for the request alone, to 1e-6 at fp64, and so does the
+    pipeline call ``bench generate`` times (``reference_pipeline``, distilled as the generator is)."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from deepspeed_knap.generation.runner import generate
+    from deepspeed_knap.models.flux.generate import Flux2KleinGenerator
+
+    ours = Flux2KleinGenerator.tiny(torch.float64, "cpu", seed=3)
+    pipe = _klein_parts(3, ours)
+    text, _ = pipe.encode_prompt("precomputed", max_sequence_length=6)
+    negative, _ = pipe.encode_prompt("blurry", max_sequence_length=10)
+    save_file({"prompt_embeds": text[0].contiguous(), "negative_prompt_embeds": negative[0].contiguous()},
+              tmp_path / "both.safetensors")  # fmt: skip
+    save_file({"prompt_embeds": text[0].contiguous()}, tmp_path / "prompt.safetensors")
+    save_file({"prompt_embeds": text[0].contiguous(), "negative_prompt_embeds": negative[0, :, :5].contiguous()},
+              tmp_path / "wrong.safetensors")  # fmt: skip
+    reference = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 72, 3), dtype=np.uint8))
+    reference.save(tmp_path / "ref.png")
+    lines = [
+        {"id": "both", "embeddings": "both.safetensors", "height": 16, "width": 28, "steps": 2, "seed": 4},
+        {"id": "prompt", "embeddings": "prompt.safetensors", "height": 16, "width": 16, "steps": 2, "seed": 5,
+         "max_sequence_length": 12, "guidance": 3.0},
+        {"id": "edit", "prompt": "a boat", "image": "ref.png", "height": 24, "width": 16, "steps": 3, "seed": 9,
+         "max_sequence_length": 8},
+        {"embeddings": "wrong.safetensors", "height": 16, "width": 16},
+    ]  # fmt: skip
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    common = {"output_type": "np", "return_dict": False}
+    expected = {
+        "both": pipe(prompt_embeds=text, negative_prompt_embeds=negative, height=16, width=28, num_inference_steps=2,
+                     generator=torch.Generator().manual_seed(4), **common),
+        "prompt": pipe(prompt_embeds=text, height=16, width=16, num_inference_steps=2, max_sequence_length=12,
+                       guidance_scale=3.0, generator=torch.Generator().manual_seed(5), **common),
+        "edit": pipe(prompt="a boat", image=[reference], height=24, width=16, num_inference_steps=3,
+                     max_sequence_length=8, generator=torch.Generator().manual_seed(9), **common),
+    }  # fmt: skip
+    images = {}
+    report = generate(path, ours, on_image=lambda request, image: images.update({request.id: image}), progress=False)
+    assert sorted(images) == sorted(expected)
+    for name, (image,) in expected.items():
+        assert image[0].std() > 0.01 and np.abs(images[name] - image[0]).max() < 1e-6, name
+    # Two sequences each: the file's 6 and 10 rows, 6 and "" at 12; the edit's references (64 x 72 px)
+    # in both.
+    tokens = {r["id"]: r["tokens"] for r in report.requests}
+    assert tokens == {"both": 6 + 28 + 10 + 28, "prompt": 6 + 16 + 12 + 16, "edit": 2 * (8 + 24 + 16 * 18)}
+    [refused] = report.refused
+    assert refused["reason"].startswith("line 4: embeddings") and (
+        "this model takes {'prompt_embeds': '[Tt, 48]', 'negative_prompt_embeds': '[Tn, 48]'}, Tt >= 1, Tn >= 1"
+        in refused["reason"])  # fmt: skip
+    # Step-distilled: one branch, the guidance ignored as the pipeline ignores it.
+    ours.pipeline.register_to_config(is_distilled=True)
+    request = parse_request(0, 1, json.dumps(lines[2]), tmp_path)
+    assert ours.request_seq_lens(request) == (8 + 24 + 16 * 18,)
+    pipe.register_to_config(is_distilled=True)
+    distilled = pipe(prompt="a boat", image=[reference], height=24, width=16, num_inference_steps=3,
+                     max_sequence_length=8, generator=torch.Generator().manual_seed(9), **common)[0][0]  # fmt: skip
+    assert np.abs(distilled - expected["edit"][0][0]).max() > 1e-4  # the guidance made a difference
+    path.write_text(json.dumps(lines[2]) + "\n")
+    generate(path, ours, on_image=lambda request, image: images.update({request.id: image}), progress=False)
+    assert np.abs(images["edit"] - distilled).max() < 1e-6
+    bench = ours.run_pipeline(ours.reference_pipeline(pipe.transformer), request).images[0]
+    assert np.abs(np.asarray(bench, dtype=np.float64) / 255 - distilled).max() < 1 / 255
+
+
+def test_generate_command_loads_a_flux2_klein_pipeline_directory_as_its_generator(tmp_path):
+    """``--model-path`` of a saved (step-distilled) Flux2KleinPipeline: model_index.json's pipeline
+    picks the klein generator for the FLUX.2 transformer, and the image equals the loaded pipeline's."""
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+    from PIL import Image
+
+    from deepspeed_knap.cli import main
+    from deepspeed_knap.models.flux.finetune import tiny_flux2_klein_pipeline_components
+    from deepspeed_knap.models.flux.generate import Flux2KleinGenerator, load_flux_generator
+    from deepspeed_knap.models.flux.spec import TINY_FLUX2_KLEIN
+
+    torch.manual_seed(1)
+    saved = Flux2KleinPipeline(**tiny_flux2_klein_pipeline_components(TINY_FLUX2_KLEIN, 5),
+                               transformer=Flux2Transformer2DModel(**TINY_FLUX2_KLEIN), is_distilled=True)  # fmt: skip
+    saved.save_pretrained(tmp_path / "model")
+    loaded = load_flux_generator(tmp_path / "model", torch.float32, "cpu")
+    assert type(loaded) is Flux2KleinGenerator and loaded.distilled
+    pipe = Flux2KleinPipeline.from_pretrained(tmp_path / "model", torch_dtype=torch.float64)
+    pipe.set_progress_bar_config(disable=True)
+    request = {"id": "a", "prompt": "a boat", "height": 24, "width": 16, "steps": 3, "seed": 9, "max_sequence_length": 8}  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text(json.dumps(request) + "\n")
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--model-path", str(tmp_path / "model"),
+                 "--dtype", "float64", "--out", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    assert code == 0
+    expected = pipe(prompt="a boat", height=24, width=16, num_inference_steps=3, max_sequence_length=8,
+                    guidance_scale=1.0, generator=torch.Generator().manual_seed(9)).images[0]  # fmt: skip
     assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / "a.png")), np.asarray(expected))
 
 
@@ -1112,7 +1247,7 @@ def test_generate_command_refuses_a_flux1_pipeline_directory_holding_a_flux2_tra
     assert output == [f"deepspeed-knap generate: error loading the model: cannot load {tmp_path / 'model'}: "
                       f"ValueError: {tmp_path / 'model'}: its transformer is a Flux2Transformer2DModel but "
                       "model_index.json names a FluxPipeline, which takes a FluxTransformer2DModel; give a "
-                      "Flux2Pipeline directory (its transformer of the same family)"]  # fmt: skip
+                      "Flux2Pipeline or Flux2KleinPipeline directory (its transformer of the same family)"]  # fmt: skip
 
 
 def test_generate_timeout_is_trainings_timeout_s_and_out_of_range_is_a_usage_error(tmp_path, capsys):

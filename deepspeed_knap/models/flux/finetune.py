@@ -74,7 +74,6 @@ def tiny_flux2_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> 
     pipeline's latent normalisation shows. The tokenizer splits text into characters, and its chat
     template keeps the user's text only (not ``Flux2Pipeline``'s long system message), so that a
     short ``max_sequence_length`` still holds the prompt; the text encoder takes 512 positions."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         Mistral3Config,
@@ -103,11 +102,56 @@ def tiny_flux2_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> 
     vision = PixtralVisionConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1,
                                  image_size=32, patch_size=16)  # fmt: skip
     text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision))
-    vae = tiny_flux2_vae(config["in_channels"] // 4)
-    # Dynamic shifting as in FLUX.1's config; Flux2Pipeline gives mu itself (compute_empirical_mu).
+    return {**_tiny_flux2_latent_parts(config), "text_encoder": text_encoder.eval(), "tokenizer": tokenizer}
+
+
+# Qwen3's chat template as Flux2KleinPipeline applies it (a user turn, then the assistant's turn opened
+# with thinking off: an empty think block).
+_QWEN3_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                        "{% endif %}{% endif %}")  # fmt: skip
+
+
+def tiny_flux2_klein_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Small random ``AutoencoderKLFlux2``, Qwen3 text encoder, tokenizer and scheduler that fit a
+    packed FLUX.2 ``config`` (``in_channels`` = 4 x the VAE's latent channels, ``joint_attention_dim``
+    = 3 x the text encoder's width: ``Flux2KleinPipeline`` stacks its hidden states 9, 18 and 27, so
+    it has 27 layers), built locally with no download: with a transformer (FLUX.2 [klein]'s has no
+    guidance embedding) they make a ``Flux2KleinPipeline`` for CPU tests and demos. The VAE and the
+    scheduler are :func:`tiny_flux2_pipeline_components`'; the tokenizer is tiny Qwen-Image's
+    character one (:func:`~deepspeed_knap.models.qwenimage.finetune.tiny_qwen_tokenizer`) with Qwen3's
+    chat template, so the prompt comes after 6 tokens of template and ahead of 32; the text encoder
+    takes 512 positions."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from deepspeed_knap.models.qwenimage.finetune import tiny_qwen_tokenizer
+
+    if config["in_channels"] % 4 or config["joint_attention_dim"] % 6:
+        raise ValueError(f"in_channels={config['in_channels']} must be 4 x the VAE's latent channels (2x2 patches) "
+                         f"and joint_attention_dim={config['joint_attention_dim']} 3 x the text encoder's width "
+                         "(three stacked hidden states), which its 2 heads split evenly")  # fmt: skip
+    tokenizer = tiny_qwen_tokenizer(_QWEN3_CHAT_TEMPLATE)
+    vocab = tokenizer.get_vocab()
+    torch.manual_seed(seed)
+    width = config["joint_attention_dim"] // 3
+    text = Qwen3Config(vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=27,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=width // 2, max_position_embeddings=512,
+                       pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|im_start|>"],
+                       eos_token_id=vocab["<|im_end|>"])  # fmt: skip
+    text_encoder = Qwen3ForCausalLM(text)
+    return {**_tiny_flux2_latent_parts(config), "text_encoder": text_encoder.eval(), "tokenizer": tokenizer}
+
+
+def _tiny_flux2_latent_parts(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The tiny FLUX.2 pipelines' VAE (:func:`tiny_flux2_vae`, its statistics drawn from torch's global
+    generator) and scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    # Dynamic shifting as in FLUX.1's config; the FLUX.2 pipelines give mu themselves (compute_empirical_mu).
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                 base_image_seq_len=256, max_image_seq_len=4096)  # fmt: skip
-    return {"scheduler": scheduler, "vae": vae.eval(), "text_encoder": text_encoder.eval(), "tokenizer": tokenizer}
+    return {"scheduler": scheduler, "vae": tiny_flux2_vae(config["in_channels"] // 4)}
 
 
 def tiny_flux2_vae(latent_channels: int) -> Any:

@@ -1,5 +1,5 @@
-"""FLUX.1 and FLUX.2 generation, request by request, around diffusers' own ``FluxPipeline`` and
-``Flux2Pipeline`` parts.
+"""FLUX.1 and FLUX.2 generation, request by request, around diffusers' own ``FluxPipeline``,
+``Flux2Pipeline`` and ``Flux2KleinPipeline`` parts.
 
 The packed transformer runs the requests of every rank together (balanced by
 :mod:`deepspeed_knap.generation`); everything else is the pipeline's own code, called per request on
@@ -19,9 +19,15 @@ and decoded; a request's reference images (an edit: ``Flux2Pipeline(image=...)``
 prepares them (``prepare_image_latents``), their tokens after the noise's in the sequence. Both
 families are guidance-distilled: the guidance scale goes into the transformer.
 
+FLUX.2 [klein] (:class:`Flux2KleinGenerator`) around ``Flux2KleinPipeline``: FLUX.2's noise,
+references, shift and decode, the klein pipeline's ``encode_prompt`` (Qwen3's stacked hidden
+states), and classifier-free guidance instead of an embedded scale: above guidance 1 the
+unconditional branch (the text ``""``) is a second sequence, unless the checkpoint is step-distilled.
+
 Shapes: ``L`` image tokens (``(height / 16) * (width / 16)`` for an 8x VAE and 2x2 patches), ``C``
-packed latent channels (FLUX.1: 64, FLUX.2: 128), ``Tt`` text tokens, ``Dj`` text width (T5's;
-FLUX.2: 3 x Mistral's), ``Dp`` CLIP width (FLUX.1 only).
+packed latent channels (FLUX.1: 64, FLUX.2: 128), ``Tt`` text tokens (``Tn`` the unconditional
+branch's where they differ), ``Dj`` text width (T5's; FLUX.2: 3 x Mistral's, [klein] 3 x Qwen3's),
+``Dp`` CLIP width (FLUX.1 only).
 """
 
 from __future__ import annotations
@@ -36,14 +42,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
-from deepspeed_knap.models.flux.flux1 import PackedFluxTransformer, rope_axes
-from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
-from deepspeed_knap.models.flux.spec import FLUX1, FLUX2, TINY_FLUX2
+from deepspeed_knap.models.flux.flux1 import rope_axes
+from deepspeed_knap.models.flux.spec import FLUX1, FLUX2, TINY_FLUX, TINY_FLUX2, TINY_FLUX2_KLEIN
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses a larger max_sequence_length (it truncates prompts)
 
@@ -81,6 +86,8 @@ class FluxGenerator(Generator):
     diffusers ``FluxPipeline`` (:class:`~deepspeed_knap.generation.generator.Generator`'s arguments)."""
 
     spec = FLUX1
+    pipeline_class = FLUX1.pipeline  # the diffusers pipeline of a directory this generator runs (model_index.json)
+    tiny_transformer = TINY_FLUX  # the tiny random model's config (tiny)
     default_guidance = 3.5  # FluxPipeline's guidance_scale
     pipeline_embeddings = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds",
                            "negative_pooled_prompt_embeds")  # fmt: skip
@@ -133,17 +140,29 @@ class FluxGenerator(Generator):
                                f"(as {type(self.pipeline).__name__} makes them), exact up to {most} a side; make it at "
                                f"most {most * patch} px a side")  # fmt: skip
         image_tokens = grid[0] * grid[1] + sum(height * width for height, width in self._reference_grids(request))
-        if request.embeddings is None:
-            most, encoder, length = *self.text_positions, self.max_sequence_length(request)
-            if length > most:
-                raise RequestError(f"line {line}: max_sequence_length {length} is over {encoder}'s "
-                                   f"{most} that {type(self.pipeline).__name__} takes")  # fmt: skip
-            return (length + image_tokens,) * branches
-        return (self._embeddings_shape(request)[0] + image_tokens,) * branches
+        return tuple(text + image_tokens for text in self._text_tokens(request, branches))
 
-    def _branches(self, request: Request) -> int:
-        """Sequences per step: 2 with true classifier-free guidance (``true_cfg_scale`` above 1 and a
-        negative prompt, as ``FluxPipeline`` runs it), else 1. Refuses what would be ignored."""
+    def _text_tokens(self, request: Request, branches: int) -> tuple[int, ...]:
+        """Text tokens of each of the request's ``branches``: the embeddings file's rows of each text
+        it gives (:meth:`_embedding_rows`); a prompt, or a branch's text the file does not give
+        (FLUX.2 [klein]'s unconditional ``""``), padded to ``max_sequence_length``.
+
+        Raises:
+            RequestError: a ``max_sequence_length`` past the text encoder's positions, an embeddings
+                file that does not fit.
+        """
+        given = () if request.embeddings is None else self._embedding_rows(request, branches)
+        if len(given) == branches:
+            return given
+        most, encoder, length = *self.text_positions, self.max_sequence_length(request)
+        if length > most:
+            raise RequestError(f"line {request.line}: max_sequence_length {length} is over {encoder}'s "
+                               f"{most} that {type(self.pipeline).__name__} takes")  # fmt: skip
+        return given + (length,) * (branches - len(given))
+
+    def _check_keys(self, request: Request) -> None:
+        """Refuse the keys no FLUX.1 or FLUX.2 pipeline takes: ``frames``, ``guidance_2``, and
+        ``image`` where the pipeline takes no reference images."""
         line, name = request.line, self.name
         if request.frames is not None:
             raise RequestError(f"line {line}: {name} makes images: drop 'frames'")
@@ -152,7 +171,12 @@ class FluxGenerator(Generator):
         if request.guidance_2 is not None:
             raise RequestError(f"line {line}: 'guidance_2' is a two-expert Wan pipeline's; {name} takes 'guidance': "
                                "drop 'guidance_2'")  # fmt: skip
-        scale = request.true_cfg_scale
+
+    def _branches(self, request: Request) -> int:
+        """Sequences per step: 2 with true classifier-free guidance (``true_cfg_scale`` above 1 and a
+        negative prompt, as ``FluxPipeline`` runs it), else 1. Refuses what would be ignored."""
+        self._check_keys(request)
+        line, name, scale = request.line, self.name, request.true_cfg_scale
         guided = scale is not None and scale > 1
         # With embeddings the negative branch is the file's: there when the scale asks for it.
         negative = request.negative_prompt is not None or (request.embeddings is not None and guided)
@@ -172,6 +196,17 @@ class FluxGenerator(Generator):
         """Whether the family's pipeline runs true classifier-free guidance (``true_cfg_scale``)."""
         return True
 
+    def cfg_scale(self, request: Request) -> float:
+        """The scale of the request's classifier-free guidance (when it runs two branches):
+        ``FluxPipeline``'s ``true_cfg_scale``."""
+        return request.true_cfg_scale
+
+    @property
+    def embeds_guidance(self) -> bool:
+        """Whether the pipeline gives the transformer the guidance scale (``guidance``): FLUX.1 and
+        FLUX.2 [dev] do where their transformer has a guidance embedding."""
+        return bool(self.model.config["guidance_embeds"])
+
     @property
     def position_extent(self) -> int | None:
         """The most latent patches a side of an image may have, or ``None``: FLUX.1's pipeline makes
@@ -185,35 +220,45 @@ class FluxGenerator(Generator):
         """The longest ``max_sequence_length`` a prompt may be padded to, and the text encoder's name."""
         return MAX_SEQUENCE_LENGTH, "T5"
 
-    def _embeddings_shapes(self, request: Request) -> dict[str, tuple[int | None, ...]]:
-        """The tensors an embeddings file holds and their shapes (``None``: any ``Tt``): with true
-        CFG the negative ones too, of the same shapes (``FluxPipeline`` requires it)."""
+    def _embeddings_shapes(self, tensors: Mapping[str, Tensor], branches: int) -> dict[str, tuple[int | str, ...]]:
+        """The tensors an embeddings file of ``tensors`` must hold for ``branches`` and their shapes, a
+        text's rows by name (``"Tt"``: any number, the same wherever it is named): with true CFG the
+        negative ones too, of the same shapes (``FluxPipeline`` requires it)."""
         config = self.model.config
-        shapes = {"prompt_embeds": (None, config["joint_attention_dim"]),
+        shapes = {"prompt_embeds": ("Tt", config["joint_attention_dim"]),
                   "pooled_prompt_embeds": (config["pooled_projection_dim"],)}  # fmt: skip
-        if request.true_cfg_scale is not None and request.true_cfg_scale > 1:
+        if branches == 2:
             shapes.update({f"negative_{key}": shape for key, shape in shapes.items()})
         return shapes
 
-    def _embeddings_shape(self, request: Request) -> tuple[int, int]:
-        """``(Tt, Dj)`` of a request's embeddings file, checked against the model."""
-        line, wanted = request.line, self._embeddings_shapes(request)
-        expected = {key: "[" + ", ".join("Tt" if d is None else str(d) for d in shape) + "]"
-                    for key, shape in wanted.items()}  # fmt: skip
+    def _embedding_rows(self, request: Request, branches: int) -> tuple[int, ...]:
+        """The rows of each text a request's embeddings file gives its ``branches``, in their order
+        (``prompt_embeds``', then ``negative_prompt_embeds``' where taken), checked against the model.
+
+        Raises:
+            RequestError: a tensor missing or of another shape, a text of no rows, values no text
+                encoder gives; naming the line and the file.
+        """
         tensors = self.embeddings_file(request)
+        wanted = self._embeddings_shapes(tensors, branches)
+        expected = {key: "[" + ", ".join(map(str, shape)) + "]" for key, shape in wanted.items()}
         shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
-        fits = all(key in shapes and len(shapes[key]) == len(shape)
-                   and all(d is None or d == s for d, s in zip(shape, shapes[key], strict=True))
-                   for key, shape in wanted.items())  # fmt: skip
-        negative = shapes.get("negative_prompt_embeds")
-        if (not fits or shapes["prompt_embeds"][0] < 1  # no text token: nothing to condition on
-                or (negative is not None and "negative_prompt_embeds" in wanted
-                    and negative != shapes["prompt_embeds"])):  # fmt: skip
-            raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; this model takes "
-                               f"{expected}, Tt >= 1 (one prompt, unbatched; the negative ones of the same "
-                               "shapes)")  # fmt: skip
+        named: dict[str, set[int]] = {}  # each named size: the sizes found for it
+        fits = all(len(shapes.get(key, ())) == len(shape) for key, shape in wanted.items())
+        for key, shape in wanted.items() if fits else ():
+            for want, size in zip(shape, shapes[key], strict=True):
+                if isinstance(want, str):
+                    named.setdefault(want, set()).add(size)
+                else:
+                    fits = fits and want == size
+        rows = dict.fromkeys(d for shape in wanted.values() for d in shape if isinstance(d, str))  # in order
+        # One size per name, and a text of at least one row: with none there is nothing to condition on.
+        if not fits or any(len(sizes) != 1 or min(sizes) < 1 for sizes in named.values()):
+            raise RequestError(f"line {request.line}: embeddings {request.embeddings} hold {shapes}; this model takes "
+                               f"{expected}, {', '.join(f'{name} >= 1' for name in rows)} (one prompt, unbatched; a "
+                               "size named twice the same)")  # fmt: skip
         self.check_embedding_values(request, tensors, list(wanted))
-        return shapes["prompt_embeds"][0], shapes["prompt_embeds"][1]
+        return tuple(shapes[key][0] for key in ("prompt_embeds", "negative_prompt_embeds") if key in wanted)
 
     @torch.no_grad()
     def start(self, request: Request) -> FluxDenoising:
@@ -222,7 +267,7 @@ class FluxGenerator(Generator):
         from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
         pipe, device = self.pipeline, self.device
-        guided = self._branches(request) == 2  # true_cfg_scale 1 or below is off, as in FluxPipeline
+        guided = self._branches(request) == 2  # FLUX.1: true_cfg_scale 1 or below is off, as in FluxPipeline
         branches = [self._encode(request)]
         if guided:
             branches.append(self._encode(request, negative=True))
@@ -239,14 +284,14 @@ class FluxGenerator(Generator):
         if reference is not None:
             reference, reference_ids = reference
             shared["img_ids"] = torch.cat([shared["img_ids"], reference_ids.to(shared["img_ids"])])
-        if self.model.config["guidance_embeds"]:
+        if self.embeds_guidance:
             # The pipeline's float32 guidance, in the latents' dtype as every rank packs it (an empty
             # rank's columns are all in the model's dtype); the model casts it to that dtype anyway.
             guidance = torch.tensor(self.guidance_scale(request), dtype=torch.float32, device=device)
             shared["guidance"] = guidance.to(latents.dtype)
         branches = [{**branch, **shared} for branch in branches]
         return FluxDenoising(request, latents, scheduler, timesteps, branches,
-                             request.true_cfg_scale if guided else None, reference=reference)  # fmt: skip
+                             self.cfg_scale(request) if guided else None, reference=reference)  # fmt: skip
 
     def _reference_latents(self, request: Request, generator: torch.Generator) -> tuple[Tensor, Tensor] | None:
         """``(reference [Lr, C], ids [Lr, A])`` of the request's reference images, or ``None``."""
@@ -290,8 +335,24 @@ class FluxGenerator(Generator):
     @classmethod
     def tiny(cls, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
              config: Mapping[str, Any] | None = None) -> FluxGenerator:  # fmt: skip
-        """A tiny random generator of this family (:func:`tiny_flux_generator`)."""
-        return tiny_flux_generator(dtype, device, seed, config, family=cls.family)
+        """A tiny random generator of this pipeline (:attr:`tiny_transformer` or ``config``, and
+        :meth:`tiny_components`), the same on every rank for a ``seed``: for CPU runs, tests and
+        benchmarks without downloaded weights."""
+        import diffusers
+
+        config = dict(cls.tiny_transformer if config is None else config)
+        pipeline = getattr(diffusers, cls.pipeline_class)(**cls.tiny_components(config, seed), transformer=None)
+        torch.manual_seed(seed)
+        model = cls.spec.model_class(**config).to(device, dtype).eval()
+        return cls(pipeline.to(device, dtype), model)
+
+    @classmethod
+    def tiny_components(cls, config: Mapping[str, Any], seed: int) -> dict[str, Any]:
+        """The pipeline's tiny parts but the transformer:
+        :func:`~deepspeed_knap.models.flux.finetune.tiny_pipeline_components`."""
+        from deepspeed_knap.models.flux.finetune import tiny_pipeline_components
+
+        return tiny_pipeline_components(config, seed)
 
     @classmethod
     def load(cls, model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> FluxGenerator:
@@ -305,8 +366,17 @@ class Flux2Generator(FluxGenerator):
     ``prompt_embeds [Tt, Dj]`` alone (FLUX.2 has no pooled text)."""
 
     spec = FLUX2
+    pipeline_class = FLUX2.pipeline
+    tiny_transformer = TINY_FLUX2
     default_guidance = 4.0  # Flux2Pipeline's guidance_scale
     pipeline_embeddings = ("prompt_embeds",)
+
+    @classmethod
+    def tiny_components(cls, config: Mapping[str, Any], seed: int) -> dict[str, Any]:
+        """:func:`~deepspeed_knap.models.flux.finetune.tiny_flux2_pipeline_components`."""
+        from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components
+
+        return tiny_flux2_pipeline_components(config, seed)
 
     @classmethod
     def tiny_config(cls, heads: int, head_dim: int) -> dict[str, Any]:  # four RoPE axes of equal size
@@ -315,8 +385,9 @@ class Flux2Generator(FluxGenerator):
     @property
     def text_positions(self) -> tuple[int, str]:
         """The text encoder's positions (``Flux2Pipeline`` pads a prompt to ``max_sequence_length``
-        tokens and refuses no length; past these positions the encoder was not trained)."""
-        return self.pipeline.text_encoder.config.text_config.max_position_embeddings, "the text encoder"
+        tokens and refuses no length; past these positions the encoder was not trained). Mistral 3's
+        are its text model's, Qwen3's (FLUX.2 [klein]) its own."""
+        return self.pipeline.text_encoder.config.get_text_config().max_position_embeddings, "the text encoder"
 
     @property
     def true_cfg(self) -> bool:
@@ -374,21 +445,24 @@ class Flux2Generator(FluxGenerator):
     def position_extent(self) -> int | None:
         return None  # Flux2Pipeline's position ids are whole numbers (int64): the token ceiling bounds the size
 
-    def _embeddings_shapes(self, request: Request) -> dict[str, tuple[int | None, ...]]:
-        return {"prompt_embeds": (None, self.model.config["joint_attention_dim"])}
+    def _embeddings_shapes(self, tensors: Mapping[str, Tensor], branches: int) -> dict[str, tuple[int | str, ...]]:
+        return {"prompt_embeds": ("Tt", self.model.config["joint_attention_dim"])}
 
     def _encode(self, request: Request, negative: bool = False) -> dict[str, Tensor]:
-        """``encoder_hidden_states`` and ``txt_ids`` from ``encode_prompt``, of the prompt or of the
-        embeddings file's ``prompt_embeds``."""
-        pipe, device = self.pipeline, self.device
-        if request.prompt is not None:
-            text, text_ids = pipe.encode_prompt(prompt=request.prompt, device=device,
-                                                max_sequence_length=self.max_sequence_length(request))  # fmt: skip
-        else:
-            saved = self.embeddings_file(request)
-            text, text_ids = pipe.encode_prompt(prompt=None, device=device,
-                                                prompt_embeds=saved["prompt_embeds"][None].to(device, self.dtype))  # fmt: skip
+        """``encoder_hidden_states`` and ``txt_ids`` from the pipeline's ``encode_prompt``, of the
+        branch's text or given embeddings (:meth:`_branch_text`)."""
+        prompt, given = self._branch_text(request, negative)
+        text, text_ids = self.pipeline.encode_prompt(prompt=prompt, prompt_embeds=given, device=self.device,
+                                                     max_sequence_length=self.max_sequence_length(request))  # fmt: skip
         return {"encoder_hidden_states": text[0], "txt_ids": text_ids[0]}
+
+    def _branch_text(self, request: Request, negative: bool) -> tuple[str | None, Tensor | None]:
+        """What ``encode_prompt`` encodes for a branch: ``(prompt, None)``, or ``(None, prompt_embeds
+        [1, Tt, Dj])`` of the embeddings file on the device in the model's dtype (FLUX.2 [dev] runs
+        the conditional branch alone)."""
+        if request.prompt is not None:
+            return request.prompt, None
+        return None, self.embeddings_file(request)["prompt_embeds"][None].to(self.device, self.dtype)
 
     def _shift(self, image_tokens: int, steps: int) -> float:
         """``Flux2Pipeline``'s ``mu = compute_empirical_mu(image tokens, steps)``."""
@@ -411,23 +485,115 @@ class Flux2Generator(FluxGenerator):
         return pipe.image_processor.postprocess(image, output_type="np")[0]
 
 
+class Flux2KleinGenerator(Flux2Generator):
+    """FLUX.2 [klein] requests, around a diffusers ``Flux2KleinPipeline``: :class:`Flux2Generator`'s
+    noise, reference images, schedule and decode (the two pipelines agree there), the text through
+    the klein pipeline's ``encode_prompt`` (Qwen3's hidden states 9, 18 and 27 stacked, padded to
+    ``max_sequence_length``), and its guidance. Nothing goes into the transformer (klein's has no
+    guidance embedding): above guidance 1 a base checkpoint runs classifier-free guidance, whose
+    unconditional branch is the text ``""`` (the pipeline takes no negative prompt) padded like the
+    prompt, with the request's reference images too; a step-distilled checkpoint (``is_distilled``)
+    runs the conditional branch alone. An embeddings file holds ``prompt_embeds [Tt, Dj]`` and,
+    for the unconditional branch, optionally ``negative_prompt_embeds [Tn, Dj]`` (else ``""`` is
+    encoded), as the pipeline takes them."""
+
+    pipeline_class = "Flux2KleinPipeline"
+    tiny_transformer = TINY_FLUX2_KLEIN
+    pipeline_embeddings = ("prompt_embeds", "negative_prompt_embeds")
+
+    @classmethod
+    def tiny_components(cls, config: Mapping[str, Any], seed: int) -> dict[str, Any]:
+        """:func:`~deepspeed_knap.models.flux.finetune.tiny_flux2_klein_pipeline_components`."""
+        from deepspeed_knap.models.flux.finetune import tiny_flux2_klein_pipeline_components
+
+        return tiny_flux2_klein_pipeline_components(config, seed)
+
+    @property
+    def distilled(self) -> bool:
+        """Whether the checkpoint is step-distilled (``model_index.json``'s ``is_distilled``): its
+        pipeline then runs no guidance."""
+        return bool(self.pipeline.config.is_distilled)
+
+    def guidance_scale(self, request: Request) -> float:
+        """The request's guidance, else the pipeline's 4.0; a step-distilled checkpoint's 1.0 (it
+        guides not at all, and its pipeline warns that it ignores a scale above 1)."""
+        if self.distilled and request.guidance is None:
+            return 1.0
+        return super().guidance_scale(request)
+
+    def _branches(self, request: Request) -> int:
+        """2 where ``Flux2KleinPipeline`` runs classifier-free guidance (``guidance`` above 1 on a base
+        checkpoint), else 1.
+
+        Raises:
+            RequestError: ``negative_prompt`` or ``true_cfg_scale`` (the pipeline takes neither),
+                ``guidance`` above 1 on a step-distilled checkpoint (it would be ignored), a key no
+                FLUX.2 pipeline takes.
+        """
+        self._check_keys(request)
+        line, pipeline, scale = request.line, self.pipeline_class, self.guidance_scale(request)
+        if request.negative_prompt is not None or request.true_cfg_scale is not None:
+            raise RequestError(f"line {line}: {pipeline} guides by 'guidance' alone, its unconditional text \"\" "
+                               "(it takes no negative prompt): drop 'negative_prompt' and 'true_cfg_scale' (another "
+                               "unconditional text goes in an embeddings file's negative_prompt_embeds)")  # fmt: skip
+        if self.distilled and scale > 1:
+            raise RequestError(f"line {line}: guidance {scale}: this {pipeline} is step-distilled (is_distilled in "
+                               "model_index.json) and runs without guidance, ignoring it; drop 'guidance'")  # fmt: skip
+        return 1 if self.distilled or scale <= 1 else 2
+
+    def cfg_scale(self, request: Request) -> float:
+        """``guidance``: the klein pipeline's ``guidance_scale`` is its classifier-free guidance's."""
+        return self.guidance_scale(request)
+
+    @property
+    def embeds_guidance(self) -> bool:
+        return False  # Flux2KleinPipeline gives the transformer guidance=None
+
+    def _embeddings_shapes(self, tensors: Mapping[str, Tensor], branches: int) -> dict[str, tuple[int | str, ...]]:
+        """FLUX.2's ``prompt_embeds``; with guidance the file's ``negative_prompt_embeds`` where it
+        holds them, of any number of rows ``Tn``."""
+        shapes = super()._embeddings_shapes(tensors, branches)
+        if branches == 2 and "negative_prompt_embeds" in tensors:
+            shapes["negative_prompt_embeds"] = ("Tn", self.model.config["joint_attention_dim"])
+        return shapes
+
+    def _branch_text(self, request: Request, negative: bool) -> tuple[str | None, Tensor | None]:
+        """The conditional branch's as FLUX.2's; the unconditional one's the embeddings file's
+        ``negative_prompt_embeds [1, Tn, Dj]`` where it holds them, else the pipeline's ``""``."""
+        if not negative:
+            return super()._branch_text(request, negative)
+        saved = {} if request.embeddings is None else self.embeddings_file(request)
+        if "negative_prompt_embeds" in saved:
+            return None, saved["negative_prompt_embeds"][None].to(self.device, self.dtype)
+        return "", None
+
+    def reference_pipeline(self, transformer: nn.Module) -> Any:
+        """The klein pipeline of this generator's parts with ``transformer``, step-distilled as this
+        one is (``is_distilled`` is the pipeline's config, not a part)."""
+        return type(self.pipeline)(**{**self.pipeline.components, "transformer": transformer},
+                                   is_distilled=self.distilled)  # fmt: skip
+
+
 def _nearest(pixels: int, multiple: int) -> int:
     return max(multiple, round(pixels / multiple) * multiple)
 
 
-# The families deepspeed-knap generate runs, and their generators.
+# The families deepspeed-knap generate runs, and the generator of each one's tiny model.
 GENERATORS = {"flux": FluxGenerator, "flux2": Flux2Generator}
+# The generator of each diffusers pipeline a FLUX.1 or FLUX.2 directory may name (model_index.json).
+PIPELINE_GENERATORS = {generator.pipeline_class: generator
+                       for generator in (FluxGenerator, Flux2Generator, Flux2KleinGenerator)}  # fmt: skip
 
 
 def load_flux_generator(model_path: str | Path, dtype: torch.dtype, device: torch.device | str) -> FluxGenerator:
     """A diffusers FLUX.1 or FLUX.2 pipeline directory (``model_index.json``, ``transformer/``, text
-    encoders, VAE, scheduler) as a :class:`FluxGenerator` or :class:`Flux2Generator`, by the
-    transformer's family: the transformer packed, the rest diffusers' own (``FluxPipeline``,
-    ``Flux2Pipeline``).
+    encoders, VAE, scheduler) as the generator of the pipeline ``model_index.json`` names
+    (:data:`PIPELINE_GENERATORS`: ``FluxPipeline``, ``Flux2Pipeline``, ``Flux2KleinPipeline``) where
+    it is one of the transformer's family: the transformer packed, the rest diffusers' own.
 
     Raises:
         ValueError: the checkpoint is another family's (FLUX.3, Wan), or its pipeline
-            (``model_index.json``) is not its transformer's family's.
+            (``model_index.json``) is not one of its transformer's family's.
     """
     import diffusers
 
@@ -442,15 +608,17 @@ def load_flux_generator(model_path: str | Path, dtype: torch.dtype, device: torc
     # A transformer of one family in another's pipeline directory loads, then every request fails
     # inside the pipeline's parts (its text encoders are the other family's).
     named = json.loads((Path(model_path) / "model_index.json").read_text()).get("_class_name")
-    if named != spec.pipeline:
-        takes = {other.pipeline: other.diffusers_class for other in SPECS.values() if other.pipeline}.get(named)
+    generator = PIPELINE_GENERATORS.get(named)
+    if generator is None or generator.family != family:
+        takes = {**{other.pipeline: other.diffusers_class for other in SPECS.values() if other.pipeline},
+                 **{name: other.spec.diffusers_class for name, other in PIPELINE_GENERATORS.items()}}.get(named)  # fmt: skip
+        pipelines = " or ".join(name for name, other in PIPELINE_GENERATORS.items() if other.family == family)
         raise ValueError(f"{model_path}: its transformer is a {spec.diffusers_class} but model_index.json "
                          f"names a {named}" + (f", which takes a {takes}" if takes else "") + "; give a "
-                         f"{spec.pipeline} directory (its transformer of the same family)")  # fmt: skip
-    pipeline_class = getattr(diffusers, spec.pipeline)
-    pipeline = pipeline_class.from_pretrained(model_path, transformer=None, torch_dtype=dtype).to(device)
+                         f"{pipelines} directory (its transformer of the same family)")  # fmt: skip
+    pipeline = getattr(diffusers, named).from_pretrained(model_path, transformer=None, torch_dtype=dtype).to(device)
     model = from_pretrained(model_path, torch_dtype=dtype).to(device).eval()
-    return GENERATORS[family](pipeline, model)
+    return generator(pipeline, model)
 
 
 def tiny_flux_generator(dtype: torch.dtype, device: torch.device | str, seed: int = 0,
@@ -459,24 +627,12 @@ def tiny_flux_generator(dtype: torch.dtype, device: torch.device | str, seed: in
     :func:`~deepspeed_knap.models.flux.finetune.tiny_pipeline_components`, or with ``family="flux2"``
     a FLUX.2 (``TINY_FLUX2`` or ``config``) with
     :func:`~deepspeed_knap.models.flux.finetune.tiny_flux2_pipeline_components`, the same on every
-    rank for a ``seed``: for CPU runs, tests and benchmarks without downloaded weights.
+    rank for a ``seed`` (:meth:`FluxGenerator.tiny`; FLUX.2 [klein]'s is
+    ``Flux2KleinGenerator.tiny``): for CPU runs, tests and benchmarks without downloaded weights.
 
     Raises:
         ValueError: a family other than ``flux`` and ``flux2``.
     """
-    import diffusers
-
-    from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components, tiny_pipeline_components
-    from deepspeed_knap.models.flux.spec import TINY_FLUX
-
-    tiny = {"flux": (TINY_FLUX, tiny_pipeline_components, PackedFluxTransformer),
-            "flux2": (TINY_FLUX2, tiny_flux2_pipeline_components, PackedFlux2Transformer)}  # fmt: skip
-    if family not in tiny:
-        raise ValueError(f"family {family!r}: deepspeed-knap generate runs {sorted(tiny)}; pick one of them")
-    default, components, model_class = tiny[family]
-    config = dict(default if config is None else config)
-    pipeline_class = getattr(diffusers, model_class.spec.pipeline)
-    pipeline = pipeline_class(**components(config, seed), transformer=None).to(device, dtype)
-    torch.manual_seed(seed)
-    model = model_class(**config).to(device, dtype).eval()
-    return GENERATORS[family](pipeline, model)
+    if family not in GENERATORS:
+        raise ValueError(f"family {family!r}: deepspeed-knap generate runs {sorted(GENERATORS)}; pick one of them")
+    return GENERATORS[family].tiny(dtype, device, seed, config)

@@ -25,6 +25,9 @@ TINY_FLUX = dict(in_channels=16, num_layers=2, num_single_layers=2, attention_he
 TINY_FLUX2 = dict(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
                   joint_attention_dim=48, timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4),
                   guidance_embeds=True)  # fmt: skip
+# TINY_FLUX2 as FLUX.2 [klein]'s transformer has it: without a guidance embedding (Flux2KleinPipeline
+# guides by classifier-free guidance; finetune.tiny_flux2_klein_pipeline_components fits it).
+TINY_FLUX2_KLEIN = {**TINY_FLUX2, "guidance_embeds": False}
 
 # Every attention projection of both streams of a double-stream block, by diffusers' names (the same
 # in FLUX.1 and FLUX.2): the start of each family's default LoRA targets.

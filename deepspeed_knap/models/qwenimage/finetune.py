@@ -36,18 +36,14 @@ def tiny_qwen_image_components(config: Mapping[str, Any], seed: int = 0) -> dict
     ``latents_std`` are not 0 and 1 (so the normalisation shows), and Qwen-Image's scheduler config.
     A function of ``seed``."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     width, channels = config["joint_attention_dim"], config["in_channels"] // 4
     if config["in_channels"] % 4 or width % 16:
         raise ValueError(f"in_channels={config['in_channels']} must be 4 x the VAE's latent channels (2x2 patches) "
                          f"and joint_attention_dim={width} a multiple of 16 (the tiny text encoder's 2 heads)")  # fmt: skip
-    vocab = {token: i for i, token in enumerate([*_SPECIAL_TOKENS, "<unk>", *map(chr, range(32, 127)), "\n"])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
-                                        additional_special_tokens=list(_SPECIAL_TOKENS[1:]))  # fmt: skip
+    tokenizer = tiny_qwen_tokenizer()
+    vocab = tokenizer.get_vocab()
     torch.manual_seed(seed)
     head = width // 2
     text = dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,
@@ -67,6 +63,23 @@ def tiny_qwen_image_components(config: Mapping[str, Any], seed: int = 0) -> dict
                                  latents_std=[2.0] * channels)  # fmt: skip
     return {"scheduler": FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), "vae": vae.eval(),
             "text_encoder": text_encoder.eval(), "tokenizer": tokenizer}  # fmt: skip
+
+
+def tiny_qwen_tokenizer(chat_template: str | None = None) -> Any:
+    """A character tokenizer (printable ASCII and newline) that keeps Qwen's chat markers whole, so
+    that a pipeline's template around a prompt tokenises as written; ``<|endoftext|>`` pads. Tiny
+    Qwen-Image's, and with a ``chat_template`` (Jinja) tiny FLUX.2 [klein]'s Qwen3 one. Built locally
+    with no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate([*_SPECIAL_TOKENS, "<unk>", *map(chr, range(32, 127)), "\n"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
+                                        additional_special_tokens=list(_SPECIAL_TOKENS[1:]))  # fmt: skip
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def tiny_qwen2vl_processor(tokenizer: Any) -> Any:
