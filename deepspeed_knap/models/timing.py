@@ -49,7 +49,8 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     family = spec(model.family)
     config = dict(model.config)
     counts, factor = block_fraction(config, family.block_counts)
-    with torch.random.fork_rng(devices=[]):  # the user's seeds draw as before
+    # Built on the device: FLUX.2's seven blocks took 46 s to initialise on an H200 host's CPU.
+    with torch.random.fork_rng(devices=[]), torch.device(device):  # the user's seeds draw as before
         torch.manual_seed(0)
         copy = family.model_class(**{**config, **counts}).to(device, dtype)
     for module in copy.modules() if topology is not None else ():

@@ -214,3 +214,22 @@ def test_bad_samples_name_the_sample_and_the_problem():
         assert model.pack(samples, on_problem="carry").problem is not None
     with pytest.raises(ValueError, match=r"sample 0 has no \['timestep'\]"):
         model.forward_samples([without(good[0], "timestep")])
+
+
+def test_synthetic_samples_in_bfloat16_keep_their_grids_whole():
+    """A side of 733 tokens is not a bfloat16 number: the grids stay float32, so they count the rows."""
+    from deepspeed_knap.data.mixes import SampleShape
+    from deepspeed_knap.models.qwenimage import PackedQwenImageTransformer
+    from deepspeed_knap.models.qwenimage.data import synthetic_qwen_image_samples
+    from deepspeed_knap.models.qwenimage.spec import TINY_QWEN_IMAGE
+
+    model = PackedQwenImageTransformer(**TINY_QWEN_IMAGE).to(torch.bfloat16)
+    shape = SampleShape(text=100, visual=3 * 733 + 2 * 1871, frames=3, reference=2 * 1871)
+    (sample,) = synthetic_qwen_image_samples([shape], model.config, 0, 1.0, torch.bfloat16)
+    grids = sample["img_shapes"].long().tolist()
+    assert sample["img_shapes"].dtype == torch.float32 and sum(f * h * w for f, h, w in grids) == shape.visual
+    assert any(float(torch.tensor(float(max(g)), dtype=torch.bfloat16)) != max(g) for g in grids)  # would round
+    packed = model.pack([{"hidden_states": torch.cat([sample["latents"], sample["reference_latents"]]),
+                          "encoder_hidden_states": sample["encoder_hidden_states"], "img_shapes": sample["img_shapes"],
+                          "timestep": torch.tensor(0.5)}])  # fmt: skip
+    assert packed.seq_lens == (100 + shape.visual,)

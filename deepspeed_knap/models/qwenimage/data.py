@@ -72,7 +72,9 @@ def synthetic_qwen_image_samples(
         sample = {
             "latents": randn(image, config["in_channels"]),
             "encoder_hidden_states": randn(max(text, 1), config["joint_attention_dim"]),
-            "img_shapes": torch.tensor([(1, h, w) for h, w in grids], dtype=dtype),
+            # Whole numbers, in float32 as the preparation script writes them (bfloat16 would round
+            # a 733-token side to 732, and the grids would no longer count the latent rows).
+            "img_shapes": torch.tensor([(1, h, w) for h, w in grids], dtype=torch.float32),
         }
         if reference:
             sample[REFERENCE_KEY] = randn(reference, config["in_channels"])
