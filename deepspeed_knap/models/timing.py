@@ -49,8 +49,13 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     family = spec(model.family)
     config = dict(model.config)
     counts, factor = block_fraction(config, family.block_counts)
-    # Built on the device: FLUX.2's seven blocks took 46 s to initialise on an H200 host's CPU.
-    with torch.random.fork_rng(devices=[]), torch.device(device):  # the user's seeds draw as before
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    if cuda and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    # Built on the device: FLUX.2's seven blocks took 46 s to initialise on an H200 host's CPU. The
+    # user's seeds (this GPU's too) draw as before.
+    with torch.random.fork_rng(devices=[device.index] if cuda else []), device:
         torch.manual_seed(0)
         copy = family.model_class(**{**config, **counts}).to(device, dtype)
     for module in copy.modules() if topology is not None else ():
@@ -64,7 +69,7 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     pool = [shape for seed in range(8) for rank in sample_shapes(family.default_mix, 8, seed) for shape in rank]
     model_shape = max(pool, key=lambda shape: (shape.frames, shape.length))
     guidance = 1.0 if config.get("guidance_embeds") else None
-    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     marks: dict[str, float] = {}
 
     def mark(name: str):
