@@ -149,6 +149,7 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
     plain_config = {key: value for key, value in ds_config.items() if key != KNAPFORMER}
     check_same_deepspeed_config(plain_config)
     topology = cost_model = None
+    calibrating = False
     if knap.enabled:
         attention = [m for m in model.modules() if isinstance(m, KnapDistributedAttention)] if model is not None else []
         cost_model, views = _rank_views(knap, model, attention)
@@ -159,6 +160,8 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
         topology = _build_topology(knap, dist.get_world_size(), heads)
         for module in attention:
             module.configure(topology, knap.attention_backend)
+        # Agreed: the model's parameters and the accelerator are in the views checked above.
+        calibrating = knap.cost_model.calibrates_at_start(get_accelerator().device_name() == "cuda", _family(model))
     engine, optimizer, dataloader, lr_scheduler = deepspeed.initialize(
         args=args, model=model, config=plain_config, **kwargs
     )
@@ -166,7 +169,7 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
         set_collective_timeout(timeout)  # DeepSpeed's own groups: ZeRO-1/2 reduce gradients in one
     if topology is None:
         return engine, optimizer, dataloader, lr_scheduler, None
-    if knap.cost_model.calibrates_at_start(get_accelerator().device_name() == "cuda", _family(engine.module)):
+    if calibrating:
         settings = knap.cost_model.startup_calibration
         cost_model = calibrate_at_start(engine.module, cost_model, settings.seq_lens, settings.repeats, topology,
                                         knap.attention_backend).model  # fmt: skip

@@ -110,7 +110,9 @@ class StartupCalibration:
         times: ``[S][M]`` each rank's median seconds per length.
         speeds: ``[S]`` each rank's speed (1: the median rank's).
         scale: the fitted compute over the prior's at the longest length.
-        fit: the fit of the ranks' median times (:func:`fit_times`).
+        fit: the fit of the ranks' median times (:func:`fit_times`), and ``shape``: ``"fitted"``, or
+            ``"prior"`` where the fit put ``a`` or ``b`` at 0 and the prior's ratio of the two was
+            scaled to the times instead.
     """
 
     model: CostModel
@@ -128,7 +130,8 @@ def startup_model(
     rank: pure, and every rank calls it on the same all-gathered times).
 
     The fit is of the ranks' median times per length (the lower median: with 2 ranks the faster's;
-    :func:`fit_times`), so one slow rank does not move it. A rank's speed is the median over the
+    :func:`fit_times`), so one slow rank does not move it; where it puts ``a`` or ``b`` at 0 (the
+    lengths did not show that term), the prior's ``a : b`` is scaled to the times instead. A rank's speed is the median over the
     lengths of that median time over its own,
     called (rounded to 1/32) only when it departs from 1 by more than :data:`SPEED_MARGIN` and
     :data:`SPEED_EVIDENCE` standard errors of those ratios; else 1. The prior's all-to-all prices
@@ -150,6 +153,16 @@ def startup_model(
                          f"length; got lengths {list(seq_lens)} and times {times.tolist()}")  # fmt: skip
     median = np.sort(times, axis=0)[(len(times) - 1) // 2]  # [M] a rank's own times: the lower median
     fitted, fit = fit_times(seq_lens, median)
+    shape = "fitted"
+    if (fitted.linear_coef == 0 or fitted.quadratic_coef == 0) and prior.linear_coef > 0 and prior.quadratic_coef > 0:
+        # A coefficient at its bound: the lengths did not show it (a fixed cost hid the linear work at
+        # the short ones, on an H200 at FLUX.1's width). The prior's ratio of the two stands, scaled.
+        s = np.asarray(seq_lens, dtype=np.float64)
+        work = prior.linear_coef * s + prior.quadratic_coef * s * s
+        overhead, k = nonnegative_least_squares(np.stack([np.ones_like(s), work], axis=1), median)
+        if k > 0:
+            fitted, shape = CostModel(prior.linear_coef * k, prior.quadratic_coef * k), "prior"
+            fit = {**fit, "overhead_s": float(overhead)}
     ratios = median[None, :] / times  # [S, M]: > 1 where a rank is faster than the median rank
     speeds = []
     for row in ratios:
@@ -165,7 +178,7 @@ def startup_model(
     model = dataclasses.replace(prior, linear_coef=fitted.linear_coef, quadratic_coef=fitted.quadratic_coef, **scaled,
                                 gpu_speed=tuple(speeds) if any(speed != 1.0 for speed in speeds) else None)  # fmt: skip
     return StartupCalibration(model, tuple(int(s) for s in seq_lens), tuple(tuple(map(float, row)) for row in times),
-                              tuple(speeds), float(scale), fit)  # fmt: skip
+                              tuple(speeds), float(scale), {**fit, "shape": shape})  # fmt: skip
 
 
 # A token's round trip off its home GPU: the route and the reverse route, forward and backward.

@@ -257,7 +257,7 @@ class OnlineCostModel:
         self.route_fitted = False  # route_coef refit at least once
         self.route_evidence = 0.0  # the weight of the newest step that moved tokens (1: this step)
         self.observed = 0
-        self.speeds = [1.0] * num_gpus
+        self.speeds = list(prior.gpu_speed) if prior.gpu_speed is not None else [1.0] * num_gpus  # start-up's
         self.current = prior
         self.compute_fitted = False  # a, b, overhead and speeds refit at least once
 

@@ -37,15 +37,17 @@ def block_fraction(config: Mapping[str, Any], block_counts: tuple[str, ...]) -> 
 
 def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.dtype,
                      topology: Topology | None = None, backend: str | None = None) -> Step:  # fmt: skip
-    """``step(s)``: the seconds of forward and backward of ``model``'s block stack alone (what the
-    balancer measures as a rank's compute) on one sequence of ``s`` tokens on ``device``, timed on a
-    copy of a fraction of its blocks (:func:`block_fraction`) from the first block's forward to the
-    last's, and from the last block's backward to the first's (the embeddings, the output layer and
-    the loss left out), scaled to the model's blocks. The copy runs the attention kernel
-    ``backend`` under ``topology`` (as
-    :meth:`~deepspeed_knap.runtime.attention.KnapDistributedAttention.configure` sets the model's).
-    The sample is the family's default mix's sample of the most frames (the longest of those),
-    scaled to ``s`` tokens: its frames kept, its text and references in proportion."""
+    """``step(s)``: the seconds of forward and backward of ``model``'s blocks on one sequence of
+    ``s`` tokens on ``device``, timed on a copy of a fraction of its blocks (:func:`block_fraction`)
+    from the first module the blocks run to the last, forward and backward (:func:`_outer_leaves`),
+    scaled to the model's blocks. The embedders and the output layer, which the balancer's measured
+    compute also holds, are left out: a few percent of a real model's per-token work. The copy
+    runs the attention kernel ``backend`` under ``topology`` (as
+    :meth:`~deepspeed_knap.runtime.attention.KnapDistributedAttention.configure` sets the model's),
+    with the model's gradient checkpointing, and with its blocks' weights frozen where most of the
+    model's are (LoRA: the backward computes no weight gradient for them). The sample is the
+    family's default mix's sample of the most frames (the longest of those), scaled to ``s``
+    tokens: its frames kept, its text and references in proportion."""
     family = spec(model.family)
     config = dict(model.config)
     counts, factor = block_fraction(config, family.block_counts)
@@ -53,14 +55,20 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     cuda = device.type == "cuda"
     if cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
     # Built on the device: FLUX.2's seven blocks took 46 s to initialise on an H200 host's CPU. The
     # user's seeds (this GPU's too) draw as before.
     with torch.random.fork_rng(devices=[device.index] if cuda else []), device:
         torch.manual_seed(0)
-        copy = family.model_class(**{**config, **counts}).to(device, dtype)
+        copy = family.model_class(**{**config, **counts}, gradient_checkpointing=checkpointing).to(device, dtype)
     for module in copy.modules() if topology is not None else ():
         if isinstance(module, KnapDistributedAttention):
             module.configure(topology, backend)
+    block_parameters = [p for block in model.block_stack for p in block.parameters()]
+    frozen = sum(p.numel() for p in block_parameters if not p.requires_grad)
+    if frozen * 2 > sum(p.numel() for p in block_parameters):
+        for block in copy.block_stack:
+            block.requires_grad_(False)
     hooks = family.hooks()
     latents = hooks.synthetic_data(family.default_mix, config, 1.0, 0)
     # Attention's cost depends on a sequence's tokens, not on its layout; a video's frames keep a
@@ -71,24 +79,31 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     guidance = 1.0 if config.get("guidance_embeds") else None
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     marks: dict[str, float] = {}
+    timed: list[nn.Module] = []  # where the blocks' work starts and ends, once found
 
-    def mark(name: str):
+    def inputs_of(seq_len: int) -> Any:
+        samples = type(latents).make_samples([model_shape], config, seq_len, seq_len / model_shape.length, dtype)
+        objective = hooks.objective(samples, torch.Generator().manual_seed(seq_len), config, guidance)
+        return copy.pack(objective.samples).to(device)
+
+    def mark(name: str, first: bool):
         def hook(*_: Any) -> None:
+            if first and name in marks:  # a checkpointed block runs its forward again in the backward
+                return
             synchronize()
             marks[name] = time.perf_counter()
 
         return hook
 
-    blocks = copy.block_stack
-    blocks[0].register_forward_pre_hook(mark("forward_start"))
-    blocks[-1].register_forward_hook(mark("forward_end"))
-    blocks[-1].register_full_backward_pre_hook(mark("backward_start"))
-    blocks[0].register_full_backward_hook(mark("backward_end"))
-
     def step(seq_len: int) -> float:
-        samples = type(latents).make_samples([model_shape], config, seq_len, seq_len / model_shape.length, dtype)
-        objective = hooks.objective(samples, torch.Generator().manual_seed(seq_len), config, guidance)
-        inputs = copy.pack(objective.samples).to(device)
+        inputs = inputs_of(seq_len)
+        if not timed:
+            starts, ends = _outer_leaves(copy, inputs)
+            starts[0].register_forward_pre_hook(mark("forward_start", first=True))
+            ends[0].register_forward_hook(mark("forward_end", first=True))
+            starts[1].register_full_backward_pre_hook(mark("backward_start", first=True))
+            ends[1].register_full_backward_hook(mark("backward_end", first=False))
+            timed.extend((*starts, *ends))
         marks.clear()
         copy(inputs, None).float().square().mean().backward()
         copy.zero_grad(set_to_none=True)
@@ -97,3 +112,39 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
         return (forward + backward) * factor
 
     return step
+
+
+def _outer_leaves(model: nn.Module, inputs: Any) -> tuple[tuple[nn.Module, nn.Module], tuple[nn.Module, nn.Module]]:
+    """Where the blocks' work starts and ends, forward and backward: ``((first module called,
+    first module whose backward starts), (last module to return, last module whose backward
+    ends))``, of the modules without children in ``model.block_stack``, whether the model calls its
+    blocks as modules or, as FLUX.3 does, calls their parts from functions of its own (a double-stream
+    model's last text modules run forward but get no gradient). One forward and backward of
+    ``inputs``, untimed."""
+    forward: list[nn.Module] = []
+    backward_starts: list[nn.Module] = []
+    backward_ends: list[nn.Module] = []
+    recording = [True]  # forward calls only until the backward (a checkpointed block runs again there)
+    leaves = [module for block in model.block_stack for module in block.modules() if not list(module.children())]
+    handles = []
+    for leaf in leaves:
+        handles += [
+            leaf.register_forward_hook(lambda module, *_: forward.append(module) if recording[0] else None),
+            leaf.register_full_backward_pre_hook(lambda module, _: backward_starts.append(module)),
+            leaf.register_full_backward_hook(lambda module, *_: backward_ends.append(module)),
+        ]
+    first_called: list[nn.Module] = []
+    handles += [leaf.register_forward_pre_hook(lambda module, _: first_called.append(module) if recording[0] and
+                                               not first_called else None) for leaf in leaves]  # fmt: skip
+    try:
+        loss = model(inputs, None).float().square().mean()
+        recording[0] = False
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not forward or not backward_starts:
+        raise ValueError(f"a forward and backward of the {type(model).__name__} ran none of its blocks' modules: "
+                         "nothing to time")  # fmt: skip
+    return (first_called[0], backward_starts[0]), (forward[-1], backward_ends[-1])

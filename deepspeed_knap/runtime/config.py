@@ -118,6 +118,13 @@ class KnapStartupCalibrationConfig(_KnapConfigModel):
     repeats: int = Field(2, ge=1, le=20)
     """Timed runs per length (the median counts), after one warm-up run."""
 
+    @field_validator("seq_lens", mode="before")
+    @classmethod
+    def _no_bool_lengths(cls, value: Any) -> Any:
+        if isinstance(value, list) and any(isinstance(length, bool) for length in value):
+            raise ValueError(f"seq_lens {value}: a length is a number, not a boolean")
+        return value
+
     @field_validator("seq_lens")
     @classmethod
     def _lengths(cls, value: list[int]) -> list[int]:

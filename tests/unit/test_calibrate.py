@@ -160,3 +160,56 @@ def test_startup_calibration_config_and_when_auto_turns_it_on():
                          ({"repeats": 0}, "repeats"), ({"lengths": [1]}, "lengths")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             read({"startup_calibration": bad})
+
+
+def test_block_fraction_scales_a_copy_of_whole_ratios():
+    from deepspeed_knap.models.timing import block_fraction
+
+    keys = ("num_layers", "num_single_layers")
+    assert block_fraction({"num_layers": 19, "num_single_layers": 38}, keys) == (
+        {"num_layers": 1, "num_single_layers": 2},
+        19.0,
+    )
+    assert block_fraction({"num_layers": 8, "num_single_layers": 48}, keys) == (
+        {"num_layers": 1, "num_single_layers": 6},
+        8.0,
+    )
+    assert block_fraction({"num_layers": 40}, ("num_layers",)) == ({"num_layers": 1}, 40.0)
+    with pytest.raises(ValueError, match="gives no blocks"):
+        block_fraction({"num_layers": 0}, ("num_layers",))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_every_family_s_blocks_are_timed_with_and_without_checkpointing(checkpointing):
+    """The start-up timer runs every registered family's tiny model (FLUX.3 calls its blocks' parts
+    from functions, a double-stream model's last text modules get no gradient), with its gradient
+    checkpointing; the seconds are positive and grow with the length."""
+    import torch
+
+    from deepspeed_knap.cost.calibrate import time_lengths
+    from deepspeed_knap.models.registry import family_names, spec
+    from deepspeed_knap.models.timing import model_step_timer
+
+    for family in family_names():
+        model = spec(family).model_class(**spec(family).tiny_config, gradient_checkpointing=checkpointing)
+        times = time_lengths(model_step_timer(model, "cpu", torch.float32), [128, 1024], 1, progress=False)
+        assert 0 < times[0] < times[1], (family, times)
+
+
+def test_a_term_the_lengths_do_not_show_keeps_the_prior_s_ratio_scaled():
+    """H200 (run17), Qwen-Image's block stack at 1k-8k tokens: a fixed cost hid the linear work, and
+    the free fit put a at 0. Then the prior's a : b stands, scaled to the times."""
+    import numpy as np
+
+    from deepspeed_knap.cost.calibrate import fit_times, startup_model
+    from deepspeed_knap.cost.model import CostModel
+
+    times = [0.463, 0.427, 0.711, 1.502]
+    assert fit_times(SEQ_LENS, times)[0].linear_coef == 0
+    result = startup_model(CostModel(1e-6, 1e-10), SEQ_LENS, [times, times])
+    assert result.fit["shape"] == "prior"
+    assert result.model.linear_coef / result.model.quadratic_coef == pytest.approx(1e4)
+    s = np.asarray(SEQ_LENS, dtype=float)
+    predicted = result.fit["overhead_s"] + result.model.linear_coef * s + result.model.quadratic_coef * s * s
+    assert np.abs(predicted - np.asarray(times)).max() < 0.1
+    assert startup_model(CostModel(1e-6, 1e-10), SEQ_LENS, _times(SEQ_LENS, 4e-5, 3e-9, 0.2)).fit["shape"] == "fitted"
