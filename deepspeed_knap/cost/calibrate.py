@@ -103,9 +103,11 @@ class StartupCalibration:
     """What the ranks' timings at start-up gave (:func:`startup_model`).
 
     Attributes:
-        model: the prior with the fitted ``a``, ``b``, its all-to-all and per-sequence prices scaled
-            as the compute was, and ``gpu_speed`` where a rank was shown off the others (the fitted
-            overhead left out, as a calibration file's: every busy GPU pays it).
+        model: the prior with the fitted ``a``, ``b`` and ``overhead_s`` (the seconds a step costs
+            whatever its tokens: kernel launches, which dominate short steps on a GPU; every GPU pays
+            it, so with equal speeds it moves no plan, but the modeled seconds match the measured),
+            its all-to-all and per-sequence prices scaled as the compute was, and ``gpu_speed``
+            where a rank was shown off the others.
         seq_lens: ``[M]`` the lengths timed.
         times: ``[S][M]`` each rank's median seconds per length.
         speeds: ``[S]`` each rank's speed (1: the median rank's).
@@ -176,6 +178,7 @@ def startup_model(
     scaled = {name: getattr(prior, name) * scale for name in ("alltoall_coef", "inter_node_alltoall_coef",
                                                               "sequence_coef") if getattr(prior, name) is not None}  # fmt: skip
     model = dataclasses.replace(prior, linear_coef=fitted.linear_coef, quadratic_coef=fitted.quadratic_coef, **scaled,
+                                overhead_s=fit["overhead_s"],
                                 gpu_speed=tuple(speeds) if any(speed != 1.0 for speed in speeds) else None)  # fmt: skip
     return StartupCalibration(model, tuple(int(s) for s in seq_lens), tuple(tuple(map(float, row)) for row in times),
                               tuple(speeds), float(scale), {**fit, "shape": shape})  # fmt: skip

@@ -37,12 +37,11 @@ def block_fraction(config: Mapping[str, Any], block_counts: tuple[str, ...]) -> 
 
 def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.dtype,
                      topology: Topology | None = None, backend: str | None = None) -> Step:  # fmt: skip
-    """``step(s)``: the seconds of forward and backward of ``model``'s blocks on one sequence of
-    ``s`` tokens on ``device``, timed on a copy of a fraction of its blocks (:func:`block_fraction`)
-    from the first module the blocks run to the last, forward and backward (:func:`_outer_leaves`),
-    scaled to the model's blocks. The embedders and the output layer, which the balancer's measured
-    compute also holds, are left out: a few percent of a real model's per-token work. The copy
-    runs the attention kernel ``backend`` under ``topology`` (as
+    """``step(s)``: the seconds of forward and backward of ``model`` on one sequence of ``s``
+    tokens on ``device`` (what the balancer measures as a rank's compute), timed on a copy of a
+    fraction of its blocks (:func:`block_fraction`): the copy's whole forward and backward, plus its
+    blocks' share (from the first module the blocks run to the last, forward and backward:
+    :func:`_outer_leaves`) times the blocks it lacks. The copy runs the attention kernel ``backend`` under ``topology`` (as
     :meth:`~deepspeed_knap.runtime.attention.KnapDistributedAttention.configure` sets the model's),
     with the model's gradient checkpointing, and with its blocks' weights frozen where most of the
     model's are (LoRA: the backward computes no weight gradient for them). The sample is the
@@ -105,11 +104,14 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
             ends[1].register_full_backward_hook(mark("backward_end", first=False))
             timed.extend((*starts, *ends))
         marks.clear()
+        synchronize()
+        start = time.perf_counter()
         copy(inputs, None).float().square().mean().backward()
+        synchronize()
+        whole = time.perf_counter() - start
         copy.zero_grad(set_to_none=True)
-        forward = marks["forward_end"] - marks["forward_start"]
-        backward = marks["backward_end"] - marks["backward_start"]
-        return (forward + backward) * factor
+        blocks = (marks["forward_end"] - marks["forward_start"]) + (marks["backward_end"] - marks["backward_start"])
+        return whole + (factor - 1) * blocks
 
     return step
 
