@@ -754,21 +754,14 @@ def test_generate_command_with_a_tiny_flux2_writes_what_flux2_pipeline_draws_and
     assert reasons[2] == "line 5: max_sequence_length 600 is over the text encoder's 512 that Flux2Pipeline takes"
 
 
-def test_generate_command_loads_a_flux2_pipeline_directory_by_its_transformer_family(tmp_path):
-    """``--model-path`` of a saved Flux2Pipeline: the checkpoint's family picks Flux2Pipeline and the
-    packed FLUX.2 transformer, and the image equals the loaded pipeline's."""
-    from diffusers import Flux2Pipeline, Flux2Transformer2DModel
+def _command_equals_saved_pipeline(tmp_path, pipeline_class, **options) -> None:
+    """``generate --model-path tmp_path/model`` (float64) of one request writes the PNG the saved
+    pipeline, loaded as ``pipeline_class``, gives for it alone (with ``options``)."""
     from PIL import Image
 
     from deepspeed_knap.cli import main
-    from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components
-    from deepspeed_knap.models.flux.spec import TINY_FLUX2
 
-    torch.manual_seed(1)
-    saved = Flux2Pipeline(**tiny_flux2_pipeline_components(TINY_FLUX2, 5),
-                          transformer=Flux2Transformer2DModel(**TINY_FLUX2))  # fmt: skip
-    saved.save_pretrained(tmp_path / "model")
-    pipe = Flux2Pipeline.from_pretrained(tmp_path / "model", torch_dtype=torch.float64)
+    pipe = pipeline_class.from_pretrained(tmp_path / "model", torch_dtype=torch.float64)
     pipe.set_progress_bar_config(disable=True)
     request = {"id": "a", "prompt": "a boat", "height": 24, "width": 16, "steps": 3, "seed": 9, "max_sequence_length": 8}  # fmt: skip
     (tmp_path / "requests.jsonl").write_text(json.dumps(request) + "\n")
@@ -776,8 +769,23 @@ def test_generate_command_loads_a_flux2_pipeline_directory_by_its_transformer_fa
                  "--dtype", "float64", "--out", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
     assert code == 0
     expected = pipe(prompt="a boat", height=24, width=16, num_inference_steps=3, max_sequence_length=8,
-                    generator=torch.Generator().manual_seed(9)).images[0]  # fmt: skip
+                    generator=torch.Generator().manual_seed(9), **options).images[0]  # fmt: skip
     assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / "a.png")), np.asarray(expected))
+
+
+def test_generate_command_loads_a_flux2_pipeline_directory_by_its_transformer_family(tmp_path):
+    """``--model-path`` of a saved Flux2Pipeline: the checkpoint's family picks Flux2Pipeline and the
+    packed FLUX.2 transformer, and the image equals the loaded pipeline's."""
+    from diffusers import Flux2Pipeline, Flux2Transformer2DModel
+
+    from deepspeed_knap.models.flux.finetune import tiny_flux2_pipeline_components
+    from deepspeed_knap.models.flux.spec import TINY_FLUX2
+
+    torch.manual_seed(1)
+    saved = Flux2Pipeline(**tiny_flux2_pipeline_components(TINY_FLUX2, 5),
+                          transformer=Flux2Transformer2DModel(**TINY_FLUX2))  # fmt: skip
+    saved.save_pretrained(tmp_path / "model")
+    _command_equals_saved_pipeline(tmp_path, Flux2Pipeline)
 
 
 def _klein_parts(seed: int, ours):
@@ -869,9 +877,7 @@ def test_generate_command_loads_a_flux2_klein_pipeline_directory_as_its_generato
     """``--model-path`` of a saved (step-distilled) Flux2KleinPipeline: model_index.json's pipeline
     picks the klein generator for the FLUX.2 transformer, and the image equals the loaded pipeline's."""
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
-    from PIL import Image
 
-    from deepspeed_knap.cli import main
     from deepspeed_knap.models.flux.finetune import tiny_flux2_klein_pipeline_components
     from deepspeed_knap.models.flux.generate import Flux2KleinGenerator, load_flux_generator
     from deepspeed_knap.models.flux.spec import TINY_FLUX2_KLEIN
@@ -882,16 +888,7 @@ def test_generate_command_loads_a_flux2_klein_pipeline_directory_as_its_generato
     saved.save_pretrained(tmp_path / "model")
     loaded = load_flux_generator(tmp_path / "model", torch.float32, "cpu")
     assert type(loaded) is Flux2KleinGenerator and loaded.distilled
-    pipe = Flux2KleinPipeline.from_pretrained(tmp_path / "model", torch_dtype=torch.float64)
-    pipe.set_progress_bar_config(disable=True)
-    request = {"id": "a", "prompt": "a boat", "height": 24, "width": 16, "steps": 3, "seed": 9, "max_sequence_length": 8}  # fmt: skip
-    (tmp_path / "requests.jsonl").write_text(json.dumps(request) + "\n")
-    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--model-path", str(tmp_path / "model"),
-                 "--dtype", "float64", "--out", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
-    assert code == 0
-    expected = pipe(prompt="a boat", height=24, width=16, num_inference_steps=3, max_sequence_length=8,
-                    guidance_scale=1.0, generator=torch.Generator().manual_seed(9)).images[0]  # fmt: skip
-    assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / "a.png")), np.asarray(expected))
+    _command_equals_saved_pipeline(tmp_path, Flux2KleinPipeline, guidance_scale=1.0)
 
 
 def test_generate_command_takes_family_with_tiny_only(tmp_path, capsys):
