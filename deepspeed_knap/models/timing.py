@@ -41,7 +41,8 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     tokens on ``device`` (what the balancer measures as a rank's compute), timed on a copy of a
     fraction of its blocks (:func:`block_fraction`): the copy's whole forward and backward, plus its
     blocks' share (from the first module the blocks run to the last, forward and backward:
-    :func:`_outer_leaves`) times the blocks it lacks. The copy runs the attention kernel ``backend`` under ``topology`` (as
+    :func:`_outer_leaves`) times the blocks it lacks. The copy runs the attention kernel
+    ``backend`` under ``topology`` (as
     :meth:`~deepspeed_knap.runtime.attention.KnapDistributedAttention.configure` sets the model's),
     with the model's gradient checkpointing, and with its blocks' weights frozen where most of the
     model's are (LoRA: the backward computes no weight gradient for them). The sample is the
@@ -63,9 +64,8 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     for module in copy.modules() if topology is not None else ():
         if isinstance(module, KnapDistributedAttention):
             module.configure(topology, backend)
-    block_parameters = [p for block in model.block_stack for p in block.parameters()]
-    frozen = sum(p.numel() for p in block_parameters if not p.requires_grad)
-    if frozen * 2 > sum(p.numel() for p in block_parameters):
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for b in model.block_stack for p in b.parameters()]
+    if 2 * sum(size for size, trained in sizes if not trained) > sum(size for size, _ in sizes):  # ZeRO-3: ds_numel
         for block in copy.block_stack:
             block.requires_grad_(False)
     hooks = family.hooks()
