@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
+from tests.support.generation import check_outputs_and_records
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -100,46 +101,17 @@ def references():
 def _generate(rank: int, world: int, path: str, budget: int) -> dict:
     """The request file through ``generate`` on a balancer whose cost model splits sequences over
     groups (attention only, free all-to-alls); the group sizes the plans used."""
-    from deepspeed_knap.cost.model import CostModel
-    from deepspeed_knap.generation.runner import generate, generation_balancer
     from deepspeed_knap.models.generators import tiny_generator
     from tests.support.balancing import join_gloo
+    from tests.support.generation import generate_recording_groups
 
     join_gloo(rank)
-    generator = tiny_generator("flux3", torch.float64, "cpu", seed=0)
-    balancer = generation_balancer(generator.model, max_tokens_per_gpu=budget,
-                                   cost_model=CostModel(linear_coef=0.0, quadratic_coef=1.0))  # fmt: skip
-    sizes, begin_step = set(), balancer.begin_step
-
-    def recording_begin_step(request_set, plan, seq_lens_per_rank):
-        sizes.update(int(size) for size in plan.seq_group_size)
-        begin_step(request_set, plan, seq_lens_per_rank)
-
-    balancer.begin_step = recording_begin_step
-    images = {}
-    report = generate(path, generator, balancer, progress=False,
-                      on_image=lambda r, image: images.__setitem__(r.id, image))  # fmt: skip
-    return {"images": images, "records": report.requests, "refused": report.refused, "group_sizes": sorted(sizes)}
+    return generate_recording_groups(path, tiny_generator("flux3", torch.float64, "cpu", seed=0), budget)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_image_equals_the_modular_pipeline_alone_with_joins_and_leaves(request_file, references, world):
     results = run_distributed(_generate, world, args=(str(request_file), BUDGET // world), timeout=300)
-    assert all(result["refused"] == [] for result in results)
+    check_outputs_and_records(results, references, REQUESTS, SEQ_LENS, world)
     images = {name: image for result in results for name, image in result["images"].items()}
-    assert sorted(images) == sorted(r["id"] for r in REQUESTS)
-    for name, image in images.items():
-        assert image.shape == references[name].shape, name
-        assert np.abs(image - references[name]).max() < 1e-6, (name, np.abs(image - references[name]).max())
     assert images["edit"].shape == (24, 40, 3)  # sized by its reference's canvas, cropped back to it
-    records = {r["id"]: r for result in results for r in result["records"]}
-    for rank, result in enumerate(results):  # each decoded where its record is (home or not)
-        assert {r["decoded_on"] for r in result["records"]} <= {rank}
-    for index, request in enumerate(REQUESTS):  # on its home rank, its own steps in a row, its tokens counted
-        record = records[request["id"]]
-        assert record["home"] == index % world
-        assert record["last_step"] - record["first_step"] + 1 == request["steps"]
-        assert record["tokens"] == sum(SEQ_LENS[request["id"]]), request["id"]
-    assert max(r["first_step"] for r in records.values()) > 0  # some joined after the start
-    assert len({r["last_step"] for r in records.values()}) > 2  # and they left at several steps
-    assert max(size for result in results for size in result["group_sizes"]) > 1  # sequences split over groups
