@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
+from tests.support.generation import reference_image, write_reference_images
 
 pytest.importorskip("diffusers")
 
@@ -115,14 +116,8 @@ def _tiny(family: str):
     return tiny_generator(family, torch.float64, "cpu", seed=0)
 
 
-def _write_images(directory) -> None:
-    """The reference images the FLUX.2 edits name (:func:`_reference_image`)."""
-    for name in REFERENCE_IMAGES:
-        _reference_image(name).save(directory / name)
-
-
 def _write_requests(path, requests) -> str:
-    _write_images(path.parent)
+    write_reference_images(path.parent, REFERENCE_IMAGES)
     path.write_text("".join(json.dumps({"max_sequence_length": TEXT_TOKENS, **r}) + "\n" for r in requests))
     return str(path)
 
@@ -274,7 +269,7 @@ def _references(family: str) -> dict:
         options.update({key: r[key] for key in ("negative_prompt", "true_cfg_scale") if key in r})
         if "image" in r:
             names = [r["image"]] if isinstance(r["image"], str) else r["image"]
-            options["image"] = [_reference_image(name) for name in names]
+            options["image"] = [reference_image(REFERENCE_IMAGES, name) for name in names]
         if "frames" in r:
             options["num_frames"] = r["frames"]
         output = pipe(prompt=r["prompt"], height=r["height"], width=r["width"], num_inference_steps=r["steps"],
@@ -283,15 +278,6 @@ def _references(family: str) -> dict:
                       output_type="np", **options)  # fmt: skip
         images[r["id"]] = output.frames[0] if family == "wan" else output.images[0]
     return images
-
-
-def _reference_image(name: str):
-    """A reference image of :data:`REFERENCE_IMAGES`, the same pixels wherever made."""
-    from PIL import Image
-
-    height, width = REFERENCE_IMAGES[name]
-    rng = np.random.default_rng(list(REFERENCE_IMAGES).index(name))
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 def _check_images(results, references, expected_ids):

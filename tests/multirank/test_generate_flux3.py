@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.generation import check_outputs_and_records
+from tests.support.generation import check_outputs_and_records, reference_image, write_reference_images
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -49,19 +48,10 @@ SEQ_LENS = {"wide": (176, 176), "small": (96,), "tall": (208, 208), "long": (196
 BUDGET = 1280
 
 
-def _reference_image(name: str):
-    from PIL import Image
-
-    height, width = REFERENCE_IMAGES[name]
-    rng = np.random.default_rng(list(REFERENCE_IMAGES).index(name))
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 @pytest.fixture(scope="module")
 def request_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("flux3_generate")
-    for name in REFERENCE_IMAGES:
-        _reference_image(name).save(d / name)
+    write_reference_images(d, REFERENCE_IMAGES)
     (d / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
     return d / "requests.jsonl"
 
@@ -92,7 +82,7 @@ def references():
         options = {key: r[key] for key in ("height", "width", "negative_prompt") if key in r}
         if "image" in r:
             names = [r["image"]] if isinstance(r["image"], str) else r["image"]
-            options["image"] = [_reference_image(name) for name in names]
+            options["image"] = [reference_image(REFERENCE_IMAGES, name) for name in names]
         images[r["id"]] = pipe(prompt=r["prompt"], num_inference_steps=r["steps"], output_type="np", output="images",
                                generator=torch.Generator().manual_seed(r["seed"]), **options)[0]  # fmt: skip
     return images

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.generation import check_outputs_and_records
+from tests.support.generation import check_outputs_and_records, reference_image, write_reference_images
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -52,14 +51,6 @@ BUDGET = 1400
 ZERO_COND_T = {2: False, 4: True}  # Edit-2509's transformer on 2 ranks, Edit-2511's on 4
 
 
-def _reference_image(name: str):
-    from PIL import Image
-
-    height, width = REFERENCE_IMAGES[name]
-    rng = np.random.default_rng(list(REFERENCE_IMAGES).index(name))
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 def _shrink(module) -> None:
     module.CONDITION_IMAGE_SIZE, module.VAE_IMAGE_SIZE = CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE
 
@@ -75,8 +66,7 @@ def _tiny(zero_cond_t: bool):
 @pytest.fixture(scope="module")
 def request_file(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen_edit_generate")
-    for name in REFERENCE_IMAGES:
-        _reference_image(name).save(directory / name)
+    write_reference_images(directory, REFERENCE_IMAGES)
     (directory / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
     return directory / "requests.jsonl"
 
@@ -106,7 +96,7 @@ def references():
             for r in REQUESTS:
                 names = [r["image"]] if isinstance(r["image"], str) else r["image"]
                 options = {key: r[key] for key in ("negative_prompt", "true_cfg_scale") if key in r}
-                output = pipe(image=[_reference_image(name) for name in names], prompt=r["prompt"], height=r["height"],
+                output = pipe(image=[reference_image(REFERENCE_IMAGES, name) for name in names], prompt=r["prompt"], height=r["height"],
                               width=r["width"], num_inference_steps=r["steps"], output_type="np",
                               generator=torch.Generator().manual_seed(r["seed"]), **options)  # fmt: skip
                 images[zero_cond_t][r["id"]] = output.images[0]

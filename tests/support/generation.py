@@ -9,6 +9,23 @@ from typing import Any
 import numpy as np
 
 
+def reference_image(sizes: Mapping[str, tuple[int, int]], name: str) -> Any:
+    """The ``PIL.Image`` ``name`` of ``sizes`` (file name -> ``(height, width)`` px): random pixels
+    seeded by its place in ``sizes``, the same wherever made (the file a rank reads, the image given
+    to the pipeline)."""
+    from PIL import Image
+
+    height, width = sizes[name]
+    rng = np.random.default_rng(list(sizes).index(name))
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def write_reference_images(directory: Any, sizes: Mapping[str, tuple[int, int]]) -> None:
+    """Every image of ``sizes`` (:func:`reference_image`) saved in ``directory`` by its name."""
+    for name in sizes:
+        reference_image(sizes, name).save(directory / name)
+
+
 def generate_recording_groups(path: str, generator: Any, budget: int) -> dict:
     """``path`` through ``generate`` on a balancer whose cost model splits sequences over groups
     (attention only, free all-to-alls): this rank's images, records and refusals, and the group sizes
