@@ -108,8 +108,6 @@ class StartupCalibration:
             it, so with equal speeds it moves no plan, but the modeled seconds match the measured),
             its all-to-all and per-sequence prices scaled as the compute was, and ``gpu_speed``
             where a rank was shown off the others.
-        seq_lens: ``[M]`` the lengths timed.
-        times: ``[S][M]`` each rank's median seconds per length.
         speeds: ``[S]`` each rank's speed (1: the median rank's).
         scale: the fitted compute over the prior's at the longest length.
         fit: the fit of the ranks' median times (:func:`fit_times`), and ``shape``: ``"fitted"``, or
@@ -118,8 +116,6 @@ class StartupCalibration:
     """
 
     model: CostModel
-    seq_lens: tuple[int, ...]
-    times: tuple[tuple[float, ...], ...]
     speeds: tuple[float, ...]
     scale: float
     fit: dict[str, float]
@@ -180,8 +176,7 @@ def startup_model(
     model = dataclasses.replace(prior, linear_coef=fitted.linear_coef, quadratic_coef=fitted.quadratic_coef, **scaled,
                                 overhead_s=fit["overhead_s"],
                                 gpu_speed=tuple(speeds) if any(speed != 1.0 for speed in speeds) else None)  # fmt: skip
-    return StartupCalibration(model, tuple(int(s) for s in seq_lens), tuple(tuple(map(float, row)) for row in times),
-                              tuple(speeds), float(scale), {**fit, "shape": shape})  # fmt: skip
+    return StartupCalibration(model, tuple(speeds), float(scale), {**fit, "shape": shape})
 
 
 # A token's round trip off its home GPU: the route and the reverse route, forward and backward.
