@@ -123,7 +123,8 @@ def _outer_leaves(model: nn.Module, inputs: Any) -> tuple[tuple[nn.Module, nn.Mo
     blocks as modules or, as FLUX.3 does, calls their parts from functions of its own (a double-stream
     model's last text modules run forward but get no gradient). One forward and backward of
     ``inputs``, untimed."""
-    forward: list[nn.Module] = []
+    called: list[nn.Module] = []
+    returned: list[nn.Module] = []
     backward_starts: list[nn.Module] = []
     backward_ends: list[nn.Module] = []
     recording = [True]  # forward calls only until the backward (a checkpointed block runs again there)
@@ -131,13 +132,11 @@ def _outer_leaves(model: nn.Module, inputs: Any) -> tuple[tuple[nn.Module, nn.Mo
     handles = []
     for leaf in leaves:
         handles += [
-            leaf.register_forward_hook(lambda module, *_: forward.append(module) if recording[0] else None),
+            leaf.register_forward_pre_hook(lambda module, _: called.append(module) if recording[0] else None),
+            leaf.register_forward_hook(lambda module, *_: returned.append(module) if recording[0] else None),
             leaf.register_full_backward_pre_hook(lambda module, _: backward_starts.append(module)),
             leaf.register_full_backward_hook(lambda module, *_: backward_ends.append(module)),
         ]
-    first_called: list[nn.Module] = []
-    handles += [leaf.register_forward_pre_hook(lambda module, _: first_called.append(module) if recording[0] and
-                                               not first_called else None) for leaf in leaves]  # fmt: skip
     try:
         loss = model(inputs, None).float().square().mean()
         recording[0] = False
@@ -146,7 +145,7 @@ def _outer_leaves(model: nn.Module, inputs: Any) -> tuple[tuple[nn.Module, nn.Mo
     finally:
         for handle in handles:
             handle.remove()
-    if not forward or not backward_starts:
+    if not called or not backward_starts:
         raise ValueError(f"a forward and backward of the {type(model).__name__} ran none of its blocks' modules: "
                          "nothing to time")  # fmt: skip
-    return (first_called[0], backward_starts[0]), (forward[-1], backward_ends[-1])
+    return (called[0], backward_starts[0]), (returned[-1], backward_ends[-1])
