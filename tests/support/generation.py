@@ -48,17 +48,24 @@ def generate_recording_groups(path: str, generator: Any, budget: int) -> dict:
     return {"images": images, "records": report.requests, "refused": report.refused, "group_sizes": sorted(sizes)}
 
 
+def check_images(results: Sequence[dict], references: Mapping[str, np.ndarray], expected_ids: Sequence[str]) -> None:
+    """The ranks' images (``result["images"]``, by id) are exactly ``expected_ids``, each equal to its
+    reference within 1e-6."""
+    images = {name: image for result in results for name, image in result["images"].items()}
+    assert sorted(images) == sorted(expected_ids)
+    for name in expected_ids:
+        assert images[name].shape == references[name].shape, name
+        difference = np.abs(images[name] - references[name]).max()
+        assert difference < 1e-6, (name, difference)
+
+
 def check_outputs_and_records(results: Sequence[dict], references: Mapping[str, np.ndarray],
                               requests: Sequence[dict], seq_lens: Mapping[str, Sequence[int]], world: int) -> None:  # fmt: skip
     """Every request's output equals its reference (1e-6), decoded where its record is; each ran on
     its home rank (line ``i`` on rank ``i % world``) its own steps in a row, its tokens counted; some
     joined after the start and they left at several steps; sequences were split over groups."""
     assert all(result["refused"] == [] for result in results)
-    images = {name: image for result in results for name, image in result["images"].items()}
-    assert sorted(images) == sorted(r["id"] for r in requests)
-    for name, image in images.items():
-        assert image.shape == references[name].shape, name
-        assert np.abs(image - references[name]).max() < 1e-6, (name, np.abs(image - references[name]).max())
+    check_images(results, references, [r["id"] for r in requests])
     records = {r["id"]: r for result in results for r in result["records"]}
     for rank, result in enumerate(results):
         assert {r["decoded_on"] for r in result["records"]} <= {rank}
