@@ -97,7 +97,7 @@ def ds_config(mode: str, topology: str, world: int, cost_model: dict, online: bo
     mode, _, own_topology = mode.partition("@")
     topology = {"off": f"g1n{world}", "auto": "auto"}.get(mode, own_topology or topology)
     solver = {"off": "none", "knapformer": "knapformer"}.get(mode, "refine")
-    refit = {"online": {"warmup_steps": 2}} if online and mode in ("refine", "auto") else {}
+    refit = {"online": True} if online and mode in ("refine", "auto") else {}
     knap = {"enabled": True, "topology": topology, "solver": solver, "attention_backend": "auto",
             "cost_model": {**cost_model, **refit}, "log_interval": 0}  # fmt: skip
     return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,

@@ -131,6 +131,13 @@ _SPEED_GRID = 32
 # A rank's speed departs from the median rank's only beyond this many standard errors (module
 # docstring): 3, so that equal ranks are called unequal about once in 400.
 EVIDENCE = 3.0
+# The prior of a step's relative scatter about its rank's speed (variance, as 10% per step), worth
+# PRIOR_SCATTER_DOF degrees of freedom of measured scatter: the measured scatter is weighed with it
+# (the conjugate update of a normal variance) instead of standing alone, so that the first refits,
+# whose few steps estimate it badly, test a speed against a scatter known at least this well (module
+# docstring). 10%: twice the timer noise of 2 CPU ranks (5%), so the prior errs towards not calling.
+PRIOR_SCATTER = 0.1**2
+PRIOR_SCATTER_DOF = 4.0
 # A fixed overhead is planned with only beyond this many: a false one costs more than a missed one
 # (it takes its share from the per-token terms, so moving work looks cheaper to skip than it is,
 # where a missed overhead is folded into a and b and changes a plan of equal speeds little).
@@ -179,7 +186,7 @@ class OnlineSettings:
             (module docstring); off: the prior's are kept.
     """
 
-    warmup_steps: int = 5
+    warmup_steps: int = 1
     forgetting: float = 0.9
     refit_interval: int = 1
     max_speed_ratio: float = 4.0
@@ -476,12 +483,11 @@ class OnlineCostModel:
         for g in busy:
             fits[g] = self._speed_fit(self.sums[g], coef)
         known = [fit for fit in fits if fit is not None]
-        # The relative scatter per step, pooled over the GPUs (a rank's own few steps estimate it
-        # badly), or a rank's own where larger (one stalled step is that rank's scatter, not all's).
-        dof = sum(steps - 1 for _, _, steps in known)
-        if dof <= 0:  # no degree of freedom: no scatter known, no evidence
-            return [1.0] * self.num_gpus
-        pooled = sum(scatter * (steps - 1) for _, scatter, steps in known) / dof
+        # The relative scatter per step, pooled over the GPUs and weighed with the prior's (a rank's
+        # own few steps estimate it badly), or a rank's own where larger (one stalled step is that
+        # rank's scatter, not all's).
+        dof = PRIOR_SCATTER_DOF + sum(steps - 1 for _, _, steps in known)
+        pooled = (PRIOR_SCATTER * PRIOR_SCATTER_DOF + sum(scatter * (steps - 1) for _, scatter, steps in known)) / dof
         median, median_scatter, median_steps = sorted(known)[len(known) // 2]
         bound, critical = self.settings.max_speed_ratio, _critical(EVIDENCE, dof)
         speeds = []

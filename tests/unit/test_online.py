@@ -118,6 +118,56 @@ def test_timer_noise_is_not_learned_as_speed_and_a_slow_rank_still_is(monkeypatc
     assert called_unequal(decisions((1.0,) * 8)[0]) >= 0.25
 
 
+def test_the_prior_scatter_calls_a_slow_rank_after_two_measured_steps_and_no_equal_one(monkeypatch):
+    """Two GPUs timed with 10% noise per step, 20 noise seeds: after two measured steps the 2x slower
+    GPU is called (its speed below 0.75) in at least 3 of 4 seeds, where the measured scatter
+    alone (two steps estimate it badly: a Student t of about one degree of freedom) calls it in at
+    most 3 of 5; equal GPUs at 10% noise, 40 seeds of 20 refits, are called unequal in no more of the
+    refits' decisions with the prior than without it (measured: 0 of 1,600 either way, as at 5%; at
+    20%, twice the prior's scatter, 4 against 0, where the 2x GPU is called in 9 of 20 seeds against 2)."""
+
+    def speeds_after(steps, truth, spread, seed):
+        online, topology = OnlineCostModel(CostModel(1e-5, 1e-8), 2, OnlineSettings()), build_topology("auto", 2)
+        spoil, found = noisy(seed, spread), []
+        for step in range(steps):
+            lengths = [[max(1, n // 4) for n in rank] for rank in sample_mix("kf_mixed_res", 2, step + 100 * seed)]
+            plan = plan_routing(lengths, topology, online.model())
+            online.observe(plan, spoil(step, measure(plan, speeds=truth)), [0] * 2)
+            found.append(online.model().gpu_speed)
+        return found
+
+    def called(seeds=20):
+        return sum(speeds_after(2, (1.0, 0.5), 0.1, seed)[-1][1] < 0.75 for seed in range(seeds)) / seeds
+
+    def false_calls(seeds=40):
+        decisions = [v for seed in range(seeds) for speeds in speeds_after(20, (1.0, 1.0), 0.1, seed) for v in speeds]
+        return sum(v != 1.0 for v in decisions)
+
+    with_prior = (called(), false_calls())
+    monkeypatch.setattr("deepspeed_knap.cost.online.PRIOR_SCATTER_DOF", 1e-9)  # the measured scatter alone
+    alone = (called(), false_calls())
+    assert with_prior[0] >= 0.75 and alone[0] <= 0.6 and with_prior[1] <= alone[1]
+
+
+def test_the_first_step_is_priced_not_learned_from():
+    """The balancer records every step's times, but the online refit learns from the second on: the
+    first carries one-time costs (here 10x), which would otherwise set the scale for steps after."""
+    from types import SimpleNamespace
+
+    from deepspeed_knap.runtime.balancer import _REPORTED, KnapBalancer
+
+    prior, topology = CostModel(1e-5, 1e-8), build_topology("auto", 2)
+    balancer = SimpleNamespace(online=OnlineCostModel(prior, 2, OnlineSettings()), _recorded=0)
+    for step in range(2):
+        plan = plan_routing(sample_mix("kf_mixed_res", 2, step), topology, balancer.online.model())
+        compute_us = [t * (10 if step == 0 else 1) for t in measure(plan, speeds=(1.0, 1.0))]
+        reports = [[us] + [0] * (len(_REPORTED) - 1) for us in compute_us]
+        KnapBalancer._record(balancer, plan, balancer.online.model(), None, reports)
+        assert balancer._measured[0] == compute_us  # measured and priced either way
+    assert balancer.online.observed == 1 and balancer.online.compute_fitted
+    assert balancer.online.predicted_s(plan) == pytest.approx([t / 1e6 for t in compute_us], rel=0.05)
+
+
 def test_an_overhead_is_planned_only_when_the_measurements_show_it(monkeypatch):
     """Two GPUs given balanced plans (the same work, step after step) and timed with 5% noise cannot
     tell a fixed overhead from per-token work: at no refit of 20 steps, over 8 noise seeds, does the
