@@ -14,6 +14,11 @@
    7.7 s against ``varlen_attn``'s 11.2 s, so the report names the fastest and the setting to use.
 5. Calibration: ``calibrate`` of FLUX blocks at the model's dims with the fastest kernel; its JSON is
    what ``"cost_model": {"calibration_file": ...}`` reads.
+6. Start-up calibration: what ``"cost_model": {"startup_calibration": ...}`` would make here for a
+   model of ``--family`` (one rank): whether ``"auto"`` turns it on on this machine, the seconds its
+   timing takes, and the fit it gives against the family's FLOP prior. On CUDA it times the family's
+   full-size config where the package has one (FLUX.1 [dev], FLUX.2 [dev]), else its tiny config,
+   as on a CPU.
 
 On a CPU it reports the same, at small dims unless told otherwise (``sdpa`` is the only kernel).
 The exit status is 1 when a kernel check fails, else 0. A calibration whose times do not grow with
@@ -26,6 +31,7 @@ import argparse
 import json
 import platform
 import statistics
+import time
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -33,10 +39,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.cost.calibrate import calibrate, write_calibration
+from deepspeed_knap.cost.calibrate import calibrate, startup_model, time_lengths, write_calibration
 from deepspeed_knap.models.flux.calibrate import flux_blocks_step
+from deepspeed_knap.models.registry import family_names, spec
+from deepspeed_knap.models.timing import ConfigModel
 from deepspeed_knap.options import device, nonnegative_int, positive_int, seq_lens
 from deepspeed_knap.runtime.attention import BACKENDS, VarlenAttention, VarlenSeqs
+from deepspeed_knap.runtime.config import KnapStartupCalibrationConfig
 
 HELP = "versions, attention kernels, a kernel check and a calibration here"
 FORMATTER = argparse.RawDescriptionHelpFormatter
@@ -139,6 +148,32 @@ def compare_kernels(backends, heads, head_dim, double_blocks, single_blocks, dev
     return times
 
 
+def startup_calibration(family: str, device: torch.device, dtype: torch.dtype, seq_lens: Sequence[int],
+                        repeats: int) -> dict:  # fmt: skip
+    """What the start-up calibration would make on this device for a model of ``family`` (one rank:
+    :func:`~deepspeed_knap.cost.calibrate.startup_model` of this rank's times): the config timed, the
+    seconds the copy took to build and to time, and the fit against the config's FLOP prior."""
+    cuda = device.type == "cuda"
+    model_spec = spec(family)
+    full = next(iter(model_spec.bench_configs.items()), None) if cuda else None
+    name, config = full if full is not None else ("tiny", model_spec.tiny_config)
+    report = {"family": family, "config": name, "auto_runs_it": cuda, "seq_lens": list(seq_lens),
+              "repeats": repeats}  # fmt: skip
+    start = time.perf_counter()
+    try:
+        step = model_spec.load("step_timer")(ConfigModel(family, config, dtype), device, dtype)
+        built = time.perf_counter() - start
+        times = time_lengths(step, seq_lens, repeats, progress=False)
+        calibration = startup_model(model_spec.config_cost_model(config), seq_lens, [times.tolist()])
+    except (RuntimeError, ValueError) as error:  # out of memory, times that do not grow: a finding
+        return {**report, "error": f"{type(error).__name__}: {error}"}
+    model = calibration.model
+    return {**report, "build_s": built, "timing_s": time.perf_counter() - start - built, "seconds": times.tolist(),
+            "linear_coef": model.linear_coef, "quadratic_coef": model.quadratic_coef, "overhead_s": model.overhead_s,
+            "scale": calibration.scale, "shape": calibration.fit["shape"], "r2": calibration.fit["r2"],
+            "max_rel_error": calibration.fit["max_rel_error"]}  # fmt: skip
+
+
 def run_doctor(
     out: str | Path,
     device: str | None = None,
@@ -150,11 +185,13 @@ def run_doctor(
     seq_lens: Sequence[int] | None = None,
     compare_lens: Sequence[int] | None = None,
     repeats: int = 3,
+    family: str = "flux",
 ) -> dict:
     """Every check of the module docstring; writes ``out/doctor.json``, ``out/doctor.txt`` and
     ``out/calibration.json`` and returns the report. Defaults: on CUDA, FLUX.1's 24 heads of 128 in
     bfloat16, calibration at 1k to 16k tokens, kernels compared at 4k and 32k; on a CPU, 4 heads of
-    32 in float32 at 128 to 1,024 tokens."""
+    32 in float32 at 128 to 1,024 tokens. The start-up calibration of ``family`` times the lengths
+    ``"startup_calibration"`` defaults to on CUDA, the calibration's on a CPU."""
     cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     device = torch.device(device or ("cuda" if cuda else "cpu"))
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -190,6 +227,8 @@ def run_doctor(
         report["calibration"] = {"backend": fastest, "linear_coef": model.linear_coef,
                                  "quadratic_coef": model.quadratic_coef, **fit,
                                  "file": str(out / "calibration.json")}  # fmt: skip
+    startup_lens = KnapStartupCalibrationConfig().seq_lens if cuda else seq_lens
+    report["startup_calibration"] = startup_calibration(family, device, dtype, startup_lens, repeats)
     report["findings"] = findings(report)
     report["ok"] = all(check["ok"] for check in report["kernel_check"].values())
     (out / "doctor.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -213,6 +252,10 @@ def findings(report: dict) -> list[str]:
     if "error" in report["calibration"]:
         notes.append(f"calibration failed, no calibration.json written: {report['calibration']['error']} "
                      "Rerun with more --repeats or longer --seq-lens")  # fmt: skip
+    startup = report["startup_calibration"]
+    if "error" in startup:
+        notes.append(f"the start-up calibration of a {startup['family']} model failed here ({startup['error']}): "
+                     "train with \"startup_calibration\": false, or give a calibration_file")  # fmt: skip
     for backend, why in report["kernels"]["unusable"].items():
         if why is not None and "not installed" in why:
             notes.append(f"{backend!r} unavailable: {why}")
@@ -253,10 +296,27 @@ def render(report: dict) -> str:
         lines += ["", f"calibration with {c['backend']!r}: a = {c['linear_coef']:.4g} s/token, "
                   f"b = {c['quadratic_coef']:.4g} s/token^2, overhead {c['overhead_s']:.4g} s, R^2 = {c['r2']:.4f}, "
                   f"max rel error {c['max_rel_error']:.1%}; written to {c['file']}"]  # fmt: skip
+    lines += ["", render_startup(report["startup_calibration"])]
     lines += ["", "findings"] + [f"  - {note}" for note in report["findings"] or ["none"]]
     lines.append("")
     lines.append("all kernel checks passed" if report["ok"] else "A KERNEL CHECK FAILED")
     return "\n".join(lines) + "\n"
+
+
+def render_startup(startup: dict) -> str:
+    """The start-up calibration's lines of the report."""
+    runs = ("runs here (\"auto\": a GPU)" if startup["auto_runs_it"]
+            else "is off here with \"auto\" (no GPU); true turns it on")  # fmt: skip
+    head = (f"start-up calibration of a {startup['family']} model ({startup['config']} config) at "
+            f"{startup['seq_lens']} tokens: {runs}")  # fmt: skip
+    if "error" in startup:
+        return f"{head}\n  FAILED: {startup['error']}"
+    seconds = ", ".join(f"{s}: {t:.4g} s" for s, t in zip(startup["seq_lens"], startup["seconds"], strict=True))
+    return (f"{head}\n  copy built in {startup['build_s']:.1f} s, timed in {startup['timing_s']:.1f} s; "
+            f"forward + backward {seconds}\n  a = {startup['linear_coef']:.4g} s/token, b = "
+            f"{startup['quadratic_coef']:.4g} s/token^2, overhead {startup['overhead_s']:.4g} s ({startup['shape']} "
+            f"shape), {startup['scale']:.3g}x the FLOP prior's compute, R^2 = {startup['r2']:.4f}, "
+            f"max rel error {startup['max_rel_error']:.1%}")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -284,12 +344,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lengths to compare kernels at (default: 4096,32768 on CUDA)",
     )
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per measurement (median)")
+    parser.add_argument("--family", choices=family_names(having="step_timer"), default="flux",
+                        help="the model family whose start-up calibration is reported (default: flux)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     report = run_doctor(args.out, args.device, getattr(torch, args.dtype) if args.dtype else None, args.heads,
                         args.head_dim, args.double_blocks, args.single_blocks, args.seq_lens,
-                        args.compare_lens, args.repeats)  # fmt: skip
+                        args.compare_lens, args.repeats, args.family)  # fmt: skip
     print((Path(args.out) / "doctor.txt").read_text(), end="")
     print(f"report written to {Path(args.out) / 'doctor.json'} and doctor.txt")
     return 0 if report["ok"] else 1

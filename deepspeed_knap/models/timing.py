@@ -23,6 +23,18 @@ from deepspeed_knap.planner.topology import Topology
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
 
 
+class ConfigModel(nn.Module):
+    """What a step timer (:func:`model_step_timer`) reads of a model, without the model: its
+    ``family``, its ``config`` and its parameters' dtype (no blocks: none frozen, none
+    checkpointed). ``doctor`` times a family's full-size config with it, which it never builds whole."""
+
+    def __init__(self, family: str, config: Mapping[str, Any], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.family, self.config = family, dict(config)
+        self.block_stack = nn.ModuleList()
+        self.dtype_holder = nn.Parameter(torch.zeros(1, dtype=dtype), requires_grad=False)
+
+
 def block_fraction(config: Mapping[str, Any], block_counts: tuple[str, ...]) -> tuple[dict[str, int], float]:
     """The block counts of the timed copy and the factor that scales its time to ``config``'s: each
     count over the smallest, rounded (FLUX.1's 19 double and 38 single blocks: 1 and 2, times 19;

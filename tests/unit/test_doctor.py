@@ -8,6 +8,8 @@ import torch
 
 from deepspeed_knap.cli import main
 from deepspeed_knap.commands.doctor import kernel_check, run_doctor
+from deepspeed_knap.cost.calibrate import startup_model
+from deepspeed_knap.models.registry import spec
 from deepspeed_knap.runtime import attention
 
 SMALL = dict(heads=2, head_dim=16, double_blocks=2, single_blocks=3, seq_lens=(32, 64, 96, 128), repeats=3)
@@ -18,7 +20,7 @@ def test_on_cpu_it_reports_versions_kernels_speed_and_a_calibration(tmp_path, ca
     # the noise of a busy 2-core CI machine; at 32-128 tokens CI once timed them all at 0.02 s, no slope.
     assert main(["doctor", "--out", str(tmp_path), "--heads", "2", "--head-dim", "16", "--double-blocks", "2",
                  "--single-blocks", "3", "--seq-lens", "256,512,1024,2048", "--compare-lens", "48,96",
-                 "--repeats", "3"]) == 0  # fmt: skip
+                 "--repeats", "3", "--family", "wan"]) == 0  # fmt: skip
     report = json.loads((tmp_path / "doctor.json").read_text())
     assert report["versions"]["packages"]["deepspeed"] == deepspeed.__version__
     assert report["kernels"]["auto"] == "sdpa" and report["kernels"]["unusable"]["sdpa"] is None
@@ -28,8 +30,17 @@ def test_on_cpu_it_reports_versions_kernels_speed_and_a_calibration(tmp_path, ca
     calibration = json.loads((tmp_path / "calibration.json").read_text())
     assert calibration["backend"] == "sdpa" and calibration["seq_lens"] == [256, 512, 1024, 2048]
     assert calibration["linear_coef"] == report["calibration"]["linear_coef"]
+    # The start-up calibration of a Wan model as training would fit it from these times: off here
+    # with "auto" (no GPU), the tiny config at the calibration's lengths.
+    startup = report["startup_calibration"]
+    assert (startup["family"], startup["config"], startup["auto_runs_it"]) == ("wan", "tiny", False)
+    assert startup["seq_lens"] == [256, 512, 1024, 2048] and len(startup["seconds"]) == 4
+    refit = startup_model(spec("wan").config_cost_model(spec("wan").tiny_config), startup["seq_lens"],
+                          [startup["seconds"]]).model  # fmt: skip
+    assert (refit.linear_coef, refit.quadratic_coef) == (startup["linear_coef"], startup["quadratic_coef"])
     text = capsys.readouterr().out
     assert text.startswith((tmp_path / "doctor.txt").read_text()) and "all kernel checks passed" in text
+    assert "start-up calibration of a wan model (tiny config)" in text
 
 
 def test_a_kernel_that_computes_wrong_fails_the_check(tmp_path, monkeypatch):
@@ -51,11 +62,14 @@ def test_a_calibration_lost_in_noise_is_a_finding_not_a_crash(tmp_path, monkeypa
         raise ValueError("the times [0.03, 0.01] do not grow with the length; is the step doing any work?")
 
     monkeypatch.setattr(doctor, "calibrate", noisy)
+    monkeypatch.setattr(doctor, "time_lengths", lambda *args, **kwargs: torch.tensor([0.03, 0.01, 0.02, 0.01]))
     (tmp_path / "calibration.json").write_text("{}")  # an earlier run's
     report = run_doctor(tmp_path, compare_lens=(48,), **SMALL)
     assert report["ok"] and "do not grow" in report["calibration"]["error"]
     assert any(note.startswith("calibration failed") for note in report["findings"])
     assert not (tmp_path / "calibration.json").exists() and "FAILED: the times" in (tmp_path / "doctor.txt").read_text()
+    assert "do not grow" in report["startup_calibration"]["error"]
+    assert any(note.startswith("the start-up calibration of a flux model failed") for note in report["findings"])
 
 
 @pytest.mark.gpu

@@ -5,8 +5,8 @@ length: :func:`~deepspeed_knap.models.timing.model_step_timer`, one warm-up run,
 
     python3 docs/bench/gpu/startup_calibration.py --json startup_calibration.json
 
-The timer reads only the model's ``family``, ``config`` and parameters' dtype, so a stand-in
-carrying the full config (FLUX.1 [dev]'s 19 + 38 blocks, FLUX.2 [dev]'s 8 + 48, Wan 14B's 40,
+The timer reads only the model's ``family``, ``config`` and parameters' dtype, so a
+:class:`~deepspeed_knap.models.timing.ConfigModel` carrying the full config (FLUX.1 [dev]'s 19 + 38 blocks, FLUX.2 [dev]'s 8 + 48, Wan 14B's 40,
 Qwen-Image's 60) is timed without building the full model. ``--tiny`` runs the tiny configs, for a
 CPU check of the script.
 """
@@ -18,12 +18,11 @@ import json
 import time
 
 import torch
-from torch import nn
 
 from deepspeed_knap.cost.calibrate import fit_times, time_lengths
 from deepspeed_knap.models.flux.spec import FLUX1_DEV, FLUX2_DEV
 from deepspeed_knap.models.registry import spec
-from deepspeed_knap.models.timing import model_step_timer
+from deepspeed_knap.models.timing import ConfigModel, model_step_timer
 
 WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
@@ -31,15 +30,6 @@ WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=
 QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
                   num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))  # fmt: skip
 CONFIGS = {"flux": FLUX1_DEV, "flux2": FLUX2_DEV, "wan": WAN_14B, "qwen-image": QWEN_IMAGE}
-
-
-class StandIn(nn.Module):
-    """What the timer reads of a model: its family, its config and its parameters' dtype."""
-
-    def __init__(self, family: str, config: dict, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.family, self.config = family, config
-        self.weight = nn.Parameter(torch.zeros(1, dtype=dtype))
 
 
 def main() -> None:
@@ -57,7 +47,7 @@ def main() -> None:
         base = spec(family)
         config = dict(base.tiny_config if args.tiny else overrides)
         start = time.perf_counter()
-        step = model_step_timer(StandIn(family, config, dtype), device, dtype)
+        step = model_step_timer(ConfigModel(family, config, dtype), device, dtype)
         built = time.perf_counter() - start
         times = time_lengths(step, seq_lens, args.repeats, progress=False)
         timed = time.perf_counter() - start - built
