@@ -317,7 +317,7 @@ def bench_train(options: dict) -> dict:
 
 
 def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
-    """Per mode, over steps ``skip..`` (the first warms up and, online, learns): the median step
+    """Per mode, over steps ``skip..`` (the first warms up; online, it is not learned from): the median step
     seconds, speedup over ``off`` on the same step and compute max/mean, the median |model error|,
     the speedup of the summed step times (what a training run of these steps gains), and the median
     overhead budget (:func:`~deepspeed_knap.runtime.balancer.balancer_overhead_s` over the step: the

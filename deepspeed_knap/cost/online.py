@@ -29,13 +29,21 @@ its fitted speed, pooled over the ranks, over the rank's effective number of ste
 forgetting; the scatter includes the model's misfit of the plan). Otherwise noise would be planned
 as speed: on 2 CPU ranks with equal cores, step-to-step timer noise of ~5% made the refit call one
 rank 6-12% slower, and the plan then gave it 6-12% fewer tokens than the balanced plan, losing more
-than the planner gained (``bench train``, kf_mixed_res). A truly slow rank (2x) is shown within the
-first refit. Likewise the overhead is fitted only when it exceeds ``OVERHEAD_EVIDENCE`` (5)
+than the planner gained (``bench train``, kf_mixed_res). The pooled scatter is weighed with a
+prior (``PRIOR_SCATTER``, 10% a step, worth ``PRIOR_SCATTER_DOF`` = 4 degrees of freedom: the
+conjugate update of a normal variance), and the speed test takes the t quantile of the prior's and
+the measured degrees of freedom together. Measured alone, the scatter of the first steps is itself
+so uncertain (2 GPUs of two steps each: about 2 degrees of freedom, 6.75 standard errors at 3's
+tail) that a 2x slower rank on 2 GPUs at 10% noise was called after two measured steps in 8 of 20
+seeds; with the prior in 15, and equal GPUs no more often (none of 1,600 decisions at 5% or 10%
+noise either way; at 20%, twice the prior's, 4 against none). A speed is never called from one
+step: no scatter has been measured then, and the prior alone is no evidence. Likewise the overhead
+is fitted only when it exceeds ``OVERHEAD_EVIDENCE`` (5)
 standard errors in the full model, else ``a, b`` are fitted without it: balanced plans give every GPU
 about the same work step after step, so the data cannot tell a fixed cost from per-token work, and
 noise once called 60 of a 62 ms step overhead (``a = 0``, 2 CPU ranks), which priced moving work at
-nothing and kept every sequence home for two steps. Both tests take Student's t quantile for the
-degrees of freedom the scatter was measured with. Likewise the ratio of ``a`` to ``b``: it departs
+nothing and kept every sequence home for two steps. This test takes Student's t quantile for the
+degrees of freedom the residual was measured with. Likewise the ratio of ``a`` to ``b``: it departs
 from the prior's only when the free fit's ``d`` in ``k (a0 X + b0 Y) + d X`` (``+ d Y`` when
 ``b0 = 0``) exceeds ``SHAPE_EVIDENCE`` (2) standard errors; otherwise ``a, b`` are the prior's times one
 fitted scale. On near-balanced plans ``X`` and ``Y`` rise together: noise moved ``b / a`` between 0
@@ -177,6 +185,12 @@ class OnlineSettings:
 
     Attributes:
         warmup_steps: steps observed before the first refit; until then the prior model plans.
+            The balancer observes every step but a run's first, whose one-time costs (allocator
+            growth, lazy initialisation, the first collectives' connections) are not the model's:
+            with 1, the second step's times refit the model (the third step plans with it, the
+            fourth where plans are solved a step ahead). What one step cannot show (the shape, an
+            overhead, a rank's speed: two steps at least) stays the prior's until its evidence test
+            passes.
         forgetting: weight of a step relative to the next newer one (1: all steps count alike;
             below 0.01 every older step has expired by the next, so speeds and the overhead, which
             need the scatter of two steps, stay 1 and 0).
@@ -486,7 +500,10 @@ class OnlineCostModel:
         # The relative scatter per step, pooled over the GPUs and weighed with the prior's (a rank's
         # own few steps estimate it badly), or a rank's own where larger (one stalled step is that
         # rank's scatter, not all's).
-        dof = PRIOR_SCATTER_DOF + sum(steps - 1 for _, _, steps in known)
+        measured_dof = sum(steps - 1 for _, _, steps in known)
+        if measured_dof <= 0:  # one step each: no scatter measured, and the prior's alone is no evidence
+            return [1.0] * self.num_gpus
+        dof = PRIOR_SCATTER_DOF + measured_dof
         pooled = (PRIOR_SCATTER * PRIOR_SCATTER_DOF + sum(scatter * (steps - 1) for _, scatter, steps in known)) / dof
         median, median_scatter, median_steps = sorted(known)[len(known) // 2]
         bound, critical = self.settings.max_speed_ratio, _critical(EVIDENCE, dof)

@@ -120,8 +120,9 @@ class KnapBalancer:
     Every step it also times this rank's share (plan, route, compute, Ulysses all-to-alls, reverse
     route; :mod:`~deepspeed_knap.runtime.timing`) and ships the compute and Ulysses microseconds with the next
     step's lengths, in the same all-gather: every rank then knows every rank's measured times of the
-    last step. With ``online`` settings the cost model is refit from them every step
-    (:mod:`~deepspeed_knap.cost.online`), identically on every rank. With :meth:`prefetch` the next
+    last step. With ``online`` settings the cost model is refit from them every step but the first
+    measured one, whose one-time costs are not the model's (:mod:`~deepspeed_knap.cost.online`),
+    identically on every rank. With :meth:`prefetch` the next
     step's plan is solved in a worker process while this step runs.
 
     Args:
@@ -163,7 +164,7 @@ class KnapBalancer:
         self._report = [-1] * len(_REPORTED)  # this rank's _REPORTED microseconds, shipped with the next lengths
         self._routed: RoutedBatch | None = None  # the step in flight, current for drop-in attention
         self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
-        self._recorded = 0  # steps whose times every rank has shipped (_record)
+        self._measured_steps = 0  # recorded steps some rank measured (_record): the first is not learned from
         self._worker: PlanWorker | None = None  # started by the first prefetch
         self._prefetches = 0  # prefetch() calls so far: a prefetched plan's id, the same on every rank
         self._ahead: dict[int, _PlanAhead] = {}  # by id, oldest first; at most _MAX_AHEAD
@@ -424,12 +425,13 @@ class KnapBalancer:
             step_s = max(phases["step"] for phases in per_rank)
             if step_s > 0:
                 self._overhead = balancer_overhead_s(per_rank) / step_s
-        self._recorded += 1
-        # The first step carries one-time costs (allocator growth, lazy initialisation, the first
-        # collectives' connections): on 2 CPU ranks its compute took 1.4x to 2.3x the next step's
-        # for the same tokens, which the refit would read as scatter (no rank's speed called until
-        # step 4) and as scale. It is priced, not learned from.
-        if self.online is not None and self._recorded > 1:
+        # The first measured step carries one-time costs (allocator growth, lazy initialisation, the
+        # first collectives' connections): on 2 CPU ranks its compute took 1.4x to 2.3x the next
+        # step's for similar tokens, which the refit would read as scatter (no rank's speed called
+        # until step 4) and as scale. It is priced, not learned from. (The reports are all-gathered:
+        # every rank counts alike.)
+        self._measured_steps += any(us >= 0 for us in compute_us)
+        if self.online is not None and self._measured_steps > 1:
             squares = None
             if segments_per_rank is not None:
                 squares = segment_square_sums([row for rows in segments_per_rank for row in rows]).tolist()

@@ -38,8 +38,8 @@ def test_bench_train_times_real_ranks_and_reports_every_phase(tmp_path, capsys):
         ) + max(p["solve"] + p["refit"] for p in row["phases"])
     off = [r for r in report["steps"] if r["mode"] == "off"]
     assert all(sum(p["ulysses"] for p in r["phases"]) == 0 for r in off)  # nothing moves, no bags
-    # Step 1's prefetch (of step 2's lengths) recorded step 0's times, and auto refit its model from them:
-    # host time of the balancer's, counted (the last step prefetches nothing, so records nothing).
+    # Step 1's prefetch (of step 2's lengths) recorded step 0's times (priced; online, not learned
+    # from): host time of the balancer's, counted (the last step prefetches nothing, so records nothing).
     assert all(p["refit"] > 0 for r in report["steps"] if r["step"] == 1 for p in r["phases"])
     # Prefetch (the default): step 1's plan was solved during step 0 and agreed on in step 1.
     assert all(p["agree"] > 0 for r in report["steps"] if r["step"] == 1 for p in r["phases"])

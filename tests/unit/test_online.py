@@ -120,11 +120,12 @@ def test_timer_noise_is_not_learned_as_speed_and_a_slow_rank_still_is(monkeypatc
 
 def test_the_prior_scatter_calls_a_slow_rank_after_two_measured_steps_and_no_equal_one(monkeypatch):
     """Two GPUs timed with 10% noise per step, 20 noise seeds: after two measured steps the 2x slower
-    GPU is called (its speed below 0.75) in at least 3 of 4 seeds, where the measured scatter
-    alone (two steps estimate it badly: a Student t of about one degree of freedom) calls it in at
-    most 3 of 5; equal GPUs at 10% noise, 40 seeds of 20 refits, are called unequal in no more of the
-    refits' decisions with the prior than without it (measured: 0 of 1,600 either way, as at 5%; at
-    20%, twice the prior's scatter, 4 against 0, where the 2x GPU is called in 9 of 20 seeds against 2)."""
+    GPU is called (its speed below 0.75) in at least 7 of 10 seeds (measured: 15 of 20), where the
+    measured scatter alone (two steps each estimate it badly: a Student t of about 2 degrees of
+    freedom) calls it in at most 3 of 5 (8 of 20). Equal GPUs at 10% noise, 40 seeds of 20 refits,
+    are called unequal in no more of the refits' decisions with the prior than without it, and in
+    1% at most (measured: 0 of 1,600 either way, as at 5%; at 20%, twice the prior's scatter, 4
+    against 0, where the 2x GPU is called in 9 of 20 seeds against 2)."""
 
     def speeds_after(steps, truth, spread, seed):
         online, topology = OnlineCostModel(CostModel(1e-5, 1e-8), 2, OnlineSettings()), build_topology("auto", 2)
@@ -146,24 +147,28 @@ def test_the_prior_scatter_calls_a_slow_rank_after_two_measured_steps_and_no_equ
     with_prior = (called(), false_calls())
     monkeypatch.setattr("deepspeed_knap.cost.online.PRIOR_SCATTER_DOF", 1e-9)  # the measured scatter alone
     alone = (called(), false_calls())
-    assert with_prior[0] >= 0.75 and alone[0] <= 0.6 and with_prior[1] <= alone[1]
+    assert with_prior[0] >= 0.7 and alone[0] <= 0.6 and with_prior[1] <= min(alone[1], 16)  # 1% of 1,600 at most
 
 
 def test_the_first_step_is_priced_not_learned_from():
-    """The balancer records every step's times, but the online refit learns from the second on: the
-    first carries one-time costs (here 10x), which would otherwise set the scale for steps after."""
+    """The balancer records every step's times, but the online refit learns from the second measured
+    one on: the first carries one-time costs (here 10x), which would otherwise set the scale for the
+    steps after. A step no rank measured (a forward without a backward) is not the first."""
     from types import SimpleNamespace
 
+    from deepspeed_knap.planner import plan_loads
     from deepspeed_knap.runtime.balancer import _REPORTED, KnapBalancer
 
     prior, topology = CostModel(1e-5, 1e-8), build_topology("auto", 2)
-    balancer = SimpleNamespace(online=OnlineCostModel(prior, 2, OnlineSettings()), _recorded=0)
-    for step in range(2):
+    balancer = SimpleNamespace(online=OnlineCostModel(prior, 2, OnlineSettings()), _measured_steps=0)
+    for step in range(3):
         plan = plan_routing(sample_mix("kf_mixed_res", 2, step), topology, balancer.online.model())
-        compute_us = [t * (10 if step == 0 else 1) for t in measure(plan, speeds=(1.0, 1.0))]
+        compute_us = [t * (10 if step == 1 else 1) if step else -1 for t in measure(plan, speeds=(1.0, 1.0))]
         reports = [[us] + [0] * (len(_REPORTED) - 1) for us in compute_us]
         KnapBalancer._record(balancer, plan, balancer.online.model(), None, reports)
-        assert balancer._measured[0] == compute_us  # measured and priced either way
+        assert balancer._measured[0] == compute_us
+        if step < 2:  # priced with the prior, as without the refit
+            assert balancer._measured[1] == plan_loads(plan, prior).tolist()
     assert balancer.online.observed == 1 and balancer.online.compute_fitted
     assert balancer.online.predicted_s(plan) == pytest.approx([t / 1e6 for t in compute_us], rel=0.05)
 
