@@ -17,8 +17,8 @@
 6. Start-up calibration: what ``"cost_model": {"startup_calibration": ...}`` would make here for a
    model of ``--family`` (one rank): whether ``"auto"`` turns it on on this machine, the seconds its
    timing takes, and the fit it gives against the family's FLOP prior. On CUDA it times the family's
-   full-size config where the package has one (FLUX.1 [dev], FLUX.2 [dev]), else its tiny config,
-   as on a CPU.
+   ``full_config`` (FLUX.1 [dev], FLUX.2 [dev], Wan 14B, Qwen-Image) at the option's default lengths
+   and repeats; FLUX.3, which has none, and every family on a CPU, at its tiny config.
 
 On a CPU it reports the same, at small dims unless told otherwise (``sdpa`` is the only kernel).
 The exit status is 1 when a kernel check fails, else 0. A calibration whose times do not grow with
@@ -41,9 +41,9 @@ from tqdm import tqdm
 
 from deepspeed_knap.cost.calibrate import calibrate, startup_model, time_lengths, write_calibration
 from deepspeed_knap.models.flux.calibrate import flux_blocks_step
-from deepspeed_knap.models.registry import family_names, spec
+from deepspeed_knap.models.registry import spec
 from deepspeed_knap.models.timing import ConfigModel
-from deepspeed_knap.options import device, nonnegative_int, positive_int, seq_lens
+from deepspeed_knap.options import add_family_argument, device, nonnegative_int, positive_int, seq_lens
 from deepspeed_knap.runtime.attention import BACKENDS, VarlenAttention, VarlenSeqs
 from deepspeed_knap.runtime.config import KnapStartupCalibrationConfig
 
@@ -151,12 +151,21 @@ def compare_kernels(backends, heads, head_dim, double_blocks, single_blocks, dev
 def startup_calibration(family: str, device: torch.device, dtype: torch.dtype, seq_lens: Sequence[int],
                         repeats: int) -> dict:  # fmt: skip
     """What the start-up calibration would make on this device for a model of ``family`` (one rank:
-    :func:`~deepspeed_knap.cost.calibrate.startup_model` of this rank's times): the config timed, the
-    seconds the copy took to build and to time, and the fit against the config's FLOP prior."""
+    :func:`~deepspeed_knap.cost.calibrate.startup_model` of this rank's times).
+
+    Returns:
+        ``family``; ``config`` (``"full"``: the spec's ``full_config``, on CUDA; ``"tiny"``);
+        ``auto_runs_it`` (``"auto"`` turns it on here: a GPU); ``seq_lens`` ``[M]``; ``repeats``;
+        and either ``error`` (why the timing or the fit failed) or ``build_s`` and ``timing_s`` (the
+        copy's seconds to build and to time), ``seconds`` ``[M]`` (the modeled block stack's
+        forward and backward at each length), the fit's ``linear_coef``, ``quadratic_coef`` and
+        ``overhead_s``, ``scale`` (its compute over the FLOP prior's), ``shape``, ``r2`` and
+        ``max_rel_error``.
+    """
     cuda = device.type == "cuda"
     model_spec = spec(family)
-    full = next(iter(model_spec.bench_configs.items()), None) if cuda else None
-    name, config = full if full is not None else ("tiny", model_spec.tiny_config)
+    full = cuda and model_spec.full_config is not None
+    name, config = ("full", model_spec.full_config) if full else ("tiny", model_spec.tiny_config)
     report = {"family": family, "config": name, "auto_runs_it": cuda, "seq_lens": list(seq_lens),
               "repeats": repeats}  # fmt: skip
     start = time.perf_counter()
@@ -165,7 +174,7 @@ def startup_calibration(family: str, device: torch.device, dtype: torch.dtype, s
         built = time.perf_counter() - start
         times = time_lengths(step, seq_lens, repeats, progress=False)
         calibration = startup_model(model_spec.config_cost_model(config), seq_lens, [times.tolist()])
-    except (RuntimeError, ValueError) as error:  # out of memory, times that do not grow: a finding
+    except Exception as error:  # out of memory, times that do not grow: a finding; the checks above still stand
         return {**report, "error": f"{type(error).__name__}: {error}"}
     model = calibration.model
     return {**report, "build_s": built, "timing_s": time.perf_counter() - start - built, "seconds": times.tolist(),
@@ -190,8 +199,8 @@ def run_doctor(
     """Every check of the module docstring; writes ``out/doctor.json``, ``out/doctor.txt`` and
     ``out/calibration.json`` and returns the report. Defaults: on CUDA, FLUX.1's 24 heads of 128 in
     bfloat16, calibration at 1k to 16k tokens, kernels compared at 4k and 32k; on a CPU, 4 heads of
-    32 in float32 at 128 to 1,024 tokens. The start-up calibration of ``family`` times the lengths
-    ``"startup_calibration"`` defaults to on CUDA, the calibration's on a CPU."""
+    32 in float32 at 128 to 1,024 tokens. The start-up calibration of ``family`` times the lengths and
+    repeats ``"startup_calibration"`` defaults to on CUDA, the calibration's on a CPU."""
     cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     device = torch.device(device or ("cuda" if cuda else "cpu"))
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -227,8 +236,10 @@ def run_doctor(
         report["calibration"] = {"backend": fastest, "linear_coef": model.linear_coef,
                                  "quadratic_coef": model.quadratic_coef, **fit,
                                  "file": str(out / "calibration.json")}  # fmt: skip
-    startup_lens = KnapStartupCalibrationConfig().seq_lens if cuda else seq_lens
-    report["startup_calibration"] = startup_calibration(family, device, dtype, startup_lens, repeats)
+    # On CUDA what training runs by default; on a CPU ("auto" leaves it off) the calibration's lengths.
+    defaults = KnapStartupCalibrationConfig()
+    startup = (defaults.seq_lens, defaults.repeats) if cuda else (seq_lens, repeats)
+    report["startup_calibration"] = startup_calibration(family, device, dtype, *startup)
     report["findings"] = findings(report)
     report["ok"] = all(check["ok"] for check in report["kernel_check"].values())
     (out / "doctor.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -253,9 +264,13 @@ def findings(report: dict) -> list[str]:
         notes.append(f"calibration failed, no calibration.json written: {report['calibration']['error']} "
                      "Rerun with more --repeats or longer --seq-lens")  # fmt: skip
     startup = report["startup_calibration"]
-    if "error" in startup:
-        notes.append(f"the start-up calibration of a {startup['family']} model failed here ({startup['error']}): "
-                     "train with \"startup_calibration\": false, or give a calibration_file")  # fmt: skip
+    if "error" in startup and startup["auto_runs_it"]:
+        notes.append(f"the start-up calibration of a {startup['family']} model ({startup['config']} config) failed "
+                     f"here ({startup['error']}): train with shorter \"seq_lens\" or \"startup_calibration\": "
+                     "false, or give a calibration_file")  # fmt: skip
+    elif "error" in startup:
+        notes.append(f"the start-up calibration of a {startup['family']} model failed here ({startup['error']}); "
+                     "\"auto\" leaves it off on this machine")  # fmt: skip
     for backend, why in report["kernels"]["unusable"].items():
         if why is not None and "not installed" in why:
             notes.append(f"{backend!r} unavailable: {why}")
@@ -344,8 +359,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lengths to compare kernels at (default: 4096,32768 on CUDA)",
     )
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per measurement (median)")
-    parser.add_argument("--family", choices=family_names(having="step_timer"), default="flux",
-                        help="the model family whose start-up calibration is reported (default: flux)")  # fmt: skip
+    add_family_argument(parser, "the family whose start-up calibration is reported", having="step_timer")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -71,6 +71,9 @@ class ModelSpec:
         bench_configs: full-size transformer configs (diffusers' names) by preset name, for the
             commands that run a family at its real dims on a GPU (``calibrate --preset``,
             ``bench flux --preset``); each preset's dims are ``cost_dims`` of its config.
+        full_config: the transformer config (diffusers' names) of the family's largest public
+            checkpoint, which ``doctor`` times the start-up calibration at on a GPU, or ``None``
+            (the tiny config is timed).
         video: the family generates video (clips of frames), not images.
     """
 
@@ -93,6 +96,7 @@ class ModelSpec:
     step_timer: str | None = "deepspeed_knap.models.timing:model_step_timer"
     mixes: Mapping[str, Mix] = field(default_factory=dict)
     bench_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    full_config: Mapping[str, Any] | None = None
     video: bool = False
 
     def load(self, attribute: str) -> Any:

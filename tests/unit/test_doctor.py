@@ -35,9 +35,9 @@ def test_on_cpu_it_reports_versions_kernels_speed_and_a_calibration(tmp_path, ca
     startup = report["startup_calibration"]
     assert (startup["family"], startup["config"], startup["auto_runs_it"]) == ("wan", "tiny", False)
     assert startup["seq_lens"] == [256, 512, 1024, 2048] and len(startup["seconds"]) == 4
-    refit = startup_model(spec("wan").config_cost_model(spec("wan").tiny_config), startup["seq_lens"],
-                          [startup["seconds"]]).model  # fmt: skip
-    assert (refit.linear_coef, refit.quadratic_coef) == (startup["linear_coef"], startup["quadratic_coef"])
+    expected = startup_model(spec("wan").config_cost_model(spec("wan").tiny_config), startup["seq_lens"],
+                             [startup["seconds"]]).model  # fmt: skip
+    assert (expected.linear_coef, expected.quadratic_coef) == (startup["linear_coef"], startup["quadratic_coef"])
     text = capsys.readouterr().out
     assert text.startswith((tmp_path / "doctor.txt").read_text()) and "all kernel checks passed" in text
     assert "start-up calibration of a wan model (tiny config)" in text
@@ -69,7 +69,8 @@ def test_a_calibration_lost_in_noise_is_a_finding_not_a_crash(tmp_path, monkeypa
     assert any(note.startswith("calibration failed") for note in report["findings"])
     assert not (tmp_path / "calibration.json").exists() and "FAILED: the times" in (tmp_path / "doctor.txt").read_text()
     assert "do not grow" in report["startup_calibration"]["error"]
-    assert any(note.startswith("the start-up calibration of a flux model failed") for note in report["findings"])
+    assert any(note.startswith("the start-up calibration of a flux model failed") and "leaves it off" in note
+               for note in report["findings"])  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -79,3 +80,6 @@ def test_on_cuda_every_installed_kernel_passes_and_the_fastest_is_named(tmp_path
     assert report["ok"], report["kernel_check"]
     assert set(report["speed_s"][2048]) == {k for k, why in report["kernels"]["unusable"].items() if why is None}
     assert report["versions"]["devices"] and report["versions"]["nccl"]
+    startup = report["startup_calibration"]  # FLUX.1 [dev]'s full config, as training would time it
+    assert (startup["config"], startup["auto_runs_it"], startup.get("error")) == ("full", True, None)
+    assert startup["seq_lens"] == [1024, 2048, 4096, 8192] and startup["repeats"] == 2

@@ -137,6 +137,7 @@ FLUX1 = ModelSpec(
     generator="deepspeed_knap.models.flux.generate:FluxGenerator",
     block_timer="deepspeed_knap.models.flux.calibrate:flux_blocks_step",
     bench_configs={"flux-dev": FLUX1_DEV},
+    full_config=FLUX1_DEV,
 )
 
 FLUX2 = ModelSpec(
@@ -172,4 +173,5 @@ FLUX2 = ModelSpec(
     training="deepspeed_knap.models.flux.finetune:Flux2Training",
     generator="deepspeed_knap.models.flux.generate:Flux2Generator",
     bench_configs={"flux2-dev": FLUX2_DEV},
+    full_config=FLUX2_DEV,
 )

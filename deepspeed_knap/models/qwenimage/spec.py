@@ -21,6 +21,9 @@ from deepspeed_knap.models.spec import ModelSpec
 # of 4 latent channels as the released model's of 16.
 TINY_QWEN_IMAGE = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
                        num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))  # fmt: skip
+# Qwen-Image's 20B transformer (the Edit models share it).
+QWEN_IMAGE_20B = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                      num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))  # fmt: skip
 
 
 def qwen_image_cost_dims(config: Mapping[str, Any]) -> dict[str, float]:
@@ -98,4 +101,5 @@ QWEN_IMAGE = ModelSpec(
         "txt_mlp.net.0.proj",
         "txt_mlp.net.2",
     ),
+    full_config=QWEN_IMAGE_20B,
 )

@@ -23,6 +23,11 @@ from deepspeed_knap.models.spec import ModelSpec
 TINY_WAN = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=6, in_channels=4, out_channels=4,
                 text_dim=24, freq_dim=16, ffn_dim=48, num_layers=2, rope_max_seq_len=64)  # fmt: skip
 
+# Wan 2.1 T2V 14B's transformer (each of Wan 2.2 A14B's two experts has its shape).
+WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+               text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+               qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)  # fmt: skip
+
 
 def from_wan_dims(
     dim: int = 5120,
@@ -204,5 +209,6 @@ WAN = ModelSpec(
     training="deepspeed_knap.models.wan.finetune:WanTraining",
     generator="deepspeed_knap.models.wan.generate:WanGenerator",
     block_timer="deepspeed_knap.models.wan.calibrate:wan_blocks_step",
+    full_config=WAN_14B,
     video=True,
 )

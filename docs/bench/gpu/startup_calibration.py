@@ -6,8 +6,9 @@ length: :func:`~deepspeed_knap.models.timing.model_step_timer`, one warm-up run,
     python3 docs/bench/gpu/startup_calibration.py --json startup_calibration.json
 
 The timer reads only the model's ``family``, ``config`` and parameters' dtype, so a
-:class:`~deepspeed_knap.models.timing.ConfigModel` carrying the full config (FLUX.1 [dev]'s 19 + 38 blocks, FLUX.2 [dev]'s 8 + 48, Wan 14B's 40,
-Qwen-Image's 60) is timed without building the full model. ``--tiny`` runs the tiny configs, for a
+:class:`~deepspeed_knap.models.timing.ConfigModel` carrying the family's ``full_config`` (FLUX.1
+[dev]'s 19 + 38 blocks, FLUX.2 [dev]'s 8 + 48, Wan 14B's 40, Qwen-Image's 60) is timed without
+building the full model. ``--tiny`` runs the tiny configs, for a
 CPU check of the script.
 """
 
@@ -20,16 +21,10 @@ import time
 import torch
 
 from deepspeed_knap.cost.calibrate import fit_times, time_lengths
-from deepspeed_knap.models.flux.spec import FLUX1_DEV, FLUX2_DEV
 from deepspeed_knap.models.registry import spec
 from deepspeed_knap.models.timing import ConfigModel, model_step_timer
 
-WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-               text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
-               qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)  # fmt: skip
-QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-                  num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))  # fmt: skip
-CONFIGS = {"flux": FLUX1_DEV, "flux2": FLUX2_DEV, "wan": WAN_14B, "qwen-image": QWEN_IMAGE}
+FAMILIES = ("flux", "flux2", "wan", "qwen-image")
 
 
 def main() -> None:
@@ -43,9 +38,9 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     rows = []
-    for family, overrides in CONFIGS.items():
+    for family in FAMILIES:
         base = spec(family)
-        config = dict(base.tiny_config if args.tiny else overrides)
+        config = dict(base.tiny_config if args.tiny else base.full_config)
         start = time.perf_counter()
         step = model_step_timer(ConfigModel(family, config, dtype), device, dtype)
         built = time.perf_counter() - start
