@@ -1,0 +1,65 @@
+"""The issue-46 must-show from ``bench train --json`` files (run.sh): per file, auto's summed steps
+against the better fixed topology's, the cost model's median error from step 2, and with
+``--slow-rank`` the step the slow rank was called at and the compute max/mean after it.
+
+    python3 docs/bench/refit46/summarize.py docs/bench/refit46/*.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def summarize(path: Path) -> str:
+    data = json.loads(path.read_text())
+    by_mode: dict[str, list[dict]] = {}
+    for row in data["steps"]:
+        by_mode.setdefault(row["mode"], []).append(row)
+    total = {mode: sum(row["step_s"] for row in rows if row["step"] >= 1) for mode, rows in by_mode.items()}
+    auto = by_mode["auto"]
+    errors = [max(abs(e) for e in row["model_error"]) for row in auto if row["step"] >= 2]
+    line = f"{path.stem:24s} auto {total['off'] / total['auto']:.2f}x of off"
+    fixed = [mode for mode in total if mode.startswith("knapformer")]
+    if fixed:
+        best = min(fixed, key=total.get)
+        line += f", {total[best] / total['auto']:.3f}x of {best} ({total['off'] / total[best]:.2f}x)"
+    line += f"; model error from step 2: median {statistics.median(errors):.1%}"
+    slow = data["options"].get("slow_rank")
+    if slow:
+        rank = slow[0]
+        called = next((row["step"] for row in auto if row["speeds"] and row["speeds"][rank] != 1.0), None)
+        line += f"; rank {rank} called at step {called}"
+        if called is not None:
+            after = [row["compute_imbalance"] for row in auto if row["step"] > called]
+            line += f", compute max/mean after: median {statistics.median(after):.3f}, max {max(after):.3f}"
+    return line
+
+
+def timer_scatter(paths: list[Path]) -> dict[str, float]:
+    """Per mix, the scatter of the same work's compute seconds between runs: ``off`` keeps every
+    sequence home, so step ``s`` on rank ``r`` computes the same tokens in every run; the median over
+    (step >= 1, rank) of the standard deviation over the runs relative to the mean."""
+    times: dict[str, dict[tuple[int, int], list[float]]] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        if data["options"].get("slow_rank"):
+            continue
+        mix = path.stem.rsplit("_run", 1)[0]
+        for row in data["steps"]:
+            if row["mode"] == "off" and row["step"] >= 1:
+                for rank, seconds in enumerate(row["compute_s"]):
+                    times.setdefault(mix, {}).setdefault((row["step"], rank), []).append(seconds)
+    scatter = {mix: [statistics.stdev(t) / statistics.mean(t) for t in cells.values() if len(t) > 1]
+               for mix, cells in times.items()}  # fmt: skip
+    return {mix: statistics.median(values) for mix, values in scatter.items() if values}
+
+
+if __name__ == "__main__":
+    paths = [Path(name) for name in sys.argv[1:]]
+    for path in paths:
+        print(summarize(path))
+    for mix, scatter in timer_scatter(paths).items():
+        print(f"{mix}: the same work's compute seconds scatter {scatter:.1%} between runs (off, median over steps and ranks)")
