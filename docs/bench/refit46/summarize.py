@@ -62,4 +62,6 @@ if __name__ == "__main__":
     for path in paths:
         print(summarize(path))
     for mix, scatter in timer_scatter(paths).items():
-        print(f"{mix}: the same work's compute seconds scatter {scatter:.1%} between runs (off, median over steps and ranks)")
+        print(
+            f"{mix}: the same work's compute seconds scatter {scatter:.1%} between runs (off, median over steps and ranks)"
+        )
