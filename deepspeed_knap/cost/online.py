@@ -36,8 +36,9 @@ the measured degrees of freedom together. Measured alone, the scatter of the fir
 so uncertain (2 GPUs of two steps each: about 2 degrees of freedom, 6.75 standard errors at 3's
 tail) that a 2x slower rank on 2 GPUs at 10% noise was called after two measured steps in 8 of 20
 seeds; with the prior in 15, and equal GPUs no more often (none of 1,600 decisions at 5% or 10%
-noise either way; at 20%, twice the prior's, 4 against none). A speed is never called from one
-step: no scatter has been measured then, and the prior alone is no evidence. Likewise the overhead
+noise either way; at 20%, twice the prior's, 4 against none). No speed is called or dropped on
+less than one measured degree of freedom (one step per GPU): the prior alone is no evidence, and
+the speeds stay as they were (the start-up calibration's at the first refit). Likewise the overhead
 is fitted only when it exceeds ``OVERHEAD_EVIDENCE`` (5)
 standard errors in the full model, else ``a, b`` are fitted without it: balanced plans give every GPU
 about the same work step after step, so the data cannot tell a fixed cost from per-token work, and
@@ -95,7 +96,7 @@ moves, priced a move of 160 tokens at 1.2 ms against 2-7 ms measured; the free f
 runs none of the route's all-to-alls
 (:attr:`~deepspeed_knap.runtime.routing.RoutedBatch.stays_home`), so the latency is a real price of
 moving anything. The coefficients are refit once
-``warmup_steps`` measured steps moved tokens, and it replaces the prior's even when that is 0: route
+``warmup_steps`` observed steps moved tokens, and it replaces the prior's even when that is 0: route
 pricing turns on from the measurements. Steps that move nothing say nothing; but a price that keeps
 every sequence home would never be measured again, so the fit expires: once the newest step that
 moved tokens weighs under ``_EVIDENCE_EXPIRED``, the prior's coefficient and latency return and the next step
@@ -144,7 +145,7 @@ EVIDENCE = 3.0
 # (the conjugate update of a normal variance) instead of standing alone, so that the first refits,
 # whose few steps estimate it badly, test a speed against a scatter known at least this well (module
 # docstring). 10%: twice the timer noise of 2 CPU ranks (5%), so the prior errs towards not calling.
-PRIOR_SCATTER = 0.1**2
+PRIOR_SCATTER = 0.01
 PRIOR_SCATTER_DOF = 4.0
 # A fixed overhead is planned with only beyond this many: a false one costs more than a missed one
 # (it takes its share from the per-token terms, so moving work looks cheaper to skip than it is,
@@ -188,9 +189,9 @@ class OnlineSettings:
             The balancer observes every step but a run's first, whose one-time costs (allocator
             growth, lazy initialisation, the first collectives' connections) are not the model's:
             with 1, the second step's times refit the model (the third step plans with it, the
-            fourth where plans are solved a step ahead). What one step cannot show (the shape, an
-            overhead, a rank's speed: two steps at least) stays the prior's until its evidence test
-            passes.
+            fourth where plans are solved a step ahead). What the measurements do not yet show (a
+            rank's speed: two steps at least; the shape, an overhead) stays the prior's until its
+            evidence test passes.
         forgetting: weight of a step relative to the next newer one (1: all steps count alike;
             below 0.01 every older step has expired by the next, so speeds and the overhead, which
             need the scatter of two steps, stay 1 and 0).
@@ -501,8 +502,8 @@ class OnlineCostModel:
         # own few steps estimate it badly), or a rank's own where larger (one stalled step is that
         # rank's scatter, not all's).
         measured_dof = sum(steps - 1 for _, _, steps in known)
-        if measured_dof <= 0:  # one step each: no scatter measured, and the prior's alone is no evidence
-            return [1.0] * self.num_gpus
+        if measured_dof < 1:  # one step each (or all but expired): the prior's scatter alone is no evidence
+            return list(self.speeds)  # the start-up calibration's, or the last refit's
         dof = PRIOR_SCATTER_DOF + measured_dof
         pooled = (PRIOR_SCATTER * PRIOR_SCATTER_DOF + sum(scatter * (steps - 1) for _, scatter, steps in known)) / dof
         median, median_scatter, median_steps = sorted(known)[len(known) // 2]

@@ -426,9 +426,9 @@ class KnapBalancer:
             if step_s > 0:
                 self._overhead = balancer_overhead_s(per_rank) / step_s
         # The first measured step carries one-time costs (allocator growth, lazy initialisation, the
-        # first collectives' connections): on 2 CPU ranks its compute took 1.4x to 2.3x the next
-        # step's for similar tokens, which the refit would read as scatter (no rank's speed called
-        # until step 4) and as scale. It is priced, not learned from. (The reports are all-gathered:
+        # first collectives' connections): on 2 CPU ranks a process's first step took a median 1.45x
+        # (0.85x-2.8x) the next step's compute per token, which the refit would read as scatter (a
+        # 2x slower rank called only at step 4) and as scale. It is priced, not learned from. (The reports are all-gathered:
         # every rank counts alike.)
         self._measured_steps += any(us >= 0 for us in compute_us)
         if self.online is not None and self._measured_steps > 1:

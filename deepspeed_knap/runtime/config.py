@@ -71,7 +71,7 @@ class KnapOnlineConfig(_KnapConfigModel):
     enabled: StrictBool = True
     """Turn the refit on (an ``"online"`` object asks for it unless this is false)."""
     warmup_steps: int = Field(OnlineSettings.warmup_steps, ge=1)
-    """Steps measured before the first refit (a run's first step is priced, not learned from)."""
+    """Steps learned from before the first refit (a run's first measured step is not one)."""
     forgetting: float = Field(OnlineSettings.forgetting, gt=0, le=1, allow_inf_nan=False)
     """Weight of a step relative to the next newer one."""
     refit_interval: int = Field(OnlineSettings.refit_interval, ge=1)

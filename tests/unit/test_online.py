@@ -258,6 +258,20 @@ def test_an_unmeasured_alltoall_price_keeps_its_proportion_to_the_compute():
     assert online.model().inter_node_alltoall_coef == pytest.approx(15e-6, rel=1e-3)
 
 
+def test_the_start_up_speeds_stand_until_the_measurements_can_test_them():
+    """A prior with the start-up calibration's speeds (GPU 2 at half, GPU 6 at twice): the first
+    refit, of one step (no scatter measured), keeps them rather than resetting every GPU to 1, and
+    the plan after it still gives GPU 2 less; later refits test them on the measurements."""
+    prior = dataclasses.replace(CostModel(1e-5, 1e-8), gpu_speed=SPEEDS)
+    online, _ = run_online(prior, steps=1, settings=OnlineSettings(warmup_steps=1))
+    assert online.compute_fitted and online.model().gpu_speed == SPEEDS
+    lengths = sample_mix("kf_mixed_res", 8, 1)
+    after = plan_routing(lengths, build_topology("auto", 8), online.model())
+    assert after.gpu_tokens[2] < after.gpu_tokens[6]
+    online, _ = run_online(prior, steps=4, settings=OnlineSettings(warmup_steps=1))
+    assert online.model().gpu_speed == SPEEDS  # tested on three steps, and shown
+
+
 def test_the_first_refit_after_one_step_and_an_all_overhead_fit_still_refit():
     """warmup_steps=1: one measured step shows no scatter, so the first refit keeps every speed at 1
     (and does not divide by its zero degrees of freedom); the next learns the throttled and fast GPUs.

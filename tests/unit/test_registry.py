@@ -4,6 +4,7 @@ own configs and FLOP formula."""
 
 import argparse
 import importlib
+import inspect
 import json
 import runpy
 import sys
@@ -100,6 +101,17 @@ def test_a_checkpoint_s_family_comes_from_its_config(tmp_path):
     (tmp_path / "other" / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel"}))
     with pytest.raises(ValueError, match="'UNet2DConditionModel', which no model family implements"):
         checkpoint_spec(tmp_path / "other")
+
+
+@pytest.mark.parametrize("family", [name for name, family in SPECS.items() if family.full_config is not None])
+def test_a_full_config_is_the_model_s_arguments_and_a_preset_s_dims(family):
+    """What ``doctor`` times on a GPU: a family's full config binds to its packed model's signature
+    (not built here: 12-20B parameters) and prices as one of the family's presets."""
+    family_spec = spec(family)
+    inspect.signature(family_spec.model_class).bind(**family_spec.full_config)
+    dims = family_spec.cost_dims(family_spec.full_config)
+    assert any(all(dims[key] == value for key, value in preset.items() if key != "text_len")
+               for preset in family_spec.presets.values()), dims  # fmt: skip
 
 
 @pytest.mark.parametrize("family", list(SPECS))

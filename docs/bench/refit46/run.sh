@@ -16,3 +16,10 @@ for run in 1 2 3 4 5; do
   echo "run $run done $(date +%T)"
   rm -f /dev/shm/sem.mp-* 2>/dev/null
 done
+# The same FLUX runs with plans solved in the step (no plan worker competing for the 2 cores).
+mkdir -p $OUT/no_prefetch
+for run in 1 2 3 4 5; do
+  for mix in kf_image_video kf_mixed_res; do
+    $B --family flux --mix $mix --token-scale 0.25 --steps 17 --modes $MODES --no-prefetch --json $OUT/no_prefetch/np_${mix}_run$run.json > /dev/null 2>&1
+  done
+done
