@@ -45,7 +45,7 @@ from deepspeed_knap.models.registry import spec
 from deepspeed_knap.models.timing import ConfigModel
 from deepspeed_knap.options import add_family_argument, device, nonnegative_int, positive_int, seq_lens
 from deepspeed_knap.runtime.attention import BACKENDS, VarlenAttention, VarlenSeqs
-from deepspeed_knap.runtime.config import KnapStartupCalibrationConfig
+from deepspeed_knap.runtime.config import KnapCostModelConfig
 
 HELP = "versions, attention kernels, a kernel check and a calibration here"
 FORMATTER = argparse.RawDescriptionHelpFormatter
@@ -166,7 +166,9 @@ def startup_calibration(family: str, device: torch.device, dtype: torch.dtype, s
     model_spec = spec(family)
     full = cuda and model_spec.full_config is not None
     name, config = ("full", model_spec.full_config) if full else ("tiny", model_spec.tiny_config)
-    report = {"family": family, "config": name, "auto_runs_it": cuda, "seq_lens": list(seq_lens),
+    # What training decides with the default cost model (a preset source) on this accelerator.
+    auto_runs_it = KnapCostModelConfig().calibrates_at_start(cuda, family)
+    report = {"family": family, "config": name, "auto_runs_it": auto_runs_it, "seq_lens": list(seq_lens),
               "repeats": repeats}  # fmt: skip
     start = time.perf_counter()
     try:
@@ -237,7 +239,7 @@ def run_doctor(
                                  "quadratic_coef": model.quadratic_coef, **fit,
                                  "file": str(out / "calibration.json")}  # fmt: skip
     # On CUDA what training runs by default; on a CPU ("auto" leaves it off) the calibration's lengths.
-    defaults = KnapStartupCalibrationConfig()
+    defaults = KnapCostModelConfig().startup_calibration
     startup = (defaults.seq_lens, defaults.repeats) if cuda else (seq_lens, repeats)
     report["startup_calibration"] = startup_calibration(family, device, dtype, *startup)
     report["findings"] = findings(report)
