@@ -2,7 +2,7 @@
 against the better fixed topology's, the cost model's median error from step 2, and with
 ``--slow-rank`` the step the slow rank was called at and the compute max/mean after it.
 
-    python3 docs/bench/refit46/summarize.py docs/bench/refit46/*.json
+    .venv/bin/python docs/bench/refit46/summarize.py docs/bench/refit46/*.json
 """
 
 from __future__ import annotations
@@ -12,25 +12,24 @@ import statistics
 import sys
 from pathlib import Path
 
+from deepspeed_knap.bench.train import speed_calls, summarize
 
-def summarize(path: Path) -> str:
+
+def summarize_run(path: Path) -> str:
     data = json.loads(path.read_text())
-    by_mode: dict[str, list[dict]] = {}
-    for row in data["steps"]:
-        by_mode.setdefault(row["mode"], []).append(row)
-    total = {mode: sum(row["step_s"] for row in rows if row["step"] >= 1) for mode, rows in by_mode.items()}
-    auto = by_mode["auto"]
+    totals = {mode: row["total_speedup"] for mode, row in summarize(data).items()}  # over off, steps 1..
+    auto = [row for row in data["steps"] if row["mode"] == "auto"]
     errors = [max(abs(e) for e in row["model_error"]) for row in auto if row["step"] >= 2]
-    line = f"{path.stem:24s} auto {total['off'] / total['auto']:.2f}x of off"
-    fixed = [mode for mode in total if mode.startswith("knapformer")]
+    line = f"{path.stem:24s} auto {totals['auto']:.2f}x of off"
+    fixed = [mode for mode in totals if mode.startswith("knapformer")]
     if fixed:
-        best = min(fixed, key=total.get)
-        line += f", {total[best] / total['auto']:.3f}x of {best} ({total['off'] / total[best]:.2f}x)"
+        best = max(fixed, key=totals.get)
+        line += f", {totals['auto'] / totals[best]:.3f}x of {best} ({totals[best]:.2f}x)"
     line += f"; model error from step 2: median {statistics.median(errors):.1%}"
     slow = data["options"].get("slow_rank")
     if slow:
         rank = slow[0]
-        called = next((row["step"] for row in auto if row["speeds"] and row["speeds"][rank] != 1.0), None)
+        called = speed_calls(data).get("auto", {}).get(rank, (None,))[0]
         line += f"; rank {rank} called at step {called}"
         if called is not None:
             after = [row["compute_imbalance"] for row in auto if row["step"] > called]
@@ -60,7 +59,7 @@ def timer_scatter(paths: list[Path]) -> dict[str, float]:
 if __name__ == "__main__":
     paths = [Path(name) for name in sys.argv[1:]]
     for path in paths:
-        print(summarize(path))
+        print(summarize_run(path))
     for mix, scatter in timer_scatter(paths).items():
         print(
             f"{mix}: the same work's compute seconds scatter {scatter:.1%} between runs (off, median over steps and ranks)"
