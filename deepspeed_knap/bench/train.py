@@ -33,9 +33,9 @@ should be the one, soon).
 block's forward and backward; CPU ranks only). ``--online`` turns on the cost model's online refit,
 which learns that rank's speed. ``--startup-calibration`` times the blocks at start-up
 (``cost_model.startup_calibration``) at the mix's lengths; the slow-down does not reach those
-timings (they run a copy of the blocks), so the refit is what finds a slow rank. The cost model's prior is the FLOP model of the tiny dims, whose
-absolute scale is far from a CPU's: its error is large until the refit has run (or give
-``--calibration FILE`` from ``deepspeed-knap calibrate``).
+timings (they run a copy of the blocks), so the refit is what finds a slow rank. The cost model's
+prior is the FLOP model of the tiny dims, whose absolute scale is far from a CPU's: its error is
+large until the refit has run (or give ``--calibration FILE`` from ``deepspeed-knap calibrate``).
 """
 
 from __future__ import annotations
@@ -317,10 +317,10 @@ def bench_train(options: dict) -> dict:
 
 
 def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
-    """Per mode, over steps ``skip..`` (the first warms up; online, it is not learned from): the median step
-    seconds, speedup over ``off`` on the same step and compute max/mean, the median |model error|,
-    the speedup of the summed step times (what a training run of these steps gains), and the median
-    overhead budget (:func:`~deepspeed_knap.runtime.balancer.balancer_overhead_s` over the step: the
+    """Per mode, over steps ``skip..`` (the first warms up; online, it is not learned from): the
+    median step seconds, speedup over ``off`` on the same step and compute max/mean, the median
+    |model error|, the speedup of the summed step times (what a training run of these steps
+    gains), and the median overhead budget (:func:`~deepspeed_knap.runtime.balancer.balancer_overhead_s` over the step: the
     largest refit and solve of a rank over ranks plus each collective part's least time over ranks,
     so a fast rank's wait for a slow one is not counted as the balancer's)."""
     by_mode: dict[str, list[dict]] = {}

@@ -129,9 +129,9 @@ def startup_model(
 
     The fit is of the ranks' median times per length (the lower median: with 2 ranks the faster's;
     :func:`fit_times`), so one slow rank does not move it; where it puts ``a`` or ``b`` at 0 (the
-    lengths did not show that term), the prior's ``a : b`` is scaled to the times instead. A rank's speed is the median over the
-    lengths of that median time over its own,
-    called (rounded to 1/32) only when it departs from 1 by more than :data:`SPEED_MARGIN` and
+    lengths did not show that term), the prior's ``a : b`` is scaled to the times instead. A rank's
+    speed is the median over the lengths of that median time over its own, called (rounded to
+    1/32) only when it departs from 1 by more than :data:`SPEED_MARGIN` and
     :data:`SPEED_EVIDENCE` standard errors of those ratios; else 1. The prior's all-to-all prices
     (``alltoall_coef``, ``inter_node_alltoall_coef``) and per-sequence cost (``sequence_coef``) are
     scaled by the fitted compute over the prior's at the longest length, as the online refit scales

@@ -428,8 +428,8 @@ class KnapBalancer:
         # The first measured step carries one-time costs (allocator growth, lazy initialisation, the
         # first collectives' connections): on 2 CPU ranks a process's first step took a median 1.45x
         # (0.85x-2.8x) the next step's compute per token, which the refit would read as scatter (a
-        # 2x slower rank called only at step 4) and as scale. It is priced, not learned from. (The reports are all-gathered:
-        # every rank counts alike.)
+        # 2x slower rank called only at step 4) and as scale. It is priced, not learned from. (The
+        # reports are all-gathered: every rank counts alike.)
         self._measured_steps += any(us >= 0 for us in compute_us)
         if self.online is not None and self._measured_steps > 1:
             squares = None
