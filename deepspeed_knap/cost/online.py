@@ -44,10 +44,15 @@ standard errors in the full model, else ``a, b`` are fitted without it: balanced
 about the same work step after step, so the data cannot tell a fixed cost from per-token work, and
 noise once called 60 of a 62 ms step overhead (``a = 0``, 2 CPU ranks), which priced moving work at
 nothing and kept every sequence home for two steps. This test takes Student's t quantile for the
-degrees of freedom the residual was measured with. Likewise the ratio of ``a`` to ``b``: it departs
-from the prior's only when the free fit's ``d`` in ``k (a0 X + b0 Y) + d X`` (``+ d Y`` when
-``b0 = 0``) exceeds ``SHAPE_EVIDENCE`` (2) standard errors; otherwise ``a, b`` are the prior's times one
-fitted scale. On near-balanced plans ``X`` and ``Y`` rise together: noise moved ``b / a`` between 0
+degrees of freedom the residual was measured with. A prior that has an overhead (the start-up
+calibration's fixed cost, most of a short step on a GPU) keeps it in proportion instead: the
+overhead is ``k o0``, with ``k`` the scale fitted to ``a, b`` below, and departs from it (either way)
+only beyond ``OVERHEAD_EVIDENCE`` standard errors; dropped, the steps' spread in tokens is all
+per-token work and the model misprices the smaller and larger steps (synthetic, a 20 ms overhead of
+40-55 ms steps: 1.1% against 0.6% median error). Likewise the ratio of ``a`` to ``b``: it departs
+from the prior's only when the free fit's ``d`` in ``h + k (o0 + a0 X + b0 Y) + d X`` (``+ d Y``
+when ``b0 = 0``) exceeds ``SHAPE_EVIDENCE`` (2) standard errors; otherwise ``a, b`` are the prior's
+times one fitted scale. On near-balanced plans ``X`` and ``Y`` rise together: noise moved ``b / a`` between 0
 and 5x the prior's from refit to refit (2 CPU ranks, kf_mixed_res x1/4, where the free fit settled
 on the prior's ratio after 13 steps), and ``auto`` balanced worse than knapformer's plans from the
 prior (kf_mixed_res and kf_image_video x1/4 on 2 CPU ranks of a 16-core host: compute max/mean
@@ -384,7 +389,7 @@ class OnlineCostModel:
 
     @property
     def overhead_s(self) -> float:
-        """The fitted fixed seconds of a rank of speed 1 per step (0 until the first refit)."""
+        """The fitted fixed seconds of a rank of speed 1 per step (the prior's until the first refit)."""
         return self.current.overhead_s
 
     def predicted_s(self, plan: Placement, segment_squares: list[float] | None = None) -> list[float]:
@@ -454,7 +459,10 @@ class OnlineCostModel:
                 [total["y"], total["xy"], total["yy"]]]  # fmt: skip
         rhs = [total["t"], total["tx"], total["ty"]]
         weight, squared_weight = total["w"], sum(self.sums[g][_SQUARED_WEIGHT] for g in busy)
-        coef = _overhead_if_shown(gram, rhs, total["tt"], weight, squared_weight)
+        # A prior with an overhead (module docstring): the free fit keeps one as fitted, unless it is all overhead.
+        coef = nonnegative_normal_equations(gram, rhs, total["tt"]) if self.prior.overhead_s > 0 else [0.0] * 3
+        if coef[1] <= 0 and coef[2] <= 0:
+            coef = _overhead_if_shown(gram, rhs, total["tt"], weight, squared_weight)
         if coef[1] > 0 or coef[2] > 0:
             coef = self._prior_shape_unless_shown(gram, rhs, total["tt"], coef, weight, squared_weight)
         return coef if coef[1] > 0 or coef[2] > 0 else None
@@ -463,33 +471,42 @@ class OnlineCostModel:
                                   coef: list[float], weight: float, squared_weight: float) -> list[float]:  # fmt: skip
         """``coef`` (``[overhead, a, b]``, fitted free) where the measurements show the ratio of
         ``a`` to ``b`` departs from the prior's by :data:`SHAPE_EVIDENCE` standard errors; else the
-        prior's ``a, b`` times one fitted scale, fitted beside the overhead where the free fit had one
-        and it is still shown (:data:`OVERHEAD_EVIDENCE`) beside the prior's terms. In the basis
-        ``(1, P, D)``, ``P = a0 X + b0 Y`` the prior's per-token seconds and ``D`` the other term
-        (``X``, or ``Y`` when ``b0 = 0``), the free fit is ``k P + d D``: the test is of ``d``."""
-        a0, b0 = self.prior.linear_coef, self.prior.quadratic_coef
+        prior's ``overhead, a, b`` times one fitted scale ``k``, and an overhead departing from ``k``
+        times the prior's where that is shown (:data:`OVERHEAD_EVIDENCE`). In the basis ``(1, P,
+        D)``, ``P = o0 + a0 X + b0 Y`` the prior's seconds and ``D`` the other term (``X``, or ``Y``
+        when ``b0 = 0``), the free fit is ``h + k P + d D``: the shape's test is of ``d``, the
+        overhead's of ``h``. A prior without an overhead (``o0 = 0``: FLOPs, a calibration file)
+        has ``h`` only where the free fit had one."""
+        o0, a0, b0 = self.prior.overhead_s, self.prior.linear_coef, self.prior.quadratic_coef
         if a0 <= 0 and b0 <= 0:
             return coef  # the prior prices no work: it has no shape to keep
         other = (0.0, 1.0, 0.0) if b0 > 0 else (0.0, 0.0, 1.0)
-        basis = [(1.0, 0.0, 0.0), (0.0, a0, b0), other]  # each a combination of the columns (1, X, Y)
+        basis = [(1.0, 0.0, 0.0), (o0, a0, b0), other]  # each a combination of the columns (1, X, Y)
         k = coef[2] / b0 if b0 > 0 else coef[1] / a0
-        # (overhead, k, d) with a = k a0 + d, b = k b0 (b0 > 0), or a = k a0, b = d (b0 = 0).
-        shaped = [coef[0], k, coef[1] - k * a0 if b0 > 0 else coef[2]]
+        # (h, k, d) with overhead = h + k o0, a = k a0 + d, b = k b0 (b0 > 0), or a = k a0, b = d (b0 = 0).
+        shaped = [coef[0] - k * o0, k, coef[1] - k * a0 if b0 > 0 else coef[2]]
         shaped_gram = [[sum(u[i] * gram[i][j] * v[j] for i in range(3) for j in range(3)) for v in basis]
                        for u in basis]  # fmt: skip
         shaped_rhs = [sum(u[i] * rhs[i] for i in range(3)) for u in basis]
-        columns = [0, 1, 2] if coef[0] > 0 else [1, 2]  # the overhead as the free fit took it
+        columns = [0, 1, 2] if coef[0] > 0 or o0 > 0 else [1, 2]  # the overhead as the free fit took it
         sub = [[shaped_gram[i][j] for j in columns] for i in columns]
         if _shown(sub, [shaped_rhs[i] for i in columns], target_norm, [shaped[i] for i in columns],
                   len(columns) - 1, SHAPE_EVIDENCE, weight, squared_weight):  # fmt: skip
             return coef
-        if coef[0] > 0:  # the overhead beside P, planned with only if shown there too
-            pair = [[shaped_gram[0][0], shaped_gram[0][1]], [shaped_gram[1][0], shaped_gram[1][1]]]
-            overhead, k = _overhead_if_shown(pair, shaped_rhs[:2], target_norm, weight, squared_weight)
+        pair = [[shaped_gram[0][0], shaped_gram[0][1]], [shaped_gram[1][0], shaped_gram[1][1]]]
+        if o0 > 0:  # h beside k P, either sign, planned with only if shown
+            free = solve_linear(pair, shaped_rhs[:2])
+            usable = free is not None and free[1] > 0 and free[0] + free[1] * o0 >= 0
+            if usable and _shown(pair, shaped_rhs[:2], target_norm, free, 0, OVERHEAD_EVIDENCE, weight, squared_weight):
+                h, k = free
+            else:
+                h, k = 0.0, shaped_rhs[1] / shaped_gram[1][1]  # P alone: the prior's overhead in proportion
+        elif coef[0] > 0:  # the overhead beside P, planned with only if shown there too
+            h, k = _overhead_if_shown(pair, shaped_rhs[:2], target_norm, weight, squared_weight)
         else:
-            overhead, k = 0.0, shaped_rhs[1] / shaped_gram[1][1]  # P alone (its column is not all zero)
+            h, k = 0.0, shaped_rhs[1] / shaped_gram[1][1]  # P alone (its column is not all zero)
         # k <= 0 only if measured time falls as work rises: the free fit then says more than the prior.
-        return [overhead, k * a0, k * b0] if k > 0 else coef
+        return [h + k * o0, k * a0, k * b0] if k > 0 else coef
 
     def _fit_speeds(self, busy: list[int], coef: list[float]) -> list[float]:
         """Each rank's predicted over measured seconds, relative to the median rank's where the

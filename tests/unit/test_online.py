@@ -236,6 +236,38 @@ def test_the_prior_ratio_of_a_to_b_is_kept_until_the_measurements_show_another(m
     assert max(abs(r / 1.5e-4 - 1) for seed in ratios(same_shape, 2, 20, 4, 4) for r in seed) > 0.5
 
 
+def test_a_prior_overhead_is_kept_in_proportion_until_the_measurements_show_another():
+    """A start-up calibration's prior has a fixed cost per step (``overhead_s``), which the refit of
+    balanced plans cannot test at 5% noise: two GPUs with whole sequences (g1n2), kf_image_video x1/4,
+    a prior of the truth's overhead, ``a`` and ``b`` at half their scale. Every refit over 20 steps
+    and 4 noise seeds keeps the overhead in the prior's proportion (the truth's 20 ms, within 5%), and
+    prices the plans within 1% of the truth's (median); the same prior without its overhead, whose
+    refit drops it, prices them at least 1.5 times as far off (1.1% against 0.6%)."""
+    truth = CostModel(2e-5, 3e-9)
+
+    def refits(prior):
+        """The fitted overhead and the largest relative error over the GPUs of every refit's prediction."""
+        found = []
+        for seed in range(4):
+            online, spoil = OnlineCostModel(prior, 2), noisy(seed)
+            for step in range(20):
+                lengths = [[max(1, n // 4) for n in rank] for rank in sample_mix("kf_image_video", 2, step)]
+                plan = plan_routing(lengths, build_topology("g1n2", 2), online.model())
+                true = measure(plan, truth, (1.0, 1.0), overhead_s=0.02)
+                if online.compute_fitted:
+                    error = max(abs(p * 1e6 / t - 1) for p, t in zip(online.predicted_s(plan), true, strict=True))
+                    found.append((online.overhead_s, error))
+                online.observe(plan, spoil(step, true), [0] * 2)
+        return found
+
+    kept = refits(CostModel(1e-5, 1.5e-9, overhead_s=0.01))
+    assert len(kept) >= 70 and [o for o, _ in kept] == pytest.approx([0.02] * len(kept), rel=0.05)
+    dropped = refits(CostModel(1e-5, 1.5e-9))
+    assert all(o == 0 for o, _ in dropped)
+    assert 1.5 * np.median([e for _, e in kept]) < np.median([e for _, e in dropped])
+    assert np.median([e for _, e in kept]) < 0.01
+
+
 def test_an_unmeasured_alltoall_price_keeps_its_proportion_to_the_compute():
     """GPUs 10x slower than the prior says, no Ulysses exchange timed yet: the refit scales the
     prior's c (and c', which keeps its ratio to c) by the compute's 10, so splitting a sequence costs
