@@ -63,7 +63,7 @@ DEFAULT_INTER_NODE_ALLTOALL_GBPS = 50.0
 
 # The prices a cost model is made of, by the one name the dataclass, the "knapformer" config block
 # (cost_model), calibration files and the online refit all use (tests/unit/test_cost_model.py sends
-# each through all four). Not among them: overhead_s, which the refit fits and no source gives.
+# each through all four). Not among them: overhead_s, which the start-up calibration and the refit fit.
 COEFFICIENTS = (
     "linear_coef", "quadratic_coef", "alltoall_coef", "sequence_coef", "route_coef", "inter_node_route_coef",
     "inter_node_alltoall_coef", "route_latency_s",

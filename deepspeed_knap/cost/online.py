@@ -459,7 +459,8 @@ class OnlineCostModel:
                 [total["y"], total["xy"], total["yy"]]]  # fmt: skip
         rhs = [total["t"], total["tx"], total["ty"]]
         weight, squared_weight = total["w"], sum(self.sums[g][_SQUARED_WEIGHT] for g in busy)
-        # A prior with an overhead (module docstring): the free fit keeps one as fitted, unless it is all overhead.
+        # A prior with an overhead (module docstring): the free fit keeps its overhead as fitted, to be tested
+        # beside the prior's shape; a fit of all overhead is fitted per token instead.
         coef = nonnegative_normal_equations(gram, rhs, total["tt"]) if self.prior.overhead_s > 0 else [0.0] * 3
         if coef[1] <= 0 and coef[2] <= 0:
             coef = _overhead_if_shown(gram, rhs, total["tt"], weight, squared_weight)
@@ -471,40 +472,52 @@ class OnlineCostModel:
                                   coef: list[float], weight: float, squared_weight: float) -> list[float]:  # fmt: skip
         """``coef`` (``[overhead, a, b]``, fitted free) where the measurements show the ratio of
         ``a`` to ``b`` departs from the prior's by :data:`SHAPE_EVIDENCE` standard errors; else the
-        prior's ``overhead, a, b`` times one fitted scale ``k``, and an overhead departing from ``k``
-        times the prior's where that is shown (:data:`OVERHEAD_EVIDENCE`). In the basis ``(1, P,
-        D)``, ``P = o0 + a0 X + b0 Y`` the prior's seconds and ``D`` the other term (``X``, or ``Y``
-        when ``b0 = 0``), the free fit is ``h + k P + d D``: the shape's test is of ``d``, the
-        overhead's of ``h``. A prior without an overhead (``o0 = 0``: FLOPs, a calibration file)
-        has ``h`` only where the free fit had one."""
+        prior's ``overhead, a, b`` times one fitted scale ``k``. In the basis ``(1, P, D)``, ``P =
+        o0 + a0 X + b0 Y`` the prior's seconds and ``D`` the other term (``X``, or ``Y`` when ``b0 =
+        0``), the free fit is ``h + k P + d D``: the shape's test is of ``d``. A prior with an
+        overhead (``o0 > 0``) keeps it at ``k o0`` either way, unless ``h`` is shown
+        (:data:`OVERHEAD_EVIDENCE`; where that puts the overhead below 0, it is 0). A prior without
+        one (``o0 = 0``: FLOPs, a calibration file) has ``h`` where the free fit had one and it is
+        still shown beside ``k P``."""
         o0, a0, b0 = self.prior.overhead_s, self.prior.linear_coef, self.prior.quadratic_coef
         if a0 <= 0 and b0 <= 0:
             return coef  # the prior prices no work: it has no shape to keep
         other = (0.0, 1.0, 0.0) if b0 > 0 else (0.0, 0.0, 1.0)
         basis = [(1.0, 0.0, 0.0), (o0, a0, b0), other]  # each a combination of the columns (1, X, Y)
-        k = coef[2] / b0 if b0 > 0 else coef[1] / a0
+        free_scale = coef[2] / b0 if b0 > 0 else coef[1] / a0
         # (h, k, d) with overhead = h + k o0, a = k a0 + d, b = k b0 (b0 > 0), or a = k a0, b = d (b0 = 0).
-        shaped = [coef[0] - k * o0, k, coef[1] - k * a0 if b0 > 0 else coef[2]]
+        shaped = [coef[0] - free_scale * o0, free_scale, coef[1] - free_scale * a0 if b0 > 0 else coef[2]]
         shaped_gram = [[sum(u[i] * gram[i][j] * v[j] for i in range(3) for j in range(3)) for v in basis]
                        for u in basis]  # fmt: skip
         shaped_rhs = [sum(u[i] * rhs[i] for i in range(3)) for u in basis]
-        columns = [0, 1, 2] if coef[0] > 0 or o0 > 0 else [1, 2]  # the overhead as the free fit took it
+        columns = [0, 1, 2] if coef[0] > 0 or o0 > 0 else [1, 2]  # with the overhead where the fit or the prior has one
         sub = [[shaped_gram[i][j] for j in columns] for i in columns]
-        if _shown(sub, [shaped_rhs[i] for i in columns], target_norm, [shaped[i] for i in columns],
-                  len(columns) - 1, SHAPE_EVIDENCE, weight, squared_weight):  # fmt: skip
-            return coef
+        sub_rhs, sub_coef = [shaped_rhs[i] for i in columns], [shaped[i] for i in columns]
+        alone = shaped_rhs[1] / shaped_gram[1][1]  # k of P alone (its column is not all zero)
+        if _shown(sub, sub_rhs, target_norm, sub_coef, len(columns) - 1, SHAPE_EVIDENCE, weight, squared_weight):
+            if o0 <= 0 or _shown(sub, sub_rhs, target_norm, sub_coef, 0, OVERHEAD_EVIDENCE, weight, squared_weight):
+                return coef  # (with o0 = 0, its overhead was tested by _overhead_if_shown)
+            # The shape departs, the overhead is not shown to: k P + d D, the overhead k o0.
+            fit = solve_linear([row[1:] for row in shaped_gram[1:]], shaped_rhs[1:])
+            if fit is not None and fit[0] > 0:
+                k, d = fit
+                a, b = (k * a0 + d, k * b0) if b0 > 0 else (k * a0, d)
+                if a >= 0 and b >= 0:
+                    return [k * o0, a, b]
+            return [alone * o0, alone * a0, alone * b0] if alone > 0 else coef
         pair = [[shaped_gram[0][0], shaped_gram[0][1]], [shaped_gram[1][0], shaped_gram[1][1]]]
+        h, k = 0.0, alone
         if o0 > 0:  # h beside k P, either sign, planned with only if shown
             free = solve_linear(pair, shaped_rhs[:2])
-            usable = free is not None and free[1] > 0 and free[0] + free[1] * o0 >= 0
-            if usable and _shown(pair, shaped_rhs[:2], target_norm, free, 0, OVERHEAD_EVIDENCE, weight, squared_weight):
+            if free is not None and _shown(pair, shaped_rhs[:2], target_norm, free, 0, OVERHEAD_EVIDENCE, weight,
+                                           squared_weight):  # fmt: skip
                 h, k = free
-            else:
-                h, k = 0.0, shaped_rhs[1] / shaped_gram[1][1]  # P alone: the prior's overhead in proportion
+                if k > 0 and h + k * o0 < 0:  # below no overhead: none, a and b in the prior's ratio
+                    work = a0 * a0 * gram[1][1] + 2 * a0 * b0 * gram[1][2] + b0 * b0 * gram[2][2]
+                    k = (a0 * rhs[1] + b0 * rhs[2]) / work
+                    return [0.0, k * a0, k * b0] if k > 0 else coef
         elif coef[0] > 0:  # the overhead beside P, planned with only if shown there too
             h, k = _overhead_if_shown(pair, shaped_rhs[:2], target_norm, weight, squared_weight)
-        else:
-            h, k = 0.0, shaped_rhs[1] / shaped_gram[1][1]  # P alone (its column is not all zero)
         # k <= 0 only if measured time falls as work rises: the free fit then says more than the prior.
         return [h + k * o0, k * a0, k * b0] if k > 0 else coef
 
