@@ -67,10 +67,9 @@ def calibrate(step: Step, seq_lens: Sequence[int], repeats: int = 3) -> tuple[Co
 
 
 def time_lengths(step: Step, seq_lens: Sequence[int], repeats: int, progress: bool = True) -> np.ndarray:
-    """``[M]`` median seconds of ``step`` at each of ``seq_lens`` (:func:`time_step`). Each length's
-    own warm-up run grows the allocator and thread pools to it, so no run at the largest comes first
-    (with a model's step timer, whose first call also runs the model once untimed, that run made two
-    of the five runs at the longest length, the costliest, at the default repeats)."""
+    """``[M]`` median seconds of ``step`` at each of ``seq_lens`` (:func:`time_step`), after one run
+    at the largest (which grows the allocator and thread pools)."""
+    step(max(seq_lens))
     lengths = tqdm(seq_lens, desc="calibrate", leave=False, disable=not progress)
     return np.array([time_step(step, s, repeats) for s in lengths])
 

@@ -494,7 +494,6 @@ class OnlineCostModel:
         columns = [0, 1, 2] if coef[0] > 0 or o0 > 0 else [1, 2]  # with the overhead where the fit or the prior has one
         sub = [[shaped_gram[i][j] for j in columns] for i in columns]
         sub_rhs, sub_coef = [shaped_rhs[i] for i in columns], [shaped[i] for i in columns]
-        alone = shaped_rhs[1] / shaped_gram[1][1]  # k of P alone (its column is not all zero)
         if _shown(sub, sub_rhs, target_norm, sub_coef, len(columns) - 1, SHAPE_EVIDENCE, weight, squared_weight):
             if o0 <= 0 or _shown(sub, sub_rhs, target_norm, sub_coef, 0, OVERHEAD_EVIDENCE, weight, squared_weight):
                 return coef  # (with o0 = 0, its overhead was tested by _overhead_if_shown)
@@ -505,9 +504,10 @@ class OnlineCostModel:
                 a, b = (k * a0 + d, k * b0) if b0 > 0 else (k * a0, d)
                 if a >= 0 and b >= 0:
                     return [k * o0, a, b]
+            alone = shaped_rhs[1] / shaped_gram[1][1]  # k of P alone (its column is not all zero)
             return [alone * o0, alone * a0, alone * b0] if alone > 0 else coef
         pair = [[shaped_gram[0][0], shaped_gram[0][1]], [shaped_gram[1][0], shaped_gram[1][1]]]
-        h, k = 0.0, alone
+        h, k = 0.0, shaped_rhs[1] / shaped_gram[1][1]  # P alone (its column is not all zero)
         if o0 > 0:  # h beside k P, either sign, planned with only if shown
             free = solve_linear(pair, shaped_rhs[:2])
             if free is not None and _shown(pair, shaped_rhs[:2], target_norm, free, 0, OVERHEAD_EVIDENCE, weight,

@@ -1,6 +1,6 @@
 """What ``cost_model.startup_calibration`` costs at the real families' widths on one GPU: the
 seconds of its timing (a copy of a fraction of the blocks, forward and backward, at each
-length: :func:`~deepspeed_knap.models.timing.model_step_timer`, one warm-up run each, then the median of
+length: :func:`~deepspeed_knap.models.timing.model_step_timer`, one warm-up run, then the median of
 ``--repeats``) and the fit it gives, per family.
 
     python3 docs/bench/gpu/startup_calibration.py --json startup_calibration.json
