@@ -80,6 +80,11 @@ def test_one_noisy_step_moves_a_speed_little_and_speeds_stay_bounded():
     assert all(v * 32 == round(v * 32) for v in online.model().gpu_speed)
 
 
+def scaled_mix(mix, gpus, step, divisor=4):
+    """``sample_mix``'s lengths of ``step`` divided by ``divisor`` (at least 1 token): bench train's x1/4."""
+    return [[max(1, n // divisor) for n in rank] for rank in sample_mix(mix, gpus, step)]
+
+
 def noisy(seed, spread=0.05):
     """A spoiler: every GPU's time times ``1 + spread * N(0, 1)``, independently each step."""
     rng = np.random.default_rng(seed)
@@ -131,7 +136,7 @@ def test_the_prior_scatter_calls_a_slow_rank_after_two_measured_steps_and_no_equ
         online, topology = OnlineCostModel(CostModel(1e-5, 1e-8), 2, OnlineSettings()), build_topology("auto", 2)
         spoil, found = noisy(seed, spread), []
         for step in range(steps):
-            lengths = [[max(1, n // 4) for n in rank] for rank in sample_mix("kf_mixed_res", 2, step + 100 * seed)]
+            lengths = scaled_mix("kf_mixed_res", 2, step + 100 * seed)
             plan = plan_routing(lengths, topology, online.model())
             online.observe(plan, spoil(step, measure(plan, speeds=truth)), [0] * 2)
             found.append(online.model().gpu_speed)
@@ -187,8 +192,7 @@ def test_an_overhead_is_planned_only_when_the_measurements_show_it(monkeypatch):
             online = OnlineCostModel(CostModel(1e-5, 1e-8), 2, OnlineSettings(warmup_steps=2))
             spoil, topology = noisy(seed), build_topology("auto", 2)
             for step in range(20):
-                plan = plan_routing([[max(1, n // 4) for n in rank] for rank in sample_mix("kf_mixed_res", 2, step)],
-                                    topology, online.model())  # fmt: skip
+                plan = plan_routing(scaled_mix("kf_mixed_res", 2, step), topology, online.model())
                 online.observe(plan, spoil(step, measure(plan, truth, (1.0, 1.0), overhead_s=0.002)), [0] * 2)
                 if online.compute_fitted:
                     model = online.model()
@@ -219,7 +223,7 @@ def test_the_prior_ratio_of_a_to_b_is_kept_until_the_measurements_show_another(m
             online = OnlineCostModel(prior, gpus, OnlineSettings(warmup_steps=2))
             spoil, topology = noisy(seed), build_topology(f"g1n{gpus}", gpus)
             for step in range(steps):
-                lengths = [[max(1, n // scale) for n in rank] for rank in sample_mix("kf_mixed_res", gpus, step)]
+                lengths = scaled_mix("kf_mixed_res", gpus, step, scale)
                 plan = plan_routing(lengths, topology, online.model())
                 online.observe(plan, spoil(step, measure(plan, truth, (1.0,) * gpus, overhead_s=0.002)), [0] * gpus)
                 if online.compute_fitted:
@@ -252,7 +256,7 @@ def test_a_prior_overhead_is_kept_in_proportion_until_the_measurements_show_anot
         for seed in range(4):
             online, spoil = OnlineCostModel(prior, 2), noisy(seed)
             for step in range(20):
-                lengths = [[max(1, n // 4) for n in rank] for rank in sample_mix("kf_image_video", 2, step)]
+                lengths = scaled_mix("kf_image_video", 2, step)
                 plan = plan_routing(lengths, build_topology("g1n2", 2), online.model())
                 true = measure(plan, truth, (1.0, 1.0), overhead_s=0.02)
                 if online.compute_fitted:
@@ -279,13 +283,10 @@ def test_a_prior_overhead_departs_either_way_where_the_measurements_show_it(monk
     truth = CostModel(2e-5, 3e-9)
 
     def overheads(prior_overhead, true_overhead):
-        online, spoil, found = (
-            OnlineCostModel(CostModel(1e-5, 1.5e-9, overhead_s=prior_overhead), 4),
-            noisy(0, 0.01),
-            [],
-        )
+        online = OnlineCostModel(CostModel(1e-5, 1.5e-9, overhead_s=prior_overhead), 4)
+        spoil, found = noisy(0, 0.01), []
         for step in range(20):
-            lengths = [[max(1, n // 4) for n in rank] for rank in sample_mix("kf_image_video", 4, step)]
+            lengths = scaled_mix("kf_image_video", 4, step)
             plan = plan_routing(lengths, build_topology("auto", 4), online.model(), "none")
             online.observe(plan, spoil(step, measure(plan, truth, (1.0,) * 4, overhead_s=true_overhead)), [0] * 4)
             found.append(online.overhead_s)
