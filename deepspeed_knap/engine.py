@@ -171,8 +171,11 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
         return engine, optimizer, dataloader, lr_scheduler, None
     if calibrating:
         settings = knap.cost_model.startup_calibration
-        cost_model = calibrate_at_start(engine.module, cost_model, settings.seq_lens, settings.repeats, topology,
-                                        knap.attention_backend).model  # fmt: skip
+        calibration = calibrate_at_start(engine.module, cost_model, settings.timed_lengths(knap.max_tokens_per_gpu),
+                                         settings.repeats, topology, knap.attention_backend,
+                                         required=settings.enabled is True)  # fmt: skip
+        if calibration is not None:  # None: "auto"'s timing failed on some rank, and every rank keeps the prior
+            cost_model = calibration.model
     balancer = KnapBalancer(
         create_process_groups(topology, datetime.timedelta(seconds=knap.timeout_s)),
         cost_model,

@@ -114,7 +114,8 @@ class KnapStartupCalibrationConfig(_KnapConfigModel):
     """``true``, ``false``, or ``"auto"``: on where it costs little, on GPUs with a preset source
     (the FLOP prior); off on CPU ranks and with measured coefficients or a calibration file."""
     seq_lens: list[int] = Field(default_factory=lambda: [1024, 2048, 4096, 8192])
-    """Lengths timed (at least 3 different, each > 0): the fit extrapolates from them."""
+    """Lengths timed (at least 3 different, each > 0): the fit extrapolates from them. The default
+    ones are cut to ``max_tokens_per_gpu`` (:meth:`timed_lengths`)."""
     repeats: int = Field(2, ge=1, le=20)
     """Timed runs per length (the median counts), after one warm-up run."""
 
@@ -132,6 +133,17 @@ class KnapStartupCalibrationConfig(_KnapConfigModel):
             raise ValueError(f"seq_lens {value}: give at least 3 different lengths, each >= 1 (a, b and an "
                              "overhead are fitted)")  # fmt: skip
         return value
+
+    def timed_lengths(self, max_tokens_per_gpu: int | None) -> list[int]:
+        """The lengths to time: ``seq_lens`` as given, or the default ones up to ``max_tokens_per_gpu``
+        (no GPU holds more: longer ones would spend memory and time on a length no step runs),
+        and where fewer than 3 of those remain, the cap, its half and its quarter."""
+        if max_tokens_per_gpu is None or "seq_lens" in self.model_fields_set:
+            return list(self.seq_lens)
+        within = [length for length in self.seq_lens if length <= max_tokens_per_gpu]
+        if len(within) >= 3:
+            return within
+        return sorted({max_tokens_per_gpu >> shift for shift in range(3)} - {0})
 
 
 class KnapCostModelConfig(_KnapConfigModel):

@@ -189,20 +189,29 @@ def raise_together(problem: str | None, what: str, error: type[Exception] = Valu
 
     For checks whose outcome can differ between ranks (a file, a path, a sample, a loss): a rank
     raising alone would leave the others waiting in their next collective. Collective over the world
-    (two all-gathers on the accelerator device: lengths, then the messages' bytes): every rank calls
-    it, with ``None`` when all is well here.
+    (:func:`gather_problems`): every rank calls it, with ``None`` when all is well here.
 
     Raises:
         error: ``"{what} failed:"`` and each distinct problem with the ranks that found it.
     """
+    details = gather_problems(problem)
+    if details is not None:
+        raise error(f"{what} failed:\n{details}")
+
+
+def gather_problems(problem: str | None) -> str | None:
+    """Every rank's ``problem`` (``None``: none here), one line per distinct problem naming the ranks
+    that found it (``rank(s) [0, 3]: ...``), the same on every rank; ``None`` when no rank found one.
+    Collective over the world (two all-gathers on the accelerator device: lengths, then the
+    messages' bytes)."""
     messages = [m.decode() for m in all_gather_bytes((problem or "").encode())]
     by_message: dict[str, list[int]] = {}
     for rank, message in enumerate(messages):
         if message:
             by_message.setdefault(message, []).append(rank)
-    if by_message:
-        details = "\n".join(f"rank(s) {ranks}: {message}" for message, ranks in by_message.items())
-        raise error(f"{what} failed:\n{details}")
+    if not by_message:
+        return None
+    return "\n".join(f"rank(s) {ranks}: {message}" for message, ranks in by_message.items())
 
 
 def all_gather_bytes(data: bytes) -> list[bytes]:

@@ -280,15 +280,21 @@ def test_a_deepspeed_config_differing_between_ranks_is_one_error_naming_the_sett
 
 
 def _startup_worker(rank: int, world: int) -> list:
-    """Two start-ups of a tiny FLUX.1 under ZeRO-3 with the start-up calibration: rank 1's timer 10x
-    slower, then rank 0's failing. Each gives this rank's cost model, or the error it raised."""
+    """Start-ups of a tiny FLUX.1 under ZeRO-3 with the start-up calibration: rank 1's timer 10x
+    slower, then rank 0's failing; then with ``"auto"`` (as on a GPU), rank 0's failing and rank 1's
+    recording the lengths it times under ``max_tokens_per_gpu`` 100; then, called directly, times
+    that do not grow with the length, with ``required`` and without. Each gives this rank's cost
+    model, or the error it raised, and the third the lengths rank 1 timed."""
     import dataclasses
 
     import deepspeed_knap
     import deepspeed_knap.models.timing as timing
     from deepspeed_knap.models.registry import spec
+    from deepspeed_knap.runtime.calibration import calibrate_at_start
+    from deepspeed_knap.runtime.config import KnapCostModelConfig
 
     original = timing.model_step_timer
+    timed = []
 
     def slow_timer(*args, **kwargs):
         step = original(*args, **kwargs)
@@ -297,14 +303,23 @@ def _startup_worker(rank: int, world: int) -> list:
     def failing_timer(*args, **kwargs):
         raise RuntimeError("out of memory (made up)")
 
+    def recording_timer(*args, **kwargs):
+        step = original(*args, **kwargs)
+        return lambda seq_len: timed.append(seq_len) or step(seq_len)
+
+    on_gpu = KnapCostModelConfig.calibrates_at_start  # "auto" turns it on on GPUs only
+    KnapCostModelConfig.calibrates_at_start = lambda self, gpu, family: on_gpu(self, True, family)
+    family = spec("flux")
     results = []
-    for patched in ({1: slow_timer}, {0: failing_timer}):
+    for patched, enabled, cap in (({1: slow_timer}, True, None), ({0: failing_timer}, True, None),
+                                  ({0: failing_timer, 1: recording_timer}, "auto", 100)):  # fmt: skip
         timing.model_step_timer = patched.get(rank, original)
-        family = spec("flux")
         torch.manual_seed(0)
         model = family.model_class(**family.tiny_config)
-        calibration = {"enabled": True, "seq_lens": [16, 32, 64, 128], "repeats": 1}
-        config = ds_config(3, {"enabled": True, "topology": "auto", "solver": "refine",
+        calibration = {"enabled": enabled, "repeats": 1}
+        if cap is None:
+            calibration["seq_lens"] = [16, 32, 64, 128]
+        config = ds_config(3, {"enabled": True, "topology": "auto", "solver": "refine", "max_tokens_per_gpu": cap,
                                "cost_model": {"model": "flux-tiny", "startup_calibration": calibration}})  # fmt: skip
         try:
             _, _, _, _, balancer = deepspeed_knap.initialize(
@@ -313,10 +328,21 @@ def _startup_worker(rank: int, world: int) -> list:
             results.append(dataclasses.asdict(balancer.cost_model))
         except ValueError as error:
             results.append(str(error))
+    results.append(sorted(set(timed)))
+    timing.model_step_timer = lambda *args, **kwargs: lambda seq_len: 1.0  # no growth: the fit refuses
+    prior = balancer.cost_model
+    for required in (True, False):
+        try:
+            results.append(calibrate_at_start(model, prior, [16, 32, 64], 1, balancer.groups.topology,
+                                              required=required))  # fmt: skip
+        except ValueError as error:
+            results.append(str(error))
     return results
 
 
 def test_the_startup_calibration_is_one_model_on_every_rank_and_calls_a_slow_rank():
+    import dataclasses
+
     from deepspeed_knap.models.registry import default_cost_model
 
     results = run_distributed(_startup_worker, 2, timeout=120)
@@ -329,3 +355,10 @@ def test_the_startup_calibration_is_one_model_on_every_rank_and_calls_a_slow_ran
     failed = [result[1] for result in results]
     assert failed[0] == failed[1] and "startup_calibration" in failed[0]
     assert "rank(s) [0]: RuntimeError: out of memory (made up)" in failed[0]
+    # "auto" is not asked for by name: a failed timing leaves every rank with the prior, and a memory
+    # cap keeps the default lengths to what a GPU holds.
+    assert results[0][2] == results[1][2] == dataclasses.asdict(prior)
+    assert results[1][3] == [25, 50, 100]
+    required, auto = [result[4] for result in results], [result[5] for result in results]  # times that do not grow
+    assert required[0] == required[1] and "startup_calibration" in required[0] and "do not grow" in required[0]
+    assert auto == [None, None]

@@ -156,6 +156,12 @@ def test_startup_calibration_config_and_when_auto_turns_it_on():
     )
     with pytest.raises(ValueError, match="this model has no family"):
         on.calibrates_at_start(True, None)
+    # The default lengths stop at the memory cap (no GPU holds more); lengths given are timed as given.
+    assert on.startup_calibration.timed_lengths(None) == SEQ_LENS
+    assert on.startup_calibration.timed_lengths(5000) == [1024, 2048, 4096]
+    assert on.startup_calibration.timed_lengths(3000) == [750, 1500, 3000]
+    given = read({"startup_calibration": {"seq_lens": [512, 8192, 16384]}}).startup_calibration
+    assert given.timed_lengths(5000) == [512, 8192, 16384]
     for bad, message in [({"seq_lens": [64, 64, 128]}, "at least 3 different lengths"),
                          ({"repeats": 0}, "repeats"), ({"lengths": [1]}, "lengths")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
