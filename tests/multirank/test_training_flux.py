@@ -20,13 +20,11 @@ launch, its one-line errors) is tests/e2e/test_train_flux.py's.
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.support.training import ROOT, demo_config, train
+from tests.support.training import demo_config, run_example, train
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -276,11 +274,8 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
         pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
         Image.fromarray(pixels.numpy()).save(tmp_path / f"{name}.png")
         (tmp_path / f"{name}.txt").write_text(f"a {name} photo\n")
-    prepare = [sys.executable, str(ROOT / "examples" / "prepare_flux_latents.py")]
-    images = subprocess.run([*prepare, "--images", str(tmp_path), "--pipeline", str(tmp_path / "pipeline"),
-                             "--out", str(tmp_path / "data"), "--resolution", "32", "--max-sequence-length", "8"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
-    assert images.returncode == 0, images.stderr[-3000:]
+    run_example("prepare_flux_latents.py", "--images", str(tmp_path), "--pipeline", str(tmp_path / "pipeline"),
+                "--out", str(tmp_path / "data"), "--resolution", "32", "--max-sequence-length", "8")  # fmt: skip
     # Longer side to 32 px, each side a multiple of 4 px (the VAE's 2x, then 2x2 patches): every
     # image keeps its aspect ratio, one latent token per 4x4 px.
     expected = {"panorama": (32, 8), "square": (32, 32), "tall": (20, 32), "wide": (32, 20)}
@@ -293,11 +288,9 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
         assert sample["img_ids"][:, 1].max() == height // 4 - 1 and sample["img_ids"][:, 2].max() == width // 4 - 1
         assert sample["encoder_hidden_states"].shape == (8, 32) and sample["pooled_projections"].shape == (16,)
 
-    synthetic = subprocess.run([*prepare, "--synthetic", "kf_mixed_res", "--count", "1", "--token-scale", "0.015625",
-                                "--in-channels", "16", "--joint-attention-dim", "32", "--pooled-projection-dim", "16",
-                                "--out", str(tmp_path / "synthetic")], capture_output=True, text=True, cwd=ROOT,
-                               timeout=120)  # fmt: skip
-    assert synthetic.returncode == 0, synthetic.stderr[-3000:]
+    run_example("prepare_flux_latents.py", "--synthetic", "kf_mixed_res", "--count", "1", "--token-scale", "0.015625",
+                "--in-channels", "16", "--joint-attention-dim", "32", "--pooled-projection-dim", "16",
+                "--out", str(tmp_path / "synthetic"))  # fmt: skip
     poisoned = load_file(tmp_path / "synthetic" / "00000000.safetensors")
     poisoned["latents"][0, 0] = float("nan")
     # Two ranks read files 0 and 1 at step 0, then 2 and 3, then 4 and 5: the poisoned file is rank 0's

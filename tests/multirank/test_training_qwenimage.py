@@ -6,14 +6,11 @@ checkpointed, resumed with the same losses and adapter; the exported adapter loa
 transformer compute what our packed model with peft's LoRA computes, and not its base.
 """
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-from tests.support.training import ROOT, demo_config, train
+from tests.support.training import demo_config, run_example, train
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -46,12 +43,8 @@ def qwen(tmp_path_factory):
         pixels = np.random.default_rng(index).integers(0, 256, (height, width, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(inputs / name)
         (inputs / name).with_suffix(".txt").write_text(caption)
-    prepare = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "prepare_qwen_image_latents.py"), "--pretrained", str(d / "pipeline"),
-         "--inputs", str(inputs), "--out", str(d / "data"), "--resolution", "64", "--max-sequence-length", "64",
-         "--device", "cpu"], capture_output=True, text=True, timeout=180, cwd=ROOT,
-    )  # fmt: skip
-    assert prepare.returncode == 0, prepare.stdout[-3000:] + prepare.stderr[-3000:]
+    run_example("prepare_qwen_image_latents.py", "--pretrained", str(d / "pipeline"), "--inputs", str(inputs),
+                "--out", str(d / "data"), "--resolution", "64", "--max-sequence-length", "64", "--device", "cpu")  # fmt: skip
     (d / "prompts.txt").write_text("a red cat\n")
     job = dict(model_path=str(d / "pipeline"), data_dir=str(d / "data"), lora_rank=4, lora_alpha=8,
                samples_per_rank=2, steps=STEPS, lr=1e-3)  # fmt: skip

@@ -11,14 +11,11 @@ holding the same weights. The runs are shared by one module-scoped fixture. The 
 (its config file as the example is given it) trains synthetic clips and renders at the tiny defaults.
 """
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-from tests.support.training import ROOT, demo_config, train
+from tests.support.training import ROOT, demo_config, run_example, train
 
 pytest.importorskip("av")
 diffusers = pytest.importorskip("diffusers")
@@ -58,12 +55,8 @@ def wan_job(tmp_path_factory):
         else:
             write_video(inputs / name, frames, height, width, "libx264", seed=index)
         (inputs / name).with_suffix(".txt").write_text(caption)
-    prepare = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "prepare_video_latents.py"), "--pretrained", str(d / "pipe"),
-         "--inputs", str(inputs), "--out", str(d / "data"), "--max-sequence-length", "16", "--device", "cpu"],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
-    )  # fmt: skip
-    assert prepare.returncode == 0, prepare.stdout[-3000:] + prepare.stderr[-3000:]
+    run_example("prepare_video_latents.py", "--pretrained", str(d / "pipe"), "--inputs", str(inputs),
+                "--out", str(d / "data"), "--max-sequence-length", "16", "--device", "cpu")  # fmt: skip
     (d / "prompts.txt").write_text("a red cat\nthe blue dog\n")
     job = dict(model_path=str(d / "pipe"), data_dir=str(d / "data"), **COMMON)
     on = train(demo_config("wan"), **job, save_dir=str(d / "ckpt"), checkpoint_every=2, export_dir=str(d / "on"),

@@ -15,14 +15,11 @@ expert) load into the diffusers pipeline with ``load_lora_weights`` (``load_into
 the second expert), whose transformers then compute what our packed model computes with peft's LoRA.
 """
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-from tests.support.training import ROOT, demo_config, train
+from tests.support.training import demo_config, run_example, train
 from tests.support.wan_cases import WAN22_KINDS as KINDS
 from tests.support.wan_cases import save_wan22_pipeline
 
@@ -58,13 +55,10 @@ def wan22(tmp_path_factory):
     runs = {}
     for name, kind in KINDS.items():
         save_wan22_pipeline(d / name, kind)
-        prepare = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "prepare_video_latents.py"), "--pretrained", str(d / name),
-             "--inputs", str(inputs), "--out", str(d / f"{name}_data"),
-             "--max-sequence-length", "512" if kind.get("clip") else "16",  # Wan 2.1 I2V's text is 512 rows
-             "--device", "cpu"], capture_output=True, text=True, timeout=180, cwd=ROOT,
-        )  # fmt: skip
-        assert prepare.returncode == 0, prepare.stdout[-3000:] + prepare.stderr[-3000:]
+        run_example("prepare_video_latents.py", "--pretrained", str(d / name), "--inputs", str(inputs),
+                    "--out", str(d / f"{name}_data"),
+                    "--max-sequence-length", "512" if kind.get("clip") else "16",  # Wan 2.1 I2V's text is 512 rows
+                    "--device", "cpu")  # fmt: skip
         job = dict(model_path=str(d / name), data_dir=str(d / f"{name}_data"), **COMMON)
         if "first_frame_share" in kind:
             job["first_frame_share"] = kind["first_frame_share"]

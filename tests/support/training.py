@@ -16,6 +16,8 @@ import contextlib
 import io
 import json
 import re
+import runpy
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,25 @@ STEP_LINE = re.compile(
 )
 # A run of a few steps of a tiny model takes 5-30 s a rank on 2 shared cores; validation renders more.
 TIMEOUT_S = 300.0
+
+
+def run_example(script: str, *argv: str) -> str:
+    """Run ``examples/{script}`` in this process as ``python examples/{script} argv...`` runs it, and
+    return what it printed (stdout and stderr). The tests' process has torch, diffusers and
+    transformers imported already: a fresh interpreter spent 6.6 s of 2 cores importing them, more
+    than a tiny pipeline's preparation. An exit code other than 0 fails the test with the output."""
+    path = ROOT / "examples" / script
+    printed, argv_before, code = io.StringIO(), sys.argv, 0
+    sys.argv = [str(path), *argv]
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exit:
+        code = exit.code
+    finally:
+        sys.argv = argv_before
+    assert code in (0, None), f"examples/{script} {' '.join(argv)} exited with {code}:\n{printed.getvalue()[-3000:]}"
+    return printed.getvalue()
 
 
 def demo_config(family: str = "flux", *, balanced: bool = True, stage: int = 3, **knapformer: Any) -> dict:
