@@ -135,9 +135,15 @@ class Generator:
                 "generator": torch.Generator().manual_seed(request.seed), **self.pipeline_options(request)}  # fmt: skip
 
     def reference_pipeline(self, transformer: nn.Module) -> Any:
-        """The family's diffusers pipeline of this generator's parts with diffusers' ``transformer``
-        (the packed model's weights): what ``bench generate``'s ``pipeline`` mode times."""
-        return type(self.pipeline)(**{**self.pipeline.components, "transformer": transformer})
+        """The family's diffusers pipeline of this generator's parts and settings with diffusers'
+        ``transformer`` (the packed model's weights): what ``bench generate``'s ``pipeline`` mode
+        times. The settings are the pipeline's config that is no part (Wan 2.2's ``boundary_ratio``
+        and ``expand_timesteps``, FLUX.2 klein's ``is_distilled``): the parts alone would make a
+        pipeline that runs otherwise."""
+        parts = self.pipeline.components
+        settings = {key: value for key, value in self.pipeline.config.items()
+                    if key not in parts and not key.startswith("_")}  # fmt: skip
+        return type(self.pipeline)(**{**parts, "transformer": transformer}, **settings)
 
     def run_pipeline(self, pipe: Any, request: Request) -> Any:
         """``pipe`` (:meth:`reference_pipeline`) drawing ``request`` alone (:meth:`pipeline_call`)."""

@@ -556,6 +556,18 @@ def test_image_to_video_requests_are_checked_at_the_intake(tmp_path, two_experts
             generator.request_seq_lens(request)
 
 
+def test_the_reference_pipeline_keeps_the_pipeline_s_settings():
+    """``bench generate``'s pipeline mode runs the generator's parts with diffusers' transformer and
+    the pipeline's settings that are no part: I2V-A14B's ``boundary_ratio``, without which diffusers
+    runs the one expert throughout."""
+    generator = _image_to_video_generator(two_experts=True)
+    transformer = torch.nn.Linear(1, 1)
+    pipe = generator.reference_pipeline(transformer)
+    assert type(pipe) is type(generator.pipeline) and pipe.transformer is transformer
+    assert pipe.vae is generator.pipeline.vae and pipe.scheduler is generator.pipeline.scheduler
+    assert pipe.config.boundary_ratio == generator.pipeline.config.boundary_ratio == 0.5
+
+
 @pytest.mark.parametrize(("family", "missing"), [("flux2", "'height' and 'width'"), ("wan", "'width'")])
 def test_a_request_with_an_image_may_leave_out_its_size_only_where_the_pipeline_sizes_by_it(tmp_path, family,
                                                                                             missing):  # fmt: skip

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
@@ -566,12 +566,6 @@ class Flux2KleinGenerator(Flux2Generator):
         if "negative_prompt_embeds" in saved:
             return None, saved["negative_prompt_embeds"][None].to(self.device, self.dtype)
         return "", None
-
-    def reference_pipeline(self, transformer: nn.Module) -> Any:
-        """The klein pipeline of this generator's parts with ``transformer``, step-distilled as this
-        one is (``is_distilled`` is the pipeline's config, not a part)."""
-        return type(self.pipeline)(**{**self.pipeline.components, "transformer": transformer},
-                                   is_distilled=self.distilled)  # fmt: skip
 
 
 def _nearest(pixels: int, multiple: int) -> int:
