@@ -43,6 +43,12 @@ from deepspeed_knap.runtime.timing import StepTimes
 _traffic: dict[str, int] | None = None
 # Where the exchanges of the step in flight are timed (forward and backward), set by the balancer.
 _times: StepTimes | None = None
+# The process groups (None: the world) this process has run an all-to-all on. NCCL sets up a group
+# lazily, at its first collective: the communicator, and each peer's connection at the first
+# send or receive with it (0.1 s or more where an exchange takes a millisecond). Timed, a group's first
+# exchange would teach the online cost model that price for its link, and for a group first used at a
+# later step (topology auto's nested groups) the planner would then keep sequences out of it.
+_connected: set = set()
 
 
 def time_exchanges(times: StepTimes | None, stop: StepTimes | None = None) -> None:
@@ -95,11 +101,22 @@ def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group
         me = dist.get_rank(group)
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
         _traffic[kind] += row_bytes * (sum(send_counts) - send_counts[me])
+    if group not in _connected:  # every rank of the group gets here at the same exchange: all connect
+        _connect(group, x.device)
     start = times.begin_exchange() if times is not None else None
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
     if times is not None:
         times.end_exchange(kind, start)
     return out
+
+
+def _connect(group: Any, device: torch.device) -> None:
+    """One all-to-all of an element per rank on ``group``, untimed: the group's one-time set-up
+    (:data:`_connected`) happens here instead of in the first timed exchange."""
+    dist = _dist()
+    one_each = torch.zeros(dist.get_world_size(group), device=device)
+    dist.all_to_all_single(torch.empty_like(one_each), one_each, group=group)
+    _connected.add(group)
 
 
 def exchange(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Any, kind: str,

@@ -315,30 +315,52 @@ def test_bad_input_raises_on_every_rank_with_a_clear_message():
     assert "plan has sequence lengths" in results[0]["stale_plan"]
 
 
+# What a group's first all-to-all costs here, standing in for NCCL's one-time set-up of a group (its
+# communicator, each peer's connection) at its first collective.
+SETUP_S = 0.5
+
+
 def _traffic_worker(rank: int, world: int, spec: str) -> dict:
     """Bytes the real exchanges send, summed over ranks, for a route + reverse route and one attention
-    forward, to check the benchmark's formulas."""
+    forward, to check the benchmark's formulas; and the longest of those exchanges as timed for the
+    cost model, with each group's first all-to-all ``SETUP_S`` slower."""
+    import time
+
     import deepspeed.comm as dist
 
     from deepspeed_knap.bench.routing import step_traffic
     from deepspeed_knap.runtime.attention import KnapDistributedAttention
     from deepspeed_knap.runtime.packing import PackedBatch
-    from deepspeed_knap.runtime.routing import record_traffic, reverse_route, route
+    from deepspeed_knap.runtime.routing import record_traffic, reverse_route, route, time_exchanges
+    from deepspeed_knap.runtime.timing import StepTimes
 
     _, groups, balancer = _setup(rank, world, spec, "knapformer")
     full = _batch(rank, torch.float64)
     batch = PackedBatch(full.tokens, full.seq_lens)
     plan = balancer.plan(batch)
     head_dim = DIM // HEADS
-    with record_traffic() as sent:
+    real, set_up = dist.all_to_all_single, set()
+
+    def first_slow(*args, group=None, **kwargs):
+        if group not in set_up:
+            set_up.add(group)
+            time.sleep(SETUP_S)
+        return real(*args, group=group, **kwargs)
+
+    times = StepTimes(torch.device("cpu"))
+    time_exchanges(times)
+    with mock.patch.object(dist, "all_to_all_single", first_slow), record_traffic() as sent:
         routed = route(batch, plan, groups)
         reverse_route(routed.batch.tokens, routed)
         q = routed.batch.tokens.reshape(-1, HEADS, head_dim)
         KnapDistributedAttention(HEADS)(q, q, q, routed)
+    time_exchanges(None)
     measured = torch.tensor([sent["route"] + sent["reverse_route"], sent["ulysses"]], dtype=torch.int64)
     dist.all_reduce(measured)
     expected = step_traffic(plan, DIM, HEADS, num_layers=1, bytes_per_element=8)
-    return {"measured": measured.tolist(), "expected": [expected.route_bytes, expected.ulysses_bytes]}
+    timed = {kind: [start.seconds_until(end) for start, end in spans] for kind, spans in times.spans.items()}
+    return {"measured": measured.tolist(), "expected": [expected.route_bytes, expected.ulysses_bytes],
+            "timed": timed, "groups_set_up": len(set_up)}  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", ["g4n1", "g1n2+g2n1"])
@@ -346,6 +368,11 @@ def test_benchmark_traffic_formulas_match_bytes_really_sent(spec):
     results = run_distributed(_traffic_worker, 4, args=(spec,))
     assert results[0]["measured"] == results[0]["expected"]
     assert results[0]["measured"][1] > 0
+    # A group's one-time set-up is left out of the exchanges timed for the cost model: every rank's
+    # route, reverse route and Ulysses exchanges are timed, none of them with the set-up in it.
+    for result in results:
+        assert result["groups_set_up"] >= 1 and {"route", "reverse_route"} <= set(result["timed"])
+        assert max(max(spans) for spans in result["timed"].values()) < SETUP_S / 2, result["timed"]
 
 
 # ----------------------------------------------------------------------------------------------------
