@@ -307,19 +307,34 @@ def bench_train(options: dict) -> dict:
             compute = [r["phases"].get("compute", float("nan")) for r in ranks]
             errors = [(r["predicted_s"] - c) / c if r["predicted_s"] is not None and c > 0 else None
                       for r, c in zip(ranks, compute, strict=True)]  # fmt: skip
+            shares = share_errors([r["predicted_s"] for r in ranks], compute)
             step_s = max(r["step_s"] for r in ranks)
             overhead = balancer_overhead_s([r["phases"] for r in ranks]) / step_s
             steps.append({"mode": mode, "step": step, "step_s": step_s, "overhead": overhead,
                           "compute_s": compute, "compute_imbalance": max(compute) / (sum(compute) / len(compute)),
-                          "model_error": errors, "phases": [r["phases"] for r in ranks], "speeds": ranks[0]["speeds"],
+                          "model_error": errors, "share_error": shares, "phases": [r["phases"] for r in ranks], "speeds": ranks[0]["speeds"],
                           "tokens": [r["tokens"] for r in ranks]})  # fmt: skip
     return {"options": {k: v for k, v in options.items() if k != "cost_model"}, "steps": steps}
+
+
+def share_errors(predicted_s: Sequence[float | None], measured_s: Sequence[float]) -> list[float] | None:
+    """``[S]`` how far the cost model's split of a step's compute among the ranks is from the
+    measured split: ``(predicted[r] / sum(predicted)) / (measured[r] / sum(measured)) - 1``. A plan
+    evens out the predicted seconds, so this is what its balance misses by; a change of speed that
+    every rank shares (the whole machine slower for a step) is in the model error and not in this.
+    ``None`` for one rank, or where a rank has no prediction or no time."""
+    if len(measured_s) < 2 or any(p is None for p in predicted_s) or not all(m > 0 for m in measured_s):
+        return None
+    predicted_sum, measured_sum = sum(predicted_s), sum(measured_s)
+    if predicted_sum <= 0:
+        return None
+    return [(p / predicted_sum) / (m / measured_sum) - 1 for p, m in zip(predicted_s, measured_s, strict=True)]
 
 
 def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
     """Per mode, over steps ``skip..`` (the first warms up; online, it is not learned from): the
     median step seconds, speedup over ``off`` on the same step and compute max/mean, the median
-    |model error|, the speedup of the summed step times (what a training run of these steps
+    |model error| and |share error| (:func:`share_errors`), the speedup of the summed step times (what a training run of these steps
     gains), and the median overhead budget (:func:`~deepspeed_knap.runtime.balancer.balancer_overhead_s` over the step: the
     largest refit and solve of a rank over ranks plus each collective part's least time over ranks,
     so a fast rank's wait for a slow one is not counted as the balancer's)."""
@@ -331,6 +346,7 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
     for mode, rows in by_mode.items():
         rows = [row for row in rows if row["step"] >= skip] or rows
         errors = [abs(e) for row in rows for e in row["model_error"] if e is not None]
+        shares = [abs(e) for row in rows for e in row.get("share_error") or ()]
         summary[mode] = {
             "step_s": statistics.median(row["step_s"] for row in rows),
             "speedup": statistics.median(off[row["step"]] / row["step_s"] for row in rows) if off else float("nan"),
@@ -339,6 +355,7 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
             ),
             "compute_imbalance": statistics.median(row["compute_imbalance"] for row in rows),
             "model_error": statistics.median(errors) if errors else float("nan"),
+            "share_error": statistics.median(shares) if shares else float("nan"),
             "overhead": statistics.median(row["overhead"] for row in rows),
         }
     return summary
@@ -364,25 +381,30 @@ def format_report(report: dict) -> str:
              + (", online refit" if options["online"] else "")
              + (", plans solved a step ahead (prefetch)" if options["prefetch"] else ", plans solved in the step"), "",
              f"{'mode':<16}{'step':>5}{'step s':>9}{'speedup':>9}{'compute max/mean':>18}{'|model error|':>15}"
-             "  tokens per rank (routed)"]  # fmt: skip
+             f"{'|share error|':>15}  tokens per rank (routed)"]  # fmt: skip
     off = {row["step"]: row["step_s"] for row in report["steps"] if row["mode"] == "off"}
     for row in report["steps"]:
         speedup = f"{off[row['step']] / row['step_s']:>8.2f}x" if row["step"] in off else f"{'-':>9}"
         errors = [abs(e) for e in row["model_error"] if e is not None]
         error = f"{max(errors):>15.1%}" if errors else f"{'-':>15}"
+        shares = row.get("share_error")
+        share = f"{max(abs(e) for e in shares):>15.1%}" if shares else f"{'-':>15}"
         lines.append(f"{row['mode']:<16}{row['step']:>5}{row['step_s']:>9.3f}{speedup}{row['compute_imbalance']:>18.3f}"
-                     f"{error}  {row['tokens']}")  # fmt: skip
+                     f"{error}{share}  {row['tokens']}")  # fmt: skip
     lines.append("|model error|: the largest over ranks of (the cost model's compute seconds - the measured) / the "
-                 "measured, the model the step planned with")  # fmt: skip
+                 "measured, the model the step planned with; |share error|: the largest over ranks of its share of "
+                 "the step's compute, modeled over measured, - 1 (what the plan's balance misses by: a speed change "
+                 "every rank shares is in the model error only)")  # fmt: skip
     for mode, called in speed_calls(report).items():
         lines.append(f"{mode}: " + ", ".join(f"rank {rank} called {speed:g}x at step {step}"
                                              for rank, (step, speed) in sorted(called.items())))  # fmt: skip
     lines += ["", f"medians over steps 1..{options['steps'] - 1} (total: the summed step times):",
               f"{'mode':<16}{'step s':>9}{'speedup':>9}{'total':>8}{'compute max/mean':>18}{'|model error|':>15}"
-              f"{'overhead':>10}"]  # fmt: skip
+              f"{'|share error|':>15}{'overhead':>10}"]  # fmt: skip
     for mode, s in summarize(report).items():
         lines.append(f"{mode:<16}{s['step_s']:>9.3f}{s['speedup']:>8.2f}x{s['total_speedup']:>7.2f}x"
-                     f"{s['compute_imbalance']:>18.3f}{s['model_error']:>15.1%}{s['overhead']:>10.1%}")  # fmt: skip
+                     f"{s['compute_imbalance']:>18.3f}{s['model_error']:>15.1%}{s['share_error']:>15.1%}"
+                     f"{s['overhead']:>10.1%}")  # fmt: skip
     lines.append("overhead: the balancer's seconds over the step: the largest over ranks of a rank's refit "
                  "(recording the last step's times, refitting the cost model online) and solve (or wait for the "
                  "worker's plan), plus the least over ranks of each collective (lengths gather, plan agreement, "

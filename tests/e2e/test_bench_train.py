@@ -28,6 +28,7 @@ def test_bench_train_times_real_ranks_and_reports_every_phase(tmp_path, capsys):
     assert all(p["step"] < auto_steps_s for p in row["auto", 1]["phases"])
     for row in report["steps"]:
         assert len(row["phases"]) == 2 and all(p["compute"] > 0 for p in row["phases"])
+        assert len(row["share_error"]) == 2
         assert row["step_s"] > 0 and row["compute_imbalance"] >= 1.0
         assert all(set(bench_train.PHASES) <= set(p) for p in row["phases"]) and 0 < row["overhead"] < 1
         # The budget leaves out waits: each collective's least over ranks, the largest refit and solve.
@@ -70,7 +71,17 @@ def test_summary_speedup_is_per_step():
     summary = bench_train.summarize({"steps": steps})
     assert summary["auto"]["speedup"] == pytest.approx(3.0)  # median of 4/2 and 8/2, step 0 skipped
     assert summary["auto"]["model_error"] == pytest.approx(0.2)
+    assert summary["auto"]["share_error"] != summary["auto"]["share_error"]  # nan: no share errors recorded
     assert summary["auto"]["overhead"] == pytest.approx(0.03)  # median of steps 1 and 2
+
+
+def test_share_errors_leave_out_what_every_rank_shares():
+    """The model's split of the step's compute against the measured split: a step 20% slower on every
+    rank has no share error; a rank that took 1.5x its share has it, and its partner the rest."""
+    assert bench_train.share_errors([1.0, 3.0], [1.2, 3.6]) == pytest.approx([0.0, 0.0])
+    assert bench_train.share_errors([1.0, 1.0], [1.5, 0.5]) == pytest.approx([1 / 1.5 - 1, 1 / 0.5 - 1])
+    assert bench_train.share_errors([1.0], [2.0]) is None  # one rank: every split is right
+    assert bench_train.share_errors([None, 1.0], [1.0, 1.0]) is None
 
 
 def test_bad_slow_rank_is_refused():

@@ -1,5 +1,6 @@
 """The issue-46 must-show from ``bench train --json`` files (run.sh): per file, auto's summed steps
-against the better fixed topology's, the cost model's median error from step 2, and with
+against the better fixed topology's, the cost model's median error from step 2 (and its share error,
+:func:`~deepspeed_knap.bench.train.share_errors`), and with
 ``--slow-rank`` the step the slow rank was called at and the compute max/mean after it.
 
     .venv/bin/python docs/bench/refit46/summarize.py docs/bench/refit46/*.json
@@ -12,7 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from deepspeed_knap.bench.train import speed_calls, summarize
+from deepspeed_knap.bench.train import share_errors, speed_calls, summarize
 
 
 def summarize_run(path: Path) -> str:
@@ -20,12 +21,17 @@ def summarize_run(path: Path) -> str:
     totals = {mode: row["total_speedup"] for mode, row in summarize(data).items()}  # over off, steps 1..
     auto = [row for row in data["steps"] if row["mode"] == "auto"]
     errors = [max(abs(e) for e in row["model_error"]) for row in auto if row["step"] >= 2]
+    # The model's split of each step among the ranks (files from before bench train recorded it:
+    # the predicted seconds are the measured times the model error).
+    shares = [max(abs(e) for e in share_errors([c * (1 + e) for c, e in zip(row["compute_s"], row["model_error"],
+                                                                            strict=True)], row["compute_s"]))
+              for row in auto if row["step"] >= 2]  # fmt: skip
     line = f"{path.stem:24s} auto {totals['auto']:.2f}x of off"
     fixed = [mode for mode in totals if mode.startswith("knapformer")]
     if fixed:
         best = max(fixed, key=totals.get)
         line += f", {totals['auto'] / totals[best]:.3f}x of {best} ({totals[best]:.2f}x)"
-    line += f"; model error from step 2: median {statistics.median(errors):.1%}"
+    line += f"; model error from step 2: median {statistics.median(errors):.1%}, share error {statistics.median(shares):.1%}"
     slow = data["options"].get("slow_rank")
     if slow:
         rank = slow[0]
