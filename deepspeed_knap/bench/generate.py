@@ -133,9 +133,10 @@ def _worker(rank: int, world: int, port: int, options: dict, out_dir: str) -> No
 
 
 def _reference_pipeline(generator, config: dict):
-    """The family's diffusers pipeline with the generator's parts and a diffusers transformer of its weights."""
-    transformer = type(generator.model).diffusers_model(config, generator.model.state_dict())
-    pipe = generator.reference_pipeline(transformer.to(generator.device, generator.dtype))
+    """The family's diffusers pipeline with the generator's parts and diffusers transformers of its weights."""
+    transformers = type(generator.model).pipeline_transformers(config, generator.model.state_dict())
+    pipe = generator.reference_pipeline({name: transformer.to(generator.device, generator.dtype)
+                                         for name, transformer in transformers.items()})  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

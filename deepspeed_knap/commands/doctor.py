@@ -268,8 +268,8 @@ def findings(report: dict) -> list[str]:
     startup = report["startup_calibration"]
     if "error" in startup and startup["auto_runs_it"]:
         notes.append(f"the start-up calibration of a {startup['family']} model ({startup['config']} config) failed "
-                     f"here ({startup['error']}): train with shorter \"seq_lens\" or \"startup_calibration\": "
-                     "false, or give a calibration_file")  # fmt: skip
+                     f"here ({startup['error']}): \"auto\" would warn and plan with the FLOP prior; give shorter "
+                     "\"seq_lens\" (or max_tokens_per_gpu) for a measured model, or a calibration_file")  # fmt: skip
     elif "error" in startup:
         notes.append(f"the start-up calibration of a {startup['family']} model failed here ({startup['error']}); "
                      "\"auto\" leaves it off on this machine")  # fmt: skip

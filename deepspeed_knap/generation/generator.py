@@ -134,16 +134,17 @@ class Generator:
         return {**text, "height": request.height, "width": request.width, "num_inference_steps": request.steps,
                 "generator": torch.Generator().manual_seed(request.seed), **self.pipeline_options(request)}  # fmt: skip
 
-    def reference_pipeline(self, transformer: nn.Module) -> Any:
+    def reference_pipeline(self, transformers: Mapping[str, nn.Module]) -> Any:
         """The family's diffusers pipeline of this generator's parts and settings with diffusers'
-        ``transformer`` (the packed model's weights): what ``bench generate``'s ``pipeline`` mode
-        times. The settings are the pipeline's config that is no part (Wan 2.2's ``boundary_ratio``
-        and ``expand_timesteps``, FLUX.2 klein's ``is_distilled``): the parts alone would make a
-        pipeline that runs otherwise."""
+        ``transformers`` (the packed model's weights, by the pipeline's names:
+        ``type(model).pipeline_transformers(...)``, both experts of Wan 2.2 A14B): what
+        ``bench generate``'s ``pipeline`` mode times. The settings are the pipeline's config that is
+        no part (Wan 2.2's ``boundary_ratio`` and ``expand_timesteps``, FLUX.2 klein's
+        ``is_distilled``): the parts alone would make a pipeline that runs otherwise."""
         parts = self.pipeline.components
         settings = {key: value for key, value in self.pipeline.config.items()
                     if key not in parts and not key.startswith("_")}  # fmt: skip
-        return type(self.pipeline)(**{**parts, "transformer": transformer}, **settings)
+        return type(self.pipeline)(**{**parts, **transformers}, **settings)
 
     def run_pipeline(self, pipe: Any, request: Request) -> Any:
         """``pipe`` (:meth:`reference_pipeline`) drawing ``request`` alone (:meth:`pipeline_call`)."""

@@ -43,14 +43,14 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
     start = time.perf_counter()
     device = torch.device(get_accelerator().current_device_name())
     dtype = next(model.parameters()).dtype
-    times, problem = [], None
+    times, problem, step = [], None, None
     try:
         step = spec(model.family).load("step_timer")(model, device, dtype, topology, backend)
         times = time_lengths(step, seq_lens, repeats, progress=dist.get_rank() == 0).tolist()
-        del step  # the copy of the blocks
     except Exception as error:  # raised here alone, it would leave the other ranks in the gather
         problem = f"{type(error).__name__}: {error}"
-    gc.collect()  # a failed timing's frames held the copy and its activations
+    step = None  # the copy of the blocks, held by the step's closure
+    gc.collect()  # and by a failed timing's frames, with its activations
     get_accelerator().empty_cache()
     what = "knapformer.cost_model.startup_calibration (timing the model's blocks)"
     details = gather_problems(problem)
@@ -59,8 +59,8 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
         times_by_rank = [json.loads(data) for data in all_gather_bytes(json.dumps(times).encode())]
         try:  # the same times on every rank: a refused fit is refused on every rank alike
             calibration = startup_model(prior, seq_lens, times_by_rank)
-        except ValueError as error:
-            details = str(error)
+        except Exception as error:
+            details = f"{type(error).__name__}: {error}"
     if details is not None:
         if required:
             raise ValueError(f"{what} failed:\n{details}")

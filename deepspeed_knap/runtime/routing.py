@@ -46,8 +46,9 @@ _times: StepTimes | None = None
 # The process groups (None: the world) this process has run an all-to-all on. NCCL sets up a group
 # lazily, at its first collective: the communicator, and each peer's connection at the first
 # send or receive with it (0.1 s or more where an exchange takes a millisecond). Timed, a group's first
-# exchange would teach the online cost model that price for its link, and for a group first used at a
-# later step (topology auto's nested groups) the planner would then keep sequences out of it.
+# exchange would teach the online cost model that price for its link (or, inside the blocks, that
+# compute), and for a group first used at a later step (topology auto's nested groups) the planner
+# would then keep sequences out of it.
 _connected: set = set()
 
 
@@ -102,7 +103,7 @@ def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
         _traffic[kind] += row_bytes * (sum(send_counts) - send_counts[me])
     if group not in _connected:  # every rank of the group gets here at the same exchange: all connect
-        _connect(group, x.device)
+        _connect(x, out, send_counts, recv_counts, group, times if kind == "ulysses" else None)
     start = times.begin_exchange() if times is not None else None
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
     if times is not None:
@@ -110,12 +111,18 @@ def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group
     return out
 
 
-def _connect(group: Any, device: torch.device) -> None:
-    """One all-to-all of an element per rank on ``group``, untimed: the group's one-time set-up
-    (:data:`_connected`) happens here instead of in the first timed exchange."""
+def _connect(x: Tensor, out: Tensor, send_counts: list[int], recv_counts: list[int], group: Any,
+             times: StepTimes | None) -> None:  # fmt: skip
+    """The first exchange on ``group`` in this process, run once before it is run timed: the
+    group's one-time set-up (:data:`_connected`) happens here, with messages of the sizes the timed
+    exchange sends (NCCL may set up more of a link for larger ones). A Ulysses exchange runs inside
+    the blocks, whose time is the compute: give its step's ``times``, which stamp this as ``setup``,
+    left out of the compute as the exchanges are (the routes run outside the blocks: ``None``)."""
     dist = _dist()
-    one_each = torch.zeros(dist.get_world_size(group), device=device)
-    dist.all_to_all_single(torch.empty_like(one_each), one_each, group=group)
+    start = times.begin_exchange() if times is not None else None
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    if times is not None:
+        times.end_exchange("setup", start)
     _connected.add(group)
 
 

@@ -53,7 +53,8 @@ class StepTimes:
         device: where the step's tensors live.
         marks: named stamps: ``plan_start``, ``plan_end``, ``blocks_start``, ``blocks_end``
             (forward), ``blocks_grad_start``, ``blocks_grad_end`` (backward).
-        spans: per exchange kind, ``(start, end)`` stamps of every exchange, forward and backward.
+        spans: per exchange kind, ``(start, end)`` stamps of every exchange, forward and backward
+            (and ``setup``: a Ulysses group's first exchange, run once untimed before it).
         plan_parts: host seconds of the plan by part (:data:`PLAN_PARTS`), the balancer's: ``gather``
             (the lengths all-gather: in the step, or at the prefetch before it), ``refit`` (recording
             the last step's measured times and, with ``online``, refitting the cost model from them,
@@ -83,7 +84,10 @@ class StepTimes:
         * ``gather``, ``refit``, ``solve``, ``agree``: :attr:`plan_parts`, host seconds;
         * ``route``, ``reverse_route``, ``ulysses``: the exchanges of each kind, forward and backward
           (including the time spent waiting for peers);
-        * ``compute``: the block stack forward and backward, less the Ulysses exchanges inside it.
+        * ``setup``: a Ulysses group's one-time set-up, its first exchange run once untimed
+          (:func:`~deepspeed_knap.runtime.routing.exchange`): 0 but in the step that first uses it;
+        * ``compute``: the block stack forward and backward, less the Ulysses exchanges inside it and
+          their groups' set-up.
         """
         needed = ("plan_start", "plan_end", "blocks_start", "blocks_end", "blocks_grad_start", "blocks_grad_end")
         if any(name not in self.marks for name in needed):
@@ -93,8 +97,9 @@ class StepTimes:
         blocks = m["blocks_start"].seconds_until(m["blocks_end"]) + m["blocks_grad_start"].seconds_until(
             m["blocks_grad_end"]
         )
+        setup = sum(a.seconds_until(b) for a, b in self.spans.get("setup", ()))
         return {"plan": m["plan_start"].seconds_until(m["plan_end"]), **self.plan_parts, **exchanged,
-                "compute": blocks - exchanged["ulysses"]}  # fmt: skip
+                "setup": setup, "compute": blocks - exchanged["ulysses"] - setup}  # fmt: skip
 
 
 class _Stamped(torch.autograd.Function):

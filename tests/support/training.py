@@ -47,8 +47,11 @@ def run_example(script: str, *argv: str) -> str:
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
             runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as exit:
-        code = exit.code
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException as error:  # what it printed before, as a subprocess's output would show it
+        error.add_note(f"examples/{script} printed:\n{printed.getvalue()[-3000:]}")
+        raise
     finally:
         sys.argv = argv_before
     assert code in (0, None), f"examples/{script} {' '.join(argv)} exited with {code}:\n{printed.getvalue()[-3000:]}"

@@ -556,16 +556,28 @@ def test_image_to_video_requests_are_checked_at_the_intake(tmp_path, two_experts
             generator.request_seq_lens(request)
 
 
-def test_the_reference_pipeline_keeps_the_pipeline_s_settings():
-    """``bench generate``'s pipeline mode runs the generator's parts with diffusers' transformer and
-    the pipeline's settings that are no part: I2V-A14B's ``boundary_ratio``, without which diffusers
-    runs the one expert throughout."""
+def test_the_reference_pipeline_keeps_the_pipeline_s_settings_and_runs_both_experts(tmp_path):
+    """``bench generate``'s pipeline mode runs the generator's parts with diffusers' transformers of
+    the packed model's weights and the pipeline's settings that are no part: I2V-A14B's
+    ``boundary_ratio``, without which diffusers runs the high-noise expert throughout. With 3 steps
+    (timesteps 999, 666, 333) and a boundary at 500, the low-noise expert runs the last."""
+    from PIL import Image
+
+    Image.fromarray(np.zeros((20, 30, 3), dtype=np.uint8)).save(tmp_path / "cat.png")
     generator = _image_to_video_generator(two_experts=True)
-    transformer = torch.nn.Linear(1, 1)
-    pipe = generator.reference_pipeline(transformer)
-    assert type(pipe) is type(generator.pipeline) and pipe.transformer is transformer
-    assert pipe.vae is generator.pipeline.vae and pipe.scheduler is generator.pipeline.scheduler
+    model = generator.model
+    transformers = type(model).pipeline_transformers(model.config, model.state_dict())
+    pipe = generator.reference_pipeline(transformers)
+    assert type(pipe) is type(generator.pipeline) and pipe.vae is generator.pipeline.vae
     assert pipe.config.boundary_ratio == generator.pipeline.config.boundary_ratio == 0.5
+    calls = {name: 0 for name in transformers}
+    for name, transformer in transformers.items():
+        transformer.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    fields = {"prompt": "a cat", "image": "cat.png", "height": 32, "width": 48, "frames": 5, "steps": 3,
+              "max_sequence_length": 8}  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    generator.run_pipeline(pipe, parse_request(0, 1, json.dumps(fields), tmp_path))
+    assert calls == {"transformer": 4, "transformer_2": 2}  # two guidance branches a step
 
 
 @pytest.mark.parametrize(("family", "missing"), [("flux2", "'height' and 'width'"), ("wan", "'width'")])
@@ -881,7 +893,7 @@ def test_flux2_klein_in_one_process_draws_what_its_pipeline_draws_guided_edited_
     path.write_text(json.dumps(lines[2]) + "\n")
     generate(path, ours, on_image=lambda request, image: images.update({request.id: image}), progress=False)
     assert np.abs(images["edit"] - distilled).max() < 1e-6
-    bench = ours.run_pipeline(ours.reference_pipeline(pipe.transformer), request).images[0]
+    bench = ours.run_pipeline(ours.reference_pipeline({"transformer": pipe.transformer}), request).images[0]
     assert np.abs(np.asarray(bench, dtype=np.float64) / 255 - distilled).max() < 1 / 255
 
 

@@ -134,7 +134,7 @@ def test_generate_command_loads_a_flux3_folder_and_writes_what_the_modular_pipel
     assert code == 1  # the last line refused
     timings = json.loads((images / "out" / "timings.json").read_text())
     assert [r["reason"][:20] for r in timings["refused"]] == ["line 3: 10x16 px: FL"]
-    pipe = generator.reference_pipeline(_diffusers_transformer(generator))
+    pipe = generator.reference_pipeline({"transformer": _diffusers_transformer(generator)})
     pipe.set_progress_bar_config(disable=True)
     for number, line in enumerate(lines[:2], start=1):
         request = parse_request(number - 1, number, json.dumps(line), images)

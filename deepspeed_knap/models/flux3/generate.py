@@ -163,11 +163,12 @@ class Flux3Generator(Generator):
             options["image"] = [self.image_file(request, index) for index in range(len(request.image))]
         return options
 
-    def reference_pipeline(self, transformer: nn.Module) -> Any:
-        """A ``Flux3ModularPipeline`` of the same blocks and parts with diffusers' ``transformer``."""
+    def reference_pipeline(self, transformers: Mapping[str, nn.Module]) -> Any:
+        """A ``Flux3ModularPipeline`` of the same blocks and parts with diffusers' ``transformers``
+        (``{"transformer": ...}``)."""
         pipe = self.pipeline.blocks.init_pipeline()
         parts = {name: part for name, part in self.pipeline.components.items() if part is not None}
-        pipe.update_components(**parts, transformer=transformer)
+        pipe.update_components(**{**parts, **transformers})
         return pipe
 
     def run_pipeline(self, pipe: Any, request: Request) -> Any:
