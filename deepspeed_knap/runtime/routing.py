@@ -43,9 +43,9 @@ from deepspeed_knap.runtime.timing import StepTimes
 _traffic: dict[str, int] | None = None
 # Where the exchanges of the step in flight are timed (forward and backward), set by the balancer.
 _times: StepTimes | None = None
-# The process groups (None: the world) this process has run an all-to-all on. NCCL sets up a group
-# lazily, at its first collective: the communicator, and each peer's connection at the first
-# send or receive with it (0.1 s or more where an exchange takes a millisecond). Timed, a group's first
+# The process groups (None: the world) this process has run an all-to-all on. NCCL connects a group's
+# peers lazily, at the first send or receive between them (and makes the communicator then too where
+# it was not made at start-up): 0.1 s or more where an exchange takes a millisecond. Timed, a group's first
 # exchange would teach the online cost model that price for its link (or, inside the blocks, that
 # compute), and for a group first used at a later step (topology auto's nested groups) the planner
 # would then keep sequences out of it.
