@@ -380,7 +380,7 @@ class KnapDistributedAttention(DistributedAttention):
         groups = routed.layout.attention_groups
         if not groups:  # no tokens here: an empty result that still depends on q, k and v for autograd
             return query + key + value
-        # In the layout's global (start, size) order: deadlock-free however groups nest (GpuLayout).
+        # In the layout's global (size, start) order: deadlock-free however groups nest (GpuLayout).
         outputs = [
             self._group_attention(query, key, value, routed, index, num_heads, segments) for index in range(len(groups))
         ]

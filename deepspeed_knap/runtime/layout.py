@@ -93,24 +93,27 @@ class GpuLayout:
         seq_ids: ``[n]`` int64 sequences this GPU holds a non-empty chunk of after routing, ascending.
         chunk_starts: ``[n]`` int64 where each chunk starts inside its sequence.
         chunk_lens: ``[n]`` int64 chunk lengths (the routed batch's ``seq_lens``).
-        attention_groups: the groups this GPU is a member of: its own (a group of one GPU: the
-            sequences it runs alone) first, then the others ordered by ``(start, size)``.
+        attention_groups: the groups this GPU is a member of, ordered by ``(size, start)``: its own
+            (a group of one GPU: the sequences it runs alone) first, then its pair, its group of
+            four, ... (groups nest or are disjoint, so a GPU is in at most one group of a size).
 
-    Its own group first, on every GPU: its attention needs no partner, and the exchanges of the
-    groups after it then meet partners that have done theirs too. In ``(start, size)`` order alone
-    a GPU at the start of a pair ran its own sequences before the pair's exchange and its partner
-    after it, so each waited for the other's (2 CPU ranks, a tiny Wan step of a 4,725-token clip
-    split over both and a 2,079- and a 99-token one whole on each: 4.0-4.8 s against 3.0-3.2 s with
-    every sequence split, which the cost model prices the same).
+    Smaller groups first, on every GPU: a GPU enters a group's exchange once its smaller groups'
+    attention is done, and so has each of its partners, whose smaller groups lie inside this one. In
+    ``(start, size)`` order a GPU at the start of a pair ran its own sequences before the pair's
+    exchange and its partner after it, so each waited for the other's every layer (2 CPU ranks, a
+    tiny Wan step of a 4,725-token clip split over both and a 2,079- and a 99-token one whole on
+    each: 3.32-3.40 s against 2.97-3.19 s, as fast as every sequence split, which the cost model
+    prices the same: ``docs/bench/refit46/mixed_plan_step.py``), and a group of four would have waited
+    so for the pairs inside it.
 
     Why that order cannot deadlock, however groups nest (``auto`` puts a GPU in a group of each size):
-    ``(start, size)`` is one total order on all groups of the step, and every GPU runs its groups'
-    all-to-alls in increasing order. Take the smallest group, in that order, whose exchange has not
-    completed: each of its members has already completed every group it runs before this one (they
-    are all smaller), so every member reaches this exchange and it completes. By induction all do;
-    no two GPUs can wait on each other in opposite orders. Backward runs each GPU's exchanges in
-    reverse (autograd processes the later-created branch of the attention output first), which is the
-    reverse of the same total order, so the argument holds there too.
+    ``(size, start)`` is one total order on all groups of the step, and every GPU runs its groups'
+    all-to-alls in increasing order (a group of one GPU runs none). Take the smallest group, in that
+    order, whose exchange has not completed: each of its members has already completed every group it
+    runs before this one (they are all smaller), so every member reaches this exchange and it
+    completes. By induction all do; no two GPUs can wait on each other in opposite orders. Backward
+    runs each GPU's exchanges in reverse (autograd processes the later-created branch of the attention
+    output first), which is the reverse of the same total order, so the argument holds there too.
     """
 
     gpu: int
@@ -176,9 +179,8 @@ def gpu_layout(plan: RoutingPlan, gpu: int) -> GpuLayout:
     member_chunks = np.flatnonzero(plan.chunk_gpu == gpu)  # empty chunks too: members still exchange
     member_seqs = seq_of_chunk[member_chunks]
     keys = np.stack([plan.seq_group_start[member_seqs], plan.seq_group_size[member_seqs]], axis=1)
-    # One global order, (start, size), for the collectives of every GPU, after the GPU's own group
-    # (no collective): see attention_groups.
-    group_keys = sorted({(int(a), int(b)) for a, b in keys}, key=lambda key: (key[1] > 1, key))
+    # One global order, (size, start), for the collectives of every GPU: see attention_groups.
+    group_keys = sorted({(int(a), int(b)) for a, b in keys}, key=lambda key: (key[1], key[0]))
     for start, size in group_keys:
         seq_ids = member_seqs[(keys[:, 0] == start) & (keys[:, 1] == size)]
         chunk_index = plan.chunk_offsets[seq_ids][None, :] + np.arange(size)[:, None]

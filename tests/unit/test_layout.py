@@ -74,9 +74,10 @@ def simulate_step(plan):
             covered.append(group.rows if group.rows is not None else np.arange(layout.num_routed_tokens))
         if covered:
             assert np.array_equal(np.sort(np.concatenate(covered)), np.arange(layout.num_routed_tokens))
-        # Its own group (no exchange) first, then the groups with exchanges in the one global order.
-        starts = [(a.start, a.size) for a in layout.attention_groups]
-        assert starts == sorted(starts, key=lambda key: (key[1] > 1, key))
+        # Smaller groups first (its own, with no exchange, then its pair, ...), one group of a size at
+        # most, and among equal sizes (none on one GPU) the one global order.
+        sizes = [a.size for a in layout.attention_groups]
+        assert sizes == sorted(set(sizes)), [(a.start, a.size) for a in layout.attention_groups]
     # Reverse route: send back what arrived, restore home order.
     back = [np.split(routed[d], np.cumsum(layouts[d].recv_counts)[:-1]) for d in range(num_gpus)]
     for g, layout in enumerate(layouts):
