@@ -102,28 +102,26 @@ def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group
         me = dist.get_rank(group)
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
         _traffic[kind] += row_bytes * (sum(send_counts) - send_counts[me])
+    x = x.contiguous()
     if group not in _connected:  # every rank of the group gets here at the same exchange: all connect
-        _connect(x, out, send_counts, recv_counts, group, times if kind == "ulysses" else None)
-    start = times.begin_exchange() if times is not None else None
-    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
-    if times is not None:
-        times.end_exchange(kind, start)
+        # The group's one-time set-up (_connected) in this exchange run once more, untimed, at the
+        # sizes the timed one sends (NCCL may set up more of a link for larger ones). A Ulysses
+        # exchange runs inside the blocks, whose time is the compute: there it is stamped as
+        # "setup", which the compute leaves out as it does the exchanges (routes run outside them).
+        _stamped_all_to_all(out, x, send_counts, recv_counts, group, times if kind == "ulysses" else None, "setup")
+        _connected.add(group)
+    _stamped_all_to_all(out, x, send_counts, recv_counts, group, times, kind)
     return out
 
 
-def _connect(x: Tensor, out: Tensor, send_counts: list[int], recv_counts: list[int], group: Any,
-             times: StepTimes | None) -> None:  # fmt: skip
-    """The first exchange on ``group`` in this process, run once before it is run timed: the
-    group's one-time set-up (:data:`_connected`) happens here, with messages of the sizes the timed
-    exchange sends (NCCL may set up more of a link for larger ones). A Ulysses exchange runs inside
-    the blocks, whose time is the compute: give its step's ``times``, which stamp this as ``setup``,
-    left out of the compute as the exchanges are (the routes run outside the blocks: ``None``)."""
-    dist = _dist()
+def _stamped_all_to_all(out: Tensor, x: Tensor, send_counts: list[int], recv_counts: list[int], group: Any,
+                        times: StepTimes | None, label: str) -> None:  # fmt: skip
+    """``all_to_all_single`` of ``x`` into ``out``, its two ends stamped into ``times`` as ``label``
+    (``None``: not timed)."""
     start = times.begin_exchange() if times is not None else None
-    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    _dist().all_to_all_single(out, x, recv_counts, send_counts, group=group)
     if times is not None:
-        times.end_exchange("setup", start)
-    _connected.add(group)
+        times.end_exchange(label, start)
 
 
 def exchange(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Any, kind: str,

@@ -93,13 +93,13 @@ class StepTimes:
         if any(name not in self.marks for name in needed):
             return None
         m = self.marks
-        exchanged = {kind: sum(a.seconds_until(b) for a, b in self.spans.get(kind, ())) for kind in EXCHANGE_KINDS}
+        exchanged = {kind: sum(a.seconds_until(b) for a, b in self.spans.get(kind, ()))
+                     for kind in (*EXCHANGE_KINDS, "setup")}  # fmt: skip
         blocks = m["blocks_start"].seconds_until(m["blocks_end"]) + m["blocks_grad_start"].seconds_until(
             m["blocks_grad_end"]
         )
-        setup = sum(a.seconds_until(b) for a, b in self.spans.get("setup", ()))
         return {"plan": m["plan_start"].seconds_until(m["plan_end"]), **self.plan_parts, **exchanged,
-                "setup": setup, "compute": blocks - exchanged["ulysses"] - setup}  # fmt: skip
+                "compute": blocks - exchanged["ulysses"] - exchanged["setup"]}  # fmt: skip
 
 
 class _Stamped(torch.autograd.Function):
