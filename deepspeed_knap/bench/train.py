@@ -312,8 +312,8 @@ def bench_train(options: dict) -> dict:
             overhead = balancer_overhead_s([r["phases"] for r in ranks]) / step_s
             steps.append({"mode": mode, "step": step, "step_s": step_s, "overhead": overhead,
                           "compute_s": compute, "compute_imbalance": max(compute) / (sum(compute) / len(compute)),
-                          "model_error": errors, "share_error": shares, "phases": [r["phases"] for r in ranks], "speeds": ranks[0]["speeds"],
-                          "tokens": [r["tokens"] for r in ranks]})  # fmt: skip
+                          "model_error": errors, "share_error": shares, "phases": [r["phases"] for r in ranks],
+                          "speeds": ranks[0]["speeds"], "tokens": [r["tokens"] for r in ranks]})  # fmt: skip
     return {"options": {k: v for k, v in options.items() if k != "cost_model"}, "steps": steps}
 
 
@@ -334,8 +334,8 @@ def share_errors(predicted_s: Sequence[float | None], measured_s: Sequence[float
 def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
     """Per mode, over steps ``skip..`` (the first warms up; online, it is not learned from): the
     median step seconds, speedup over ``off`` on the same step and compute max/mean, the median
-    |model error| and |share error| (:func:`share_errors`), the speedup of the summed step times (what a training run of these steps
-    gains), and the median overhead budget (:func:`~deepspeed_knap.runtime.balancer.balancer_overhead_s` over the step: the
+    |model error| and |share error| (:func:`share_errors`), the speedup of the summed step times
+    (what a training run of these steps gains), and the median overhead budget (:func:`~deepspeed_knap.runtime.balancer.balancer_overhead_s` over the step: the
     largest refit and solve of a rank over ranks plus each collective part's least time over ranks,
     so a fast rank's wait for a slow one is not counted as the balancer's)."""
     by_mode: dict[str, list[dict]] = {}
