@@ -169,15 +169,16 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
         set_collective_timeout(timeout)  # DeepSpeed's own groups: ZeRO-1/2 reduce gradients in one
     if topology is None:
         return engine, optimizer, dataloader, lr_scheduler, None
+    groups = create_process_groups(topology, datetime.timedelta(seconds=knap.timeout_s))
     if calibrating:
         settings = knap.cost_model.startup_calibration
         calibration = calibrate_at_start(engine.module, cost_model, settings.timed_lengths(knap.max_tokens_per_gpu),
-                                         settings.repeats, topology, knap.attention_backend,
+                                         settings.repeats, groups, knap.attention_backend,
                                          required=settings.enabled is True)  # fmt: skip
         if calibration is not None:  # None: "auto"'s timing failed on some rank, and every rank keeps the prior
             cost_model = calibration.model
     balancer = KnapBalancer(
-        create_process_groups(topology, datetime.timedelta(seconds=knap.timeout_s)),
+        groups,
         cost_model,
         knap.solver,
         knap.max_tokens_per_gpu,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -106,13 +107,15 @@ class StartupCalibration:
         model: the prior with the fitted ``a``, ``b`` and ``overhead_s`` (the seconds a step costs
             whatever its tokens: kernel launches, which dominate short steps on a GPU; every GPU pays
             it, so with equal speeds it moves no plan, but the modeled seconds match the measured),
-            its all-to-all and per-sequence prices scaled as the compute was, and ``gpu_speed``
+            its all-to-all price timed or scaled as the compute was, its per-sequence price scaled,
+            and ``gpu_speed``
             where a rank was shown off the others.
         speeds: ``[S]`` each rank's speed (1: the median rank's).
         scale: the fitted compute over the prior's at the longest length.
-        fit: the fit of the ranks' median times (:func:`fit_times`), and ``shape``: ``"fitted"``, or
+        fit: the fit of the ranks' median times (:func:`fit_times`); ``shape``: ``"fitted"``, or
             ``"prior"`` where the fit put ``a`` or ``b`` at 0 and the prior's ratio of the two was
-            scaled to the times instead.
+            scaled to the times instead; ``alltoall``: ``"timed"`` (the ranks' Ulysses exchanges)
+            or ``"scaled"`` (the prior's, scaled).
     """
 
     model: CostModel
@@ -122,7 +125,10 @@ class StartupCalibration:
 
 
 def startup_model(
-    prior: CostModel, seq_lens: Sequence[int], times_by_rank: Sequence[Sequence[float]]
+    prior: CostModel,
+    seq_lens: Sequence[int],
+    times_by_rank: Sequence[Sequence[float]],
+    alltoall_by_rank: Sequence[float | None] | None = None,
 ) -> StartupCalibration:
     """One cost model from every rank's timings of its block stack at ``seq_lens`` (the same on every
     rank: pure, and every rank calls it on the same all-gathered times).
@@ -132,15 +138,20 @@ def startup_model(
     lengths did not show that term), the prior's ``a : b`` is scaled to the times instead. A rank's
     speed is the median over the lengths of that median time over its own, called (rounded to
     1/32) only when it departs from 1 by more than :data:`SPEED_MARGIN` and
-    :data:`SPEED_EVIDENCE` standard errors of those ratios; else 1. The prior's all-to-all prices
-    (``alltoall_coef``, ``inter_node_alltoall_coef``) and per-sequence cost (``sequence_coef``) are
-    scaled by the fitted compute over the prior's at the longest length, as the online refit scales
-    them before it times an exchange: a FLOP preset guesses the links as it guesses the GPU.
+    :data:`SPEED_EVIDENCE` standard errors of those ratios; else 1. The per-sequence cost
+    (``sequence_coef``) is scaled by the fitted compute over the prior's at the longest length. So
+    are the all-to-all prices (``alltoall_coef``, ``inter_node_alltoall_coef``), as the online refit
+    scales them before it times an exchange (a FLOP preset guesses the links as it guesses the GPU),
+    unless the ranks timed their Ulysses exchanges: then ``alltoall_coef`` is the lower median of
+    their prices, and ``inter_node_alltoall_coef`` keeps its ratio to it.
 
     Args:
         prior: the configured model (its degree efficiency, route prices and heads are kept).
         seq_lens: ``[M]`` lengths timed, at least 3 different.
         times_by_rank: ``[S][M]`` seconds of rank ``r`` at ``seq_lens[m]``.
+        alltoall_by_rank: ``[S]`` each rank's timed ``alltoall_coef`` (seconds per unit of
+            ``s * (G - 1) / G**2``: :func:`~deepspeed_knap.runtime.calibration.time_ulysses_exchanges`),
+            ``None`` for a rank that timed none; ``None``: none timed.
 
     Raises:
         ValueError: fewer than 3 lengths, ragged or non-positive times, or times that do not grow.
@@ -173,10 +184,19 @@ def startup_model(
     scale = (fitted.linear_coef * longest + fitted.quadratic_coef * longest**2) / priced if priced > 0 else 1.0
     scaled = {name: getattr(prior, name) * scale for name in ("alltoall_coef", "inter_node_alltoall_coef",
                                                               "sequence_coef") if getattr(prior, name) is not None}  # fmt: skip
+    timed = sorted(c for c in alltoall_by_rank or () if c is not None)
+    alltoall = "scaled"
+    if timed:
+        if not all(math.isfinite(c) and c > 0 for c in timed):
+            raise ValueError(f"start-up calibration needs positive all-to-all prices; got {list(alltoall_by_rank)}")
+        measured, alltoall = timed[(len(timed) - 1) // 2], "timed"  # the lower median, as for the times
+        scaled["alltoall_coef"] = measured
+        if prior.inter_node_alltoall_coef is not None and prior.alltoall_coef > 0:  # c' keeps its ratio to c
+            scaled["inter_node_alltoall_coef"] = prior.inter_node_alltoall_coef * measured / prior.alltoall_coef
     model = dataclasses.replace(prior, linear_coef=fitted.linear_coef, quadratic_coef=fitted.quadratic_coef, **scaled,
                                 overhead_s=fit["overhead_s"],
                                 gpu_speed=tuple(speeds) if any(speed != 1.0 for speed in speeds) else None)  # fmt: skip
-    return StartupCalibration(model, tuple(speeds), float(scale), {**fit, "shape": shape})
+    return StartupCalibration(model, tuple(speeds), float(scale), {**fit, "shape": shape, "alltoall": alltoall})
 
 
 # A token's round trip off its home GPU: the route and the reverse route, forward and backward.

@@ -59,7 +59,12 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     with the model's gradient checkpointing, and with its blocks' weights frozen where most of the
     model's are (LoRA: the backward computes no weight gradient for them). The sample is the
     family's default mix's sample of the most frames (the longest of those), scaled to ``s``
-    tokens: its frames kept, its text and references in proportion."""
+    tokens: its frames kept, its text and references in proportion.
+
+    After its first call, ``step.ulysses_calls`` holds what the start-up calibration times the
+    Ulysses exchanges with (:func:`~deepspeed_knap.runtime.calibration.time_ulysses_exchanges`):
+    ``[heads, head_dim, dtype, calls]`` of the ``KnapDistributedAttention`` calls of one forward of
+    the whole model (the copy's, scaled as its blocks are), one row per kind of call."""
     family = spec(model.family)
     config = dict(model.config)
     counts, factor = block_fraction(config, family.block_counts)
@@ -109,6 +114,7 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     def step(seq_len: int) -> float:
         inputs = inputs_of(seq_len)
         if not timed:
+            step.ulysses_calls = [[*kind, calls * factor] for kind, calls in _attention_calls(copy, inputs).items()]
             starts, ends = _outer_leaves(copy, inputs)
             starts[0].register_forward_pre_hook(mark("forward_start", first=True))
             ends[0].register_forward_hook(mark("forward_end", first=True))
@@ -126,6 +132,29 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
         return whole + (factor - 1) * blocks
 
     return step
+
+
+def _attention_calls(model: nn.Module, inputs: Any) -> dict[tuple[int, int, str], int]:
+    """``{(heads, head_dim, dtype): calls}`` of ``model``'s ``KnapDistributedAttention`` modules in
+    one forward of ``inputs`` (no gradients: a checkpointed block's recompute is not counted), from
+    each call's query (``[..., H, Dh]``). Cross-attention that calls the kernel alone (Wan's) runs no
+    exchange and is not counted."""
+    calls: dict[tuple[int, int, str], int] = {}
+
+    def count(_module: nn.Module, args: tuple) -> None:
+        query = args[0]
+        kind = (int(query.shape[-2]), int(query.shape[-1]), str(query.dtype).removeprefix("torch."))
+        calls[kind] = calls.get(kind, 0) + 1
+
+    modules = [module for module in model.modules() if isinstance(module, KnapDistributedAttention)]
+    handles = [module.register_forward_pre_hook(count) for module in modules]
+    try:
+        with torch.no_grad():
+            model(inputs, None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
 
 
 def _outer_leaves(model: nn.Module, inputs: Any) -> tuple[tuple[nn.Module, nn.Module], tuple[nn.Module, nn.Module]]:

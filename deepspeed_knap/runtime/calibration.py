@@ -1,11 +1,13 @@
 """The cost model's calibration at start-up (``"cost_model": {"startup_calibration": ...}``): every
-rank times its model's blocks (its family's ``step_timer``), the ranks gather the times, and every
-rank fits the same model from them (:func:`~deepspeed_knap.cost.calibrate.startup_model`)."""
+rank times its model's blocks (its family's ``step_timer``) and, in its smallest attention group, the
+Ulysses exchanges of those blocks; the ranks gather the times, and every rank fits the same model
+from them (:func:`~deepspeed_knap.cost.calibrate.startup_model`)."""
 
 from __future__ import annotations
 
 import gc
 import json
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -17,18 +19,22 @@ from torch import nn
 from deepspeed_knap.cost.calibrate import StartupCalibration, startup_model, time_lengths
 from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.models.registry import spec
-from deepspeed_knap.planner.topology import Topology
-from deepspeed_knap.runtime.groups import all_gather_bytes, gather_problems
+from deepspeed_knap.runtime.attention import head_splits
+from deepspeed_knap.runtime.groups import ProcessGroups, all_gather_bytes, gather_problems
+from deepspeed_knap.runtime.routing import exchange
 
 
 def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[int], repeats: int,
-                       topology: Topology, backend: str | None = None,
+                       groups: ProcessGroups, backend: str | None = None,
                        required: bool = True) -> StartupCalibration | None:  # fmt: skip
     """Time ``model``'s blocks at ``seq_lens`` on this rank's device, in the dtype of its parameters,
-    with its attention ``backend`` under ``topology``, and fit one cost model from every rank's
-    times. Collective over the world: every rank calls it, and every rank gets the same outcome.
-    Rank 0 logs the fit, the speeds and the seconds it took. The copy's memory goes back to the
-    device before it returns (the training's allocations start from what they had before).
+    with its attention ``backend`` under ``groups.topology``, and the Ulysses exchanges of those
+    blocks at the longest length in this rank's smallest attention group
+    (:func:`time_ulysses_exchanges`; skipped where the topology has no group of more than one GPU,
+    or the step timer does not say what its blocks exchange); then fit one cost model from every
+    rank's times. Collective over the world: every rank calls it, and every rank gets the same
+    outcome. Rank 0 logs the fit, the speeds and the seconds it took. The copy's memory goes back to
+    the device before it returns (the training's allocations start from what they had before).
 
     ``required``: a rank's failed timing (out of memory at the longest length, say), or times the
     fit refuses, make every rank raise. ``False`` (``enabled: "auto"``, which the user did not ask
@@ -43,10 +49,11 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
     start = time.perf_counter()
     device = torch.device(get_accelerator().current_device_name())
     dtype = next(model.parameters()).dtype
-    times, problem, step = [], None, None
+    times, calls, problem, step = [], None, None, None
     try:
-        step = spec(model.family).load("step_timer")(model, device, dtype, topology, backend)
+        step = spec(model.family).load("step_timer")(model, device, dtype, groups.topology, backend)
         times = time_lengths(step, seq_lens, repeats, progress=dist.get_rank() == 0).tolist()
+        calls = getattr(step, "ulysses_calls", None)
     except Exception as error:  # raised here alone, it would leave the other ranks in the gather
         problem = f"{type(error).__name__}: {error}"
     step = None  # the copy of the blocks, held by the step's closure
@@ -56,11 +63,16 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
     details = gather_problems(problem)
     calibration = None
     if details is None:
-        times_by_rank = [json.loads(data) for data in all_gather_bytes(json.dumps(times).encode())]
-        try:  # the same times on every rank: a refused fit is refused on every rank alike
-            calibration = startup_model(prior, seq_lens, times_by_rank)
-        except Exception as error:
-            details = f"{type(error).__name__}: {error}"
+        gathered = [json.loads(data) for data in all_gather_bytes(json.dumps([times, calls]).encode())]
+        times_by_rank = [rank_times for rank_times, _ in gathered]
+        prices = None
+        if calls and all(rank_calls == calls for _, rank_calls in gathered):  # the same on every rank, or none
+            prices, details = time_ulysses_exchanges(calls, max(seq_lens), groups, device, repeats)
+        if details is None:
+            try:  # the same times on every rank: a refused fit is refused on every rank alike
+                calibration = startup_model(prior, seq_lens, times_by_rank, prices)
+            except Exception as error:
+                details = f"{type(error).__name__}: {error}"
     if details is not None:
         if required:
             raise ValueError(f"{what} failed:\n{details}")
@@ -73,5 +85,66 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
         model_now = calibration.model
         logger.info(f"knapformer: start-up calibration at {list(seq_lens)} tokens in {time.perf_counter() - start:.1f} s: "
                     f"a = {model_now.linear_coef:.4g} s/token, b = {model_now.quadratic_coef:.4g} s/token^2 "
-                    f"({calibration.scale:.3g}x the prior's compute), rank speeds {list(calibration.speeds)}")  # fmt: skip
+                    f"({calibration.scale:.3g}x the prior's compute), c = {model_now.alltoall_coef:.4g} s/token "
+                    f"({calibration.fit['alltoall']}), rank speeds {list(calibration.speeds)}")  # fmt: skip
     return calibration
+
+
+def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroups, device: torch.device,
+                           repeats: int) -> tuple[list[float | None] | None, str | None]:  # fmt: skip
+    """Every rank's ``alltoall_coef`` timed in its smallest attention group (``G`` GPUs): the seconds
+    of the Ulysses exchanges of one forward and backward of the model on a sequence of ``seq_len``
+    tokens split over the group, over ``seq_len * (G - 1) / G**2`` (the cost model's all-to-all
+    term). Each of ``calls`` (``[heads, head_dim, dtype, count]``: the step timer's
+    ``ulysses_calls``) is one attention's exchanges as a step runs them: q, k and v to their heads'
+    members, the output back, and the reverse of both in the backward; its median seconds over
+    ``repeats`` (after one untimed run) count ``count`` times. Every group exchanges at once, as in
+    a step (a barrier over the world before each run).
+
+    Collective over the world; the buffers are made before any exchange, and a rank's failure to
+    make them is agreed on first. Returns ``(prices, None)``, ``prices[r]`` rank ``r``'s (``None``
+    where it is in no group of more than one GPU), the same on every rank; or ``(None, why)``."""
+    import deepspeed.comm as dist
+
+    own = min(groups.attention_groups, key=lambda group: (group[1], group[0]), default=None)
+    runs, problem = [], None
+    if own is not None:
+        start, size = own
+        member, chunk = groups.group_rank - start, max(seq_len // size, 1)
+        try:
+            for heads, head_dim, dtype, count in calls:
+                splits = head_splits(heads, size)
+                mine = splits[member]
+                send = torch.randn(3 * chunk * heads * head_dim, dtype=getattr(torch, dtype), device=device)
+                runs.append(([3 * chunk * h * head_dim for h in splits], [3 * chunk * mine * head_dim] * size,
+                             [chunk * mine * head_dim] * size, [chunk * h * head_dim for h in splits], send, count))  # fmt: skip
+        except Exception as error:  # alone, it would leave its partners waiting in the exchange
+            problem = f"{type(error).__name__}: {error}"
+    details = gather_problems(problem)
+    if details is not None:
+        return None, details
+    process_group = None if own is None else groups.attention_group(*own)
+
+    def one_step() -> float:
+        dist.barrier()
+        get_accelerator().synchronize()
+        seconds = 0.0
+        for send_counts, recv_counts, out_counts, back_counts, send, count in runs:
+            began = time.perf_counter()
+            x = send.detach().requires_grad_()
+            arrived = exchange(x, send_counts, recv_counts, process_group, "ulysses")
+            back = exchange(arrived[: sum(out_counts)], out_counts, back_counts, process_group, "ulysses")
+            back.sum().backward()
+            get_accelerator().synchronize()
+            seconds += count * (time.perf_counter() - began)
+        return seconds
+
+    one_step()  # the groups' first exchanges (connections) and the allocator's growth
+    seconds = statistics.median(one_step() for _ in range(repeats))
+    price = None
+    if own is not None:
+        tokens = chunk * own[1]
+        price = seconds / (tokens * (own[1] - 1) / own[1] ** 2)
+    runs.clear()
+    get_accelerator().empty_cache()
+    return [json.loads(data) for data in all_gather_bytes(json.dumps(price).encode())], None

@@ -333,7 +333,7 @@ def _startup_worker(rank: int, world: int) -> list:
     prior = balancer.cost_model
     for required in (True, False):
         try:
-            results.append(calibrate_at_start(model, prior, [16, 32, 64], 1, balancer.groups.topology,
+            results.append(calibrate_at_start(model, prior, [16, 32, 64], 1, balancer.groups,
                                               required=required))  # fmt: skip
         except ValueError as error:
             results.append(str(error))
@@ -362,3 +362,74 @@ def test_the_startup_calibration_is_one_model_on_every_rank_and_calls_a_slow_ran
     required, auto = [result[4] for result in results], [result[5] for result in results]  # times that do not grow
     assert required[0] == required[1] and "startup_calibration" in required[0] and "do not grow" in required[0]
     assert auto == [None, None]
+
+
+def _exchange_price_worker(rank: int, world: int) -> tuple:
+    """A tiny FLUX.1 on one bag of 2 (every sequence split over both ranks) on a simulated slow link
+    (every all-to-all also sleeps for its bytes at LINK_BYTES_PER_S, so the link, not the noise of 2
+    CPU ranks, sets the exchanges' time), started with the start-up calibration, then 6 steps of one
+    256-token sequence per rank (128 tokens of each per member, what the calibration's longest length
+    gives a member). Returns the calibrated ``alltoall_coef``, the prior's scaled as the compute was,
+    and the Ulysses seconds of each step."""
+    import time
+    from unittest import mock
+
+    import deepspeed.comm as dist
+
+    import deepspeed_knap
+    from deepspeed_knap.cost.calibrate import startup_model
+    from deepspeed_knap.data.mixes import SampleShape
+    from deepspeed_knap.models.flux.data import synthetic_samples
+    from deepspeed_knap.models.registry import default_cost_model, spec
+
+    real = dist.all_to_all_single
+
+    def slow_link(output, *args, **kwargs):
+        result = real(output, *args, **kwargs)
+        time.sleep(output.numel() * output.element_size() / LINK_BYTES_PER_S)
+        return result
+
+    family = spec("flux")
+    torch.manual_seed(0)
+    model = family.model_class(**family.tiny_config)
+    calibration = {"enabled": True, "seq_lens": [64, 128, 256], "repeats": 3}
+    config = ds_config(1, {"enabled": True, "topology": "g2n1", "solver": "knapformer", "attention_backend": "sdpa",
+                           "cost_model": {"model": "flux-tiny", "startup_calibration": calibration}})  # fmt: skip
+    with mock.patch.object(dist, "all_to_all_single", slow_link):
+        engine, _, _, _, balancer = deepspeed_knap.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), config=config
+        )
+        calibrated = balancer.cost_model
+        hooks, ulysses = family.hooks(), []
+        for step in range(6):
+            latents = synthetic_samples([SampleShape(text=16, visual=240, frames=1)], model.config, 10 * step + rank,
+                                        1.0, torch.float32)  # fmt: skip
+            objective = hooks.objective(latents, torch.Generator().manual_seed(step), model.config, 1.0)
+            inputs, _ = hooks.pack(engine.module, objective.samples, balanced=True)
+            assert inputs.seq_lens == (256,)
+            engine.backward(engine(inputs, balancer).square().mean())
+            engine.step()
+            ulysses.append(balancer.close_step()["ulysses"])
+    # The same compute fit without the exchanges' times: the prior's price, scaled.
+    times = [[calibrated.overhead_s + calibrated.linear_coef * s + calibrated.quadratic_coef * s * s
+              for s in calibration["seq_lens"]]] * world  # fmt: skip
+    scaled = startup_model(default_cost_model("flux-tiny"), calibration["seq_lens"], times).model.alltoall_coef
+    return calibrated.alltoall_coef, scaled, ulysses
+
+
+# The simulated link of _exchange_price_worker: a step's Ulysses exchanges (16 all-to-alls, 2.1 MB a
+# rank) then take ~0.27 s, against 5-25 ms (latency-bound, and as noisy) of the 2 CPU ranks' own.
+LINK_BYTES_PER_S = 8e6
+
+
+def test_the_startup_calibration_times_the_ulysses_exchanges_a_step_runs():
+    import statistics
+
+    results = run_distributed(_exchange_price_worker, 2, timeout=120)
+    (price, scaled, _), (price_1, _, _) = results
+    assert price == price_1 > 0  # timed, the same on every rank
+    assert price > 3 * scaled  # the slow link's, not the prior's scaled
+    # Each rank holds 2 x 128 of the 512 tokens and sends half of them away: s * (G - 1) / G**2 = 128.
+    predicted = price * 512 * (2 - 1) / 2**2
+    measured = min(statistics.median(ulysses[1:]) for _, _, ulysses in results)  # step 0 connects the group
+    assert 0.8 < predicted / measured < 1.25, (predicted, measured)

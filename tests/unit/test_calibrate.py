@@ -118,6 +118,27 @@ def test_startup_model_fits_the_ranks_times_and_calls_only_a_slow_rank():
         1e-3 * result.scale
     )
     assert model.route_coef == 5e-8
+    assert result.fit["alltoall"] == "scaled"
+
+
+def test_startup_model_takes_the_ranks_timed_exchange_price():
+    """Timed Ulysses exchanges replace the scaled prior's ``c``: the lower median of the ranks that
+    timed one (as for the compute), with ``c'`` in the prior's ratio to ``c``; the compute is as before."""
+    from deepspeed_knap.cost.calibrate import startup_model
+    from deepspeed_knap.cost.model import CostModel
+
+    prior = CostModel(1e-6, 1e-10, alltoall_coef=2e-7, inter_node_alltoall_coef=6e-7, sequence_coef=1e-3)
+    times = _times(SEQ_LENS, 4e-5, 3e-9, 0.2, ranks=5)
+    scaled = startup_model(prior, SEQ_LENS, times)
+    timed = startup_model(prior, SEQ_LENS, times, [3e-6, None, 1e-6, 2e-6, 9e-6])
+    assert timed.fit["alltoall"] == "timed" and timed.model.alltoall_coef == 2e-6  # lower median of 4
+    assert timed.model.inter_node_alltoall_coef == pytest.approx(6e-6)
+    assert timed.model.sequence_coef == scaled.model.sequence_coef  # still scaled as the compute was
+    assert (timed.model.linear_coef, timed.model.quadratic_coef) == (scaled.model.linear_coef,
+                                                                     scaled.model.quadratic_coef)  # fmt: skip
+    assert startup_model(prior, SEQ_LENS, times, [None] * 5).model == scaled.model  # no rank in a group
+    with pytest.raises(ValueError, match="positive all-to-all prices"):
+        startup_model(prior, SEQ_LENS, times, [1e-6, 0.0, None, None, None])
 
 
 def test_startup_model_on_equal_ranks_with_noise_calls_no_speed():
@@ -192,7 +213,8 @@ def test_every_family_s_blocks_are_timed_with_checkpointing_and_frozen_blocks(ch
     checkpointing, and with its blocks frozen (LoRA's base weights: the backward still runs through
     them): its hooks find where the blocks' work starts and ends, forward and backward, and the seconds
     are positive (whether they grow with the length is the fit's to check: a loaded CPU's timings at
-    these lengths do not always)."""
+    these lengths do not always). What it says the whole model's blocks exchange is one Ulysses
+    attention of the config's heads per block."""
     import torch
 
     from deepspeed_knap.cost.calibrate import time_lengths
@@ -203,8 +225,12 @@ def test_every_family_s_blocks_are_timed_with_checkpointing_and_frozen_blocks(ch
         model = spec(family).model_class(**spec(family).tiny_config, gradient_checkpointing=checkpointing)
         for block in model.block_stack if frozen else ():
             block.requires_grad_(False)
-        times = time_lengths(model_step_timer(model, "cpu", torch.float32), [128, 256], 1, progress=False)
+        step = model_step_timer(model, "cpu", torch.float32)
+        times = time_lengths(step, [128, 256], 1, progress=False)
         assert all(0 < t < float("inf") for t in times), (family, times)
+        config = spec(family).tiny_config
+        blocks = sum(config[key] for key in spec(family).block_counts)
+        assert step.ulysses_calls == [[config["num_attention_heads"], config["attention_head_dim"], "float32", blocks]]
 
 
 def test_a_term_the_lengths_do_not_show_keeps_the_prior_s_ratio_scaled():
