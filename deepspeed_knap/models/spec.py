@@ -67,7 +67,9 @@ class ModelSpec:
             single-stream), which the start-up calibration scales its timed copy by.
         step_timer: ``"module:function"`` timing forward and backward of a model of the family at
             its own dims (:func:`~deepspeed_knap.models.timing.model_step_timer`'s signature), for
-            the cost model's ``startup_calibration``.
+            the cost model's ``startup_calibration``; the step it returns says what the blocks
+            exchange (its ``ulysses_calls``, as ``model_step_timer``'s), or the Ulysses price is
+            not timed.
         bench_configs: full-size transformer configs (diffusers' names) by preset name, for the
             commands that run a family at its real dims on a GPU (``calibrate --preset``,
             ``bench flux --preset``); each preset's dims are ``cost_dims`` of its config.

@@ -63,8 +63,9 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
 
     After its first call, ``step.ulysses_calls`` holds what the start-up calibration times the
     Ulysses exchanges with (:func:`~deepspeed_knap.runtime.calibration.time_ulysses_exchanges`):
-    ``[heads, head_dim, dtype, calls]`` of the ``KnapDistributedAttention`` calls of one forward of
-    the whole model (the copy's, scaled as its blocks are), one row per kind of call."""
+    ``[heads, head_dim, dtype, calls]`` of the ``KnapDistributedAttention`` calls of one forward and
+    backward of the whole model (the copy's, scaled as its blocks are; :func:`_attention_calls`),
+    one row per kind of call."""
     family = spec(model.family)
     config = dict(model.config)
     counts, factor = block_fraction(config, family.block_counts)
@@ -134,23 +135,28 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     return step
 
 
-def _attention_calls(model: nn.Module, inputs: Any) -> dict[tuple[int, int, str], int]:
+def _attention_calls(model: nn.Module, inputs: Any) -> dict[tuple[int, int, str], float]:
     """``{(heads, head_dim, dtype): calls}`` of ``model``'s ``KnapDistributedAttention`` modules in
-    one forward of ``inputs`` (no gradients: a checkpointed block's recompute is not counted), from
-    each call's query (``[..., H, Dh]``). Cross-attention that calls the kernel alone (Wan's) runs no
-    exchange and is not counted."""
-    calls: dict[tuple[int, int, str], int] = {}
+    one forward and backward of ``inputs``, from each call's query (``[..., H, Dh]``). A call's
+    exchanges are four all-to-alls (q, k and v out, the output back, and the reverse of both in the
+    backward); a checkpointed block's recompute in the backward runs the forward two again, and
+    counts half a call. Cross-attention that calls the kernel alone (Wan's) runs no exchange and is
+    not counted."""
+    calls: dict[tuple[int, int, str], float] = {}
+    weight = [1.0]  # a forward's call; in the backward, a recompute's
 
     def count(_module: nn.Module, args: tuple) -> None:
         query = args[0]
         kind = (int(query.shape[-2]), int(query.shape[-1]), str(query.dtype).removeprefix("torch."))
-        calls[kind] = calls.get(kind, 0) + 1
+        calls[kind] = calls.get(kind, 0.0) + weight[0]
 
     modules = [module for module in model.modules() if isinstance(module, KnapDistributedAttention)]
     handles = [module.register_forward_pre_hook(count) for module in modules]
     try:
-        with torch.no_grad():
-            model(inputs, None)
+        loss = model(inputs, None).float().square().mean()
+        weight[0] = 0.5
+        loss.backward()
+        model.zero_grad(set_to_none=True)
     finally:
         for handle in handles:
             handle.remove()

@@ -21,20 +21,23 @@ from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.models.registry import spec
 from deepspeed_knap.runtime.attention import head_splits
 from deepspeed_knap.runtime.groups import ProcessGroups, all_gather_bytes, gather_problems
-from deepspeed_knap.runtime.routing import exchange
+from deepspeed_knap.runtime.routing import exchange, time_exchanges
+from deepspeed_knap.runtime.timing import StepTimes
 
 
 def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[int], repeats: int,
-                       groups: ProcessGroups, backend: str | None = None,
-                       required: bool = True) -> StartupCalibration | None:  # fmt: skip
+                       groups: ProcessGroups, backend: str | None = None, required: bool = True,
+                       time_exchanges: bool = True) -> StartupCalibration | None:  # fmt: skip
     """Time ``model``'s blocks at ``seq_lens`` on this rank's device, in the dtype of its parameters,
-    with its attention ``backend`` under ``groups.topology``, and the Ulysses exchanges of those
-    blocks at the longest length in this rank's smallest attention group
-    (:func:`time_ulysses_exchanges`; skipped where the topology has no group of more than one GPU,
-    or the step timer does not say what its blocks exchange); then fit one cost model from every
-    rank's times. Collective over the world: every rank calls it, and every rank gets the same
-    outcome. Rank 0 logs the fit, the speeds and the seconds it took. The copy's memory goes back to
-    the device before it returns (the training's allocations start from what they had before).
+    with its attention ``backend`` under ``groups.topology``, and with ``time_exchanges`` the Ulysses
+    exchanges of those blocks at the longest length in this rank's smallest attention group
+    (:func:`time_ulysses_exchanges`); then fit one cost model from every rank's times. The
+    exchanges are not timed (``c`` is the prior's, scaled as the compute) where the topology has no
+    group of more than one GPU, or the ranks' step timers do not all say alike what the blocks
+    exchange (a family's own timer may say nothing). Collective over the world: every rank calls it,
+    and every rank gets the same outcome. Rank 0 logs the fit, the speeds and the seconds it took.
+    The copy's memory goes back to the device before it returns (the training's allocations start
+    from what they had before).
 
     ``required``: a rank's failed timing (out of memory at the longest length, say), or times the
     fit refuses, make every rank raise. ``False`` (``enabled: "auto"``, which the user did not ask
@@ -53,13 +56,13 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
     try:
         step = spec(model.family).load("step_timer")(model, device, dtype, groups.topology, backend)
         times = time_lengths(step, seq_lens, repeats, progress=dist.get_rank() == 0).tolist()
-        calls = getattr(step, "ulysses_calls", None)
+        calls = getattr(step, "ulysses_calls", None) if time_exchanges else None
     except Exception as error:  # raised here alone, it would leave the other ranks in the gather
         problem = f"{type(error).__name__}: {error}"
     step = None  # the copy of the blocks, held by the step's closure
     gc.collect()  # and by a failed timing's frames, with its activations
     get_accelerator().empty_cache()
-    what = "knapformer.cost_model.startup_calibration (timing the model's blocks)"
+    what = "knapformer.cost_model.startup_calibration (timing the model's blocks and their exchanges)"
     details = gather_problems(problem)
     calibration = None
     if details is None:
@@ -67,7 +70,7 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
         times_by_rank = [rank_times for rank_times, _ in gathered]
         prices = None
         if calls and all(rank_calls == calls for _, rank_calls in gathered):  # the same on every rank, or none
-            prices, details = time_ulysses_exchanges(calls, max(seq_lens), groups, device, repeats)
+            prices, details = time_ulysses_exchanges(calls, max(seq_lens), groups, prior, device, repeats)
         if details is None:
             try:  # the same times on every rank: a refused fit is refused on every rank alike
                 calibration = startup_model(prior, seq_lens, times_by_rank, prices)
@@ -85,66 +88,79 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
         model_now = calibration.model
         logger.info(f"knapformer: start-up calibration at {list(seq_lens)} tokens in {time.perf_counter() - start:.1f} s: "
                     f"a = {model_now.linear_coef:.4g} s/token, b = {model_now.quadratic_coef:.4g} s/token^2 "
-                    f"({calibration.scale:.3g}x the prior's compute), c = {model_now.alltoall_coef:.4g} s/token "
-                    f"({calibration.fit['alltoall']}), rank speeds {list(calibration.speeds)}")  # fmt: skip
+                    f"({calibration.scale:.3g}x the prior's compute), c = {model_now.alltoall_coef:.4g} s per token "
+                    f"sent ({calibration.fit['alltoall']}), rank speeds {list(calibration.speeds)}")  # fmt: skip
     return calibration
 
 
-def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroups, device: torch.device,
-                           repeats: int) -> tuple[list[float | None] | None, str | None]:  # fmt: skip
+def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroups, prior: CostModel,
+                           device: torch.device, repeats: int) -> tuple[list[float | None] | None, str | None]:  # fmt: skip
     """Every rank's ``alltoall_coef`` timed in its smallest attention group (``G`` GPUs): the seconds
     of the Ulysses exchanges of one forward and backward of the model on a sequence of ``seq_len``
     tokens split over the group, over ``seq_len * (G - 1) / G**2`` (the cost model's all-to-all
-    term). Each of ``calls`` (``[heads, head_dim, dtype, count]``: the step timer's
-    ``ulysses_calls``) is one attention's exchanges as a step runs them: q, k and v to their heads'
-    members, the output back, and the reverse of both in the backward; its median seconds over
-    ``repeats`` (after one untimed run) count ``count`` times. Every group exchanges at once, as in
-    a step (a barrier over the world before each run).
+    term; in a group across nodes, over that term with ``prior``'s ``c' : c``).
 
-    Collective over the world; the buffers are made before any exchange, and a rank's failure to
-    make them is agreed on first. Returns ``(prices, None)``, ``prices[r]`` rank ``r``'s (``None``
+    Each of ``calls`` (``[heads, head_dim, dtype, count]``: the step timer's ``ulysses_calls``) is
+    one attention's exchanges as a step runs them: q, k and v to their heads' members, the output
+    back, and the reverse of both in the backward, timed as the balancer times a step's (the
+    all-to-alls alone: :class:`~deepspeed_knap.runtime.timing.StepTimes`) and counted ``count``
+    times; a run's seconds are the sum over ``calls``, and the median of ``repeats`` runs (after one
+    untimed) counts. Every group exchanges at once, as in a step (a barrier over the world before
+    each run).
+
+    Collective over the world. A rank's failure (making the buffers, or in a run) is agreed on
+    before the prices are shared. Returns ``(prices, None)``, ``prices[r]`` rank ``r``'s (``None``
     where it is in no group of more than one GPU), the same on every rank; or ``(None, why)``."""
     import deepspeed.comm as dist
 
     own = min(groups.attention_groups, key=lambda group: (group[1], group[0]), default=None)
-    runs, problem = [], None
-    if own is not None:
-        start, size = own
-        member, chunk = groups.group_rank - start, max(seq_len // size, 1)
-        try:
+    runs, problem, price = [], None, None
+    try:
+        if own is not None:
+            start, size = own
+            member, chunk = groups.group_rank - start, max(seq_len // size, 1)
             for heads, head_dim, dtype, count in calls:
                 splits = head_splits(heads, size)
                 mine = splits[member]
-                send = torch.randn(3 * chunk * heads * head_dim, dtype=getattr(torch, dtype), device=device)
+                send = torch.ones(3 * chunk * heads * head_dim, dtype=getattr(torch, dtype), device=device)
                 runs.append(([3 * chunk * h * head_dim for h in splits], [3 * chunk * mine * head_dim] * size,
                              [chunk * mine * head_dim] * size, [chunk * h * head_dim for h in splits], send, count))  # fmt: skip
-        except Exception as error:  # alone, it would leave its partners waiting in the exchange
-            problem = f"{type(error).__name__}: {error}"
-    details = gather_problems(problem)
-    if details is not None:
+    except Exception as error:  # alone, it would leave its partners waiting in the exchange
+        problem = f"{type(error).__name__}: {error}"
+    if (details := gather_problems(problem)) is not None:
         return None, details
     process_group = None if own is None else groups.attention_group(*own)
 
-    def one_step() -> float:
+    def one_run() -> float:
         dist.barrier()
-        get_accelerator().synchronize()
         seconds = 0.0
         for send_counts, recv_counts, out_counts, back_counts, send, count in runs:
-            began = time.perf_counter()
-            x = send.detach().requires_grad_()
-            arrived = exchange(x, send_counts, recv_counts, process_group, "ulysses")
-            back = exchange(arrived[: sum(out_counts)], out_counts, back_counts, process_group, "ulysses")
-            back.sum().backward()
-            get_accelerator().synchronize()
-            seconds += count * (time.perf_counter() - began)
+            record = StepTimes(device)
+            time_exchanges(record)
+            try:
+                x = send.detach().requires_grad_()
+                arrived = exchange(x, send_counts, recv_counts, process_group, "ulysses")
+                back = exchange(arrived[: sum(out_counts)], out_counts, back_counts, process_group, "ulysses")
+                back.sum().backward()
+            finally:
+                time_exchanges(None, record)
+            seconds += count * sum(begin.seconds_until(end) for begin, end in record.spans["ulysses"])
         return seconds
 
-    one_step()  # the groups' first exchanges (connections) and the allocator's growth
-    seconds = statistics.median(one_step() for _ in range(repeats))
-    price = None
-    if own is not None:
-        tokens = chunk * own[1]
-        price = seconds / (tokens * (own[1] - 1) / own[1] ** 2)
-    runs.clear()
-    get_accelerator().empty_cache()
+    try:
+        one_run()  # the groups' first exchanges (connections) and the allocator's growth
+        seconds = statistics.median(one_run() for _ in range(repeats))
+        if own is not None:
+            tokens, size = chunk * own[1], own[1]
+            first = groups.replica * groups.topology.group_size + own[0]  # the group's first global rank
+            across = int(prior.cross_node_peers([first], [size], groups.topology.gpus_per_node)[0])
+            dearer = prior.inter_node_alltoall_coef / prior.alltoall_coef if across and prior.alltoall_coef > 0 else 1.0
+            price = seconds * size**2 / (tokens * (size - 1 - across + dearer * across))
+    except Exception as error:
+        problem = f"{type(error).__name__}: {error}"
+    finally:
+        runs.clear()
+        get_accelerator().empty_cache()
+    if (details := gather_problems(problem)) is not None:
+        return None, details
     return [json.loads(data) for data in all_gather_bytes(json.dumps(price).encode())], None

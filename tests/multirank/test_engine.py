@@ -364,13 +364,14 @@ def test_the_startup_calibration_is_one_model_on_every_rank_and_calls_a_slow_ran
     assert auto == [None, None]
 
 
-def _exchange_price_worker(rank: int, world: int) -> tuple:
+def _exchange_price_worker(rank: int, world: int) -> list[tuple]:
     """A tiny FLUX.1 on one bag of 2 (every sequence split over both ranks) on a simulated slow link
     (every all-to-all also sleeps for its bytes at LINK_BYTES_PER_S, so the link, not the noise of 2
     CPU ranks, sets the exchanges' time), started with the start-up calibration, then 6 steps of one
-    256-token sequence per rank (128 tokens of each per member, what the calibration's longest length
-    gives a member). Returns the calibrated ``alltoall_coef``, the prior's scaled as the compute was,
-    and the Ulysses seconds of each step."""
+    1,024-token sequence per rank (512 tokens of each per member, what the calibration's longest length
+    gives a member); without gradient checkpointing and with it (whose recompute exchanges again).
+    Returns, for each, the calibrated ``alltoall_coef``, the prior's scaled as the compute was, and
+    the Ulysses seconds of each step."""
     import time
     from unittest import mock
 
@@ -389,47 +390,52 @@ def _exchange_price_worker(rank: int, world: int) -> tuple:
         time.sleep(output.numel() * output.element_size() / LINK_BYTES_PER_S)
         return result
 
-    family = spec("flux")
-    torch.manual_seed(0)
-    model = family.model_class(**family.tiny_config)
-    calibration = {"enabled": True, "seq_lens": [64, 128, 256], "repeats": 3}
+    family, results = spec("flux"), []
+    calibration = {"enabled": True, "seq_lens": [128, 512, 1024], "repeats": 3}
     config = ds_config(1, {"enabled": True, "topology": "g2n1", "solver": "knapformer", "attention_backend": "sdpa",
                            "cost_model": {"model": "flux-tiny", "startup_calibration": calibration}})  # fmt: skip
-    with mock.patch.object(dist, "all_to_all_single", slow_link):
-        engine, _, _, _, balancer = deepspeed_knap.initialize(
-            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), config=config
-        )
-        calibrated = balancer.cost_model
-        hooks, ulysses = family.hooks(), []
-        for step in range(6):
-            latents = synthetic_samples([SampleShape(text=16, visual=240, frames=1)], model.config, 10 * step + rank,
-                                        1.0, torch.float32)  # fmt: skip
-            objective = hooks.objective(latents, torch.Generator().manual_seed(step), model.config, 1.0)
-            inputs, _ = hooks.pack(engine.module, objective.samples, balanced=True)
-            assert inputs.seq_lens == (256,)
-            engine.backward(engine(inputs, balancer).square().mean())
-            engine.step()
-            ulysses.append(balancer.close_step()["ulysses"])
-    # The same compute fit without the exchanges' times: the prior's price, scaled.
-    times = [[calibrated.overhead_s + calibrated.linear_coef * s + calibrated.quadratic_coef * s * s
-              for s in calibration["seq_lens"]]] * world  # fmt: skip
-    scaled = startup_model(default_cost_model("flux-tiny"), calibration["seq_lens"], times).model.alltoall_coef
-    return calibrated.alltoall_coef, scaled, ulysses
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = family.model_class(**family.tiny_config, gradient_checkpointing=checkpointing)
+        with mock.patch.object(dist, "all_to_all_single", slow_link):
+            engine, _, _, _, balancer = deepspeed_knap.initialize(
+                model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), config=config
+            )
+            calibrated = balancer.cost_model
+            hooks, ulysses = family.hooks(), []
+            for step in range(6):
+                latents = synthetic_samples([SampleShape(text=16, visual=1008, frames=1)], model.config,
+                                            10 * step + rank, 1.0, torch.float32)  # fmt: skip
+                objective = hooks.objective(latents, torch.Generator().manual_seed(step), model.config, 1.0)
+                inputs, _ = hooks.pack(engine.module, objective.samples, balanced=True)
+                assert inputs.seq_lens == (1024,)
+                engine.backward(engine(inputs, balancer).square().mean())
+                engine.step()
+                ulysses.append(balancer.close_step()["ulysses"])
+        # The same compute fit without the exchanges' times: the prior's price, scaled.
+        times = [[calibrated.overhead_s + calibrated.linear_coef * s + calibrated.quadratic_coef * s * s
+                  for s in calibration["seq_lens"]]] * world  # fmt: skip
+        scaled = startup_model(default_cost_model("flux-tiny"), calibration["seq_lens"], times).model.alltoall_coef
+        results.append((calibrated.alltoall_coef, scaled, ulysses))
+    return results
 
 
-# The simulated link of _exchange_price_worker: a step's Ulysses exchanges (16 all-to-alls, 2.1 MB a
-# rank) then take ~0.27 s, against 5-25 ms (latency-bound, and as noisy) of the 2 CPU ranks' own.
-LINK_BYTES_PER_S = 8e6
+# The simulated link of _exchange_price_worker: a step's Ulysses exchanges (16 all-to-alls, 8.4 MB a
+# rank; 24 with checkpointing) then take ~0.27 s, against 5-25 ms (latency-bound, and as noisy) of
+# the 2 CPU ranks' own.
+LINK_BYTES_PER_S = 32e6
 
 
 def test_the_startup_calibration_times_the_ulysses_exchanges_a_step_runs():
     import statistics
 
     results = run_distributed(_exchange_price_worker, 2, timeout=120)
-    (price, scaled, _), (price_1, _, _) = results
-    assert price == price_1 > 0  # timed, the same on every rank
-    assert price > 3 * scaled  # the slow link's, not the prior's scaled
-    # Each rank holds 2 x 128 of the 512 tokens and sends half of them away: s * (G - 1) / G**2 = 128.
-    predicted = price * 512 * (2 - 1) / 2**2
-    measured = min(statistics.median(ulysses[1:]) for _, _, ulysses in results)  # step 0 connects the group
-    assert 0.8 < predicted / measured < 1.25, (predicted, measured)
+    for checkpointing in (0, 1):
+        (price, scaled, _), (price_1, _, _) = (results[0][checkpointing], results[1][checkpointing])
+        assert price == price_1 > 0  # timed, the same on every rank
+        assert price > 1.5 * scaled  # the slow link's (2.2-2.7x), not the prior's scaled
+        # Each rank holds 2 x 512 of the 2,048 tokens and sends half of them away: s (G - 1) / G**2 = 512.
+        predicted = price * 2048 * (2 - 1) / 2**2
+        # Step 0 connects the group.
+        measured = min(statistics.median(rank[checkpointing][2][1:]) for rank in results)
+        assert 0.8 < predicted / measured < 1.25, (checkpointing, predicted, measured)
