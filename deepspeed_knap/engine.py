@@ -172,11 +172,12 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
     groups = create_process_groups(topology, datetime.timedelta(seconds=knap.timeout_s))
     if calibrating:
         settings = knap.cost_model.startup_calibration
-        # A given alltoall_coef is the user's (0 turns the term off): its exchanges are not timed over it.
+        # The all-to-all prices the user gave (0 turns the term off) stay: the exchanges are not timed over them.
+        given = [name for name in ("alltoall_coef", "inter_node_alltoall_coef")
+                 if getattr(knap.cost_model, name) is not None]  # fmt: skip
         calibration = calibrate_at_start(engine.module, cost_model, settings.timed_lengths(knap.max_tokens_per_gpu),
                                          settings.repeats, groups, knap.attention_backend,
-                                         required=settings.enabled is True,
-                                         time_exchanges=knap.cost_model.alltoall_coef is None)  # fmt: skip
+                                         required=settings.enabled is True, given=given)  # fmt: skip
         if calibration is not None:  # None: "auto"'s timing failed on some rank, and every rank keeps the prior
             cost_model = calibration.model
     balancer = KnapBalancer(

@@ -29,7 +29,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -114,8 +114,8 @@ class StartupCalibration:
         scale: the fitted compute over the prior's at the longest length.
         fit: the fit of the ranks' median times (:func:`fit_times`); ``shape``: ``"fitted"``, or
             ``"prior"`` where the fit put ``a`` or ``b`` at 0 and the prior's ratio of the two was
-            scaled to the times instead; ``alltoall``: ``"timed"`` (the ranks' Ulysses exchanges)
-            or ``"scaled"`` (the prior's, scaled).
+            scaled to the times instead; ``alltoall``: ``"timed"`` (the ranks' Ulysses exchanges),
+            ``"scaled"`` (the prior's, scaled) or ``"given"`` (the user's, kept).
     """
 
     model: CostModel
@@ -129,6 +129,7 @@ def startup_model(
     seq_lens: Sequence[int],
     times_by_rank: Sequence[Sequence[float]],
     alltoall_by_rank: Sequence[float | None] | None = None,
+    given: Collection[str] = (),
 ) -> StartupCalibration:
     """One cost model from every rank's timings of its block stack at ``seq_lens`` (the same on every
     rank: pure, and every rank calls it on the same all-gathered times).
@@ -143,7 +144,8 @@ def startup_model(
     are the all-to-all prices (``alltoall_coef``, ``inter_node_alltoall_coef``), as the online refit
     scales them before it times an exchange (a FLOP preset guesses the links as it guesses the GPU),
     unless the ranks timed their Ulysses exchanges: then ``alltoall_coef`` is the lower median of
-    their prices, and ``inter_node_alltoall_coef`` keeps its ratio to it.
+    their prices, and ``inter_node_alltoall_coef`` keeps its ratio to it. The prices in ``given``
+    stay the prior's (the user's measurements, not a preset's guesses).
 
     Args:
         prior: the configured model (its degree efficiency, route prices and heads are kept).
@@ -152,9 +154,12 @@ def startup_model(
         alltoall_by_rank: ``[S]`` each rank's timed ``alltoall_coef`` (seconds per unit of
             ``s * (G - 1) / G**2``: :func:`~deepspeed_knap.runtime.calibration.time_ulysses_exchanges`),
             ``None`` for a rank that timed none; ``None``: none timed.
+        given: names of the prior's all-to-all prices the user gave (``alltoall_coef``,
+            ``inter_node_alltoall_coef``), kept as they are (``0`` included).
 
     Raises:
-        ValueError: fewer than 3 lengths, ragged or non-positive times, or times that do not grow.
+        ValueError: fewer than 3 lengths, ragged or non-positive times, times that do not grow, or
+            timed prices that are not positive.
     """
     times = np.asarray(times_by_rank, dtype=np.float64)
     if len(set(seq_lens)) < 3 or times.ndim != 2 or times.shape[1] != len(seq_lens) or not (times > 0).all():
@@ -188,11 +193,16 @@ def startup_model(
     alltoall = "scaled"
     if timed:
         if not all(math.isfinite(c) and c > 0 for c in timed):
-            raise ValueError(f"start-up calibration needs positive all-to-all prices; got {list(alltoall_by_rank)}")
+            raise ValueError(f"start-up calibration needs positive all-to-all prices; got {list(alltoall_by_rank)}. "
+                             "Give cost_model.alltoall_coef to keep a price of your own instead")  # fmt: skip
         measured, alltoall = timed[(len(timed) - 1) // 2], "timed"  # the lower median, as for the times
         scaled["alltoall_coef"] = measured
         if prior.inter_node_alltoall_coef is not None and prior.alltoall_coef > 0:  # c' keeps its ratio to c
             scaled["inter_node_alltoall_coef"] = prior.inter_node_alltoall_coef * measured / prior.alltoall_coef
+    for name in given:
+        scaled.pop(name, None)
+    if "alltoall_coef" in given:
+        alltoall = "given"
     model = dataclasses.replace(prior, linear_coef=fitted.linear_coef, quadratic_coef=fitted.quadratic_coef, **scaled,
                                 overhead_s=fit["overhead_s"],
                                 gpu_speed=tuple(speeds) if any(speed != 1.0 for speed in speeds) else None)  # fmt: skip

@@ -9,7 +9,7 @@ import gc
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -27,14 +27,16 @@ from deepspeed_knap.runtime.timing import StepTimes
 
 def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[int], repeats: int,
                        groups: ProcessGroups, backend: str | None = None, required: bool = True,
-                       time_exchanges: bool = True) -> StartupCalibration | None:  # fmt: skip
+                       given: Collection[str] = ()) -> StartupCalibration | None:  # fmt: skip
     """Time ``model``'s blocks at ``seq_lens`` on this rank's device, in the dtype of its parameters,
-    with its attention ``backend`` under ``groups.topology``, and with ``time_exchanges`` the Ulysses
-    exchanges of those blocks at the longest length in this rank's smallest attention group
-    (:func:`time_ulysses_exchanges`); then fit one cost model from every rank's times. The
-    exchanges are not timed (``c`` is the prior's, scaled as the compute) where the topology has no
-    group of more than one GPU, or the ranks' step timers do not all say alike what the blocks
-    exchange (a family's own timer may say nothing). Collective over the world: every rank calls it,
+    with its attention ``backend`` under ``groups.topology``, and the Ulysses exchanges of those
+    blocks at the longest length in this rank's smallest attention group
+    (:func:`time_ulysses_exchanges`); then fit one cost model from every rank's times. The prices in
+    ``given`` (the user's ``alltoall_coef`` or ``inter_node_alltoall_coef``) stay as ``prior`` has
+    them. The exchanges are not timed (``c`` is the prior's, scaled as the compute) where
+    ``alltoall_coef`` is given, where the topology has no group of more than one GPU, or where the
+    ranks' step timers do not all say alike what the blocks exchange (a family's own timer may say
+    nothing). Collective over the world: every rank calls it,
     and every rank gets the same outcome. Rank 0 logs the fit, the speeds and the seconds it took.
     The copy's memory goes back to the device before it returns (the training's allocations start
     from what they had before).
@@ -56,7 +58,9 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
     try:
         step = spec(model.family).load("step_timer")(model, device, dtype, groups.topology, backend)
         times = time_lengths(step, seq_lens, repeats, progress=dist.get_rank() == 0).tolist()
-        calls = getattr(step, "ulysses_calls", None) if time_exchanges else None
+        rows = getattr(step, "ulysses_calls", None) if "alltoall_coef" not in given else None
+        if rows:  # plain numbers, to gather
+            calls = [[int(heads), int(dim), str(kind), float(count)] for heads, dim, kind, count in rows]
     except Exception as error:  # raised here alone, it would leave the other ranks in the gather
         problem = f"{type(error).__name__}: {error}"
     step = None  # the copy of the blocks, held by the step's closure
@@ -73,7 +77,7 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
             prices, details = time_ulysses_exchanges(calls, max(seq_lens), groups, prior, device, repeats)
         if details is None:
             try:  # the same times on every rank: a refused fit is refused on every rank alike
-                calibration = startup_model(prior, seq_lens, times_by_rank, prices)
+                calibration = startup_model(prior, seq_lens, times_by_rank, prices, given)
             except Exception as error:
                 details = f"{type(error).__name__}: {error}"
     if details is not None:
@@ -108,8 +112,9 @@ def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroup
     untimed) counts. Every group exchanges at once, as in a step (a barrier over the world before
     each run).
 
-    Collective over the world. A rank's failure (making the buffers, or in a run) is agreed on
-    before the prices are shared. Returns ``(prices, None)``, ``prices[r]`` rank ``r``'s (``None``
+    Collective over the world. A rank's failure to make the buffers is agreed on before any
+    exchange, and one in a run before the prices are shared (a failure some members of a group meet
+    and others do not leaves those waiting in the exchange until the group's timeout). Returns ``(prices, None)``, ``prices[r]`` rank ``r``'s (``None``
     where it is in no group of more than one GPU), the same on every rank; or ``(None, why)``."""
     import deepspeed.comm as dist
 
@@ -155,7 +160,8 @@ def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroup
             first = groups.replica * groups.topology.group_size + own[0]  # the group's first global rank
             across = int(prior.cross_node_peers([first], [size], groups.topology.gpus_per_node)[0])
             dearer = prior.inter_node_alltoall_coef / prior.alltoall_coef if across and prior.alltoall_coef > 0 else 1.0
-            price = seconds * size**2 / (tokens * (size - 1 - across + dearer * across))
+            peers = size - 1 - across + dearer * across  # in units of an intra-node peer
+            price = seconds * size**2 / (tokens * peers) if peers > 0 else None  # no link the model prices
     except Exception as error:
         problem = f"{type(error).__name__}: {error}"
     finally:

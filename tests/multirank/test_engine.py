@@ -371,7 +371,7 @@ def _exchange_price_worker(rank: int, world: int) -> list[tuple]:
     1,024-token sequence per rank (512 tokens of each per member, what the calibration's longest length
     gives a member); without gradient checkpointing and with it (whose recompute exchanges again).
     Returns, for each, the calibrated ``alltoall_coef``, the prior's scaled as the compute was, and
-    the Ulysses seconds of each step."""
+    the Ulysses seconds of each step; then the ``alltoall_coef`` of a start-up with ``0`` given."""
     import time
     from unittest import mock
 
@@ -417,6 +417,14 @@ def _exchange_price_worker(rank: int, world: int) -> list[tuple]:
                   for s in calibration["seq_lens"]]] * world  # fmt: skip
         scaled = startup_model(default_cost_model("flux-tiny"), calibration["seq_lens"], times).model.alltoall_coef
         results.append((calibrated.alltoall_coef, scaled, ulysses))
+    # A price the user gave is theirs (0 turns the term off): not timed over, not scaled.
+    given = {"linear_coef": 1e-6, "quadratic_coef": 1e-9, "alltoall_coef": 0.0, "startup_calibration": calibration}
+    with mock.patch.object(dist, "all_to_all_single", slow_link):
+        _, _, _, _, balancer = deepspeed_knap.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+            config={**config, "knapformer": {**config["knapformer"], "cost_model": given}},
+        )  # fmt: skip
+    results.append(balancer.cost_model.alltoall_coef)
     return results
 
 
@@ -439,3 +447,4 @@ def test_the_startup_calibration_times_the_ulysses_exchanges_a_step_runs():
         # Step 0 connects the group.
         measured = min(statistics.median(rank[checkpointing][2][1:]) for rank in results)
         assert 0.8 < predicted / measured < 1.25, (checkpointing, predicted, measured)
+    assert results[0][2] == results[1][2] == 0.0

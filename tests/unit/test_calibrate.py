@@ -124,6 +124,8 @@ def test_startup_model_fits_the_ranks_times_and_calls_only_a_slow_rank():
 def test_startup_model_takes_the_ranks_timed_exchange_price():
     """Timed Ulysses exchanges replace the scaled prior's ``c``: the lower median of the ranks that
     timed one (as for the compute), with ``c'`` in the prior's ratio to ``c``; the compute is as before."""
+    import dataclasses
+
     from deepspeed_knap.cost.calibrate import startup_model
     from deepspeed_knap.cost.model import CostModel
 
@@ -137,6 +139,12 @@ def test_startup_model_takes_the_ranks_timed_exchange_price():
     assert (timed.model.linear_coef, timed.model.quadratic_coef) == (scaled.model.linear_coef,
                                                                      scaled.model.quadratic_coef)  # fmt: skip
     assert startup_model(prior, SEQ_LENS, times, [None] * 5).model == scaled.model  # no rank in a group
+    # Prices the user gave stay as given, 0 included; the compute is fitted as before.
+    kept = startup_model(dataclasses.replace(prior, alltoall_coef=0.0), SEQ_LENS, times, None, ["alltoall_coef"])
+    assert kept.fit["alltoall"] == "given" and kept.model.alltoall_coef == 0.0
+    assert kept.model.linear_coef == scaled.model.linear_coef
+    c_prime = startup_model(prior, SEQ_LENS, times, [3e-6, 3e-6, 3e-6, 3e-6, 3e-6], ["inter_node_alltoall_coef"])
+    assert c_prime.model.alltoall_coef == 3e-6 and c_prime.model.inter_node_alltoall_coef == 6e-7
     with pytest.raises(ValueError, match="positive all-to-all prices"):
         startup_model(prior, SEQ_LENS, times, [1e-6, 0.0, None, None, None])
 
