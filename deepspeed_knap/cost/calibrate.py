@@ -107,7 +107,7 @@ class StartupCalibration:
         model: the prior with the fitted ``a``, ``b`` and ``overhead_s`` (the seconds a step costs
             whatever its tokens: kernel launches, which dominate short steps on a GPU; every GPU pays
             it, so with equal speeds it moves no plan, but the modeled seconds match the measured),
-            its all-to-all price timed or scaled as the compute was, its per-sequence price scaled,
+            its all-to-all price timed, scaled as the compute was or given, its per-sequence price scaled,
             and ``gpu_speed``
             where a rank was shown off the others.
         speeds: ``[S]`` each rank's speed (1: the median rank's).
@@ -194,7 +194,7 @@ def startup_model(
     if timed:
         if not all(math.isfinite(c) and c > 0 for c in timed):
             raise ValueError(f"start-up calibration needs positive all-to-all prices; got {list(alltoall_by_rank)}. "
-                             "Give cost_model.alltoall_coef to keep a price of your own instead")  # fmt: skip
+                             'Set "startup_calibration": false, or give measured coefficients with alltoall_coef')  # fmt: skip
         measured, alltoall = timed[(len(timed) - 1) // 2], "timed"  # the lower median, as for the times
         scaled["alltoall_coef"] = measured
         if prior.inter_node_alltoall_coef is not None and prior.alltoall_coef > 0:  # c' keeps its ratio to c

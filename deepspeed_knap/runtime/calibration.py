@@ -33,11 +33,11 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
     blocks at the longest length in this rank's smallest attention group
     (:func:`time_ulysses_exchanges`); then fit one cost model from every rank's times. The prices in
     ``given`` (the user's ``alltoall_coef`` or ``inter_node_alltoall_coef``) stay as ``prior`` has
-    them. The exchanges are not timed (``c`` is the prior's, scaled as the compute) where
-    ``alltoall_coef`` is given, where the topology has no group of more than one GPU, or where the
-    ranks' step timers do not all say alike what the blocks exchange (a family's own timer may say
-    nothing). Collective over the world: every rank calls it,
-    and every rank gets the same outcome. Rank 0 logs the fit, the speeds and the seconds it took.
+    them, and a given ``alltoall_coef`` is not timed over. Otherwise ``c`` is the prior's scaled as
+    the compute where the exchanges give no price: the topology has no group of more than one GPU,
+    or the ranks' step timers do not all say alike what the blocks exchange (a family's own timer
+    may say nothing). Collective over the world: every rank calls it, and every rank gets the same
+    outcome. Rank 0 logs the fit, the speeds and the seconds it took.
     The copy's memory goes back to the device before it returns (the training's allocations start
     from what they had before).
 
@@ -112,10 +112,12 @@ def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroup
     untimed) counts. Every group exchanges at once, as in a step (a barrier over the world before
     each run).
 
-    Collective over the world. A rank's failure to make the buffers is agreed on before any
-    exchange, and one in a run before the prices are shared (a failure some members of a group meet
-    and others do not leaves those waiting in the exchange until the group's timeout). Returns ``(prices, None)``, ``prices[r]`` rank ``r``'s (``None``
-    where it is in no group of more than one GPU), the same on every rank; or ``(None, why)``."""
+    Collective over the world, every rank making the same world collectives whatever fails. A
+    rank's failure to make the buffers is agreed on before any exchange, and one in a run after the
+    runs (a failure some members of a group meet and others do not leaves those waiting in the
+    group's exchange until its timeout). Returns ``(prices, None)``, ``prices[r]`` rank ``r``'s
+    (``None`` where it is in no group of more than one GPU), the same on every rank; or
+    ``(None, why)``."""
     import deepspeed.comm as dist
 
     own = min(groups.attention_groups, key=lambda group: (group[1], group[0]), default=None)
@@ -137,7 +139,6 @@ def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroup
     process_group = None if own is None else groups.attention_group(*own)
 
     def one_run() -> float:
-        dist.barrier()
         seconds = 0.0
         for send_counts, recv_counts, out_counts, back_counts, send, count in runs:
             record = StepTimes(device)
@@ -152,10 +153,17 @@ def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroup
             seconds += count * sum(begin.seconds_until(end) for begin, end in record.spans["ulysses"])
         return seconds
 
+    seconds_by_run = []  # the first: the groups' first exchanges (connections), the allocator's growth
+    for _ in range(repeats + 1):
+        dist.barrier()  # on every rank, failed or not: the world's collectives stay in step
+        if problem is None:
+            try:
+                seconds_by_run.append(one_run())
+            except Exception as error:
+                problem = f"{type(error).__name__}: {error}"
     try:
-        one_run()  # the groups' first exchanges (connections) and the allocator's growth
-        seconds = statistics.median(one_run() for _ in range(repeats))
-        if own is not None:
+        if own is not None and problem is None:
+            seconds = statistics.median(seconds_by_run[1:])
             tokens, size = chunk * own[1], own[1]
             first = groups.replica * groups.topology.group_size + own[0]  # the group's first global rank
             across = int(prior.cross_node_peers([first], [size], groups.topology.gpus_per_node)[0])
