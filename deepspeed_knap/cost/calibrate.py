@@ -107,9 +107,8 @@ class StartupCalibration:
         model: the prior with the fitted ``a``, ``b`` and ``overhead_s`` (the seconds a step costs
             whatever its tokens: kernel launches, which dominate short steps on a GPU; every GPU pays
             it, so with equal speeds it moves no plan, but the modeled seconds match the measured),
-            its all-to-all price timed, scaled as the compute was or given, its per-sequence price scaled,
-            and ``gpu_speed``
-            where a rank was shown off the others.
+            its all-to-all price timed, scaled as the compute was, or given, its per-sequence price
+            scaled, and ``gpu_speed`` where a rank was shown off the others.
         speeds: ``[S]`` each rank's speed (1: the median rank's).
         scale: the fitted compute over the prior's at the longest length.
         fit: the fit of the ranks' median times (:func:`fit_times`); ``shape``: ``"fitted"``, or

@@ -37,9 +37,8 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
     the compute where the exchanges give no price: the topology has no group of more than one GPU,
     or the ranks' step timers do not all say alike what the blocks exchange (a family's own timer
     may say nothing). Collective over the world: every rank calls it, and every rank gets the same
-    outcome. Rank 0 logs the fit, the speeds and the seconds it took.
-    The copy's memory goes back to the device before it returns (the training's allocations start
-    from what they had before).
+    outcome. Rank 0 logs the fit, the speeds and the seconds it took. The copy's memory goes back to
+    the device before it returns (the training's allocations start from what they had before).
 
     ``required``: a rank's failed timing (out of memory at the longest length, say), or times the
     fit refuses, make every rank raise. ``False`` (``enabled: "auto"``, which the user did not ask

@@ -368,10 +368,10 @@ def _exchange_price_worker(rank: int, world: int) -> list[tuple]:
     """A tiny FLUX.1 on one bag of 2 (every sequence split over both ranks) on a simulated slow link
     (every all-to-all also sleeps for its bytes at LINK_BYTES_PER_S, so the link, not the noise of 2
     CPU ranks, sets the exchanges' time), started with the start-up calibration, then 6 steps of one
-    1,024-token sequence per rank (512 tokens of each per member, what the calibration's longest length
-    gives a member); without gradient checkpointing and with it (whose recompute exchanges again).
-    Returns, for each, the calibrated ``alltoall_coef`` and the Ulysses seconds of each step; then the ``alltoall_coef`` of a start-up with ``0`` given, and
-    the all-to-alls that start-up ran."""
+    1,024-token sequence per rank (512 tokens of each per member, what the calibration's longest
+    length gives a member); without gradient checkpointing and with it (whose recompute exchanges
+    again). Returns, for each, the calibrated ``alltoall_coef`` and the Ulysses seconds of each step;
+    then the ``alltoall_coef`` of a start-up with ``0`` given, and the all-to-alls that start-up ran."""
     import time
     from unittest import mock
 
