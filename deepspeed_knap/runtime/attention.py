@@ -25,7 +25,7 @@ block-diagonal attention with no mask.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +190,18 @@ def head_splits(num_heads: int, group_size: int) -> list[int]:
     """Heads each member of a group of ``group_size`` runs: near-equal, the first ones one more."""
     base, extra = divmod(num_heads, group_size)
     return [base + (i < extra) for i in range(group_size)]
+
+
+def ulysses_counts(member_tokens: Sequence[int], heads: Sequence[int], member: int,
+                   head_dim: int) -> tuple[list[int], list[int], list[int], list[int]]:  # fmt: skip
+    """Elements ``member`` of a Ulysses group sends to and receives from each member, by member:
+    ``(qkv_send, qkv_recv, out_send, out_recv)``. Forward, q, k and v go to their heads' members
+    (scatter heads, gather sequence), then the output comes back (scatter sequence, gather heads);
+    the backward runs both reversed. ``member_tokens``: ``[G]`` tokens each member holds;
+    ``heads``: ``[G]`` heads each runs (:func:`head_splits`)."""
+    my_tokens, my_heads = member_tokens[member], heads[member]
+    return ([3 * my_tokens * h * head_dim for h in heads], [3 * n * my_heads * head_dim for n in member_tokens],
+            [n * my_heads * head_dim for n in member_tokens], [my_tokens * h * head_dim for h in heads])  # fmt: skip
 
 
 # The routed batch of the balanced step in flight, for drop-in modules (DeepSpeed's call carries none).
@@ -428,11 +440,10 @@ class KnapDistributedAttention(DistributedAttention):
         my_heads = heads[group.member]
         member_tokens = group.chunk_lens.sum(axis=1).tolist()  # [G]
         my_tokens = member_tokens[group.member]
+        send_counts, recv_counts, out_counts, back_counts = ulysses_counts(member_tokens, heads, group.member, head_dim)
 
         # Scatter heads, gather sequence: member d gets heads bounds[d]:bounds[d+1] of q, k and v.
         send = torch.cat([t[:, bounds[d] : bounds[d + 1]].reshape(-1) for d in range(group.size) for t in (q, k, v)])
-        send_counts = [3 * my_tokens * h * head_dim for h in heads]
-        recv_counts = [3 * n * my_heads * head_dim for n in member_tokens]
         arrived = exchange(send, send_counts, recv_counts, process_group, "ulysses")
         qkv = torch.cat(
             [
@@ -450,12 +461,6 @@ class KnapDistributedAttention(DistributedAttention):
         # Scatter sequence, gather heads: back to member by member, each member's tokens to it.
         if group.seq_major is not None:
             out = out.index_select(0, routed.device_array(("member_major", index), np.argsort(group.seq_major)))
-        back = exchange(
-            out.reshape(-1),
-            [n * my_heads * head_dim for n in member_tokens],
-            [my_tokens * h * head_dim for h in heads],
-            process_group,
-            "ulysses",
-        )
-        pieces = back.split([my_tokens * h * head_dim for h in heads])
+        back = exchange(out.reshape(-1), out_counts, back_counts, process_group, "ulysses")
+        pieces = back.split(back_counts)
         return torch.cat([p.view(my_tokens, h, head_dim) for p, h in zip(pieces, heads, strict=True)], dim=1)

@@ -19,7 +19,7 @@ from torch import nn
 from deepspeed_knap.cost.calibrate import StartupCalibration, startup_model, time_lengths
 from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.models.registry import spec
-from deepspeed_knap.runtime.attention import head_splits
+from deepspeed_knap.runtime.attention import head_splits, ulysses_counts
 from deepspeed_knap.runtime.groups import ProcessGroups, all_gather_bytes, gather_problems
 from deepspeed_knap.runtime.routing import exchange, time_exchanges
 from deepspeed_knap.runtime.timing import StepTimes
@@ -126,11 +126,9 @@ def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroup
             start, size = own
             member, chunk = groups.group_rank - start, max(seq_len // size, 1)
             for heads, head_dim, dtype, count in calls:
-                splits = head_splits(heads, size)
-                mine = splits[member]
+                counts = ulysses_counts([chunk] * size, head_splits(heads, size), member, head_dim)
                 send = torch.ones(3 * chunk * heads * head_dim, dtype=getattr(torch, dtype), device=device)
-                runs.append(([3 * chunk * h * head_dim for h in splits], [3 * chunk * mine * head_dim] * size,
-                             [chunk * mine * head_dim] * size, [chunk * h * head_dim for h in splits], send, count))  # fmt: skip
+                runs.append((*counts, send, count))
     except Exception as error:  # alone, it would leave its partners waiting in the exchange
         problem = f"{type(error).__name__}: {error}"
     if (details := gather_problems(problem)) is not None:
@@ -163,8 +161,8 @@ def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroup
     try:
         if own is not None and problem is None:
             seconds = statistics.median(seconds_by_run[1:])
-            tokens, size = chunk * own[1], own[1]
-            first = groups.replica * groups.topology.group_size + own[0]  # the group's first global rank
+            tokens = chunk * size
+            first = groups.replica * groups.topology.group_size + start  # the group's first global rank
             across = int(prior.cross_node_peers([first], [size], groups.topology.gpus_per_node)[0])
             dearer = prior.inter_node_alltoall_coef / prior.alltoall_coef if across and prior.alltoall_coef > 0 else 1.0
             peers = size - 1 - across + dearer * across  # in units of an intra-node peer
