@@ -64,8 +64,8 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     After its first call, ``step.ulysses_calls`` holds what the start-up calibration times the
     Ulysses exchanges with (:func:`~deepspeed_knap.runtime.calibration.time_ulysses_exchanges`):
     ``[heads, head_dim, dtype, calls]`` of the ``KnapDistributedAttention`` calls of one forward and
-    backward of the whole model (the copy's, scaled as its blocks are; :func:`_attention_calls`),
-    one row per kind of call."""
+    backward of the whole model (the copy's, scaled as its blocks are; :func:`_outer_leaves`), one
+    row per kind of call."""
     family = spec(model.family)
     config = dict(model.config)
     counts, factor = block_fraction(config, family.block_counts)
@@ -115,8 +115,9 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     def step(seq_len: int) -> float:
         inputs = inputs_of(seq_len)
         if not timed:
-            step.ulysses_calls = [[*kind, calls * factor] for kind, calls in _attention_calls(copy, inputs).items()]
-            starts, ends = _outer_leaves(copy, inputs)
+            calls: dict[tuple[int, int, str], float] = {}
+            starts, ends = _outer_leaves(copy, inputs, calls)
+            step.ulysses_calls = [[*kind, count * factor] for kind, count in calls.items()]
             starts[0].register_forward_pre_hook(mark("forward_start", first=True))
             ends[0].register_forward_hook(mark("forward_end", first=True))
             starts[1].register_full_backward_pre_hook(mark("backward_start", first=True))
@@ -135,41 +136,21 @@ def model_step_timer(model: nn.Module, device: torch.device | str, dtype: torch.
     return step
 
 
-def _attention_calls(model: nn.Module, inputs: Any) -> dict[tuple[int, int, str], float]:
-    """``{(heads, head_dim, dtype): calls}`` of ``model``'s ``KnapDistributedAttention`` modules in
-    one forward and backward of ``inputs``, from each call's query (``[..., H, Dh]``). A call's
-    exchanges are four all-to-alls (q, k and v out, the output back, and the reverse of both in the
-    backward); a checkpointed block's recompute in the backward runs the forward two again, and
-    counts half a call. Cross-attention that calls the kernel alone (Wan's) runs no exchange and is
-    not counted."""
-    calls: dict[tuple[int, int, str], float] = {}
-    weight = [1.0]  # a forward's call; in the backward, a recompute's
-
-    def count(_module: nn.Module, args: tuple) -> None:
-        query = args[0]
-        kind = (int(query.shape[-2]), int(query.shape[-1]), str(query.dtype).removeprefix("torch."))
-        calls[kind] = calls.get(kind, 0.0) + weight[0]
-
-    modules = [module for module in model.modules() if isinstance(module, KnapDistributedAttention)]
-    handles = [module.register_forward_pre_hook(count) for module in modules]
-    try:
-        loss = model(inputs, None).float().square().mean()
-        weight[0] = 0.5
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return calls
-
-
-def _outer_leaves(model: nn.Module, inputs: Any) -> tuple[tuple[nn.Module, nn.Module], tuple[nn.Module, nn.Module]]:
+def _outer_leaves(model: nn.Module, inputs: Any, attention_calls: dict[tuple[int, int, str], float]
+                  ) -> tuple[tuple[nn.Module, nn.Module], tuple[nn.Module, nn.Module]]:  # fmt: skip
     """Where the blocks' work starts and ends, forward and backward: ``((first module called,
     first module whose backward starts), (last module to return, last module whose backward
     ends))``, of the modules without children in ``model.block_stack``, whether the model calls its
     blocks as modules or, as FLUX.3 does, calls their parts from functions of its own (a double-stream
     model's last text modules run forward but get no gradient). One forward and backward of
-    ``inputs``, untimed."""
+    ``inputs``, untimed.
+
+    The same pass fills ``attention_calls``, ``{(heads, head_dim, dtype): calls}``, with the calls of
+    ``model``'s ``KnapDistributedAttention`` modules, from each call's query (``[..., H, Dh]``). A
+    call's exchanges are four all-to-alls (q, k and v out, the output back, and the reverse of both
+    in the backward); a checkpointed block's recompute in the backward runs the forward two again,
+    and counts half a call. Cross-attention that calls the kernel alone (Wan's) runs no exchange and
+    is not counted."""
     called: list[nn.Module] = []
     returned: list[nn.Module] = []
     backward_starts: list[nn.Module] = []
@@ -184,6 +165,14 @@ def _outer_leaves(model: nn.Module, inputs: Any) -> tuple[tuple[nn.Module, nn.Mo
             leaf.register_full_backward_pre_hook(lambda module, _: backward_starts.append(module)),
             leaf.register_full_backward_hook(lambda module, *_: backward_ends.append(module)),
         ]
+
+    def count(_module: nn.Module, args: tuple) -> None:
+        query = args[0]
+        kind = (int(query.shape[-2]), int(query.shape[-1]), str(query.dtype).removeprefix("torch."))
+        attention_calls[kind] = attention_calls.get(kind, 0.0) + (1.0 if recording[0] else 0.5)
+
+    handles += [module.register_forward_pre_hook(count) for module in model.modules()
+                if isinstance(module, KnapDistributedAttention)]  # fmt: skip
     try:
         loss = model(inputs, None).float().square().mean()
         recording[0] = False
