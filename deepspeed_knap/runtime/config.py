@@ -137,13 +137,15 @@ class KnapStartupCalibrationConfig(_KnapConfigModel):
     def timed_lengths(self, max_tokens_per_gpu: int | None) -> list[int]:
         """The lengths to time: ``seq_lens`` as given, or the default ones up to ``max_tokens_per_gpu``
         (no GPU holds more: longer ones would spend memory and time on a length no step runs),
-        and where fewer than 3 of those remain, the cap, its half and its quarter."""
+        and where fewer than 3 of those remain, the cap, its half and its quarter (rounded up: a cap
+        of 3 tokens times 1, 2 and 3; one of 1 or 2 leaves fewer than 3 lengths, which
+        :class:`KnapFormerConfig` refuses with the calibration on)."""
         if max_tokens_per_gpu is None or "seq_lens" in self.model_fields_set:
             return list(self.seq_lens)
         within = [length for length in self.seq_lens if length <= max_tokens_per_gpu]
         if len(within) >= 3:
             return within
-        return sorted({max_tokens_per_gpu >> shift for shift in range(3)} - {0})
+        return sorted({-(-max_tokens_per_gpu // 2**shift) for shift in range(3)})
 
 
 class KnapCostModelConfig(_KnapConfigModel):
@@ -392,6 +394,13 @@ class KnapFormerConfig(_KnapConfigModel):
             raise ValueError(
                 f'"solver": "knapformer" cannot honour "max_tokens_per_gpu": {self.max_tokens_per_gpu} (the published '
                 'greedy knows no memory); use "solver": "refine", or drop the cap'
+            )
+        calibration = self.cost_model.startup_calibration
+        if calibration.enabled is True and len(calibration.timed_lengths(self.max_tokens_per_gpu)) < 3:
+            raise ValueError(
+                f'"max_tokens_per_gpu": {self.max_tokens_per_gpu} leaves the start-up calibration fewer than 3 '
+                f"lengths to time ({calibration.timed_lengths(self.max_tokens_per_gpu)}: it fits a, b and an "
+                'overhead); give "startup_calibration": {"seq_lens": [...]}, or turn it off'
             )
         if not self.enabled:  # nothing plans: the topology checks wait for a block that balances
             return self
