@@ -161,9 +161,8 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: st
         for module in attention:
             module.configure(topology, knap.attention_backend)
         # Agreed: the model's parameters and the accelerator are in the views checked above.
-        calibrating = knap.cost_model.calibrates_at_start(get_accelerator().device_name() == "cuda", _family(model))
-        # "auto" under a cap of 1 or 2 tokens has fewer than 3 lengths to fit (true is refused for it).
-        calibrating &= len(knap.cost_model.startup_calibration.timed_lengths(knap.max_tokens_per_gpu)) >= 3
+        calibrating = knap.cost_model.calibrates_at_start(get_accelerator().device_name() == "cuda", _family(model),
+                                                          knap.max_tokens_per_gpu)  # fmt: skip
     engine, optimizer, dataloader, lr_scheduler = deepspeed.initialize(
         args=args, model=model, config=plain_config, **kwargs
     )

@@ -138,8 +138,8 @@ class KnapStartupCalibrationConfig(_KnapConfigModel):
         """The lengths to time: ``seq_lens`` as given, or the default ones up to ``max_tokens_per_gpu``
         (no GPU holds more: longer ones would spend memory and time on a length no step runs),
         and where fewer than 3 of those remain, the cap, its half and its quarter (rounded up: a cap
-        of 3 tokens times 1, 2 and 3; one of 1 or 2 leaves fewer than 3 lengths, which
-        :class:`KnapFormerConfig` refuses with the calibration on)."""
+        of 3 tokens times 1, 2 and 3; one of 1 or 2 leaves fewer than 3 lengths: :class:`KnapFormerConfig`
+        refuses ``"enabled": true`` there, and ``"auto"`` does not time)."""
         if max_tokens_per_gpu is None or "seq_lens" in self.model_fields_set:
             return list(self.seq_lens)
         within = [length for length in self.seq_lens if length <= max_tokens_per_gpu]
@@ -225,10 +225,13 @@ class KnapCostModelConfig(_KnapConfigModel):
     def _startup_bool(cls, value: Any) -> Any:
         return {"enabled": value} if isinstance(value, bool) else value
 
-    def calibrates_at_start(self, accelerator_is_gpu: bool, family: str | None) -> bool:
+    def calibrates_at_start(self, accelerator_is_gpu: bool, family: str | None,
+                            max_tokens_per_gpu: int | None = None) -> bool:  # fmt: skip
         """Whether the ranks time their blocks at start-up: ``enabled``, or with ``"auto"`` on GPUs
         when the source is a preset (measured coefficients and a calibration file are measured
-        already) and the model is of a registered ``family`` (its packed model's ``family``).
+        already), the model is of a registered ``family`` (its packed model's ``family``) and
+        ``max_tokens_per_gpu`` leaves at least 3 lengths to fit (:meth:`KnapStartupCalibrationConfig.timed_lengths`:
+        not under a cap of 1 or 2 tokens, where :class:`KnapFormerConfig` refuses ``true``).
 
         Raises:
             ValueError: ``enabled`` for a model of no registered family (nothing names its blocks).
@@ -236,7 +239,8 @@ class KnapCostModelConfig(_KnapConfigModel):
         enabled = self.startup_calibration.enabled
         if enabled == "auto":
             measured = self.linear_coef is not None or self.calibration_file is not None
-            return accelerator_is_gpu and not measured and family is not None
+            fits = len(self.startup_calibration.timed_lengths(max_tokens_per_gpu)) >= 3
+            return accelerator_is_gpu and not measured and family is not None and fits
         if enabled and family is None:
             raise ValueError("knapformer.cost_model.startup_calibration times a model of a registered family (a "
                              "deepspeed_knap packed transformer, whose family names its blocks); this model has "
@@ -395,15 +399,17 @@ class KnapFormerConfig(_KnapConfigModel):
                 f'"solver": "knapformer" cannot honour "max_tokens_per_gpu": {self.max_tokens_per_gpu} (the published '
                 'greedy knows no memory); use "solver": "refine", or drop the cap'
             )
-        calibration = self.cost_model.startup_calibration
-        if calibration.enabled is True and len(calibration.timed_lengths(self.max_tokens_per_gpu)) < 3:
-            raise ValueError(
-                f'"max_tokens_per_gpu": {self.max_tokens_per_gpu} leaves the start-up calibration fewer than 3 '
-                f"lengths to time ({calibration.timed_lengths(self.max_tokens_per_gpu)}: it fits a, b and an "
-                'overhead); give "startup_calibration": {"seq_lens": [...]}, or turn it off'
-            )
         if not self.enabled:  # nothing plans: the topology checks wait for a block that balances
             return self
+        # The deprecated spelling is moved to cost_model only after this check has run.
+        calibration = (self.workload if self.workload is not None else self.cost_model).startup_calibration
+        lengths = calibration.timed_lengths(self.max_tokens_per_gpu)
+        if calibration.enabled is True and len(lengths) < 3:
+            raise ValueError(
+                f'"max_tokens_per_gpu": {self.max_tokens_per_gpu} leaves "startup_calibration" ("enabled": true) '
+                f"fewer than 3 lengths to time ({lengths}; it fits a, b and an overhead): give its "
+                '"seq_lens", raise the cap to 3 tokens or more, or turn the calibration off'
+            )
         if self.topology.strip() == AUTO and self.solver == "knapformer":
             raise ValueError(
                 '"solver": "knapformer" needs a fixed topology, e.g. "topology": "g8n4"; "topology": "auto" (the '

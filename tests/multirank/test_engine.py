@@ -308,7 +308,7 @@ def _startup_worker(rank: int, world: int) -> list:
         return lambda seq_len: timed.append(seq_len) or step(seq_len)
 
     on_gpu = KnapCostModelConfig.calibrates_at_start  # "auto" turns it on on GPUs only
-    KnapCostModelConfig.calibrates_at_start = lambda self, gpu, family: on_gpu(self, True, family)
+    KnapCostModelConfig.calibrates_at_start = lambda self, gpu, family, cap=None: on_gpu(self, True, family, cap)
     family = spec("flux")
     results = []
     for patched, enabled, cap in (({1: slow_timer}, True, None), ({0: failing_timer}, True, None),

@@ -189,13 +189,20 @@ def test_startup_calibration_config_and_when_auto_turns_it_on():
     assert on.startup_calibration.timed_lengths(None) == SEQ_LENS
     assert on.startup_calibration.timed_lengths(5000) == [1024, 2048, 4096]
     assert on.startup_calibration.timed_lengths(3000) == [750, 1500, 3000]
-    assert on.startup_calibration.timed_lengths(3) == [1, 2, 3]  # rounded up: three lengths where there are
+    # Under a cap of a few tokens: the half and the quarter rounded up, so that 3 tokens still give 3 lengths.
+    assert on.startup_calibration.timed_lengths(3) == [1, 2, 3]
     assert on.startup_calibration.timed_lengths(2) == [1, 2]
-    capped = {"knapformer": {**base, "max_tokens_per_gpu": 2, "cost_model": {"startup_calibration": True}}}
-    with pytest.raises(ValueError, match=r'"max_tokens_per_gpu": 2 leaves the start-up calibration fewer than 3'):
-        get_knapformer_config(capped)
-    for allowed in ({"startup_calibration": "auto"}, {"startup_calibration": {"enabled": True, "seq_lens": [1, 2, 4]}}):
-        get_knapformer_config({"knapformer": {**capped["knapformer"], "cost_model": allowed}})
+    # Fewer than 3 (a cap of 1 or 2): true is refused as the config is read (either spelling), "auto" does not time.
+    capped = {**base, "max_tokens_per_gpu": 2}
+    for spelling in ("cost_model", "workload"):
+        with pytest.raises(ValueError, match=r'"max_tokens_per_gpu": 2 leaves "startup_calibration" \("enabled": true'):
+            get_knapformer_config({"knapformer": {**capped, spelling: {"startup_calibration": True}}})
+    for allowed in ({"knapformer": {**capped, "cost_model": {"startup_calibration": {"enabled": True,
+                                                                                     "seq_lens": [1, 2, 4]}}}},
+                    {"knapformer": {**capped, "enabled": False, "cost_model": {"startup_calibration": True}}}):  # fmt: skip
+        get_knapformer_config(allowed)
+    auto = get_knapformer_config({"knapformer": capped}).cost_model
+    assert auto.calibrates_at_start(True, "flux", 3) and not auto.calibrates_at_start(True, "flux", 2)
     given = read({"startup_calibration": {"seq_lens": [512, 8192, 16384]}}).startup_calibration
     assert given.timed_lengths(5000) == [512, 8192, 16384]
     for bad, message in [({"seq_lens": [64, 64, 128]}, "at least 3 different lengths"),
