@@ -335,9 +335,10 @@ def summarize(report: dict, skip: int = 1) -> dict[str, dict[str, float]]:
     """Per mode, over steps ``skip..`` (the first warms up; online, it is not learned from): the
     median step seconds, speedup over ``off`` on the same step and compute max/mean, the median
     |model error| and |share error| (:func:`share_errors`), the speedup of the summed step times
-    (what a training run of these steps gains), and the median overhead budget (:func:`~deepspeed_knap.runtime.balancer.balancer_overhead_s` over the step: the
-    largest refit and solve of a rank over ranks plus each collective part's least time over ranks,
-    so a fast rank's wait for a slow one is not counted as the balancer's)."""
+    (what a training run of these steps gains), and the median overhead budget
+    (:func:`~deepspeed_knap.runtime.balancer.balancer_overhead_s` over the step: the largest refit and
+    solve of a rank over ranks plus each collective part's least time over ranks, so a fast rank's
+    wait for a slow one is not counted as the balancer's)."""
     by_mode: dict[str, list[dict]] = {}
     for row in report["steps"]:
         by_mode.setdefault(row["mode"], []).append(row)
