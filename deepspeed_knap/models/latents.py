@@ -197,6 +197,13 @@ class LatentFileError(ValueError):
 _MANIFEST_FIX = "write the manifest again with python -m deepspeed_knap.runtime.manifest {path}"
 
 
+def _integer_valued(key: str) -> bool:
+    """Whether a sample's ``key`` holds whole numbers stored as floats (position ids, Qwen-Image's
+    ``img_shapes`` grids), which :meth:`LatentDirectory.read` keeps as stored: bfloat16 holds whole
+    numbers exactly only up to 256, so a grid side of 257 would read as 256."""
+    return "ids" in key or key.endswith("shapes")
+
+
 class LatentDirectory:
     """A directory of latent samples, one ``.safetensors`` file each, read in name order.
 
@@ -309,7 +316,7 @@ class LatentDirectory:
                 sample = load(data)
             except Exception as error:  # the safetensors error alone does not say which file
                 raise LatentFileError(f"cannot read latent sample {file}: {error}") from error
-            samples.append({key: t.to(dtype) if t.is_floating_point() and "ids" not in key else t
+            samples.append({key: t.to(dtype) if t.is_floating_point() and not _integer_valued(key) else t
                             for key, t in sample.items()})  # fmt: skip
         return [str(file) for file in files], samples
 

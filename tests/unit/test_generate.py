@@ -475,6 +475,9 @@ def _tiny_generator(family: str):
     ("qwen-image", {"height": 30, "width": 48}, "multiples of 8 px"),
     ("qwen-image", {"height": 32, "width": 48, "steps": 1}, "1 step(s): the scheduler's timesteps are not finite"),
     ("qwen-image", {"height": 32, "width": 48, "image": "cat.png"}, "edits take a QwenImageEditPlusPipeline"),
+    # Refused before the text is read: with a prompt, and with embeddings (whose rows the pipeline would cut).
+    ("qwen-image", {"height": 32, "width": 48, "max_sequence_length": 1500},
+     "line 1: max_sequence_length 1500 is over QwenImagePipeline's 1024"),
     # 8,180 tokens wide: the text's 8 rows from RoPE position 4,090 on pass the tables' 4,096.
     ("qwen-image", {"height": 8, "width": 8 * 8180}, "8 text rows from RoPE position 4090 on"),
     # Tiny FLUX.1 in bfloat16: 4 px a patch, positions exact up to 256 patches a side (1,024 px).
@@ -1324,6 +1327,11 @@ def test_qwen_image_intake_counts_each_branchs_text_cuts_embeddings_and_refuses_
                                           "width": 48, "steps": 2}), tmp_path)  # fmt: skip
     assert generator.request_seq_lens(cut) == (30 + 24,)
     assert tuple(generator.model.pack(generator.start(cut).samples()).seq_lens) == (30 + 24,)
+    save_file({"prompt_embeds": torch.randn(1500, width)}, str(tmp_path / "longer.safetensors"))
+    over = parse_request(0, 2, json.dumps({"embeddings": "longer.safetensors", "max_sequence_length": 1500,
+                                           "height": 32, "width": 48, "steps": 2}), tmp_path)  # fmt: skip
+    with pytest.raises(RequestError, match="max_sequence_length 1500 is over QwenImagePipeline's 1024"):
+        generator.request_seq_lens(over)  # as the pipeline's check_inputs refuses it
     save_file({"prompt_embeds": torch.randn(4, width), "prompt_embeds_mask": torch.ones(4)},
               str(tmp_path / "mask.safetensors"))  # fmt: skip
     masked = parse_request(0, 3, json.dumps({"embeddings": "mask.safetensors", "height": 32, "width": 48}), tmp_path)

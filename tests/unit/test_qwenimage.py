@@ -233,3 +233,40 @@ def test_synthetic_samples_in_bfloat16_keep_their_grids_whole():
                           "encoder_hidden_states": sample["encoder_hidden_states"], "img_shapes": sample["img_shapes"],
                           "timestep": torch.tensor(0.5)}])  # fmt: skip
     assert packed.seq_lens == (100 + shape.visual,)
+
+
+def test_latent_files_keep_their_grids_whole_in_bfloat16_and_flat_tensors_are_refused(tmp_path):
+    """Read from files too (``LatentDirectory.read``): a grid side of 257 would round to 256 in
+    bfloat16. A file whose tensor is not 2-D is named by the start-up check (not an IndexError on
+    the rank that checks it, while the others wait in the agreement)."""
+    from deepspeed_knap.models.qwenimage.data import (
+        check_qwen_image_latent_file,
+        latent_directory,
+        save_qwen_image_sample,
+    )
+    from deepspeed_knap.models.qwenimage.spec import TINY_QWEN_IMAGE
+
+    width, text_width = TINY_QWEN_IMAGE["in_channels"], TINY_QWEN_IMAGE["joint_attention_dim"]
+    sample = {"latents": torch.zeros(2 * 257, width), "encoder_hidden_states": torch.zeros(3, text_width),
+              "img_shapes": torch.tensor([[1.0, 2.0, 257.0]])}  # fmt: skip
+    save_qwen_image_sample(tmp_path / "a.safetensors", sample)
+    assert check_qwen_image_latent_file(tmp_path / "a.safetensors", TINY_QWEN_IMAGE) is None
+    _, (read,) = latent_directory(tmp_path).read(0, 1, torch.bfloat16)
+    assert read["img_shapes"].tolist() == [[1.0, 2.0, 257.0]] and read["latents"].dtype == torch.bfloat16
+    save_qwen_image_sample(tmp_path / "b.safetensors", {**sample, "encoder_hidden_states": torch.tensor(1.0)})
+    problem = check_qwen_image_latent_file(tmp_path / "b.safetensors", TINY_QWEN_IMAGE)
+    assert "{'encoder_hidden_states': []} must be [rows, width] (2-D)" in problem
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 128])
+def test_the_generator_s_tiny_config_builds_at_any_even_head_size(head_dim):
+    """``bench generate --head-dim``: every RoPE axis even (an odd one, as 6, 9, 9 of 24, is refused
+    by the model), 16, 56, 56 of 128 as the pipeline's model."""
+    from deepspeed_knap.models.qwenimage import PackedQwenImageTransformer
+    from deepspeed_knap.models.qwenimage.generate import QwenImageGenerator
+
+    config = QwenImageGenerator.tiny_config(2, head_dim)
+    axes = config["axes_dims_rope"]
+    assert sum(axes) == head_dim and all(axis > 0 and axis % 2 == 0 for axis in axes)
+    assert head_dim != 128 or tuple(axes) == (16, 56, 56)
+    PackedQwenImageTransformer(**config)

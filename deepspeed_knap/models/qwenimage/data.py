@@ -118,6 +118,9 @@ def check_qwen_image_latent_file(file: str | Path, config: Mapping) -> str | Non
         return f"{file}: img_shapes {grids.tolist()} must be whole numbers of at least 1 (frames, height, width); {fix}"
     tokens = [int(math.prod(row)) for row in grids.long().tolist()]
     width, text_width = config["in_channels"], config["joint_attention_dim"]
+    flat = {key: list(shape) for key, shape in shapes.items() if key != "img_shapes" and len(shape) != 2}
+    if flat:  # (a 0-d tensor would stop the indexing below on this rank alone)
+        return f"{file}: {flat} must be [rows, width] (2-D); {fix}"
     text_rows = shapes["encoder_hidden_states"][0]
     expected = {"latents": (tokens[0], width), "encoder_hidden_states": (text_rows, text_width)}
     if len(tokens) > 1 or REFERENCE_KEY in shapes:

@@ -54,6 +54,7 @@ from torch import Tensor
 from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
+from deepspeed_knap.models.flux.flux1 import rope_axes
 from deepspeed_knap.models.qwenimage.layers import ROPE_POSITIONS
 from deepspeed_knap.models.qwenimage.qwenimage import PackedQwenImageTransformer
 from deepspeed_knap.models.qwenimage.spec import QWEN_IMAGE, TINY_QWEN_IMAGE
@@ -135,10 +136,9 @@ class QwenImageGenerator(Generator):
 
     @classmethod
     def tiny_config(cls, heads: int, head_dim: int) -> dict[str, Any]:
-        """Every RoPE axis of the head: ``(head_dim / 4, 3 head_dim / 8, 3 head_dim / 8)``, as 16, 56, 56 of 128."""
-        quarter = head_dim // 4
-        axes = (quarter, (head_dim - quarter) // 2, head_dim - quarter - (head_dim - quarter) // 2)
-        return {**super().tiny_config(heads, head_dim), "axes_dims_rope": axes}
+        """Every RoPE axis of the head, each even (:func:`~deepspeed_knap.models.flux.flux1.rope_axes`:
+        16, 56, 56 of 128, as the pipeline's model has them)."""
+        return {**super().tiny_config(heads, head_dim), "axes_dims_rope": rope_axes(head_dim)}
 
     def pipeline_options(self, request: Request) -> dict[str, Any]:
         options = {"true_cfg_scale": self.true_cfg_scale(request)}
@@ -196,9 +196,15 @@ class QwenImageGenerator(Generator):
 
         Raises:
             RequestError: a size the VAE and the patching cannot take (the pipeline would round it),
-                a step count of NaN timesteps (:meth:`_check_schedule`), text rows past the RoPE tables, an embeddings file that is unreadable or does not
-                fit, and what :meth:`_branches`, :meth:`_references` and :meth:`_text_rows` refuse.
+                a step count of NaN timesteps (:meth:`_check_schedule`), text rows past the RoPE tables, an
+                embeddings file that is unreadable or does not fit, a ``max_sequence_length`` over the
+                pipeline's 1,024 (with a prompt or embeddings: every Qwen-Image pipeline refuses it), and
+                what :meth:`_branches`, :meth:`_references` and :meth:`_text_rows` refuse.
         """
+        length, most = self.max_sequence_length(request), self.pipeline.tokenizer_max_length
+        if length > most:  # check_inputs of every Qwen-Image pipeline, whether it encodes the text or is given it
+            raise RequestError(f"line {request.line}: max_sequence_length {length} is over {self.pipeline_class}'s "
+                               f"{most}")  # fmt: skip
         branches = self._branches(request)
         references = self._references(request)
         grids = self._grids(*self._size(request, references), references)
@@ -258,15 +264,9 @@ class QwenImageGenerator(Generator):
 
     def _text_rows(self, request: Request, prompt: str, references: EditReferences | None) -> int:
         """The rows ``encode_prompt`` gives ``prompt``: its chat-templated tokens (truncated as the
-        pipeline truncates them) less the template's dropped prefix, at most ``max_sequence_length``.
-
-        Raises:
-            RequestError: a ``max_sequence_length`` over the pipeline's 1,024.
-        """
+        pipeline truncates them) less the template's dropped prefix, at most ``max_sequence_length``
+        (at most the pipeline's 1,024: :meth:`request_seq_lens` refuses more)."""
         pipe, length = self.pipeline, self.max_sequence_length(request)
-        if length > pipe.tokenizer_max_length:
-            raise RequestError(f"line {request.line}: max_sequence_length {length} is over "
-                               f"QwenImagePipeline's {pipe.tokenizer_max_length}")  # fmt: skip
         drop = pipe.prompt_template_encode_start_idx
         tokens = pipe.tokenizer(pipe.prompt_template_encode.format(prompt), max_length=pipe.tokenizer_max_length + drop,
                                 truncation=True)["input_ids"]  # fmt: skip
