@@ -521,6 +521,25 @@ def _image_to_video_generator(two_experts: bool):
     return WanGenerator(pipe, model.eval())
 
 
+def test_an_image_to_video_pipeline_with_expand_timesteps_still_needs_an_image():
+    """``WanImageToVideoPipeline(expand_timesteps=True)`` refuses a request without an image (its
+    check_inputs); only TI2V-5B's ``WanPipeline`` takes one or none. Refused at the intake, not a
+    TypeError at the start on every rank."""
+    from deepspeed_knap.models.wan import PackedWanTransformer
+    from deepspeed_knap.models.wan.data import tiny_wan_pipeline
+    from deepspeed_knap.models.wan.generate import WanGenerator
+    from deepspeed_knap.models.wan.spec import TINY_WAN
+    from tests.support.wan_cases import WAN22_KINDS
+
+    kind = WAN22_KINDS["i2v21"]
+    pipe = tiny_wan_pipeline(image_to_video=True, image_dim=kind.get("clip"))
+    pipe.register_to_config(expand_timesteps=True)
+    generator = WanGenerator(pipe, PackedWanTransformer(**{**TINY_WAN, **kind["config"]}).eval())
+    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "height": 32, "width": 48, "frames": 9, "steps": 3}))
+    with pytest.raises(RequestError, match="this WanImageToVideoPipeline makes a video from an image: give 'image'"):
+        generator.request_seq_lens(request)
+
+
 @pytest.mark.parametrize(("two_experts", "fields", "expected"), [
     (False, {"image": "cat.png"}, (18, 18)),
     (True, {"image": "cat.png", "guidance_2": 2.0, "max_sequence_length": 8}, (18, 18)),

@@ -3,6 +3,7 @@ mix's sizes, the prepared-file check naming each bad file, and ds_configs/wan14b
 Wan 2.1 14B (its parameter count, its cost model, its cap on a full-size wan_image_video step)."""
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -196,3 +197,28 @@ def test_validation_lines_and_one_experts_runs_are_checked_for_the_pipeline_that
     assert lora_config(model) is not None
     [(path, load)] = hooks.save_adapters(model, model.state_dict(), tmp_path / "lora")
     assert path.parent == tmp_path / "lora" / "transformer_2" and load == {"load_into_transformer_2": True}
+
+
+def test_a_pipeline_folder_is_read_once_at_the_checks_and_two_experts_need_their_boundary(tmp_path):
+    """``check_arguments`` (which the trainer runs where the ranks agree on its errors) reads
+    ``model_index.json``; ``load_model`` builds from what it read, not from a second read that one
+    rank might see otherwise. Two experts without ``boundary_ratio`` are refused there, naming the
+    file and the fix (else one expert trained on a range of ``(0, None)``, a TypeError at its first
+    objective)."""
+    import json
+
+    from deepspeed_knap.models.registry import spec
+    from deepspeed_knap.models.wan.finetune import WanTraining
+    from deepspeed_knap.training.arguments import TrainingArguments
+
+    index = tmp_path / "model_index.json"
+    index.write_text(json.dumps({"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+                                 "transformer_2": ["diffusers", "WanTransformer3DModel"]}))  # fmt: skip
+    for expert in (None, "high", "low", "both"):
+        with pytest.raises(ValueError, match=re.escape(f"{index} names transformer_2 but no boundary_ratio")):
+            WanTraining(spec("wan")).check_arguments(TrainingArguments(None, model_path=str(tmp_path), expert=expert))
+    index.write_text(json.dumps({"_class_name": "WanPipeline", "expand_timesteps": True}))
+    hooks = WanTraining(spec("wan"))
+    hooks.check_arguments(TrainingArguments(None, model_path=str(tmp_path), first_frame_share=0.25))
+    index.unlink()  # a second read would find no expand_timesteps (nor, for a rank, any file)
+    assert hooks._pipeline_config(str(tmp_path)) == (None, False, True)

@@ -188,10 +188,25 @@ class WanTraining(TrainingHooks):
         self.sigma_range: tuple[float, float] | None = None  # one expert's side of the boundary
         self.expert: str | None = None  # "high" or "low": one expert of a two-expert pipeline trained
         self.first_frame_share = 0.0
+        # (boundary_ratio, has transformer_2, expand_timesteps) of the pipeline folder, read once, in
+        # check_arguments: that runs where the ranks agree on its errors (and on what it read).
+        self._pipeline: tuple[str | None, tuple[float | None, bool, bool]] | None = None
+
+    def _pipeline_config(self, path: str | Path | None) -> tuple[float | None, bool, bool]:
+        """``(boundary_ratio, has transformer_2, expand_timesteps)`` of ``path``'s ``model_index.json``
+        (:func:`pipeline_experts`, :func:`expand_timesteps`), read once per path."""
+        if self._pipeline is None or self._pipeline[0] != path:
+            self._pipeline = (path, (*pipeline_experts(path), expand_timesteps(path)))
+        return self._pipeline[1]
 
     def check_arguments(self, arguments: Any) -> None:
         path, expert = arguments.model_path, arguments.expert
-        if path is not None and expert is not None and not pipeline_experts(path)[1]:
+        boundary, two, expand = self._pipeline_config(path)
+        if two and boundary is None:  # also without --expert, which then trains both
+            raise ValueError(f"{Path(path) / 'model_index.json'} names transformer_2 but no boundary_ratio, so which "
+                             "expert trains which noise levels is unknown: set boundary_ratio there (Wan 2.2 "
+                             "T2V-A14B's is 0.875, I2V-A14B's 0.9)")  # fmt: skip
+        if path is not None and expert is not None and not two:
             what = ("its model_index.json names no transformer_2" if (Path(path) / "model_index.json").is_file()
                     else "a folder without model_index.json; give the pipeline folder")  # fmt: skip
             raise ValueError(f"--expert {expert}: {path} is not a two-expert Wan pipeline ({what}); drop --expert or "
@@ -202,19 +217,19 @@ class WanTraining(TrainingHooks):
             raise ValueError(f"--validation-every with --expert {expert}: validation renders run both experts; train "
                              "both (--expert both) to validate, or render the exported expert with the pipeline "
                              "yourself")  # fmt: skip
-        if arguments.first_frame_share and path is not None and not expand_timesteps(path):
+        if arguments.first_frame_share and path is not None and not expand:
             raise ValueError(f"--first-frame-share {arguments.first_frame_share}: {path} is not a Wan 2.2 TI2V "
                              "pipeline (its model_index.json does not set expand_timesteps); drop it")  # fmt: skip
 
     def load_model(self, arguments: Any, options: Mapping[str, Any]) -> nn.Module:
         path, expert = arguments.model_path, arguments.expert
-        boundary, two = pipeline_experts(path)
+        boundary, two, expand = self._pipeline_config(path)
         if two and expert is None:
             expert = "both"
         if path is None and expert is not None:
             boundary = DEFAULT_BOUNDARY_RATIO
         share = arguments.first_frame_share
-        self.first_frame_share = (0.5 if expand_timesteps(path) else 0.0) if share is None else share
+        self.first_frame_share = (0.5 if expand else 0.0) if share is None else share
         if expert in ("high", "low"):  # one expert, trained on its side of the boundary
             self.sigma_range = (boundary, 1.0) if expert == "high" else (0.0, boundary)
             self.expert = expert

@@ -119,8 +119,9 @@ class WanGenerator(Generator):
         super().__init__(pipeline, model)
         self.boundary_ratio = pipeline.config.get("boundary_ratio")
         self.expand_timesteps = bool(pipeline.config.get("expand_timesteps"))
-        # An image-to-video pipeline needs an image; TI2V-5B's (expand_timesteps) takes one or none.
-        self.needs_image = type(pipeline).__name__ == "WanImageToVideoPipeline" and not self.expand_timesteps
+        # An image-to-video pipeline needs an image (with expand_timesteps too: its check_inputs refuses a
+        # request without one); TI2V-5B's WanPipeline (expand_timesteps) takes one or none.
+        self.needs_image = type(pipeline).__name__ == "WanImageToVideoPipeline"
         self.takes_image = self.needs_image or self.expand_timesteps
         self._image_pipeline = pipeline if type(pipeline).__name__ == "WanImageToVideoPipeline" else None
 
