@@ -224,6 +224,16 @@ def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
     return result
 
 
+def _names_second_transformer(pipeline: Path) -> bool:
+    """Whether ``pipeline``'s ``model_index.json`` names a ``transformer_2`` (an unreadable one: no,
+    the loading goes on to the transformer's own files)."""
+    try:
+        index = json.loads((pipeline / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and bool((index.get("transformer_2") or [None])[0])
+
+
 def plain_ds_config(ds_config: Any) -> dict:
     """The DeepSpeed config (dict or JSON path) without the ``"knapformer"`` block, which
     DeepSpeed's own config parsing does not know."""
@@ -279,6 +289,13 @@ def load_checkpoint(
 
     def prepare() -> tuple[dict, nn.Module, dict[str, Path]]:
         directory = transformer_dir(path)
+        if directory != Path(path) and _names_second_transformer(Path(path)):
+            raise ValueError(
+                f"{path} is a pipeline of two transformers (its model_index.json names transformer_2 too): as one "
+                f"{cls.__name__} it would load transformer/ alone; give {Path(path) / 'transformer'} or "
+                f"{Path(path) / 'transformer_2'} for one of them, or load the pair (Wan 2.2 A14B's experts: "
+                "PackedWanExperts.from_pretrained)"
+            )
         config = read_config(directory / CONFIG_NAME, cls.diffusers_class, cls.config_keys())
         with torch.device("meta"):  # checks the config (RoPE axes, heads against a topology) at no cost
             meta = cls(**config, **kwargs)

@@ -201,6 +201,13 @@ def test_export_loads_in_diffusers_and_diffusers_checkpoints_load_here(tmp_path)
     assert type(model) is PackedWanTransformer
     for output, want in zip(model.forward_samples(samples), expected, strict=True):
         assert relative_error(output, want) <= 1e-5
+    # A pipeline of two experts (Wan 2.2 A14B): as one model it would silently be transformer/ alone.
+    (tmp_path / "pipeline" / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"is a pipeline of two transformers .* PackedWanExperts.from_pretrained"):
+        from_pretrained(tmp_path / "pipeline")
+    assert type(from_pretrained(tmp_path / "pipeline" / "transformer")) is PackedWanTransformer
     config = json.loads((exported / "config.json").read_text())
     (exported / "config.json").write_text(json.dumps({**config, "pos_embed_seq_len": 514}))
     with pytest.raises(ValueError, match=r"pos_embed_seq_len=514 \(first-last-frame models\) is not supported"):
