@@ -1068,7 +1068,39 @@ def test_the_intake_refuses_a_guided_pair_that_no_plan_can_place(tmp_path, monke
     assert [r["line"] for r in intake.refused] == [1, 3]
     assert "its 2 sequences (classifier-free guidance) of [1200, 1200] tokens cannot be placed even alone" in (
         intake.refused[0]["reason"])  # fmt: skip
-    assert calls == [[[1200, 1200], [], []], [[], [], [1200, 1200]]]  # 600 + 600 fits one group: no planner
+    assert calls == [[[1200, 1200], [], []], [[], [600, 600], []], [[], [], [1200, 1200]]]
+
+
+def test_a_pair_within_one_groups_budget_that_the_planner_cannot_place_is_refused_at_the_intake(tmp_path,
+                                                                                             monkeypatch):  # fmt: skip
+    """169 + 165 tokens at 167 a GPU on 2 GPUs is the budget of the pair exactly, but the pair's
+    first GPU carries both sequences' odd tokens (85 + 83): the planner refuses it. Refused at the
+    intake (line 1), not a ValueError of the batcher that ends the run with every queued request."""
+    import deepspeed_knap.generation.runner as runner
+    from deepspeed_knap.cost.model import CostModel
+    from deepspeed_knap.planner.solve import plan_routing
+    from deepspeed_knap.planner.topology import build_topology
+
+    class Pairs:
+        def request_seq_lens(self, request):
+            return (request.height, request.width)
+
+    lines = [{"prompt": "x", "height": 169, "width": 165}, {"prompt": "x", "height": 100, "width": 60}]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    monkeypatch.setattr(runner, "rank_and_world", lambda: (0, 2))
+    other = {"index": 1, "line": 2, "id": "line2", "seq_lens": [100, 60], "steps": 28, "reason": None}
+    monkeypatch.setattr(runner, "all_gather_json", lambda view: [view, {**view, "entries": [other]}])
+    topology = build_topology("auto", 2, max_degree=2)
+
+    def solve(seq_lens_per_rank):
+        return plan_routing(seq_lens_per_rank, topology, CostModel(1e-5, 1e-8), "refine", 167)
+
+    with pytest.raises(ValueError, match="could not be met"):
+        solve([[169, 165], []])
+    intake = runner.take_requests(path, Pairs(), 167, max_degree=2, solve=solve)
+    assert [job.index for job in intake.jobs] == [1] and [r["line"] for r in intake.refused] == [1]
+    assert "of [169, 165] tokens cannot be placed even alone" in intake.refused[0]["reason"]
 
 
 def test_flux_embeddings_take_true_cfg_scale_1_as_off_and_above_1_need_the_negative_ones(tmp_path):
