@@ -1580,3 +1580,19 @@ def test_qwen_image_load_follows_the_folders_pipeline_and_refuses_others(tmp_pat
                                          "checkpoints of QwenImagePipeline, QwenImageEditPlusPipeline, "
                                          "QwenImageEditPipeline"):  # fmt: skip
         QwenImageGenerator.load(tmp_path, torch.float32, "cpu")
+
+
+def test_a_request_file_is_split_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028 or U+0085 (``json.dumps(..., ensure_ascii=False)`` writes them):
+    the line stays one request, and the next lines keep their numbers; CRLF files read alike."""
+    from deepspeed_knap.generation.requests import request_lines
+
+    prompts = ["a cat\u2028on a mat", "a dog\x85in fog", "a bird"]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "height": 32, "width": 32}, ensure_ascii=False) + "\r\n"
+                            for p in prompts) + "\n",
+                    encoding="utf-8")  # fmt: skip
+    lines = request_lines(path)
+    assert [number for number, _ in lines] == [1, 2, 3]
+    assert [json.loads(text)["prompt"] for _, text in lines] == prompts
+    assert parse_request(2, 3, lines[2][1]).id == "line3"
