@@ -34,9 +34,11 @@ from deepspeed_knap.runtime.balancer import KnapBalancer
 from deepspeed_knap.runtime.calibration import calibrate_at_start
 from deepspeed_knap.runtime.config import KNAPFORMER, KnapFormerConfig, get_knapformer_config, load_ds_config
 from deepspeed_knap.runtime.groups import (
+    NODE_SIZE_VARIABLES,
     all_gather_bytes,
     check_same_on_every_rank,
     create_process_groups,
+    launcher_gpus_per_node,
     raise_together,
     set_collective_timeout,
     text_digest,
@@ -280,22 +282,6 @@ def _rank_views(knap: KnapFormerConfig, model: nn.Module | None,
         "accelerator (startup_calibration's auto)": get_accelerator().device_name(),
     }
     return cost_model, views
-
-
-# Environment variables holding the number of ranks on this node, by launcher.
-NODE_SIZE_VARIABLES = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                       "SLURM_NTASKS_PER_NODE")  # fmt: skip
-
-
-def launcher_gpus_per_node() -> int | None:
-    """Ranks on this node as the launcher reports them: ``LOCAL_SIZE`` (deepspeed), ``LOCAL_WORLD_SIZE``
-    (torchrun), ``OMPI_COMM_WORLD_LOCAL_SIZE`` (Open MPI), ``MPI_LOCALNRANKS`` (MPICH), or
-    ``SLURM_NTASKS_PER_NODE`` (``"8"`` or ``"8(x4)"``); ``None`` if none is set."""
-    for name in NODE_SIZE_VARIABLES:
-        value = os.environ.get(name, "").split("(")[0].strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return None
 
 
 def _build_topology(knap: KnapFormerConfig, world_size: int, heads: int | None) -> Topology:

@@ -36,7 +36,6 @@ import contextlib
 import datetime
 import io
 import json
-import os
 import pickle
 import time
 from collections.abc import Callable
@@ -215,16 +214,20 @@ def _public(entry: dict) -> dict:
 def generation_balancer(model: torch.nn.Module, max_tokens_per_gpu: int | None = None, reuse: bool = True,
                         cost_model: Any = None, timeout: datetime.timedelta | None = None) -> ReusingBalancer:  # fmt: skip
     """Process groups of topology ``auto`` over the world (groups up to the model's heads, inside
-    nodes: :func:`gpus_per_node`) and a :class:`ReusingBalancer` with the forward-only cost model of
-    ``model.config`` unless ``cost_model`` is given. The groups' collectives wait ``timeout`` at most
+    nodes as the launcher reports them, agreed by every rank:
+    :func:`~deepspeed_knap.runtime.groups.launcher_gpus_per_node`) and a :class:`ReusingBalancer`
+    with the forward-only cost model of ``model.config`` unless ``cost_model`` is given. The groups' collectives wait ``timeout`` at most
     for a rank (default DeepSpeed's: ``DEEPSPEED_TIMEOUT`` minutes, 10 unless set). Collective:
     every rank calls it, after joining the process group."""
     import deepspeed.comm as dist
 
     from deepspeed_knap.planner.topology import build_topology, default_max_degree
-    from deepspeed_knap.runtime.groups import create_process_groups
+    from deepspeed_knap.runtime.groups import check_same_on_every_rank, create_process_groups, launcher_gpus_per_node
 
-    world, node = dist.get_world_size(), gpus_per_node()
+    # Read on each rank: a node launched with other slots would lay out other groups (and take other
+    # requests at the intake). Agreed first, as the engine does.
+    world, node = dist.get_world_size(), launcher_gpus_per_node()
+    check_same_on_every_rank({"gpus per node from the launcher": str(node)})
     heads = model.config["num_attention_heads"]
     topology = build_topology("auto", world, node, max_degree=default_max_degree(world, node, heads))  # fmt: skip
     groups = create_process_groups(topology, timeout)
@@ -527,12 +530,3 @@ def _solver(balancer: ReusingBalancer | None,
         return unbalanced
     return lambda seq_lens_per_rank: plan_routing(seq_lens_per_rank, balancer.groups.topology, balancer.cost_model,
                                                   balancer.solver, balancer.max_tokens_per_gpu)  # fmt: skip
-
-
-def gpus_per_node() -> int | None:
-    """Ranks per node as the launchers tell them (``LOCAL_SIZE`` from deepspeed's launcher,
-    ``LOCAL_WORLD_SIZE`` from torchrun), or ``None``."""
-    for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +127,22 @@ def set_collective_timeout(timeout: datetime.timedelta) -> int:
         set_timeout(timeout, group)
         count += 1
     return count
+
+
+# Environment variables holding the number of ranks on this node, by launcher.
+NODE_SIZE_VARIABLES = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                       "SLURM_NTASKS_PER_NODE")  # fmt: skip
+
+
+def launcher_gpus_per_node() -> int | None:
+    """Ranks on this node as the launcher reports them: ``LOCAL_SIZE`` (deepspeed), ``LOCAL_WORLD_SIZE``
+    (torchrun), ``OMPI_COMM_WORLD_LOCAL_SIZE`` (Open MPI), ``MPI_LOCALNRANKS`` (MPICH), or
+    ``SLURM_NTASKS_PER_NODE`` (``"8"`` or ``"8(x4)"``); ``None`` if none is set."""
+    for name in NODE_SIZE_VARIABLES:
+        value = os.environ.get(name, "").split("(")[0].strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
 
 
 def check_same_on_every_rank(views: dict[str, str]) -> None:

@@ -472,3 +472,30 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_naming_the_step_and_
     assert (tmp_path / "out" / "short.png").exists()
     journal = (tmp_path / "out" / "timings.rank1.jsonl").read_text().splitlines()
     assert [json.loads(line)["request"]["id"] for line in journal] == ["short"]
+
+
+def _node_sizes_differ(rank: int, world: int) -> str:
+    """Each rank told another node size by its launcher (a node given other slots): what
+    ``generation_balancer`` raises."""
+    import os
+
+    from deepspeed_knap.generation.runner import generation_balancer
+    from deepspeed_knap.runtime.groups import NODE_SIZE_VARIABLES
+    from tests.support.balancing import join_gloo
+
+    join_gloo(rank)  # (DeepSpeed's CPU all-reduce reads LOCAL_SIZE as it joins: told after)
+    for name in NODE_SIZE_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ["LOCAL_SIZE"] = str(2 - rank)
+    try:
+        generation_balancer(_tiny("flux").model)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_told_other_node_sizes_raise_together_before_any_group_is_made():
+    """Read on each rank, a node size that differs laid out other groups on each (and took other
+    requests at the intake); now every rank raises, naming the setting and the ranks."""
+    messages = run_distributed(_node_sizes_differ, 2)
+    assert messages[0] == messages[1] and "gpus per node from the launcher" in messages[0], messages

@@ -93,7 +93,8 @@ def test_the_table_lists_the_recipes():
 
 @pytest.mark.parametrize(("config", "world_size"), CASES, ids=[f"{Path(c).stem}-{n}" for c, n in CASES])
 def test_recipe_config_starts_and_plans_at_the_claimed_size(config, world_size, monkeypatch):
-    from deepspeed_knap.engine import NODE_SIZE_VARIABLES, _build_topology
+    from deepspeed_knap.engine import _build_topology
+    from deepspeed_knap.runtime.groups import NODE_SIZE_VARIABLES
 
     knap = get_knapformer_config(load_ds_config(str(ROOT / config)))  # validates the block
     heads = model_heads(knap.cost_model.model)
