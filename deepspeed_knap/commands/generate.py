@@ -318,18 +318,23 @@ def _report_missing(error: Exception, rank: int, journal: _Journal | None = None
 
 def summarize(reports: list[dict]) -> dict:
     """Every rank's report as the timings file: per request, per rank, the run's totals and what
-    was refused."""
+    was refused; ``images`` counts the outputs written (a request whose file could not be written,
+    or whose decode failed, is in ``unwritten``)."""
     wall = max(report["wall_s"] for report in reports)
     requests = sorted((dict(r, rank=report["rank"]) for report in reports for r in report["requests"]),
                       key=lambda r: r["line"])  # fmt: skip
-    ranks = [{"rank": report["rank"], "wall_s": report["wall_s"], "busy_s": report["busy_s"],
-              "images": len(report["requests"]), "plan_s": sum(report["plan_s"]), "route_s": sum(report["route_s"]),
-              "solve_in_step_s": report["solve_in_step_s"], "plan_wait_s": report["plan_wait_s"]}
-             for report in reports]  # fmt: skip
     unwritten = sorted((u for report in reports for u in report.get("unwritten", [])), key=lambda u: u["line"])
+    # A request generated but whose output could not be written is timed (requests) but no image.
+    lost = {u["line"] for u in unwritten}
+    ranks = [{"rank": report["rank"], "wall_s": report["wall_s"], "busy_s": report["busy_s"],
+              "images": sum(r["line"] not in lost for r in report["requests"]), "plan_s": sum(report["plan_s"]),
+              "route_s": sum(report["route_s"]), "solve_in_step_s": report["solve_in_step_s"],
+              "plan_wait_s": report["plan_wait_s"]}
+             for report in reports]  # fmt: skip
+    images = sum(rank["images"] for rank in ranks)
     first = reports[0]
-    return {"images": len(requests), "requests_in_file": first["count"], "wall_s": wall,
-            "images_per_s": len(requests) / wall if wall > 0 else 0.0, "steps": first["steps"],
+    return {"images": images, "requests_in_file": first["count"], "wall_s": wall,
+            "images_per_s": images / wall if wall > 0 else 0.0, "steps": first["steps"],
             "set_changes": first["set_changes"], "solves": first["solves"], "planned_ahead": first["planned_ahead"],
             "solved_in_step": first["solved_in_step"], "back_offs": first["back_offs"],
             "refused": first["refused"], "unwritten": unwritten, "requests": requests, "ranks": ranks}  # fmt: skip

@@ -1000,7 +1000,11 @@ def test_generate_command_goes_on_past_an_image_it_cannot_write(tmp_path, capsys
     timings = json.loads((tmp_path / "out" / "timings.json").read_text())
     assert [u["id"] for u in timings["unwritten"]] == ["lost"] and timings["refused"] == []
     assert "No space left on device" in timings["unwritten"][0]["reason"]
-    assert "could not write 1 output(s)" in capsys.readouterr().out
+    # Timed (it was generated), but not an image: the one written is.
+    assert [r["id"] for r in timings["requests"]] == ["lost", "kept"]
+    assert timings["images"] == 1 and [rank["images"] for rank in timings["ranks"]] == [1]
+    printed = capsys.readouterr().out
+    assert "could not write 1 output(s)" in printed and "generated 1 of 2 requests" in printed
 
 
 def test_a_decode_that_fails_is_reported_and_the_run_goes_on(tmp_path):
