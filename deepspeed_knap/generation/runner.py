@@ -391,6 +391,12 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
                         what = "cannot start the request"
                         try:
                             states[index] = generator.start(request)
+                            # The batcher runs it request.steps steps, the state finishes at its
+                            # timesteps' end: a scheduler that gave another count would leave it
+                            # undecoded, or index past its timesteps on this rank alone.
+                            what = "its scheduler's timesteps are not its steps"
+                            if (count := len(states[index].timesteps)) != request.steps:
+                                raise ValueError(f"{count} timesteps for {request.steps} steps")
                             # Its inputs' shapes are the same every step: packed alone once here, a
                             # sample the model refuses is agreed on below instead of raising in a
                             # later step's pack on this rank alone.

@@ -1033,6 +1033,36 @@ def test_a_decode_that_fails_is_reported_and_the_run_goes_on(tmp_path):
     assert "cannot decode or hand over the output: RuntimeError: CUDA out of memory" in report.failed[0]["reason"]
 
 
+def test_a_scheduler_that_gives_another_count_of_timesteps_stops_the_run_as_it_starts(tmp_path):
+    """The batcher runs a request ``steps`` steps and its state ends at its timesteps' end: a
+    scheduler giving one more left the request undecoded (one fewer: an IndexError on its rank
+    alone). Refused where the request starts, agreed as any start failure is."""
+    import dataclasses
+
+    import torch
+
+    from deepspeed_knap.generation.runner import GenerationError, generate
+
+    generator = _tiny_generator("flux")
+    line = {"id": "odd", "prompt": "a", "height": 8, "width": 8, "steps": 2, "max_sequence_length": 4}
+    (tmp_path / "requests.jsonl").write_text(json.dumps(line) + "\n")
+    start = generator.start
+
+    def one_more_timestep(request):
+        state = start(request)
+        return dataclasses.replace(state, timesteps=torch.cat([state.timesteps, state.timesteps[-1:]]))
+
+    generator.start = one_more_timestep
+    try:
+        with pytest.raises(
+            GenerationError,
+            match=re.escape("its scheduler's timesteps are not its steps: ValueError: 3 timesteps for 2 steps"),
+        ):
+            generate(tmp_path / "requests.jsonl", generator, progress=False)
+    finally:
+        del generator.start  # the cached generator's own method again
+
+
 def test_the_intake_refuses_a_guided_pair_that_no_plan_can_place(tmp_path, monkeypatch):
     """3 ranks (auto: one group of 2 and three single GPUs), 1,000 tokens per GPU: a pair of 1,200
     tokens fits neither one group (2,400 over 2,000) nor two (only one group holds 1,200), so the real
