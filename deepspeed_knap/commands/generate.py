@@ -138,12 +138,18 @@ def run(args: argparse.Namespace) -> int:
         from deepspeed_knap.models.wan.finetune import write_gif
 
         path = out / f"{request.id}.{'gif' if image.ndim == 4 else 'png'}"
+        # Written aside, then renamed: a write that fails part way (a full disk) leaves no truncated
+        # file under the output's name.
+        partial = path.with_name(f".{path.stem}.partial{path.suffix}")
         try:
             if image.ndim == 4:  # [F, H, W, 3] frames
-                write_gif(image, path)
+                write_gif(image, partial)
             else:  # diffusers' numpy_to_pil: the same rounding as FluxPipeline's output_type="pil".
-                Image.fromarray((image * 255).round().astype("uint8")).save(path)
+                Image.fromarray((image * 255).round().astype("uint8")).save(partial)
+            os.replace(partial, path)
         except (OSError, ValueError) as error:  # a full disk, a name the file system refuses: go on
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
             unwritten.append({"line": request.line, "id": request.id, "rank": rank,
                               "reason": f"line {request.line}: cannot write {path}: {error}"})  # fmt: skip
             journal.add("unwritten", unwritten[-1])
