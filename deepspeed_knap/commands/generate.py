@@ -139,20 +139,24 @@ def run(args: argparse.Namespace) -> int:
 
         path = out / f"{request.id}.{'gif' if image.ndim == 4 else 'png'}"
         # Written aside, then renamed: a write that fails part way (a full disk) leaves no truncated
-        # file under the output's name.
-        partial = path.with_name(f".{path.stem}.partial{path.suffix}")
+        # file under the output's name. Aside is a folder of this rank's that no output can be (outputs
+        # are files named by their ids), under a short name (ids may be 251 bytes long).
+        partial = out / f".partial-rank{rank}" / f"line{request.line}{path.suffix}"
         try:
+            partial.parent.mkdir(exist_ok=True)
             if image.ndim == 4:  # [F, H, W, 3] frames
                 write_gif(image, partial)
             else:  # diffusers' numpy_to_pil: the same rounding as FluxPipeline's output_type="pil".
                 Image.fromarray((image * 255).round().astype("uint8")).save(partial)
             os.replace(partial, path)
         except (OSError, ValueError) as error:  # a full disk, a name the file system refuses: go on
-            with contextlib.suppress(OSError):
-                partial.unlink(missing_ok=True)
             unwritten.append({"line": request.line, "id": request.id, "rank": rank,
                               "reason": f"line {request.line}: cannot write {path}: {error}"})  # fmt: skip
             journal.add("unwritten", unwritten[-1])
+        finally:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+                partial.parent.rmdir()
 
     try:
         report = generate(args.requests, generator, balancer, write_output, args.max_tokens_per_gpu,

@@ -114,10 +114,12 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
             :data:`DEFAULT_MAX_TOKENS_PER_GPU` tokens on a GPU.
         max_degree: the largest group a sequence may be split over (its GPUs hold it together).
         balanced: the requests run balanced; ``False``: each on its home rank, all its sequences there.
-        solve: the batcher's planner (raises ``ValueError`` for a set it cannot place). Given, a
-            request of several sequences (classifier-free guidance) that no single group holds
-            under the budget is planned alone at its home, and refused if even that fails: two
-            sequences each over one GPU's budget need two groups, which ``auto`` may not have.
+        solve: the batcher's planner (raises ``ValueError`` for a set it cannot place). Given, with
+            a budget, a request of several sequences (classifier-free guidance) that do not each fit
+            a GPU of their own is planned alone at its home, and refused if even that fails: two
+            sequences each over one GPU's budget need two groups, which ``auto`` may not have, and a
+            pair within one group's budget may still not fit (a group's first GPUs carry each split
+            sequence's odd token).
 
     Raises:
         RequestFileError: on every rank, when a rank cannot read the file or ranks read different files.
@@ -179,10 +181,12 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
                       f"unconditional branch too) of {seq_lens} tokens exceed the {under} of {hold} GPU(s) "
                       f"({'every GPU together' if balanced else 'unbalanced, its home rank holds them all'}), "
                       f"{per_gpu} per GPU; make the image smaller, or {fix}")  # fmt: skip
-        elif reason is None and solve is not None and max_tokens_per_gpu is not None and len(seq_lens) > 1:
-            # Within one group's budget is not enough: a group's first GPUs carry each split sequence's
-            # odd token (169 and 165 tokens at 167 a GPU on 2: 85 + 83 on the first), so every pair is
-            # planned alone once; one the batcher then cannot plan would end the run.
+        elif (reason is None and solve is not None and max_tokens_per_gpu is not None and len(seq_lens) > 1
+              and not (max(seq_lens) <= per_gpu and len(seq_lens) <= world)):  # fmt: skip
+            # Sequences that each fit a GPU of their own always place (auto has every single GPU); any
+            # other pair is planned alone once: within one group's budget is not enough, as a group's
+            # first GPUs carry each split sequence's odd token (169 and 165 tokens at 167 a GPU on 2:
+            # 85 + 83 on the first), and one the batcher then cannot plan would end the run.
             home = entry["index"] % world
             if (home, tuple(seq_lens)) not in placeable:  # deterministic: every rank decides alike
                 alone = [list(seq_lens) if rank_index == home else [] for rank_index in range(world)]

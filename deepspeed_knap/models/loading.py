@@ -231,7 +231,8 @@ def _names_second_transformer(pipeline: Path) -> bool:
         index = json.loads((pipeline / "model_index.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(index, dict) and bool((index.get("transformer_2") or [None])[0])
+    second = index.get("transformer_2") if isinstance(index, dict) else None
+    return isinstance(second, list) and bool(second) and bool(second[0])  # TI2V-5B's [null, null]: none
 
 
 def plain_ds_config(ds_config: Any) -> dict:

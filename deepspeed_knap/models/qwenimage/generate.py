@@ -201,11 +201,11 @@ class QwenImageGenerator(Generator):
                 pipeline's 1,024 (with a prompt or embeddings: every Qwen-Image pipeline refuses it), and
                 what :meth:`_branches`, :meth:`_references` and :meth:`_text_rows` refuse.
         """
+        branches = self._branches(request)  # (an edit's: refuses max_sequence_length, which its pipeline ignores)
         length, most = self.max_sequence_length(request), self.pipeline.tokenizer_max_length
         if length > most:  # check_inputs of every Qwen-Image pipeline, whether it encodes the text or is given it
             raise RequestError(f"line {request.line}: max_sequence_length {length} is over {self.pipeline_class}'s "
                                f"{most}")  # fmt: skip
-        branches = self._branches(request)
         references = self._references(request)
         grids = self._grids(*self._size(request, references), references)
         self._check_schedule(request, math.prod(grids[0]))

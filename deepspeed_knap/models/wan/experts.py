@@ -52,7 +52,10 @@ def pipeline_experts(path: str | Path | None) -> tuple[float | None, bool]:
         config = json.loads(index.read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read {index}: {error}") from None
-    return config.get("boundary_ratio"), bool((config.get("transformer_2") or [None])[0])
+    if not isinstance(config, dict):
+        raise ValueError(f"{index} holds {type(config).__name__}, not a JSON object")
+    second = config.get("transformer_2")
+    return config.get("boundary_ratio"), isinstance(second, list) and bool(second) and bool(second[0])
 
 
 def expand_timesteps(path: str | Path | None) -> bool:

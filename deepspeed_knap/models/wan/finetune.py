@@ -189,7 +189,7 @@ class WanTraining(TrainingHooks):
         self.expert: str | None = None  # "high" or "low": one expert of a two-expert pipeline trained
         self.first_frame_share = 0.0
         # (boundary_ratio, has transformer_2, expand_timesteps) of the pipeline folder, read once, in
-        # check_arguments: that runs where the ranks agree on its errors (and on what it read).
+        # check_arguments: that runs where the ranks agree on its errors (an unreadable file).
         self._pipeline: tuple[str | None, tuple[float | None, bool, bool]] | None = None
 
     def _pipeline_config(self, path: str | Path | None) -> tuple[float | None, bool, bool]:
