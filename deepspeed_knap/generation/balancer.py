@@ -142,14 +142,16 @@ class ReusingBalancer(KnapBalancer):
         return dataclasses.replace(prepared.routed, batch=moved)
 
     def forward_seconds(self) -> dict[str, float]:
-        """This rank's seconds in the forward just run: ``compute`` (the block stack less its Ulysses
-        all-to-alls, which include waiting for peers) and ``exchange`` (the all-to-alls of every
-        kind). Local."""
+        """This rank's seconds in the forward just run: ``compute`` (the block stack less the
+        all-to-alls inside it, Ulysses' and the routes between blocks, which include waiting for
+        peers: :attr:`~deepspeed_knap.runtime.timing.StepTimes.inside`) and ``exchange`` (the
+        all-to-alls of every kind). Local."""
         times = self._in_flight[0]
         marks = times.marks
         blocks = marks["blocks_start"].seconds_until(marks["blocks_end"])
         by_kind = {kind: sum(a.seconds_until(b) for a, b in pairs) for kind, pairs in times.spans.items()}
-        return {"compute": blocks - by_kind.get("ulysses", 0.0), "exchange": float(sum(by_kind.values()))}
+        inside = sum(a.seconds_until(b) for a, b in times.inside)
+        return {"compute": blocks - inside, "exchange": float(sum(by_kind.values()))}
 
 
 class WorkerPlanAhead:

@@ -378,8 +378,15 @@ class KnapDistributedAttention(DistributedAttention):
                     f"{name} has shape {tuple(t.shape)}; expected [T, H, Dh] = [{expected[0]}, {expected[1]}, Dh] "
                     "(the routed batch's token count, this module's num_heads) and the same shape for q, k and v"
                 )
-        # Checked on what every rank shares (the plan, the backend), so all ranks raise, not only the
-        # members of one bag while the others wait for them in an all-to-all.
+        # Checked on what every rank shares (the plan, the backend, the model's dtypes), so all ranks
+        # raise, not only the members of one bag while the others wait for them in an all-to-all: the
+        # kernels refuse mixed dtypes on a single GPU, where a group's exchange would promote them.
+        if not query.dtype == key.dtype == value.dtype:
+            raise ValueError(
+                f"query, key and value have dtypes {query.dtype}, {key.dtype} and {value.dtype}; attention takes "
+                "one dtype: cast them alike before the attention (e.g. q and k back to v's after a rotary "
+                "embedding in float32)"
+            )
         largest_group = int(routed.plan.seq_group_size.max(initial=1)) if routed.plan is not None else 1
         if largest_group > num_heads:
             raise ValueError(

@@ -105,10 +105,10 @@ def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group
     x = x.contiguous()
     if group not in _connected:  # every rank of the group gets here at the same exchange: all connect
         # The group's one-time set-up (_connected) in this exchange run once more, untimed, at the
-        # sizes the timed one sends (NCCL may set up more of a link for larger ones). A Ulysses
-        # exchange runs inside the blocks, whose time is the compute: there it is stamped as
-        # "setup", which the compute leaves out as it does the exchanges (routes run outside them).
-        _stamped_all_to_all(out, x, send_counts, recv_counts, group, times if kind == "ulysses" else None, "setup")
+        # sizes the timed one sends (NCCL may set up more of a link for larger ones), stamped as
+        # "setup": inside the blocks (Ulysses', a route between blocks) the compute leaves it out
+        # as it does the exchanges.
+        _stamped_all_to_all(out, x, send_counts, recv_counts, group, times, "setup")
         _connected.add(group)
     _stamped_all_to_all(out, x, send_counts, recv_counts, group, times, kind)
     return out

@@ -24,6 +24,8 @@ from torch import Tensor
 EXCHANGE_KINDS = ("route", "reverse_route", "ulysses")
 # The parts of a step's plan (StepTimes.plan_parts).
 PLAN_PARTS = ("gather", "refit", "solve", "agree")
+# The marks of the block stack's two windows, forward and backward: whether each opens one.
+_BLOCK_ENDS = {"blocks_start": True, "blocks_end": False, "blocks_grad_start": True, "blocks_grad_end": False}
 
 
 class _Stamp:
@@ -54,7 +56,11 @@ class StepTimes:
         marks: named stamps: ``plan_start``, ``plan_end``, ``blocks_start``, ``blocks_end``
             (forward), ``blocks_grad_start``, ``blocks_grad_end`` (backward).
         spans: per exchange kind, ``(start, end)`` stamps of every exchange, forward and backward
-            (and ``setup``: a Ulysses group's first exchange, run once untimed before it).
+            (and ``setup``: a group's first exchange, run once untimed before it).
+        inside: ``(start, end)`` of every exchange (any kind, its set-up too) that ran while the block
+            stack did, forward or backward: Ulysses', and the routes some models run between their
+            blocks (a sample's rows to its group). Their time, and the waits for slower ranks in
+            them, is not the rank's compute.
         plan_parts: host seconds of the plan by part (:data:`PLAN_PARTS`), the balancer's: ``gather``
             (the lengths all-gather: in the step, or at the prefetch before it), ``refit`` (recording
             the last step's measured times and, with ``online``, refitting the cost model from them,
@@ -66,15 +72,22 @@ class StepTimes:
     marks: dict[str, _Stamp] = field(default_factory=dict)
     spans: dict[str, list[tuple[_Stamp, _Stamp]]] = field(default_factory=lambda: defaultdict(list))
     plan_parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PLAN_PARTS, 0.0))
+    inside: list[tuple[_Stamp, _Stamp]] = field(default_factory=list)
+    _in_blocks: bool = False  # between a blocks_start / blocks_grad_start mark and its end's
 
     def mark(self, name: str) -> None:
         self.marks[name] = _Stamp(self.device)
+        if name in _BLOCK_ENDS:  # marks come in the stream's order (the host enqueues them so)
+            self._in_blocks = _BLOCK_ENDS[name]
 
     def begin_exchange(self) -> _Stamp:
         return _Stamp(self.device)
 
     def end_exchange(self, kind: str, start: _Stamp) -> None:
-        self.spans[kind].append((start, _Stamp(self.device)))
+        span = (start, _Stamp(self.device))
+        self.spans[kind].append(span)
+        if self._in_blocks:
+            self.inside.append(span)
 
     def seconds(self) -> dict[str, float] | None:
         """Seconds of this rank's step by phase, or ``None`` if a stamp is missing (e.g. no backward ran):
@@ -84,10 +97,10 @@ class StepTimes:
         * ``gather``, ``refit``, ``solve``, ``agree``: :attr:`plan_parts`, host seconds;
         * ``route``, ``reverse_route``, ``ulysses``: the exchanges of each kind, forward and backward
           (including the time spent waiting for peers);
-        * ``setup``: a Ulysses group's one-time set-up, its first exchange run once untimed
+        * ``setup``: a group's one-time set-up, its first exchange run once untimed
           (:func:`~deepspeed_knap.runtime.routing.exchange`): 0 but in the step that first uses it;
-        * ``compute``: the block stack forward and backward, less the Ulysses exchanges inside it and
-          their groups' set-up.
+        * ``compute``: the block stack forward and backward, less every exchange inside it
+          (:attr:`inside`: Ulysses', the routes between blocks, their groups' set-up).
         """
         needed = ("plan_start", "plan_end", "blocks_start", "blocks_end", "blocks_grad_start", "blocks_grad_end")
         if any(name not in self.marks for name in needed):
@@ -98,8 +111,9 @@ class StepTimes:
         blocks = m["blocks_start"].seconds_until(m["blocks_end"]) + m["blocks_grad_start"].seconds_until(
             m["blocks_grad_end"]
         )
+        inside = sum(a.seconds_until(b) for a, b in self.inside)
         return {"plan": m["plan_start"].seconds_until(m["plan_end"]), **self.plan_parts, **exchanged,
-                "compute": blocks - exchanged["ulysses"] - exchanged["setup"]}  # fmt: skip
+                "compute": blocks - inside}  # fmt: skip
 
 
 class _Stamped(torch.autograd.Function):

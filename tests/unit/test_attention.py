@@ -111,6 +111,10 @@ def test_knap_attention_rejects_qkv_that_disagree_with_the_routed_batch():
         attention(q, k, v, routed)
     with pytest.raises(ValueError, match="value has shape"):
         attention(q[:, :, :4], k[:, :, :4], v, local_batch(PackedBatch(torch.zeros(61, 1), SEQ_LENS)))
+    # Mixed dtypes: a single GPU's kernel refuses them where a group's exchange would promote them, so
+    # some ranks raised alone; refused on every rank (the dtypes are the model's) before any exchange.
+    with pytest.raises(ValueError, match=r"query, key and value have dtypes torch\.float64, torch\.float32 and"):
+        attention(q, k.float(), v.float(), local_batch(PackedBatch(torch.zeros(61, 1), SEQ_LENS)))
 
 
 @pytest.mark.gpu

@@ -48,3 +48,35 @@ def test_recording_the_last_step_and_the_online_refit_count_as_the_refit_part(mo
     assert recorded == [("times", "plan", gathered.reports)]
     assert balancer._plan_parts["refit"] >= 0.045 > balancer._plan_parts["gather"]
     assert balancer_overhead_s([{"refit": 0.05}, {"refit": 0.01}]) == 0.05  # the slowest rank's, like a solve
+
+
+def test_the_compute_leaves_out_every_exchange_inside_the_blocks():
+    """Some models route a sample's rows between their blocks (FLUX's text, Wan's experts): that
+    route, and a fast rank's wait in it for a slow one, is no compute. Routes before and after the
+    blocks were never in it; every kind inside, Ulysses' and its set-up included, is left out."""
+    import torch
+
+    from deepspeed_knap.runtime.timing import StepTimes
+
+    times = StepTimes(torch.device("cpu"))
+
+    def exchanged(kind: str, seconds: float) -> None:
+        start = times.begin_exchange()
+        time.sleep(seconds)
+        times.end_exchange(kind, start)
+
+    times.mark("plan_start")
+    times.mark("plan_end")
+    exchanged("route", 0.05)  # before the blocks
+    times.mark("blocks_start")
+    exchanged("setup", 0.1)
+    exchanged("route", 0.2)  # between blocks: waiting for a slower rank, say
+    exchanged("ulysses", 0.1)
+    times.mark("blocks_end")
+    times.mark("blocks_grad_start")
+    exchanged("route", 0.2)  # its backward
+    times.mark("blocks_grad_end")
+    exchanged("reverse_route", 0.05)  # after
+    seconds = times.seconds()
+    assert seconds["route"] >= 0.45 and seconds["ulysses"] >= 0.1 and seconds["setup"] >= 0.1
+    assert len(times.inside) == 4 and seconds["compute"] < 0.1  # it was >= 0.4, the two routes inside
