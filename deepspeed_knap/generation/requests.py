@@ -140,10 +140,13 @@ def request_lines(path: str | Path) -> list[tuple[int, str]]:
         text = read_regular_file(path, MAX_REQUEST_FILE_BYTES).decode()
     except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
         raise RequestFileError(f"cannot read the request file {path}: {error}") from None
-    # JSON Lines ends lines at "\n" (or "\r\n") only: a JSON string may hold U+2028, U+0085 and the
-    # other breaks str.splitlines() splits at.
-    lines = (line.removesuffix("\r") for line in text.split("\n"))
-    return [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+    return [(number, line) for number, line in enumerate(text_lines(text), start=1) if line.strip()]
+
+
+def text_lines(text: str) -> list[str]:
+    """The lines of a file's ``text``, ended by ``"\n"`` (or ``"\r\n"``) only: a JSON string or a
+    prompt may hold U+2028, U+0085 and the other breaks ``str.splitlines()`` also splits at."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
 
 
 def read_regular_file(path: str | Path, limit: int) -> bytes:

@@ -90,6 +90,9 @@ class Trainer:
     def __init__(self, arguments: TrainingArguments, name: str = "train_dit") -> None:
         self.arguments, self.name = arguments, name
         a = arguments
+        if a.deepspeed_config is None:  # the same arguments on every rank: all raise here
+            raise ValueError("--deepspeed_config is required: a DeepSpeed JSON with its \"knapformer\" block, e.g. "
+                             "ds_configs/flux_cpu_demo.json")  # fmt: skip
         torch.manual_seed(a.seed)  # the same initial weights (and LoRA A matrices) on every rank
         options = dict(gradient_checkpointing=a.gradient_checkpointing)
         if a.model_path:  # the family from config.json, agreed on by every rank
@@ -120,6 +123,14 @@ class Trainer:
         self.dtype = next(self.model.parameters()).dtype  # bf16 under a "bf16" config: inputs must match
         self.guidance = a.guidance if self.model.config.get("guidance_embeds") else None
         self.raise_together(self.hooks.refuse(self.model, a.model_path))
+        if (accumulated := self.engine.gradient_accumulation_steps()) != 1:  # one DeepSpeed config: every rank's
+            # The loop steps the optimizer every step: steps, checkpoints and --resume count optimizer steps.
+            raise TrainingError(
+                f"gradient accumulation of {accumulated} steps (the DeepSpeed config's gradient_accumulation_steps, "
+                "or its train_batch_size over train_micro_batch_size_per_gpu x ranks): the trainer steps the "
+                "optimizer every step, and a checkpoint between accumulation boundaries would drop the gradients "
+                "so far; set it to 1 (with --data-dir, train more samples a step with --samples-per-rank)"
+            )
         self.data = self._data()
         self.start_step, self.position = 0, 0  # steps done; files consumed by all ranks together
         if a.resume:
@@ -312,7 +323,15 @@ class Trainer:
             line += (f" modeled imbalance {metrics['knapformer/imbalance_before']:.3f} -> "
                      f"{metrics['knapformer/imbalance_after']:.3f}"
                      + (" (planned ahead)" if metrics["knapformer/planned_ahead"] else ""))  # fmt: skip
-        self.progress.write(line)
+        self._say(line)
+
+    def _say(self, line: str) -> None:
+        """Rank 0's line: above the progress bar in :meth:`train`, printed when a loop of one's own
+        calls the parts."""
+        if self.progress is not None:
+            self.progress.write(line)
+        else:
+            print(line, flush=True)
 
     def _after_step(self, steps_done: int) -> None:
         """Checkpoints and validation renders when due."""
@@ -328,9 +347,30 @@ class Trainer:
         """A DeepSpeed checkpoint ``step{steps_done}`` in ``save_dir``, with its manifest. Collective."""
         save_dir, tag = self.arguments.save_dir, f"step{steps_done}"
         client_state = {"step": steps_done, "data_position": self.position}
-        prepare_checkpoint_save(save_dir, tag)  # a save over an older tag must not look complete half-way
-        # 'latest' is written with the manifest, after it: DeepSpeed's own would name the tag before that.
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+        problem = None
+        try:  # a save over an older tag must not look complete half-way
+            prepare_checkpoint_save(save_dir, tag)
+        except OSError as error:
+            problem = f"checkpoint {tag}: rank {self.rank} cannot remove the tag's old manifest: {error}"
+        self.raise_together(problem)
+        # A file a rank cannot write (a full disk on its node) is noted, not raised: that rank goes on
+        # through DeepSpeed's collectives of the save with the others, then every rank raises it.
+        checkpoint_engine = self.engine.checkpoint_engine
+        save = checkpoint_engine.save
+
+        def save_or_note(*args: Any, **kwargs: Any) -> None:
+            nonlocal problem
+            try:
+                save(*args, **kwargs)
+            except OSError as error:
+                problem = problem or f"checkpoint {tag}: rank {self.rank} cannot write its files: {error}"
+
+        checkpoint_engine.save = save_or_note
+        try:  # 'latest' is written with the manifest, after it: DeepSpeed's own would name the tag before that
+            self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+        finally:
+            checkpoint_engine.save = save
+        self.raise_together(problem)
         try:  # each rank hashes the files it wrote; the ranks write the manifest, then 'latest'
             write_checkpoint_manifest(save_dir, tag, client_state)
         except ManifestError as error:
@@ -351,7 +391,7 @@ class Trainer:
                 renders = self.validator.render(self.model, state, steps_done, self.engine.device, self.dtype)
                 kind = "clip" if self.model.spec.video else "image"
                 for path, prompt in renders:
-                    self.progress.write(f"validation {kind} {path} after step {steps_done - 1}: {prompt!r}")
+                    self._say(f"validation {kind} {path} after step {steps_done - 1}: {prompt!r}")
             except Exception as error:  # the others wait in the barrier: tell them, rather than leave them there
                 problem = f"validation after step {steps_done - 1} failed on rank 0: {type(error).__name__}: {error}"
         self.validator.wait()
@@ -363,16 +403,24 @@ class Trainer:
         export_dir = self.arguments.export_dir
         if not export_dir:
             return
+        problem = None  # rank 0 writes; the others must hear of its failure, not wait for it elsewhere
         if self.arguments.lora_rank:
             lora_parameters = [p for p in self.model.parameters() if p.requires_grad]
             with deepspeed.zero.GatheredParameters(lora_parameters):  # ZeRO-3 partitions them; no-op otherwise
                 if self.rank == 0:
                     state = {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()
                              if p.requires_grad}  # fmt: skip
-                    for path, _ in self.hooks.save_adapters(self.model, state, Path(export_dir)):
-                        print(f"exported the LoRA adapter to {path}", flush=True)
+                    try:
+                        for path, _ in self.hooks.save_adapters(self.model, state, Path(export_dir)):
+                            print(f"exported the LoRA adapter to {path}", flush=True)
+                    except (OSError, ValueError) as error:
+                        problem = f"exporting the LoRA adapter to {export_dir} failed on rank 0: {error}"
         else:
             state = self.current_state_dict() if self.engine.zero_optimization_stage() == 3 else None
             if self.rank == 0:
-                self.model.save_pretrained(export_dir, state)
-                print(f"exported diffusers weights to {export_dir}", flush=True)
+                try:
+                    self.model.save_pretrained(export_dir, state)
+                    print(f"exported diffusers weights to {export_dir}", flush=True)
+                except (OSError, ValueError) as error:
+                    problem = f"exporting the weights to {export_dir} failed on rank 0: {error}"
+        self.raise_together(problem)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed
 from torch import nn
 
+from deepspeed_knap.generation.requests import text_lines
 from deepspeed_knap.models.hooks import ValidationHooks, ValidationSettings
 from deepspeed_knap.models.lora import base_state_dict, lora_config
 
@@ -24,7 +25,7 @@ def read_prompts(path: str | Path) -> list[str]:
     Raises:
         ValueError: a file without prompts.
     """
-    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    prompts = [line.strip() for line in text_lines(Path(path).read_text()) if line.strip()]
     if not prompts:
         raise ValueError(f"{path} holds no prompts; write one prompt per line")
     return prompts

@@ -379,3 +379,35 @@ def test_a_lora_adapter_of_either_family_loads_into_diffusers_own_model(family, 
         packed = ours.forward_samples(samples)
     for theirs, mine, plain in zip(after, packed, before, strict=True):
         assert relative_error(mine, theirs) < 1e-5 and relative_error(theirs, plain) > 1e-3
+
+
+def _rank_1_disk_is_full() -> None:
+    """Rank 1's checkpoint files cannot be written (a full disk on its node)."""
+    import os
+
+    if os.environ["RANK"] == "1":
+        save = torch.save
+
+        def full(obj, path, *args, **kwargs):
+            if "rank_1" in str(path):
+                raise OSError(28, "No space left on device", str(path))
+            return save(obj, path, *args, **kwargs)
+
+        torch.save = full
+
+
+def test_accumulation_an_export_or_a_checkpoint_a_rank_cannot_write_are_one_error_on_every_rank(tmp_path):
+    """A DeepSpeed config that accumulates gradients is refused at start-up (the loop steps the
+    optimizer every step: steps, checkpoints and --resume would count micro-steps). An export that
+    fails on rank 0, which writes it, fails every rank (the others went on, to wait elsewhere); so
+    does a checkpoint file rank 1 cannot write (the others waited in DeepSpeed's save)."""
+    accumulating = train({**demo_config(balanced=False, stage=2), "gradient_accumulation_steps": 2}, **COMMON,
+                         fails=True)  # fmt: skip
+    assert accumulating.errors[0].startswith("gradient accumulation of 2 steps"), accumulating.errors[0]
+    (tmp_path / "a_file").write_text("not a folder")
+    export = train(demo_config(balanced=False, stage=2), **{**COMMON, "steps": 1}, export_dir=str(tmp_path / "a_file"),
+                   fails=True)  # fmt: skip
+    assert "exporting the weights to" in export.errors[0] and "failed on rank 0" in export.errors[0], export.errors
+    full = train(demo_config(balanced=False), **{**COMMON, "steps": 1}, save_dir=str(tmp_path / "ckpt"),
+                 setup=_rank_1_disk_is_full, fails=True)  # fmt: skip
+    assert "checkpoint step1: rank 1 cannot write its files: [Errno 28] No space left" in full.errors[0], full.errors

@@ -186,3 +186,17 @@ def test_the_models_page_has_a_row_per_family_that_matches_its_spec():
         assert names(row[4]) == list(family.presets), row
         assert names(row[5]) == list(family.mixes), row
         assert names(row[6]) == list(family.lora_targets), row
+
+
+def test_the_trainer_needs_a_deepspeed_config_and_prompts_are_split_at_newlines_only(tmp_path):
+    """Without --deepspeed_config the trainer names the flag (it was a TypeError from deep inside);
+    a validation prompt holding U+2028 stays one prompt, as request lines do."""
+    from deepspeed_knap.training.arguments import TrainingArguments
+    from deepspeed_knap.training.trainer import Trainer
+    from deepspeed_knap.training.validation import read_prompts
+
+    with pytest.raises(ValueError, match="--deepspeed_config is required"):
+        Trainer(TrainingArguments(None, family="flux"))
+    path = tmp_path / "prompts.txt"
+    path.write_text('a sign that reads "OPEN\u2028CLOSED"\r\n\nrefs/cat.png\tmake it\x85blue\n', encoding="utf-8")
+    assert read_prompts(path) == ['a sign that reads "OPEN\u2028CLOSED"', "refs/cat.png\tmake it\x85blue"]
