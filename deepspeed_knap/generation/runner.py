@@ -114,7 +114,8 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
             :data:`DEFAULT_MAX_TOKENS_PER_GPU` tokens on a GPU.
         max_degree: the largest group a sequence may be split over (its GPUs hold it together).
         balanced: the requests run balanced; ``False``: each on its home rank, all its sequences there.
-        solve: the batcher's planner (raises ``ValueError`` for a set it cannot place). Given, with
+        solve: the batcher's planner (raises ``ValueError`` for a set it cannot place), of topology
+            ``auto`` (:func:`generation_balancer`'s, whose single GPUs are groups). Given, with
             a budget, a request of several sequences (classifier-free guidance) that do not each fit
             a GPU of their own is planned alone at its home, and refused if even that fails: two
             sequences each over one GPU's budget need two groups, which ``auto`` may not have, and a

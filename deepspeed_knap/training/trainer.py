@@ -348,28 +348,36 @@ class Trainer:
         save_dir, tag = self.arguments.save_dir, f"step{steps_done}"
         client_state = {"step": steps_done, "data_position": self.position}
         problem = None
-        try:  # a save over an older tag must not look complete half-way
-            prepare_checkpoint_save(save_dir, tag)
+        try:  # (DeepSpeed's rank 0 makes the folder before its first barrier: made here on every rank)
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            prepare_checkpoint_save(save_dir, tag)  # a save over an older tag must not look complete half-way
         except OSError as error:
-            problem = f"checkpoint {tag}: rank {self.rank} cannot remove the tag's old manifest: {error}"
+            problem = f"checkpoint {tag}: rank {self.rank} cannot prepare {save_dir}: {error}"
         self.raise_together(problem)
-        # A file a rank cannot write (a full disk on its node) is noted, not raised: that rank goes on
-        # through DeepSpeed's collectives of the save with the others, then every rank raises it.
-        checkpoint_engine = self.engine.checkpoint_engine
-        save = checkpoint_engine.save
+        # A file a rank cannot write (a full disk on its node: torch.save raises a RuntimeError) is
+        # noted, not raised: that rank goes on through DeepSpeed's collectives of the save with the
+        # others, then every rank raises it. Both writers are leaf calls, no collective in them.
+        engine = self.engine
 
-        def save_or_note(*args: Any, **kwargs: Any) -> None:
-            nonlocal problem
-            try:
-                save(*args, **kwargs)
-            except OSError as error:
-                problem = problem or f"checkpoint {tag}: rank {self.rank} cannot write its files: {error}"
+        def noting(write: Any) -> Any:
+            def write_or_note(*args: Any, **kwargs: Any) -> None:
+                nonlocal problem
+                try:
+                    write(*args, **kwargs)
+                except Exception as error:
+                    problem = problem or (f"checkpoint {tag}: rank {self.rank} cannot write its files: "
+                                          f"{type(error).__name__}: {error}")  # fmt: skip
 
-        checkpoint_engine.save = save_or_note
+            return write_or_note
+
+        patched = [(engine.checkpoint_engine, "save"), (engine, "_copy_recovery_script")]
+        for owner, name in patched:
+            setattr(owner, name, noting(getattr(owner, name)))
         try:  # 'latest' is written with the manifest, after it: DeepSpeed's own would name the tag before that
-            self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+            engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
         finally:
-            checkpoint_engine.save = save
+            for owner, name in patched:
+                delattr(owner, name)  # the class's own method again
         self.raise_together(problem)
         try:  # each rank hashes the files it wrote; the ranks write the manifest, then 'latest'
             write_checkpoint_manifest(save_dir, tag, client_state)
@@ -413,14 +421,15 @@ class Trainer:
                     try:
                         for path, _ in self.hooks.save_adapters(self.model, state, Path(export_dir)):
                             print(f"exported the LoRA adapter to {path}", flush=True)
-                    except (OSError, ValueError) as error:
-                        problem = f"exporting the LoRA adapter to {export_dir} failed on rank 0: {error}"
+                    except Exception as error:  # safetensors' own error for a full disk, too
+                        problem = (f"exporting the LoRA adapter to {export_dir} failed on rank 0: "
+                                   f"{type(error).__name__}: {error}")  # fmt: skip
         else:
             state = self.current_state_dict() if self.engine.zero_optimization_stage() == 3 else None
             if self.rank == 0:
                 try:
                     self.model.save_pretrained(export_dir, state)
                     print(f"exported diffusers weights to {export_dir}", flush=True)
-                except (OSError, ValueError) as error:
-                    problem = f"exporting the weights to {export_dir} failed on rank 0: {error}"
+                except Exception as error:  # safetensors' own error for a full disk, too
+                    problem = f"exporting the weights to {export_dir} failed on rank 0: {type(error).__name__}: {error}"
         self.raise_together(problem)

@@ -25,7 +25,8 @@ def read_prompts(path: str | Path) -> list[str]:
     Raises:
         ValueError: a file without prompts.
     """
-    prompts = [line.strip() for line in text_lines(Path(path).read_text()) if line.strip()]
+    # Bytes decoded as UTF-8: read as text, a lone "\r" would end a line too, and the locale decide the encoding.
+    prompts = [line.strip() for line in text_lines(Path(path).read_bytes().decode()) if line.strip()]
     if not prompts:
         raise ValueError(f"{path} holds no prompts; write one prompt per line")
     return prompts
