@@ -127,9 +127,10 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
     optionally ``split``: a cost model of attention alone and free all-to-alls, under which splitting
     a sequence over a group always pays; ``most_sequences``: the planner refuses a set of more, so
     the batcher backs off; ``plan_ahead``, default on). Counts, per run, the batcher's planner calls
-    in this rank (made and refused), the sets it submitted to the plan worker process (whose
-    planner the counts do not see), and the routes prepared (:meth:`KnapBalancer.route`, which
-    ReusingBalancer calls to prepare)."""
+    in this rank (made and refused; the intake's, planning a guided pair alone, apart), the sets it
+    submitted to the plan worker process (whose planner the counts do not see), and the routes
+    prepared (:meth:`KnapBalancer.route`, which ReusingBalancer calls to prepare)."""
+    import deepspeed_knap.generation.runner as runner_module
     import deepspeed_knap.planner.solve as solve_module
     from deepspeed_knap.cost.model import CostModel
     from deepspeed_knap.generation.runner import GenerationError, generate, generation_balancer
@@ -156,12 +157,19 @@ def _generate(rank: int, world: int, runs: list[dict]) -> list[dict]:
         counts["submitted"] += 1
         return submit(self, *args, **kwargs)
 
+    def counting_take_requests(*args, **kwargs):  # the intake plans some guided pairs alone: counted apart
+        before = counts["planned"]
+        intake = take_requests(*args, **kwargs)
+        counts["intake_planned"], counts["planned"] = counts["planned"] - before, before
+        return intake
+
     solve_module.plan_routing, KnapBalancer.route = counting_plan_routing, counting_route  # this spawned rank's own
     PlanWorker.submit = counting_submit
+    take_requests, runner_module.take_requests = runner_module.take_requests, counting_take_requests
     join_gloo(rank)
     results, generator, balancer = [], None, None
     for run in runs:
-        counts.update(planned=0, refused=0, prepared=0, submitted=0)
+        counts.update(planned=0, refused=0, prepared=0, submitted=0, intake_planned=0)
         most["sequences"] = run.get("most_sequences")
         family = run["family"]
         if run.get("same_balancer"):  # the run before's generator and balancer (and its plan worker) again
