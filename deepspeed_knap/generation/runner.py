@@ -221,9 +221,9 @@ def generation_balancer(model: torch.nn.Module, max_tokens_per_gpu: int | None =
     """Process groups of topology ``auto`` over the world (groups up to the model's heads, inside
     nodes as the launcher reports them, agreed by every rank:
     :func:`~deepspeed_knap.runtime.groups.launcher_gpus_per_node`) and a :class:`ReusingBalancer`
-    with the forward-only cost model of ``model.config`` unless ``cost_model`` is given. The groups' collectives wait ``timeout`` at most
-    for a rank (default DeepSpeed's: ``DEEPSPEED_TIMEOUT`` minutes, 10 unless set). Collective:
-    every rank calls it, after joining the process group."""
+    with the forward-only cost model of ``model.config`` unless ``cost_model`` is given. The groups'
+    collectives wait ``timeout`` at most for a rank (default DeepSpeed's: ``DEEPSPEED_TIMEOUT``
+    minutes, 10 unless set). Collective: every rank calls it, after joining the process group."""
     import deepspeed.comm as dist
 
     from deepspeed_knap.planner.topology import build_topology, default_max_degree

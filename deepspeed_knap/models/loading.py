@@ -224,15 +224,20 @@ def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
     return result
 
 
-def _names_second_transformer(pipeline: Path) -> bool:
-    """Whether ``pipeline``'s ``model_index.json`` names a ``transformer_2`` (an unreadable one: no,
-    the loading goes on to the transformer's own files)."""
+def names_second_transformer(index: Any) -> bool:
+    """Whether a pipeline's ``model_index.json`` (parsed: ``index``) names a ``transformer_2``: a
+    ``[library, class]`` pair whose library is set (Wan 2.2 TI2V-5B's ``[null, null]`` names none)."""
+    second = index.get("transformer_2") if isinstance(index, dict) else None
+    return isinstance(second, list) and bool(second) and bool(second[0])
+
+
+def _pipeline_names_second_transformer(pipeline: Path) -> bool:
+    """:func:`names_second_transformer` of ``pipeline``'s ``model_index.json`` (an unreadable one:
+    no, the loading goes on to the transformer's own files)."""
     try:
-        index = json.loads((pipeline / "model_index.json").read_text())
+        return names_second_transformer(json.loads((pipeline / "model_index.json").read_text()))
     except (OSError, ValueError):
         return False
-    second = index.get("transformer_2") if isinstance(index, dict) else None
-    return isinstance(second, list) and bool(second) and bool(second[0])  # TI2V-5B's [null, null]: none
 
 
 def plain_ds_config(ds_config: Any) -> dict:
@@ -290,7 +295,7 @@ def load_checkpoint(
 
     def prepare() -> tuple[dict, nn.Module, dict[str, Path]]:
         directory = transformer_dir(path)
-        if directory != Path(path) and _names_second_transformer(Path(path)):
+        if directory != Path(path) and _pipeline_names_second_transformer(Path(path)):
             raise ValueError(
                 f"{path} is a pipeline of two transformers (its model_index.json names transformer_2 too): as one "
                 f"{cls.__name__} it would load transformer/ alone; give {Path(path) / 'transformer'} or "

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from deepspeed_knap.models.loading import names_second_transformer
 from deepspeed_knap.models.wan.spec import WAN
 from deepspeed_knap.models.wan.wan import PackedWanTransformer, WanInputs
 from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
@@ -54,8 +55,7 @@ def pipeline_experts(path: str | Path | None) -> tuple[float | None, bool]:
         raise ValueError(f"cannot read {index}: {error}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{index} holds {type(config).__name__}, not a JSON object")
-    second = config.get("transformer_2")
-    return config.get("boundary_ratio"), isinstance(second, list) and bool(second) and bool(second[0])
+    return config.get("boundary_ratio"), names_second_transformer(config)
 
 
 def expand_timesteps(path: str | Path | None) -> bool:
