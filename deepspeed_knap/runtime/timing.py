@@ -58,9 +58,10 @@ class StepTimes:
         spans: per exchange kind, ``(start, end)`` stamps of every exchange, forward and backward
             (and ``setup``: a group's first exchange, run once untimed before it).
         inside: ``(start, end)`` of every exchange (any kind, its set-up too) that ran while the block
-            stack did, forward or backward: Ulysses', and the routes some models run between their
-            blocks (a sample's rows to its group). Their time, and the waits for slower ranks in
-            them, is not the rank's compute.
+            stack did, forward or backward: Ulysses', the routes some models run between their
+            blocks (a sample's rows to its group), and FLUX.3's gather of its samples' segments
+            (``sample_ints``). Their time, and the waits for slower ranks in them, is not the rank's
+            compute.
         plan_parts: host seconds of the plan by part (:data:`PLAN_PARTS`), the balancer's: ``gather``
             (the lengths all-gather: in the step, or at the prefetch before it), ``refit`` (recording
             the last step's measured times and, with ``online``, refitting the cost model from them,

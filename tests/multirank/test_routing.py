@@ -389,6 +389,43 @@ def test_benchmark_traffic_formulas_match_bytes_really_sent(spec):
         assert len(timed["setup"]) == result["groups_set_up"] >= 1 + ("ulysses" in timed), timed
 
 
+def _sample_ints_worker(rank: int, world: int) -> dict:
+    """A step's per-sample gather between the blocks (FLUX.3's segments) where rank 1 arrives
+    ``SETUP_S`` late: this rank's seconds, and the rows gathered."""
+    import time
+
+    import numpy as np
+
+    from deepspeed_knap.runtime.routing import gather_sample_ints, route, time_exchanges
+    from deepspeed_knap.runtime.timing import StepTimes
+
+    _, groups, balancer = _setup(rank, world, "g2n1", "knapformer")
+    batch = _batch(rank, torch.float64)
+    routed = route(batch, balancer.plan(batch), groups)
+    times = StepTimes(torch.device("cpu"))
+    time_exchanges(times)
+    times.mark("plan_start")
+    times.mark("plan_end")
+    times.mark("blocks_start")
+    if rank == 1:
+        time.sleep(SETUP_S)  # a slower rank's blocks before the gather
+    rows = gather_sample_ints(np.asarray(batch.seq_lens)[:, None], routed)
+    times.mark("blocks_end")
+    times.mark("blocks_grad_start")
+    times.mark("blocks_grad_end")
+    time_exchanges(None)
+    return {"seconds": times.seconds(), "rows": rows.ravel().tolist(), "lens": [int(n) for n in batch.seq_lens]}
+
+
+def test_a_wait_in_the_per_sample_gather_between_blocks_is_not_compute():
+    """FLUX.3 gathers its samples' segments between the blocks: a fast rank's wait there for a slow
+    one is an exchange's, as in the routes, and not its compute (which the online refit learns from)."""
+    fast, slow = run_distributed(_sample_ints_worker, 2)
+    assert fast["rows"] == slow["rows"] == fast["lens"] + slow["lens"]
+    assert fast["seconds"]["compute"] < SETUP_S / 2, fast["seconds"]
+    assert slow["seconds"]["compute"] >= SETUP_S, slow["seconds"]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Topology "auto": every sequence in its own aligned group; GPUs in several nested groups per layer.
 
