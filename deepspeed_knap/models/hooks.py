@@ -143,13 +143,10 @@ class TrainingHooks(ABC):
         validation: the family's validation renders, or ``None`` where none is wired up.
         segment_columns: attention segments per sequence the balancer plans with (FLUX.3's 3 token
             modes: its packed inputs' ``segments``), or ``None``.
-        carries_problems: balanced, :meth:`pack` carries a sample the model cannot pack into the
-            step's first collective, which raises it on every rank (a ``ValueError`` from the forward).
     """
 
     validation: ClassVar[type[ValidationHooks] | None] = None
     segment_columns: ClassVar[int | None] = None
-    carries_problems: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -206,11 +203,10 @@ class TrainingHooks(ABC):
 
     def pack(self, model: nn.Module, samples: list[dict[str, Tensor]], balanced: bool) -> tuple[Any, str | None]:
         """``(packed inputs, None)``, or ``(None, why)`` for samples the model cannot pack where the
-        trainer must agree on it first. A family whose model carries a bad sample
-        (:attr:`carries_problems`) packs with ``on_problem="carry"``: balanced, the step's first
-        collective raises it on every rank; unbalanced, the trainer agrees on the ``why``."""
-        if not self.carries_problems:
-            return model.pack(samples), None
+        trainer must agree on it first. Every family's model packs with ``on_problem="carry"``
+        (its inputs then carry why, holding no samples): balanced, the step's first collective
+        raises it on every rank (a ``ValueError`` from the forward); unbalanced, the trainer agrees
+        on the ``why``."""
         inputs = model.pack(samples, on_problem="carry")
         if balanced or inputs.problem is None:
             return inputs, None

@@ -288,7 +288,7 @@ class Trainer:
         try:  # [tokens, C] for this rank's predicted tokens
             prediction = self.engine(inputs, self.balancer)
         except ValueError as error:
-            if self.balancer is None or not self.hooks.carries_problems:
+            if self.balancer is None:
                 raise
             # a sample a rank could not pack, raised on every rank by the step's first collective
             raise TrainingError(str(error)) from None

@@ -182,6 +182,10 @@ def test_bad_samples_name_the_problem(family):
     for message, bad in cases.items():
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
             model.pack([bad])
+        carried = model.pack([sample, bad], on_problem="carry")  # for a balanced step to raise on every rank
+        assert message.replace("sample 0", "sample 1") in carried.problem and carried.num_samples == 0
+        with pytest.raises(ValueError, match="sample 1"):
+            model(carried)  # unbalanced: raised here
     unguided = packed_class(family)(**{**config, "guidance_embeds": False})
     with pytest.raises(ValueError, match="has a guidance value but this model has guidance_embeds=False"):
         unguided.pack([sample])

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspeed_knap.models.flux.layers import FluxStep
-from deepspeed_knap.models.inputs import PackedInputs, route_text_embedded
+from deepspeed_knap.models.inputs import PackedInputs, pack_carrying, route_text_embedded
 from deepspeed_knap.models.loading import DiffusersCheckpoint
 from deepspeed_knap.planner.topology import Topology
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
@@ -55,6 +55,9 @@ class FluxInputs(PackedInputs):
         img_lens, txt_lens: ``N`` per-sample token counts of each stream.
         guidance: ``[N]`` guidance scales for guidance-distilled models, else ``None``.
         pooled_projections: ``[N, Dp]`` pooled text embedding per sample (FLUX.1), else ``None``.
+        problem: why the samples given could not be packed (naming the sample), or ``None``; inputs
+            with a problem hold no samples, and :meth:`PackedFluxBase.forward` raises it on every
+            rank of the step (``pack(samples, on_problem="carry")``).
     """
 
     hidden_states: Tensor
@@ -66,6 +69,7 @@ class FluxInputs(PackedInputs):
     txt_lens: tuple[int, ...]
     guidance: Tensor | None = None
     pooled_projections: Tensor | None = None
+    problem: str | None = None
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
@@ -193,14 +197,22 @@ class PackedFluxBase(DiffusersCheckpoint, nn.Module):
             shapes["pooled_projections"] = (config["pooled_projection_dim"],)
         return shapes
 
-    def pack(self, samples: Sequence[Mapping[str, Tensor]]) -> FluxInputs:
+    def pack(self, samples: Sequence[Mapping[str, Tensor]], on_problem: str = "raise") -> FluxInputs:
         """Pack per-sample diffusers arguments (unbatched; keys and shapes: :meth:`sample_shapes`)
         into :class:`FluxInputs`. No samples gives an empty batch with the right columns (a rank may
         have none this step).
 
+        Args:
+            on_problem: ``"raise"``: raise on a bad sample, here (local). ``"carry"``: return empty
+                inputs whose ``problem`` names it, for a balanced :meth:`forward` to raise on every
+                rank together (raising here alone would leave the other ranks waiting in the step's
+                first collective).
+
         Raises:
-            ValueError: a missing key or a shape that does not fit this model's config.
+            ValueError: (with ``"raise"``) a missing key or a shape that does not fit this model's config.
         """
+        if (carried := pack_carrying(self.pack, samples, on_problem)) is not None:
+            return carried
         for index, sample in enumerate(samples):
             self._check_sample(index, sample)
         shapes = self.sample_shapes(0, 0)
@@ -260,14 +272,21 @@ class PackedFluxBase(DiffusersCheckpoint, nn.Module):
         self, samples: Sequence[Mapping[str, Tensor]], balancer: KnapBalancer | None = None
     ) -> list[Tensor]:
         """:meth:`pack`, :meth:`forward`, split: one ``[L_i, patch^2 * C_out]`` output per sample,
-        what diffusers returns for that sample alone. Collective when ``balancer`` is given."""
-        inputs = self.pack(samples)
+        what diffusers returns for that sample alone. Collective when ``balancer`` is given: a bad
+        sample on any rank raises on every rank, the same error naming the rank and the sample, in
+        the step's first collective (unbalanced: here)."""
+        inputs = self.pack(samples, on_problem="carry" if balancer is not None else "raise")
         return inputs.split(self(inputs, balancer))
 
     def forward(self, inputs: FluxInputs, balancer: KnapBalancer | None = None) -> Tensor:
         """``[Ti, patch^2 * C_out]`` predictions for ``inputs.hidden_states``' tokens, in their order.
         With a ``balancer`` the blocks run on the tokens the step's plan gives this GPU (collective:
-        every rank calls it every step, even with no samples)."""
+        every rank calls it every step, even with no samples).
+
+        Raises:
+            ValueError: ``inputs.problem`` (a bad sample :meth:`pack` carried): here without a
+                balancer; with one, on every rank, by the step's first collective.
+        """
         device = inputs.hidden_states.device
         txt_rows, img_rows = inputs._joint_rows
         is_text = np.zeros(len(txt_rows) + len(img_rows), dtype=bool)
@@ -278,7 +297,7 @@ class PackedFluxBase(DiffusersCheckpoint, nn.Module):
                       "is_text": torch.as_tensor(is_text, device=device)}  # fmt: skip
         batch, text = self._joint_batch(inputs, img_rows_t, len(is_text), token_data, inputs.conditioning())
         blocks = functools.partial(self._blocks, text=text, home_is_text=is_text)
-        return balanced_forward(batch, blocks, balancer).index_select(0, img_rows_t)
+        return balanced_forward(batch, blocks, balancer, problem=inputs.problem).index_select(0, img_rows_t)
 
     def _joint_batch(self, inputs: Any, img_rows: Tensor, tokens: int, token_data: dict[str, Tensor],
                      sample_data: dict[str, Tensor]) -> tuple[PackedBatch, Tensor]:  # fmt: skip

@@ -134,7 +134,6 @@ class Flux3Training(TrainingHooks):
 
     validation = Flux3Validation
     segment_columns = 3
-    carries_problems = True
 
     def refuse(self, model: nn.Module, model_path: str | None) -> str | None:
         if model.config["flow_map"]:

@@ -131,7 +131,6 @@ class QwenImageTraining(TrainingHooks):
     ``QwenImagePipeline``."""
 
     validation = QwenImageValidation
-    carries_problems = True
 
     def synthetic_data(self, mix: str, config: Mapping, token_scale: float, seed: int) -> SyntheticMixLatents:
         return SyntheticQwenImageLatents(mix, config, token_scale, seed)
