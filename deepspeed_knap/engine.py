@@ -14,16 +14,12 @@ from __future__ import annotations
 import copy
 import datetime
 import json
-import os
-import socket
 from collections.abc import Mapping
 from typing import Any
 
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.constants import default_pg_timeout
-from pydantic import ValidationError
 from torch import Tensor, nn
 
 from deepspeed_knap.cost.model import CostModel
@@ -32,7 +28,13 @@ from deepspeed_knap.planner.topology import AUTO, Topology, build_topology, defa
 from deepspeed_knap.runtime.attention import KnapDistributedAttention, backend_problem
 from deepspeed_knap.runtime.balancer import KnapBalancer
 from deepspeed_knap.runtime.calibration import calibrate_at_start
-from deepspeed_knap.runtime.config import KNAPFORMER, KnapFormerConfig, get_knapformer_config, load_ds_config
+from deepspeed_knap.runtime.config import (
+    KNAPFORMER,
+    KnapFormerConfig,
+    collective_timeout,
+    get_knapformer_config,
+    read_ds_config,
+)
 from deepspeed_knap.runtime.groups import (
     NODE_SIZE_VARIABLES,
     all_gather_bytes,
@@ -42,6 +44,7 @@ from deepspeed_knap.runtime.groups import (
     raise_together,
     set_collective_timeout,
     text_digest,
+    this_node,
 )
 from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
@@ -83,68 +86,26 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
             raise ValueError("no DeepSpeed config: pass config= or args with --deepspeed_config")
         config, args = args.deepspeed_config, copy.copy(args)
         args.deepspeed_config = None  # DeepSpeed refuses a config given both ways
-    # A config that fails here may fail on one node only (a file missing or edited there): it is
-    # reported once every rank can hear of it, below, not raised before the rendezvous.
-    try:
-        ds_config, problem = load_ds_config(config), None
-    except ValueError as error:  # names the file
-        ds_config, problem = {}, str(error)
-    except (OSError, TypeError) as error:
-        ds_config, problem = {}, f"cannot read the DeepSpeed config {config!r}: {error}"
-    timeout = _collective_timeout(ds_config.get(KNAPFORMER))
-
-    # Under mpirun, DeepSpeed discovers ranks through mpi4py and would take port 29500 unless told.
-    port = int(os.environ.get("MASTER_PORT", "29500"))
-    if timeout is None:
-        deepspeed.init_distributed(distributed_port=port)
-    else:
-        # The rendezvous (torch's store) takes this timeout too: never shorter than DeepSpeed's.
-        deepspeed.init_distributed(distributed_port=port, timeout=max(timeout, default_pg_timeout))
+    ds_config = read_ds_config(config)
     rank = dist.get_rank()
     try:
-        return _initialize(args, model, ds_config, problem, timeout, kwargs)
+        return _initialize(args, model, ds_config, collective_timeout(ds_config.get(KNAPFORMER)), kwargs)
     except BaseException:
         # Every rank joined the group, so mapped every rank's buffer, before the first collective
-        # returned anywhere; an error before it (binding the device) ends the job on this node anyway.
+        # returned anywhere.
         unlink_own_shm_buffer(rank)
         raise
 
 
-_DEFAULT_TIMEOUT_S = KnapFormerConfig.model_fields["timeout_s"].default
-
-
-def _collective_timeout(block: Any) -> datetime.timedelta | None:
-    """The collective timeout the raw ``"knapformer"`` block asks for, read before the block is
-    validated (the process group takes it when it starts): ``timeout_s`` when the block is enabled or
-    gives it, ``None`` (DeepSpeed's defaults) otherwise. A value the block's validation refuses gives
-    the default; that validation, agreed by every rank, reports it."""
-    if not isinstance(block, Mapping) or (block.get("enabled") is not True and "timeout_s" not in block):
-        return None
+def _initialize(args: Any, model: nn.Module | None, ds_config: dict, timeout: datetime.timedelta | None,
+                kwargs: dict) -> tuple:  # fmt: skip
+    """:func:`initialize` once the process group exists and every rank has read the config."""
+    knap, problem = None, None
     try:
-        seconds = KnapFormerConfig(strict=True, timeout_s=block.get("timeout_s", _DEFAULT_TIMEOUT_S)).timeout_s
-    except ValidationError:
-        seconds = _DEFAULT_TIMEOUT_S
-    return datetime.timedelta(seconds=seconds)
-
-
-def _initialize(args: Any, model: nn.Module | None, ds_config: dict, problem: str | None,
-                timeout: datetime.timedelta | None, kwargs: dict) -> tuple:  # fmt: skip
-    """:func:`initialize` once the process group exists."""
-    # Our set-up collectives run before DeepSpeed's engine binds this rank to its GPU: bind it now,
-    # or every rank would hand NCCL a tensor on GPU 0.
-    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if timeout is not None:
-        # The world group waits at most this long in the agreement below, but never less than
-        # DeepSpeed's default until deepspeed.initialize returns: ranks may be slowed apart by start-up
-        # work of their own (a kernel import, an op build), as the rendezvous may.
-        set_collective_timeout(max(timeout, default_pg_timeout))
-    knap = None
-    if problem is None:
-        try:
-            knap = get_knapformer_config(ds_config)
-        except ValueError as error:
-            problem = str(error)
-    raise_together(problem and f"{_this_node()}: {problem}", "reading the DeepSpeed config on every rank")
+        knap = get_knapformer_config(ds_config)
+    except ValueError as error:
+        problem = str(error)
+    raise_together(problem and f"{this_node()}: {problem}", "reading the DeepSpeed config on every rank")
     # Valid blocks may still differ between nodes; "enabled" decides which collectives a rank runs
     # next, so the block is agreed on before anything branches on it.
     check_same_on_every_rank({'"knapformer" block': json.dumps(ds_config.get(KNAPFORMER), sort_keys=True)})
@@ -241,19 +202,6 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
             flat.update(_flatten(item, f"{prefix}{key}."))
         return flat
     return {prefix[:-1]: json.dumps(value, sort_keys=True)}
-
-
-# Environment variables holding this node's index in the job, by launcher.
-NODE_RANK_VARIABLES = ("CROSS_RANK", "GROUP_RANK", "SLURM_NODEID")
-
-
-def _this_node() -> str:
-    """``node N (host H)``, or ``host H`` where no launcher says which node this is."""
-    host = socket.gethostname()
-    for name in NODE_RANK_VARIABLES:
-        if os.environ.get(name, "").isdigit():
-            return f"node {os.environ[name]} (host {host})"
-    return f"host {host}"
 
 
 def _family(model: nn.Module) -> str | None:

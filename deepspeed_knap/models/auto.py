@@ -38,6 +38,10 @@ def from_pretrained(path: str | Path, ds_config: Any = None, **kwargs: Any) -> A
     """``from_pretrained`` of the checkpoint's family (:func:`checkpoint_family`); arguments as
     :meth:`~deepspeed_knap.models.loading.DiffusersCheckpoint.from_pretrained`'s. With ``ds_config``,
     collective: every rank raises the same error when any rank cannot tell the family."""
+    from deepspeed_knap.runtime.config import read_ds_config
+
+    if ds_config is not None:  # read once, agreed by every rank (a file one rank cannot read is one error)
+        ds_config = read_ds_config(ds_config)
     plain = None if ds_config is None else plain_ds_config(ds_config)
     family = checked(plain, "reading a checkpoint's model family", lambda: checkpoint_family(path))
     return model_class(family).from_pretrained(path, ds_config=ds_config, **kwargs)

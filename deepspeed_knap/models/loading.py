@@ -289,7 +289,10 @@ def load_checkpoint(
     """
     import deepspeed
 
-    plain = None if ds_config is None else plain_ds_config(ds_config)
+    from deepspeed_knap.runtime.config import read_ds_config
+
+    # A config file one rank cannot read is one error on every rank (collective, as the load is).
+    plain = None if ds_config is None else plain_ds_config(read_ds_config(ds_config))
     zero = (plain or {}).get("zero_optimization", {})
     partitioned = zero.get("stage", 0) == 3
 

@@ -16,7 +16,9 @@ naming it. Every field is documented in docs/config.md with its default.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -445,6 +447,77 @@ def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ValueError(f"the DeepSpeed config {config} must hold a JSON object; it holds a {type(loaded).__name__}")
     return loaded
+
+
+def read_ds_config(config: Any) -> dict[str, Any]:
+    """The DeepSpeed config (a dict, or a JSON file every rank reads), once every rank has read it.
+
+    Collective: every rank first joins the process group, whatever its file says
+    (``deepspeed.init_distributed``; with the ``"knapformer"`` block's ``timeout_s`` where
+    :func:`~deepspeed_knap.engine.initialize` takes it), and binds its accelerator; then the ranks
+    agree on the read. A file missing, unreadable or not a JSON object on one node only (a path
+    relative to a working directory that differs, a copy edited there) is one ``ValueError`` on
+    every rank, naming the node, the ranks and the file, rather than an error on some ranks while the
+    others wait in the rendezvous or in their next collective. ``initialize``, the trainer and
+    ``from_pretrained(..., ds_config=...)`` read the config so; given the dict, nothing reads it again.
+
+    Raises:
+        ValueError: on every rank, when any rank could not read the config.
+    """
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.constants import default_pg_timeout
+
+    from deepspeed_knap.runtime.groups import raise_together, set_collective_timeout, this_node
+    from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
+
+    try:
+        ds_config, problem = load_ds_config(config), None
+    except ValueError as error:  # names the file
+        ds_config, problem = {}, str(error)
+    except (OSError, TypeError) as error:
+        ds_config, problem = {}, f"cannot read the DeepSpeed config {config!r}: {error}"
+    timeout = collective_timeout(ds_config.get(KNAPFORMER))
+    # Under mpirun, DeepSpeed discovers ranks through mpi4py and would take port 29500 unless told.
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    if timeout is None:
+        deepspeed.init_distributed(distributed_port=port)
+    else:
+        # The rendezvous (torch's store) takes this timeout too: never shorter than DeepSpeed's.
+        deepspeed.init_distributed(distributed_port=port, timeout=max(timeout, default_pg_timeout))
+    rank = dist.get_rank()
+    try:
+        # Our set-up collectives run before DeepSpeed's engine binds this rank to its GPU: bind it
+        # now, or every rank would hand NCCL a tensor on GPU 0.
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if timeout is not None:
+            # The world group waits at most this long in the agreements of the start-up, but never
+            # less than DeepSpeed's default until deepspeed.initialize returns: ranks may be slowed
+            # apart by start-up work of their own (a kernel import, an op build), as the rendezvous may.
+            set_collective_timeout(max(timeout, default_pg_timeout))
+        raise_together(problem and f"{this_node()}: {problem}", "reading the DeepSpeed config on every rank")
+    except BaseException:
+        unlink_own_shm_buffer(rank)  # as initialize's failures after the group exists
+        raise
+    return ds_config
+
+
+_DEFAULT_TIMEOUT_S = KnapFormerConfig.model_fields["timeout_s"].default
+
+
+def collective_timeout(block: Any) -> datetime.timedelta | None:
+    """The collective timeout the raw ``"knapformer"`` block asks for, read before the block is
+    validated (the process group takes it when it starts): ``timeout_s`` when the block is enabled or
+    gives it, ``None`` (DeepSpeed's defaults) otherwise. A value the block's validation refuses gives
+    the default; that validation, agreed by every rank, reports it."""
+    if not isinstance(block, Mapping) or (block.get("enabled") is not True and "timeout_s" not in block):
+        return None
+    try:
+        seconds = KnapFormerConfig(strict=True, timeout_s=block.get("timeout_s", _DEFAULT_TIMEOUT_S)).timeout_s
+    except ValidationError:
+        seconds = _DEFAULT_TIMEOUT_S
+    return datetime.timedelta(seconds=seconds)
 
 
 def get_knapformer_config(param_dict: Mapping[str, Any]) -> KnapFormerConfig:

@@ -6,6 +6,7 @@ import datetime
 import hashlib
 import json
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,3 +276,16 @@ def exchange_bytes(payloads: list[bytes]) -> list[bytes]:
     parts = received.cpu().numpy().tobytes()
     offsets = np.cumsum([0, *recv_sizes]).tolist()
     return [parts[offsets[r] : offsets[r + 1]] for r in range(world)]
+
+
+# Environment variables holding this node's index in the job, by launcher.
+NODE_RANK_VARIABLES = ("CROSS_RANK", "GROUP_RANK", "SLURM_NODEID")
+
+
+def this_node() -> str:
+    """``node N (host H)``, or ``host H`` where no launcher says which node this is."""
+    host = socket.gethostname()
+    for name in NODE_RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return f"node {os.environ[name]} (host {host})"
+    return f"host {host}"

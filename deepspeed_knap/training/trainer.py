@@ -31,6 +31,7 @@ same message.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import warnings
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.engine import global_mean_loss, initialize, token_mean_loss
+from deepspeed_knap.engine import global_mean_loss, initialize, read_ds_config, token_mean_loss
 from deepspeed_knap.models.auto import checkpoint_family
 from deepspeed_knap.models.hooks import Objective, ValidationSettings
 from deepspeed_knap.models.latents import LatentFileError, check_latent_directory
@@ -51,7 +52,6 @@ from deepspeed_knap.models.loading import checked, plain_ds_config
 from deepspeed_knap.models.lora import add_lora
 from deepspeed_knap.models.registry import spec
 from deepspeed_knap.runtime.checkpoint import CheckpointError, load_checkpoint
-from deepspeed_knap.runtime.config import load_ds_config
 from deepspeed_knap.runtime.groups import raise_together
 from deepspeed_knap.runtime.manifest import (
     ManifestError,
@@ -93,22 +93,26 @@ class Trainer:
         if a.deepspeed_config is None:  # the same arguments on every rank: all raise here
             raise ValueError("--deepspeed_config is required: a DeepSpeed JSON with its \"knapformer\" block, e.g. "
                              "ds_configs/flux_cpu_demo.json")  # fmt: skip
+        try:  # collective: joins the process group; a file one node cannot read is one error on every rank
+            ds_config = read_ds_config(a.deepspeed_config)
+        except ValueError as error:
+            raise TrainingError(str(error)) from None
+        a = self.arguments = dataclasses.replace(a, deepspeed_config=ds_config)  # read once: nothing reads it again
         torch.manual_seed(a.seed)  # the same initial weights (and LoRA A matrices) on every rank
         options = dict(gradient_checkpointing=a.gradient_checkpointing)
+        plain = plain_ds_config(ds_config)
         if a.model_path:  # the family from config.json, agreed on by every rank
-            plain = plain_ds_config(a.deepspeed_config)
             family = checked(plain, "reading a checkpoint's model family", lambda: checkpoint_family(a.model_path))
         else:
             family = a.family
         self.hooks = spec(family).hooks()
-        ds_config = plain_ds_config(a.deepspeed_config) if a.model_path else None
-        checked(ds_config, "checking the training arguments", lambda: self.hooks.check_arguments(a))
+        checked(plain, "checking the training arguments", lambda: self.hooks.check_arguments(a))
         # Under ZeRO-3 each rank reads only the partitions it keeps (collective: errors agreed inside).
         model = self.hooks.load_model(a, options)
         if a.lora_rank:
             add_lora(model, a.lora_rank, a.lora_alpha, a.lora_targets)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        if "optimizer" in load_ds_config(a.deepspeed_config):  # DeepSpeed's own (fused on GPU)
+        if "optimizer" in ds_config:  # DeepSpeed's own (fused on GPU)
             parts = initialize(model=model, config=a.deepspeed_config, model_parameters=trainable)
         else:
             optimizer = torch.optim.AdamW(trainable, lr=a.lr, weight_decay=0.0)

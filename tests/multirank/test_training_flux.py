@@ -408,3 +408,20 @@ def test_accumulation_an_export_or_a_checkpoint_a_rank_cannot_write_are_one_erro
     full = train(demo_config(balanced=False), **{**COMMON, "steps": 1}, save_dir=save_dir,
                  setup=functools.partial(_rank_1_cannot_write, save_dir), fails=True)  # fmt: skip
     assert "checkpoint step1: rank 1 cannot write its files: RuntimeError" in full.errors[0], full.errors
+
+
+def _in_rank_folder(root: str) -> None:
+    """Each rank works in a folder of its own under ``root`` (a node of its own, say)."""
+    import os
+
+    os.chdir(os.path.join(root, f"rank{os.environ['RANK']}"))
+
+
+def test_a_deepspeed_config_one_rank_cannot_read_is_one_error_on_every_rank(tmp_path):
+    """--deepspeed_config ds.json, a path relative to a working directory where only rank 0 has the
+    file: before, rank 1 raised alone while rank 0 waited in DeepSpeed's start-up."""
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}").mkdir()
+    (tmp_path / "rank0" / "ds.json").write_text(json.dumps(demo_config(balanced=False, stage=2)))
+    run = train("ds.json", **COMMON, setup=functools.partial(_in_rank_folder, str(tmp_path)), fails=True)
+    assert "rank(s) [1]" in run.errors[0] and "cannot read the DeepSpeed config ds.json" in run.errors[0], run.errors
