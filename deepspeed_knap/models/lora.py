@@ -11,6 +11,7 @@ passes them in.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -27,12 +28,16 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: S
     ``peft.LoraConfig``.
 
     Raises:
-        ValueError: a rank below 1, or a target that names no linear layer of the model.
+        ValueError: a rank below 1, an alpha that is not a positive number, or a target that names no
+            linear layer of the model.
     """
     from peft import LoraConfig, inject_adapter_in_model
 
     if rank < 1:
         raise ValueError(f"LoRA rank must be at least 1; got {rank}")
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"LoRA alpha {alpha}: the scale is alpha / rank, so alpha must be a positive number (0 scales "
+                         "the adapters to nothing); give None for alpha = rank")  # fmt: skip
     defaults = model.spec.lora_targets
     modules = dict(model.named_modules())
     target_modules = []
@@ -47,7 +52,9 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: S
         # peft adapts every module a name ends in: where that is more than linear layers (FLUX.2's
         # attn.to_out is also a list in other blocks), name the layers one by one.
         target_modules += [target] if len(linear) == len(named) else linear
-    config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=target_modules, init_lora_weights=True)
+    config = LoraConfig(
+        r=rank, lora_alpha=rank if alpha is None else alpha, target_modules=target_modules, init_lora_weights=True
+    )
     model.requires_grad_(False)
     inject_adapter_in_model(config, model)
     return config

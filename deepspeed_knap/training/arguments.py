@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,14 @@ class TrainingArguments:
             raise ValueError(f"expert {self.expert!r}: choose high, low or both")
         if self.first_frame_share is not None and not 0 <= self.first_frame_share <= 1:
             raise ValueError(f"first_frame_share {self.first_frame_share} must lie in [0, 1]")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank {self.lora_rank}: give a LoRA rank of at least 1, or 0 to train every weight")
+        if not self.lora_rank and (self.lora_alpha is not None or self.lora_targets):
+            raise ValueError("lora_alpha and lora_targets set LoRA up, which lora_rank 0 leaves off (every weight "
+                             "trains): give lora_rank too, or drop them")  # fmt: skip
+        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"lora_alpha {self.lora_alpha}: the LoRA scale is alpha / rank, so alpha must be a positive "
+                             "number (0 scales the adapters to nothing); leave it unset for alpha = rank")  # fmt: skip
         if self.validation_every and not self.validation_prompts:
             raise ValueError("validation_every needs validation_prompts (a file of prompts, one per line)")
 

@@ -22,7 +22,8 @@ naming the tag and the file (:mod:`deepspeed_knap.runtime.manifest`). DeepSpeed'
 weights-only (:mod:`deepspeed_knap.runtime.checkpoint`): a file holding anything but tensors, numbers
 and the few classes DeepSpeed stores is refused, its pickle never run, and a checkpoint of another
 model (another family, LoRA or not, another LoRA rank) is one error on every rank before DeepSpeed
-reads it. Prepared data files are checked against the manifest the preparing script writes, each when
+reads it, and so are another LoRA alpha and a checkpoint without the loop's step (one this trainer did
+not save). Prepared data files are checked against the manifest the preparing script writes, each when
 a rank reads it.
 
 Every error the trainer raises (:class:`TrainingError`) is raised on every rank together, with the
@@ -49,10 +50,10 @@ from deepspeed_knap.models.auto import checkpoint_family
 from deepspeed_knap.models.hooks import Objective, ValidationSettings
 from deepspeed_knap.models.latents import LatentFileError, check_latent_directory
 from deepspeed_knap.models.loading import checked, plain_ds_config
-from deepspeed_knap.models.lora import add_lora
+from deepspeed_knap.models.lora import add_lora, lora_config
 from deepspeed_knap.models.registry import spec
 from deepspeed_knap.runtime.checkpoint import CheckpointError, load_checkpoint
-from deepspeed_knap.runtime.groups import raise_together
+from deepspeed_knap.runtime.groups import check_same_on_every_rank, raise_together
 from deepspeed_knap.runtime.manifest import (
     ManifestError,
     find_checkpoint,
@@ -189,7 +190,29 @@ class Trainer:
         except CheckpointError as error:
             raise TrainingError(f"--resume {a.resume}: {error}") from None
         self.raise_together(None if client_state else f"DeepSpeed found no checkpoint to load in {a.resume}")
-        self.start_step, self.position = client_state["step"], client_state["data_position"]
+        # ZeRO-3 ranks each read their own file's client state: what it says is agreed before it is used.
+        step, position = client_state.get("step"), client_state.get("data_position")
+        saved_alpha, alpha = client_state.get("lora_alpha"), self._lora_alpha()
+        problem = None
+        if not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in (step, position)):
+            problem = (f"--resume {a.resume}: checkpoint {choice.tag} holds no training position (step {step!r}, "
+                       f"data_position {position!r}): it was not saved by this trainer, which records both; resume "
+                       "from a --save-dir of this trainer")  # fmt: skip
+        elif "lora_alpha" in client_state and saved_alpha != alpha:  # (saved before alpha was recorded: none)
+            problem = (f"--resume {a.resume}: checkpoint {choice.tag} was trained with LoRA alpha {saved_alpha} and "
+                       f"this run has {alpha} (the adapters' scale is alpha / rank): resume with --lora-alpha "
+                       f"{saved_alpha}")  # fmt: skip
+        self.raise_together(problem)
+        try:
+            check_same_on_every_rank({f"checkpoint {choice.tag}'s step and data position": f"{step} {position}"})
+        except ValueError as error:
+            raise TrainingError(f"--resume {a.resume}: {error}") from None
+        self.start_step, self.position = step, position
+
+    def _lora_alpha(self) -> float | None:
+        """The LoRA alpha the model's adapters have (``None``: no LoRA)."""
+        config = lora_config(self.model)
+        return None if config is None else float(config.lora_alpha)
 
     def _validator(self) -> Validator:
         a = self.arguments
@@ -350,7 +373,7 @@ class Trainer:
     def save_checkpoint(self, steps_done: int) -> None:
         """A DeepSpeed checkpoint ``step{steps_done}`` in ``save_dir``, with its manifest. Collective."""
         save_dir, tag = self.arguments.save_dir, f"step{steps_done}"
-        client_state = {"step": steps_done, "data_position": self.position}
+        client_state = {"step": steps_done, "data_position": self.position, "lora_alpha": self._lora_alpha()}
         problem = None
         try:  # (DeepSpeed's rank 0 makes the folder before its first barrier: made here on every rank)
             Path(save_dir).mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,8 @@ def lora_runs(tmp_path_factory):
     (d / "prompts.txt").write_text("a red cat\n\na blue dog on grass\n")
     on = train(demo_config(), **COMMON, **LORA, export_dir=str(d / "on"), validation_every=3,
                validation_prompts=str(d / "prompts.txt"), validation_dir=str(d / "images"), host_tensors=True)  # fmt: skip
-    off = train(demo_config(balanced=False, stage=2), **COMMON, **LORA, export_dir=str(d / "off"))
+    off = train(demo_config(balanced=False, stage=2), **COMMON, **LORA, export_dir=str(d / "off"),
+                save_dir=str(d / "ckpt"))  # fmt: skip
     return d, on, off
 
 
@@ -157,13 +158,14 @@ class _Payload:
         return open, (self.marker, "w")
 
 
-@pytest.mark.parametrize("case", ["crafted shard", "lora", "wan"])
+@pytest.mark.parametrize("case", ["crafted shard", "lora", "wan", "no step"])
 def test_a_crafted_shard_or_another_models_checkpoint_is_one_error_on_every_rank(full_runs, case):
     """A copy of the balanced run's step1 given to resume: with rank 1's optimizer shard replaced by a
     pickle that would run code, and the manifest written again to match (a manifest proves files
     unchanged, not who wrote them), the pickle never runs and every rank names the file; resumed with
     LoRA adapters, or as a Wan model, every rank says the checkpoint is another model's, before
-    DeepSpeed reads it."""
+    DeepSpeed reads it. A checkpoint whose rank 1 file holds no step (not this trainer's; under
+    ZeRO-3 each rank reads its own) is one error on every rank (it was a KeyError on rank 1 alone)."""
     from deepspeed_knap.runtime.manifest import build_manifest, write_manifest
 
     d, *_ = full_runs
@@ -182,12 +184,23 @@ def test_a_crafted_shard_or_another_models_checkpoint_is_one_error_on_every_rank
                     "saved without LoRA adapters and this PackedFluxTransformer (family 'flux') has them (e.g. "
                     "'single_transformer_blocks.0.attn.to_k.lora_A.default.weight'): resume without LoRA, as the run "
                     "that saved it (train_dit.py: no --lora-rank)")  # fmt: skip
+    elif case == "no step":
+        model_states = tag / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+        state = torch.load(model_states, weights_only=True)
+        del state["step"]
+        torch.save(state, model_states)
+        write_manifest(tag, build_manifest(tag, metadata={"step": 1, "data_position": 2}))
+        expected = (f"rank(s) [1]: --resume {tag}: checkpoint step1 holds no training position (step None, "
+                    "data_position 2): it was not saved by this trainer")  # fmt: skip
     else:
         extra = dict(family="wan")
         expected = (f"checking checkpoint {tag} before loading it failed:\nrank(s) [0, 1]: checkpoint {tag} was "
                     "saved from another model: ")  # fmt: skip
     resumed = train(demo_config(balanced=False), **{**COMMON, **extra}, resume=str(tag), fails=True)
-    assert resumed.errors[0].startswith(f"--resume {tag}: {expected}"), resumed.errors[0]
+    if case == "no step":
+        assert expected in resumed.errors[0], resumed.errors[0]
+    else:
+        assert resumed.errors[0].startswith(f"--resume {tag}: {expected}"), resumed.errors[0]
     assert resumed.losses == {} and not marker.exists()
 
 
@@ -216,6 +229,16 @@ def test_lora_balanced_on_zero3_equals_unbalanced_on_zero2_and_writes_validation
     assert [p.name for p in images] == ["step000003_prompt00.png", "step000003_prompt01.png"]
     assert all(Image.open(p).size == (32, 32) for p in images)
     assert f"validation image {images[1]} after step 2: 'a blue dog on grass'" in on.stdout
+
+
+def test_resuming_lora_adapters_with_another_alpha_is_one_error_on_every_rank(lora_runs):
+    """The adapters' scale is alpha / rank, and the weights do not hold it: resumed with another
+    --lora-alpha, the run trained on at another scale, silently."""
+    d, _, _ = lora_runs
+    resumed = train(demo_config(balanced=False, stage=2), **{**COMMON, **LORA, "lora_alpha": 16},
+                    resume=str(d / "ckpt"), fails=True)  # fmt: skip
+    assert "was trained with LoRA alpha 8.0 and this run has 16.0" in resumed.errors[0], resumed.errors[0]
+    assert "resume with --lora-alpha 8.0" in resumed.errors[0] and resumed.losses == {}
 
 
 def test_exported_adapter_loads_into_diffusers_pipeline_as_peft_lora_on_our_model(lora_runs):

@@ -200,3 +200,26 @@ def test_the_trainer_needs_a_deepspeed_config_and_prompts_are_split_at_newlines_
     path = tmp_path / "prompts.txt"
     path.write_text('a sign that reads "OPEN\u2028CLOSED"\r\n\nrefs/cat.png\tmake it\x85blue\n', encoding="utf-8")
     assert read_prompts(path) == ['a sign that reads "OPEN\u2028CLOSED"', "refs/cat.png\tmake it\x85blue"]
+
+
+def test_lora_settings_that_would_train_nothing_or_nothing_of_lora_are_refused():
+    """--lora-alpha 0 was taken as alpha = rank (``alpha or rank``), nan passed to the first step's
+    loss, and --lora-alpha or --lora-targets without --lora-rank trained every weight silently."""
+    from deepspeed_knap.models.flux import PackedFluxTransformer
+    from deepspeed_knap.models.lora import add_lora
+    from deepspeed_knap.training.arguments import TrainingArguments
+
+    for alpha in (0.0, -2.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="alpha must be a positive number"):
+            TrainingArguments({}, lora_rank=4, lora_alpha=alpha)
+        with pytest.raises(ValueError, match="alpha must be a positive number"):
+            add_lora(PackedFluxTransformer(**PackedFluxTransformer.spec.tiny_config), 4, alpha)
+    with pytest.raises(ValueError, match="which lora_rank 0 leaves off"):
+        TrainingArguments({}, lora_alpha=8.0)
+    with pytest.raises(ValueError, match="which lora_rank 0 leaves off"):
+        TrainingArguments({}, lora_targets=["attn.to_q"])
+    with pytest.raises(ValueError, match="lora_rank -1: give a LoRA rank of at least 1"):
+        TrainingArguments({}, lora_rank=-1)
+    tiny = PackedFluxTransformer.spec.tiny_config
+    assert add_lora(PackedFluxTransformer(**tiny), 4).lora_alpha == 4  # None: alpha = rank
+    assert add_lora(PackedFluxTransformer(**tiny), 4, 0.5).lora_alpha == 0.5
