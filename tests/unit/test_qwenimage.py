@@ -258,6 +258,40 @@ def test_latent_files_keep_their_grids_whole_in_bfloat16_and_flat_tensors_are_re
     assert "{'encoder_hidden_states': []} must be [rows, width] (2-D)" in problem
 
 
+def test_rope_positions_past_diffusers_tables_are_refused_at_start_up_as_at_the_step(tmp_path):
+    """The start-up check of a latent file names text rows past diffusers' RoPE tables (before, the
+    step that read the file did); the range from the grids alone matches the positions built one by
+    one (``image_positions``), near the tables' ends."""
+    import numpy as np
+
+    from deepspeed_knap.models.qwenimage.data import check_qwen_image_latent_file, save_qwen_image_sample
+    from deepspeed_knap.models.qwenimage.layers import ROPE_POSITIONS
+    from deepspeed_knap.models.qwenimage.qwenimage import image_positions, rope_range_problem
+    from deepspeed_knap.models.qwenimage.spec import TINY_QWEN_IMAGE
+
+    width, text_width = TINY_QWEN_IMAGE["in_channels"], TINY_QWEN_IMAGE["joint_attention_dim"]
+    for rows, refused in ((ROPE_POSITIONS - 1, False), (ROPE_POSITIONS, True)):
+        sample = {"latents": torch.zeros(4, width), "encoder_hidden_states": torch.zeros(rows, text_width),
+                  "img_shapes": torch.tensor([[1.0, 2.0, 2.0]])}  # fmt: skip
+        save_qwen_image_sample(tmp_path / f"{rows}.safetensors", sample)
+        problem = check_qwen_image_latent_file(tmp_path / f"{rows}.safetensors", TINY_QWEN_IMAGE)
+        assert (problem is not None and f"{rows}.safetensors: RoPE positions -1..{rows}" in problem) == refused, problem
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # one long side per image (positions built one by one stay few), near the ends
+        grids = []
+        for _ in range(int(rng.integers(1, 4))):
+            long, short = int(rng.integers(1, 8300)), int(rng.integers(1, 6))
+            grids.append((int(rng.integers(1, 4)), *((long, short) if rng.random() < 0.5 else (short, long))))
+        rows = int(rng.integers(1, 4200))
+        positions, text_start = image_positions(grids)
+        low, high = min(int(positions.min()), text_start), max(int(positions.max()), text_start + rows - 1)
+        problem = rope_range_problem(grids, rows)
+        if low >= -ROPE_POSITIONS and high < ROPE_POSITIONS:
+            assert problem is None, (grids, rows)
+        else:
+            assert problem is not None and problem.startswith(f"RoPE positions {low}..{high} "), (grids, rows, problem)
+
+
 @pytest.mark.parametrize("head_dim", [8, 24, 40, 128])
 def test_the_generator_s_tiny_config_builds_at_any_even_head_size(head_dim):
     """``bench generate --head-dim``: every RoPE axis even (an odd one, as 6, 9, 9 of 24, is refused

@@ -45,6 +45,7 @@ from deepspeed_knap.models.latents import (
     reference_sizes,
     sample_file_header,
 )
+from deepspeed_knap.models.qwenimage.qwenimage import rope_range_problem
 
 QWEN_IMAGE_LATENT_KEYS = ("latents", "encoder_hidden_states", "img_shapes")
 REFERENCE_KEY = "reference_latents"  # with more than one grid in img_shapes
@@ -94,7 +95,8 @@ def check_qwen_image_latent_file(file: str | Path, config: Mapping) -> str | Non
     """What is wrong with one Qwen-Image latent sample file for a ``PackedQwenImageTransformer``
     ``config``, or ``None``. Reads the header (and the few numbers of ``img_shapes``): an unreadable
     file, missing or unexpected keys, non-float tensors, grids that are not whole positive numbers or
-    do not count the latents' rows, widths that do not fit the model."""
+    do not count the latents' rows, widths that do not fit the model, RoPE positions (of the grids and
+    the text rows) past diffusers' tables."""
     fix = f"write it again with {WRITER} or remove it"
     headers = sample_file_header(file, fix)
     if isinstance(headers, str):
@@ -131,6 +133,8 @@ def check_qwen_image_latent_file(file: str | Path, config: Mapping) -> str | Non
         return (f"{file}: shapes {wrong or {'encoder_hidden_states': list(shapes['encoder_hidden_states'])}} do not fit "
                 f"img_shapes {grids.long().tolist()} and the model (in_channels={width}, joint_attention_dim="
                 f"{text_width}; at least one text row); {fix}")  # fmt: skip
+    if problem := rope_range_problem([tuple(row) for row in grids.long().tolist()], text_rows):
+        return f"{file}: {problem}; {fix}"
     return None
 
 

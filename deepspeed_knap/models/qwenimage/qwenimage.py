@@ -86,6 +86,22 @@ def image_positions(img_shapes: Sequence[Grid]) -> tuple[np.ndarray, int]:
     return np.concatenate(blocks).astype(np.int64), text_start
 
 
+def rope_range_problem(img_shapes: Sequence[Grid], text_rows: int) -> str | None:
+    """Why one sample's RoPE positions (:func:`image_positions`, and its ``text_rows`` from the first
+    text position on) fall outside diffusers' tables (``-ROPE_POSITIONS .. ROPE_POSITIONS - 1``),
+    or ``None``; from the grids alone, without building the positions."""
+    text_start = max(max(height // 2, width // 2) for _, height, width in img_shapes)
+    low = min(text_start, *(-(side - side // 2) for _, height, width in img_shapes for side in (height, width)))
+    high = max(text_start + text_rows - 1,
+               *(max(index + frames - 1, height // 2 - 1, width // 2 - 1)
+                 for index, (frames, height, width) in enumerate(img_shapes)))  # fmt: skip
+    if low >= -ROPE_POSITIONS and high < ROPE_POSITIONS:
+        return None
+    return (f"RoPE positions {low}..{high} (img_shapes {[tuple(grid) for grid in img_shapes]}, {text_rows} text rows) "
+            f"fall outside diffusers' tables of positions {-ROPE_POSITIONS}..{ROPE_POSITIONS - 1}; shorten the text or "
+            "shrink the images")  # fmt: skip
+
+
 @dataclass(frozen=True, eq=False)
 class QwenImageInputs(PackedInputs):
     """One rank's samples, packed per stream; the names are diffusers' forward arguments.
@@ -300,15 +316,8 @@ class PackedQwenImageTransformer(PackedFluxBase):
                     f"{what}; in_channels={self.config['in_channels']}, "
                     f"joint_attention_dim={self.config['joint_attention_dim']})"
                 )
-        positions, text_start = image_positions(grids)
-        low = min(int(positions.min()), text_start)
-        high = max(int(positions.max()), text_start + text.shape[0] - 1)
-        if low < -ROPE_POSITIONS or high >= ROPE_POSITIONS:
-            raise ValueError(
-                f"sample {index}: RoPE positions {low}..{high} (img_shapes {list(grids)}, {text.shape[0]} text rows) "
-                f"fall outside diffusers' tables of positions {-ROPE_POSITIONS}..{ROPE_POSITIONS - 1}; shorten the "
-                "text or shrink the images"
-            )
+        if problem := rope_range_problem(grids, text.shape[0]):
+            raise ValueError(f"sample {index}: {problem}")
         return grids
 
     # ---- forward ----
