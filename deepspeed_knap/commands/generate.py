@@ -253,10 +253,19 @@ class _Journal:
 
 
 def _join_launched_job(timeout_s: float) -> None:
-    """Join the process group when a launcher started this process (``RANK`` set), on one device per
-    local rank, and drop this rank's DeepSpeed CPU all-reduce buffer once every rank has mapped it.
-    The rendezvous waits ``timeout_s`` or DeepSpeed's default, whichever is longer."""
-    if "RANK" not in os.environ:
+    """Join the process group when a launcher started this process (``RANK`` set, or ``mpirun``:
+    DeepSpeed finds the ranks through mpi4py), on one device per local rank, and drop this rank's
+    DeepSpeed CPU all-reduce buffer once every rank has mapped it. The rendezvous waits ``timeout_s``
+    or DeepSpeed's default, whichever is longer.
+
+    Raises:
+        SystemExit: ``srun`` started several tasks without ``RANK`` (each would generate everything).
+    """
+    from deepspeed_knap.runtime.groups import launched_by_mpi, unjoinable_launch
+
+    if problem := unjoinable_launch():
+        raise SystemExit(f"deepspeed-knap generate: {problem}")
+    if "RANK" not in os.environ and not launched_by_mpi():
         return
     import deepspeed
     import deepspeed.comm as dist
@@ -264,7 +273,9 @@ def _join_launched_job(timeout_s: float) -> None:
 
     from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
-    deepspeed.init_distributed(verbose=False, timeout=_start_up_timeout(timeout_s))
+    # Under mpirun, DeepSpeed's discovery would take port 29500 unless told (as training's start-up).
+    deepspeed.init_distributed(verbose=False, timeout=_start_up_timeout(timeout_s),
+                               distributed_port=int(os.environ.get("MASTER_PORT", "29500")))  # fmt: skip
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.barrier()
     unlink_own_shm_buffer(dist.get_rank())

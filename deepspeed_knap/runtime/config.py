@@ -462,15 +462,19 @@ def read_ds_config(config: Any) -> dict[str, Any]:
     ``from_pretrained(..., ds_config=...)`` read the config so; given the dict, nothing reads it again.
 
     Raises:
-        ValueError: on every rank, when any rank could not read the config.
+        ValueError: on every rank, when any rank could not read the config, or when ``srun`` started
+            the ranks without ``RANK`` (:func:`~deepspeed_knap.runtime.groups.unjoinable_launch`).
     """
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
     from deepspeed.constants import default_pg_timeout
 
-    from deepspeed_knap.runtime.groups import raise_together, set_collective_timeout, this_node
+    from deepspeed_knap.runtime.groups import raise_together, set_collective_timeout, this_node, unjoinable_launch
     from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
+
+    if problem := unjoinable_launch():  # the same on every task: all raise, before any collective
+        raise ValueError(problem)
 
     try:
         ds_config, problem = load_ds_config(config), None

@@ -135,6 +135,29 @@ NODE_SIZE_VARIABLES = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_
                        "SLURM_NTASKS_PER_NODE")  # fmt: skip
 
 
+# The world size MPI launchers export (Open MPI; MPICH's and Intel MPI's PMI; MVAPICH): DeepSpeed's
+# init_distributed finds the ranks through mpi4py there, with no RANK set.
+MPI_WORLD_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_by_mpi() -> bool:
+    """Whether an MPI launcher started this process among others (``mpirun -n 2`` and up)."""
+    return any(os.environ.get(name, "").isdigit() and int(os.environ[name]) > 1 for name in MPI_WORLD_SIZE_VARIABLES)
+
+
+def unjoinable_launch() -> str | None:
+    """Why this process cannot find the other ranks of its job, or ``None``: ``srun`` started several
+    tasks, but nothing set ``RANK`` and no MPI launcher says the world size, so each task would run
+    alone as rank 0 of a world of one (every task the whole job, writing the same files). The same
+    on every task of the step: each raises before any collective."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if "RANK" in os.environ or launched_by_mpi() or not tasks.isdigit() or int(tasks) < 2:
+        return None
+    return (f"srun started {tasks} tasks but none has RANK set (nor an MPI launcher's world size): each would run "
+            "alone as rank 0; launch through launch/slurm.sbatch, which sets RANK, LOCAL_RANK, WORLD_SIZE and "
+            "MASTER_ADDR from Slurm's variables, or through the deepspeed launcher")  # fmt: skip
+
+
 def launcher_gpus_per_node() -> int | None:
     """Ranks on this node as the launcher reports them: ``LOCAL_SIZE`` (deepspeed), ``LOCAL_WORLD_SIZE``
     (torchrun), ``OMPI_COMM_WORLD_LOCAL_SIZE`` (Open MPI), ``MPI_LOCALNRANKS`` (MPICH), or

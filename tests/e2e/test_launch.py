@@ -47,3 +47,19 @@ def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error(launcher, tmp_p
     assert result.returncode != 0
     assert "injected failure on rank 1 at step 1" in result.stdout + result.stderr
     assert time.monotonic() - start < 120
+
+
+@needs_mpirun
+def test_generate_under_mpirun_shares_the_requests_out_among_the_ranks(tmp_path):
+    """mpirun sets no RANK: generate ran every process alone as rank 0, each generating every
+    request into the same files. It joins the job as training does (DeepSpeed finds the ranks
+    through mpi4py), and the two ranks generate the four requests together."""
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps({"prompt": f"a boat {i}", "height": 16, "width": 16, "steps": 2}) + "\n"
+                                for i in range(4)))  # fmt: skip
+    result = run(mpirun_launch(ROOT / "deepspeed_knap" / "cli.py", "generate", "--tiny", "--requests", str(requests),
+                               "--out", str(tmp_path / "out"), "--no-progress", ranks=2))  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("generated 4 of 4 requests") == 1, result.stdout[-3000:]
+    assert re.search(r"rank 0: \d images", result.stdout) and re.search(r"rank 1: \d images", result.stdout)
+    assert sorted(path.name for path in (tmp_path / "out").glob("*.png")) == [f"line{i}.png" for i in range(1, 5)]

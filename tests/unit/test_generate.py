@@ -1633,3 +1633,27 @@ def test_a_request_file_is_split_at_newlines_only(tmp_path):
     assert [number for number, _ in lines] == [1, 2, 3]
     assert [json.loads(text)["prompt"] for _, text in lines] == prompts
     assert parse_request(2, 3, lines[2][1]).id == "line3"
+
+
+def test_srun_tasks_without_rank_are_refused_before_each_runs_the_whole_job_alone(monkeypatch, tmp_path):
+    """srun sets SLURM_STEP_NUM_TASKS but not RANK: DeepSpeed would make every task rank 0 of a world
+    of one, each generating (or training) everything. generate and the DeepSpeed start-up refuse it
+    on every task alike, naming the launch script; under mpirun (an MPI world size) the ranks are
+    found through mpi4py."""
+    from deepspeed_knap.cli import main
+    from deepspeed_knap.runtime.config import read_ds_config
+    from deepspeed_knap.runtime.groups import MPI_WORLD_SIZE_VARIABLES, unjoinable_launch
+
+    for name in ("RANK", *MPI_WORLD_SIZE_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    (tmp_path / "requests.jsonl").write_text('{"prompt": "a boat"}\n')
+    with pytest.raises(SystemExit, match=r"srun started 2 tasks but none has RANK set.*launch/slurm\.sbatch"):
+        main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--out", str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="srun started 2 tasks"):
+        read_ds_config({"train_micro_batch_size_per_gpu": 1})
+    monkeypatch.setenv("PMI_SIZE", "2")  # srun --mpi=pmi2: MPI knows the world
+    assert unjoinable_launch() is None
+    monkeypatch.delenv("PMI_SIZE")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # one task: a single process, as without srun
+    assert unjoinable_launch() is None
