@@ -104,11 +104,13 @@ class Deadline:
         silent, left = [], []
         deadline = time.monotonic() + self.grace_s
         replies = {}  # peer -> (its buffer, kept alive while the receive may write it; the receive)
+        sends = []  # never waited on (a stopped peer's socket buffer takes the few bytes), but kept:
+        # gloo may never send a ping whose work is dropped, and a present peer would read as missing
         for peer in range(self.world):
             if peer == self.rank:
                 continue
-            try:  # never waited on: a stopped peer's socket buffer takes the few bytes
-                torch.distributed.isend(torch.tensor([self.rank]), peer, group=self._group, tag=_TAG)
+            try:
+                sends.append(torch.distributed.isend(torch.tensor([self.rank]), peer, group=self._group, tag=_TAG))
                 buffer = torch.zeros(1, dtype=torch.int64)
                 replies[peer] = (buffer, torch.distributed.irecv(buffer, peer, group=self._group, tag=_TAG))
             except RuntimeError:  # its connection is closed
@@ -117,7 +119,11 @@ class Deadline:
             try:
                 work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError as failure:
-                (silent if "Timed out" in str(failure) else left).append(peer)
+                # Once one receive times out, gloo closes the group's other pairs ("Application
+                # timeout caused pair closure"): those peers did not answer in time either.
+                (silent if "timed out" in str(failure).lower() or "timeout" in str(failure).lower() else left).append(
+                    peer
+                )
         timed_out = any("timed out" in str(cause).lower() for cause in _chain(error))
         parts = []
         if silent:

@@ -507,3 +507,35 @@ def test_ranks_told_other_node_sizes_raise_together_before_any_group_is_made():
     requests at the intake); now every rank raises, naming the setting and the ranks."""
     messages = run_distributed(_node_sizes_differ, 2)
     assert messages[0] == messages[1] and "gpus per node from the launcher" in messages[0], messages
+
+
+def _roll_call_worker(rank: int, world: int) -> dict:
+    """Two roll calls: every rank there; then rank 2 absent (busy past the roll call's grace)."""
+    import time
+
+    from deepspeed_knap.generation.deadline import Deadline
+    from tests.support.balancing import join_gloo
+
+    join_gloo(rank)
+    said = {}
+    for case, absent in (("all there", None), ("rank 2 absent", 2)):
+        deadline = Deadline(5.0, grace_s=1.5)  # collective: every rank makes its group
+        deadline.at(case)
+        if rank == absent:
+            time.sleep(3.0)
+            continue
+        said[case] = deadline.roll_call(RuntimeError("Timed out waiting for rank 2"))
+    return said
+
+
+def test_the_roll_call_names_the_rank_that_did_not_arrive_and_no_other():
+    """With three ranks, the pings of the roll call were dropped unsent (gloo; their work was not
+    kept), and after one peer timed out the others' closed pairs read as ranks that had left: rank
+    0 said ranks 1 and 2 had left, where rank 2 alone was missing."""
+    results = run_distributed(_roll_call_worker, 3, timeout=120)
+    for rank in (0, 1, 2):
+        assert "every rank answered the roll call" in results[rank]["all there"], results[rank]
+    for rank in (0, 1):
+        said = results[rank]["rank 2 absent"]
+        assert said.startswith("rank 2 absent: rank(s) [2] did not arrive within the 5 s timeout"), said
+        assert "had left" not in said and said.endswith(f"rank {rank} was there"), said
