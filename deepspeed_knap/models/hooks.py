@@ -58,12 +58,13 @@ class ValidationHooks(ABC):
 
     Attributes:
         default_guidance: the guidance scale validation renders at unless told (the pipeline's).
+        model_path: the pipeline folder the parts come from (``--model-path``), or ``None`` (tiny).
     """
 
     default_guidance: ClassVar[float] = 3.5
 
-    def __init__(self, spec: ModelSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ModelSpec, model_path: str | None = None) -> None:
+        self.spec, self.model_path = spec, model_path
 
     def options(self, settings: ValidationSettings) -> dict[str, Any]:
         """The pipeline's call arguments (sizes, steps, guidance) of a validation render."""

@@ -226,7 +226,7 @@ class Trainer:
             problem = (f"--validation-every renders with the family's diffusers pipeline; {family.title} has no "
                        "validation renders here: train without --validation-every and render the export yourself")  # fmt: skip
         else:
-            hooks = validation(family)
+            hooks = validation(family, a.model_path)
             if a.model_path and not problem:
                 problem = hooks.model_path_problem(a.model_path)
         if not problem:

@@ -2,6 +2,7 @@
 mix's sizes, the prepared-file check naming each bad file, and ds_configs/wan14b_zero3_knap.json against
 Wan 2.1 14B (its parameter count, its cost model, its cap on a full-size wan_image_video step)."""
 
+import json
 import math
 import re
 from pathlib import Path
@@ -222,3 +223,36 @@ def test_a_pipeline_folder_is_read_once_at_the_checks_and_two_experts_need_their
     hooks.check_arguments(TrainingArguments(None, model_path=str(tmp_path), first_frame_share=0.25))
     index.unlink()  # a second read would find no expand_timesteps (nor, for a rank, any file)
     assert hooks._pipeline_config(str(tmp_path)) == (None, False, True)
+
+
+def test_ti2v_validation_renders_an_image_line_as_diffusers_generates_from_an_image(tmp_path):
+    """Wan 2.2 TI2V (a pipeline folder with expand_timesteps) trains image-conditioned, and its
+    validation line IMAGE<TAB>PROMPT was rendered as the text prompt "IMAGE<TAB>PROMPT". An image
+    line now renders through WanImageToVideoPipeline of the same parts with expand_timesteps, a
+    text line through WanPipeline with expand_timesteps (the parts alone dropped it): each clip is
+    the one diffusers' own pipeline gives, called directly."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from PIL import Image
+
+    from deepspeed_knap.models.registry import spec
+    from deepspeed_knap.models.wan.data import tiny_wan_pipeline
+    from deepspeed_knap.models.wan.finetune import WanValidation, write_gif
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "expand_timesteps": True}))
+    validation = WanValidation(spec("wan"), str(tmp_path))
+    model = PackedWanTransformer(**TINY_WAN)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(tmp_path / "cat.png")
+    image_call, text_call = (validation.call(line, tmp_path, model) for line in ("cat.png\ta cat", "a dog"))
+    assert image_call["prompt"] == "a cat" and image_call["image"].size == (32, 32) and text_call == {"prompt": "a dog"}
+    components = tiny_wan_pipeline(TINY_WAN["text_dim"], TINY_WAN["in_channels"], seed=0).components
+    transformers = type(model).pipeline_transformers(model.config, model.state_dict())
+    pipe = validation.build_pipeline(model, {k: v for k, v in components.items() if "transformer" not in k},
+                                     transformers)  # fmt: skip
+    assert type(pipe) is WanPipeline and pipe.config.expand_timesteps
+    options = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=1.0, max_sequence_length=8)
+    for name, call, reference in (("image", image_call, WanImageToVideoPipeline), ("text", text_call, WanPipeline)):
+        ours = validation.render(pipe, call, torch.Generator().manual_seed(3), options, tmp_path / name)
+        theirs = reference(**pipe.components, expand_timesteps=True)(
+            **call, generator=torch.Generator().manual_seed(3), output_type="np", **options
+        ).frames[0]
+        assert ours.read_bytes() == write_gif(theirs, tmp_path / f"{name}_theirs.gif").read_bytes(), name

@@ -10,6 +10,7 @@ communicates: under ZeRO-3 the trainer gathers the weights and passes them in.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -125,9 +126,21 @@ def write_gif(frames: np.ndarray, path: str | Path, fps: int = 16) -> Path:
 
 
 class WanValidation(ValidationHooks):
-    """Validation clips through diffusers' ``WanPipeline``, written as GIFs."""
+    """Validation clips through diffusers' ``WanPipeline``, written as GIFs; an image-to-video model's
+    through ``WanImageToVideoPipeline``; Wan 2.2 TI2V's (a pipeline with ``expand_timesteps``) through
+    ``WanPipeline``, and a line with an image through ``WanImageToVideoPipeline`` of the same parts,
+    as diffusers generates from an image."""
 
     default_guidance = 5.0
+
+    @functools.cached_property
+    def expands_timesteps(self) -> bool:
+        """Whether the pipeline folder sets ``expand_timesteps`` (Wan 2.2 TI2V-5B), read once.
+
+        Raises:
+            ValueError: an unreadable ``model_index.json``, naming it.
+        """
+        return expand_timesteps(self.model_path)
 
     def options(self, settings: ValidationSettings) -> dict[str, Any]:
         options = dict(TINY_WAN_VALIDATION if settings.tiny else WAN_VALIDATION)
@@ -140,9 +153,11 @@ class WanValidation(ValidationHooks):
 
     def pipeline(self, model: nn.Module) -> tuple[str, dict[str, Any]]:
         """``WanImageToVideoPipeline`` for an image-to-video model (a condition input), else
-        ``WanPipeline``; a two-expert model's ``boundary_ratio`` with it."""
+        ``WanPipeline``; a two-expert model's ``boundary_ratio`` with it, and TI2V's
+        ``expand_timesteps`` (a pipeline's parts do not carry its config)."""
         name = "WanImageToVideoPipeline" if condition_channels(model.config) else "WanPipeline"
-        return name, {"boundary_ratio": model.boundary_ratio} if isinstance(model, PackedWanExperts) else {}
+        config = {"boundary_ratio": model.boundary_ratio} if isinstance(model, PackedWanExperts) else {}
+        return name, {**config, "expand_timesteps": True} if self.expands_timesteps else config
 
     def render_options(self, model: nn.Module) -> dict[str, Any]:
         """Wan 2.1 I2V's attention splits its context at 512 text rows (diffusers, :data:`I2V_TEXT_ROWS`):
@@ -157,11 +172,15 @@ class WanValidation(ValidationHooks):
 
     def call(self, line: str, directory: Path, model: nn.Module) -> dict[str, Any]:
         """Text to video: the line is the prompt. Image to video (a condition input):
-        ``IMAGE<TAB>PROMPT``, the image's path relative to the prompts file."""
-        if not condition_channels(model.config):
+        ``IMAGE<TAB>PROMPT``, the image's path relative to the prompts file. Wan 2.2 TI2V (a
+        pipeline with ``expand_timesteps``): either."""
+        takes_image = self.expands_timesteps
+        if not condition_channels(model.config) and not takes_image:
             return {"prompt": line}
         image, tab, prompt = line.partition("\t")
         if not tab:
+            if takes_image:
+                return {"prompt": line}
             raise ValueError(f"{line[:60]!r}: an image-to-video model renders from an image: write IMAGE<TAB>PROMPT "
                              "(the image's path relative to the prompts file)")  # fmt: skip
         from PIL import Image
@@ -170,6 +189,11 @@ class WanValidation(ValidationHooks):
 
     def render(self, pipe: Any, call: Mapping[str, Any], generator: torch.Generator, options: Mapping,
                path: Path) -> Path:  # fmt: skip
+        if "image" in call and type(pipe).__name__ == "WanPipeline":  # TI2V from an image, as diffusers runs it
+            from diffusers import WanImageToVideoPipeline
+
+            pipe = WanImageToVideoPipeline(**pipe.components, boundary_ratio=pipe.config.get("boundary_ratio"),
+                                           expand_timesteps=True)  # fmt: skip
         clip = pipe(**call, generator=generator, output_type="np", **options).frames[0]
         return write_gif(clip, path.with_suffix(".gif"))
 
