@@ -143,9 +143,9 @@ class ReusingBalancer(KnapBalancer):
 
     def forward_seconds(self) -> dict[str, float]:
         """This rank's seconds in the forward just run: ``compute`` (the block stack less the
-        all-to-alls inside it, Ulysses' and the routes between blocks, which include waiting for
-        peers: :attr:`~deepspeed_knap.runtime.timing.StepTimes.inside`) and ``exchange`` (the
-        all-to-alls of every kind). Local."""
+        exchanges inside it, Ulysses', the routes between blocks and the per-sample gathers, which
+        include waiting for peers: :attr:`~deepspeed_knap.runtime.timing.StepTimes.inside`) and
+        ``exchange`` (the exchanges of every kind). Local."""
         times = self._in_flight[0]
         marks = times.marks
         blocks = marks["blocks_start"].seconds_until(marks["blocks_end"])

@@ -104,8 +104,10 @@ class Deadline:
         silent, left = [], []
         deadline = time.monotonic() + self.grace_s
         replies = {}  # peer -> (its buffer, kept alive while the receive may write it; the receive)
-        sends = []  # never waited on (a stopped peer's socket buffer takes the few bytes), but kept:
-        # gloo may never send a ping whose work is dropped, and a present peer would read as missing
+        # The pings are never waited on (a stopped peer's socket buffer takes the few bytes), but kept
+        # past the call: gloo may never send a ping whose work is dropped, and a present peer that
+        # posts its receive a moment later would read as missing.
+        self._pings = sends = []
         for peer in range(self.world):
             if peer == self.rank:
                 continue

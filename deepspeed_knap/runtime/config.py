@@ -439,7 +439,8 @@ def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     try:
         loaded = json.loads(Path(config).read_text())
     except OSError as error:
-        raise ValueError(f"cannot read the DeepSpeed config {config}: {error.strerror or error}") from None
+        where = "" if Path(config).is_absolute() else f" ({Path(config).absolute()})"  # relative to this rank's cwd
+        raise ValueError(f"cannot read the DeepSpeed config {config}{where}: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
         raise ValueError(
             f"the DeepSpeed config {config} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
@@ -467,6 +468,7 @@ def read_ds_config(config: Any) -> dict[str, Any]:
     """
     import deepspeed
     import deepspeed.comm as dist
+    import torch.distributed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.constants import default_pg_timeout
 
@@ -483,6 +485,7 @@ def read_ds_config(config: Any) -> dict[str, Any]:
     except (OSError, TypeError) as error:
         ds_config, problem = {}, f"cannot read the DeepSpeed config {config!r}: {error}"
     timeout = collective_timeout(ds_config.get(KNAPFORMER))
+    joining = not torch.distributed.is_initialized()  # else a group's timeouts are someone else's to set
     # Under mpirun, DeepSpeed discovers ranks through mpi4py and would take port 29500 unless told.
     port = int(os.environ.get("MASTER_PORT", "29500"))
     if timeout is None:
@@ -495,15 +498,17 @@ def read_ds_config(config: Any) -> dict[str, Any]:
         # Our set-up collectives run before DeepSpeed's engine binds this rank to its GPU: bind it
         # now, or every rank would hand NCCL a tensor on GPU 0.
         get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if timeout is not None:
+        if timeout is not None and joining:
             # The world group waits at most this long in the agreements of the start-up, but never
             # less than DeepSpeed's default until deepspeed.initialize returns: ranks may be slowed
             # apart by start-up work of their own (a kernel import, an op build), as the rendezvous may.
             set_collective_timeout(max(timeout, default_pg_timeout))
         raise_together(problem and f"{this_node()}: {problem}", "reading the DeepSpeed config on every rank")
-    except BaseException:
-        unlink_own_shm_buffer(rank)  # as initialize's failures after the group exists
-        raise
+    finally:
+        # Returned on every rank (or raised on every rank together), the agreement's collective had
+        # every rank map every rank's DeepSpeed CPU all-reduce buffer: this rank's file can go (a
+        # start-up error later would leave it in /dev/shm, ~69 MB a rank).
+        unlink_own_shm_buffer(rank)
     return ds_config
 
 

@@ -141,19 +141,30 @@ MPI_WORLD_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_
 
 
 def launched_by_mpi() -> bool:
-    """Whether an MPI launcher started this process among others (``mpirun -n 2`` and up)."""
-    return any(os.environ.get(name, "").isdigit() and int(os.environ[name]) > 1 for name in MPI_WORLD_SIZE_VARIABLES)
+    """Whether an MPI launcher started this process among others (``mpirun -n 2`` and up), or
+    ``srun`` did with an MPI plugin (PMI or PMIx: ``PMI_RANK``, ``PMIX_RANK``)."""
+    if any(os.environ.get(name, "").isdigit() and int(os.environ[name]) > 1 for name in MPI_WORLD_SIZE_VARIABLES):
+        return True
+    return _srun_tasks() > 1 and any(name in os.environ for name in ("PMI_RANK", "PMIX_RANK"))
+
+
+def _srun_tasks() -> int:
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    return int(tasks) if tasks.isdigit() else 0
 
 
 def unjoinable_launch() -> str | None:
     """Why this process cannot find the other ranks of its job, or ``None``: ``srun`` started several
-    tasks, but nothing set ``RANK`` and no MPI launcher says the world size, so each task would run
-    alone as rank 0 of a world of one (every task the whole job, writing the same files). The same
-    on every task of the step: each raises before any collective."""
-    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
-    if "RANK" in os.environ or launched_by_mpi() or not tasks.isdigit() or int(tasks) < 2:
+    tasks, but nothing set ``RANK``, no MPI runtime knows the tasks and no process group exists yet
+    (a script may start its own), so each task would run alone as rank 0 of a world of one (every
+    task the whole job, writing the same files). The same on every task of the step: each raises
+    before any collective."""
+    import torch.distributed
+
+    tasks = _srun_tasks()
+    if "RANK" in os.environ or tasks < 2 or launched_by_mpi() or torch.distributed.is_initialized():
         return None
-    return (f"srun started {tasks} tasks but none has RANK set (nor an MPI launcher's world size): each would run "
+    return (f"srun started {tasks} tasks but none has RANK set (nor an MPI runtime's rank): each would run "
             "alone as rank 0; launch through launch/slurm.sbatch, which sets RANK, LOCAL_RANK, WORLD_SIZE and "
             "MASTER_ADDR from Slurm's variables, or through the deepspeed launcher")  # fmt: skip
 

@@ -446,10 +446,11 @@ def gather_sample_ints(rows: np.ndarray, routed: RoutedBatch) -> np.ndarray:
     if padded.size == 0:
         return np.zeros((0, width), dtype=np.int64)
     # Stamped as an exchange: between blocks, its wait for a slower rank is not this rank's compute.
-    start = _times.begin_exchange() if _times is not None else None
+    times = _times
+    start = times.begin_exchange() if times is not None else None
     gathered = _all_gather_ints(padded.ravel().tolist(), routed.batch.tokens.device, routed.groups.balance_group)
-    if _times is not None:
-        _times.end_exchange("sample_ints", start)
+    if times is not None:
+        times.end_exchange("sample_ints", start)
     return np.concatenate(
         [np.array(g, dtype=np.int64).reshape(-1, width)[:count] for g, count in zip(gathered, home_counts, strict=True)]
     )

@@ -59,8 +59,8 @@ class StepTimes:
             (and ``setup``: a group's first exchange, run once untimed before it).
         inside: ``(start, end)`` of every exchange (any kind, its set-up too) that ran while the block
             stack did, forward or backward: Ulysses', the routes some models run between their
-            blocks (a sample's rows to its group), and FLUX.3's gather of its samples' segments
-            (``sample_ints``). Their time, and the waits for slower ranks in them, is not the rank's
+            blocks (a sample's rows to its group), and the small gathers of per-sample integers
+            (``sample_ints``: FLUX.3's segments, Wan 2.2 A14B's experts). Their time, and the waits for slower ranks in them, is not the rank's
             compute.
         plan_parts: host seconds of the plan by part (:data:`PLAN_PARTS`), the balancer's: ``gather``
             (the lengths all-gather: in the step, or at the prefetch before it), ``refit`` (recording

@@ -265,6 +265,8 @@ class Trainer:
         inputs, problem = self.hooks.pack(self.model, objective.samples, self.balancer is not None)
         if problem:
             return None, f"{problem} (files {names})"
+        if inputs.problem:  # balanced: the step's first collective raises it on every rank, naming the files
+            inputs = dataclasses.replace(inputs, problem=f"{inputs.problem} (files {names})")
         return (names, inputs, objective), None
 
     def _prefetch(self, next_inputs: tuple | None) -> None:

@@ -1642,9 +1642,9 @@ def test_srun_tasks_without_rank_are_refused_before_each_runs_the_whole_job_alon
     found through mpi4py."""
     from deepspeed_knap.cli import main
     from deepspeed_knap.runtime.config import read_ds_config
-    from deepspeed_knap.runtime.groups import MPI_WORLD_SIZE_VARIABLES, unjoinable_launch
+    from deepspeed_knap.runtime.groups import MPI_WORLD_SIZE_VARIABLES, launched_by_mpi, unjoinable_launch
 
-    for name in ("RANK", *MPI_WORLD_SIZE_VARIABLES):
+    for name in ("RANK", "PMI_RANK", "PMIX_RANK", *MPI_WORLD_SIZE_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
     (tmp_path / "requests.jsonl").write_text('{"prompt": "a boat"}\n')
@@ -1652,8 +1652,14 @@ def test_srun_tasks_without_rank_are_refused_before_each_runs_the_whole_job_alon
         main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--out", str(tmp_path / "out")])
     with pytest.raises(ValueError, match="srun started 2 tasks"):
         read_ds_config({"train_micro_batch_size_per_gpu": 1})
-    monkeypatch.setenv("PMI_SIZE", "2")  # srun --mpi=pmi2: MPI knows the world
-    assert unjoinable_launch() is None
-    monkeypatch.delenv("PMI_SIZE")
+    for name, value in (("PMI_SIZE", "2"), ("PMIX_RANK", "0"), ("PMI_RANK", "1")):  # srun with an MPI plugin
+        monkeypatch.setenv(name, value)
+        assert unjoinable_launch() is None and launched_by_mpi(), name
+        monkeypatch.delenv(name)
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # one task: a single process, as without srun
     assert unjoinable_launch() is None
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")  # mpirun -n 1: one rank, no group to join
+    assert not launched_by_mpi()
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert launched_by_mpi()
