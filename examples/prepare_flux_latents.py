@@ -12,6 +12,7 @@ their own sizes and aspect ratios: packing trains every size as it is, with no a
 After the samples, ``manifest.json`` is written (each file's size and sha256): train_dit.py checks
 the files each rank reads against it, so a copy that changed, or differs between nodes, is refused
 instead of trained. It is removed first and written last: a run that did not finish leaves none.
+``--out`` must hold no samples (training reads every sample there), or give ``--overwrite``.
 """
 
 import argparse
@@ -22,14 +23,17 @@ from tqdm import tqdm
 
 from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples
 from deepspeed_knap.models.latents import write_latent_manifest
-from deepspeed_knap.models.registry import sample_shapes
+from deepspeed_knap.models.registry import MIXES, sample_shapes
 from deepspeed_knap.runtime.manifest import MANIFEST
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--out", required=True, help="directory to write the samples to")
+parser.add_argument("--out", required=True, help="directory to write the samples to (empty, or --overwrite)")
+parser.add_argument(
+    "--overwrite", action="store_true", help="remove the .safetensors samples and manifest in --out first"
+)
 source = parser.add_mutually_exclusive_group(required=True)
 source.add_argument("--images", help="a directory of images, each with a .txt caption of the same name")
-source.add_argument("--synthetic", metavar="WORKLOAD", help="random latents of a bundled mix's sizes")
+source.add_argument("--synthetic", metavar="MIX", choices=sorted(MIXES), help="random latents of a bundled mix's sizes")
 parser.add_argument("--pipeline", help="with --images: a diffusers FLUX pipeline directory")
 parser.add_argument("--resolution", type=int, default=1024, help="with --images: resize the longer side to this")
 parser.add_argument("--max-sequence-length", type=int, default=512, help="with --images: T5 tokens per caption")
@@ -40,10 +44,36 @@ parser.add_argument("--joint-attention-dim", type=int, default=4096)
 parser.add_argument("--pooled-projection-dim", type=int, default=768)
 args = parser.parse_args()
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
+if args.images and not args.pipeline:
+    parser.error("--images needs --pipeline, the FLUX pipeline whose VAE and text encoders encode them")
+
+
+def images_with_captions(directory: Path) -> list[tuple[Path, str]]:
+    """Every image of ``directory`` (name order) with the caption in its ``.txt`` twin; all missing
+    captions are reported at once, before any encoding."""
+    if not directory.is_dir():
+        raise SystemExit(f"--images {directory} is not a directory")
+    images = sorted(p for p in directory.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not images:
+        raise SystemExit(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {directory}")
+    missing = [str(p.with_suffix(".txt")) for p in images if not p.with_suffix(".txt").is_file()]
+    if missing:
+        raise SystemExit(
+            f"{len(missing)} images have no caption file: {', '.join(missing[:10])}; write one .txt per image"
+        )
+    return [(p, p.with_suffix(".txt").read_text().strip()) for p in images]
+
+
+captioned = images_with_captions(Path(args.images)) if args.images else []  # before anything in --out goes
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
+existing = sorted(out.glob("*.safetensors"))
+if existing and not args.overwrite:  # training reads every sample of the folder: old ones would train too
+    parser.error(f"--out {out} already holds {len(existing)} samples; give an empty directory, or --overwrite")
 # The manifest of what was there before would describe files this run rewrites.
 (out / MANIFEST).unlink(missing_ok=True)
+for file in existing:
+    file.unlink()
 
 
 def write_synthetic() -> None:
@@ -56,29 +86,12 @@ def write_synthetic() -> None:
         save_latent_sample(out / f"{index:08d}.safetensors", sample)
 
 
-def images_with_captions(directory: Path) -> list[tuple[Path, str]]:
-    """Every image of ``directory`` (name order) with the caption in its ``.txt`` twin; all missing
-    captions are reported at once, before any encoding."""
-    images = sorted(p for p in directory.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-    if not images:
-        raise SystemExit(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {directory}")
-    missing = [str(p.with_suffix(".txt")) for p in images if not p.with_suffix(".txt").is_file()]
-    if missing:
-        raise SystemExit(
-            f"{len(missing)} images have no caption file: {', '.join(missing[:10])}; write one .txt per image"
-        )
-    return [(p, p.with_suffix(".txt").read_text().strip()) for p in images]
-
-
 @torch.no_grad()
 def encode_images() -> None:
     import numpy as np
     from diffusers import FluxPipeline
     from PIL import Image
 
-    if not args.pipeline:
-        parser.error("--images needs --pipeline, the FLUX pipeline whose VAE and text encoders encode them")
-    captioned = images_with_captions(Path(args.images))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     pipe = FluxPipeline.from_pretrained(args.pipeline, transformer=None, torch_dtype=dtype).to(device)

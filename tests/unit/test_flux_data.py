@@ -192,3 +192,38 @@ def test_diverging_copies_on_two_ranks_are_refused_on_both(tmp_path, manifest):
         assert messages[0].startswith(
             f"the ranks' copies of {tmp_path / 'data'} differ: {changed.name}: rank 0 / rank 1"
         )
+
+
+def test_preparing_into_a_folder_of_samples_is_refused_unless_overwritten(tmp_path, capsys):
+    """prepare_flux_latents.py wrote its samples beside the ones a folder held and listed them all in
+    the new manifest: 3 synthetic samples, then 1, trained on all 3. Now the second run is refused
+    (the folder and its manifest untouched), and with --overwrite it holds the new samples alone; a
+    mix that does not exist is a usage error before the old manifest goes."""
+    import json
+    import runpy
+
+    from tests.support.launch import ROOT
+    from tests.support.training import run_example
+
+    common = ["--synthetic", "kf_mixed_res", "--token-scale", "0.01", "--in-channels", "8",
+              "--joint-attention-dim", "8", "--pooled-projection-dim", "8", "--out", str(tmp_path)]  # fmt: skip
+    run_example("prepare_flux_latents.py", *common, "--count", "3")
+    manifest = (tmp_path / MANIFEST).read_text()
+
+    def refused(*argv: str) -> str:
+        sys_argv = ["prepare_flux_latents.py", *argv]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("sys.argv", sys_argv)
+            with pytest.raises(SystemExit) as stop:
+                runpy.run_path(str(ROOT / "examples" / "prepare_flux_latents.py"), run_name="__main__")
+        assert stop.value.code == 2
+        return capsys.readouterr().err
+
+    assert f"--out {tmp_path} already holds 3 samples; give an empty directory, or --overwrite" in refused(
+        *common, "--count", "1"
+    )
+    assert "invalid choice: 'nosuch'" in refused("--synthetic", "nosuch", "--out", str(tmp_path))
+    assert (tmp_path / MANIFEST).read_text() == manifest and len(list(tmp_path.glob("*.safetensors"))) == 3
+    run_example("prepare_flux_latents.py", *common, "--count", "1", "--overwrite")
+    assert sorted(json.loads((tmp_path / MANIFEST).read_text())["files"]) == ["00000000.safetensors"]
+    assert [path.name for path in tmp_path.glob("*.safetensors")] == ["00000000.safetensors"]
