@@ -218,7 +218,7 @@ def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
     result, problem = None, None
     try:
         result = fn()
-    except (CheckpointError, FileNotFoundError, ValueError) as error:
+    except (CheckpointError, OSError, ValueError) as error:  # a file one node cannot read, too
         problem = f"{type(error).__name__}: {error}"
     raise_together(problem, what, CheckpointError)
     return result

@@ -68,10 +68,15 @@ def checkpoint_spec(path: str | Path) -> ModelSpec:
     ``_class_name``.
 
     Raises:
-        ValueError: a ``_class_name`` no family implements, or none.
+        ValueError: a ``config.json`` that is not a JSON object, or a ``_class_name`` no family
+            implements, or none.
+        OSError: an unreadable ``config.json``.
     """
     config_path = transformer_dir(path) / CONFIG_NAME
-    class_name = json.loads(config_path.read_text()).get("_class_name")
+    config = json.loads(config_path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} holds a JSON {type(config).__name__}, not a diffusers config (a JSON object)")
+    class_name = config.get("_class_name")
     for family in SPECS.values():
         if family.diffusers_class == class_name:
             return family

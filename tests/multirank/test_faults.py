@@ -45,3 +45,30 @@ def test_a_rank_stuck_inside_a_bag_fails_its_partner_within_the_timeout():
     message = str(error.value)
     assert "rank 0 of 2 raised" in message and "knapformer step 1 failed on rank 0" in message
     assert elapsed < 90  # start-up of two ranks on 2 busy cores (up to a minute), then the 4 s timeout; not 100 s
+
+
+def _unreadable_config_worker(rank: int, world: int) -> str:
+    """A checkpoint's family read on every rank, where rank 1 cannot read the file (a node whose copy
+    has other permissions): the ranks' agreement raises it on both."""
+    from deepspeed_knap.models.loading import checked
+    from tests.support.balancing import join_gloo
+
+    join_gloo(rank)
+
+    def read() -> str:
+        if rank == 1:
+            raise PermissionError(13, "Permission denied", "/ckpt/config.json")
+        return "flux"
+
+    try:
+        checked({}, "reading a checkpoint's model family", read)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_an_unreadable_checkpoint_file_on_one_rank_is_one_error_on_every_rank():
+    """Only FileNotFoundError of the OSErrors was agreed on: a PermissionError left rank 1 raising
+    alone while rank 0 waited in the agreement."""
+    first, second = run_distributed(_unreadable_config_worker, 2, timeout=60)
+    assert first == second and "rank(s) [1]: PermissionError: [Errno 13] Permission denied" in first, first

@@ -205,6 +205,9 @@ def test_bad_checkpoints_name_the_file_and_the_key(tmp_path):
         PackedFluxTransformer.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         from_pretrained(tmp_path / "missing")
+    (tmp_path / "config.json").write_text("[]")  # an AttributeError on the rank that read it, before
+    with pytest.raises(ValueError, match=r"config\.json holds a JSON list, not a diffusers config"):
+        from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"_class_name": "SD3Transformer2DModel"}))
     with pytest.raises(CheckpointError, match=r"config\.json has _class_name 'SD3Transformer2DModel', which no model"):
         from_pretrained(tmp_path)
