@@ -72,6 +72,18 @@ class TrainingError(ValueError):
     """A run that cannot go on: raised on every rank together, with the same message."""
 
 
+def background_writer_problem(engine: Any, save_dir: str | None) -> str | None:
+    """Why ``engine``'s checkpoint writer cannot save the trainer's checkpoints, or ``None``: one that
+    saves in the background (DeepSpeed's decoupled writer, DataStates) has not written the files when
+    the save returns, where the trainer writes each tag's manifest and ``latest`` (and it commits
+    them at the next step, which the last save has not)."""
+    if not save_dir or not engine.checkpoint_engine.is_decoupled():
+        return None
+    return ("--save-dir with a checkpoint writer that saves in the background (the DeepSpeed config's "
+            '"checkpoint": {"writer": {"decoupled": true}}, or DataStates): the trainer writes each tag\'s manifest '
+            "and 'latest' when the save returns, before those files are written; use DeepSpeed's default writer")  # fmt: skip
+
+
 class Trainer:
     """One training run (collective: every rank builds one and calls the same methods).
 
@@ -136,6 +148,8 @@ class Trainer:
                 "optimizer every step, and a checkpoint between accumulation boundaries would drop the gradients "
                 "so far; set it to 1 (with --data-dir, train more samples a step with --samples-per-rank)"
             )
+        if problem := background_writer_problem(self.engine, a.save_dir):  # one config: every rank alike
+            raise TrainingError(problem)
         self.data = self._data()
         self.start_step, self.position = 0, 0  # steps done; files consumed by all ranks together
         if a.resume:

@@ -223,3 +223,19 @@ def test_lora_settings_that_would_train_nothing_or_nothing_of_lora_are_refused()
     tiny = PackedFluxTransformer.spec.tiny_config
     assert add_lora(PackedFluxTransformer(**tiny), 4).lora_alpha == 4  # None: alpha = rank
     assert add_lora(PackedFluxTransformer(**tiny), 4, 0.5).lora_alpha == 0.5
+
+
+def test_a_checkpoint_writer_that_saves_in_the_background_is_refused_with_a_save_dir():
+    """DeepSpeed's decoupled writer (and DataStates) queue the files to another process and commit
+    them at the next step: the manifest and 'latest' the trainer writes as the save returns would
+    describe files not yet written, and the last tag would never be committed."""
+    from types import SimpleNamespace
+
+    from deepspeed_knap.training.trainer import background_writer_problem
+
+    def engine(decoupled: bool) -> SimpleNamespace:
+        return SimpleNamespace(checkpoint_engine=SimpleNamespace(is_decoupled=lambda: decoupled))
+
+    assert background_writer_problem(engine(True), "ckpt").startswith("--save-dir with a checkpoint writer that saves")
+    assert background_writer_problem(engine(True), None) is None  # no checkpoints: nothing to describe
+    assert background_writer_problem(engine(False), "ckpt") is None
