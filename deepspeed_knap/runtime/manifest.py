@@ -9,7 +9,8 @@ one is partial (a save or a ``prepare_*`` run that did not finish). Format (JSON
     {
       "format": "deepspeed-knap manifest",
       "version": 1,
-      "created": 1764081234.5,       # time.time() when written (orders checkpoint tags: newest first)
+      "created": 1764081234.5,       # when written (orders checkpoint tags: newest first); the
+                                     # command line's: its files' newest modification time
       "metadata": {"step": 3},       # the writer's own (a checkpoint's training step)
       "files": {                     # every file, by path relative to the directory, "/"-separated
         "zero_pp_rank_0_mp_rank_00_optim_states.pt": {"size": 2897107, "sha256": "9f86d0..."}
@@ -33,6 +34,10 @@ Command line, for a directory written before manifests existed (trusting its fil
 
     python -m deepspeed_knap.runtime.manifest DIR            # write DIR/manifest.json
     python -m deepspeed_knap.runtime.manifest --check DIR    # compare DIR with its manifest
+
+Its manifest is dated by the files' newest modification time, not by when the command ran: tags
+given manifests in any order keep the order they were saved in (``--resume SAVE_DIR`` takes the
+newest).
 """
 
 from __future__ import annotations
@@ -596,7 +601,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{directory}: {problem}", file=sys.stderr)
         print(f"{directory}: {'does not match' if problems else 'matches'} its {MANIFEST}")
         return 1 if problems else 0
-    path = write_manifest(directory, build_manifest(directory))
+    manifest = build_manifest(directory)
+    times = [(directory / name).stat().st_mtime for name in manifest["files"]]
+    manifest["created"] = max(times, default=manifest["created"])  # when saved, not when this ran
+    path = write_manifest(directory, manifest)
     print(f"wrote {path} ({len(read_manifest(directory)['files'])} files)")
     return 0
 

@@ -130,3 +130,22 @@ def test_the_command_line_writes_a_manifest_for_trusted_files_and_checks_one(tmp
     (tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 5)
     assert main(["--check", str(tmp_path)]) == 1
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is 5 bytes, the manifest says 10" in capsys.readouterr().err
+
+
+def test_tags_given_manifests_on_the_command_line_keep_the_order_they_were_saved_in(tmp_path):
+    """The command line dated a manifest by when it ran: tags given manifests in the shell's order
+    (step100, step1000, step200) made --resume SAVE_DIR take the last one given, step200, as the
+    newest, rolling the run back 800 steps."""
+    import os
+
+    from deepspeed_knap.runtime.manifest import main
+
+    for saved_at, tag in enumerate(("step100", "step200", "step1000")):
+        (tmp_path / tag).mkdir()
+        shard = tmp_path / tag / "mp_rank_00_model_states.pt"
+        shard.write_bytes(b"x" * 10)
+        os.utime(shard, (1_700_000_000 + saved_at, 1_700_000_000 + saved_at))
+    for tag in sorted(("step100", "step200", "step1000")):  # the shell's order
+        assert main([str(tmp_path / tag)]) == 0
+    created = {tag: read_manifest(tmp_path / tag)["created"] for tag in ("step100", "step200", "step1000")}
+    assert created == {"step100": 1_700_000_000, "step200": 1_700_000_001, "step1000": 1_700_000_002}
