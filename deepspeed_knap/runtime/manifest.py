@@ -254,11 +254,19 @@ def checkpoint_file_rank(name: str) -> int | None:
 
 
 def prepare_checkpoint_save(save_dir: str | Path, tag: str) -> None:
-    """Remove ``tag``'s manifest before a save writes over the tag, so that a save that does not finish
-    leaves the tag partial instead of described by the manifest of the files it replaced. Every rank
-    calls it before ``engine.save_checkpoint`` (each node's copy goes; DeepSpeed's save starts with a
-    barrier, so no rank writes a file before every rank has removed it)."""
-    (Path(save_dir) / tag / MANIFEST).unlink(missing_ok=True)
+    """Remove ``tag``'s manifest, then the files of an older save of the tag, before a save writes
+    over it: a save that does not finish leaves the tag partial instead of described by the manifest
+    of the files it replaced, and the new manifest lists the new save's files alone (a save of 4
+    ranks' ZeRO-3 shards left rank 2's and 3's beside a later save of 2 ranks, and a ZeRO-2 save's
+    model file beside a ZeRO-3 save's). Every rank calls it before ``engine.save_checkpoint`` (each
+    node's copy goes; on a shared file system a file another rank removed first is skipped;
+    DeepSpeed's save starts with a barrier, so no rank writes a file before every rank has removed
+    them)."""
+    tag_dir = Path(save_dir) / tag
+    (tag_dir / MANIFEST).unlink(missing_ok=True)
+    for path in sorted(tag_dir.rglob("*")) if tag_dir.is_dir() else ():  # (another rank's removals race this)
+        if not path.is_dir():
+            path.unlink(missing_ok=True)
 
 
 def write_checkpoint_manifest(save_dir: str | Path, tag: str, metadata: Mapping | None = None) -> dict:

@@ -149,3 +149,17 @@ def test_tags_given_manifests_on_the_command_line_keep_the_order_they_were_saved
         assert main([str(tmp_path / tag)]) == 0
     created = {tag: read_manifest(tmp_path / tag)["created"] for tag in ("step100", "step200", "step1000")}
     assert created == {"step100": 1_700_000_000, "step200": 1_700_000_001, "step1000": 1_700_000_002}
+
+
+def test_a_save_over_a_tag_removes_the_older_saves_files_first(tmp_path):
+    """A tag saved by 4 ranks' ZeRO-3, then again by 2: ranks 2's and 3's shards stayed, and the
+    new manifest listed them (DeepSpeed's own tools then counted 4 shards for 2 ranks)."""
+    from deepspeed_knap.runtime.manifest import prepare_checkpoint_save
+
+    tag = tmp_path / "step10"
+    (tag / "sub").mkdir(parents=True)
+    for name in ("zero_pp_rank_3_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt", "sub/extra.pt", MANIFEST):
+        (tag / name).write_bytes(b"old")
+    prepare_checkpoint_save(tmp_path, "step10")
+    assert [path for path in tag.rglob("*") if path.is_file()] == [] and tag.is_dir()
+    prepare_checkpoint_save(tmp_path, "step11")  # a new tag: nothing there yet
