@@ -49,6 +49,11 @@ class PackedInputs(ABC):
         return list(torch.split(rows, list(self.output_lens)))
 
 
+# What a model's pack raises for a sample it cannot pack: its own ValueError naming the sample, and
+# what a value of the wrong kind raises on the way (a non-tensor, a 0-d tensor, a missing key).
+PACK_ERRORS = (ValueError, TypeError, AttributeError, RuntimeError, LookupError)
+
+
 def pack_carrying(pack: Callable[[Sequence[Mapping]], PackedInputs], samples: Sequence[Mapping],
                   on_problem: str) -> PackedInputs | None:  # fmt: skip
     """A model's ``pack(samples, on_problem)`` prologue: ``None`` for ``"raise"`` (the model packs and
@@ -64,7 +69,7 @@ def pack_carrying(pack: Callable[[Sequence[Mapping]], PackedInputs], samples: Se
         return None
     try:
         return pack(samples)
-    except (ValueError, TypeError, AttributeError, RuntimeError) as error:  # a non-tensor value, too
+    except PACK_ERRORS as error:
         problem = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
         return dataclasses.replace(pack([]), problem=problem)
 

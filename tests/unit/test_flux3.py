@@ -173,6 +173,12 @@ def test_bad_samples_name_the_sample_and_the_problem():
     for model, samples, message in cases:
         with pytest.raises(ValueError, match=message):
             model.pack(samples)
+    # A 0-d reference (an IndexError) and text rows given as a nested list (an AttributeError after
+    # the check) were raised, not carried: that rank alone raised in a balanced step.
+    carried = plain.pack([good[0], {**good[1], "image_cond_hidden_states": torch.tensor(1.0)}], on_problem="carry")
+    assert carried.problem.startswith("sample 1: IndexError") and carried.num_samples == 0, carried.problem
+    listed = {**good[0], "encoder_hidden_states": good[0]["encoder_hidden_states"].tolist()}
+    assert plain.pack([listed], on_problem="carry").txt_lens == plain.pack([good[0]]).txt_lens
 
 
 @pytest.mark.gpu

@@ -50,7 +50,7 @@ from deepspeed_knap.models.flux.base import PackedFluxBase, _ranks_within
 from deepspeed_knap.models.flux.layers import AdaNormOut, rotary_cos_sin
 from deepspeed_knap.models.flux3.layers import MODES, Flux3Block, Flux3Modulation, Flux3Step, mode_layer, single_layer
 from deepspeed_knap.models.flux3.spec import FLUX3
-from deepspeed_knap.models.inputs import PackedInputs
+from deepspeed_knap.models.inputs import PACK_ERRORS, PackedInputs
 from deepspeed_knap.models.layers import MLPEmbedder, timestep_features
 from deepspeed_knap.planner.topology import Topology
 from deepspeed_knap.runtime.attention import KnapDistributedAttention
@@ -240,7 +240,7 @@ class PackedFlux3Transformer(PackedFluxBase):
             return torch.stack(rows) if rows else torch.zeros(0, dtype=dtype)  # the dtype others route
 
         def count(key: str) -> tuple[int, ...]:
-            return tuple(int(s[key].shape[0]) if s.get(key) is not None else 0 for s in samples)
+            return tuple(int(torch.as_tensor(s[key]).shape[0]) if s.get(key) is not None else 0 for s in samples)
 
         return Flux3Inputs(
             hidden_states=cat("hidden_states", config["in_channels"]),
@@ -262,7 +262,7 @@ class PackedFlux3Transformer(PackedFluxBase):
         for index, sample in enumerate(samples):
             try:
                 self._check_sample(index, sample)
-            except (ValueError, TypeError, AttributeError, RuntimeError) as error:  # a non-tensor value, too
+            except PACK_ERRORS as error:
                 return (
                     str(error) if isinstance(error, ValueError) else f"sample {index}: {type(error).__name__}: {error}"
                 )
