@@ -15,9 +15,9 @@ from torch import Tensor, nn
 
 from deepspeed_knap.generation.requests import (
     MAX_EMBEDDINGS_BYTES,
-    MAX_IMAGE_BYTES,
     Request,
     RequestError,
+    read_image,
     read_regular_file,
 )
 from deepspeed_knap.models.spec import ModelSpec
@@ -97,16 +97,10 @@ class Generator:
             RequestError: the file is missing, unreadable, not a regular file, too large or not an
                 image PIL reads (the message names the line and the file).
         """
-        import io
-
-        from PIL import Image, ImageOps
-
-        path = request.image[index]
         try:
-            image = Image.open(io.BytesIO(read_regular_file(path, MAX_IMAGE_BYTES)))
-            return ImageOps.exif_transpose(image).convert("RGB")
-        except Exception as error:  # PIL raises its own types for a damaged file
-            raise RequestError(f"line {request.line}: cannot read image {path}: {error}") from None
+            return read_image(request.image[index])
+        except ValueError as error:
+            raise RequestError(f"line {request.line}: {error}") from None
 
     @classmethod
     def tiny_config(cls, heads: int, head_dim: int) -> dict[str, Any]:

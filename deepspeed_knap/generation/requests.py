@@ -47,6 +47,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # guidance and max_sequence_length: the family's (generator's) defaults, its pipeline's.
 DEFAULTS = {"steps": 28, "seed": 0}
@@ -173,6 +174,26 @@ def read_regular_file(path: str | Path, limit: int) -> bytes:
     finally:
         os.close(descriptor)
     return b"".join(chunks)
+
+
+def read_image(path: str | Path) -> Any:
+    """The image at ``path`` as an RGB ``PIL.Image``, oriented by its EXIF tag (as diffusers'
+    ``load_image``), read only if it is a regular file of at most :data:`MAX_IMAGE_BYTES` (a FIFO
+    would block, a device never end).
+
+    Raises:
+        ValueError: naming the file: missing, unreadable, not a regular file, too large, or not an
+            image PIL reads (PIL raises its own types, a decompression bomb's too).
+    """
+    import io
+
+    from PIL import Image, ImageOps
+
+    try:
+        image = Image.open(io.BytesIO(read_regular_file(path, MAX_IMAGE_BYTES)))
+        return ImageOps.exif_transpose(image).convert("RGB")
+    except Exception as error:
+        raise ValueError(f"cannot read image {path}: {error}") from None
 
 
 _KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",

@@ -10,6 +10,7 @@ tests/multirank/test_training_flux3.py.)"""
 from __future__ import annotations
 
 import json
+import os
 import re
 import runpy
 import sys
@@ -111,8 +112,16 @@ def test_validation_lines_sizes_and_folders(tmp_path):
         hooks.call("wide.png\tdot.png\tboth", tmp_path, None)
     with pytest.raises(ValueError, match=r"an edit is IMAGE<TAB>PROMPT .* one of them is empty"):
         hooks.call("wide.png\t ", tmp_path, None)
-    with pytest.raises(FileNotFoundError, match=re.escape("missing.png")):
+    with pytest.raises(ValueError, match=r"cannot read image .*missing\.png: \[Errno 2\]"):
         hooks.call("missing.png\tin blue", tmp_path, None)
+    # A FIFO (open would block every rank) and a file PIL refuses with its own error type (a
+    # decompression bomb's is no ValueError) are named, as generate's requests are.
+    os.mkfifo(tmp_path / "pipe.png")
+    with pytest.raises(ValueError, match=r"pipe\.png: it is a FIFO \(named pipe\), not a regular file"):
+        hooks.call("pipe.png\tin blue", tmp_path, None)
+    (tmp_path / "text.png").write_text("not an image")
+    with pytest.raises(ValueError, match=r"cannot read image .*text\.png: cannot identify image file"):
+        hooks.call("text.png\tin blue", tmp_path, None)
     assert hooks.options(ValidationSettings(tiny=True)) == dict(height=32, width=32, num_inference_steps=2,
                                                                 guidance_scale=3.5)  # fmt: skip
     assert hooks.options(ValidationSettings(tiny=False, guidance=2.0)) == dict(height=1024, width=1024,

@@ -100,14 +100,11 @@ class Flux3Validation(ValidationHooks):
             raise ValueError(f"{line[:60]!r}: an edit is IMAGE<TAB>PROMPT (several images: IMAGE<TAB>IMAGE<TAB>"
                              "PROMPT), each image's path relative to the prompts file; one of them is empty")  # fmt: skip
         from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
-        from PIL import Image
 
+        from deepspeed_knap.generation.requests import read_image
         from deepspeed_knap.models.flux3.generate import reference_problem
 
-        images = []
-        for name in names:
-            with Image.open(directory / name) as image:
-                images.append(image.convert("RGB"))
+        images = [read_image(directory / name) for name in names]
         problem = reference_problem(names, images, Flux3ImageProcessor().config.vae_scale_factor)
         if problem:
             raise ValueError(problem)

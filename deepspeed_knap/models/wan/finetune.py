@@ -183,9 +183,9 @@ class WanValidation(ValidationHooks):
                 return {"prompt": line}
             raise ValueError(f"{line[:60]!r}: an image-to-video model renders from an image: write IMAGE<TAB>PROMPT "
                              "(the image's path relative to the prompts file)")  # fmt: skip
-        from PIL import Image
+        from deepspeed_knap.generation.requests import read_image
 
-        return {"image": Image.open(directory / image).convert("RGB"), "prompt": prompt}
+        return {"image": read_image(directory / image), "prompt": prompt}
 
     def render(self, pipe: Any, call: Mapping[str, Any], generator: torch.Generator, options: Mapping,
                path: Path) -> Path:  # fmt: skip
