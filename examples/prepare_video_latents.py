@@ -45,6 +45,7 @@ from deepspeed_knap.models.wan.data import (
     read_source,
     save_video_sample,
 )
+from deepspeed_knap.options import nonnegative_int, positive_float, positive_int
 from deepspeed_knap.runtime.manifest import MANIFEST, build_manifest, write_manifest
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -57,16 +58,18 @@ parser.add_argument(
     "--overwrite", action="store_true", help="remove the .safetensors samples and manifest in --out first"
 )
 parser.add_argument(
-    "--max-frames", type=int, default=81, help="at most this many frames per clip, 4k+1 (Wan: 81); 0: all"
+    "--max-frames", type=nonnegative_int, default=81, help="at most this many frames per clip, 4k+1 (Wan: 81); 0: all"
 )
 parser.add_argument(
     "--max-area",
-    type=int,
+    type=nonnegative_int,
     default=1280 * 720,
     help="scale frames with more pixels down to this many first, aspect kept (default 720p); 0: never",
 )
-parser.add_argument("--fps", type=float, default=None, help="subsample clips above this frame rate to it (Wan: 16)")
-parser.add_argument("--max-sequence-length", type=int, default=512, help="UMT5 tokens per caption (Wan: 512)")
+parser.add_argument(
+    "--fps", type=positive_float, default=None, help="subsample clips above this frame rate to it (Wan: 16)"
+)
+parser.add_argument("--max-sequence-length", type=positive_int, default=512, help="UMT5 tokens per caption (Wan: 512)")
 parser.add_argument(
     "--device", help="where to encode (default: cuda if there is one, else cpu; bf16 text encoder on cuda)"
 )
@@ -135,10 +138,6 @@ def main() -> int:
     existing = sorted(out.glob("*.safetensors"))
     if existing and not args.overwrite:
         parser.error(f"--out {out} already holds {len(existing)} samples; give an empty directory, or --overwrite")
-    # The manifest of what was there before would describe files this run rewrites.
-    (out / MANIFEST).unlink(missing_ok=True)
-    for file in existing:
-        file.unlink()
 
     refused: dict[str, Refused] = {}
     captions = {}
@@ -166,6 +165,11 @@ def main() -> int:
         pipe.image_encoder.to(device)
     if args.vae_tiling:
         pipe.vae.enable_tiling()
+    # Every check passed and the encoders loaded: what --out held goes now (the manifest of what was
+    # there before would describe files this run rewrites).
+    (out / MANIFEST).unlink(missing_ok=True)
+    for file in existing:
+        file.unlink()
     vae = pipe.vae.config
     multiple = pipe.vae_scale_factor_spatial * patch_size(pretrained)[1]
     mean = torch.tensor(vae.latents_mean, device=device).view(-1, 1, 1, 1)
