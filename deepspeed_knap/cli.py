@@ -67,8 +67,9 @@ def _add_command(commands, name: str, module_name: str, wanted: str | None) -> N
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The parser; given ``argv``, only the options of the command it names are added."""
-    wanted = None if argv is None else _chosen(argv)
+    """The parser; given ``argv``, only the options of the command it names are added (none for
+    ``deepspeed-knap --help``, which lists the commands: no command's imports, torch's among them)."""
+    wanted = None if argv is None else (_chosen(argv) or "")
     parser = argparse.ArgumentParser(prog="deepspeed-knap", description="KnapFormer-style balancing for DeepSpeed.")
     parser.add_argument("--debug", action="store_true",
                         help=f"show the traceback of a failure (also {DEBUG_VARIABLE}=1)")  # fmt: skip

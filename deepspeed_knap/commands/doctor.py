@@ -352,7 +352,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--double-blocks", type=nonnegative_int, default=19, help="double-stream blocks of the model")
     parser.add_argument("--single-blocks", type=nonnegative_int, default=38, help="single-stream blocks of the model")
     parser.add_argument(
-        "--seq-lens", type=seq_lens, default=None, help="calibration lengths (default: 1k-16k on CUDA, 64-512 on CPU)"
+        "--seq-lens",
+        type=seq_lens,
+        default=None,
+        help="calibration lengths (default: 1k-16k on CUDA, 128-1,024 on CPU)",
     )
     parser.add_argument(
         "--compare-lens",

@@ -150,6 +150,8 @@ def test_the_pure_layers_load_no_torch():
 
 
 def test_planner_and_cli_load_no_torch():
+    """Nor does ``deepspeed-knap --help``, which imported every command (torch and DeepSpeed too, with
+    DeepSpeed's accelerator warning in the help)."""
     code = (
         "import sys, deepspeed_knap, deepspeed_knap.planner, deepspeed_knap.cost.online, deepspeed_knap.cli;"
         "from deepspeed_knap.cli import main; main(['plan', '--gpus', '8', '--repeat', '1', '--json']);"
@@ -158,3 +160,10 @@ def test_planner_and_cli_load_no_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().endswith("NO TORCH")
+    code = (
+        "import sys\nfrom deepspeed_knap.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO TORCH', file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "generate" in result.stdout and "bench" in result.stdout, result.stdout
+    assert result.stderr.strip().endswith("NO TORCH"), result.stderr
