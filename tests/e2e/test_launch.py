@@ -63,3 +63,23 @@ def test_generate_under_mpirun_shares_the_requests_out_among_the_ranks(tmp_path)
     assert result.stdout.count("generated 4 of 4 requests") == 1, result.stdout[-3000:]
     assert re.search(r"rank 0: \d images", result.stdout) and re.search(r"rank 1: \d images", result.stdout)
     assert sorted(path.name for path in (tmp_path / "out").glob("*.png")) == [f"line{i}.png" for i in range(1, 5)]
+
+
+def test_multi_node_script_leaves_the_master_to_deepspeed_unless_given(tmp_path):
+    """It took the hostfile's first word as the master: '#' for a hostfile that starts with a comment,
+    or a host --exclude leaves out. DeepSpeed's runner picks the first active host itself."""
+    import os
+    import subprocess
+
+    (tmp_path / "deepspeed").write_text('#!/bin/sh\necho "$@"\n')
+    (tmp_path / "deepspeed").chmod(0o755)
+    (tmp_path / "hostfile").write_text("# two nodes\nnode1 slots=8\nnode2 slots=8\n")
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "HOSTFILE": str(tmp_path / "hostfile")}
+    env.pop("MASTER_ADDR", None)
+    script = [str(ROOT / "launch" / "multi_node.sh"), "train.py"]
+    plain = subprocess.run(script, capture_output=True, text=True, env=env, timeout=30, check=True).stdout
+    assert "--master_addr" not in plain and plain.split() == ["--hostfile", str(tmp_path / "hostfile"),
+                                                              "--master_port", "29500", "train.py"]  # fmt: skip
+    given = subprocess.run(script, capture_output=True, text=True, env={**env, "MASTER_ADDR": "10.0.0.2"}, timeout=30,
+                           check=True).stdout  # fmt: skip
+    assert "--master_addr 10.0.0.2" in given
