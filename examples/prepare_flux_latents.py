@@ -24,6 +24,7 @@ from tqdm import tqdm
 from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples
 from deepspeed_knap.models.latents import write_latent_manifest
 from deepspeed_knap.models.registry import MIXES, sample_shapes
+from deepspeed_knap.options import positive_float, positive_int
 from deepspeed_knap.runtime.manifest import MANIFEST
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -35,13 +36,17 @@ source = parser.add_mutually_exclusive_group(required=True)
 source.add_argument("--images", help="a directory of images, each with a .txt caption of the same name")
 source.add_argument("--synthetic", metavar="MIX", choices=sorted(MIXES), help="random latents of a bundled mix's sizes")
 parser.add_argument("--pipeline", help="with --images: a diffusers FLUX pipeline directory")
-parser.add_argument("--resolution", type=int, default=1024, help="with --images: resize the longer side to this")
-parser.add_argument("--max-sequence-length", type=int, default=512, help="with --images: T5 tokens per caption")
-parser.add_argument("--count", type=int, default=64, help="with --synthetic: how many samples")
-parser.add_argument("--token-scale", type=float, default=1.0, help="with --synthetic: shrink sizes")
-parser.add_argument("--in-channels", type=int, default=64, help="with --synthetic: the model's dims")
-parser.add_argument("--joint-attention-dim", type=int, default=4096)
-parser.add_argument("--pooled-projection-dim", type=int, default=768)
+parser.add_argument(
+    "--resolution", type=positive_int, default=1024, help="with --images: resize the longer side to this"
+)
+parser.add_argument(
+    "--max-sequence-length", type=positive_int, default=512, help="with --images: T5 tokens per caption"
+)
+parser.add_argument("--count", type=positive_int, default=64, help="with --synthetic: how many samples")
+parser.add_argument("--token-scale", type=positive_float, default=1.0, help="with --synthetic: shrink sizes")
+parser.add_argument("--in-channels", type=positive_int, default=64, help="with --synthetic: the model's dims")
+parser.add_argument("--joint-attention-dim", type=positive_int, default=4096)
+parser.add_argument("--pooled-projection-dim", type=positive_int, default=768)
 args = parser.parse_args()
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
 if args.images and not args.pipeline:
@@ -70,10 +75,14 @@ out.mkdir(parents=True, exist_ok=True)
 existing = sorted(out.glob("*.safetensors"))
 if existing and not args.overwrite:  # training reads every sample of the folder: old ones would train too
     parser.error(f"--out {out} already holds {len(existing)} samples; give an empty directory, or --overwrite")
-# The manifest of what was there before would describe files this run rewrites.
-(out / MANIFEST).unlink(missing_ok=True)
-for file in existing:
-    file.unlink()
+
+
+def clear_out() -> None:
+    """What ``--out`` held goes (with ``--overwrite``), once every check passed (and the encoders
+    loaded): the manifest of what was there would describe files this run rewrites."""
+    (out / MANIFEST).unlink(missing_ok=True)
+    for file in existing:
+        file.unlink()
 
 
 def write_synthetic() -> None:
@@ -82,6 +91,7 @@ def write_synthetic() -> None:
             "pooled_projection_dim": args.pooled_projection_dim, "axes_dims_rope": (16, 56, 56)}  # fmt: skip
     shapes = [shape for step in range(args.count) for rank in sample_shapes(args.synthetic, 1, seed=step)
               for shape in rank][: args.count]  # fmt: skip
+    clear_out()
     for index, sample in enumerate(tqdm(synthetic_samples(shapes, dims, seed=0, token_scale=args.token_scale))):
         save_latent_sample(out / f"{index:08d}.safetensors", sample)
 
@@ -96,6 +106,7 @@ def encode_images() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     pipe = FluxPipeline.from_pretrained(args.pipeline, transformer=None, torch_dtype=dtype).to(device)
     multiple = pipe.vae_scale_factor * 2  # the VAE's downsampling, then 2x2 packing
+    clear_out()
     for index, (path, caption) in enumerate(tqdm(captioned, desc="encode")):
         # Every image keeps its own size and aspect ratio (longer side at --resolution, each side a
         # multiple of the patch): packing trains them as they are, no buckets, nothing dropped.

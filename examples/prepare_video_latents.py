@@ -134,6 +134,8 @@ def main() -> int:
     if max_frames is not None and (max_frames < 1 or (max_frames - 1) % 4):
         parser.error(f"--max-frames {max_frames} must be 4k+1 (e.g. 33, 49, 81): the VAE encodes 1 + 4k frames")
     media, other = sources(inputs)
+    if not (pretrained / "model_index.json").is_file():
+        parser.error(f"--pretrained {pretrained} is not a diffusers Wan pipeline folder (no model_index.json in it)")
     out.mkdir(parents=True, exist_ok=True)
     existing = sorted(out.glob("*.safetensors"))
     if existing and not args.overwrite:

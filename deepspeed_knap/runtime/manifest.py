@@ -37,12 +37,13 @@ Command line, for a directory written before manifests existed (trusting its fil
 
 Its manifest is dated by the files' newest modification time, not by when the command ran: tags
 given manifests in any order keep the order they were saved in (``--resume SAVE_DIR`` takes the
-newest).
+newest), as long as copies kept the times (``cp -p``, ``rsync -t``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -258,15 +259,20 @@ def prepare_checkpoint_save(save_dir: str | Path, tag: str) -> None:
     over it: a save that does not finish leaves the tag partial instead of described by the manifest
     of the files it replaced, and the new manifest lists the new save's files alone (a save of 4
     ranks' ZeRO-3 shards left rank 2's and 3's beside a later save of 2 ranks, and a ZeRO-2 save's
-    model file beside a ZeRO-3 save's). Every rank calls it before ``engine.save_checkpoint`` (each
-    node's copy goes; on a shared file system a file another rank removed first is skipped;
-    DeepSpeed's save starts with a barrier, so no rank writes a file before every rank has removed
-    them)."""
+    model file beside a ZeRO-3 save's; ZeRO's offloaded tensors, folders DeepSpeed refuses to copy
+    over). Every rank calls it before ``engine.save_checkpoint`` (each node's copy goes; on a shared
+    file system the ranks race each other's removals: what another rank removed first is skipped;
+    the trainer's agreement after it, and DeepSpeed's barrier at the start of the save, keep every
+    rank from writing before every rank has removed them)."""
     tag_dir = Path(save_dir) / tag
     (tag_dir / MANIFEST).unlink(missing_ok=True)
-    for path in sorted(tag_dir.rglob("*")) if tag_dir.is_dir() else ():  # (another rank's removals race this)
-        if not path.is_dir():
-            path.unlink(missing_ok=True)
+    for folder, subfolders, files in os.walk(tag_dir, topdown=False):  # (os.walk skips what vanishes)
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, name))
+        for name in subfolders:
+            with contextlib.suppress(OSError):  # removed by another rank, or not empty
+                os.rmdir(os.path.join(folder, name))
 
 
 def write_checkpoint_manifest(save_dir: str | Path, tag: str, metadata: Mapping | None = None) -> dict:

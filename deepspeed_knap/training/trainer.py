@@ -36,6 +36,7 @@ import dataclasses
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,16 +73,21 @@ class TrainingError(ValueError):
     """A run that cannot go on: raised on every rank together, with the same message."""
 
 
-def background_writer_problem(engine: Any, save_dir: str | None) -> str | None:
-    """Why ``engine``'s checkpoint writer cannot save the trainer's checkpoints, or ``None``: one that
-    saves in the background (DeepSpeed's decoupled writer, DataStates) has not written the files when
-    the save returns, where the trainer writes each tag's manifest and ``latest`` (and it commits
-    them at the next step, which the last save has not)."""
-    if not save_dir or not engine.checkpoint_engine.is_decoupled():
+def background_writer_problem(ds_config: Mapping[str, Any], save_dir: str | None) -> str | None:
+    """Why the DeepSpeed config's checkpoint writer cannot save the trainer's checkpoints, or
+    ``None``: one that saves in the background (DeepSpeed's decoupled writer, DataStates) has not
+    written the files when the save returns, where the trainer writes each tag's manifest and
+    ``latest`` (and it commits them at the next step, which the last save has not). Read from the
+    config, before DeepSpeed starts the writer's process."""
+    writer = (ds_config.get("checkpoint") or {}).get("writer") or {}
+    decoupled = isinstance(writer, Mapping) and bool(writer.get("decoupled"))
+    datastates = ds_config.get("datastates_ckpt") not in (None, False)
+    if not save_dir or not (decoupled or datastates):
         return None
-    return ("--save-dir with a checkpoint writer that saves in the background (the DeepSpeed config's "
-            '"checkpoint": {"writer": {"decoupled": true}}, or DataStates): the trainer writes each tag\'s manifest '
-            "and 'latest' when the save returns, before those files are written; use DeepSpeed's default writer")  # fmt: skip
+    key = '"checkpoint": {"writer": {"decoupled": true}}' if decoupled else '"datastates_ckpt"'
+    return (f"--save-dir with a checkpoint writer that saves in the background (the DeepSpeed config's {key}): the "
+            "trainer writes each tag's manifest and 'latest' when the save returns, before such a writer has written "
+            "the files; remove it from the config to use DeepSpeed's default writer")  # fmt: skip
 
 
 class Trainer:
@@ -111,6 +117,8 @@ class Trainer:
         except ValueError as error:
             raise TrainingError(str(error)) from None
         a = self.arguments = dataclasses.replace(a, deepspeed_config=ds_config)  # read once: nothing reads it again
+        if problem := background_writer_problem(ds_config, a.save_dir):  # one config, agreed: every rank alike
+            raise TrainingError(problem)
         torch.manual_seed(a.seed)  # the same initial weights (and LoRA A matrices) on every rank
         options = dict(gradient_checkpointing=a.gradient_checkpointing)
         plain = plain_ds_config(ds_config)
@@ -148,8 +156,6 @@ class Trainer:
                 "optimizer every step, and a checkpoint between accumulation boundaries would drop the gradients "
                 "so far; set it to 1 (with --data-dir, train more samples a step with --samples-per-rank)"
             )
-        if problem := background_writer_problem(self.engine, a.save_dir):  # one config: every rank alike
-            raise TrainingError(problem)
         self.data = self._data()
         self.start_step, self.position = 0, 0  # steps done; files consumed by all ranks together
         if a.resume:

@@ -171,5 +171,7 @@ def test_bad_options_and_a_missing_pipeline_leave_the_old_samples_in_place(tmp_p
     bad = subprocess.run([*command, "--fps", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "argument --fps: 0 is not a finite number > 0" in bad.stderr, bad.stderr
     missing = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert missing.returncode != 0, missing.stderr
+    assert missing.returncode == 2 and "no-pipeline is not a diffusers Wan pipeline folder" in missing.stderr, (
+        missing.stderr
+    )
     assert (out / "00000000.safetensors").read_bytes() == b"old sample" and (out / "manifest.json").is_file()

@@ -224,6 +224,15 @@ def test_preparing_into_a_folder_of_samples_is_refused_unless_overwritten(tmp_pa
     )
     assert "invalid choice: 'nosuch'" in refused("--synthetic", "nosuch", "--out", str(tmp_path))
     assert (tmp_path / MANIFEST).read_text() == manifest and len(list(tmp_path.glob("*.safetensors"))) == 3
+    images = tmp_path.parent / f"{tmp_path.name}_images"  # a pipeline that does not load removes nothing either
+    images.mkdir()
+    (images / "cat.png").write_bytes(b"")
+    (images / "cat.txt").write_text("a cat")
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(ValueError, match="no-pipeline"):
+        patch.setattr("sys.argv", ["prepare_flux_latents.py", "--images", str(images), "--pipeline",
+                                   str(images / "no-pipeline"), "--out", str(tmp_path), "--overwrite"])  # fmt: skip
+        runpy.run_path(str(ROOT / "examples" / "prepare_flux_latents.py"), run_name="__main__")
+    assert (tmp_path / MANIFEST).read_text() == manifest and len(list(tmp_path.glob("*.safetensors"))) == 3
     run_example("prepare_flux_latents.py", *common, "--count", "1", "--overwrite")
     assert sorted(json.loads((tmp_path / MANIFEST).read_text())["files"]) == ["00000000.safetensors"]
     assert [path.name for path in tmp_path.glob("*.safetensors")] == ["00000000.safetensors"]

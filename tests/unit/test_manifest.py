@@ -157,9 +157,10 @@ def test_a_save_over_a_tag_removes_the_older_saves_files_first(tmp_path):
     from deepspeed_knap.runtime.manifest import prepare_checkpoint_save
 
     tag = tmp_path / "step10"
-    (tag / "sub").mkdir(parents=True)
-    for name in ("zero_pp_rank_3_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt", "sub/extra.pt", MANIFEST):
+    (tag / "offloaded_tensors" / "rank0").mkdir(parents=True)  # ZeRO's offload: DeepSpeed will not copy over it
+    for name in ("zero_pp_rank_3_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt",
+                 "offloaded_tensors/rank0/state.pt", MANIFEST):  # fmt: skip
         (tag / name).write_bytes(b"old")
     prepare_checkpoint_save(tmp_path, "step10")
-    assert [path for path in tag.rglob("*") if path.is_file()] == [] and tag.is_dir()
+    assert list(tag.iterdir()) == [] and tag.is_dir()
     prepare_checkpoint_save(tmp_path, "step11")  # a new tag: nothing there yet

@@ -229,13 +229,13 @@ def test_a_checkpoint_writer_that_saves_in_the_background_is_refused_with_a_save
     """DeepSpeed's decoupled writer (and DataStates) queue the files to another process and commit
     them at the next step: the manifest and 'latest' the trainer writes as the save returns would
     describe files not yet written, and the last tag would never be committed."""
-    from types import SimpleNamespace
-
     from deepspeed_knap.training.trainer import background_writer_problem
 
-    def engine(decoupled: bool) -> SimpleNamespace:
-        return SimpleNamespace(checkpoint_engine=SimpleNamespace(is_decoupled=lambda: decoupled))
-
-    assert background_writer_problem(engine(True), "ckpt").startswith("--save-dir with a checkpoint writer that saves")
-    assert background_writer_problem(engine(True), None) is None  # no checkpoints: nothing to describe
-    assert background_writer_problem(engine(False), "ckpt") is None
+    decoupled = {"checkpoint": {"writer": {"decoupled": True}}}
+    assert background_writer_problem(decoupled, "ckpt").startswith(
+        """--save-dir with a checkpoint writer that saves in the background (the DeepSpeed config's "checkpoint": """
+    )
+    assert '"datastates_ckpt"' in background_writer_problem({"datastates_ckpt": {}}, "ckpt")
+    assert background_writer_problem(decoupled, None) is None  # no checkpoints: nothing to describe
+    for config in ({}, {"checkpoint": {"writer": {"decoupled": False}}}, {"datastates_ckpt": False}):
+        assert background_writer_problem(config, "ckpt") is None, config
