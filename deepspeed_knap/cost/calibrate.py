@@ -97,6 +97,9 @@ def fit_times(seq_lens: Sequence[int], times: Sequence[float]) -> tuple[CostMode
 # SPEED_EVIDENCE standard errors of its per-length ratios: equal ranks time a few percent apart.
 SPEED_MARGIN = 0.15
 SPEED_EVIDENCE = 3.0
+# A start-up speed stays within [1 / r, r] of the median rank's, as the online refit's does by
+# default (OnlineSettings.max_speed_ratio): a rank 64x slower would round to a speed of 0.
+MAX_START_SPEED_RATIO = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +111,9 @@ class StartupCalibration:
             whatever its tokens: kernel launches, which dominate short steps on a GPU; every GPU pays
             it, so with equal speeds it moves no plan, but the modeled seconds match the measured),
             its all-to-all price timed, scaled as the compute was, or given, its per-sequence price
-            scaled, and ``gpu_speed`` where a rank was shown off the others.
-        speeds: ``[S]`` each rank's speed (1: the median rank's).
+            scaled, and ``gpu_speed`` where a rank was shown off the others (every rank timed;
+            :func:`~deepspeed_knap.runtime.calibration.calibrate_at_start` keeps its balance group's).
+        speeds: ``[S]`` each timed rank's speed (1: the median rank's; within ``[1/4, 4]``).
         scale: the fitted compute over the prior's at the longest length.
         fit: the fit of the ranks' median times (:func:`fit_times`); ``shape``: ``"fitted"``, or
             ``"prior"`` where the fit put ``a`` or ``b`` at 0 and the prior's ratio of the two was
@@ -182,7 +186,8 @@ def startup_model(
         speed = float(np.median(row))
         error = float(np.std(row, ddof=1) / np.sqrt(len(row))) if len(row) > 1 else 0.0
         shown = abs(speed - 1) > max(SPEED_MARGIN, SPEED_EVIDENCE * error)
-        speeds.append(round(speed * 32) / 32 if shown else 1.0)
+        bounded = min(max(speed, 1 / MAX_START_SPEED_RATIO), MAX_START_SPEED_RATIO)
+        speeds.append(round(bounded * 32) / 32 if shown else 1.0)
     longest = float(max(seq_lens))
     priced = prior.linear_coef * longest + prior.quadratic_coef * longest**2
     scale = (fitted.linear_coef * longest + fitted.quadratic_coef * longest**2) / priced if priced > 0 else 1.0

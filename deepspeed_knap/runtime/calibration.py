@@ -5,6 +5,7 @@ from them (:func:`~deepspeed_knap.cost.calibrate.startup_model`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import statistics
@@ -76,7 +77,7 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
             prices, details = time_ulysses_exchanges(calls, max(seq_lens), groups, prior, device, repeats)
         if details is None:
             try:  # the same times on every rank: a refused fit is refused on every rank alike
-                calibration = startup_model(prior, seq_lens, times_by_rank, prices, given)
+                calibration = _for_balance_group(startup_model(prior, seq_lens, times_by_rank, prices, given), groups)
             except Exception as error:
                 details = f"{type(error).__name__}: {error}"
     if details is not None:
@@ -94,6 +95,17 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
                     f"({calibration.scale:.3g}x the prior's compute), c = {model_now.alltoall_coef:.4g} s per token "
                     f"sent ({calibration.fit['alltoall']}), rank speeds {list(calibration.speeds)}")  # fmt: skip
     return calibration
+
+
+def _for_balance_group(calibration: StartupCalibration, groups: ProcessGroups) -> StartupCalibration:
+    """``calibration`` (every rank of the world timed, ``speeds`` ``[world]``) with the model's
+    ``gpu_speed`` this rank's balance group's (``[S]``, what its planner prices; ``None`` where those
+    ranks are all the median's speed): with several replicas (``g8n1`` on 16 GPUs), each plans its
+    own ranks."""
+    size = groups.topology.group_size
+    mine = calibration.speeds[groups.replica * size : (groups.replica + 1) * size]
+    speed = mine if any(s != 1.0 for s in mine) else None
+    return dataclasses.replace(calibration, model=dataclasses.replace(calibration.model, gpu_speed=speed))
 
 
 def time_ulysses_exchanges(calls: list[list], seq_len: int, groups: ProcessGroups, prior: CostModel,

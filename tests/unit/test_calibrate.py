@@ -274,3 +274,29 @@ def test_a_term_the_lengths_do_not_show_keeps_the_prior_s_ratio_scaled():
     predicted = result.fit["overhead_s"] + result.model.linear_coef * s + result.model.quadratic_coef * s * s
     assert np.abs(predicted - np.asarray(times)).max() < 0.1
     assert startup_model(CostModel(1e-6, 1e-10), SEQ_LENS, _times(SEQ_LENS, 4e-5, 3e-9, 0.2)).fit["shape"] == "fitted"
+
+
+def test_startup_speeds_reach_each_balance_group_as_its_own_and_stay_bounded():
+    """Every rank of the world is timed, but a balance group's planner prices its own ranks: with
+    two replicas of g2 (4 ranks) and rank 3 slow, the model had 4 speeds for a group of 2, and the
+    first plan raised (or applied replica 0's speeds to every replica). A rank 100x slower rounded to
+    a speed of 0, which the cost model refused."""
+    from types import SimpleNamespace
+
+    from deepspeed_knap.cost.calibrate import startup_model
+    from deepspeed_knap.cost.model import CostModel
+    from deepspeed_knap.planner import build_topology, plan_loads, plan_routing
+    from deepspeed_knap.runtime.calibration import _for_balance_group
+
+    prior = CostModel(1e-6, 1e-10)
+    world = startup_model(prior, SEQ_LENS, _times(SEQ_LENS, 4e-5, 3e-9, 0.2, slow={3: 2.0}, ranks=4, noise=0.0))
+    assert world.speeds == (1.0, 1.0, 1.0, 0.5)
+    topology = build_topology("g2n1", 4)  # a balance group of 2 ranks, 2 replicas
+    for replica, expected in ((0, None), (1, (1.0, 0.5))):
+        groups = SimpleNamespace(topology=topology, replica=replica)
+        model = _for_balance_group(world, groups).model
+        assert model.gpu_speed == expected and _for_balance_group(world, groups).speeds == world.speeds
+        plan = plan_routing([[300, 200], [500]], topology, model)  # plans and prices its 2 GPUs
+        assert len(plan_loads(plan, model)) == 2
+    crawling = startup_model(prior, SEQ_LENS, _times(SEQ_LENS, 4e-5, 3e-9, 0.2, slow={2: 100.0}, ranks=4, noise=0.0))
+    assert crawling.speeds[2] == 0.25 and crawling.model.gpu_speed[2] == 0.25  # 1/4, not 0
