@@ -94,6 +94,14 @@ def test_knap_attention_on_one_gpu_is_attention_over_whole_sequences():
     out = attention(x, x, x, empty)
     out.sum().backward()  # still on the autograd graph: ZeRO-3 needs every rank's backward to run
     assert out.shape == (0, 3, 8) and x.grad is not None
+    # Segments given positionally were dropped (full attention, silently): the same as by keyword,
+    # each segment attending within itself; anything more is refused.
+    segments = torch.tensor([[1, 0], [3, 4], [30, 2], [2, 0], [9, 10]])
+    by_segment = reference_attention(q, k, v, [n for row in segments.tolist() for n in row if n])
+    torch.testing.assert_close(attention(q, k, v, routed, segments), by_segment, rtol=0, atol=1e-12)
+    torch.testing.assert_close(attention(q, k, v, routed, segments=segments), by_segment, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"takes \(query, key, value, routed, segments=None\); got also 1 more"):
+        attention(q, k, v, routed, segments, "extra")
 
 
 def test_knap_attention_checks_heads_against_the_topology_at_construction():
