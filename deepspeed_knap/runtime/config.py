@@ -552,6 +552,8 @@ def _model_at(loc: tuple) -> type[DeepSpeedConfigModel]:
             model = KnapCostModelConfig
         elif part == "online":
             model = KnapOnlineConfig
+        elif part == "startup_calibration":
+            model = KnapStartupCalibrationConfig
     return model
 
 

@@ -150,6 +150,10 @@ def test_calibration_file(tmp_path):
             "unknown key 'knapformer.cost_model.online.warmup'; valid keys: enabled,",
         ),
         ({"cost_model": {"warmup_steps": 3}}, "unknown key 'knapformer.cost_model.warmup_steps'"),
+        (  # the keys of the block the typo is in (they were the cost model's)
+            {"cost_model": {"startup_calibration": {"seqlens": [1024, 2048, 4096]}}},
+            "unknown key 'knapformer.cost_model.startup_calibration.seqlens'; valid keys: enabled, seq_lens, repeats",
+        ),
         ({"cost_model": {}, "workload": {}}, 'give "cost_model", not both it and its deprecated spelling "workload"'),
         ({"timeout_s": True}, "knapformer.timeout_s = True: true is a boolean; give a number"),
         ({"cost_model": {"online": {"warmup_steps": False}}}, "online.warmup_steps = False: false is a boolean"),
