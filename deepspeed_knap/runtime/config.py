@@ -65,7 +65,24 @@ class _KnapConfigModel(DeepSpeedConfigModel):
         return value
 
 
-class KnapOnlineConfig(_KnapConfigModel):
+class _SwitchedConfig(_KnapConfigModel):
+    """A block with an ``enabled`` switch: its other keys are refused with ``"enabled": false``,
+    which leaves them unread (a user who set them meant the block on)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_knob_when_off(cls, values: Any) -> Any:
+        if isinstance(values, Mapping) and values.get("enabled") is False:
+            knobs = sorted(key for key in values if key != "enabled")
+            if knobs:
+                raise ValueError(
+                    f'{", ".join(knobs)} given with "enabled": false, where nothing reads {"them" if len(knobs) > 1 else "it"}; '
+                    'remove it, or set "enabled": true'
+                )
+        return values
+
+
+class KnapOnlineConfig(_SwitchedConfig):
     """The ``"online"`` refit of the cost model: ``a``, ``b``, ``c``, a speed factor per rank,
     ``route_coef`` and ``route_latency_s`` fitted to the measured step times, every step, identically on every rank; the cost
     model's source is the prior. ``"online": true`` is this block with its defaults."""
@@ -85,18 +102,6 @@ class KnapOnlineConfig(_KnapConfigModel):
     moved tokens), even from a prior of 0: route pricing then turns on. ``false``: the given route
     coefficients are kept."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_knob_when_off(cls, values: Any) -> Any:
-        if isinstance(values, Mapping) and values.get("enabled") is False:
-            knobs = sorted(key for key in values if key != "enabled")
-            if knobs:
-                raise ValueError(
-                    f'{", ".join(knobs)} given with "enabled": false, where nothing reads {"them" if len(knobs) > 1 else "it"}; '
-                    'remove it, or set "enabled": true'
-                )
-        return values
-
     def settings(self) -> OnlineSettings | None:
         """The refit's settings, or ``None`` when it is off."""
         if not self.enabled:
@@ -105,7 +110,7 @@ class KnapOnlineConfig(_KnapConfigModel):
                               self.fit_route)  # fmt: skip
 
 
-class KnapStartupCalibrationConfig(_KnapConfigModel):
+class KnapStartupCalibrationConfig(_SwitchedConfig):
     """The ``"startup_calibration"`` of the cost model: at start-up every rank times forward and
     backward of a copy of the model's own blocks (its dims and attention kernel) at ``seq_lens``, the
     ranks agree on one fit of ``a`` and ``b`` (and on a speed per rank where one is shown), and the
@@ -284,6 +289,11 @@ class KnapCostModelConfig(_KnapConfigModel):
             )
         if self.frozen_base and (coefs or self.calibration_file):
             raise ValueError("frozen_base adjusts a preset; measured coefficients already say what they measured")
+        preset_only = [k for k in ("tflops", "alltoall_gbps", "inter_node_alltoall_gbps") if k in self.model_fields_set]
+        if preset_only and (coefs or self.calibration_file):  # read by a preset alone: given here, ignored
+            raise ValueError(f"{', '.join(preset_only)} price a preset's FLOPs and links; measured coefficients or a "
+                             "calibration_file do not read them: give alltoall_coef (and inter_node_alltoall_coef) "
+                             "instead, or drop them")  # fmt: skip
         return self
 
     def online_settings(self) -> OnlineSettings | None:

@@ -146,10 +146,18 @@ def test_calibration_file(tmp_path):
         ({"cost_model": {"online": {"enabled": False, "warmup_steps": 3}}}, 'warmup_steps given with "enabled": false'),
         ({"cost_model": {"online": {"enabled": "no"}}}, "knapformer.cost_model.online.enabled = 'no'"),
         (
+            {"cost_model": {"startup_calibration": {"enabled": False, "repeats": 3}}},
+            'repeats given with "enabled": false, where nothing reads it',
+        ),
+        (
             {"cost_model": {"online": {"warmup": 3}}},
             "unknown key 'knapformer.cost_model.online.warmup'; valid keys: enabled,",
         ),
         ({"cost_model": {"warmup_steps": 3}}, "unknown key 'knapformer.cost_model.warmup_steps'"),
+        (  # accepted and ignored before: a preset alone reads them
+            {"cost_model": {"linear_coef": 1.0, "quadratic_coef": 0.1, "alltoall_gbps": 100}},
+            "alltoall_gbps price a preset's FLOPs and links; measured coefficients or a calibration_file do not",
+        ),
         (  # the keys of the block the typo is in (they were the cost model's)
             {"cost_model": {"startup_calibration": {"seqlens": [1024, 2048, 4096]}}},
             "unknown key 'knapformer.cost_model.startup_calibration.seqlens'; valid keys: enabled, seq_lens, repeats",
