@@ -20,6 +20,7 @@ from typing import Any
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import logger
 from torch import Tensor, nn
 
 from deepspeed_knap.cost.model import CostModel
@@ -120,6 +121,10 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, timeout: da
         if isinstance(cost_model, Exception):  # the same on every rank, as just checked
             raise cost_model
         heads = min((m.num_heads for m in attention if m.num_heads is not None), default=None)
+        if None not in (heads, cost_model.num_heads) and heads != cost_model.num_heads and dist.get_rank() == 0:
+            logger.warning(f"knapformer: the cost model prices attention of {cost_model.num_heads} heads (its preset's "
+                           f"or calibration file's) and the model has {heads}: groups that do not divide the heads "
+                           "are mispriced; use the model's own preset or calibration")  # fmt: skip
         topology = _build_topology(knap, dist.get_world_size(), heads)
         for module in attention:
             module.configure(topology, knap.attention_backend)

@@ -276,7 +276,7 @@ def read_calibration(path: str | Path) -> CostModel:
                         if name in data}  # fmt: skip
         linear, quadratic = coefficients.pop("linear_coef"), coefficients.pop("quadratic_coef")
         return CostModel(linear, quadratic, degree_efficiency=degree_efficiency_pairs(data.get("degree_efficiency")),
-                         num_heads=int(data["num_heads"]) if data.get("num_heads") else None, **coefficients)  # fmt: skip
+                         num_heads=data.get("num_heads"), **coefficients)  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"calibration file {path!r} is unreadable ({error}); it must be a JSON object with linear_coef, "

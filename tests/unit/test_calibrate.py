@@ -300,3 +300,15 @@ def test_startup_speeds_reach_each_balance_group_as_its_own_and_stay_bounded():
         assert len(plan_loads(plan, model)) == 2
     crawling = startup_model(prior, SEQ_LENS, _times(SEQ_LENS, 4e-5, 3e-9, 0.2, slow={2: 100.0}, ranks=4, noise=0.0))
     assert crawling.speeds[2] == 0.25 and crawling.model.gpu_speed[2] == 0.25  # 1/4, not 0
+
+
+def test_a_calibration_file_s_heads_are_a_positive_whole_number(tmp_path):
+    """int() turned 12.5 heads into 12 and true into 1, and 0 into no heads at all."""
+    from deepspeed_knap.cost.calibrate import read_calibration
+
+    for heads in (12.5, True, 0, "12"):
+        (tmp_path / "c.json").write_text(json.dumps({"linear_coef": 1e-6, "quadratic_coef": 1e-10, "num_heads": heads}))
+        with pytest.raises(ValueError, match="num_heads must be a positive integer"):
+            read_calibration(tmp_path / "c.json")
+    (tmp_path / "c.json").write_text(json.dumps({"linear_coef": 1e-6, "quadratic_coef": 1e-10, "num_heads": 12}))
+    assert read_calibration(tmp_path / "c.json").num_heads == 12
