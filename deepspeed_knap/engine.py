@@ -141,8 +141,8 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, timeout: da
     groups = create_process_groups(topology, datetime.timedelta(seconds=knap.timeout_s))
     if calibrating:
         settings = knap.cost_model.startup_calibration
-        # The all-to-all prices the user gave (0 turns the term off) stay; a given c is not timed over.
-        given = [name for name in ("alltoall_coef", "inter_node_alltoall_coef")
+        # The prices the user gave (0 turns a term off) stay; a given c is not timed over.
+        given = [name for name in ("alltoall_coef", "inter_node_alltoall_coef", "sequence_coef")
                  if getattr(knap.cost_model, name) is not None]  # fmt: skip
         calibration = calibrate_at_start(engine.module, cost_model, settings.timed_lengths(knap.max_tokens_per_gpu),
                                          settings.repeats, groups, knap.attention_backend,

@@ -148,7 +148,8 @@ def startup_model(
     scales them before it times an exchange (a FLOP preset guesses the links as it guesses the GPU),
     unless the ranks timed their Ulysses exchanges: then ``alltoall_coef`` is the lower median of
     their prices, and ``inter_node_alltoall_coef`` keeps its ratio to it. The prices in ``given``
-    stay the prior's (the user's measurements, not a preset's guesses).
+    stay the prior's (the user's measurements, not a preset's guesses); with ``alltoall_coef``
+    given, so does ``inter_node_alltoall_coef`` (its ratio to ``c`` kept).
 
     Args:
         prior: the configured model (its degree efficiency, route prices and heads are kept).
@@ -157,8 +158,8 @@ def startup_model(
         alltoall_by_rank: ``[S]`` each rank's timed ``alltoall_coef`` (seconds per unit of
             ``s * (G - 1) / G**2``: :func:`~deepspeed_knap.runtime.calibration.time_ulysses_exchanges`),
             ``None`` for a rank that timed none; ``None``: none timed.
-        given: names of the prior's all-to-all prices the user gave (``alltoall_coef``,
-            ``inter_node_alltoall_coef``), kept as they are (``0`` included).
+        given: names of the prior's prices the user gave (``alltoall_coef``,
+            ``inter_node_alltoall_coef``, ``sequence_coef``), kept as they are (``0`` included).
 
     Raises:
         ValueError: fewer than 3 lengths, ragged or non-positive times, times that do not grow, or
@@ -207,6 +208,7 @@ def startup_model(
         scaled.pop(name, None)
     if "alltoall_coef" in given:
         alltoall = "given"
+        scaled.pop("inter_node_alltoall_coef", None)  # c' keeps its ratio to the given c: c stays, so c' does
     model = dataclasses.replace(prior, linear_coef=fitted.linear_coef, quadratic_coef=fitted.quadratic_coef, **scaled,
                                 overhead_s=fit["overhead_s"],
                                 gpu_speed=tuple(speeds) if any(speed != 1.0 for speed in speeds) else None)  # fmt: skip

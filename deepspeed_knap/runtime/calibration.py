@@ -33,8 +33,8 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
     with its attention ``backend`` under ``groups.topology``, and the Ulysses exchanges of those
     blocks at the longest length in this rank's smallest attention group
     (:func:`time_ulysses_exchanges`); then fit one cost model from every rank's times. The prices in
-    ``given`` (the user's ``alltoall_coef`` or ``inter_node_alltoall_coef``) stay as ``prior`` has
-    them, and a given ``alltoall_coef`` is not timed over. Otherwise ``c`` is the prior's scaled as
+    ``given`` (the user's ``alltoall_coef``, ``inter_node_alltoall_coef`` or ``sequence_coef``) stay
+    as ``prior`` has them, and a given ``alltoall_coef`` is not timed over. Otherwise ``c`` is the prior's scaled as
     the compute where the exchanges give no price: the topology has no group of more than one GPU,
     or the ranks' step timers do not all say alike what the blocks exchange (a family's own timer
     may say nothing). Collective over the world: every rank calls it, and every rank gets the same

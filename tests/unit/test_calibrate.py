@@ -312,3 +312,18 @@ def test_a_calibration_file_s_heads_are_a_positive_whole_number(tmp_path):
             read_calibration(tmp_path / "c.json")
     (tmp_path / "c.json").write_text(json.dumps({"linear_coef": 1e-6, "quadratic_coef": 1e-10, "num_heads": 12}))
     assert read_calibration(tmp_path / "c.json").num_heads == 12
+
+
+def test_startup_model_keeps_a_given_per_sequence_price_and_c_prime_beside_a_given_c():
+    """A measured sequence_coef was scaled as the FLOP prior's compute; and with c given (not timed)
+    c' was scaled while c stayed, breaking the c' : c ratio the docs promise."""
+    from deepspeed_knap.cost.calibrate import startup_model
+    from deepspeed_knap.cost.model import CostModel
+
+    prior = CostModel(1e-6, 1e-10, alltoall_coef=2e-7, inter_node_alltoall_coef=8e-7, sequence_coef=1e-3)
+    times = _times(SEQ_LENS, 4e-5, 3e-9, 0.2, ranks=3, noise=0.0)
+    model = startup_model(prior, SEQ_LENS, times, given=("alltoall_coef", "sequence_coef")).model
+    assert (model.alltoall_coef, model.inter_node_alltoall_coef, model.sequence_coef) == (2e-7, 8e-7, 1e-3)
+    scaled = startup_model(prior, SEQ_LENS, times).model  # nothing given: all scale alike, the ratio kept
+    assert scaled.inter_node_alltoall_coef / scaled.alltoall_coef == pytest.approx(4.0)
+    assert scaled.sequence_coef != 1e-3
