@@ -407,12 +407,23 @@ def test_a_lora_adapter_of_either_family_loads_into_diffusers_own_model(family, 
 
 def _rank_1_cannot_write(save_dir: str) -> None:
     """Rank 1's optimizer shard of tag step1 cannot be written: a folder stands at its path (torch.save
-    raises the RuntimeError it raises for a full disk)."""
+    raises the RuntimeError it raises for a full disk), put there as DeepSpeed writes it (before, the
+    save's clearing of the tag would remove it)."""
     import os
     from pathlib import Path
 
-    if os.environ["RANK"] == "1":
-        (Path(save_dir) / "step1" / SHARD.format(1)).mkdir(parents=True)
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    if os.environ["RANK"] != "1":
+        return
+    save = TorchCheckpointEngine.save
+
+    def save_into_a_folder(self, state_dict, path):
+        if Path(path) == Path(save_dir) / "step1" / SHARD.format(1):
+            Path(path).mkdir(parents=True)
+        return save(self, state_dict, path)
+
+    TorchCheckpointEngine.save = save_into_a_folder
 
 
 def test_accumulation_an_export_or_a_checkpoint_a_rank_cannot_write_are_one_error_on_every_rank(tmp_path):
