@@ -344,7 +344,7 @@ class KnapDistributedAttention(DistributedAttention):
         routed = kwargs.pop("routed", args[0] if args and isinstance(args[0], RoutedBatch) else None)
         if routed is not None:
             rest = list(args[1:] if args and args[0] is routed else args)
-            segments = kwargs.pop("segments", rest.pop(0) if rest else None)
+            segments = kwargs.pop("segments") if "segments" in kwargs else (rest.pop(0) if rest else None)
             if rest or kwargs:  # a positional segments table counts; anything else would be dropped silently
                 raise ValueError(f"packed KnapDistributedAttention takes (query, key, value, routed, segments=None); "
                                  f"got also {len(rest)} more arguments and keywords {sorted(kwargs)}")  # fmt: skip

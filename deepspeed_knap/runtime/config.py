@@ -289,10 +289,11 @@ class KnapCostModelConfig(_KnapConfigModel):
             )
         if self.frozen_base and (coefs or self.calibration_file):
             raise ValueError("frozen_base adjusts a preset; measured coefficients already say what they measured")
-        preset_only = [k for k in ("tflops", "alltoall_gbps", "inter_node_alltoall_gbps") if k in self.model_fields_set]
+        preset_only = [k for k in ("tflops", "alltoall_gbps", "inter_node_alltoall_gbps")
+                       if k in self.model_fields_set and getattr(self, k) is not None]  # fmt: skip
         if preset_only and (coefs or self.calibration_file):  # read by a preset alone: given here, ignored
-            raise ValueError(f"{', '.join(preset_only)} price a preset's FLOPs and links; measured coefficients or a "
-                             "calibration_file do not read them: give alltoall_coef (and inter_node_alltoall_coef) "
+            raise ValueError(f"{', '.join(preset_only)}: a preset's FLOPs and links, which measured coefficients or a "
+                             "calibration_file do not read; give alltoall_coef (and inter_node_alltoall_coef) "
                              "instead, or drop them")  # fmt: skip
         return self
 

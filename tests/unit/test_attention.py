@@ -100,8 +100,9 @@ def test_knap_attention_on_one_gpu_is_attention_over_whole_sequences():
     by_segment = reference_attention(q, k, v, [n for row in segments.tolist() for n in row if n])
     torch.testing.assert_close(attention(q, k, v, routed, segments), by_segment, rtol=0, atol=1e-12)
     torch.testing.assert_close(attention(q, k, v, routed, segments=segments), by_segment, rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match=r"takes \(query, key, value, routed, segments=None\); got also 1 more"):
-        attention(q, k, v, routed, segments, "extra")
+    for extra in ((segments, "extra"), ("extra",)):  # the second: segments by keyword beside a stray one
+        with pytest.raises(ValueError, match=r"takes \(query, key, value, routed, segments=None\); got also 1 more"):
+            attention(q, k, v, routed, *extra, **({} if len(extra) == 2 else {"segments": segments}))
 
 
 def test_knap_attention_checks_heads_against_the_topology_at_construction():

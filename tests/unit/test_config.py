@@ -156,7 +156,7 @@ def test_calibration_file(tmp_path):
         ({"cost_model": {"warmup_steps": 3}}, "unknown key 'knapformer.cost_model.warmup_steps'"),
         (  # accepted and ignored before: a preset alone reads them
             {"cost_model": {"linear_coef": 1.0, "quadratic_coef": 0.1, "alltoall_gbps": 100}},
-            "alltoall_gbps price a preset's FLOPs and links; measured coefficients or a calibration_file do not",
+            "alltoall_gbps: a preset's FLOPs and links, which measured coefficients or a calibration_file do not read",
         ),
         (  # the keys of the block the typo is in (they were the cost model's)
             {"cost_model": {"startup_calibration": {"seqlens": [1024, 2048, 4096]}}},
