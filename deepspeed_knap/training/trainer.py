@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.engine import global_mean_loss, initialize, read_ds_config, token_mean_loss
+from deepspeed_knap.engine import global_mean_loss, initialize, token_mean_loss
 from deepspeed_knap.models.auto import checkpoint_family
 from deepspeed_knap.models.hooks import Objective, ValidationSettings
 from deepspeed_knap.models.latents import LatentFileError, check_latent_directory
@@ -54,6 +54,7 @@ from deepspeed_knap.models.loading import checked, plain_ds_config
 from deepspeed_knap.models.lora import add_lora, lora_config
 from deepspeed_knap.models.registry import spec
 from deepspeed_knap.runtime.checkpoint import CheckpointError, load_checkpoint
+from deepspeed_knap.runtime.config import read_ds_config
 from deepspeed_knap.runtime.groups import check_same_on_every_rank, raise_together
 from deepspeed_knap.runtime.manifest import (
     ManifestError,
