@@ -291,8 +291,11 @@ def load_checkpoint(
 
     from deepspeed_knap.runtime.config import read_ds_config
 
-    # A config file one rank cannot read is one error on every rank (collective, as the load is).
-    plain = None if ds_config is None else plain_ds_config(read_ds_config(ds_config))
+    # A config file one rank cannot read is one error on every rank (collective, as the load is);
+    # read once, what the checks below take too.
+    if ds_config is not None:
+        ds_config = read_ds_config(ds_config)
+    plain = None if ds_config is None else plain_ds_config(ds_config)
     zero = (plain or {}).get("zero_optimization", {})
     partitioned = zero.get("stage", 0) == 3
 

@@ -58,6 +58,16 @@ def pipeline_experts(path: str | Path | None) -> tuple[float | None, bool]:
     return config.get("boundary_ratio"), names_second_transformer(config)
 
 
+def image_to_video_pipeline(pipeline: Any) -> Any:
+    """``WanImageToVideoPipeline`` of a ``WanPipeline``'s parts and its ``boundary_ratio`` and
+    ``expand_timesteps``: what diffusers runs Wan 2.2 TI2V-5B's requests from an image with (the
+    parts share their weights, LoRA loaded into them included)."""
+    from diffusers import WanImageToVideoPipeline
+
+    return WanImageToVideoPipeline(**pipeline.components, boundary_ratio=pipeline.config.get("boundary_ratio"),
+                                   expand_timesteps=bool(pipeline.config.get("expand_timesteps")))  # fmt: skip
+
+
 def expand_timesteps(path: str | Path | None) -> bool:
     """Whether a pipeline directory's ``model_index.json`` sets ``expand_timesteps`` (Wan 2.2 TI2V-5B:
     a timestep per token, the first frame clean when generating from an image).

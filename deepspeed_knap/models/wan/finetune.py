@@ -38,6 +38,7 @@ from deepspeed_knap.models.wan.experts import (
     PackedWanExperts,
     expand_timesteps,
     expert_state,
+    image_to_video_pipeline,
     pipeline_experts,
 )
 from deepspeed_knap.models.wan.wan import PackedWanTransformer, output_rows
@@ -190,10 +191,7 @@ class WanValidation(ValidationHooks):
     def render(self, pipe: Any, call: Mapping[str, Any], generator: torch.Generator, options: Mapping,
                path: Path) -> Path:  # fmt: skip
         if "image" in call and type(pipe).__name__ == "WanPipeline":  # TI2V from an image, as diffusers runs it
-            from diffusers import WanImageToVideoPipeline
-
-            pipe = WanImageToVideoPipeline(**pipe.components, boundary_ratio=pipe.config.get("boundary_ratio"),
-                                           expand_timesteps=True)  # fmt: skip
+            pipe = image_to_video_pipeline(pipe)
         clip = pipe(**call, generator=generator, output_type="np", **options).frames[0]
         return write_gif(clip, path.with_suffix(".gif"))
 

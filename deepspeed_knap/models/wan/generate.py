@@ -52,7 +52,7 @@ from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
 from deepspeed_knap.models.wan.data import I2V_TEXT_ROWS, IMAGE_CONTEXT_KEY
-from deepspeed_knap.models.wan.experts import PackedWanExperts, pipeline_experts
+from deepspeed_knap.models.wan.experts import PackedWanExperts, image_to_video_pipeline, pipeline_experts
 from deepspeed_knap.models.wan.spec import TINY_WAN, WAN
 from deepspeed_knap.models.wan.wan import PackedWanTransformer
 
@@ -130,10 +130,7 @@ class WanGenerator(Generator):
         """The ``WanImageToVideoPipeline`` of the same parts: the pipeline itself, or for TI2V-5B's
         ``WanPipeline`` the image-to-video pipeline diffusers runs its image requests with."""
         if self._image_pipeline is None:
-            from diffusers import WanImageToVideoPipeline
-
-            self._image_pipeline = WanImageToVideoPipeline(**self.pipeline.components, boundary_ratio=self.boundary_ratio,
-                                                           expand_timesteps=self.expand_timesteps)  # fmt: skip
+            self._image_pipeline = image_to_video_pipeline(self.pipeline)
         return self._image_pipeline
 
     def pipeline_options(self, request: Request) -> dict[str, Any]:
