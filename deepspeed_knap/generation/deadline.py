@@ -123,9 +123,8 @@ class Deadline:
             except RuntimeError as failure:
                 # Once one receive times out, gloo closes the group's other pairs ("Application
                 # timeout caused pair closure"): those peers did not answer in time either.
-                (silent if "timed out" in str(failure).lower() or "timeout" in str(failure).lower() else left).append(
-                    peer
-                )
+                message = str(failure).lower()
+                (silent if "timed out" in message or "timeout" in message else left).append(peer)
         timed_out = any("timed out" in str(cause).lower() for cause in _chain(error))
         parts = []
         if silent:
