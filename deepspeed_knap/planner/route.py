@@ -53,15 +53,21 @@ def gpu_traffic(
     """``[4, S]`` int64 tokens each GPU sends within its node, sends to other nodes, receives within
     its node and receives from other nodes, under a plan of groups ``(group_start, group_size)``
     ``[N]`` for sequences ``seq_lens`` ``[N]`` of home GPUs ``src`` ``[N]``."""
-    traffic = np.zeros((4, num_gpus), dtype=np.int64)
-    for s, home, start, size in zip(seq_lens.tolist(), src.tolist(), group_start.tolist(), group_size.tolist(),
-                                    strict=True):  # fmt: skip
-        if size == 1 and start == home:
-            continue
-        for gpu, tokens, across in sequence_traffic(s, home, start, size, gpus_per_node):
-            traffic[int(across), home] += tokens
-            traffic[2 + int(across), gpu] += tokens
-    return traffic
+    seq_lens, src = np.asarray(seq_lens, dtype=np.int64), np.asarray(src, dtype=np.int64)
+    group_start, group_size = np.asarray(group_start, dtype=np.int64), np.asarray(group_size, dtype=np.int64)
+    # Every chunk of every sequence (sequence_traffic's, vectorised): [sum of group sizes] each.
+    member_of = np.repeat(np.arange(len(group_size)), group_size)
+    position = np.arange(len(member_of)) - np.repeat(np.cumsum(group_size) - group_size, group_size)
+    base, extra = np.divmod(seq_lens, group_size)
+    gpu, home = group_start[member_of] + position, src[member_of]
+    tokens = base[member_of] + (position < extra[member_of])
+    moves = (gpu != home) & (tokens > 0)
+    gpu, home, tokens = gpu[moves], home[moves], tokens[moves]
+    across = np.zeros(len(gpu), dtype=bool) if gpus_per_node is None else gpu // gpus_per_node != home // gpus_per_node
+    # Token counts sum exactly in float64 (a step holds at most 2**40 tokens).
+    sent = np.bincount(across * num_gpus + home, weights=tokens, minlength=2 * num_gpus)
+    received = np.bincount(across * num_gpus + gpu, weights=tokens, minlength=2 * num_gpus)
+    return np.concatenate((sent, received)).astype(np.int64).reshape(4, num_gpus)
 
 
 def moved_tokens(plan: RoutingPlan) -> list[int]:
@@ -69,7 +75,7 @@ def moved_tokens(plan: RoutingPlan) -> list[int]:
     online refit's route evidence)."""
     traffic = gpu_traffic(plan.seq_lens, plan.seq_src_rank, plan.seq_group_start, plan.seq_group_size,
                           plan.num_gpus, None)  # fmt: skip
-    return [max(sent, received) for sent, received in zip(traffic[0].tolist(), traffic[2].tolist(), strict=True)]
+    return np.maximum(traffic[0], traffic[2]).tolist()
 
 
 def route_seconds(cost_model: CostModel, traffic: np.ndarray) -> float:

@@ -56,6 +56,7 @@ OVERHEAD_COLLECTIVES = ("gather", "agree", "route", "reverse_route")
 OVERHEAD_LOCAL = ("refit", "solve")
 # What a rank ships of its closed step with the next lengths gather (microseconds, -1: unknown).
 _REPORTED = ("compute", "ulysses", "step", *OVERHEAD_LOCAL, *OVERHEAD_COLLECTIVES)
+_OVERHEAD_COLUMNS = [_REPORTED.index(part) for part in (*OVERHEAD_LOCAL, *OVERHEAD_COLLECTIVES)]
 
 
 def balancer_overhead_s(phases_per_rank: Sequence[Mapping[str, float]]) -> float:
@@ -69,8 +70,18 @@ def balancer_overhead_s(phases_per_rank: Sequence[Mapping[str, float]]) -> float
     exchange itself (at worst, it still holds the last arrival's wait at another part). The plan
     parts are host seconds (``time.perf_counter``); the routes are timed by device events (the
     accelerator's clock, the host's on CPU)."""
-    local = max((sum(phases.get(part, 0.0) for part in OVERHEAD_LOCAL) for phases in phases_per_rank), default=0.0)
-    return local + sum(min(phases.get(part, 0.0) for phases in phases_per_rank) for part in OVERHEAD_COLLECTIVES)
+    parts = (*OVERHEAD_LOCAL, *OVERHEAD_COLLECTIVES)
+    seconds = np.array([[phases.get(part, 0.0) for part in parts] for phases in phases_per_rank], dtype=np.float64)
+    return _overhead_s(seconds.reshape(-1, len(parts)))
+
+
+def _overhead_s(seconds: np.ndarray) -> float:
+    """:func:`balancer_overhead_s` of ``[S, P]`` seconds per rank of the parts ``(*OVERHEAD_LOCAL,
+    *OVERHEAD_COLLECTIVES)``, in that order."""
+    if not len(seconds):
+        return 0.0
+    local = float(seconds[:, : len(OVERHEAD_LOCAL)].sum(axis=1).max())
+    return local + float(seconds[:, len(OVERHEAD_LOCAL) :].min(axis=0).sum())
 
 
 # A step's plan with what it was made of: (lengths per rank, plan, solve seconds, solved ahead, the
@@ -418,13 +429,13 @@ class KnapBalancer:
                 reports: list[list[int]]) -> None:  # fmt: skip
         """Every rank's measured times of the step planned by ``plan`` (with ``model`` and
         ``segments_per_rank``, or ``None``)."""
-        compute_us = [report[0] for report in reports]
+        table = np.asarray(reports, dtype=np.int64).reshape(len(reports), len(_REPORTED))  # [S, R] microseconds
+        compute_us = table[:, 0].tolist()
         self._overhead = None
-        if reports and all(len(report) == len(_REPORTED) and min(report) >= 0 for report in reports):
-            per_rank = [dict(zip(_REPORTED, (us / 1e6 for us in report), strict=True)) for report in reports]
-            step_s = max(phases["step"] for phases in per_rank)
+        if len(table) and table.min() >= 0:
+            step_s = table[:, _REPORTED.index("step")].max() / 1e6
             if step_s > 0:
-                self._overhead = balancer_overhead_s(per_rank) / step_s
+                self._overhead = _overhead_s(table[:, _OVERHEAD_COLUMNS] / 1e6) / step_s
         # The first measured step carries one-time costs (allocator growth, lazy initialisation, the
         # first collectives' connections): on 2 CPU ranks a process's first step took a median 1.45x
         # (0.85x-2.8x) the next step's compute per token, which the refit would read as scatter (a
@@ -435,10 +446,9 @@ class KnapBalancer:
             squares = None
             if segments_per_rank is not None:
                 squares = segment_square_sums([row for rows in segments_per_rank for row in rows]).tolist()
-            route, reverse = _REPORTED.index("route"), _REPORTED.index("reverse_route")
-            route_us = [report[route] + report[reverse] if min(report[route], report[reverse]) >= 0 else -1
-                        for report in reports]  # fmt: skip
-            predicted = self.online.observe(plan, compute_us, [report[1] for report in reports], squares, route_us,
+            route, reverse = table[:, _REPORTED.index("route")], table[:, _REPORTED.index("reverse_route")]
+            route_us = np.where(np.minimum(route, reverse) >= 0, route + reverse, -1).tolist()
+            predicted = self.online.observe(plan, compute_us, table[:, 1].tolist(), squares, route_us,
                                             moved_tokens(plan))  # fmt: skip
         else:
             compute_model = dataclasses.replace(model, alltoall_coef=0.0)

@@ -38,6 +38,9 @@ def test_planner_suite_cli_writes_table_csv_and_plots(tmp_path, capsys):
         )
         assert float(row["imbalance_p95"]) >= float(row["imbalance_median"]) >= 1 - 1e-9
         assert (row["loss_plus_median"] == "") == (row["solver"] == "none")
+        # the online refit's update is timed on auto's plans only
+        assert (row["refit_ms_median"] != "") == (row["topology"] == "auto" and row["solver"] == "refine")
+        assert row["refit_ms_median"] == "" or float(row["refit_ms_median"]) > 0
     by_key = {(r["topology"], r["solver"]): r for r in rows}
     for spec in bench.suite_topologies(32)[:-1]:
         assert float(by_key[(spec, "none")]["speedup_median"]) == 1.0
