@@ -224,6 +224,22 @@ def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
     return result
 
 
+def pipeline_index(pipeline: str | Path) -> dict:
+    """The parsed ``model_index.json`` of a diffusers pipeline directory.
+
+    Raises:
+        ValueError: the file cannot be read, is no JSON, or holds no JSON object; naming it.
+    """
+    index = Path(pipeline) / "model_index.json"
+    try:
+        parsed = json.loads(index.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {index}: {error}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{index} holds a JSON {type(parsed).__name__}, not an object: it is no diffusers pipeline's")
+    return parsed
+
+
 def names_second_transformer(index: Any) -> bool:
     """Whether a pipeline's ``model_index.json`` (parsed: ``index``) names a ``transformer_2``: a
     ``[library, class]`` pair whose library is set (Wan 2.2 TI2V-5B's ``[null, null]`` names none)."""
@@ -235,8 +251,8 @@ def _pipeline_names_second_transformer(pipeline: Path) -> bool:
     """:func:`names_second_transformer` of ``pipeline``'s ``model_index.json`` (an unreadable one:
     no, the loading goes on to the transformer's own files)."""
     try:
-        return names_second_transformer(json.loads((pipeline / "model_index.json").read_text()))
-    except (OSError, ValueError):
+        return names_second_transformer(pipeline_index(pipeline))
+    except ValueError:
         return False
 
 

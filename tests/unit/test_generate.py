@@ -651,6 +651,20 @@ def test_load_wan_generator_refuses_other_wan_pipelines(tmp_path):
         load_wan_generator(tmp_path, torch.float32, "cpu")
 
 
+def test_generators_name_a_model_index_that_holds_no_object(tmp_path):
+    """A ``model_index.json`` of a list, or of no JSON, is refused naming the file by the Wan and
+    Qwen-Image loaders before anything loads (a list's ``.get`` raised AttributeError)."""
+    from deepspeed_knap.models.qwenimage.generate import QwenImageGenerator
+    from deepspeed_knap.models.wan.generate import load_wan_generator
+
+    index = tmp_path / "model_index.json"
+    for text, says in (("[]", f"{index} holds a JSON list, not an object"), ("{", f"cannot read {index}")):
+        index.write_text(text)
+        for load in (load_wan_generator, QwenImageGenerator.load):
+            with pytest.raises(ValueError, match=re.escape(says)):
+                load(tmp_path, torch.float32, "cpu")
+
+
 def test_a_set_without_joiners_that_cannot_be_planned_raises():
     def solve(seq_lens_per_rank):
         raise ValueError("max_tokens_per_gpu could not be met")

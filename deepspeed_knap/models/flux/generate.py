@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
 from deepspeed_knap.models.flux.flux1 import rope_axes
 from deepspeed_knap.models.flux.spec import FLUX1, FLUX2, TINY_FLUX, TINY_FLUX2, TINY_FLUX2_KLEIN
+from deepspeed_knap.models.loading import pipeline_index
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses a larger max_sequence_length (it truncates prompts)
 
@@ -601,7 +601,7 @@ def load_flux_generator(model_path: str | Path, dtype: torch.dtype, device: torc
     spec = model_class(family).spec
     # A transformer of one family in another's pipeline directory loads, then every request fails
     # inside the pipeline's parts (its text encoders are the other family's).
-    named = json.loads((Path(model_path) / "model_index.json").read_text()).get("_class_name")
+    named = pipeline_index(model_path).get("_class_name")
     generator = PIPELINE_GENERATORS.get(named)
     if generator is None or generator.family != family:
         takes = {**{other.pipeline: other.diffusers_class for other in SPECS.values() if other.pipeline},

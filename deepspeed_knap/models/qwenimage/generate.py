@@ -39,7 +39,6 @@ packed latent channels (64), ``Tt`` text rows, ``Dj`` the text encoder's width (
 from __future__ import annotations
 
 import copy
-import json
 import math
 import sys
 from collections.abc import Mapping
@@ -55,6 +54,7 @@ from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
 from deepspeed_knap.models.flux.flux1 import rope_axes
+from deepspeed_knap.models.loading import pipeline_index
 from deepspeed_knap.models.qwenimage.layers import ROPE_POSITIONS
 from deepspeed_knap.models.qwenimage.qwenimage import PackedQwenImageTransformer
 from deepspeed_knap.models.qwenimage.spec import QWEN_IMAGE, TINY_QWEN_IMAGE
@@ -411,7 +411,7 @@ class QwenImageGenerator(Generator):
         """
         import diffusers
 
-        name = json.loads((Path(model_path) / "model_index.json").read_text()).get("_class_name")
+        name = pipeline_index(model_path).get("_class_name")
         if name not in QWEN_IMAGE_GENERATORS:
             raise ValueError(f"{model_path} is a {name}; deepspeed-knap generate runs Qwen-Image checkpoints of "
                              f"{', '.join(QWEN_IMAGE_GENERATORS)}")  # fmt: skip

@@ -18,7 +18,6 @@ Shapes: ``N`` samples on a rank, ``T`` video tokens, ``P * C`` a token's output 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from deepspeed_knap.models.loading import names_second_transformer
+from deepspeed_knap.models.loading import names_second_transformer, pipeline_index
 from deepspeed_knap.models.wan.spec import WAN
 from deepspeed_knap.models.wan.wan import PackedWanTransformer, WanInputs
 from deepspeed_knap.runtime.balancer import KnapBalancer, balanced_forward
@@ -49,12 +48,7 @@ def pipeline_experts(path: str | Path | None) -> tuple[float | None, bool]:
     index = Path(path or ".") / "model_index.json"
     if path is None or not index.is_file():
         return None, False
-    try:
-        config = json.loads(index.read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"cannot read {index}: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{index} holds {type(config).__name__}, not a JSON object")
+    config = pipeline_index(path)
     return config.get("boundary_ratio"), names_second_transformer(config)
 
 
@@ -78,10 +72,7 @@ def expand_timesteps(path: str | Path | None) -> bool:
     index = Path(path or ".") / "model_index.json"
     if path is None or not index.is_file():
         return False
-    try:
-        return bool(json.loads(index.read_text()).get("expand_timesteps"))
-    except (OSError, ValueError) as error:
-        raise ValueError(f"cannot read {index}: {error}") from None
+    return bool(pipeline_index(path).get("expand_timesteps"))
 
 
 class PackedWanExperts(nn.Module):

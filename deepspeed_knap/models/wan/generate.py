@@ -38,7 +38,6 @@ height and width (pixels / 8), ``Tt`` text rows, ``Dj`` the text encoder's width
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,7 @@ from torch import Tensor
 from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
+from deepspeed_knap.models.loading import pipeline_index
 from deepspeed_knap.models.wan.data import I2V_TEXT_ROWS, IMAGE_CONTEXT_KEY
 from deepspeed_knap.models.wan.experts import PackedWanExperts, image_to_video_pipeline, pipeline_experts
 from deepspeed_knap.models.wan.spec import TINY_WAN, WAN
@@ -315,7 +315,7 @@ def load_wan_generator(model_path: str | Path, dtype: torch.dtype, device: torch
     """
     import diffusers
 
-    index = json.loads((Path(model_path) / "model_index.json").read_text())
+    index = pipeline_index(model_path)
     name = index.get("_class_name")
     if name not in PIPELINES:
         raise ValueError(f"{model_path} is a {name}; deepspeed-knap generate runs {' and '.join(PIPELINES)} "
