@@ -118,8 +118,8 @@ GPUs and sequences are taken left to right (``np.bincount``, ``np.add.accumulate
 are plain Python floats in a fixed order (:func:`~deepspeed_knap.cost.model.nonnegative_normal_equations`),
 and weights decay by multiplication, not ``pow``. So every rank computes a bit-identical model and
 the planner a bit-identical plan. The per-GPU work is NumPy so that the refit, which every rank runs
-in every step, stays small at scale (``bench planner``'s refit column: about 0.5 ms a step at 2 to
-32 GPUs and 1.4 ms at 1,024 on a 2-core host). No torch, no communication.
+in every step, stays small at scale (``bench planner``'s refit column on a 2-core host: 0.6-0.8 ms a
+step at 32 GPUs, 1.7-3.3 ms at 1,024). No torch, no communication.
 """
 
 from __future__ import annotations
