@@ -139,7 +139,7 @@ from deepspeed_knap.cost.model import (
 )
 
 # Refits alternate at most this many times between the coefficients and the speeds, stopping once the
-# speeds come back unchanged (with equal ranks, after the first: 0.56 -> 0.27 ms a refit at 2 GPUs).
+# speeds come back unchanged (with equal ranks, after the first: half the refit's time at 2 GPUs).
 _ALTERNATIONS = 3
 # Evidence whose weight has decayed below this is dropped (module docstring): a GPU's measured steps,
 # the timed Ulysses exchanges, the steps that moved tokens. 44 steps at forgetting 0.9; never at 1.
@@ -256,9 +256,9 @@ def plan_terms(
     gpus = starts[member_of] + np.arange(len(member_of)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
     num_gpus = plan.num_gpus
     return (
-        np.bincount(gpus, weights=x[member_of], minlength=num_gpus),
-        np.bincount(gpus, weights=y[member_of], minlength=num_gpus),
-        np.bincount(gpus, weights=z[member_of], minlength=num_gpus),
+        np.bincount(gpus, weights=x[member_of], minlength=num_gpus).astype(np.float64),  # (int64 when empty)
+        np.bincount(gpus, weights=y[member_of], minlength=num_gpus).astype(np.float64),
+        np.bincount(gpus, weights=z[member_of], minlength=num_gpus).astype(np.float64),
         np.bincount(gpus, minlength=num_gpus).astype(np.float64),
     )
 
@@ -312,6 +312,10 @@ class OnlineCostModel:
         sends or receives under ``plan``, the larger (:func:`~deepspeed_knap.planner.route.moved_tokens`),
         given with ``route_us``. Refits when due. Returns what the model
         predicted for the step before it was added (:meth:`predicted_s`)."""
+        if not plan.num_gpus == len(compute_us) == len(ulysses_us) == self.num_gpus:
+            raise ValueError(f"observe takes a plan of the refit's {self.num_gpus} GPUs and one compute and one Ulysses "
+                             f"time per GPU; got a plan of {plan.num_gpus} GPUs and {len(compute_us)} and "
+                             f"{len(ulysses_us)} times")  # fmt: skip
         forgetting = self.settings.forgetting
         terms = plan_terms(plan, self.current, segment_squares)
         x, y, z, u = terms
@@ -321,7 +325,7 @@ class OnlineCostModel:
         expired = sums[0] < _EVIDENCE_EXPIRED  # the weight: older than that is forgotten, not decayed
         if expired.any():  # (forever decaying weights end in subnormal noise)
             sums[:, expired] = 0.0
-        measured_us = np.asarray(compute_us, dtype=np.int64)
+        measured_us = np.asarray(compute_us, dtype=np.float64)
         busy = (measured_us >= 0) & (x > 0)  # measured, busy GPUs
         t = measured_us[busy] / 1e6
         # Once refit, a step counts at most max_speed_ratio times off the model's prediction: one
@@ -332,7 +336,7 @@ class OnlineCostModel:
         x, y, u, one = x[busy], y[busy], u[busy], np.ones(len(t))
         sums[:, busy] += np.stack((one, x, y, x * x, x * y, y * y, t, t * x, t * y, t * t, u, u * x, u * y, u * t,
                                    u * u, one))  # in _ROWS' order  # fmt: skip
-        exchange_us = np.asarray(ulysses_us, dtype=np.int64)
+        exchange_us = np.asarray(ulysses_us, dtype=np.float64)
         timed = (exchange_us >= 0) & (z > 0)
         self.alltoall_sums = [self.alltoall_sums[0] * forgetting, self.alltoall_sums[1] * forgetting]
         if self.alltoall_sums[1] < _EVIDENCE_EXPIRED:  # expired: the prior's (scaled) price returns
@@ -362,7 +366,7 @@ class OnlineCostModel:
             return
         if moved is None:
             raise ValueError("route_us needs moved_tokens: the tokens each GPU moved under the plan")
-        tokens, seconds = np.asarray(moved, dtype=np.float64), np.asarray(route_us, dtype=np.int64) / 1e6
+        tokens, seconds = np.asarray(moved, dtype=np.float64), np.asarray(route_us, dtype=np.float64) / 1e6
         if len(tokens) != len(seconds):
             raise ValueError(f"route_us has {len(seconds)} entries and moved_tokens {len(tokens)}; give one per GPU")
         pairs = np.flatnonzero((tokens > 0) & (seconds >= 0))

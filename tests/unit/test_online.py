@@ -608,3 +608,17 @@ def test_route_refit_fits_a_latency_where_the_moved_tokens_vary_and_not_where_th
         else:  # the prior's latency kept, the rest per token: below the fit that counted it per token
             assert model.route_latency_s == prior_latency
             assert ROUTE_COEF <= model.route_coef < 0.5 * through_origin
+
+
+def test_observe_refuses_times_of_another_number_of_gpus():
+    """One compute and one Ulysses time per GPU of the plan and the refit, or a ValueError naming
+    the counts, before the refit's state changes."""
+    prior = CostModel(1e-5, 1e-9)
+    plan = plan_routing(sample_mix("kf_mixed_res", 8, 0), build_topology("auto", 8), prior)
+    online = OnlineCostModel(prior, 8)
+    for compute, exchange in (([1000] * 7, [0] * 8), ([1000] * 8, [0] * 9)):
+        with pytest.raises(ValueError, match=f"got a plan of 8 GPUs and {len(compute)} and {len(exchange)} times"):
+            online.observe(plan, compute, exchange)
+    with pytest.raises(ValueError, match="the refit's 4 GPUs"):
+        OnlineCostModel(prior, 4).observe(plan, [1000] * 8, [0] * 8)
+    assert online.observed == 0 and not online.sums.any()
