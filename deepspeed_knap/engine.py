@@ -106,6 +106,8 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, timeout: da
         knap = get_knapformer_config(ds_config)
     except ValueError as error:
         problem = str(error)
+    except Exception as error:  # a bug of ours or DeepSpeed's parsing: still raised on every rank together
+        problem = f'parsing the "knapformer" block: {type(error).__name__}: {error}'
     raise_together(problem and f"{this_node()}: {problem}", "reading the DeepSpeed config on every rank")
     # Valid blocks may still differ between nodes; "enabled" decides which collectives a rank runs
     # next, so the block is agreed on before anything branches on it.

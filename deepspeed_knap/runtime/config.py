@@ -25,7 +25,7 @@ from typing import Any, Literal, get_args
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.utils import logger
-from pydantic import Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
 
 from deepspeed_knap.cost.calibrate import read_calibration
 from deepspeed_knap.cost.model import (
@@ -54,6 +54,14 @@ class _KnapConfigModel(DeepSpeedConfigModel):
     """A block of the ``"knapformer"`` config: besides DeepSpeed's rules (unknown keys refused), a
     number field refuses a JSON boolean, which pydantic would take as 1 or 0 (``"timeout_s": true``
     would wait one second)."""
+
+    def __init__(self, **data: Any) -> None:
+        # DeepSpeed's __init__(strict=False, **data) drops every value "auto" unless called with
+        # strict=True, and takes a "strict" key as that argument: pydantic builds the nested blocks
+        # without it, so "model": "auto" in "cost_model" fell back to the default unannounced and
+        # "strict" was a key no block refused. Every value counts, every unknown key is refused.
+        BaseModel.__init__(self, **data)
+        self._deprecated_fields_check()
 
     @field_validator("*", mode="before")
     @classmethod
@@ -162,7 +170,8 @@ class KnapCostModelConfig(_KnapConfigModel):
 
     model: str | None = None
     """Preset name: each registered family's (``flux-dev``, ``flux-schnell``, ``flux-tiny``, ``flux2-dev``,
-    ``flux3``; Wan: ``wan2.1-1.3b``, ``wan2.1-14b``, ``wan2.2-ti2v-5b``, ``wan-tiny``; docs/models.md lists them);
+    ``flux2-tiny``, ``flux3``, ``flux3-tiny``; Qwen-Image: ``qwen-image``, ``qwen-image-tiny``; Wan:
+    ``wan2.1-1.3b``, ``wan2.1-14b``, ``wan2.2-ti2v-5b``, ``wan-tiny``; docs/models.md lists them);
     the default when nothing else is given. The dims overrides below are FLUX's: a Wan preset takes none
     (another Wan size: calibrate, or give coefficients)."""
     hidden: int | None = Field(None, gt=0)
@@ -415,7 +424,9 @@ class KnapFormerConfig(_KnapConfigModel):
         if not self.enabled:  # nothing plans: the topology checks wait for a block that balances
             return self
         # The deprecated spelling is moved to cost_model only after this check has run.
-        calibration = (self.workload if self.workload is not None else self.cost_model).startup_calibration
+        # (DeepSpeed deletes the attribute when it moves the value: getattr.)
+        workload = getattr(self, "workload", None)
+        calibration = (workload if workload is not None else self.cost_model).startup_calibration
         lengths = calibration.timed_lengths(self.max_tokens_per_gpu)
         if calibration.enabled is True and len(lengths) < 3:
             raise ValueError(
@@ -534,7 +545,7 @@ def collective_timeout(block: Any) -> datetime.timedelta | None:
     if not isinstance(block, Mapping) or (block.get("enabled") is not True and "timeout_s" not in block):
         return None
     try:
-        seconds = KnapFormerConfig(strict=True, timeout_s=block.get("timeout_s", _DEFAULT_TIMEOUT_S)).timeout_s
+        seconds = KnapFormerConfig(timeout_s=block.get("timeout_s", _DEFAULT_TIMEOUT_S)).timeout_s
     except ValidationError:
         seconds = _DEFAULT_TIMEOUT_S
     return datetime.timedelta(seconds=seconds)
@@ -550,7 +561,7 @@ def get_knapformer_config(param_dict: Mapping[str, Any]) -> KnapFormerConfig:
     if not isinstance(block, Mapping):
         raise ValueError(f'the "knapformer" block must be a JSON object; got {block!r}')
     try:
-        return KnapFormerConfig(strict=True, **block)
+        return KnapFormerConfig(**block)
     except ValidationError as error:
         raise ValueError(_explain(error)) from None
 

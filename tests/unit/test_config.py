@@ -2,6 +2,7 @@
 "workload" spelling, and errors that name the key."""
 
 import json
+import re
 
 import pytest
 
@@ -204,6 +205,26 @@ def test_the_old_workload_spelling_still_loads_with_a_warning(caplog):
     assert block(workload={"model": "flux-tiny"}).cost_model.online_settings() is None
     # A flat knob with "online" off was inert in the old block; such a config still loads (with a note).
     assert block(workload={"model": "flux-tiny", "warmup_steps": 3}).cost_model.online_settings() is None
+    # ... and so does an enabled block (whose checks read the cost model before DeepSpeed moves it).
+    enabled = block(enabled=True, workload={"model": "flux-tiny", "online": True})
+    spelled_now = block(enabled=True, cost_model={"model": "flux-tiny", "online": {"enabled": True}})
+    assert enabled.enabled and enabled.cost_model == spelled_now.cost_model
+
+
+def test_auto_is_a_value_like_any_other_and_strict_a_key_like_any_other():
+    """DeepSpeed's config models drop every value "auto" and take "strict" as an argument unless
+    told otherwise; in this block, at every depth, "auto" is checked as given and "strict" is an
+    unknown key."""
+    for fields, says in (
+        ({"cost_model": {"model": "auto"}}, "unknown model preset 'auto'"),
+        ({"cost_model": {"tflops": "auto"}}, "knapformer.cost_model.tflops = 'auto'"),
+        ({"cost_model": {"online": {"enabled": "auto"}}}, "knapformer.cost_model.online.enabled = 'auto'"),
+        ({"cost_model": {"online": {"strict": False}}}, "unknown key 'knapformer.cost_model.online.strict'"),
+        ({"strict": False}, "unknown key 'knapformer.strict'"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            block(enabled=True, **fields)
+    assert block(enabled=True, topology="auto").topology == "auto"  # where "auto" is a value, it still is
 
 
 def test_block_must_be_an_object():
