@@ -575,6 +575,9 @@ def main(share: bool = True) -> None:
     reply ``(plan, solve_s, None, shared)`` or ``(None, 0.0, "Error: message", False)``, until the
     input ends or a frame of ``None`` stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the rank's group; the rank ends us
+    # DeepSpeed's launcher, srun and scancel end every process of a failed job with SIGTERM: leave by
+    # SystemExit, so that the shared plans' files go with us (by default they stayed, 2-8 MB each).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     replies = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
     shared = _SharedPlans.open() if share else None

@@ -441,8 +441,11 @@ class KnapBalancer:
         # (0.85x-2.8x) the next step's compute per token, which the refit would read as scatter (a
         # 2x slower rank called only at step 4) and as scale. It is priced, not learned from. (The
         # reports are all-gathered: every rank counts alike.)
-        self._measured_steps += any(us >= 0 for us in compute_us)
-        if self.online is not None and self._measured_steps > 1:
+        measured = any(us >= 0 for us in compute_us)
+        self._measured_steps += measured
+        # A forward no rank timed (no backward: a validation loss; a timer that failed) says nothing:
+        # observing it would age the evidence (forgetting) and count towards warm-up and refits.
+        if self.online is not None and measured and self._measured_steps > 1:
             squares = None
             if segments_per_rank is not None:
                 squares = segment_square_sums([row for rows in segments_per_rank for row in rows]).tolist()
@@ -548,13 +551,14 @@ class KnapBalancer:
             times = StepTimes(batch.tokens.device)
             time_exchanges(times)
             times.mark("plan_start")
-            model = self.model
             self._step_inputs = (segments, problem)  # for plan(), which a subclass may override
             plan = self.plan(batch)  # a subclass may plan otherwise: the plan routed is the one timed
             times.mark("plan_end")
             times.plan_parts, self._plan_parts = self._plan_parts, dict.fromkeys(PLAN_PARTS, 0.0)
             # The segments the plan was made with (a subclass's own plan: none known).
             planned = self._last is not None and self._last[1] is plan
+            # The model the plan was solved with (plan() may refit before solving; a subclass's own plan: now's).
+            model = self._last[4] if planned else self.model
             self._in_flight = (times, plan, model, self._last_segments if planned else None)
             routed = self.route(batch, plan)
             routed = routed.with_tokens(stamp(routed.batch.tokens, times, "blocks_start", "blocks_grad_end"))

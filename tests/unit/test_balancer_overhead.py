@@ -80,3 +80,24 @@ def test_the_compute_leaves_out_every_exchange_inside_the_blocks():
     seconds = times.seconds()
     assert seconds["route"] >= 0.45 and seconds["ulysses"] >= 0.1 and seconds["setup"] >= 0.1
     assert len(times.inside) == 4 and seconds["compute"] < 0.1  # it was >= 0.4, the two routes inside
+
+
+def test_a_step_no_rank_timed_leaves_the_online_refit_as_it_was():
+    """A forward without a backward (a validation loss) or with failed timers reports -1 on every
+    rank: the refit does not observe it (its evidence would age a step and the route fit expire
+    after enough of them); the next timed step is observed."""
+    from deepspeed_knap.cost.model import CostModel
+    from deepspeed_knap.cost.online import OnlineCostModel
+    from deepspeed_knap.models.registry import sample_mix
+    from deepspeed_knap.planner import build_topology, plan_routing
+    from deepspeed_knap.runtime.balancer import _REPORTED
+
+    prior = CostModel(1e-5, 1e-9)
+    plan = plan_routing(sample_mix("kf_mixed_res", 2, 0), build_topology("auto", 2), prior)
+    online = OnlineCostModel(prior, 2)
+    balancer = SimpleNamespace(online=online, _measured_steps=2, _overhead=None, _measured=None)
+    KnapBalancer._record(balancer, plan, prior, None, [[-1] * len(_REPORTED)] * 2)
+    assert online.observed == 0 and balancer._measured_steps == 2
+    timed = [[40_000, 0, 100_000] + [100] * (len(_REPORTED) - 3), [50_000, 0, 100_000] + [100] * (len(_REPORTED) - 3)]
+    KnapBalancer._record(balancer, plan, prior, None, timed)
+    assert online.observed == 1 and balancer._measured_steps == 3 and balancer._overhead > 0

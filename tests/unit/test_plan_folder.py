@@ -4,11 +4,12 @@ for a link to another user's after the check must not have this worker unpickle 
 
 import os
 import pickle
+import signal
 
 from deepspeed_knap.models.registry import default_cost_model
 from deepspeed_knap.planner import DEFAULT_SOLVER, plan_routing
 from deepspeed_knap.planner.topology import build_topology
-from deepspeed_knap.planner.worker import PLAN_FOLDER_VARIABLE, _SharedPlans
+from deepspeed_knap.planner.worker import PLAN_FOLDER_VARIABLE, PlanWorker, _SharedPlans
 
 JOB = ([[300, 5], [7]], build_topology("g2n1"), default_cost_model("flux-dev"), DEFAULT_SOLVER, None)
 
@@ -62,3 +63,19 @@ def test_a_folder_that_is_a_link_or_open_to_others_is_not_shared(tmp_path, monke
     shared = _SharedPlans.open()
     assert shared is not None and (tmp_path / "new").stat().st_mode & 0o777 == 0o700
     shared.close()
+
+
+def test_a_worker_ended_by_sigterm_removes_its_shared_files(tmp_path, monkeypatch):
+    """DeepSpeed's launcher and Slurm end a failed job's processes with SIGTERM: the worker's shared
+    plan files go with it."""
+    folder = tmp_path / "plans"
+    monkeypatch.setenv(PLAN_FOLDER_VARIABLE, str(folder))
+    worker = PlanWorker()
+    try:
+        worker.result(worker.submit(*JOB), timeout_s=60)
+        assert os.listdir(folder)  # the job's plan, left for the siblings
+        os.kill(worker.pid, signal.SIGTERM)
+        assert worker._process.wait(timeout=30) == 0
+    finally:
+        worker.close()
+    assert os.listdir(folder) == []
