@@ -137,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
         from deepspeed_knap.models.wan.finetune import write_gif
 
+        if image.ndim == 4 and len(image) == 1:  # a video model's one frame is an image: a PNG (no palette)
+            image = image[0]
         path = out / f"{request.id}.{'gif' if image.ndim == 4 else 'png'}"
         # Written aside, then renamed: a write that fails part way (a full disk) leaves no truncated
         # file under the output's name. Aside is a folder of this rank's that no output can be (outputs

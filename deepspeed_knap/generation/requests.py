@@ -131,6 +131,17 @@ class Request:
     guidance_2: float | None = None
 
 
+def _finite_number(value: Any) -> bool:
+    """Whether ``value`` is a JSON number a float holds finitely (no bool; an int past a float's
+    range is not: ``math.isfinite`` raises ``OverflowError`` on it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def request_lines(path: str | Path) -> list[tuple[int, str]]:
     """``(line number, text)`` of every non-blank line of a request file.
 
@@ -138,7 +149,7 @@ def request_lines(path: str | Path) -> list[tuple[int, str]]:
         RequestFileError: the file cannot be read (the message names it).
     """
     try:
-        text = read_regular_file(path, MAX_REQUEST_FILE_BYTES).decode()
+        text = read_regular_file(path, MAX_REQUEST_FILE_BYTES).decode("utf-8-sig")  # (editors may write a BOM)
     except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
         raise RequestFileError(f"cannot read the request file {path}: {error}") from None
     return [(number, line) for number, line in enumerate(text_lines(text), start=1) if line.strip()]
@@ -270,9 +281,9 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
                                f"got {shown}")  # fmt: skip
     for key in ("guidance", "true_cfg_scale", "guidance_2"):
         scale = values.get(key)
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(scale)):  # fmt: skip
-            raise RequestError(f"line {line}: {key!r} must be a finite number; got {scale!r}")
+        if scale is not None and not _finite_number(scale):
+            shown = repr(scale) if not isinstance(scale, int) or scale.bit_length() <= 128 else "a larger number"
+            raise RequestError(f"line {line}: {key!r} must be a finite number; got {shown}")
     guidance, true_cfg_scale = values.get("guidance"), values.get("true_cfg_scale")
     guidance_2 = values.get("guidance_2")
     return Request(index=index, line=line, id=request_id, prompt=fields.get("prompt"),

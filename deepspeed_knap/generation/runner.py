@@ -138,13 +138,14 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
         entry = {"index": index, "line": number, "id": f"line{number}", "seq_lens": [], "steps": 0, "reason": None}
         try:
             request = parse_request(index, number, text, Path(path).parent)
+            entry["id"] = request.id  # a request the family refuses is reported under its own id
             seq_lens = generator.request_seq_lens(request)
-            entry.update(id=request.id, seq_lens=[int(n) for n in seq_lens], steps=request.steps)
+            entry.update(seq_lens=[int(n) for n in seq_lens], steps=request.steps)
             entry["request"] = request
         except RequestError as error:
             entry["reason"] = str(error)
         except Exception as error:  # raised here, it would leave the other ranks in the gather
-            entry.update(id=f"line{number}", seq_lens=[], steps=0, reason=f"line {number}: cannot take this request: "
+            entry.update(seq_lens=[], steps=0, reason=f"line {number}: cannot take this request: "
                          f"{type(error).__name__}: {error}")  # fmt: skip
         entries.append(entry)
     views = all_gather_json({"problem": problem, "digest": digest, "entries": [_public(e) for e in entries]})

@@ -423,9 +423,13 @@ def test_the_worker_plans_ahead_what_the_planner_plans_in_the_step_and_ranks_agr
 def _tiny_generator(family: str):
     """The tiny generator of ``family`` in float32, or of ``"{family}-bf16"`` in bfloat16;
     ``"flux2-klein"``: FLUX.2 [klein]'s (its base checkpoint), ``"flux2-klein-distilled"`` its
-    step-distilled one."""
+    step-distilled one; ``"flux-schnell"``: FLUX.1's without a guidance embedding."""
     from deepspeed_knap.models.flux.generate import Flux2KleinGenerator
+    from deepspeed_knap.models.flux.spec import TINY_FLUX
     from deepspeed_knap.models.generators import tiny_generator
+
+    if family == "flux-schnell":
+        return tiny_generator("flux", torch.float32, "cpu", config={**TINY_FLUX, "guidance_embeds": False})
 
     if family.startswith("flux2-klein"):
         generator = Flux2KleinGenerator.tiny(torch.float32, "cpu")
@@ -449,6 +453,11 @@ def _tiny_generator(family: str):
     ("flux", {"height": 32, "width": 48, "frames": 1}, "FLUX.1 makes images: drop 'frames'"),
     ("flux", {"height": 32, "width": 48, "image": "cat.png"}, "FLUX.1 generates from text alone here: drop 'image'"),
     ("flux2", {"height": 32, "width": 48, "guidance_2": 2.0}, "FLUX.2 takes 'guidance': drop 'guidance_2'"),
+    ("flux-schnell", {"height": 32, "width": 48}, (104,)),
+    ("flux-schnell", {"height": 32, "width": 48, "guidance": 3.5}, "this FLUX.1 transformer has no guidance "
+     "embedding (as FLUX.1 [schnell]): FluxPipeline ignores 'guidance'; drop it"),
+    ("wan", {"height": 32, "width": 48, "frames": 5, "max_sequence_length": 513}, "max_sequence_length 513 is over "
+     "the 512 text tokens Wan's pipelines pad prompts to; give at most 512"),
     ("wan", {"height": 32, "width": 48, "frames": 5, "image": "cat.png"}, "makes videos from text alone: drop 'image'"),
     ("wan", {"height": 32, "width": 48, "frames": 5, "guidance_2": 2.0}, "one transformer: drop 'guidance_2'"),
     ("flux2", {"height": 32, "width": 48, "negative_prompt": "x"}, "FLUX.2 is guidance-distilled"),
@@ -728,7 +737,7 @@ def test_generate_command_in_one_process_writes_what_flux_pipeline_draws_and_ref
         {"id": "embedded", "embeddings": "emb.safetensors", "height": 16, "width": 28, "steps": 2, "seed": 4},
         {"embeddings": "wrong.safetensors", "height": 16, "width": 16},
         {"embeddings": "missing.safetensors", "height": 16, "width": 16},
-        {"prompt": "x", "height": 16, "width": 16, "max_sequence_length": 600},
+        {"id": "too-long", "prompt": "x", "height": 16, "width": 16, "max_sequence_length": 600},
     ]  # fmt: skip
     (tmp_path / "requests.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--seed", "3",
@@ -749,6 +758,7 @@ def test_generate_command_in_one_process_writes_what_flux_pipeline_draws_and_ref
     assert reasons[0].startswith("line 3: embeddings") and "[Tt, 32]" in reasons[0]
     assert reasons[1].startswith("line 4: cannot read embeddings")
     assert reasons[2].startswith("line 5: max_sequence_length 600")
+    assert timings["refused"][2]["id"] == "too-long"  # a line the family refuses, under its own id
     assert timings["ranks"][0]["images"] == 2 and timings["images_per_s"] > 0
 
 
@@ -1677,3 +1687,31 @@ def test_srun_tasks_without_rank_are_refused_before_each_runs_the_whole_job_alon
     assert not launched_by_mpi()
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     assert launched_by_mpi()
+
+
+def test_a_wan_request_of_one_frame_is_written_as_a_png(tmp_path):
+    """``frames`` 1 is an image: written as ``{id}.png`` (a one-frame GIF lost colour to its palette);
+    more frames are a GIF. The request file may begin with a byte-order mark (editors write one)."""
+    from PIL import Image
+
+    from deepspeed_knap.cli import main
+
+    lines = [
+        {"id": "still", "prompt": "a cat", "height": 32, "width": 32, "frames": 1, "steps": 2, "guidance": 1.0},
+        {"id": "clip", "prompt": "a cat", "height": 32, "width": 32, "frames": 5, "steps": 2, "guidance": 1.0},
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    (tmp_path / "clips.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    code = main(["generate", "--requests", str(tmp_path / "clips.jsonl"), "--tiny", "--family", "wan",
+                 "--out", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    assert code == 0
+    written = sorted(path.name for path in (tmp_path / "out").iterdir() if path.suffix != ".json")
+    assert written == ["clip.gif", "still.png"]
+    assert np.asarray(Image.open(tmp_path / "out" / "still.png")).shape == (32, 32, 3)
+
+
+def test_a_huge_whole_number_guidance_is_refused_naming_the_line():
+    """A JSON integer past a float's range is a request error naming the key, not an OverflowError."""
+    for key in ("guidance", "true_cfg_scale", "guidance_2"):
+        with pytest.raises(RequestError, match=f"line 3: '{key}' must be a finite number; got a larger number"):
+            parse_request(0, 3, f'{{"prompt": "a", "height": 16, "width": 16, "{key}": {"9" * 400}}}')

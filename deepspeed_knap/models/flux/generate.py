@@ -177,6 +177,9 @@ class FluxGenerator(Generator):
         negative prompt, as ``FluxPipeline`` runs it), else 1. Refuses what would be ignored."""
         self._check_keys(request)
         line, name, scale = request.line, self.name, request.true_cfg_scale
+        if request.guidance is not None and not self.embeds_guidance:
+            raise RequestError(f"line {line}: this {name} transformer has no guidance embedding (as FLUX.1 [schnell]): "
+                               f"{type(self.pipeline).__name__} ignores 'guidance'; drop it")  # fmt: skip
         guided = scale is not None and scale > 1
         # With embeddings the negative branch is the file's: there when the scale asks for it.
         negative = request.negative_prompt is not None or (request.embeddings is not None and guided)

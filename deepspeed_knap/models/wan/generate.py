@@ -58,6 +58,7 @@ from deepspeed_knap.models.wan.wan import PackedWanTransformer
 
 DEFAULT_FRAMES = 81  # WanPipeline's num_frames
 DEFAULT_GUIDANCE = 5.0  # WanPipeline's guidance_scale
+MAX_SEQUENCE_LENGTH = 512  # WanPipeline's max_sequence_length: the text rows Wan was trained with
 
 
 @dataclass
@@ -153,6 +154,7 @@ class WanGenerator(Generator):
                 embeddings file that is unreadable or does not fit, an image that is missing (an
                 image-to-video pipeline), unreadable or not taken (a text-to-video one),
                 ``true_cfg_scale`` (Wan's ``guidance`` is its classifier-free guidance), a
+                ``max_sequence_length`` over :data:`MAX_SEQUENCE_LENGTH`, a
                 ``negative_prompt`` or ``guidance_2`` without guidance, ``guidance_2`` without two
                 experts.
         """
@@ -189,6 +191,12 @@ class WanGenerator(Generator):
             if branches == 1 and getattr(request, key) is not None:
                 raise RequestError(f"line {line}: {key!r} does nothing at guidance {guidance} (classifier-free "
                                    "guidance runs above 1); drop it or raise 'guidance'")  # fmt: skip
+        if request.max_sequence_length is not None and request.max_sequence_length > MAX_SEQUENCE_LENGTH:
+            # UMT5 would encode (and the blocks cross-attend to) that many padded rows, which no plan
+            # prices: a large value would run out of memory as the request starts, ending the run.
+            raise RequestError(f"line {line}: max_sequence_length {request.max_sequence_length} is over the "
+                               f"{MAX_SEQUENCE_LENGTH} text tokens Wan's pipelines pad prompts to; give at most "
+                               f"{MAX_SEQUENCE_LENGTH}")  # fmt: skip
         if request.embeddings is not None:
             self._check_embeddings(request, branches)
         elif config.get("image_dim") is not None and self.max_sequence_length(request) != I2V_TEXT_ROWS:
