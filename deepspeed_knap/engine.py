@@ -133,6 +133,13 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, timeout: da
         # Agreed: the model's parameters and the accelerator are in the views checked above.
         calibrating = knap.cost_model.calibrates_at_start(get_accelerator().device_name() == "cuda", _family(model),
                                                           knap.max_tokens_per_gpu)  # fmt: skip
+    elif "attention_backend" in knap.model_fields_set and model is not None:
+        # Balancing off (an A/B against a run with it on) runs the kernel the block names, where it
+        # names one; installed kernels differ between nodes: agreed first.
+        check_same_on_every_rank({f"attention backend {knap.attention_backend!r}":
+                                  str(backend_problem(knap.attention_backend))})  # fmt: skip
+        for module in (m for m in model.modules() if isinstance(m, KnapDistributedAttention)):
+            module.configure(None, knap.attention_backend)
     engine, optimizer, dataloader, lr_scheduler = deepspeed.initialize(
         args=args, model=model, config=plain_config, **kwargs
     )

@@ -303,13 +303,14 @@ class KnapDistributedAttention(DistributedAttention):
         if topology is not None:
             self.configure(topology)
 
-    def configure(self, topology: Topology, backend: str | None = None) -> None:
-        """Check the heads against ``topology``'s bags and, if given, switch the balanced kernel.
+    def configure(self, topology: Topology | None, backend: str | None = None) -> None:
+        """Check the heads against ``topology``'s bags (``None``: balancing off, nothing to check)
+        and, if given, switch the balanced kernel.
 
         Raises:
             ValueError: a bag with more GPUs than heads, or an unavailable backend.
         """
-        if self.num_heads is not None and max(topology.bag_sizes) > self.num_heads:
+        if topology is not None and self.num_heads is not None and max(topology.bag_sizes) > self.num_heads:
             raise ValueError(
                 f"topology {topology.spec!r} has bags of {max(topology.bag_sizes)} GPUs but attention has only "
                 f"{self.num_heads} heads; Ulysses needs at least one head per GPU of a bag. Use bags of at most "

@@ -81,6 +81,10 @@ def _zero_worker(rank: int, world: int, stage: int, monitor_dir: str) -> dict:
     off_config = ds_config(stage, {"enabled": False, "topology": "g4n1"})
     engine, balancer = make_engine(off_config)
     assert balancer is None  # disabled: plain DeepSpeed, no balancer, no extra groups or collectives
+    assert backends(engine) == {"sdpa"}  # TinyDiT's own kernel: the block names none
+    if stage == 1:  # balancing off runs the kernel the block names, where it names one
+        named, _ = make_engine(ds_config(stage, {"enabled": False, "attention_backend": "auto"}))
+        assert backends(named) == {"auto"}
     off_losses = run_steps(engine, balancer, rank, range(STEPS))
     off_params = parameters(engine)
     off_timeouts = group_timeouts()
@@ -94,6 +98,13 @@ def _zero_worker(rank: int, world: int, stage: int, monitor_dir: str) -> dict:
         auto_losses, auto_params = train(rank, ds_config(stage, KNAP_AUTO))
         result.update(auto=auto_losses, auto_param_err=float((auto_params - off_params).abs().max()))
     return result
+
+
+def backends(engine) -> set[str]:
+    """The kernels of the engine's model's balanced attention modules."""
+    from deepspeed_knap.runtime.attention import KnapDistributedAttention
+
+    return {m.varlen_attn.backend for m in engine.module.modules() if isinstance(m, KnapDistributedAttention)}
 
 
 def group_timeouts() -> dict[str, float]:
