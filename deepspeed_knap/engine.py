@@ -63,7 +63,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
     everywhere. So is a setting that differs between ranks (the block itself, the rest of the
     DeepSpeed config, a ZeRO stage say, the node size the launcher reports, the calibration file,
     whether the attention kernel is installed, the model's parameters): collectives compare them first. Every ``KnapDistributedAttention`` in ``model``
-    gets the block's ``attention_backend``.
+    gets the block's ``attention_backend`` (with balancing off, where the block gives it).
 
     Deadlines (``timeout_s``, 300 s unless the block gives it): when the block is enabled or gives
     ``timeout_s``, every collective of the job waits that long at most for a stuck, stopped or dead
@@ -133,13 +133,14 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, timeout: da
         # Agreed: the model's parameters and the accelerator are in the views checked above.
         calibrating = knap.cost_model.calibrates_at_start(get_accelerator().device_name() == "cuda", _family(model),
                                                           knap.max_tokens_per_gpu)  # fmt: skip
-    elif "attention_backend" in knap.model_fields_set and model is not None:
+    elif "attention_backend" in knap.model_fields_set:  # (the block is agreed: every rank or none)
         # Balancing off (an A/B against a run with it on) runs the kernel the block names, where it
         # names one; installed kernels differ between nodes: agreed first.
         check_same_on_every_rank({f"attention backend {knap.attention_backend!r}":
                                   str(backend_problem(knap.attention_backend))})  # fmt: skip
-        for module in (m for m in model.modules() if isinstance(m, KnapDistributedAttention)):
-            module.configure(None, knap.attention_backend)
+        for module in [] if model is None else model.modules():
+            if isinstance(module, KnapDistributedAttention):
+                module.configure(None, knap.attention_backend)
     engine, optimizer, dataloader, lr_scheduler = deepspeed.initialize(
         args=args, model=model, config=plain_config, **kwargs
     )

@@ -514,9 +514,11 @@ class _SharedPlans:
                 file.write(data)
             os.replace(aside, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
             return True
-        except OSError:
+        except BaseException as error:  # (SystemExit too: a SIGTERM mid-write leaves no file aside)
             with contextlib.suppress(OSError):
                 os.unlink(aside, dir_fd=self.fd)
+            if not isinstance(error, OSError):
+                raise
             return False
 
     def _keep(self, key: str) -> None:
@@ -600,6 +602,7 @@ def main(share: bool = True) -> None:
                     shared.close()
                 os._exit(0)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         if shared is not None:
             shared.close()
 

@@ -55,7 +55,7 @@ class _KnapConfigModel(DeepSpeedConfigModel):
     number field refuses a JSON boolean, which pydantic would take as 1 or 0 (``"timeout_s": true``
     would wait one second)."""
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, /, **data: Any) -> None:
         # DeepSpeed's __init__(strict=False, **data) drops every value "auto" unless called with
         # strict=True, and takes a "strict" key as that argument: pydantic builds the nested blocks
         # without it, so "model": "auto" in "cost_model" fell back to the default unannounced and
@@ -233,13 +233,13 @@ class KnapCostModelConfig(_KnapConfigModel):
 
     startup_calibration: KnapStartupCalibrationConfig = Field(default_factory=KnapStartupCalibrationConfig)
     """Time the model's blocks at start-up and plan with the fit from the first step: ``true``,
-    ``false``, or an object (:class:`KnapStartupCalibrationConfig`); default ``"auto"`` (on GPUs with
-    a preset source)."""
+    ``false``, ``"auto"`` or an object (:class:`KnapStartupCalibrationConfig`); default ``"auto"``
+    (on GPUs with a preset source)."""
 
     @field_validator("startup_calibration", mode="before")
     @classmethod
     def _startup_bool(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
+        return {"enabled": value} if isinstance(value, bool) or value == "auto" else value
 
     def calibrates_at_start(self, accelerator_is_gpu: bool, family: str | None,
                             max_tokens_per_gpu: int | None = None) -> bool:  # fmt: skip

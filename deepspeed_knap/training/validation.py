@@ -26,7 +26,7 @@ def read_prompts(path: str | Path) -> list[str]:
         ValueError: a file without prompts.
     """
     # Bytes decoded as UTF-8: read as text, a lone "\r" would end a line too, and the locale decide the encoding.
-    prompts = [line.strip() for line in text_lines(Path(path).read_bytes().decode()) if line.strip()]
+    prompts = [line.strip() for line in text_lines(Path(path).read_bytes().decode("utf-8-sig")) if line.strip()]
     if not prompts:
         raise ValueError(f"{path} holds no prompts; write one prompt per line")
     return prompts

@@ -225,6 +225,11 @@ def test_auto_is_a_value_like_any_other_and_strict_a_key_like_any_other():
         with pytest.raises(ValueError, match=re.escape(says)):
             block(enabled=True, **fields)
     assert block(enabled=True, topology="auto").topology == "auto"  # where "auto" is a value, it still is
+    calibration = block(enabled=True, cost_model={"startup_calibration": "auto"}).cost_model.startup_calibration
+    assert calibration == block(enabled=True).cost_model.startup_calibration  # "auto" spells the default
+    for depth in ({"self": 1}, {"cost_model": {"self": 1}}):  # a key like any other, not __init__'s argument
+        with pytest.raises(ValueError, match=r"unknown key 'knapformer\.(cost_model\.)?self'"):
+            block(**depth)
 
 
 def test_block_must_be_an_object():

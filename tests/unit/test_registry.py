@@ -200,6 +200,8 @@ def test_the_trainer_needs_a_deepspeed_config_and_prompts_are_split_at_newlines_
     path = tmp_path / "prompts.txt"
     path.write_text('a sign that reads "OPEN\u2028CLOSED"\r\n\nrefs/cat.png\tmake it\x85blue\n', encoding="utf-8")
     assert read_prompts(path) == ['a sign that reads "OPEN\u2028CLOSED"', "refs/cat.png\tmake it\x85blue"]
+    path.write_bytes(b"\xef\xbb\xbfa cat\n")  # a byte-order mark (editors write one) is no part of a prompt
+    assert read_prompts(path) == ["a cat"]
 
 
 def test_lora_settings_that_would_train_nothing_or_nothing_of_lora_are_refused():
