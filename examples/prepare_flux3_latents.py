@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from deepspeed_knap.generation.requests import read_image as read_oriented_image
 from deepspeed_knap.models.flux3.data import flux3_latent_tokens, flux3_reference_tokens, save_flux3_sample
 from deepspeed_knap.models.latents import targets_and_references, write_latent_manifest
 from deepspeed_knap.runtime.manifest import MANIFEST
@@ -56,14 +57,12 @@ def check_pretrained(path: Path) -> None:
 
 
 def read_image(path: Path):
-    """``path`` as an RGB PIL image; an unreadable file stops the run, naming it."""
-    from PIL import Image
-
+    """``path`` as an RGB PIL image oriented by its EXIF tag; an unreadable file stops the run,
+    naming it."""
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except OSError as error:  # PIL's UnidentifiedImageError too
-        raise SystemExit(f"cannot read image {path}: {error}; replace or remove it") from None
+        return read_oriented_image(path)
+    except ValueError as error:
+        raise SystemExit(f"{error}; replace or remove it") from None
 
 
 @torch.no_grad()

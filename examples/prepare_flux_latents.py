@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from deepspeed_knap.generation.requests import read_image
 from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples
 from deepspeed_knap.models.latents import write_latent_manifest
 from deepspeed_knap.models.registry import MIXES, sample_shapes
@@ -110,7 +111,7 @@ def encode_images() -> None:
     for index, (path, caption) in enumerate(tqdm(captioned, desc="encode")):
         # Every image keeps its own size and aspect ratio (longer side at --resolution, each side a
         # multiple of the patch): packing trains them as they are, no buckets, nothing dropped.
-        image = Image.open(path).convert("RGB")
+        image = read_image(path)  # oriented by its EXIF tag, as diffusers' load_image
         scale = args.resolution / max(image.size)
         width, height = (max(multiple, round(side * scale / multiple) * multiple) for side in image.size)
         pixels = torch.from_numpy(np.asarray(image.resize((width, height), Image.BICUBIC))).permute(2, 0, 1)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from deepspeed_knap.generation.requests import read_image
 from deepspeed_knap.models.latents import targets_and_references, write_latent_manifest
 from deepspeed_knap.models.qwenimage.data import REFERENCE_KEY, save_qwen_image_sample
 from deepspeed_knap.runtime.manifest import MANIFEST
@@ -43,7 +44,6 @@ def main() -> None:
     import diffusers
     import numpy as np
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
-    from PIL import Image
 
     args = parser.parse_args()
     out = Path(args.out)
@@ -78,7 +78,7 @@ def main() -> None:
         return packed, (frames, lat_h // 2, lat_w // 2)
 
     for index, (path, caption, refs) in enumerate(tqdm(found, desc="encode")):
-        image = Image.open(path).convert("RGB")
+        image = read_image(path)  # oriented by its EXIF tag, as diffusers' load_image
         scale = args.resolution / max(image.size)
         width, height = (max(multiple, round(side * scale / multiple) * multiple) for side in image.size)
         latents, target_grid = encode(image, height, width)
@@ -87,7 +87,7 @@ def main() -> None:
         if edits:
             references, condition_images = [], []
             for ref_path in refs:
-                ref = Image.open(ref_path).convert("RGB")
+                ref = read_image(ref_path)
                 ratio = ref.width / ref.height
                 cond_w, cond_h = edit_plus.calculate_dimensions(edit_plus.CONDITION_IMAGE_SIZE, ratio)
                 condition_images.append(pipe.image_processor.resize(ref, cond_h, cond_w))

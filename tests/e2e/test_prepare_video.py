@@ -52,6 +52,24 @@ def test_read_source_rate_and_limits(tmp_path):
     assert source.pixels.min() >= -1 and source.pixels.max() <= 1
 
 
+def test_an_image_is_read_upright_by_its_exif_orientation(tmp_path):
+    """A phone stores a portrait photo landscape with an EXIF tag saying so (6: turn 90 degrees
+    clockwise); the source is the upright image, as diffusers' load_image reads it."""
+    from PIL import Image
+
+    from deepspeed_knap.models.wan.data import read_source
+
+    stored = np.zeros((32, 64, 3), dtype=np.uint8)  # stored 64 wide, 32 high
+    stored[:, :32] = 255  # its left half white: after the turn, its top half
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(stored).save(tmp_path / "portrait.png", exif=exif)
+    source = read_source(tmp_path / "portrait.png")
+    assert (source.frames, source.size) == (1, (64, 32))  # (height, width): upright
+    top, bottom = source.pixels[..., :32, :].mean(), source.pixels[..., 32:, :].mean()
+    assert top > 0.9 and bottom < -0.9
+
+
 @pytest.mark.parametrize("contents", [(), ("notes.md", "clip.txt", "more/")])
 def test_a_folder_without_videos_or_images_is_an_error_naming_it(tmp_path, contents):
     """Before, it exited 0 with an empty manifest."""

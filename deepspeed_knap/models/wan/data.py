@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from deepspeed_knap.data.mixes import SampleShape
+from deepspeed_knap.generation.requests import read_image
 from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents, non_float_tensors, sample_file_header
 
 __all__ = [
@@ -206,12 +207,11 @@ def _decode_video(
 
 
 def _load_image(path: Path) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
-
+    """``[H, W, 3]`` uint8 pixels of the image at ``path``, oriented by its EXIF tag (as diffusers'
+    ``load_image``: a phone's portrait photo is stored landscape with a tag saying so)."""
     try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as error:
+        return np.asarray(read_image(path))
+    except ValueError as error:
         raise Refused("unreadable", f"unreadable: not an image PIL can read ({error})") from None
 
 
