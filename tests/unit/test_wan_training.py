@@ -218,7 +218,17 @@ def test_a_pipeline_folder_is_read_once_at_the_checks_and_two_experts_need_their
     for expert in (None, "high", "low", "both"):
         with pytest.raises(ValueError, match=re.escape(f"{index} names transformer_2 but no boundary_ratio")):
             WanTraining(spec("wan")).check_arguments(TrainingArguments(None, model_path=str(tmp_path), expert=expert))
+    # One expert's folder of such a pipeline, alone, would train on every noise level: refused,
+    # naming the pipeline and the --expert that trains it on its side of the boundary.
+    index.write_text(json.dumps({"_class_name": "WanPipeline", "boundary_ratio": 0.875,
+                                 "transformer": ["diffusers", "WanTransformer3DModel"],
+                                 "transformer_2": ["diffusers", "WanTransformer3DModel"]}))  # fmt: skip
+    for folder, side in (("transformer", "high"), ("transformer_2", "low")):
+        (tmp_path / folder).mkdir()
+        with pytest.raises(ValueError, match=re.escape(f"give --model-path {tmp_path} --expert {side}")):
+            WanTraining(spec("wan")).check_arguments(TrainingArguments(None, model_path=str(tmp_path / folder)))
     index.write_text(json.dumps({"_class_name": "WanPipeline", "expand_timesteps": True}))
+    WanTraining(spec("wan")).check_arguments(TrainingArguments(None, model_path=str(tmp_path / "transformer")))
     hooks = WanTraining(spec("wan"))
     hooks.check_arguments(TrainingArguments(None, model_path=str(tmp_path), first_frame_share=0.25))
     index.unlink()  # a second read would find no expand_timesteps (nor, for a rank, any file)

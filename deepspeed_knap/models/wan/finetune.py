@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from deepspeed_knap.models.hooks import Objective, TrainingHooks, ValidationHooks, ValidationSettings
 from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents, flow_noise
+from deepspeed_knap.models.loading import names_second_transformer, pipeline_index
 from deepspeed_knap.models.lora import adapter_state_dict, lora_config, save_adapter
 from deepspeed_knap.models.wan.data import (
     CONDITION_KEY,
@@ -196,6 +197,18 @@ class WanValidation(ValidationHooks):
         return write_gif(clip, path.with_suffix(".gif"))
 
 
+def _two_expert_parent(path: str | Path) -> Path | None:
+    """The two-expert pipeline folder (Wan 2.2 A14B) ``path`` is the ``transformer/`` or
+    ``transformer_2/`` of, or ``None`` (a pipeline folder, another folder, an unreadable index)."""
+    path = Path(path)
+    if path.name not in ("transformer", "transformer_2") or (path / "model_index.json").is_file():
+        return None
+    try:
+        return path.parent if names_second_transformer(pipeline_index(path.parent)) else None
+    except ValueError:  # no readable model_index.json there: not a pipeline's part
+        return None
+
+
 class WanTraining(TrainingHooks):
     """Wan training: prepared clips and images (``examples/prepare_video_latents.py``) or a synthetic
     mix, Wan's flow matching (:func:`flow_matching`), validation clips through ``WanPipeline`` (or
@@ -228,6 +241,12 @@ class WanTraining(TrainingHooks):
             raise ValueError(f"{Path(path) / 'model_index.json'} names transformer_2 but no boundary_ratio, so which "
                              "expert trains which noise levels is unknown: set boundary_ratio there (Wan 2.2 "
                              "T2V-A14B's is 0.875, I2V-A14B's 0.9)")  # fmt: skip
+        if path is not None and expert is None and (pipeline := _two_expert_parent(path)) is not None:
+            # Trained alone it would learn every noise level; the pipeline runs it on one side of the boundary.
+            side = "high" if Path(path).name == "transformer" else "low"
+            raise ValueError(f"{path} is one expert of the two-expert Wan pipeline {pipeline}, which runs it on one "
+                             f"side of its boundary_ratio only: give --model-path {pipeline} --expert {side} (or "
+                             "--expert both)")  # fmt: skip
         if path is not None and expert is not None and not two:
             what = ("its model_index.json names no transformer_2" if (Path(path) / "model_index.json").is_file()
                     else "a folder without model_index.json; give the pipeline folder")  # fmt: skip
