@@ -144,6 +144,9 @@ class TrainingHooks(ABC):
         validation: the family's validation renders, or ``None`` where none is wired up.
         segment_columns: attention segments per sequence the balancer plans with (FLUX.3's 3 token
             modes: its packed inputs' ``segments``), or ``None``.
+        expert: the one expert of a two-expert model the run trains (Wan 2.2 A14B's ``"high"`` or
+            ``"low"``, set by :meth:`load_model`), or ``None``: a checkpoint records it, and a
+            resume with the other is refused (the two have the same parameter names).
     """
 
     validation: ClassVar[type[ValidationHooks] | None] = None
@@ -151,6 +154,7 @@ class TrainingHooks(ABC):
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
+        self.expert: str | None = None
 
     def check_arguments(self, arguments: Any) -> None:
         """Refuse arguments this family cannot train with, before any weight loads (reads only

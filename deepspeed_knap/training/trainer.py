@@ -223,6 +223,14 @@ class Trainer:
             problem = (f"--resume {a.resume}: checkpoint {choice.tag} was trained with LoRA alpha {saved_alpha} and "
                        f"this run has {alpha} (the adapters' scale is alpha / rank): resume with --lora-alpha "
                        f"{saved_alpha}")  # fmt: skip
+        elif "expert" in client_state and client_state["expert"] != self.hooks.expert:
+            # Wan 2.2 A14B's experts have the same names and shapes: DeepSpeed would load one as the other.
+            saved, given = (
+                f"--expert {e}" if e else "no --expert" for e in (client_state["expert"], self.hooks.expert)
+            )
+            problem = (f"--resume {a.resume}: checkpoint {choice.tag} was trained with {saved} and this run has "
+                       f"{given} (the two experts have the same parameter names: one would load as the other); "
+                       f"resume with {saved}")  # fmt: skip
         self.raise_together(problem)
         try:
             check_same_on_every_rank({f"checkpoint {choice.tag}'s step and data position": f"{step} {position}"})
@@ -396,7 +404,12 @@ class Trainer:
     def save_checkpoint(self, steps_done: int) -> None:
         """A DeepSpeed checkpoint ``step{steps_done}`` in ``save_dir``, with its manifest. Collective."""
         save_dir, tag = self.arguments.save_dir, f"step{steps_done}"
-        client_state = {"step": steps_done, "data_position": self.position, "lora_alpha": self._lora_alpha()}
+        client_state = {
+            "step": steps_done,
+            "data_position": self.position,
+            "lora_alpha": self._lora_alpha(),
+            "expert": self.hooks.expert,
+        }
         problem = None
         try:  # (DeepSpeed's rank 0 makes the folder before its first barrier: made here on every rank)
             Path(save_dir).mkdir(parents=True, exist_ok=True)

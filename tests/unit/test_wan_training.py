@@ -266,3 +266,37 @@ def test_ti2v_validation_renders_an_image_line_as_diffusers_generates_from_an_im
             **call, generator=torch.Generator().manual_seed(3), output_type="np", **options
         ).frames[0]
         assert ours.read_bytes() == write_gif(theirs, tmp_path / f"{name}_theirs.gif").read_bytes(), name
+
+
+def test_resuming_one_expert_from_the_others_checkpoint_is_refused(monkeypatch, tmp_path):
+    """Wan 2.2 A14B's two experts have the same parameter names and shapes: a checkpoint records the
+    expert it trained, and a resume with the other (or none) is refused naming the --expert to give
+    (DeepSpeed would have loaded one expert's weights and optimizer into the other's run)."""
+    from types import SimpleNamespace
+
+    from deepspeed_knap.training import trainer as trainer_module
+    from deepspeed_knap.training.trainer import Trainer, TrainingError
+
+    choice = SimpleNamespace(tag="step4", load_dir=str(tmp_path), skipped=[], given=True)
+    saved = {"step": 4, "data_position": 8, "lora_alpha": None, "expert": "high"}
+    monkeypatch.setattr(trainer_module, "find_checkpoint", lambda path: choice)
+    monkeypatch.setattr(trainer_module, "load_checkpoint", lambda engine, load_dir, tag: (None, dict(saved)))
+    monkeypatch.setattr(trainer_module, "check_same_on_every_rank", lambda views: None)
+
+    def raise_alone(problem):
+        if problem:
+            raise TrainingError(problem)
+
+    def resume(expert):
+        run = SimpleNamespace(arguments=SimpleNamespace(resume=str(tmp_path)), rank=1, engine=None,
+                              hooks=SimpleNamespace(expert=expert), raise_together=raise_alone,
+                              _lora_alpha=lambda: None)  # fmt: skip
+        Trainer._resume(run)
+        return run
+
+    assert resume("high").start_step == 4
+    for other, given in (("low", "--expert low"), (None, "no --expert")):
+        with pytest.raises(TrainingError, match=re.escape(f"was trained with --expert high and this run has {given}")):
+            resume(other)
+    saved.pop("expert")  # a checkpoint saved before the expert was recorded: resumed as before
+    assert resume("low").start_step == 4

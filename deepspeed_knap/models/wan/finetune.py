@@ -221,7 +221,6 @@ class WanTraining(TrainingHooks):
     def __init__(self, spec) -> None:
         super().__init__(spec)
         self.sigma_range: tuple[float, float] | None = None  # one expert's side of the boundary
-        self.expert: str | None = None  # "high" or "low": one expert of a two-expert pipeline trained
         self.first_frame_share = 0.0
         # (boundary_ratio, has transformer_2, expand_timesteps) of the pipeline folder, read once, in
         # check_arguments: that runs where the ranks agree on its errors (an unreadable file).
