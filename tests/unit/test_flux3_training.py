@@ -157,3 +157,37 @@ def test_tiny_validation_renders_text_and_an_edit_through_the_modular_pipeline(t
         file = hooks.render(pipe, call, torch.Generator().manual_seed(0), options, tmp_path / f"render{index}")
         assert Image.open(file).size == (24, 16)
     assert pipe.guider.guidance_scale == 2.0
+
+
+def test_flux2_klein_validation_renders_through_the_klein_pipeline(tmp_path):
+    """A FLUX.2 [klein] folder (``Flux2KleinPipeline``, Qwen3 text encoder) was rendered through
+    ``Flux2Pipeline`` around its parts: Mistral's prompt template and hidden states (an IndexError
+    with fewer than 31 text layers, wrong images with 36). Validation follows the folder's
+    ``model_index.json``, as the generator does: its render is the klein pipeline's own."""
+    import numpy as np
+    import torch
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+    from PIL import Image
+
+    from deepspeed_knap.models.flux.finetune import Flux2Validation, tiny_flux2_klein_pipeline_components
+    from deepspeed_knap.models.flux.spec import TINY_FLUX2_KLEIN
+    from deepspeed_knap.models.hooks import ValidationSettings
+    from deepspeed_knap.models.registry import spec
+
+    torch.manual_seed(0)
+    saved = Flux2KleinPipeline(**tiny_flux2_klein_pipeline_components(TINY_FLUX2_KLEIN, 2),
+                               transformer=Flux2Transformer2DModel(**TINY_FLUX2_KLEIN))  # fmt: skip
+    saved.save_pretrained(tmp_path / "klein")
+    hooks = Flux2Validation(spec("flux2"), str(tmp_path / "klein"))
+    assert hooks.model_path_problem(str(tmp_path / "klein")) is None
+    model = spec("flux2").model_class.from_diffusers(saved.transformer)
+    components = hooks.components(str(tmp_path / "klein"), model, 0, torch.float32)
+    components.pop("transformer")
+    pipe = hooks.build_pipeline(model, components, type(model).pipeline_transformers(model.config, model.state_dict()))
+    assert type(pipe) is Flux2KleinPipeline
+    options = hooks.options(ValidationSettings(tiny=True, height=16, width=16, steps=2))
+    file = hooks.render(pipe, {"prompt": "a cat"}, torch.Generator().manual_seed(3), options, tmp_path / "render")
+    expected = saved(prompt="a cat", generator=torch.Generator().manual_seed(3), **options).images[0]
+    assert np.array_equal(np.asarray(Image.open(file)), np.asarray(expected))
+    (tmp_path / "klein" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    assert "names 'FluxPipeline'" in hooks.model_path_problem(str(tmp_path / "klein"))

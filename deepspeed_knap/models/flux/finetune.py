@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from deepspeed_knap.models.flux.data import SyntheticLatents, latent_directory, rectified_flow
 from deepspeed_knap.models.hooks import Objective, TrainingHooks, ValidationHooks
 from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents
+from deepspeed_knap.models.loading import pipeline_index
 
 
 def tiny_pipeline_components(config: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
@@ -177,9 +178,29 @@ class FluxValidation(ValidationHooks):
 
 
 class Flux2Validation(ValidationHooks):
-    """Validation images through diffusers' ``Flux2Pipeline``."""
+    """Validation images through the FLUX.2 pipeline ``--model-path``'s ``model_index.json`` names:
+    diffusers' ``Flux2Pipeline``, or ``Flux2KleinPipeline`` (FLUX.2 [klein]: its Qwen3 text encoder,
+    its ``guidance`` classifier-free); ``Flux2Pipeline`` for tiny runs."""
 
     default_guidance = 4.0
+    pipelines = ("Flux2Pipeline", "Flux2KleinPipeline")
+
+    def pipeline(self, model: nn.Module) -> tuple[str, dict[str, Any]]:
+        if self.model_path is None:
+            return self.spec.pipeline, {}
+        return pipeline_index(self.model_path).get("_class_name"), {}
+
+    def model_path_problem(self, model_path: str) -> str | None:
+        if problem := super().model_path_problem(model_path):
+            return problem
+        try:
+            name = pipeline_index(model_path).get("_class_name")
+        except ValueError as error:
+            return str(error)
+        if name not in self.pipelines:
+            return (f"--validation-every renders FLUX.2 through {' or '.join(self.pipelines)}; the model_index.json "
+                    f"of {model_path} names {name!r}")  # fmt: skip
+        return None
 
     def tiny_components(self, model: nn.Module, seed: int) -> dict[str, Any]:
         return tiny_flux2_pipeline_components(model.config, seed)
