@@ -110,6 +110,8 @@ def seq_lens(text: str) -> list[int]:
 def output_file(text: str) -> str:
     """An argparse type: a file path whose folder exists and can be written, and that is not a
     folder itself (checked before any work, not after it)."""
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{text} ends in a path separator; give a file name")
     folder = os.path.dirname(os.path.abspath(text))
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text}: {folder} is not a folder")
@@ -120,6 +122,21 @@ def output_file(text: str) -> str:
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text}: this user cannot write there (the folder {folder} or the file)")
     return text
+
+
+# What matplotlib's savefig writes, by the file name's extension.
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".eps", ".ps", ".pgf")
+
+
+def plot_file(text: str) -> str:
+    """An argparse type: :func:`output_file` whose extension names a format matplotlib writes
+    (checked before any work: savefig refuses others only once the work is done)."""
+    path = output_file(text)
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in PLOT_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"{text}: a plot's file name ends in {', '.join(PLOT_SUFFIXES[:3])}, ...; "
+                                         f"got {suffix or 'no extension'}")  # fmt: skip
+    return path
 
 
 def device(text: str) -> str:

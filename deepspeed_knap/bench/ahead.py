@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from deepspeed_knap.models.registry import MIXES, default_cost_model, sample_mix
-from deepspeed_knap.options import add_mix_argument, output_file, positive_int
+from deepspeed_knap.options import add_mix_argument, plot_file, positive_int
 from deepspeed_knap.planner.solve import DEFAULT_SOLVER, plan_routing
 from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.planner.worker import PlanWorker
@@ -161,6 +161,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan workers sent every job at once, as the ranks of one host send theirs")  # fmt: skip
     parser.add_argument("--share", action=argparse.BooleanOptionalAction, default=True,
                         help="the workers share each solve, as in training (default); --no-share: each solves")  # fmt: skip
-    parser.add_argument(
-        "--plot", type=output_file, metavar="OUT.png", help="median wait per case, both ways (log scale)"
-    )
+    parser.add_argument("--plot", type=plot_file, metavar="OUT.png", help="median wait per case, both ways (log scale)")

@@ -48,7 +48,7 @@ import torch.multiprocessing as mp
 
 from deepspeed_knap.bench.train import _free_port
 from deepspeed_knap.models.registry import spec
-from deepspeed_knap.options import add_family_argument, output_file, positive_int
+from deepspeed_knap.options import add_family_argument, output_file, plot_file, positive_int
 from deepspeed_knap.plots import write_report
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 
@@ -272,4 +272,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     parser.add_argument("--repeats", type=positive_int, default=2, help="runs per mode (the best is reported)")
     parser.add_argument("--json", type=output_file, metavar="OUT.json", help="write every figure")
-    parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="throughput and per-rank busy time")
+    parser.add_argument("--plot", type=plot_file, metavar="OUT.png", help="throughput and per-rank busy time")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.cost.calibrate import calibrate
+from deepspeed_knap.cost.calibrate import calibrate, read_calibration
 from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, CostModel, degree_efficiency_pairs
 from deepspeed_knap.models.flux.calibrate import FluxBlockTimer, flux_blocks_step
 from deepspeed_knap.models.registry import sample_shapes
@@ -40,6 +40,7 @@ from deepspeed_knap.options import (
     device,
     nonnegative_int,
     output_file,
+    plot_file,
     positive_float,
     positive_int,
 )
@@ -259,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
                            getattr(torch, args.dtype), args.backend, args.repeats)  # fmt: skip
     calibration = None
     if args.calibration:
+        read_calibration(args.calibration)  # a file without its coefficients: a ValueError naming it
         data = json.loads(Path(args.calibration).read_text())
         keys = ("linear_coef", "quadratic_coef", "overhead_s", "degree_efficiency")
         calibration = {key: data[key] for key in keys if key in data}
@@ -289,12 +291,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per rank (median)")
     parser.add_argument("--calibration", metavar="FILE.json", help="a, b and overhead from deepspeed-knap calibrate")
     parser.add_argument(
-        "--alltoall-gbps", type=float, default=DEFAULT_ALLTOALL_GBPS, help="bandwidth model, per GPU, GB/s"
+        "--alltoall-gbps", type=positive_float, default=DEFAULT_ALLTOALL_GBPS, help="bandwidth model, per GPU, GB/s"
     )
     parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--backend", default="auto", help="attention kernel (docs/integration.md, Attention kernels)")
     parser.add_argument("--json", type=output_file, metavar="OUT.json", help="write every per-rank figure")
     parser.add_argument(
-        "--plot", type=output_file, metavar="OUT.png", help="per-rank measured vs modeled seconds, last step"
+        "--plot", type=plot_file, metavar="OUT.png", help="per-rank measured vs modeled seconds, last step"
     )

@@ -59,7 +59,14 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from deepspeed_knap.models.registry import spec
-from deepspeed_knap.options import add_family_argument, add_mix_argument, output_file, positive_float, positive_int
+from deepspeed_knap.options import (
+    add_family_argument,
+    add_mix_argument,
+    output_file,
+    plot_file,
+    positive_float,
+    positive_int,
+)
 from deepspeed_knap.planner.solve import plan_loads
 from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.plots import write_report
@@ -538,5 +545,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     parser.add_argument("--json", type=output_file, metavar="OUT.json", help="write every per-step, per-rank figure")
     parser.add_argument(
-        "--plot", type=output_file, metavar="OUT.png", help="step times and the last step's phases per rank"
+        "--plot", type=plot_file, metavar="OUT.png", help="step times and the last step's phases per rank"
     )

@@ -15,6 +15,7 @@ from deepspeed_knap.options import (
     int_at_least,
     nonnegative_int,
     output_file,
+    plot_file,
     positive_float,
     positive_int,
     seq_lens,
@@ -56,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--backend", default="auto", help="attention kernel (docs/integration.md, Attention kernels)")
-    parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="plot measured and fitted seconds")
+    parser.add_argument("--plot", type=plot_file, metavar="OUT.png", help="plot measured and fitted seconds")
     parser.add_argument("--degrees", type=degree_list, default=None, metavar="2,4,8",
                         help="also time emulated members of bags of these sizes (2 to the heads) and fit their "
                         "efficiency")  # fmt: skip

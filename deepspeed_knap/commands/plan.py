@@ -22,7 +22,7 @@ from deepspeed_knap.options import (
     gpu_count,
     int_at_least,
     nonnegative_int,
-    output_file,
+    plot_file,
     positive_float,
     positive_int,
 )
@@ -138,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     auto = args.topology.strip() == AUTO
     if args.max_degree is not None and not auto:
         raise ValueError(f"--max-degree {args.max_degree} applies to --topology auto only")
+    if args.max_tokens_per_gpu is not None and args.solver not in ("all", "refine"):
+        raise ValueError(f"--max-tokens-per-gpu {args.max_tokens_per_gpu} applies to solver refine, which --solver "
+                         f"{args.solver} does not run; use --solver refine (or all), or drop the cap")  # fmt: skip
     num_gpus = len(lengths) if lengths is not None else args.gpus
     topology = build_topology(args.topology, num_gpus if auto else None, args.gpus_per_node, args.max_degree)
     if lengths is not None:
@@ -235,7 +238,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "single_blocks=38,mlp_ratio=4, or Wan's dim=,ffn_dim=,num_heads=,num_layers=,text_len=")  # fmt: skip
     parser.add_argument("--tflops", type=positive_float, default=DEFAULT_TFLOPS, help="sustained TFLOP/s per GPU")
     parser.add_argument(
-        "--alltoall-gbps", type=float, default=DEFAULT_ALLTOALL_GBPS, help="per-GPU all-to-all GB/s inside a bag"
+        "--alltoall-gbps",
+        type=positive_float,
+        default=DEFAULT_ALLTOALL_GBPS,
+        help="per-GPU all-to-all GB/s inside a bag",
     )
     parser.add_argument(
         "--gpus-per-node", type=gpu_count, default=None, help="keep bags inside nodes of this many GPUs"
@@ -246,4 +252,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int_at_least(1, MAX_REPEAT), default=5,
                         help=f"solves per solver (at most {MAX_REPEAT}); the median time is reported")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    parser.add_argument("--plot", type=output_file, metavar="OUT.png", help="write per-GPU loads before and after")
+    parser.add_argument("--plot", type=plot_file, metavar="OUT.png", help="write per-GPU loads before and after")

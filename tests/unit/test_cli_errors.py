@@ -61,6 +61,16 @@ CASES = [
         "argument --out: /dev/null/c.json: /dev/null is not a folder",
     ),
     (["calibrate", "--out", "c.json", "--repeats", "1000000"], "argument --repeats: 1000000 is over 100"),
+    # Output names checked before any work (before: matplotlib refused the format once the work was done,
+    # and "--out newdir/" wrote a file named newdir).
+    (["plan", "--plot", "p.xyz"], "argument --plot: p.xyz: a plot's file name ends in .png, .pdf, .svg, ...; got .xyz"),
+    (["calibrate", "--out", "c.json", "--plot", "p"], "argument --plot: p: a plot's file name ends in"),
+    (["calibrate", "--out", "newdir/"], "argument --out: newdir/ ends in a path separator; give a file name"),
+    (["plan", "--alltoall-gbps", "0"], "argument --alltoall-gbps: 0 is not a finite number > 0"),
+    (
+        ["plan", "--topology", "g8n1", "--solver", "knapformer", "--max-tokens-per-gpu", "100"],
+        "--max-tokens-per-gpu 100 applies to solver refine, which --solver knapformer does not run",
+    ),
 ]
 if not torch.cuda.is_available():
     CASES.append((["calibrate", "--out", "c.json", "--device", "cuda"], "argument --device: cuda: this torch"))
@@ -115,3 +125,11 @@ def test_a_lengths_file_is_read_only_if_regular_and_small_with_few_enough_ranks_
         assert time.perf_counter() - start < 5
         err = capsys.readouterr().err
         assert err.startswith(f"deepspeed-knap plan: error: {message}") and len(err.splitlines()) == 1, err
+
+
+def test_bench_step_refuses_a_calibration_file_without_its_coefficients(tmp_path, capsys):
+    """Before any timing, naming the file (it was a KeyError)."""
+    (tmp_path / "cal.json").write_text('{"a": 1}')
+    code = main(["bench", "step", "--calibration", str(tmp_path / "cal.json"), "--steps", "1", "--repeats", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and str(tmp_path / "cal.json") in err and "quadratic_coef" in err and "Traceback" not in err
