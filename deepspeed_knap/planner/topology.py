@@ -40,6 +40,10 @@ DEFAULT_MAX_DEGREE = 8
 # solves in 6.7 s and 0.18 GB on a 2-core CPU, 65,536 GPUs in 31 s and 0.9 GB; a typo's billion GPUs
 # would take longer than any job.
 MAX_GPUS = 16_384
+# The largest bag (or auto's largest group): Ulysses gives each GPU of a bag a head at least, and no
+# DiT has more than a few dozen (FLUX 24, Wan 40). The planner's arrays grow with the number of GPUs
+# times the largest group: one bag of 4,096 GPUs took 3.7 GB to plan, of 16,384 over 24 GB.
+MAX_BAG_SIZE = 1_024
 
 
 def parse_topology_spec(spec: str) -> list[tuple[int, int]]:
@@ -68,6 +72,11 @@ def parse_topology_spec(spec: str) -> list[tuple[int, int]]:
                     f"{MAX_GPUS:,}, the most GPUs a balance group may have; give the bags of one balance group"
                 )
         terms.append((int(match.group(1)), int(match.group(2))))
+        if terms[-1][0] > MAX_BAG_SIZE:
+            raise ValueError(
+                f"topology term {term.strip()!r}: its bag size G {terms[-1][0]:,} is over {MAX_BAG_SIZE:,}, the largest "
+                "bag (Ulysses needs an attention head per GPU of a bag); use smaller bags"
+            )
         total += terms[-1][0] * terms[-1][1]  # checked term by term: every term holds at least one GPU
         if total > MAX_GPUS:
             raise ValueError(
@@ -241,6 +250,11 @@ def _build_auto(world_size: int | None, gpus_per_node: int | None, max_degree: i
         )
     if max_degree is None:
         max_degree = default_max_degree(world_size, gpus_per_node)
+    elif _positive_int(max_degree) and max_degree > MAX_BAG_SIZE:
+        raise ValueError(
+            f"max_degree={max_degree:,} is over {MAX_BAG_SIZE:,}, the largest group (Ulysses needs an attention head "
+            "per GPU of a group); give a smaller one"
+        )
     elif not _positive_int(max_degree) or max_degree & (max_degree - 1):
         raise ValueError(
             f"max_degree must be a power of two (1, 2, 4, 8, ...); got {max_degree!r}. Ulysses groups of 'auto' "

@@ -37,6 +37,9 @@ CASES = [
     (["plan", "--gpus", "1000000000"], "argument --gpus: 1000000000 is over 16,384, the most GPUs a balance group"),
     (["plan", "--topology", "g99999999999999999999n1"], "its bag size G 99999999999999999999 is over 16,384"),
     (["plan", "--topology", "g8n4096"], "topology 'g8n4096' has over 16,384 GPUs"),
+    # One bag of 16,384 GPUs grew past 24 GB (every sequence a chunk per GPU of its bag).
+    (["plan", "--topology", "g2048n1"], "its bag size G 2,048 is over 1,024, the largest bag"),
+    (["plan", "--topology", "auto", "--gpus", "4096", "--max-degree", "4096"], "max_degree=4,096 is over 1,024"),
     (["plan", "--lengths", "/dev/zero"], "--lengths /dev/zero is not a regular file"),
     (
         ["plan", "--gpus", "16384", "--topology", "auto", "--mix", "kf_lowres"],
