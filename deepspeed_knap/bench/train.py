@@ -58,6 +58,7 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from deepspeed_knap.cost.calibrate import read_calibration
 from deepspeed_knap.models.registry import spec
 from deepspeed_knap.options import (
     add_family_argument,
@@ -70,6 +71,7 @@ from deepspeed_knap.options import (
 from deepspeed_knap.planner.solve import plan_loads
 from deepspeed_knap.planner.topology import build_topology
 from deepspeed_knap.plots import write_report
+from deepspeed_knap.runtime.config import get_knapformer_config
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 from deepspeed_knap.training.arguments import TrainingArguments
 
@@ -496,6 +498,13 @@ def run(args: argparse.Namespace) -> int:
         cost_model["startup_calibration"] = {"enabled": True, "seq_lens": lengths}
     if args.route_coef:
         cost_model["route_coef"] = args.route_coef
+    for mode in modes:  # each mode's block as its ranks will read it (knapformer on auto, say), before they start
+        try:
+            get_knapformer_config(ds_config(mode, topology, args.ranks, cost_model, args.online))
+        except ValueError as error:
+            raise ValueError(f"--modes {mode} (--topology {topology}): {error}") from None
+    if args.calibration:
+        read_calibration(args.calibration)  # a missing or incomplete file, named, before the ranks start
     mix = args.mix or spec(args.family).default_mix
     options = {"ranks": args.ranks, "family": args.family, "mix": mix, "token_scale": args.token_scale, "steps": args.steps,
                "modes": modes, "topology": topology, "slow_rank": args.slow_rank,

@@ -33,6 +33,9 @@ CASES = [
     (["calibrate", "--out", "c.json", "--seq-lens", "64,128,256,1000000000000000"], "every length must be in [1,"),
     (["calibrate", "--out", "c.json", "--seq-lens", "64,128,256,1000000"], "needs about"),  # 44,000 GiB on CPU
     (["bench", "train", "--ranks", "2", "--topology", "g4n1"], "topology 'g4n1' needs a world size"),
+    # Every mode's block and the calibration file, before the ranks start (before: an error in every rank).
+    (["bench", "train", "--ranks", "2", "--topology", "auto"], "--modes knapformer (--topology auto): invalid"),
+    (["bench", "train", "--ranks", "2", "--calibration", "nope.json"], "calibration file 'nope.json' is unreadable"),
     # Bounds checked before any work (before, each grew to many GB or ran for minutes).
     (["plan", "--gpus", "1000000000"], "argument --gpus: 1000000000 is over 16,384, the most GPUs a balance group"),
     (["plan", "--topology", "g99999999999999999999n1"], "its bag size G 99999999999999999999 is over 16,384"),
