@@ -124,6 +124,20 @@ def output_file(text: str) -> str:
     return text
 
 
+def output_folder(text: str) -> str:
+    """An argparse type: a folder to write files in, or one to make in a folder that exists and can
+    be written (checked before any work, not after it)."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder; give a folder to write in")
+    parent = os.path.dirname(os.path.abspath(text.rstrip("/" + os.sep) or text))
+    target = text if os.path.isdir(text) else parent
+    if not os.path.isdir(target):
+        raise argparse.ArgumentTypeError(f"{text}: the folder {parent} does not exist; create it first")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: this user cannot write in {target}")
+    return text
+
+
 # What matplotlib's savefig writes, by the file name's extension.
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".eps", ".ps", ".pgf")
 

@@ -45,7 +45,7 @@ from tqdm import tqdm
 from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.cost.online import OnlineCostModel
 from deepspeed_knap.models.registry import MIXES, default_cost_model, sample_mix
-from deepspeed_knap.options import add_mix_argument, output_file, positive_int
+from deepspeed_knap.options import add_mix_argument, output_file, output_folder, positive_int
 from deepspeed_knap.planner.route import moved_tokens
 from deepspeed_knap.planner.solve import DEFAULT_SOLVER, SOLVERS, plan_loads, plan_routing, timed_plan
 from deepspeed_knap.planner.topology import AUTO, build_topology
@@ -316,6 +316,9 @@ def plot_step_loads(num_gpus: int, mix_name: str, topology_spec: str, path: str 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot_dir and DEFAULT_SOLVER not in args.solvers:
+        raise ValueError(f"--plot-dir plots {DEFAULT_SOLVER}'s speedup: add {DEFAULT_SOLVER} to --solvers, or drop "
+                         "--plot-dir")  # fmt: skip
     rows = run_suite(args.gpus, args.mixes, args.steps, args.solvers, sensitivity=args.sensitivity)
     for num_gpus in args.gpus:
         print(f"\n{num_gpus} GPUs, median over {args.steps} steps (p95 where marked):\n")
@@ -352,4 +355,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sensitivity", type=float, default=None, metavar="F",
                        help="also solve with the quadratic term scaled by 1-F and 1+F (e.g. 0.2)")  # fmt: skip
     parser.add_argument("--csv", type=output_file, metavar="OUT.csv", help="write every row")
-    parser.add_argument("--plot-dir", metavar="DIR", help="write speedup.png and loads.png here")
+    parser.add_argument("--plot-dir", type=output_folder, metavar="DIR",
+                        help="write speedup.png, loads.png and loads_auto.png here")  # fmt: skip
