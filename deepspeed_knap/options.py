@@ -96,6 +96,16 @@ def positive_float(text: str) -> float:
 MAX_TIMED_SEQ_LEN = 2**20
 
 
+def flux_head_dim(text: str) -> int:
+    """An argparse type: channels per head of FLUX blocks, a positive even number (they rotate a
+    head's channels in pairs, over three axes)."""
+    value = int_at_least(1)(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f"{value}: FLUX blocks rotate a head's channels in pairs; give an even "
+                                          "number")  # fmt: skip
+    return value
+
+
 def seq_lens(text: str) -> list[int]:
     """An argparse type: comma-separated lengths, each in [1, MAX_TIMED_SEQ_LEN]."""
     parts = [part.strip() for part in text.split(",")]

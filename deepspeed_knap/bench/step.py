@@ -38,6 +38,7 @@ from deepspeed_knap.models.registry import sample_shapes
 from deepspeed_knap.options import (
     add_mix_argument,
     device,
+    flux_head_dim,
     nonnegative_int,
     output_file,
     plot_file,
@@ -284,7 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-scale", type=positive_float, default=1 / 16, help="scale the mix's lengths (CPU: small)"
     )
     parser.add_argument("--heads", type=positive_int, default=8, help="attention heads (at least the largest bag)")
-    parser.add_argument("--head-dim", type=positive_int, default=32, help="channels per head")
+    parser.add_argument("--head-dim", type=flux_head_dim, default=32, help="channels per head (even)")
     parser.add_argument("--flux-dims", action="store_true", help="FLUX.1 width: 24 heads of 128 (GPU)")
     parser.add_argument("--double-blocks", type=nonnegative_int, default=19, help="double-stream blocks of the model")
     parser.add_argument("--single-blocks", type=nonnegative_int, default=38, help="single-stream blocks of the model")

@@ -43,7 +43,7 @@ from deepspeed_knap.cost.calibrate import calibrate, startup_model, time_lengths
 from deepspeed_knap.models.flux.calibrate import flux_blocks_step
 from deepspeed_knap.models.registry import spec
 from deepspeed_knap.models.timing import ConfigModel
-from deepspeed_knap.options import add_family_argument, device, nonnegative_int, positive_int, seq_lens
+from deepspeed_knap.options import add_family_argument, device, flux_head_dim, nonnegative_int, positive_int, seq_lens
 from deepspeed_knap.runtime.attention import BACKENDS, VarlenAttention, VarlenSeqs
 from deepspeed_knap.runtime.config import KnapCostModelConfig
 
@@ -347,7 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--heads", type=positive_int, default=None, help="attention heads (default: 24 on CUDA, 4 on CPU)"
     )
     parser.add_argument(
-        "--head-dim", type=positive_int, default=None, help="channels per head (default: 128 on CUDA, 32 on CPU)"
+        "--head-dim", type=flux_head_dim, default=None, help="channels per head, even (default: 128 on CUDA, 32 on CPU)"
     )
     parser.add_argument("--double-blocks", type=nonnegative_int, default=19, help="double-stream blocks of the model")
     parser.add_argument("--single-blocks", type=nonnegative_int, default=38, help="single-stream blocks of the model")

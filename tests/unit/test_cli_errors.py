@@ -73,6 +73,8 @@ CASES = [
     (["calibrate", "--out", "c.json", "--plot", "p"], "argument --plot: p: a plot's file name ends in"),
     (["calibrate", "--out", "newdir/"], "argument --out: newdir/ ends in a path separator; give a file name"),
     (["plan", "--alltoall-gbps", "0"], "argument --alltoall-gbps: 0 is not a finite number > 0"),
+    (["bench", "step", "--head-dim", "3"], "argument --head-dim: 3: FLUX blocks rotate a head's channels in pairs"),
+    (["doctor", "--head-dim", "3"], "argument --head-dim: 3: FLUX blocks rotate a head's channels in pairs"),
     (["bench", "planner", "--plot-dir", "/no/such/folder/plots"], "argument --plot-dir: /no/such/folder/plots: the"),
     (["bench", "planner", "--solvers", "none", "--plot-dir", "plots"], "--plot-dir plots refine's speedup: add refine"),
     (
