@@ -135,21 +135,23 @@ def output_file(text: str) -> str:
 
 
 def output_folder(text: str) -> str:
-    """An argparse type: a folder to write files in, or one to make in a folder that exists and can
-    be written (checked before any work, not after it)."""
+    """An argparse type: a folder to write files in, or one to make (with its parents) where this user
+    can write (checked before any work, not after it)."""
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} is a file, not a folder; give a folder to write in")
-    parent = os.path.dirname(os.path.abspath(text.rstrip("/" + os.sep) or text))
-    target = text if os.path.isdir(text) else parent
-    if not os.path.isdir(target):
-        raise argparse.ArgumentTypeError(f"{text}: the folder {parent} does not exist; create it first")
-    if not os.access(target, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text}: this user cannot write in {target}")
+    existing = os.path.abspath(text)
+    while not os.path.exists(existing):  # the folders made are made in the nearest one that exists
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, so no folder can be made there")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: this user cannot write in {existing}")
     return text
 
 
 # What matplotlib's savefig writes, by the file name's extension.
-PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".eps", ".ps", ".pgf")
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".gif", ".avif", ".eps",
+                 ".ps", ".pgf", ".raw", ".rgba")  # fmt: skip
 
 
 def plot_file(text: str) -> str:

@@ -111,7 +111,10 @@ def encode_images() -> None:
     for index, (path, caption) in enumerate(tqdm(captioned, desc="encode")):
         # Every image keeps its own size and aspect ratio (longer side at --resolution, each side a
         # multiple of the patch): packing trains them as they are, no buckets, nothing dropped.
-        image = read_image(path)  # oriented by its EXIF tag, as diffusers' load_image
+        try:
+            image = read_image(path)  # oriented by its EXIF tag, as diffusers' load_image
+        except ValueError as error:
+            raise SystemExit(f"{error}; replace or remove it") from None
         scale = args.resolution / max(image.size)
         width, height = (max(multiple, round(side * scale / multiple) * multiple) for side in image.size)
         pixels = torch.from_numpy(np.asarray(image.resize((width, height), Image.BICUBIC))).permute(2, 0, 1)

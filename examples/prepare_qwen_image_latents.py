@@ -39,6 +39,15 @@ parser.add_argument("--max-sequence-length", type=int, default=512, help="text-t
 parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
 
 
+def image_at(path: Path):
+    """The image at ``path`` in RGB, oriented by its EXIF tag (as diffusers' ``load_image``); an
+    unreadable file stops the run, naming it."""
+    try:
+        return read_image(path)
+    except ValueError as error:
+        raise SystemExit(f"{error}; replace or remove it") from None
+
+
 @torch.no_grad()
 def main() -> None:
     import diffusers
@@ -78,7 +87,7 @@ def main() -> None:
         return packed, (frames, lat_h // 2, lat_w // 2)
 
     for index, (path, caption, refs) in enumerate(tqdm(found, desc="encode")):
-        image = read_image(path)  # oriented by its EXIF tag, as diffusers' load_image
+        image = image_at(path)
         scale = args.resolution / max(image.size)
         width, height = (max(multiple, round(side * scale / multiple) * multiple) for side in image.size)
         latents, target_grid = encode(image, height, width)
@@ -87,7 +96,7 @@ def main() -> None:
         if edits:
             references, condition_images = [], []
             for ref_path in refs:
-                ref = read_image(ref_path)
+                ref = image_at(ref_path)
                 ratio = ref.width / ref.height
                 cond_w, cond_h = edit_plus.calculate_dimensions(edit_plus.CONDITION_IMAGE_SIZE, ratio)
                 condition_images.append(pipe.image_processor.resize(ref, cond_h, cond_w))

@@ -30,6 +30,7 @@ from deepspeed_knap.options import (
     add_family_argument,
     add_mix_argument,
     device,
+    flux_head_dim,
     nonnegative_int,
     positive_float,
     positive_int,
@@ -161,7 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=positive_int, default=2, help="double-stream blocks")
     parser.add_argument("--single-layers", type=positive_int, default=4, help="single-stream blocks")
     parser.add_argument("--heads", type=positive_int, default=4)
-    parser.add_argument("--head-dim", type=positive_int, default=32, help="FLUX.1: 24 heads of 128 (use --flux-dims)")
+    parser.add_argument(
+        "--head-dim", type=flux_head_dim, default=32, help="even; FLUX.1: 24 heads of 128 (use --flux-dims)"
+    )
     parser.add_argument("--flux-dims", action="store_true",
                         help="[dev]'s width and blocks: FLUX.1 24 x 128, 19 + 38; FLUX.2 48 x 128, 8 + 48 (GPU)")  # fmt: skip
     parser.add_argument("--seed", type=nonnegative_int, default=0)

@@ -75,6 +75,7 @@ from deepspeed_knap.runtime.config import get_knapformer_config
 from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 from deepspeed_knap.training.arguments import TrainingArguments
 
+DEFAULT_MODES = "off,knapformer,refine,auto"
 MODES = ("off", "knapformer", "refine", "auto")
 # The plan by part (the lengths gather, recording the closed step and the online refit, the solve or
 # the wait for the worker's, the agreement on a prefetched plan), then the exchanges and the compute,
@@ -502,7 +503,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             get_knapformer_config(ds_config(mode, topology, args.ranks, cost_model, args.online))
         except ValueError as error:
-            raise ValueError(f"--modes {mode} (--topology {topology}): {error}") from None
+            default = "" if args.modes != DEFAULT_MODES else " (the default --modes; give --modes to choose others)"
+            raise ValueError(f"--modes {mode}{default} on --topology {topology}: {error}") from None
     if args.calibration:
         read_calibration(args.calibration)  # a missing or incomplete file, named, before the ranks start
     mix = args.mix or spec(args.family).default_mix
@@ -530,7 +532,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="training steps per mode (the first is not summarised); the modes run interleaved step by step, in "
         "carryover-balanced orders (1 + a multiple of twice the mode count balances them)",
     )
-    parser.add_argument("--modes", default="off,knapformer,refine,auto", help="comma-separated, from " + ", ".join(
+    parser.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated, from " + ", ".join(
         ["off", "knapformer", "refine", "auto"]) + "; knapformer@TOPOLOGY (refine too) runs it on that topology")  # fmt: skip
     parser.add_argument(
         "--topology", default=None, help="bags of knapformer and refine (default: one bag of all ranks)"

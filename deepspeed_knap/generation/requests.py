@@ -198,11 +198,13 @@ def read_image(path: str | Path) -> Any:
     """
     import io
 
-    from PIL import Image, ImageOps
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(read_regular_file(path, MAX_IMAGE_BYTES)))
         return ImageOps.exif_transpose(image).convert("RGB")
+    except UnidentifiedImageError:  # (its message names the in-memory copy, not the file)
+        raise ValueError(f"cannot read image {path}: not an image PIL reads") from None
     except Exception as error:
         raise ValueError(f"cannot read image {path}: {error}") from None
 

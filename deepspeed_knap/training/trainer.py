@@ -206,6 +206,8 @@ class Trainer:
                 print(f"--resume: skipped checkpoint {tag}: {why}", flush=True)
             print(f"--resume: loading checkpoint {choice.tag} from {choice.load_dir}"
                   + ("" if choice.given else ", the newest complete one"), flush=True)  # fmt: skip
+        # Before DeepSpeed loads anything (minutes at A14B size): the expert the manifest recorded.
+        self.raise_together(self._expert_problem(choice.manifest.get("metadata") or {}, choice.tag))
         try:  # weights-only: no pickle of the checkpoint runs; another model's checkpoint is one error
             _, client_state = load_checkpoint(self.engine, choice.load_dir, choice.tag)
         except CheckpointError as error:
@@ -223,20 +225,27 @@ class Trainer:
             problem = (f"--resume {a.resume}: checkpoint {choice.tag} was trained with LoRA alpha {saved_alpha} and "
                        f"this run has {alpha} (the adapters' scale is alpha / rank): resume with --lora-alpha "
                        f"{saved_alpha}")  # fmt: skip
-        elif "expert" in client_state and client_state["expert"] != self.hooks.expert:
-            # Wan 2.2 A14B's experts have the same names and shapes: DeepSpeed would load one as the other.
-            saved, given = (
-                f"--expert {e}" if e else "no --expert" for e in (client_state["expert"], self.hooks.expert)
-            )
-            problem = (f"--resume {a.resume}: checkpoint {choice.tag} was trained with {saved} and this run has "
-                       f"{given} (the two experts have the same parameter names: one would load as the other); "
-                       f"resume with {saved}")  # fmt: skip
+        else:  # (the files' own record: the manifest's was checked before the load)
+            problem = self._expert_problem(client_state, choice.tag)
         self.raise_together(problem)
         try:
             check_same_on_every_rank({f"checkpoint {choice.tag}'s step and data position": f"{step} {position}"})
         except ValueError as error:
             raise TrainingError(f"--resume {a.resume}: {error}") from None
         self.start_step, self.position = step, position
+
+    def _expert_problem(self, saved: Mapping[str, Any], tag: str) -> str | None:
+        """Why a checkpoint that recorded ``saved["expert"]`` cannot resume this run's expert, or
+        ``None`` (also for a checkpoint saved before the expert was recorded)."""
+        if "expert" not in saved or saved["expert"] == self.hooks.expert:
+            return None
+        # Wan 2.2 A14B's experts have the same names and shapes: DeepSpeed would load one as the other.
+        then, now = (
+            f"--expert {e}" if e else "both experts (or one transformer)" for e in (saved["expert"], self.hooks.expert)
+        )
+        return (f"--resume {self.arguments.resume}: checkpoint {tag} was trained with {then} and this run trains "
+                f"{now} (the two experts have the same parameter names: one would load as the other); resume with "
+                f"{then}")  # fmt: skip
 
     def _lora_alpha(self) -> float | None:
         """The LoRA alpha the model's adapters have (``None``: no LoRA)."""

@@ -95,7 +95,7 @@ def test_resumed_run_continues_with_the_uninterrupted_losses_and_weights(full_ru
     assert sorted(p.name for p in (d / "ckpt").glob("step*")) == ["step1", "step2", "step3"]
     assert (d / "ckpt" / "latest").read_text() == "step3"
     manifest = read_manifest(d / "ckpt" / "step3")
-    assert manifest["metadata"] == {"step": 3, "data_position": 6, "lora_alpha": None}
+    assert manifest["metadata"] == {"step": 3, "data_position": 6, "lora_alpha": None, "expert": None}
     assert sorted(manifest["files"]) == [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
                                          for r in (0, 1) for kind in ("model", "optim")]  # fmt: skip
     for tag in ("step1", "step2", "step3"):

@@ -120,7 +120,7 @@ def test_validation_lines_sizes_and_folders(tmp_path):
     with pytest.raises(ValueError, match=r"pipe\.png: it is a FIFO \(named pipe\), not a regular file"):
         hooks.call("pipe.png\tin blue", tmp_path, None)
     (tmp_path / "text.png").write_text("not an image")
-    with pytest.raises(ValueError, match=r"cannot read image .*text\.png: cannot identify image file"):
+    with pytest.raises(ValueError, match=r"cannot read image .*text\.png: not an image PIL reads"):
         hooks.call("text.png\tin blue", tmp_path, None)
     assert hooks.options(ValidationSettings(tiny=True)) == dict(height=32, width=32, num_inference_steps=2,
                                                                 guidance_scale=3.5)  # fmt: skip
@@ -189,5 +189,18 @@ def test_flux2_klein_validation_renders_through_the_klein_pipeline(tmp_path):
     file = hooks.render(pipe, {"prompt": "a cat"}, torch.Generator().manual_seed(3), options, tmp_path / "render")
     expected = saved(prompt="a cat", generator=torch.Generator().manual_seed(3), **options).images[0]
     assert np.array_equal(np.asarray(Image.open(file)), np.asarray(expected))
-    (tmp_path / "klein" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
-    assert "names 'FluxPipeline'" in hooks.model_path_problem(str(tmp_path / "klein"))
+    assert options["guidance_scale"] == 4.0 and not pipe.config.is_distilled
+    # A step-distilled klein: the pipeline keeps is_distilled, and renders without guidance unless told.
+    saved.register_to_config(is_distilled=True)
+    saved.save_pretrained(tmp_path / "distilled")
+    hooks = Flux2Validation(spec("flux2"), str(tmp_path / "distilled"))
+    assert hooks.model_path_problem(str(tmp_path / "distilled")) is None
+    components = hooks.components(str(tmp_path / "distilled"), model, 0, torch.float32)
+    components.pop("transformer")
+    pipe = hooks.build_pipeline(model, components, type(model).pipeline_transformers(model.config, model.state_dict()))
+    assert pipe.config.is_distilled and hooks.options(ValidationSettings(tiny=True))["guidance_scale"] == 1.0
+    assert hooks.options(ValidationSettings(tiny=True, guidance=2.0))["guidance_scale"] == 2.0
+    index = tmp_path / "other" / "model_index.json"
+    index.parent.mkdir()
+    index.write_text('{"_class_name": "FluxPipeline"}')
+    assert "names 'FluxPipeline'" in hooks.model_path_problem(str(index.parent))

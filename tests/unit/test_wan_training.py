@@ -270,17 +270,20 @@ def test_ti2v_validation_renders_an_image_line_as_diffusers_generates_from_an_im
 
 def test_resuming_one_expert_from_the_others_checkpoint_is_refused(monkeypatch, tmp_path):
     """Wan 2.2 A14B's two experts have the same parameter names and shapes: a checkpoint records the
-    expert it trained, and a resume with the other (or none) is refused naming the --expert to give
-    (DeepSpeed would have loaded one expert's weights and optimizer into the other's run)."""
+    expert it trained, and a resume with the other (or both) is refused naming the --expert to give,
+    from the manifest before DeepSpeed loads anything, and from the files' own record after
+    (DeepSpeed had loaded one expert's weights and optimizer into the other's run)."""
     from types import SimpleNamespace
 
     from deepspeed_knap.training import trainer as trainer_module
     from deepspeed_knap.training.trainer import Trainer, TrainingError
 
-    choice = SimpleNamespace(tag="step4", load_dir=str(tmp_path), skipped=[], given=True)
     saved = {"step": 4, "data_position": 8, "lora_alpha": None, "expert": "high"}
+    choice = SimpleNamespace(tag="step4", load_dir=str(tmp_path), skipped=[], given=True, manifest={"metadata": saved})
+    loads = []
     monkeypatch.setattr(trainer_module, "find_checkpoint", lambda path: choice)
-    monkeypatch.setattr(trainer_module, "load_checkpoint", lambda engine, load_dir, tag: (None, dict(saved)))
+    monkeypatch.setattr(trainer_module, "load_checkpoint",
+                        lambda engine, load_dir, tag: loads.append(tag) or (None, dict(saved)))  # fmt: skip
     monkeypatch.setattr(trainer_module, "check_same_on_every_rank", lambda views: None)
 
     def raise_alone(problem):
@@ -291,12 +294,17 @@ def test_resuming_one_expert_from_the_others_checkpoint_is_refused(monkeypatch, 
         run = SimpleNamespace(arguments=SimpleNamespace(resume=str(tmp_path)), rank=1, engine=None,
                               hooks=SimpleNamespace(expert=expert), raise_together=raise_alone,
                               _lora_alpha=lambda: None)  # fmt: skip
+        run._expert_problem = lambda recorded, tag: Trainer._expert_problem(run, recorded, tag)
         Trainer._resume(run)
         return run
 
-    assert resume("high").start_step == 4
-    for other, given in (("low", "--expert low"), (None, "no --expert")):
-        with pytest.raises(TrainingError, match=re.escape(f"was trained with --expert high and this run has {given}")):
+    assert resume("high").start_step == 4 and loads == ["step4"]
+    for other, now in (("low", "--expert low"), (None, "both experts (or one transformer)")):
+        with pytest.raises(TrainingError, match=re.escape(f"was trained with --expert high and this run trains {now}")):
             resume(other)
+    assert loads == ["step4"]  # refused before the load, from the manifest
+    choice.manifest = {}  # no manifest record: the files' own, after the load
+    with pytest.raises(TrainingError, match="resume with --expert high"):
+        resume("low")
     saved.pop("expert")  # a checkpoint saved before the expert was recorded: resumed as before
     assert resume("low").start_step == 4

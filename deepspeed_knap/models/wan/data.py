@@ -212,7 +212,7 @@ def _load_image(path: Path) -> np.ndarray:
     try:
         return np.asarray(read_image(path))
     except ValueError as error:
-        raise Refused("unreadable", f"unreadable: not an image PIL can read ({error})") from None
+        raise Refused("unreadable", f"unreadable: {error}") from None
 
 
 def read_source(

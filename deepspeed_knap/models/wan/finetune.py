@@ -200,7 +200,7 @@ class WanValidation(ValidationHooks):
 def _two_expert_parent(path: str | Path) -> Path | None:
     """The two-expert pipeline folder (Wan 2.2 A14B) ``path`` is the ``transformer/`` or
     ``transformer_2/`` of, or ``None`` (a pipeline folder, another folder, an unreadable index)."""
-    path = Path(path)
+    path = Path(path).resolve()  # ("." inside transformer/ too)
     if path.name not in ("transformer", "transformer_2") or (path / "model_index.json").is_file():
         return None
     try:
