@@ -29,7 +29,8 @@ class TrainingArguments:
         token_scale: synthetic data: shrink sample sizes (CPU: 1/64).
         steps: train until this many steps are done (resumed ones count).
         lr: AdamW's learning rate, unless the DeepSpeed config has an optimizer.
-        guidance: the guidance scale fed to guidance-distilled models.
+        guidance: the guidance scale fed to guidance-distilled models (``None``: 1.0); refused for a
+            model without a guidance embedding.
         expert: a two-expert model (Wan 2.2 A14B): ``"both"`` (the default for a two-expert pipeline:
             each sample's noise level picks its expert), ``"high"`` or ``"low"`` (that expert alone,
             on its side of the pipeline's ``boundary_ratio``). ``None``: the checkpoint's one model.
@@ -64,7 +65,7 @@ class TrainingArguments:
     token_scale: float = 1.0
     steps: int = 10
     lr: float = 1e-5
-    guidance: float = 1.0
+    guidance: float | None = None
     expert: str | None = None
     first_frame_share: float | None = None
     gradient_checkpointing: bool = False
@@ -142,7 +143,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lr", type=float, default=1e-5, help="AdamW learning rate (unless the config has an optimizer)"
     )
-    parser.add_argument("--guidance", type=float, default=1.0, help="guidance scale fed to guidance-distilled models")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="guidance scale fed to guidance-distilled models (default 1.0; others refuse it)")  # fmt: skip
     parser.add_argument("--expert", choices=["high", "low", "both"], default=None,
                         help="a two-expert model (Wan 2.2 A14B): both (default: each sample's noise level picks its "
                         "expert), or the high- or low-noise expert alone on its side of boundary_ratio")  # fmt: skip

@@ -147,7 +147,13 @@ class Trainer:
         unlink_own_shm_buffer(self.rank)
         self.model = self.engine.module
         self.dtype = next(self.model.parameters()).dtype  # bf16 under a "bf16" config: inputs must match
-        self.guidance = a.guidance if self.model.config.get("guidance_embeds") else None
+        embeds = bool(self.model.config.get("guidance_embeds"))
+        self.guidance = (1.0 if a.guidance is None else a.guidance) if embeds else None
+        # A scale the model has no embedding for would be ignored (FLUX.1 [schnell], FLUX.2 [klein],
+        # FLUX.3, Wan, Qwen-Image): refused, as --expert is where it means nothing.
+        self.raise_together(None if a.guidance is None or embeds else
+                            f"--guidance {a.guidance}: this model has no guidance embedding (it is not guidance-"
+                            "distilled), so nothing would read the scale; drop --guidance")  # fmt: skip
         self.raise_together(self.hooks.refuse(self.model, a.model_path))
         if (accumulated := self.engine.gradient_accumulation_steps()) != 1:  # one DeepSpeed config: every rank's
             # The loop steps the optimizer every step: steps, checkpoints and --resume count optimizer steps.

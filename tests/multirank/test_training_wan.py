@@ -145,3 +145,11 @@ def test_the_documented_cpu_demo_trains_synthetic_clips_and_renders_with_the_tin
     assert sorted(run.losses) == [0, 1]
     with Image.open(tmp_path / "clips" / "step000002_prompt00.gif") as gif:
         assert (gif.size, gif.n_frames) == ((32, 32), 5)
+
+
+def test_guidance_is_refused_for_a_model_without_a_guidance_embedding():
+    """Wan has no guidance embedding: a --guidance would be ignored, so it is refused on every rank
+    before any step (it was silently dropped)."""
+    run = train(str(ROOT / "ds_configs" / "wan_cpu_demo.json"), ranks=1, fails=True, family="wan",
+                token_scale=1 / 64, steps=1, guidance=2.0)  # fmt: skip
+    assert "--guidance 2.0: this model has no guidance embedding" in run.errors[0], run.errors[0]
