@@ -53,6 +53,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+
+def index_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(starts[i], starts[i] + lens[i])`` over ``i``, as int64: e.g. the GPUs
+    of every sequence's group, sequence by sequence (``starts`` the groups' first GPUs, ``lens``
+    their sizes). Shared by the refit, the planner and the runtime's layouts."""
+    starts, lens = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    firsts = np.cumsum(lens) - lens
+    return np.repeat(starts - firsts, lens) + np.arange(total, dtype=np.int64)
+
+
 # The defaults of from_model_dims, the config block and the CLI: an H100 in bf16, NVLink all-to-alls.
 DEFAULT_TFLOPS = 400.0
 DEFAULT_ALLTOALL_GBPS = 150.0

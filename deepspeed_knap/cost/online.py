@@ -132,6 +132,7 @@ import numpy as np
 
 from deepspeed_knap.cost.model import (
     CostModel,
+    index_ranges,
     nonnegative_normal_equations,
     normal_equations_residual,
     solve_linear,
@@ -251,14 +252,11 @@ def plan_terms(
     x = lengths / share
     y = squares * cost_model.head_factor(sizes) / share
     z = (seq_lens * (sizes - 1)).astype(np.float64) / (sizes * sizes).astype(np.float64)
-    # Each sequence's group members, sequence by sequence: [sum of group sizes] GPU ids and whose.
-    member_of = np.repeat(np.arange(len(sizes)), sizes)
-    gpus = starts[member_of] + np.arange(len(member_of)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    num_gpus = plan.num_gpus
+    gpus, num_gpus = index_ranges(starts, sizes), plan.num_gpus  # each sequence's group, sequence by sequence
     return (
-        np.bincount(gpus, weights=x[member_of], minlength=num_gpus).astype(np.float64),  # (int64 when empty)
-        np.bincount(gpus, weights=y[member_of], minlength=num_gpus).astype(np.float64),
-        np.bincount(gpus, weights=z[member_of], minlength=num_gpus).astype(np.float64),
+        np.bincount(gpus, weights=np.repeat(x, sizes), minlength=num_gpus).astype(np.float64),  # (int64 when empty)
+        np.bincount(gpus, weights=np.repeat(y, sizes), minlength=num_gpus).astype(np.float64),
+        np.bincount(gpus, weights=np.repeat(z, sizes), minlength=num_gpus).astype(np.float64),
         np.bincount(gpus, minlength=num_gpus).astype(np.float64),
     )
 

@@ -72,6 +72,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deepspeed_knap.cost.model import index_ranges
 from deepspeed_knap.planner.fixed import _refine  # the elastic planner builds on the fixed one
 from deepspeed_knap.planner.problem import Problem
 from deepspeed_knap.planner.search import (
@@ -267,9 +268,7 @@ class _State:
         """:meth:`place` every ``seqs[k]`` in ``groups[k]``, in that order, vectorised."""
         problem = self.problem
         size = problem.bag_size[groups]
-        gpu = np.repeat(problem.bag_first[groups], size) + (
-            np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size, size)
-        )
+        gpu = index_ranges(problem.bag_first[groups], size)
         np.add.at(self.loads, gpu, np.repeat(problem.cost[seqs, problem.bag_class[groups]], size))
         if self.tokens is not None:
             rank = gpu - np.repeat(problem.bag_first[groups], size)

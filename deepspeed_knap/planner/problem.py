@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.cost.model import CostModel, index_ranges
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.topology import Topology
 
@@ -58,9 +58,7 @@ def _group_loads(
     if gpus_per_node is not None and cost_model.prices_inter_node_alltoall:
         across = cost_model.cross_node_peers(group_start, group_size, gpus_per_node)
     per_gpu_s = cost_model.per_gpu_time(seq_lens, group_size, speeds, segment_squares, across)
-    gpu_of_member = np.repeat(group_start, group_size) + (
-        np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)
-    )
+    gpu_of_member = index_ranges(group_start, group_size)
     loads = np.bincount(gpu_of_member, weights=np.repeat(per_gpu_s, group_size), minlength=num_gpus)
     return loads + cost_model.gpu_overhead_s(num_gpus) if cost_model.overhead_s else loads
 

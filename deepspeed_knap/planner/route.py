@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepspeed_knap.cost.model import CostModel
+from deepspeed_knap.cost.model import CostModel, index_ranges
 from deepspeed_knap.planner.plan import RoutingPlan
 
 
@@ -56,11 +56,8 @@ def gpu_traffic(
     seq_lens, src = np.asarray(seq_lens, dtype=np.int64), np.asarray(src, dtype=np.int64)
     group_start, group_size = np.asarray(group_start, dtype=np.int64), np.asarray(group_size, dtype=np.int64)
     # Every chunk of every sequence (sequence_traffic's, vectorised): [sum of group sizes] each.
-    member_of = np.repeat(np.arange(len(group_size)), group_size)
-    position = np.arange(len(member_of)) - np.repeat(np.cumsum(group_size) - group_size, group_size)
-    base, extra = np.divmod(seq_lens, group_size)
-    gpu, home = group_start[member_of] + position, src[member_of]
-    tokens = base[member_of] + (position < extra[member_of])
+    gpu, home = index_ranges(group_start, group_size), np.repeat(src, group_size)
+    tokens = _chunk_lengths(seq_lens, group_size)
     moves = (gpu != home) & (tokens > 0)
     gpu, home, tokens = gpu[moves], home[moves], tokens[moves]
     across = np.zeros(len(gpu), dtype=bool) if gpus_per_node is None else gpu // gpus_per_node != home // gpus_per_node
@@ -153,9 +150,7 @@ class _HomeState:
         self.seq_lens, self.src, self.load_units, self.home_units = seq_lens, src, load_units, home_units
         self.gpus_per_node, self.cap = gpus_per_node, cap
         self.group_start, self.group_size = group_start.copy(), group_size.copy()
-        members = np.repeat(group_start, group_size) + (
-            np.arange(int(group_size.sum())) - np.repeat(np.cumsum(group_size) - group_size, group_size)
-        )
+        members = index_ranges(group_start, group_size)
         # Exact: bincount sums integers below 2**53.
         self.loads = gpu_base_units + np.bincount(members, weights=np.repeat(load_units, group_size),
                                                   minlength=num_gpus).astype(np.int64)  # fmt: skip

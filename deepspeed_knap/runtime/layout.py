@@ -21,17 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deepspeed_knap.cost.model import index_ranges
 from deepspeed_knap.planner.plan import RoutingPlan
-
-
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(starts[i], starts[i] + lens[i])`` over ``i``, as int64."""
-    starts, lens = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    firsts = np.cumsum(lens) - lens
-    return np.repeat(starts - firsts, lens) + np.arange(total, dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,7 +59,7 @@ class AttentionGroup:
         if size > 1 and num_seqs > 1:
             # Offsets of chunk (g, j) in the member-major buffer, then read it sequence-major.
             member_major_starts = (np.cumsum(chunk_lens.ravel()) - chunk_lens.ravel()).reshape(size, num_seqs)
-            seq_major = _ranges(member_major_starts.T.ravel(), chunk_lens.T.ravel())
+            seq_major = index_ranges(member_major_starts.T.ravel(), chunk_lens.T.ravel())
         return cls(start, size, member, seq_ids, chunk_lens.sum(axis=0), chunk_lens, rows, seq_major)
 
     @property
@@ -164,7 +155,7 @@ def gpu_layout(plan: RoutingPlan, gpu: int) -> GpuLayout:
     outgoing = np.flatnonzero((src_of_chunk == gpu) & (plan.chunk_len > 0))
     outgoing = outgoing[np.lexsort((seq_of_chunk[outgoing], plan.chunk_gpu[outgoing]))]
     out_seq = seq_of_chunk[outgoing] - home_first
-    send_rows = _ranges(home_offsets[out_seq] + plan.chunk_start[outgoing], plan.chunk_len[outgoing])
+    send_rows = index_ranges(home_offsets[out_seq] + plan.chunk_start[outgoing], plan.chunk_len[outgoing])
     send_counts = np.bincount(plan.chunk_gpu[outgoing], weights=plan.chunk_len[outgoing], minlength=num_gpus)
     sample_send_counts = np.bincount(plan.chunk_gpu[outgoing], minlength=num_gpus)
 
@@ -187,7 +178,11 @@ def gpu_layout(plan: RoutingPlan, gpu: int) -> GpuLayout:
         chunk_lens = plan.chunk_len[chunk_index]  # [G, m]
         in_group = np.isin(held_seq, seq_ids)
         # With several groups every one lists its rows, even none (a member holding only empty chunks).
-        rows = None if len(group_keys) == 1 else _ranges(held_rows_start[in_group], plan.chunk_len[incoming][in_group])
+        rows = (
+            None
+            if len(group_keys) == 1
+            else index_ranges(held_rows_start[in_group], plan.chunk_len[incoming][in_group])
+        )
         groups.append(AttentionGroup.build(start, gpu - start, seq_ids, chunk_lens, rows))
 
     return GpuLayout(

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from deepspeed_knap.cost.model import index_ranges
 from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.runtime.groups import ProcessGroups, text_digest
-from deepspeed_knap.runtime.layout import GpuLayout, _ranges, gpu_layout, local_layout
+from deepspeed_knap.runtime.layout import GpuLayout, gpu_layout, local_layout
 from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.timing import StepTimes
 
@@ -200,7 +201,7 @@ class RoutedBatch:
         keep = np.asarray(keep, dtype=bool)
         held = keep[self.layout.seq_ids]  # [n] per chunk held
         lens = np.asarray(self.batch.seq_lens, dtype=np.int64)
-        rows = _ranges((np.cumsum(lens) - lens)[held], lens[held])
+        rows = index_ranges((np.cumsum(lens) - lens)[held], lens[held])
         index = self.device_array(("subset_rows", keep.tobytes()), rows)
         chunks = self.device_array(("subset_chunks", keep.tobytes()), np.flatnonzero(held))
         batch = self.batch
@@ -653,7 +654,7 @@ def route_sample_rows(rows: Tensor, row_counts: np.ndarray, routed: RoutedBatch,
     row_counts, routed_counts = np.asarray(row_counts, dtype=np.int64), np.asarray(routed_counts, dtype=np.int64)
     gpus = np.arange(layout.num_gpus)
     sent = layout.sample_send_index  # home sequence of every copy sent, destination by destination
-    send_rows = _ranges((np.cumsum(row_counts) - row_counts)[sent], row_counts[sent])
+    send_rows = index_ranges((np.cumsum(row_counts) - row_counts)[sent], row_counts[sent])
     send_counts = np.bincount(np.repeat(gpus, layout.sample_send_counts), row_counts[sent], layout.num_gpus)
     recv_counts = np.bincount(np.repeat(gpus, layout.sample_recv_counts), routed_counts, layout.num_gpus)
     send = rows.index_select(0, torch.as_tensor(send_rows, device=rows.device))
