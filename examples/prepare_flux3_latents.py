@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.generation.requests import read_image as read_oriented_image
 from deepspeed_knap.models.flux3.data import flux3_latent_tokens, flux3_reference_tokens, save_flux3_sample
-from deepspeed_knap.models.latents import targets_and_references, write_latent_manifest
+from deepspeed_knap.models.latents import prepared_image, targets_and_references, write_latent_manifest
 from deepspeed_knap.runtime.manifest import MANIFEST
 
 INDEXES = ("modular_model_index.json", "model_index.json")  # a FLUX.3 modular pipeline folder's, either
@@ -54,15 +53,6 @@ def check_pretrained(path: Path) -> None:
     if not name.startswith("Flux3"):
         raise SystemExit(f"--pretrained {path} is a {name or 'pipeline without a _class_name'} ({index.name}); give a "
                          "FLUX.3 modular pipeline directory (Flux3ModularPipeline)")  # fmt: skip
-
-
-def read_image(path: Path):
-    """``path`` as an RGB PIL image oriented by its EXIF tag; an unreadable file stops the run,
-    naming it."""
-    try:
-        return read_oriented_image(path)
-    except ValueError as error:
-        raise SystemExit(f"{error}; replace or remove it") from None
 
 
 @torch.no_grad()
@@ -104,7 +94,7 @@ def main() -> None:
     grid = pipe.image_processor.config.vae_scale_factor
 
     for index, (path, caption, refs) in enumerate(tqdm(found, desc="encode")):
-        image = read_image(path)
+        image = prepared_image(path)
         scale = args.resolution / max(image.size)
         width, height = (max(multiple, round(side * scale / multiple) * multiple) for side in image.size)
         # The plain resize to the target's size (the FLUX.3 processor's own preprocess pads or crops references).
@@ -114,7 +104,7 @@ def main() -> None:
         sample["encoder_hidden_states"], sample["txt_ids"] = encode_flux3_prompt(pipe, caption,
                                                                                  args.max_sequence_length, device)  # fmt: skip
         if refs:
-            images = [read_image(ref) for ref in refs]
+            images = [prepared_image(ref) for ref in refs]
             problem = reference_problem([str(ref) for ref in refs], images, grid)
             if problem:
                 raise SystemExit(f"{path}: {problem}")

@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.generation.requests import read_image
 from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples
-from deepspeed_knap.models.latents import write_latent_manifest
+from deepspeed_knap.models.latents import prepared_image, write_latent_manifest
 from deepspeed_knap.models.registry import MIXES, sample_shapes
 from deepspeed_knap.options import positive_float, positive_int
 from deepspeed_knap.runtime.manifest import MANIFEST
@@ -111,10 +110,7 @@ def encode_images() -> None:
     for index, (path, caption) in enumerate(tqdm(captioned, desc="encode")):
         # Every image keeps its own size and aspect ratio (longer side at --resolution, each side a
         # multiple of the patch): packing trains them as they are, no buckets, nothing dropped.
-        try:
-            image = read_image(path)  # oriented by its EXIF tag, as diffusers' load_image
-        except ValueError as error:
-            raise SystemExit(f"{error}; replace or remove it") from None
+        image = prepared_image(path)
         scale = args.resolution / max(image.size)
         width, height = (max(multiple, round(side * scale / multiple) * multiple) for side in image.size)
         pixels = torch.from_numpy(np.asarray(image.resize((width, height), Image.BICUBIC))).permute(2, 0, 1)

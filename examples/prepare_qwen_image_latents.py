@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deepspeed_knap.generation.requests import read_image
-from deepspeed_knap.models.latents import targets_and_references, write_latent_manifest
+from deepspeed_knap.models.latents import prepared_image, targets_and_references, write_latent_manifest
 from deepspeed_knap.models.qwenimage.data import REFERENCE_KEY, save_qwen_image_sample
 from deepspeed_knap.runtime.manifest import MANIFEST
 
@@ -37,15 +36,6 @@ parser.add_argument("--out", required=True, help="directory to write the samples
 parser.add_argument("--resolution", type=int, default=1024, help="the longer side of a target, px")
 parser.add_argument("--max-sequence-length", type=int, default=512, help="text-to-image: tokens per caption")
 parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-
-
-def image_at(path: Path):
-    """The image at ``path`` in RGB, oriented by its EXIF tag (as diffusers' ``load_image``); an
-    unreadable file stops the run, naming it."""
-    try:
-        return read_image(path)
-    except ValueError as error:
-        raise SystemExit(f"{error}; replace or remove it") from None
 
 
 @torch.no_grad()
@@ -87,7 +77,7 @@ def main() -> None:
         return packed, (frames, lat_h // 2, lat_w // 2)
 
     for index, (path, caption, refs) in enumerate(tqdm(found, desc="encode")):
-        image = image_at(path)
+        image = prepared_image(path)
         scale = args.resolution / max(image.size)
         width, height = (max(multiple, round(side * scale / multiple) * multiple) for side in image.size)
         latents, target_grid = encode(image, height, width)
@@ -96,7 +86,7 @@ def main() -> None:
         if edits:
             references, condition_images = [], []
             for ref_path in refs:
-                ref = image_at(ref_path)
+                ref = prepared_image(ref_path)
                 ratio = ref.width / ref.height
                 cond_w, cond_h = edit_plus.calculate_dimensions(edit_plus.CONDITION_IMAGE_SIZE, ratio)
                 condition_images.append(pipe.image_processor.resize(ref, cond_h, cond_w))

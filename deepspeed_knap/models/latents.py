@@ -30,12 +30,13 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from deepspeed_knap.data.mixes import SampleShape
+from deepspeed_knap.generation.requests import read_image
 from deepspeed_knap.models.registry import sample_shapes
 from deepspeed_knap.runtime.manifest import (
     MANIFEST,
@@ -55,6 +56,7 @@ __all__ = [
     "latent_directory_error",
     "near_square_grid",
     "non_float_tensors",
+    "prepared_image",
     "reference_sizes",
     "sample_file_header",
     "targets_and_references",
@@ -108,6 +110,16 @@ def flow_noise(x0: Tensor, generator: torch.Generator,
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 # An edit's reference image beside its target: NAME.refN.png is reference N of NAME.png.
 _REFERENCE_NAME = re.compile(r"^(?P<target>.+)\.ref(?P<number>\d+)$")
+
+
+def prepared_image(path: str | Path) -> Any:
+    """The image at ``path`` for a prepare script: RGB, oriented by its EXIF tag
+    (:func:`~deepspeed_knap.generation.requests.read_image`, as diffusers' ``load_image``); an
+    unreadable one stops the run (``SystemExit``), naming the file."""
+    try:
+        return read_image(path)
+    except ValueError as error:
+        raise SystemExit(f"{error}; replace or remove it") from None
 
 
 def targets_and_references(directory: str | Path) -> list[tuple[Path, str, list[Path]]]:
