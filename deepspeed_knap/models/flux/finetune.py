@@ -7,6 +7,7 @@ gathers the weights and passes them in.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -185,32 +186,23 @@ class Flux2Validation(ValidationHooks):
     default_guidance = 4.0
     pipelines = ("Flux2Pipeline", "Flux2KleinPipeline")
 
-    def __init__(self, spec: Any, model_path: str | None = None) -> None:
-        super().__init__(spec, model_path)
-        # Each folder's model_index.json, read once: at the start-up check, on every rank (a read
-        # at a render would be rank 0's alone).
-        self._indexes: dict[str, dict] = {}
-
-    def _index(self, model_path: str) -> dict:
-        if model_path not in self._indexes:
-            self._indexes[model_path] = pipeline_index(model_path)
-        return self._indexes[model_path]
+    @functools.cached_property
+    def _index(self) -> dict:
+        """The pipeline folder's ``model_index.json``, read once: by :meth:`options`, at start-up on
+        every rank (a read at a render would be rank 0's alone)."""
+        return pipeline_index(self.model_path)
 
     def pipeline(self, model: nn.Module) -> tuple[str, dict[str, Any]]:
         if self.model_path is None:
             return self.spec.pipeline, {}
-        index = self._index(self.model_path)
+        index = self._index
         name = index.get("_class_name")
         # A step-distilled klein (is_distilled) runs without guidance; the parts alone do not say so.
         return name, {"is_distilled": bool(index.get("is_distilled"))} if name == "Flux2KleinPipeline" else {}
 
     def options(self, settings: Any) -> dict[str, Any]:
         options = super().options(settings)
-        if (
-            settings.guidance is None
-            and self.model_path is not None
-            and self._index(self.model_path).get("is_distilled")
-        ):
+        if settings.guidance is None and self.model_path is not None and self._index.get("is_distilled"):
             options["guidance_scale"] = 1.0  # a step-distilled klein's own: no guidance
         return options
 
@@ -218,7 +210,7 @@ class Flux2Validation(ValidationHooks):
         if problem := super().model_path_problem(model_path):
             return problem
         try:
-            name = self._index(model_path).get("_class_name")
+            name = pipeline_index(model_path).get("_class_name")
         except ValueError as error:
             return str(error)
         if name not in self.pipelines:
