@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -217,12 +218,15 @@ def _integer_valued(key: str) -> bool:
 
 
 class LatentDirectory:
-    """A directory of latent samples, one ``.safetensors`` file each, read in name order.
+    """A directory of latent samples, one ``.safetensors`` file each, read in name order, or in a
+    new order each epoch after :meth:`shuffle`.
 
-    Samples are addressed by a global *position* that runs on across epochs: ``read(position, k)``
-    gives files ``position`` to ``position + k - 1``, wrapping. A training loop gives rank ``r`` of
-    ``W`` the files at ``position + r * k`` each step and advances ``position`` by ``W * k``; a
-    checkpoint that records ``position`` lets a resumed run continue with the next unseen file.
+    Samples are addressed by a global *position* that runs on across epochs (passes over the
+    files): ``read(position, k)`` gives the files at positions ``position`` to ``position + k - 1``,
+    position ``p`` being the ``p % n``-th file of epoch ``p // n`` (``n`` files). A training loop
+    gives rank ``r`` of ``W`` the files at ``position + r * k`` each step and advances ``position``
+    by ``W * k``; a checkpoint that records ``position`` lets a resumed run continue with the next
+    unseen file.
 
     Start-up checks are split so that ranks can share the work and agree (see :meth:`check` and
     :func:`latent_directory_error`); the class itself never communicates.
@@ -246,6 +250,8 @@ class LatentDirectory:
         self.files = sorted(self.path.glob("*.safetensors"))
         self.samples_per_rank = samples_per_rank
         self.repeat = repeat
+        self.order_seed: int | None = None  # None: name order every epoch (see shuffle)
+        self._epoch_order: tuple[int, list[int]] | None = None  # (epoch, its file indices), the last one read
         # Read here, judged in check: what one rank finds must become every rank's error.
         self.manifest: dict | None = None
         self.manifest_digest: str | None = None  # sha256 of its contents; "bad: ..." when unreadable
@@ -259,6 +265,23 @@ class LatentDirectory:
 
     def __len__(self) -> int:
         return len(self.files)
+
+    def shuffle(self, seed: int) -> LatentDirectory:
+        """Read each epoch's files in an order of its own, a permutation drawn from ``(seed, epoch)``
+        (NumPy's PCG64): the same on every rank, and the same again for a resumed run with the same
+        seed, so a position still names one file. Returns this directory."""
+        self.order_seed, self._epoch_order = int(seed), None
+        return self
+
+    def file_at(self, position: int) -> Path:
+        """The file at global ``position`` (>= 0; see the class docstring)."""
+        epoch, index = divmod(position, len(self.files))
+        if self.order_seed is None:
+            return self.files[index]
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            order = np.random.default_rng([self.order_seed, epoch]).permutation(len(self.files)).tolist()
+            self._epoch_order = (epoch, order)
+        return self.files[self._epoch_order[1][index]]
 
     def check(self, rank: int, world_size: int, config: Mapping) -> dict:
         """This rank's share of the start-up checks: every file ``rank::world_size`` is opened and its
@@ -305,7 +328,7 @@ class LatentDirectory:
         }
 
     def read(self, position: int, count: int, dtype=torch.float32) -> tuple[list[str], list[dict[str, Tensor]]]:
-        """The ``count`` samples from global position ``position`` on (wrapping), floating tensors
+        """The ``count`` samples from global position ``position`` on (:meth:`file_at`), floating tensors
         other than the ids in ``dtype``. With a manifest, each file's bytes are compared with it (size
         and sha256) before they are used. Returns ``(file names, samples)``.
 
@@ -315,7 +338,7 @@ class LatentDirectory:
         """
         from safetensors.torch import load
 
-        files = [self.files[(position + i) % len(self.files)] for i in range(count)]
+        files = [self.file_at(position + i) for i in range(count)]
         samples = []
         for file in files:
             try:

@@ -25,6 +25,8 @@ class TrainingArguments:
         data_dir: prepared latent samples (``.safetensors``); ``None``: synthetic latents of ``mix``.
         samples_per_rank: with ``data_dir``, files per rank per step.
         repeat_data: with ``data_dir``, allow fewer files than one step needs.
+        shuffle_data: with ``data_dir``, read each epoch's files in a new order drawn from ``seed``
+            (the same on every rank); ``False``: in name order every epoch.
         mix: the synthetic data's bundled mix; ``None``: the family's ``default_mix``.
         token_scale: synthetic data: shrink sample sizes (CPU: 1/64).
         steps: train until this many steps are done (resumed ones count).
@@ -39,7 +41,7 @@ class TrainingArguments:
             with ``expand_timesteps`` generates them. ``None``: 0.5 for a pipeline with
             ``expand_timesteps``, else 0.
         gradient_checkpointing: recompute each block in backward.
-        seed: the same initial weights (and LoRA A matrices) on every rank; the data's draws.
+        seed: the same initial weights (and LoRA A matrices) on every rank; the data's draws and order.
         lora_rank: train LoRA adapters of this rank instead of every weight (0: full fine-tuning).
         lora_alpha: LoRA scale is alpha / rank (``None``: alpha = rank).
         lora_targets: layer names as diffusers names them (``None``: the family's ``lora_targets``).
@@ -61,6 +63,7 @@ class TrainingArguments:
     data_dir: str | None = None
     samples_per_rank: int = 1
     repeat_data: bool = False
+    shuffle_data: bool = True
     mix: str | None = None
     token_scale: float = 1.0
     steps: int = 10
@@ -133,6 +136,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples-per-rank", type=int, default=1, help="with --data-dir: files per rank per step")
     parser.add_argument("--repeat-data", action="store_true",
                         help="with --data-dir: allow fewer files than one step needs")  # fmt: skip
+    parser.add_argument("--no-shuffle-data", dest="shuffle_data", action="store_false",
+                        help="with --data-dir: read the files in name order every epoch (default: a new order each "
+                        "epoch, drawn from --seed)")  # fmt: skip
     add_mix_argument(parser, None)  # default: the family's default_mix
     parser.add_argument(
         "--token-scale", type=float, default=1.0, help="synthetic data: shrink sample sizes (CPU: 1/64)"

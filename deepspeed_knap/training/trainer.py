@@ -190,6 +190,8 @@ class Trainer:
             return self.hooks.synthetic_data(a.mix or self.model.spec.default_mix, self.model.config, a.token_scale,
                                              a.seed)  # fmt: skip
         data = self.hooks.latent_directory(a.data_dir, a.samples_per_rank, a.repeat_data)
+        if a.shuffle_data:
+            data.shuffle(a.seed)
         try:
             check_latent_directory(data, self.model.config)
         except ValueError as error:
@@ -212,8 +214,8 @@ class Trainer:
                 print(f"--resume: skipped checkpoint {tag}: {why}", flush=True)
             print(f"--resume: loading checkpoint {choice.tag} from {choice.load_dir}"
                   + ("" if choice.given else ", the newest complete one"), flush=True)  # fmt: skip
-        # Before DeepSpeed loads anything (minutes at A14B size): the expert the manifest recorded.
-        self.raise_together(self._expert_problem(choice.manifest.get("metadata") or {}, choice.tag))
+        # Before DeepSpeed loads anything (minutes at A14B size): the expert and data order the manifest recorded.
+        self.raise_together(self._saved_run_problem(choice.manifest.get("metadata") or {}, choice.tag))
         try:  # weights-only: no pickle of the checkpoint runs; another model's checkpoint is one error
             _, client_state = load_checkpoint(self.engine, choice.load_dir, choice.tag)
         except CheckpointError as error:
@@ -232,7 +234,7 @@ class Trainer:
                        f"this run has {alpha} (the adapters' scale is alpha / rank): resume with --lora-alpha "
                        f"{saved_alpha}")  # fmt: skip
         else:  # (the files' own record: the manifest's was checked before the load)
-            problem = self._expert_problem(client_state, choice.tag)
+            problem = self._saved_run_problem(client_state, choice.tag)
         self.raise_together(problem)
         try:
             check_same_on_every_rank({f"checkpoint {choice.tag}'s step and data position": f"{step} {position}"})
@@ -240,9 +242,15 @@ class Trainer:
             raise TrainingError(f"--resume {a.resume}: {error}") from None
         self.start_step, self.position = step, position
 
-    def _expert_problem(self, saved: Mapping[str, Any], tag: str) -> str | None:
-        """Why a checkpoint that recorded ``saved["expert"]`` cannot resume this run's expert, or
-        ``None`` (also for a checkpoint saved before the expert was recorded)."""
+    def _saved_run_problem(self, saved: Mapping[str, Any], tag: str) -> str | None:
+        """Why a checkpoint that recorded ``saved`` (its client state) cannot resume this run: another
+        Wan 2.2 expert, or its prepared files read in another order; or ``None`` (also for a
+        checkpoint saved before these were recorded)."""
+        order, then = self._data_order(), saved.get("data_order", "synthetic")
+        if "synthetic" not in (then, order) and then != order:
+            return (f"--resume {self.arguments.resume}: checkpoint {tag} read its files {then} and this run reads them "
+                    f"{order}: its data position would name other files (some seen twice this epoch, others "
+                    "skipped); resume with the --seed and --no-shuffle-data it was trained with")  # fmt: skip
         if "expert" not in saved or saved["expert"] == self.hooks.expert:
             return None
         # Wan 2.2 A14B's experts have the same names and shapes: DeepSpeed would load one as the other.
@@ -252,6 +260,13 @@ class Trainer:
         return (f"--resume {self.arguments.resume}: checkpoint {tag} was trained with {then} and this run trains "
                 f"{now} (the two experts have the same parameter names: one would load as the other); resume with "
                 f"{then}")  # fmt: skip
+
+    def _data_order(self) -> str:
+        """The order this run reads its prepared files in, as a checkpoint records it."""
+        a = self.arguments
+        if not a.data_dir:
+            return "synthetic"
+        return f"shuffled each epoch with seed {a.seed}" if a.shuffle_data else "in name order"
 
     def _lora_alpha(self) -> float | None:
         """The LoRA alpha the model's adapters have (``None``: no LoRA)."""
@@ -424,6 +439,7 @@ class Trainer:
             "data_position": self.position,
             "lora_alpha": self._lora_alpha(),
             "expert": self.hooks.expert,
+            "data_order": self._data_order(),
         }
         problem = None
         try:  # (DeepSpeed's rank 0 makes the folder before its first barrier: made here on every rank)

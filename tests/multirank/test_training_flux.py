@@ -95,7 +95,13 @@ def test_resumed_run_continues_with_the_uninterrupted_losses_and_weights(full_ru
     assert sorted(p.name for p in (d / "ckpt").glob("step*")) == ["step1", "step2", "step3"]
     assert (d / "ckpt" / "latest").read_text() == "step3"
     manifest = read_manifest(d / "ckpt" / "step3")
-    assert manifest["metadata"] == {"step": 3, "data_position": 6, "lora_alpha": None, "expert": None}
+    assert manifest["metadata"] == {
+        "step": 3,
+        "data_position": 6,
+        "lora_alpha": None,
+        "expert": None,
+        "data_order": "synthetic",
+    }
     assert sorted(manifest["files"]) == [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
                                          for r in (0, 1) for kind in ("model", "optim")]  # fmt: skip
     for tag in ("step1", "step2", "step3"):
@@ -317,8 +323,9 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
                 "--out", str(tmp_path / "synthetic"))  # fmt: skip
     poisoned = load_file(tmp_path / "synthetic" / "00000000.safetensors")
     poisoned["latents"][0, 0] = float("nan")
-    # Two ranks read files 0 and 1 at step 0, then 2 and 3, then 4 and 5: the poisoned file is rank 0's
-    # at step 1, and the file changed after the manifest is rank 1's at step 2, read during step 1.
+    # Two ranks read files 0 and 1 at step 0, then 2 and 3, then 4 and 5 (in name order): the poisoned
+    # file is rank 0's at step 1, and the file changed after the manifest is rank 1's at step 2, read
+    # during step 1.
     data = tmp_path / "data"
     save_latent_sample(data / "00000002.safetensors", poisoned)
     for source, copy in ((0, 4), (1, 5)):
@@ -327,7 +334,7 @@ def test_image_folder_encodes_trains_and_a_nan_file_is_named_on_every_rank(tmp_p
     changed = load_file(data / "00000005.safetensors")
     save_latent_sample(data / "00000005.safetensors", {key: 2 * t for key, t in changed.items()})
 
-    run = train(demo_config(), data_dir=str(data), steps=3, fails=True)
+    run = train(demo_config(), data_dir=str(data), shuffle_data=False, steps=3, fails=True)
     steps = run.step_lines()
     assert [int(step) for step, *_ in steps] == [0] and float(steps[0][1]) > 0, run.stdout[-2000:]
     # One error, the same on both ranks, naming each rank's finding: the NaN, and the changed file

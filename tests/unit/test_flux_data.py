@@ -47,6 +47,24 @@ def test_good_files_pass_and_read_in_order_across_epochs(tmp_path):
     assert samples[1]["latents"].shape == (5, 16)
 
 
+def test_shuffled_files_are_each_read_once_an_epoch_in_an_order_the_seed_repeats(tmp_path):
+    """After shuffle, every epoch reads every file once, in an order of its own; a directory
+    shuffled with the same seed (a resumed run, another rank) reads the same file at every position,
+    whatever position it starts at; another seed reads another order."""
+    names = [str(path) for path in write_samples(tmp_path, 5)]
+
+    def read_all(seed: int, positions: range) -> list[str]:
+        data = latent_directory(tmp_path).shuffle(seed)
+        return [data.read(position, 1)[0][0] for position in positions]
+
+    order = read_all(7, range(15))
+    epochs = [order[5 * e : 5 * e + 5] for e in range(3)]
+    assert all(sorted(epoch) == names for epoch in epochs)
+    assert len({tuple(epoch) for epoch in (*epochs, names)}) == 4  # no two alike, none in name order
+    assert read_all(7, range(12, 4, -1)) == order[12:4:-1]  # read backwards, across epochs: the same files
+    assert read_all(8, range(15)) != order
+
+
 def test_every_bad_file_is_named_whichever_rank_checks_it(tmp_path):
     paths = write_samples(tmp_path, 8)
     good = paths[0].read_bytes()
@@ -236,3 +254,35 @@ def test_preparing_into_a_folder_of_samples_is_refused_unless_overwritten(tmp_pa
     run_example("prepare_flux_latents.py", *common, "--count", "1", "--overwrite")
     assert sorted(json.loads((tmp_path / MANIFEST).read_text())["files"]) == ["00000000.safetensors"]
     assert [path.name for path in tmp_path.glob("*.safetensors")] == ["00000000.safetensors"]
+
+
+def test_resuming_prepared_data_in_another_order_is_refused():
+    """A checkpoint records the order its prepared files were read in; a resume that would read
+    them in another (another --seed, or --no-shuffle-data) is refused naming the flags, as its data
+    position would name other files. Synthetic data, and checkpoints saved before the order was
+    recorded, resume as before."""
+    from types import SimpleNamespace
+
+    from deepspeed_knap.training.trainer import Trainer
+
+    def problem(saved: dict, **arguments) -> str | None:
+        run = SimpleNamespace(arguments=SimpleNamespace(resume="ckpt", **{"data_dir": "data", "seed": 0,
+                                                                          "shuffle_data": True, **arguments}),
+                              hooks=SimpleNamespace(expert=None))  # fmt: skip
+        run._data_order = lambda: Trainer._data_order(run)
+        return Trainer._saved_run_problem(run, saved, "step4")
+
+    def saved_by(**arguments) -> dict:
+        run = SimpleNamespace(arguments=SimpleNamespace(**{"data_dir": "data", "seed": 0, "shuffle_data": True,
+                                                           **arguments}))  # fmt: skip
+        return {"step": 4, "data_position": 8, "expert": None, "data_order": Trainer._data_order(run)}
+
+    assert problem(saved_by()) is None
+    assert problem(saved_by(shuffle_data=False), shuffle_data=False) is None
+    assert problem(saved_by(data_dir=None), seed=3) is None  # synthetic: no file order to keep
+    assert problem({"step": 4, "data_position": 8}, seed=3) is None  # saved before the order was recorded
+    refused = problem(saved_by(seed=1))
+    assert refused.startswith("--resume ckpt: checkpoint step4 read its files shuffled each epoch with seed 1 and "
+                              "this run reads them shuffled each epoch with seed 0")  # fmt: skip
+    assert "resume with the --seed and --no-shuffle-data it was trained with" in refused
+    assert "in name order" in problem(saved_by(shuffle_data=False))
