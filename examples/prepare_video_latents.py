@@ -178,7 +178,7 @@ def main() -> int:
     std = torch.tensor(vae.latents_std, device=device).view(-1, 1, 1, 1)
 
     written: dict[str, str] = {}  # {sample file: its source}
-    notes: dict[str, list[str]] = {"fps": [], "frames": [], "scaled": [], "cropped": []}
+    notes: dict[str, list[str]] = {"rotated": [], "fps": [], "frames": [], "scaled": [], "cropped": []}
     start = time.time()
     for path, caption in captions.items():
         try:
@@ -226,6 +226,7 @@ def main() -> int:
 def summary(total, written, refused, notes, other, out, manifest, seconds, multiple) -> str:
     lines = [f"prepared {len(written)} of {total} files into {out} in {seconds:.1f} s; sizes and sha256 in {manifest}"]
     described = {
+        "rotated": "turned upright as their display matrix says",
         "fps": "subsampled to --fps",
         "frames": "trimmed to their first 4k+1 frames (the VAE encodes 1 + 4k) and at most --max-frames",
         "scaled": "scaled down to --max-area",

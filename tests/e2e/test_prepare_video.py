@@ -52,6 +52,34 @@ def test_read_source_rate_and_limits(tmp_path):
     assert source.pixels.min() >= -1 and source.pixels.max() <= 1
 
 
+def test_a_video_is_read_upright_by_its_display_matrix(tmp_path):
+    """A phone stores a portrait clip landscape with a display matrix that turns it a quarter turn
+    clockwise for display (PyAV reads it as -90: counterclockwise degrees); the source is the
+    upright clip, as players (and ffmpeg's autorotate) show it, and the summary's note says so."""
+    import av
+
+    from deepspeed_knap.models.wan.data import read_source
+
+    stored = np.zeros((32, 64, 3), dtype=np.uint8)  # stored 64 wide, 32 high
+    stored[:, :32] = 255  # its left half white: after a quarter turn clockwise, its top half
+    for name, degrees in (("portrait.mp4", -90), ("upside_down.mp4", 180)):
+        with av.open(str(tmp_path / name), "w") as container:
+            stream = container.add_stream("libx264", rate=8)
+            stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
+            stream.set_display_rotation(degrees)
+            for _ in range(5):
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(stored, format="rgb24")))
+            container.mux(stream.encode())
+    source = read_source(tmp_path / "portrait.mp4")
+    assert (source.frames, source.size, source.source_size) == (5, (64, 32), (64, 32))  # (height, width)
+    top, bottom = source.pixels[..., :32, :].mean(), source.pixels[..., 32:, :].mean()
+    assert top > 0.9 and bottom < -0.9
+    assert source.notes == {"rotated": "turned 90 degrees clockwise (display matrix)"}
+    source = read_source(tmp_path / "upside_down.mp4")  # the white half now on the right
+    left, right = source.pixels[..., :32].mean(), source.pixels[..., 32:].mean()
+    assert source.size == (32, 64) and left < -0.9 and right > 0.9
+
+
 def test_an_image_is_read_upright_by_its_exif_orientation(tmp_path):
     """A phone stores a portrait photo landscape with an EXIF tag saying so (6: turn 90 degrees
     clockwise); the source is the upright image, as diffusers' load_image reads it."""

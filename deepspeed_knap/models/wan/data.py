@@ -22,6 +22,10 @@ after every sample.
 
 The rules that turn a source into pixels the VAE takes (:func:`read_source`):
 
+* **Upright**: a video is turned as its display matrix says (a phone's portrait clip is stored
+  landscape with a quarter turn in its metadata, which players apply), as an image is by its EXIF
+  orientation; the turn is reported. Only quarter turns are undone (ffmpeg's autorotate's common
+  case); a flip in the matrix is not.
 * **Frames**: ``AutoencoderKLWan`` encodes ``1 + 4k`` frames into ``1 + k`` latent frames; a clip keeps
   its first ``max(4k + 1 <= frames)`` frames (and at most ``max_frames``, itself ``4k + 1``); the
   frames dropped are reported.
@@ -136,9 +140,10 @@ class SourcePixels:
         is_video: a video file (else an image).
         source_frames: frames read from the file (with ``max_frames``: at most one past the limit, so
             ``source_frames > frames`` says frames were left).
-        source_size: ``(height, width)`` as decoded.
+        source_size: ``(height, width)`` as decoded (turned upright).
         fps: the frame rate of ``pixels`` (``None``: an image, or a stream that gives none).
-        notes: what was done to it, for the summary: ``"fps"`` (subsampled), ``"frames"`` (4k+1 rule
+        notes: what was done to it, for the summary: ``"rotated"`` (turned upright), ``"fps"``
+            (subsampled), ``"frames"`` (4k+1 rule
             or ``max_frames``), ``"scaled"`` (``max_area``), ``"cropped"`` (to the multiple), each a
             short description.
     """
@@ -161,9 +166,10 @@ class SourcePixels:
 
 def _decode_video(
     path: Path, read_limit: int | None, fps: float | None
-) -> tuple[list[np.ndarray], float | None, str | None]:
-    """RGB frames ``[H, W, 3]`` uint8 of the first video stream, at most ``read_limit`` (kept after
-    ``fps`` subsampling), the rate they are at, and a note when they were subsampled."""
+) -> tuple[list[np.ndarray], float | None, dict[str, str]]:
+    """RGB frames ``[H, W, 3]`` uint8 of the first video stream, upright, at most ``read_limit`` (kept
+    after ``fps`` subsampling), the rate they are at, and notes (:class:`SourcePixels`) when they were
+    turned upright or subsampled."""
     import av
 
     try:
@@ -171,6 +177,7 @@ def _decode_video(
     except (av.FFmpegError, OSError) as error:
         raise Refused("unreadable", f"unreadable: PyAV cannot open it ({error})") from None
     frames: list[np.ndarray] = []
+    turns = set()  # quarter turns counterclockwise that make each frame upright
     with container:
         if not container.streams.video:
             raise Refused("no video frames", "no video frames: the file has no video stream")
@@ -186,7 +193,12 @@ def _decode_video(
                     if time + 1e-6 < next_time:
                         continue  # dropped to reach ``fps``: the next kept frame is the first at or after next_time
                     next_time += step * (math.floor((time + 1e-6 - next_time) / step) + 1)
-                frames.append(frame.to_ndarray(format="rgb24"))
+                # The angle the display matrix turns the frame counterclockwise (0 without one).
+                if frame.rotation % 90:
+                    raise Refused("unreadable", f"unreadable: its display matrix turns it {frame.rotation} degrees; "
+                                  "only quarter turns are undone: turn the clip upright with ffmpeg first")  # fmt: skip
+                turns.add(frame.rotation // 90 % 4)
+                frames.append(np.rot90(frame.to_ndarray(format="rgb24"), frame.rotation // 90))
                 if read_limit is not None and len(frames) >= read_limit:
                     break
         except av.FFmpegError as error:
@@ -201,9 +213,13 @@ def _decode_video(
     if len(shapes) > 1:
         sizes = sorted(f"{h}x{w}" for h, w, _ in shapes)
         raise Refused("unreadable", f"unreadable: its frames change size mid-clip ({', '.join(sizes)})")
-    if step is None:
-        return frames, rate, None
-    return frames, fps, f"{rate:g} -> {fps:g} fps ({index + 1} frames read, {len(frames)} kept)"
+    notes = {}
+    if turns - {0}:
+        quarter = {1: "90 degrees counterclockwise", 2: "180 degrees", 3: "90 degrees clockwise"}
+        notes["rotated"] = "turned " + ", ".join(quarter[turn] for turn in sorted(turns - {0})) + " (display matrix)"
+    if step is not None:
+        notes["fps"] = f"{rate:g} -> {fps:g} fps ({index + 1} frames read, {len(frames)} kept)"
+    return frames, fps if step is not None else rate, notes
 
 
 def _load_image(path: Path) -> np.ndarray:
@@ -240,11 +256,10 @@ def read_source(
     if max_frames is not None and (max_frames < 1 or (max_frames - 1) % temporal):
         raise ValueError(f"max_frames={max_frames} must be {temporal}k + 1 (1, {temporal + 1}, ..., 81)")
     if is_video:
-        frames, rate, subsampled = _decode_video(path, None if max_frames is None else max_frames + 1, fps)
+        frames, rate, notes = _decode_video(path, None if max_frames is None else max_frames + 1, fps)
     else:
-        frames, rate, subsampled = [_load_image(path)], None, None
+        frames, rate, notes = [_load_image(path)], None, {}
     source_frames, (height, width) = len(frames), frames[0].shape[:2]
-    notes = {"fps": subsampled} if subsampled else {}
     keep = frames_to_keep(source_frames, temporal, max_frames)
     if keep < source_frames:
         if max_frames is not None and source_frames > max_frames:
