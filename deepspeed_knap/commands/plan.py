@@ -47,15 +47,17 @@ MAX_LENGTHS_BYTES = 16 * 2**20
 
 def parse_model(text: str) -> dict[str, float]:
     """A preset (``flux-dev``, ``wan2.1-14b``, ...: every family's), or ``key=number`` dims over the
-    first preset of the family whose presets have those keys (FLUX's
+    first preset of the family whose presets have those keys and the fewest others (FLUX's
     ``hidden=3072,double_blocks=19,single_blocks=38[,mlp_ratio=4]`` over ``flux-dev``, Wan's
-    ``dim=5120,ffn_dim=13824,num_heads=40,num_layers=40[,text_len=512]`` over ``wan2.1-14b``)."""
+    ``dim=5120,ffn_dim=13824,num_heads=40,num_layers=40[,text_len=512]`` over ``wan2.1-14b``,
+    Qwen-Image's ``hidden``, ..., ``num_heads`` over ``qwen-image``, not FLUX.3's ``flux3``, whose
+    ``mode_blocks`` they lack); ties go to the family registered first."""
     if text in PRESETS:
         return dict(PRESETS[text][1])
     items = [item.partition("=") for item in text.split(",")]
     given = {key.strip() for key, _, _ in items}
     bases = [next(iter(family.presets.values())) for family in SPECS.values() if family.presets]
-    base = next((dims for dims in bases if given <= set(dims)), None)
+    base = min((dims for dims in bases if given <= set(dims)), key=len, default=None)  # min keeps the first of ties
     dims = dict(base or {})
     for key, sep, value in items:
         number = value.strip()

@@ -195,6 +195,10 @@ def test_the_config_block_and_the_cli_take_wan_presets():
     assert parse_model("wan2.2-ti2v-5b") == PRESETS["wan2.2-ti2v-5b"][1]
     assert parse_model("num_layers=20") == {**PRESETS["wan2.1-14b"][1], "num_layers": 20}
     assert parse_model("hidden=64") == {**PRESETS["flux-dev"][1], "hidden": 64}
+    # Qwen-Image's dims are FLUX.3's but mode_blocks: over Qwen-Image's preset, FLUX.3's adds 5 blocks.
+    qwen = ",".join(f"{key}={value}" for key, value in PRESETS["qwen-image"][1].items())
+    assert parse_model(qwen) == PRESETS["qwen-image"][1]
+    assert parse_model("mode_blocks=3") == {**PRESETS["flux3"][1], "mode_blocks": 3}
     with pytest.raises(argparse.ArgumentTypeError, match=r"key=number pairs of one family's dims"):
         parse_model("hidden=64,dim=128")
 
