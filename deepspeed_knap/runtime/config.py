@@ -21,7 +21,8 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.utils import logger
@@ -53,7 +54,9 @@ _ONLINE_KNOBS = ("warmup_steps", "forgetting", "refit_interval", "max_speed_rati
 class _KnapConfigModel(DeepSpeedConfigModel):
     """A block of the ``"knapformer"`` config: besides DeepSpeed's rules (unknown keys refused), a
     number field refuses a JSON boolean, which pydantic would take as 1 or 0 (``"timeout_s": true``
-    would wait one second)."""
+    would wait one second), and a string, which it would parse (``"log_interval": "10"``: a config
+    that reads a number there here would be refused by a stricter reader, and ``"1e3"`` is no
+    ``int``)."""
 
     def __init__(self, /, **data: Any) -> None:
         # DeepSpeed's __init__(strict=False, **data) drops every value "auto" unless called with
@@ -65,11 +68,14 @@ class _KnapConfigModel(DeepSpeedConfigModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+    def _a_number_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         annotation = cls.model_fields[info.field_name].annotation
-        takes_bool = {bool, StrictBool} & {annotation, *get_args(annotation)}
-        if isinstance(value, bool) and not takes_bool:
+        takes = {annotation, *get_args(annotation)}
+        if isinstance(value, bool) and not {bool, StrictBool} & takes:
             raise ValueError(f"{str(value).lower()} is a boolean; give a number")
+        alternatives = set(get_args(annotation)) if get_origin(annotation) in (Union, UnionType) else {annotation}
+        if isinstance(value, str) and alternatives <= {int, float, type(None)} and alternatives & {int, float}:
+            raise ValueError(f"{value!r} is a string; give a number, without quotes")
         return value
 
 

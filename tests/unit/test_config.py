@@ -166,6 +166,11 @@ def test_calibration_file(tmp_path):
         ({"cost_model": {}, "workload": {}}, 'give "cost_model", not both it and its deprecated spelling "workload"'),
         ({"timeout_s": True}, "knapformer.timeout_s = True: true is a boolean; give a number"),
         ({"cost_model": {"online": {"warmup_steps": False}}}, "online.warmup_steps = False: false is a boolean"),
+        # Numbers in quotes: pydantic's lax mode parsed them (a "1e3" is no int).
+        ({"log_interval": "10"}, "knapformer.log_interval = '10': '10' is a string; give a number, without quotes"),
+        ({"max_tokens_per_gpu": "8192"}, "knapformer.max_tokens_per_gpu = '8192': '8192' is a string"),
+        ({"cost_model": {"online": {"forgetting": "0.9"}}}, "online.forgetting = '0.9': '0.9' is a string"),
+        ({"cost_model": {"tflops": "auto"}}, "cost_model.tflops = 'auto': 'auto' is a string; give a number"),
         ({"cost_model": {"model": "flux-xl"}}, "unknown model preset 'flux-xl'"),
         ({"cost_model": {"linear_coef": 1.0}}, "coefficients need both linear_coef and quadratic_coef"),
         ({"cost_model": {"model": "flux-dev", "alltoall_coef": 1e-8}}, "a preset takes alltoall_gbps"),
