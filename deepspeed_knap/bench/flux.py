@@ -35,6 +35,7 @@ from deepspeed_knap.options import (
     positive_float,
     positive_int,
 )
+from deepspeed_knap.runtime.attention import BACKENDS, VarlenAttention
 from deepspeed_knap.runtime.timing import backward_seconds
 
 HELP = "packed FLUX against diffusers sample by sample: time and memory"
@@ -169,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="[dev]'s width and blocks: FLUX.1 24 x 128, 19 + 38; FLUX.2 48 x 128, 8 + 48 (GPU)")  # fmt: skip
     parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--repeats", type=positive_int, default=3)
-    parser.add_argument("--backend", default="auto", help="the packed model's attention kernel (docs/integration.md)")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="the packed model's attention kernel (docs/integration.md)")  # fmt: skip
     parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
@@ -189,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         config.update(in_channels=64, joint_attention_dim=4096 if args.flux_dims else 256,
                       pooled_projection_dim=768 if args.flux_dims else 64, axes_dims_rope=rope_axes(args.head_dim))  # fmt: skip
+    # The packed model's kernel is built after diffusers' model is timed: a kernel that cannot run
+    # here is refused first, not after minutes of timing at --flux-dims.
+    VarlenAttention(args.backend).resolve(torch.device(device), getattr(torch, args.dtype))
     result = bench_flux(args.family, config, args.mix, args.ranks, args.token_scale, args.seed, torch.device(device),
                         getattr(torch, args.dtype), args.repeats, args.backend)  # fmt: skip
     work = result["mix"]

@@ -11,7 +11,7 @@ from deepspeed_knap.cli import main
 
 
 def _no_timing(*args, **kwargs):
-    raise AssertionError("calibrate timed blocks before refusing its arguments")
+    raise AssertionError("the command timed models before refusing its arguments")
 
 
 def failing_step(seq_len: int) -> float:
@@ -90,12 +90,15 @@ CASES = [
 ]
 if not torch.cuda.is_available():
     CASES.append((["calibrate", "--out", "c.json", "--device", "cuda"], "argument --device: cuda: this torch"))
+    # Before: refused when the packed model was built, after diffusers' model was timed.
+    CASES.append((["bench", "flux", "--backend", "flash"], "attention backend 'flash' is unavailable"))
 
 
 @pytest.mark.parametrize(("argv", "message"), CASES, ids=[" ".join(argv[:3]) for argv, _ in CASES])
 def test_a_mistake_exits_2_with_one_message_and_no_traceback(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("deepspeed_knap.cost.calibrate.calibrate", _no_timing)  # refused before any timing
+    monkeypatch.setattr("deepspeed_knap.bench.flux.bench_flux", _no_timing)
     with pytest.raises(SystemExit) as exit_info:  # argparse exits; a command's ValueError returns 2
         sys.exit(main(argv))
     err = capsys.readouterr().err
