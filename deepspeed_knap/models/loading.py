@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from deepspeed_knap.models.registry import CONFIG_NAME, transformer_dir
 from deepspeed_knap.models.spec import ModelSpec
-from deepspeed_knap.runtime.groups import all_gather_bytes, raise_together
+from deepspeed_knap.runtime.groups import all_gather_bytes, check_same_on_every_rank, raise_together
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
@@ -204,10 +204,13 @@ class LoadReport:
     partitioned: bool
 
 
-def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
+def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T], agree_on: str | None = None,
+            view: Callable[[T], str] = str) -> T:  # fmt: skip
     """``fn()``; with a ``ds_config`` (a collective load), on every rank and agreed: any rank's
     error is raised on every rank (:func:`~deepspeed_knap.runtime.groups.raise_together`), so none is left
-    waiting for the others."""
+    waiting for the others. With ``agree_on`` (its name in the error), so is a result whose ``view``
+    differs between ranks (another copy of a folder under the same path on another node), which
+    would send the ranks down different code or build different parameters."""
     if ds_config is None:
         return fn()
     import deepspeed
@@ -221,6 +224,11 @@ def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T]) -> T:
     except (CheckpointError, OSError, ValueError) as error:  # a file one node cannot read, too
         problem = f"{type(error).__name__}: {error}"
     raise_together(problem, what, CheckpointError)
+    if agree_on is not None:
+        try:
+            check_same_on_every_rank({agree_on: view(result)})
+        except ValueError as error:
+            raise CheckpointError(f"{what}: {error}") from None
     return result
 
 
@@ -339,7 +347,8 @@ def load_checkpoint(
             raise CheckpointError(f"checkpoint {directory} does not fit {cls.__name__}:\n" + "\n".join(problems))
         return config, meta, files
 
-    config, meta, files = checked(plain, f"loading a {cls.__name__} checkpoint", prepare)
+    config, meta, files = checked(plain, f"loading a {cls.__name__} checkpoint", prepare,
+                                  f"the transformer config under {path}", lambda prepared: repr(prepared[0]))  # fmt: skip
     with HostMemory.measure() as host:
         if partitioned:
             with deepspeed.zero.Init(config_dict_or_path=plain, dtype=torch_dtype):

@@ -124,7 +124,8 @@ class Trainer:
         options = dict(gradient_checkpointing=a.gradient_checkpointing)
         plain = plain_ds_config(ds_config)
         if a.model_path:  # the family from config.json, agreed on by every rank
-            family = checked(plain, "reading a checkpoint's model family", lambda: checkpoint_family(a.model_path))
+            family = checked(plain, "reading a checkpoint's model family", lambda: checkpoint_family(a.model_path),
+                             f"the model family of {a.model_path}")  # fmt: skip
         else:
             family = a.family
         self.hooks = spec(family).hooks()
