@@ -396,17 +396,20 @@ class Problem:
 def _overhead_units(cost_model: CostModel, num_gpus: int, scale: float, total_cost: int) -> np.ndarray | None:
     """``[S]`` int64 each GPU's fixed overhead above the least one, in cost units of ``scale`` per
     second, or ``None`` when they are all equal (no speeds, or no overhead): a load every GPU pays
-    alike changes no plan. Rounded down, so bounds on them stay bounds. In ascending order, each is
-    held to the one before plus ``total_cost + 1`` (all of the step's work, each sequence at its
+    alike changes no plan. Rounded down, so bounds on them stay bounds. In ascending order, each gap
+    to the one before is held to ``total_cost + 1`` (all of the step's work, each sequence at its
     costliest): a GPU further behind gets nothing in any plan and stays the busiest, so that changes
-    no plan, and loads stay in the range the sequences' costs give them."""
+    no plan, and loads stay in the range the sequences' costs give them. Equal overheads stay equal
+    (held values, not gaps, gave the second of two equally slow GPUs a step of work more than the
+    first, which then took work for free and became the busiest)."""
     if not cost_model.overhead_s or cost_model.gpu_speed is None:
         return None
     overhead = cost_model.gpu_overhead_s(num_gpus)
     extra = np.floor((overhead - overhead.min()) * scale)
-    capped, previous = np.zeros(num_gpus, dtype=np.int64), 0
+    capped, held, before = np.zeros(num_gpus, dtype=np.int64), 0, 0.0
     for gpu in np.argsort(extra, kind="stable").tolist():
-        previous = capped[gpu] = int(min(extra[gpu], previous + total_cost + 1))
+        held = capped[gpu] = held + int(min(extra[gpu] - before, total_cost + 1))
+        before = extra[gpu]
     return capped if capped.any() else None
 
 
