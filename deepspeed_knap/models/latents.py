@@ -251,7 +251,8 @@ class LatentDirectory:
         self.samples_per_rank = samples_per_rank
         self.repeat = repeat
         self.order_seed: int | None = None  # None: name order every epoch (see shuffle)
-        self._epoch_order: tuple[int, list[int]] | None = None  # (epoch, its file indices), the last one read
+        self.step_files = 1  # files one step reads over all ranks (see shuffle)
+        self._epoch_order: tuple[int, np.ndarray] | None = None  # (epoch, its file indices), the last one read
         # Read here, judged in check: what one rank finds must become every rank's error.
         self.manifest: dict | None = None
         self.manifest_digest: str | None = None  # sha256 of its contents; "bad: ..." when unreadable
@@ -266,11 +267,28 @@ class LatentDirectory:
     def __len__(self) -> int:
         return len(self.files)
 
-    def shuffle(self, seed: int) -> LatentDirectory:
+    @property
+    def listing(self) -> str:
+        """The files as a checkpoint records them: how many, and a digest of their names."""
+        return f"{len(self.files)} files, names sha256 {self._names_digest()[:16]}"
+
+    def _names_digest(self) -> str:
+        return hashlib.sha256("\n".join(file.name for file in self.files).encode()).hexdigest()
+
+    def shuffle(self, seed: int, step_files: int = 1) -> LatentDirectory:
         """Read each epoch's files in an order of its own, a permutation drawn from ``(seed, epoch)``
         (NumPy's PCG64): the same on every rank, and the same again for a resumed run with the same
-        seed, so a position still names one file. Returns this directory."""
-        self.order_seed, self._epoch_order = int(seed), None
+        seed, so a position still names one file. Returns this directory.
+
+        ``step_files``: the files one step reads over all ranks (ranks x samples per rank). A step
+        that spans two epochs reads the end of one and the start of the next, which a draw of its
+        own could begin with the same files: each epoch's first ``step_files - 1`` files that the
+        epoch before ended with (its last ``step_files - 1``) trade places with the first others
+        after them, so no step reads a file twice where there are ``4 * (step_files - 1)`` files or
+        more (with fewer, as far as the files allow)."""
+        if seed < 0 or step_files < 1:
+            raise ValueError(f"shuffle needs a seed >= 0 and step_files >= 1; got {seed} and {step_files}")
+        self.order_seed, self.step_files, self._epoch_order = int(seed), int(step_files), None
         return self
 
     def file_at(self, position: int) -> Path:
@@ -279,9 +297,25 @@ class LatentDirectory:
         if self.order_seed is None:
             return self.files[index]
         if self._epoch_order is None or self._epoch_order[0] != epoch:
-            order = np.random.default_rng([self.order_seed, epoch]).permutation(len(self.files)).tolist()
-            self._epoch_order = (epoch, order)
+            self._epoch_order = (epoch, self._epoch_files(epoch))
         return self.files[self._epoch_order[1][index]]
+
+    def _epoch_files(self, epoch: int) -> np.ndarray:
+        """``[n]`` the file indices of ``epoch`` in the order :meth:`shuffle` reads them."""
+        n, overlap = len(self.files), self.step_files - 1
+        order = np.random.default_rng([self.order_seed, epoch]).permutation(n)
+        if epoch == 0 or overlap == 0 or n <= 2 * overlap:
+            return order
+        # The trades keep to an epoch's first n - overlap places, so the epoch before ends as drawn.
+        ended = set(np.random.default_rng([self.order_seed, epoch - 1]).permutation(n)[n - overlap :].tolist())
+        spare = (j for j in range(overlap, n - overlap) if int(order[j]) not in ended)
+        for i in range(overlap):
+            if int(order[i]) in ended:
+                j = next(spare, None)
+                if j is None:
+                    break
+                order[i], order[j] = order[j], order[i]
+        return order
 
     def check(self, rank: int, world_size: int, config: Mapping) -> dict:
         """This rank's share of the start-up checks: every file ``rank::world_size`` is opened and its
@@ -290,7 +324,6 @@ class LatentDirectory:
         :func:`latent_directory_error`: the file listing as this rank sees it (count and digest of the
         names), the digest of its manifest, how the listing differs from the manifest, a sampled
         digest of every file when there is no manifest, and one problem per bad file, each naming it."""
-        listing = "\n".join(file.name for file in self.files)
         share = self.files[rank::world_size]
         problems = [problem for file in share if (problem := self.check_file(file, config))]
         unlisted, content = [], {}
@@ -318,7 +351,7 @@ class LatentDirectory:
             "path": str(self.path),
             "writer": self.writer,
             "count": len(self.files),
-            "digest": hashlib.sha256(listing.encode()).hexdigest(),
+            "digest": self._names_digest(),
             "needed": world_size * self.samples_per_rank,
             "repeat": self.repeat,
             "problems": problems,

@@ -97,6 +97,9 @@ class TrainingArguments:
             raise ValueError(f"expert {self.expert!r}: choose high, low or both")
         if self.first_frame_share is not None and not 0 <= self.first_frame_share <= 1:
             raise ValueError(f"first_frame_share {self.first_frame_share} must lie in [0, 1]")
+        if self.seed < 0:
+            raise ValueError(f"seed {self.seed}: give a seed of 0 or more (it draws the weights, the noise and the data "
+                             "order)")  # fmt: skip
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank {self.lora_rank}: give a LoRA rank of at least 1, or 0 to train every weight")
         if not self.lora_rank and (self.lora_alpha is not None or self.lora_targets):

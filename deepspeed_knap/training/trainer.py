@@ -91,6 +91,14 @@ def background_writer_problem(ds_config: Mapping[str, Any], save_dir: str | None
             "the files; remove it from the config to use DeepSpeed's default writer")  # fmt: skip
 
 
+def _order_words(order: Mapping[str, int | None]) -> tuple[str, str]:
+    """``(how the files are read, the flags that read them so)`` of a recorded data order."""
+    seed = order.get("shuffle_seed")
+    if seed is None:
+        return "in name order", "--no-shuffle-data"
+    return f"shuffled each epoch with seed {seed}", f"--seed {seed}, without --no-shuffle-data"
+
+
 class Trainer:
     """One training run (collective: every rank builds one and calls the same methods).
 
@@ -192,7 +200,7 @@ class Trainer:
                                              a.seed)  # fmt: skip
         data = self.hooks.latent_directory(a.data_dir, a.samples_per_rank, a.repeat_data)
         if a.shuffle_data:
-            data.shuffle(a.seed)
+            data.shuffle(a.seed, self.world * a.samples_per_rank)
         try:
             check_latent_directory(data, self.model.config)
         except ValueError as error:
@@ -242,16 +250,25 @@ class Trainer:
         except ValueError as error:
             raise TrainingError(f"--resume {a.resume}: {error}") from None
         self.start_step, self.position = step, position
+        listed, now = client_state.get("data_files"), self.data.listing if a.data_dir else None
+        if self.rank == 0 and None not in (listed, now) and listed != now:  # (the listing is agreed at start-up)
+            print(f"note: --resume: checkpoint {choice.tag} was trained on {listed} and {a.data_dir} holds {now}: the "
+                  "data position goes on from where it was, over the files as they are now (this epoch may read "
+                  "some files again and skip others)", flush=True)  # fmt: skip
 
     def _saved_run_problem(self, saved: Mapping[str, Any], tag: str) -> str | None:
         """Why a checkpoint that recorded ``saved`` (its client state) cannot resume this run: another
-        Wan 2.2 expert, or its prepared files read in another order; or ``None`` (also for a
-        checkpoint saved before these were recorded)."""
-        order, then = self._data_order(), saved.get("data_order", "synthetic")
-        if "synthetic" not in (then, order) and then != order:
-            return (f"--resume {self.arguments.resume}: checkpoint {tag} read its files {then} and this run reads them "
-                    f"{order}: its data position would name other files (some seen twice this epoch, others "
-                    "skipped); resume with the --seed and --no-shuffle-data it was trained with")  # fmt: skip
+        Wan 2.2 expert, or its prepared files read in another order (one saved before the order was
+        recorded read them in name order); or ``None`` (also for a checkpoint saved before the expert
+        was recorded)."""
+        # Saved before the order was recorded: prepared files were read in name order then.
+        order, then = self._data_order(), saved.get("data_order", {"shuffle_seed": None})
+        if order is not None and then is not None and then != order:
+            (read_then, flags), (read_now, _) = _order_words(then), _order_words(order)
+            before = "" if "data_order" in saved else ", saved before checkpoints recorded it,"
+            return (f"--resume {self.arguments.resume}: checkpoint {tag}{before} read its files {read_then} and this "
+                    f"run reads them {read_now}: its data position would name other files (some seen twice this "
+                    f"epoch, others skipped); resume with {flags}")  # fmt: skip
         if "expert" not in saved or saved["expert"] == self.hooks.expert:
             return None
         # Wan 2.2 A14B's experts have the same names and shapes: DeepSpeed would load one as the other.
@@ -262,12 +279,11 @@ class Trainer:
                 f"{now} (the two experts have the same parameter names: one would load as the other); resume with "
                 f"{then}")  # fmt: skip
 
-    def _data_order(self) -> str:
-        """The order this run reads its prepared files in, as a checkpoint records it."""
+    def _data_order(self) -> dict[str, int | None] | None:
+        """The order this run reads its prepared files in, as a checkpoint records it:
+        ``{"shuffle_seed": seed}`` (``None``: name order); ``None`` for synthetic data."""
         a = self.arguments
-        if not a.data_dir:
-            return "synthetic"
-        return f"shuffled each epoch with seed {a.seed}" if a.shuffle_data else "in name order"
+        return {"shuffle_seed": a.seed if a.shuffle_data else None} if a.data_dir else None
 
     def _lora_alpha(self) -> float | None:
         """The LoRA alpha the model's adapters have (``None``: no LoRA)."""
@@ -441,6 +457,7 @@ class Trainer:
             "lora_alpha": self._lora_alpha(),
             "expert": self.hooks.expert,
             "data_order": self._data_order(),
+            "data_files": self.data.listing if self.arguments.data_dir else None,
         }
         problem = None
         try:  # (DeepSpeed's rank 0 makes the folder before its first barrier: made here on every rank)

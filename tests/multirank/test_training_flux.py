@@ -100,7 +100,8 @@ def test_resumed_run_continues_with_the_uninterrupted_losses_and_weights(full_ru
         "data_position": 6,
         "lora_alpha": None,
         "expert": None,
-        "data_order": "synthetic",
+        "data_order": None,
+        "data_files": None,
     }
     assert sorted(manifest["files"]) == [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
                                          for r in (0, 1) for kind in ("model", "optim")]  # fmt: skip

@@ -65,6 +65,21 @@ def test_shuffled_files_are_each_read_once_an_epoch_in_an_order_the_seed_repeats
     assert read_all(8, range(15)) != order
 
 
+@pytest.mark.parametrize(("count", "step_files"), [(13, 4), (14, 3), (22, 5), (41, 8)])
+def test_a_shuffled_step_across_epochs_reads_no_file_twice(tmp_path, count, step_files):
+    """A step that spans two epochs reads the end of one and the start of the next: with at least
+    4 * (step_files - 1) files no step reads a file twice (independent draws did, in about 1 step
+    in 12 at 10 files and 4 a step), and every epoch still reads every file once."""
+    write_samples(tmp_path, count)
+    data = latent_directory(tmp_path).shuffle(5, step_files)
+    order = [data.file_at(position).name for position in range(20 * count)]
+    assert all(sorted(order[e * count : (e + 1) * count]) == sorted(order[:count]) for e in range(20))
+    steps = [order[p : p + step_files] for p in range(0, len(order) - step_files + 1, step_files)]
+    assert all(len(set(step)) == step_files for step in steps)
+    independent = latent_directory(tmp_path).shuffle(5)  # step_files 1: no trades
+    assert [independent.file_at(p).name for p in range(count)] == order[:count]  # the first epoch is drawn alike
+
+
 def test_every_bad_file_is_named_whichever_rank_checks_it(tmp_path):
     paths = write_samples(tmp_path, 8)
     good = paths[0].read_bytes()
@@ -258,31 +273,40 @@ def test_preparing_into_a_folder_of_samples_is_refused_unless_overwritten(tmp_pa
 
 def test_resuming_prepared_data_in_another_order_is_refused():
     """A checkpoint records the order its prepared files were read in; a resume that would read
-    them in another (another --seed, or --no-shuffle-data) is refused naming the flags, as its data
-    position would name other files. Synthetic data, and checkpoints saved before the order was
-    recorded, resume as before."""
+    them in another (another --seed, or --no-shuffle-data) is refused naming the flags that read them
+    as saved, as its data position would name other files. A checkpoint saved before the order was
+    recorded read them in name order. Synthetic data has no file order to keep."""
     from types import SimpleNamespace
 
     from deepspeed_knap.training.trainer import Trainer
 
+    def run(**arguments) -> SimpleNamespace:
+        fields = {"data_dir": "data", "seed": 0, "shuffle_data": True, "resume": "ckpt", **arguments}
+        made = SimpleNamespace(arguments=SimpleNamespace(**fields), hooks=SimpleNamespace(expert=None))
+        made._data_order = lambda: Trainer._data_order(made)
+        return made
+
     def problem(saved: dict, **arguments) -> str | None:
-        run = SimpleNamespace(arguments=SimpleNamespace(resume="ckpt", **{"data_dir": "data", "seed": 0,
-                                                                          "shuffle_data": True, **arguments}),
-                              hooks=SimpleNamespace(expert=None))  # fmt: skip
-        run._data_order = lambda: Trainer._data_order(run)
-        return Trainer._saved_run_problem(run, saved, "step4")
+        return Trainer._saved_run_problem(run(**arguments), saved, "step4")
 
     def saved_by(**arguments) -> dict:
-        run = SimpleNamespace(arguments=SimpleNamespace(**{"data_dir": "data", "seed": 0, "shuffle_data": True,
-                                                           **arguments}))  # fmt: skip
-        return {"step": 4, "data_position": 8, "expert": None, "data_order": Trainer._data_order(run)}
+        return {"step": 4, "data_position": 8, "expert": None, "data_order": run(**arguments)._data_order()}
 
     assert problem(saved_by()) is None
     assert problem(saved_by(shuffle_data=False), shuffle_data=False) is None
-    assert problem(saved_by(data_dir=None), seed=3) is None  # synthetic: no file order to keep
-    assert problem({"step": 4, "data_position": 8}, seed=3) is None  # saved before the order was recorded
+    assert problem(saved_by(data_dir=None), seed=3) is None  # synthetic then: no file order to keep
+    assert problem(saved_by(), data_dir=None) is None  # synthetic now
     refused = problem(saved_by(seed=1))
-    assert refused.startswith("--resume ckpt: checkpoint step4 read its files shuffled each epoch with seed 1 and "
-                              "this run reads them shuffled each epoch with seed 0")  # fmt: skip
-    assert "resume with the --seed and --no-shuffle-data it was trained with" in refused
-    assert "in name order" in problem(saved_by(shuffle_data=False))
+    assert refused == (
+        "--resume ckpt: checkpoint step4 read its files shuffled each epoch with seed 1 and this run reads them "
+        "shuffled each epoch with seed 0: its data position would name other files (some seen twice this epoch, "
+        "others skipped); resume with --seed 1, without --no-shuffle-data"
+    )
+    assert problem(saved_by(seed=7), shuffle_data=False).endswith("resume with --seed 7, without --no-shuffle-data")
+    assert problem(saved_by(shuffle_data=False)).endswith("read its files in name order and this run reads them "
+                                                          "shuffled each epoch with seed 0: its data position would "
+                                                          "name other files (some seen twice this epoch, others "
+                                                          "skipped); resume with --no-shuffle-data")  # fmt: skip
+    legacy = {"step": 4, "data_position": 8}  # saved before the order was recorded: name order
+    assert problem(legacy, shuffle_data=False) is None and problem(legacy, data_dir=None) is None
+    assert "checkpoint step4, saved before checkpoints recorded it, read its files in name order" in problem(legacy)
