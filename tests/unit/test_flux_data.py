@@ -310,3 +310,37 @@ def test_resuming_prepared_data_in_another_order_is_refused():
     legacy = {"step": 4, "data_position": 8}  # saved before the order was recorded: name order
     assert problem(legacy, shuffle_data=False) is None and problem(legacy, data_dir=None) is None
     assert "checkpoint step4, saved before checkpoints recorded it, read its files in name order" in problem(legacy)
+
+
+def test_a_resume_over_changed_files_goes_on_with_a_note(monkeypatch, tmp_path, capsys):
+    """The checkpoint records which files there were; a resume over a folder whose files changed
+    since goes on from its data position (over the files as they are now), and rank 0 says so."""
+    from types import SimpleNamespace
+
+    from deepspeed_knap.training import trainer as trainer_module
+    from deepspeed_knap.training.trainer import Trainer
+
+    write_samples(tmp_path / "data", 4)
+    saved = {"step": 2, "data_position": 4, "expert": None, "data_order": {"shuffle_seed": 0},
+             "data_files": latent_directory(tmp_path / "data").listing}  # fmt: skip
+    choice = SimpleNamespace(tag="step2", load_dir=str(tmp_path), skipped=[], given=True, manifest={"metadata": saved})
+    monkeypatch.setattr(trainer_module, "find_checkpoint", lambda path: choice)
+    monkeypatch.setattr(trainer_module, "load_checkpoint", lambda engine, load_dir, tag: (None, dict(saved)))
+    monkeypatch.setattr(trainer_module, "check_same_on_every_rank", lambda views: None)
+
+    def resume() -> str:
+        arguments = SimpleNamespace(resume="ckpt", data_dir=str(tmp_path / "data"), seed=0, shuffle_data=True)
+        run = SimpleNamespace(arguments=arguments, rank=0, engine=None, hooks=SimpleNamespace(expert=None),
+                              data=latent_directory(tmp_path / "data"), raise_together=lambda problem: None,
+                              _lora_alpha=lambda: None)  # fmt: skip
+        run._data_order = lambda: Trainer._data_order(run)
+        run._saved_run_problem = lambda recorded, tag: Trainer._saved_run_problem(run, recorded, tag)
+        Trainer._resume(run)
+        assert (run.start_step, run.position) == (2, 4)
+        return capsys.readouterr().out
+
+    assert "note:" not in resume()
+    write_samples(tmp_path / "data", 5)  # one file more
+    note = resume()
+    assert "note: --resume: checkpoint step2 was trained on 4 files, names sha256 " in note
+    assert f"and {tmp_path / 'data'} holds 5 files, names sha256 " in note
