@@ -24,8 +24,9 @@ block-diagonal attention with no mask.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,15 +205,15 @@ def ulysses_counts(member_tokens: Sequence[int], heads: Sequence[int], member: i
             [n * my_heads * head_dim for n in member_tokens], [my_tokens * h * head_dim for h in heads])  # fmt: skip
 
 
-# The routed batch of the balanced step in flight, for drop-in modules (DeepSpeed's call carries none).
+# The routed batch whose blocks run now, for drop-in modules (DeepSpeed's call carries none).
 _balanced_step: RoutedBatch | None = None
 
 
 def set_balanced_step(routed: RoutedBatch | None) -> None:
     """Make ``routed`` the step every :class:`KnapDistributedAttention` built and called the DeepSpeed
-    way balances (``None``: none; they behave exactly like DeepSpeed's). The balancer sets it when a
-    step's blocks start and clears it when the step closes, after backward, so that activation
-    checkpointing's recomputation in backward still sees the step."""
+    way balances (``None``: none; they behave exactly like DeepSpeed's). The balancer does, while a
+    step's blocks run (:func:`balanced_blocks`) and while their gradient runs
+    (:func:`balanced_in_backward`), and only then: a drop-in call outside them is DeepSpeed's."""
     global _balanced_step
     _balanced_step = routed
 
@@ -220,6 +221,42 @@ def set_balanced_step(routed: RoutedBatch | None) -> None:
 def balanced_step_in_flight() -> RoutedBatch | None:
     """The routed batch :func:`set_balanced_step` made current, if any."""
     return _balanced_step
+
+
+@contextlib.contextmanager
+def balanced_blocks(routed: RoutedBatch) -> Iterator[None]:
+    """``routed`` is the balanced step while the block stack runs forward over it."""
+    previous = _balanced_step
+    set_balanced_step(routed)
+    try:
+        yield
+    finally:
+        set_balanced_step(previous)
+
+
+class _BalancedInBackward(torch.autograd.Function):
+    """Identity; its backward, which runs as the gradient reaches the blocks' output, makes the step
+    current for the blocks' backward (activation checkpointing recomputes their forward there) and
+    none again when that backward call ends."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, anchor: Tensor, routed: RoutedBatch) -> Tensor:
+        ctx.routed = routed
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        set_balanced_step(ctx.routed)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: set_balanced_step(None))
+        return grad, None, None
+
+
+def balanced_in_backward(out: Tensor, routed: RoutedBatch) -> Tensor:
+    """The blocks' output ``out`` (``[T_routed, ...]``, floating), unchanged, with ``routed`` the
+    balanced step while its gradient runs through the blocks: a step's own recomputation sees its own
+    routing even when another step ran forward since (two forwards, then each one's backward)."""
+    anchor = torch.zeros((), dtype=out.dtype, device=out.device, requires_grad=True)  # a backward even without grad
+    return _BalancedInBackward.apply(out, anchor, routed)
 
 
 class KnapDistributedAttention(DistributedAttention):
@@ -349,7 +386,7 @@ class KnapDistributedAttention(DistributedAttention):
             if rest or kwargs:  # a positional segments table counts; anything else would be dropped silently
                 raise ValueError(f"packed KnapDistributedAttention takes (query, key, value, routed, segments=None); "
                                  f"got also {len(rest)} more arguments and keywords {sorted(kwargs)}")  # fmt: skip
-            return self._packed(query, key, value, routed, self.num_heads, segments)
+            return self._packed(query, key, value, routed, self.num_heads or query.shape[1], segments)
         step = _balanced_step
         if step is None or self.num_heads is not None:
             return super().forward(query, key, value, *args, **kwargs)

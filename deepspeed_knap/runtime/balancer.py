@@ -31,7 +31,7 @@ from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.route import moved_tokens
 from deepspeed_knap.planner.solve import DEFAULT_REFINE_STEPS, DEFAULT_SOLVER, plan_loads, plan_routing
 from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError, WorkerPlan
-from deepspeed_knap.runtime.attention import balanced_step_in_flight, set_balanced_step
+from deepspeed_knap.runtime.attention import balanced_blocks, balanced_in_backward
 from deepspeed_knap.runtime.groups import ProcessGroups
 from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import (
@@ -173,7 +173,6 @@ class KnapBalancer:
         self._in_flight: tuple[StepTimes, RoutingPlan, CostModel, list | None] | None = None
         self._closed: tuple[RoutingPlan, CostModel, list | None] | None = None
         self._report = [-1] * len(_REPORTED)  # this rank's _REPORTED microseconds, shipped with the next lengths
-        self._routed: RoutedBatch | None = None  # the step in flight, current for drop-in attention
         self._measured: tuple[list[int], list[float]] | None = None  # last step: measured us, predicted s
         self._measured_steps = 0  # recorded steps some rank measured (_record): the first is not learned from
         self._worker: PlanWorker | None = None  # started by the first prefetch
@@ -404,9 +403,6 @@ class KnapBalancer:
         self._in_flight, self._closed = None, (plan, model, segments_per_rank)
         self._report = [-1] * len(_REPORTED)
         time_exchanges(None, times)
-        if balanced_step_in_flight() is self._routed:
-            set_balanced_step(None)
-        self._routed = None
         try:
             seconds = times.seconds()
         except RuntimeError as error:  # a CUDA event that never recorded
@@ -562,9 +558,9 @@ class KnapBalancer:
             self._in_flight = (times, plan, model, self._last_segments if planned else None)
             routed = self.route(batch, plan)
             routed = routed.with_tokens(stamp(routed.batch.tokens, times, "blocks_start", "blocks_grad_end"))
-            self._routed = routed
-            set_balanced_step(routed)  # drop-in DistributedAttention modules balance it, until close_step
-            out = stamp(blocks(routed), times, "blocks_end", "blocks_grad_start")
+            with balanced_blocks(routed):  # drop-in DistributedAttention modules balance it, forward
+                out = blocks(routed)
+            out = stamp(balanced_in_backward(out, routed), times, "blocks_end", "blocks_grad_start")  # and backward
             return reverse_route(out, routed)
         except RuntimeError as error:
             raise RuntimeError(f"knapformer step {step} failed on rank {self.groups.rank}: {error}") from error

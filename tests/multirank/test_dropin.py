@@ -86,24 +86,29 @@ def test_outside_a_balanced_step_it_is_deepspeeds_distributed_attention(world):
 
 def _balanced_worker(rank: int, world: int) -> dict:
     """A DeepSpeed-Ulysses style block ([1, T, H, Dh] q/k/v, batch_dim_idx 0) run by the balancer:
-    equal to the same block without balancing, sequence by sequence."""
+    equal to the same block without balancing, sequence by sequence, with activation checkpointing,
+    also when a second step runs forward before the first one's backward (its recomputation must see
+    its own routing); after the backward, the module is DeepSpeed's again."""
     import deepspeed.comm as dist
+    from deepspeed.sequence.layer import DistributedAttention
+    from deepspeed.utils import groups as deepspeed_groups
 
     from deepspeed_knap.cost.model import CostModel
     from deepspeed_knap.models.tiny_dit import random_batch
     from deepspeed_knap.planner.topology import build_topology
-    from deepspeed_knap.runtime.attention import KnapDistributedAttention
+    from deepspeed_knap.runtime.attention import KnapDistributedAttention, balanced_step_in_flight
     from deepspeed_knap.runtime.balancer import KnapBalancer
     from deepspeed_knap.runtime.groups import create_process_groups
 
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    deepspeed_groups.mpu = _SequenceParallelWorld()  # 6 heads on 4 ranks: DeepSpeed's uneven path
     heads, dim = 6, 24
     groups = create_process_groups(build_topology("auto", world))
     balancer = KnapBalancer(groups, CostModel(1.0, 0.05, 0.5))
     torch.manual_seed(0)
     qkv_layer = torch.nn.Linear(dim, 3 * dim).double()
-    never_called = _sdpa_layout(0)  # the user's kernel cannot see packed sequence boundaries
-    attention = KnapDistributedAttention(never_called, torch.distributed.group.WORLD, 2, 1, backend="sdpa")
+    local = _sdpa_layout(0)  # the user's kernel: not called in a balanced step (it sees no sequence boundaries)
+    attention = KnapDistributedAttention(local, torch.distributed.group.WORLD, 2, 1, backend="sdpa")
 
     def block(tokens):
         q, k, v = qkv_layer(tokens).view(1, -1, 3, heads, dim // heads).unbind(2)  # [1, T, H, Dh]
@@ -116,8 +121,17 @@ def _balanced_worker(rank: int, world: int) -> dict:
     batch = random_batch(seq_lens, 100 + rank, dim, 5, torch.float64)
     batch = batch.__class__(batch.tokens.requires_grad_(), batch.seq_lens, batch.token_data, batch.sample_data)
     balanced = balancer.forward(batch, blocks)
+    plan = balancer._last[1]
+    # Another step's forward before this one's backward: the same tokens a rank, other sequences.
+    other = balancer.forward(random_batch(seq_lens[::-1], 200 + rank, dim, 5, torch.float64), blocks)
     balanced.sum().backward()
     gradient = batch.tokens.grad.clone()
+    other.sum().backward()
+    after = balanced_step_in_flight()
+    shape = (BATCH, LOCAL_SEQ, heads, HEAD_DIM)  # an unbalanced DeepSpeed call after the step
+    plain = [_full(shape, seed + 10 * rank) for seed in (1, 2, 3)]
+    deepspeed = DistributedAttention(local, torch.distributed.group.WORLD, 2, 1)(*plain, 0)
+    unbalanced_error = float((attention(*plain, 0) - deepspeed).abs().max())
     refused = None
     try:  # rotary embeddings would be dropped: refused instead, on every rank
         balancer.forward(batch, lambda routed: attention(*[routed.batch.tokens.view(1, -1, heads, dim // heads)] * 3,
@@ -132,10 +146,10 @@ def _balanced_worker(rank: int, world: int) -> dict:
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0]
         reference.append(out.transpose(0, 1).reshape(-1, dim))
     torch.cat(reference).sum().backward()
-    plan = balancer._last[1]
     return {"error": float((balanced - torch.cat(reference)).abs().max()),
             "grad_error": float((gradient - tokens.grad).abs().max()), "refused": refused,
-            "sizes": sorted(set(plan.seq_group_size.tolist()))}  # fmt: skip
+            "sizes": sorted(set(plan.seq_group_size.tolist())), "after": after,
+            "unbalanced_error": unbalanced_error}  # fmt: skip
 
 
 def test_inside_a_balanced_step_the_drop_in_balances_exactly():
@@ -143,6 +157,7 @@ def test_inside_a_balanced_step_the_drop_in_balances_exactly():
     assert results[0]["sizes"] != [1], "the plan must put sequences in groups"
     for result in results:
         assert result["error"] <= 1e-12 and result["grad_error"] <= 1e-12  # activation checkpointing too
+        assert result["after"] is None and result["unbalanced_error"] == 0.0  # DeepSpeed's own path again
         assert "cannot honour ['rotary']" in result["refused"]
 
 
