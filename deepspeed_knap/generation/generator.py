@@ -47,8 +47,8 @@ class Generator:
     def __init__(self, pipeline: Any, model: nn.Module) -> None:
         self.pipeline = pipeline
         self.model = model
-        parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
+        # The dtype the model computes in (a packed model's: outside the modules kept in float32).
+        self.device, self.dtype = next(model.parameters()).device, model.dtype
 
     def guidance_scale(self, request: Request) -> float:
         """The request's guidance scale, or the pipeline's default where it gives none."""

@@ -356,7 +356,7 @@ def load_checkpoint(
             read = _fill_partitions(model, files)
         else:
             model = meta
-            read = _assign_tensors(model, files, torch_dtype)
+            read = _assign_tensors(model, files, torch_dtype, cls.keep_in_fp32())
     report = LoadReport(
         model_bytes=sum(_numel(p) * p.element_size() for p in model.parameters()),
         kept_bytes=sum(_kept(p).numel() * p.element_size() for p in model.parameters()),
@@ -369,6 +369,14 @@ def load_checkpoint(
     return model, report
 
 
+def compute_dtype(model: nn.Module, keep_in_fp32: tuple[str, ...]) -> torch.dtype:
+    """The dtype of ``model``'s first parameter outside the modules named in ``keep_in_fp32`` (a
+    component of its name), or of its first parameter if all are in them."""
+    kept = set(keep_in_fp32)
+    found = next((p for name, p in model.named_parameters() if kept.isdisjoint(name.split("."))), None)
+    return (found if found is not None else next(model.parameters())).dtype
+
+
 def _numel(param: Tensor) -> int:
     return param.ds_numel if hasattr(param, "ds_numel") else param.numel()
 
@@ -377,8 +385,11 @@ def _kept(param: Tensor) -> Tensor:
     return param.ds_tensor if hasattr(param, "ds_tensor") else param
 
 
-def _assign_tensors(model: nn.Module, files: Mapping[str, Path], dtype: torch.dtype | None) -> int:
-    """Read every tensor, shard by shard, into the meta-built ``model``; returns bytes read."""
+def _assign_tensors(model: nn.Module, files: Mapping[str, Path], dtype: torch.dtype | None,
+                    keep_in_fp32: tuple[str, ...] = ()) -> int:  # fmt: skip
+    """Read every tensor, shard by shard, into the meta-built ``model``, floating ones cast to
+    ``dtype`` but those of modules named in ``keep_in_fp32`` (a component of the tensor's name), which
+    are float32, as diffusers' ``from_pretrained`` loads them; returns bytes read."""
     from safetensors import safe_open
 
     read = 0
@@ -388,7 +399,10 @@ def _assign_tensors(model: nn.Module, files: Mapping[str, Path], dtype: torch.dt
             for name in handle.keys():  # noqa: SIM118
                 tensor = handle.get_tensor(name)
                 read += tensor.numel() * tensor.element_size()
-                tensors[name] = tensor if dtype is None else tensor.to(dtype)
+                if dtype is not None and tensor.is_floating_point():
+                    kept = not set(name.split(".")).isdisjoint(keep_in_fp32)
+                    tensor = tensor.to(torch.float32 if kept else dtype)
+                tensors[name] = tensor
         model.load_state_dict(tensors, strict=False, assign=True)
     return read
 
@@ -524,6 +538,21 @@ class DiffusersCheckpoint:
         names = inspect.signature(cls.__init__).parameters
         return tuple(name for name in names if name != "self" and name not in EXTRA_ARGS)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in, as diffusers' ``ModelMixin.dtype``: its first parameter's
+        outside the modules kept in float32 (:meth:`keep_in_fp32`)."""
+        return compute_dtype(self, self.keep_in_fp32())
+
+    @classmethod
+    def keep_in_fp32(cls) -> tuple[str, ...]:
+        """The modules diffusers' model of this family keeps in float32 when it is loaded in another
+        dtype (its ``_keep_in_fp32_modules``: Wan's modulation tables, time embedder and norms,
+        FLUX.3's q/k norms); :meth:`from_pretrained` with a ``torch_dtype`` keeps them so too."""
+        import diffusers
+
+        return tuple(getattr(diffusers, cls.diffusers_class)._keep_in_fp32_modules or ())
+
     @classmethod
     def diffusers_model(cls, config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> nn.Module:
         """diffusers' own model of this family (``diffusers_class``) of ``config`` (the packed model's,
@@ -566,7 +595,8 @@ class DiffusersCheckpoint:
         them under ``transformer/``). Tensors are read lazily, shard by shard.
 
         Args:
-            torch_dtype: cast to this dtype (default: the stored dtype; under ZeRO-3, DeepSpeed's).
+            torch_dtype: cast to this dtype (default: the stored dtype; under ZeRO-3, DeepSpeed's), but the
+                modules diffusers keeps in float32 (:meth:`keep_in_fp32`), as its ``from_pretrained``.
             ds_config: the DeepSpeed config (dict or JSON path) the model will train with. With it,
                 loading is collective (every rank calls it): ranks agree on the checkpoint's checks
                 and raise the same error, and under ZeRO-3 the model is built inside

@@ -660,6 +660,36 @@ def test_load_wan_generator_refuses_other_wan_pipelines(tmp_path):
         load_wan_generator(tmp_path, torch.float32, "cpu")
 
 
+def test_a_wan_video_in_bfloat16_is_diffusers_own_loaded_in_bfloat16(tmp_path):
+    """diffusers loads ``WanTransformer3DModel`` in bfloat16 with its ``_keep_in_fp32_modules``
+    (modulation tables, time embedder, norms) in float32; the packed experts load so too, and the
+    video of a request is the pipeline's, bit for bit (every parameter in bfloat16, it was 4/255 off
+    on the tiny Wan 2.2 A14B)."""
+    import diffusers
+
+    from deepspeed_knap.generation.runner import generate
+    from deepspeed_knap.models.wan.generate import load_wan_generator
+    from tests.support.wan_cases import WAN22_KINDS, save_wan22_pipeline
+
+    save_wan22_pipeline(tmp_path, WAN22_KINDS["a14b"])
+    generator = load_wan_generator(tmp_path, torch.bfloat16, "cpu")
+    kept = {name for name, p in generator.model.named_parameters() if p.dtype == torch.float32}
+    assert any("scale_shift_table" in name for name in kept) and any("time_embedder" in name for name in kept)
+    assert generator.dtype == torch.bfloat16
+    request = {"id": "a", "prompt": "a red cat", "height": 32, "width": 48, "frames": 9, "steps": 3, "seed": 1,
+               "max_sequence_length": 8}  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text(json.dumps(request) + "\n")
+    videos = {}
+    generate(str(tmp_path / "requests.jsonl"), generator, None, on_image=lambda r, video: videos.update({r.id: video}),
+             progress=False)  # fmt: skip
+    vae = diffusers.AutoencoderKLWan.from_pretrained(tmp_path, subfolder="vae", torch_dtype=torch.float32)
+    pipe = diffusers.WanPipeline.from_pretrained(tmp_path, vae=vae, torch_dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(prompt="a red cat", height=32, width=48, num_frames=9, num_inference_steps=3, max_sequence_length=8,
+                  generator=torch.Generator().manual_seed(1), output_type="np").frames[0]  # fmt: skip
+    assert np.array_equal(videos["a"], theirs)
+
+
 def test_generators_name_a_model_index_that_holds_no_object(tmp_path):
     """A ``model_index.json`` of a list, or of no JSON, is refused naming the file by the Wan and
     Qwen-Image loaders before anything loads (a list's ``.get`` raised AttributeError)."""

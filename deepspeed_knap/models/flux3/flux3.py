@@ -229,7 +229,7 @@ class PackedFlux3Transformer(PackedFluxBase):
                 raise ValueError(problem)
             return dataclasses.replace(self.pack([]), problem=problem)
         config, axes = self.config, len(self.config["axes_dims_rope"])
-        dtype = next(self.parameters()).dtype
+        dtype = self.dtype
 
         def cat(key: str, width: int) -> Tensor:
             rows = [torch.as_tensor(s[key]) for s in samples if s.get(key) is not None]

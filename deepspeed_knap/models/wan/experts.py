@@ -111,6 +111,11 @@ class PackedWanExperts(nn.Module):
         self.boundary_ratio = float(boundary_ratio)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the experts compute in (:attr:`PackedWanTransformer.dtype`)."""
+        return self.transformer.dtype
+
+    @property
     def experts(self) -> tuple[PackedWanTransformer, PackedWanTransformer]:
         return self.transformer, self.transformer_2
 

@@ -296,7 +296,7 @@ class PackedWanTransformer(DiffusersCheckpoint, nn.Module):
         config = self.config
         patch = tuple(config["patch_size"])
         grids = tuple(self._check_sample(index, sample) for index, sample in enumerate(samples))
-        dtype = next(self.parameters()).dtype
+        dtype = self.dtype
         image = config["image_dim"] is not None
 
         def cat(rows: list[Tensor], width: int, empty_dtype: torch.dtype = dtype) -> Tensor:
