@@ -72,6 +72,20 @@ def test_auto_with_groups_of_whole_nodes_reports_the_bound_of_its_cap(tmp_path, 
     assert refine["lower_bound"] == json.loads(out)["flexible_lower_bound"] <= refine["max_load_s"]
 
 
+def test_a_bag_only_it_can_hold_under_the_cap_is_planned_with_no_flexible_bound(tmp_path, capsys):
+    """30,000 tokens under a cap of 10,000 fit the bag of 3 GPUs, not the groups of 1 and 2 the
+    flexible bound prices: the plan is reported with that bound n/a (it refused the command)."""
+    lengths = tmp_path / "long.json"
+    lengths.write_text("[[30000], [], []]")
+    argv = ["plan", "--topology", "g3n1", "--lengths", str(lengths), "--max-tokens-per-gpu", "10000", "--repeat", "1"]
+    code, out, _ = run_cli(capsys, *argv, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["flexible_lower_bound"] is None
+    assert report["solvers"]["refine"]["max_gpu_tokens"] == 10000
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0 and "(auto): n/a (such groups cannot hold every sequence under the cap)" in out
+
+
 def test_text_says_one_sequence_not_one_sequences(tmp_path, capsys):
     lengths = tmp_path / "one.json"
     lengths.write_text("[[4096], []]")
