@@ -145,6 +145,8 @@ class KnapStartupCalibrationConfig(_SwitchedConfig):
     def _no_bool_lengths(cls, value: Any) -> Any:
         if isinstance(value, list) and any(isinstance(length, bool) for length in value):
             raise ValueError(f"seq_lens {value}: a length is a number, not a boolean")
+        if isinstance(value, list) and any(isinstance(length, str) for length in value):
+            raise ValueError(f"seq_lens {value}: a length is a number, not a string; give it without quotes")
         return value
 
     @field_validator("seq_lens")

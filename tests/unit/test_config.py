@@ -171,6 +171,10 @@ def test_calibration_file(tmp_path):
         ({"max_tokens_per_gpu": "8192"}, "knapformer.max_tokens_per_gpu = '8192': '8192' is a string"),
         ({"cost_model": {"online": {"forgetting": "0.9"}}}, "online.forgetting = '0.9': '0.9' is a string"),
         ({"cost_model": {"tflops": "auto"}}, "cost_model.tflops = 'auto': 'auto' is a string; give a number"),
+        (
+            {"cost_model": {"startup_calibration": {"seq_lens": ["1024", 2048, 4096]}}},
+            "seq_lens ['1024', 2048, 4096]: a length is a number, not a string",
+        ),
         ({"cost_model": {"model": "flux-xl"}}, "unknown model preset 'flux-xl'"),
         ({"cost_model": {"linear_coef": 1.0}}, "coefficients need both linear_coef and quadratic_coef"),
         ({"cost_model": {"model": "flux-dev", "alltoall_coef": 1e-8}}, "a preset takes alltoall_gbps"),

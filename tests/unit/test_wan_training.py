@@ -308,3 +308,19 @@ def test_resuming_one_expert_from_the_others_checkpoint_is_refused(monkeypatch, 
         resume("low")
     saved.pop("expert")  # a checkpoint saved before the expert was recorded: resumed as before
     assert resume("low").start_step == 4
+
+
+def test_a_gif_plays_at_16_frames_per_second(tmp_path):
+    """A GIF holds delays in hundredths of a second: one delay of 6 for every frame played 81 frames
+    in 4.86 s (16.7 fps); each frame ends at its time at 16 fps rounded, 5.06 s for 81."""
+    from PIL import Image
+
+    from deepspeed_knap.models.wan.finetune import write_gif
+
+    frames = np.random.default_rng(0).random((81, 8, 8, 3))
+    with Image.open(write_gif(frames, tmp_path / "clip.gif")) as gif:
+        durations = []
+        for index in range(gif.n_frames):
+            gif.seek(index)
+            durations.append(gif.info["duration"])
+    assert durations[:4] == [60, 60, 70, 60] and sum(durations) == 5060  # 81 / 16 = 5.0625 s

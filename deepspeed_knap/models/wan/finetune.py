@@ -118,12 +118,16 @@ def flow_matching(
 
 def write_gif(frames: np.ndarray, path: str | Path, fps: int = 16) -> Path:
     """Write ``frames [F, H, W, 3]`` (floats in ``[0, 1]``, ``WanPipeline``'s ``output_type="np"``)
-    as a looping GIF at ``fps`` (Wan's 16); PIL only, no video codec needed."""
+    as a looping GIF at ``fps`` (Wan's 16); PIL only, no video codec needed. A GIF holds each frame's
+    delay in hundredths of a second: frame ``i`` ends at ``(i + 1) / fps`` rounded to one, so 16 fps
+    plays 6, 6, 7, 6 hundredths (one delay of 6 for every frame played at 16.7 fps)."""
     from PIL import Image
 
     pixels = (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
     images = [Image.fromarray(frame) for frame in pixels]
-    images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
+    ends = [round((i + 1) * 100 / fps) for i in range(len(images))]
+    durations = [10 * (end - start) for start, end in zip([0, *ends], ends, strict=False)]
+    images[0].save(path, save_all=True, append_images=images[1:], duration=durations, loop=0)
     return Path(path)
 
 
