@@ -130,6 +130,12 @@ def run(args: argparse.Namespace) -> int:
         balancer = generation_balancer(generator.model, args.max_tokens_per_gpu, not args.no_reuse,
                                        timeout=deadline.timeout)  # fmt: skip
     journal = _Journal(out / f"timings.rank{rank}.jsonl")
+    if rank == 0:  # an earlier run's journals of ranks this run does not have (each rank removes its own)
+        for stale in out.glob("timings.rank*.jsonl"):
+            number = stale.name.removeprefix("timings.rank").removesuffix(".jsonl")
+            if number.isdigit() and int(number) >= world:
+                with contextlib.suppress(OSError):  # as _Journal.remove: a file left behind is harmless
+                    stale.unlink(missing_ok=True)
     unwritten: list[dict] = []
 
     def write_output(request, image) -> None:

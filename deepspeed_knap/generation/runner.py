@@ -337,7 +337,8 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
         RequestFileError: on every rank, for a request file that ranks cannot read alike.
         GenerationError: on every rank, when a request's ``generator.start`` raised on its rank (its
             encoders or embeddings file failed after the intake's checks), or the packed model
-            refused its inputs (``model.pack`` of its samples alone), at the step it joins.
+            refused its inputs (``model.pack`` of its samples alone), at the step it joins, or the
+            planner refused a set of requests that no request can leave (its message).
         MissingRanksError: on the ranks that waited, when a collective timed out or a rank left
             (with a ``deadline``).
     """
@@ -382,7 +383,11 @@ def generate(path: str | Path, generator: Any, balancer: ReusingBalancer | None 
             while True:
                 if deadline is not None:  # next_step may collect the plan made ahead: collective
                     deadline.at(f"step {batcher.steps_taken}")
-                if (step := batcher.next_step()) is None:
+                try:
+                    step = batcher.next_step()
+                except ValueError as error:  # the planner's refusal of a set: decided alike on every rank
+                    raise GenerationError(f"planning step {batcher.steps_taken + 1}: {error}") from error
+                if step is None:
                     break
                 step_start = time.perf_counter()
                 report.set_changes += step.changed

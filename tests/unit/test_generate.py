@@ -1390,6 +1390,7 @@ def test_generate_command_keeps_each_output_and_its_timings_as_it_finishes_when_
     assert journal[0]["refused"]["line"] == 3 and journal[1]["request"]["id"] == "done"
     assert journal[1]["request"]["last_step"] == 1 and journal[1]["request"]["denoise_s"] > 0
     monkeypatch.setattr(command, "_load", load)
+    (out / "timings.rank3.jsonl").write_text("{}\n")  # an earlier run's of 4 ranks: this one has 1
     assert main([*args, "--out", str(out)]) == 1  # the refused line
     assert sorted(path.name for path in out.iterdir()) == ["done.png", "late.png", "timings.json"]
 
