@@ -344,3 +344,21 @@ def test_a_resume_over_changed_files_goes_on_with_a_note(monkeypatch, tmp_path, 
     note = resume()
     assert "note: --resume: checkpoint step2 was trained on 4 files, names sha256 " in note
     assert f"and {tmp_path / 'data'} holds 5 files, names sha256 " in note
+
+
+def test_flux2_samples_are_written_without_pooled_text_and_pass_their_check(tmp_path):
+    """FLUX.2 has no pooled text: save_latent_sample writes its sample without it, the start-up
+    check takes the file, and a file with it is refused naming save_latent_sample (the FLUX.1
+    script it named cannot encode FLUX.2)."""
+    from deepspeed_knap.models.flux.spec import TINY_FLUX2
+
+    sample = synthetic_samples([SampleShape(text=2, visual=3, frames=1)], TINY_FLUX2, seed=0)[0]
+    assert "pooled_projections" not in sample
+    save_latent_sample(tmp_path / "flux2.safetensors", sample)
+    assert check_latent_file(tmp_path / "flux2.safetensors", TINY_FLUX2) is None
+    save_latent_sample(tmp_path / "pooled.safetensors", {**sample, "pooled_projections": torch.zeros(4)})
+    refused = check_latent_file(tmp_path / "pooled.safetensors", TINY_FLUX2)
+    assert "unexpected ['pooled_projections']" in refused and refused.endswith("rewrite it with save_latent_sample or "
+                                                                                "remove it")  # fmt: skip
+    with pytest.raises(ValueError, match=r"missing \['txt_ids'\]"):
+        save_latent_sample(tmp_path / "x.safetensors", {k: v for k, v in sample.items() if k != "txt_ids"})

@@ -101,7 +101,8 @@ def check_latent_file(file: str | Path, config: Mapping) -> str | None:
     """What is wrong with one latent sample file for a model ``config``, or ``None``. Reads only the
     header: a truncated or garbage file, missing or extra keys, non-float tensors, shapes that do
     not fit each other or the model."""
-    fix = "rewrite it with examples/prepare_flux_latents.py or remove it"
+    writer = "examples/prepare_flux_latents.py" if "pooled_projection_dim" in config else "save_latent_sample"
+    fix = f"rewrite it with {writer} or remove it"
     headers = sample_file_header(file, fix)
     if isinstance(headers, str):
         return headers
@@ -126,13 +127,16 @@ def check_latent_file(file: str | Path, config: Mapping) -> str | None:
 
 
 def save_latent_sample(path: str | Path, sample: Mapping[str, Tensor]) -> None:
-    """Write one latent sample (the keys of :data:`LATENT_KEYS`) as a ``.safetensors`` file."""
+    """Write one latent sample (the keys of :data:`LATENT_KEYS`; FLUX.2's without
+    ``pooled_projections``, which it has no pooled text for) as a ``.safetensors`` file."""
     from safetensors.torch import save_file
 
-    missing = [key for key in LATENT_KEYS if key not in sample]
+    needed = [key for key in LATENT_KEYS if key != "pooled_projections"]
+    missing = [key for key in needed if key not in sample]
     if missing:
-        raise ValueError(f"a latent sample needs {list(LATENT_KEYS)}; missing {missing}")
-    save_file({key: sample[key].detach().contiguous().cpu() for key in LATENT_KEYS}, str(path))
+        raise ValueError(f"a latent sample needs {needed} (FLUX.1 also pooled_projections); missing {missing}")
+    keys = [key for key in LATENT_KEYS if key in sample]
+    save_file({key: sample[key].detach().contiguous().cpu() for key in keys}, str(path))
 
 
 def rectified_flow(
