@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import numbers
 import statistics
 import time
 from collections.abc import Sequence
@@ -103,8 +104,8 @@ def plan_routing(
         or max_tokens_per_gpu <= 0
     ):
         raise ValueError(f"max_tokens_per_gpu must be a positive integer or None; got {max_tokens_per_gpu!r}")
-    if refine_steps < 0:
-        raise ValueError(f"refine_steps must be >= 0; got {refine_steps}")
+    if not isinstance(refine_steps, numbers.Integral) or isinstance(refine_steps, bool) or refine_steps < 0:
+        raise ValueError(f"refine_steps must be an integer >= 0 (a count of search steps); got {refine_steps!r}")
     with _gc_paused():
         plan, problem = _solve(seq_lens_per_rank, topology, cost_model, solver, max_tokens_per_gpu, refine_steps,
                                seq_segments_per_rank)  # fmt: skip

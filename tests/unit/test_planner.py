@@ -343,6 +343,11 @@ def test_bad_input_errors_name_the_problem():
     assert plan_routing([[5], [], [30], []], topology, FLUX, "none", max_tokens_per_gpu=100).max_tokens_per_gpu == 100
     with pytest.raises(ValueError, match=r"unknown solver 'greedy'; choose one of none, knapformer, refine"):
         plan_routing([[5], [], [], []], topology, FLUX, "greedy")
+    for steps in (2.5, -1, True):  # a float was a TypeError deep in the search
+        with pytest.raises(
+            ValueError, match=rf"refine_steps must be an integer >= 0 \(a count of search steps\); got {steps}"
+        ):
+            plan_routing([[5], [], [], []], topology, FLUX, refine_steps=steps)
     with pytest.raises(ValueError, match=r"max_tokens_per_gpu must be a positive integer"):
         plan_routing([[5], [], [], []], topology, FLUX, max_tokens_per_gpu=0)
 
