@@ -381,12 +381,32 @@ class Problem:
 
     @functools.cached_property
     def lower_bound_s(self) -> float:
-        """Seconds no plan of ours can beat: the topology bound, or running everything at home. The
+        """Seconds no plan of ours can beat: the topology bound, or running everything at home, or,
+        where moving tokens is priced on a fixed topology, keeping some sequences home and the rest
+        in bags (:meth:`_mixed_bound_s`: ``refine`` brings home what moving does not pay). The
         quantised loads leave out the overhead every GPU pays (the least one): it is added back."""
         least_overhead = (
             float(self.cost_model.gpu_overhead_s(self.num_gpus).min()) if self.cost_model.overhead_s else 0.0
         )
-        return min(self.lower_bound * self.seconds_per_unit + least_overhead, self.home_max_load_s)
+        bound = min(self.lower_bound * self.seconds_per_unit + least_overhead, self.home_max_load_s)
+        if self.cost_model.prices_routes and not self.topology.elastic:  # auto's groups of 1 hold home already
+            bound = min(bound, self._mixed_bound_s())
+        return bound
+
+    def _mixed_bound_s(self) -> float:
+        """Seconds no plan can beat that keeps each sequence home or puts it in a bag: the costliest
+        sequence at its cheapest, and the GPU-seconds of every sequence at its cheapest spread over
+        every GPU, with the GPUs' overheads (moving tokens costs more, never less: left out)."""
+        if not self.seq_lens.size:
+            return 0.0
+        speed = np.ones(self.num_gpus) if self.cost_model.gpu_speed is None else np.asarray(self.cost_model.gpu_speed)
+        home = self.cost_model.per_gpu_time(self.seq_lens, 1, speed[self.src], self.segment_squares)  # [N]
+        in_bags = np.where(self.allowed, self.cost, np.iinfo(np.int64).max)  # quantised down: at most the truth
+        piece = np.minimum(home, in_bags.min(axis=1) * self.seconds_per_unit)
+        bag_gpu_s = np.where(self.allowed, self.gpu_seconds, np.iinfo(np.int64).max).min(axis=1) * self.seconds_per_unit
+        overhead = self.cost_model.gpu_overhead_s(self.num_gpus) if self.cost_model.overhead_s else np.zeros(1)
+        spread = math.fsum([*overhead.tolist(), *np.minimum(home, bag_gpu_s).tolist()]) / self.num_gpus
+        return max(float(piece.max()) + float(overhead.min()), spread)
 
     def fits_cap_at_home(self) -> bool:
         home_tokens = np.bincount(self.src, weights=self.seq_lens, minlength=self.topology.group_size)

@@ -200,3 +200,26 @@ def test_brute_force_gap_on_tiny_steps_is_small():
         assert best <= step * (1 + 1e-9)
         gaps.append(step / best - 1)
     assert np.median(gaps) <= 0.02, sorted(gaps)
+
+
+def test_a_fixed_topologys_bound_holds_for_plans_that_keep_some_sequences_home():
+    """With moving priced, refine brings home what moving does not pay, so its plans on a fixed
+    topology mix home and bags: the plan's lower bound stays below the best such plan (brute force,
+    home or the bag for every sequence), where it was the bags' or all-home bound alone (11% above
+    the plan refine found on [[100, 10000, 4096], [4096]])."""
+    rng = np.random.default_rng(5)
+    topology = build_topology("g2n1")
+    cases = [([[100, 10000, 4096], [4096]], CostModel(1e-5, 1e-11, 1e-5, route_coef=1e-6))]
+    cases += [random_case(rng, 2) for _ in range(60)]
+    for lengths, model in cases:
+        if not any(lengths):
+            continue
+        plan = plan_routing(lengths, topology, model)
+        seq_lens, src, _, gpus = flat(plan)
+        choices = itertools.product((True, False), repeat=len(seq_lens))  # alone at home, or in the bag
+        best = min(reference_step(seq_lens, src, [(home, 1) if alone else (0, 2)
+                                                  for home, alone in zip(src, choice, strict=True)], model, None, gpus)
+                   for choice in choices)  # fmt: skip
+        assert plan.lower_bound <= best * (1 + 1e-9), (lengths, model)
+        assert plan.max_load + plan_route_s(plan, model) <= reference_step(seq_lens, src, [(h, 1) for h in src],
+                                                                            model, None, gpus) * (1 + 1e-9)  # fmt: skip
