@@ -27,7 +27,7 @@ setup(
         # transformers: the FLUX pipeline's text encoders (validation images, encoding images); peft: LoRA;
         # av (PyAV, its own FFmpeg in the wheel): decoding videos in examples/prepare_video_latents.py; ftfy:
         # WanImageToVideoPipeline cleans prompts with it (and fails without it)
-        "diffusers": ["diffusers>=0.36", "safetensors>=0.4", "transformers>=4.45", "peft>=0.15", "av>=14", "ftfy>=6"],
+        "diffusers": ["diffusers>=0.36", "safetensors>=0.4", "transformers>=4.45", "peft>=0.15", "av>=15", "ftfy>=6"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "scipy>=1.10"],
     },
     entry_points={"console_scripts": ["deepspeed-knap=deepspeed_knap.cli:main"]},

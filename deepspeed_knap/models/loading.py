@@ -208,9 +208,9 @@ def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T], agree_on:
             view: Callable[[T], str] = str) -> T:  # fmt: skip
     """``fn()``; with a ``ds_config`` (a collective load), on every rank and agreed: any rank's
     error is raised on every rank (:func:`~deepspeed_knap.runtime.groups.raise_together`), so none is left
-    waiting for the others. With ``agree_on`` (its name in the error), so is a result whose ``view``
-    differs between ranks (another copy of a folder under the same path on another node), which
-    would send the ranks down different code or build different parameters."""
+    waiting for the others. With ``agree_on`` (its name in the error: the same on every rank, so no
+    per-node path), so is a result whose ``view`` differs between ranks (another copy of a folder on
+    another node), which would send the ranks down different code or build different parameters."""
     if ds_config is None:
         return fn()
     import deepspeed
@@ -347,8 +347,9 @@ def load_checkpoint(
             raise CheckpointError(f"checkpoint {directory} does not fit {cls.__name__}:\n" + "\n".join(problems))
         return config, meta, files
 
-    config, meta, files = checked(plain, f"loading a {cls.__name__} checkpoint", prepare,
-                                  f"the transformer config under {path}", lambda prepared: repr(prepared[0]))  # fmt: skip
+    config, meta, files = checked(plain, f"loading a {cls.__name__} checkpoint from {path}", prepare,
+                                  "the checkpoint's transformer config",
+                                  lambda prepared: json.dumps(prepared[0], sort_keys=True, default=str))  # fmt: skip
     with HostMemory.measure() as host:
         if partitioned:
             with deepspeed.zero.Init(config_dict_or_path=plain, dtype=torch_dtype):
@@ -356,7 +357,7 @@ def load_checkpoint(
             read = _fill_partitions(model, files)
         else:
             model = meta
-            read = _assign_tensors(model, files, torch_dtype, cls.keep_in_fp32())
+            read = _assign_tensors(model, files, torch_dtype, cls.keep_in_fp32() if torch_dtype is not None else ())
     report = LoadReport(
         model_bytes=sum(_numel(p) * p.element_size() for p in model.parameters()),
         kept_bytes=sum(_kept(p).numel() * p.element_size() for p in model.parameters()),
@@ -547,11 +548,10 @@ class DiffusersCheckpoint:
     @classmethod
     def keep_in_fp32(cls) -> tuple[str, ...]:
         """The modules diffusers' model of this family keeps in float32 when it is loaded in another
-        dtype (its ``_keep_in_fp32_modules``: Wan's modulation tables, time embedder and norms,
-        FLUX.3's q/k norms); :meth:`from_pretrained` with a ``torch_dtype`` keeps them so too."""
-        import diffusers
-
-        return tuple(getattr(diffusers, cls.diffusers_class)._keep_in_fp32_modules or ())
+        dtype (the spec's ``keep_in_fp32``, diffusers' ``_keep_in_fp32_modules``: Wan's modulation
+        tables, time embedder and norms, FLUX.3's q/k norms); :meth:`from_pretrained` with a
+        ``torch_dtype`` keeps them so too."""
+        return cls.spec.keep_in_fp32
 
     @classmethod
     def diffusers_model(cls, config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> nn.Module:
@@ -596,7 +596,8 @@ class DiffusersCheckpoint:
 
         Args:
             torch_dtype: cast to this dtype (default: the stored dtype; under ZeRO-3, DeepSpeed's), but the
-                modules diffusers keeps in float32 (:meth:`keep_in_fp32`), as its ``from_pretrained``.
+                modules diffusers keeps in float32 (:meth:`keep_in_fp32`), as its ``from_pretrained``
+                (under ZeRO-3 partitioned loading every parameter takes DeepSpeed's dtype).
             ds_config: the DeepSpeed config (dict or JSON path) the model will train with. With it,
                 loading is collective (every rank calls it): ranks agree on the checkpoint's checks
                 and raise the same error, and under ZeRO-3 the model is built inside

@@ -77,6 +77,8 @@ class ModelSpec:
             checkpoint, which ``doctor`` times the start-up calibration at on a GPU, or ``None``
             (the tiny config is timed).
         video: the family generates video (clips of frames), not images.
+        keep_in_fp32: the modules diffusers' model keeps in float32 when loaded in another dtype (its
+            ``_keep_in_fp32_modules``), which the packed model's ``from_pretrained`` keeps so too.
     """
 
     name: str
@@ -100,6 +102,7 @@ class ModelSpec:
     bench_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     full_config: Mapping[str, Any] | None = None
     video: bool = False
+    keep_in_fp32: tuple[str, ...] = ()
 
     def load(self, attribute: str) -> Any:
         """What ``self.<attribute>`` names (``"module:name"``), imported.

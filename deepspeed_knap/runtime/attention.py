@@ -213,7 +213,8 @@ def set_balanced_step(routed: RoutedBatch | None) -> None:
     """Make ``routed`` the step every :class:`KnapDistributedAttention` built and called the DeepSpeed
     way balances (``None``: none; they behave exactly like DeepSpeed's). The balancer does, while a
     step's blocks run (:func:`balanced_blocks`) and while their gradient runs
-    (:func:`balanced_in_backward`), and only then: a drop-in call outside them is DeepSpeed's."""
+    (:func:`balanced_in_backward` to :func:`balanced_backward_end`), and only then: a drop-in call
+    outside them is DeepSpeed's."""
     global _balanced_step
     _balanced_step = routed
 
@@ -225,38 +226,52 @@ def balanced_step_in_flight() -> RoutedBatch | None:
 
 @contextlib.contextmanager
 def balanced_blocks(routed: RoutedBatch) -> Iterator[None]:
-    """``routed`` is the balanced step while the block stack runs forward over it."""
-    previous = _balanced_step
+    """``routed`` is the balanced step while the block stack runs forward over it (none after, even
+    where an earlier step's backward failed before clearing its own)."""
     set_balanced_step(routed)
     try:
         yield
     finally:
-        set_balanced_step(previous)
+        set_balanced_step(None)
 
 
 class _BalancedInBackward(torch.autograd.Function):
-    """Identity; its backward, which runs as the gradient reaches the blocks' output, makes the step
-    current for the blocks' backward (activation checkpointing recomputes their forward there) and
-    none again when that backward call ends."""
+    """Identity whose backward makes ``routed`` the balanced step (``None``: none): on the blocks'
+    output (the gradient reaches it first, then runs through the blocks, where activation
+    checkpointing recomputes their forward) and on their input (reached last)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, anchor: Tensor, routed: RoutedBatch) -> Tensor:
+    def forward(ctx, x: Tensor, anchor: Tensor, routed: RoutedBatch | None) -> Tensor:
         ctx.routed = routed
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         set_balanced_step(ctx.routed)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: set_balanced_step(None))
+        if ctx.routed is not None:  # a backward that never reaches the input still ends with none
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: set_balanced_step(None))
         return grad, None, None
+
+
+def _scoped(x: Tensor, routed: RoutedBatch | None) -> Tensor:
+    anchor = torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)  # a backward even without grad
+    return _BalancedInBackward.apply(x, anchor, routed)
 
 
 def balanced_in_backward(out: Tensor, routed: RoutedBatch) -> Tensor:
     """The blocks' output ``out`` (``[T_routed, ...]``, floating), unchanged, with ``routed`` the
-    balanced step while its gradient runs through the blocks: a step's own recomputation sees its own
-    routing even when another step ran forward since (two forwards, then each one's backward)."""
-    anchor = torch.zeros((), dtype=out.dtype, device=out.device, requires_grad=True)  # a backward even without grad
-    return _BalancedInBackward.apply(out, anchor, routed)
+    balanced step once the gradient reaches it, until it reaches the blocks' input
+    (:func:`balanced_backward_end`): a step's own recomputation sees its own routing even when another
+    step ran forward since (two forwards, then each one's backward), and a drop-in module elsewhere
+    in the model is DeepSpeed's. The step is kept without its tokens: the graph holds it as long as
+    the loss lives."""
+    return _scoped(out, routed.with_tokens(routed.batch.tokens.new_empty((routed.batch.num_tokens, 0))))
+
+
+def balanced_backward_end(tokens: Tensor) -> Tensor:
+    """The blocks' input ``tokens`` (floating), unchanged, with no balanced step once the gradient
+    reaches it: the end of the blocks' backward (:func:`balanced_in_backward`)."""
+    return _scoped(tokens, None)
 
 
 class KnapDistributedAttention(DistributedAttention):

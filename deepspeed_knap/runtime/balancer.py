@@ -31,7 +31,7 @@ from deepspeed_knap.planner.plan import RoutingPlan
 from deepspeed_knap.planner.route import moved_tokens
 from deepspeed_knap.planner.solve import DEFAULT_REFINE_STEPS, DEFAULT_SOLVER, plan_loads, plan_routing
 from deepspeed_knap.planner.worker import PlanWorker, PlanWorkerError, WorkerPlan
-from deepspeed_knap.runtime.attention import balanced_blocks, balanced_in_backward
+from deepspeed_knap.runtime.attention import balanced_backward_end, balanced_blocks, balanced_in_backward
 from deepspeed_knap.runtime.groups import ProcessGroups
 from deepspeed_knap.runtime.packing import PackedBatch
 from deepspeed_knap.runtime.routing import (
@@ -557,7 +557,8 @@ class KnapBalancer:
             model = self._last[4] if planned else self.model
             self._in_flight = (times, plan, model, self._last_segments if planned else None)
             routed = self.route(batch, plan)
-            routed = routed.with_tokens(stamp(routed.batch.tokens, times, "blocks_start", "blocks_grad_end"))
+            tokens = balanced_backward_end(stamp(routed.batch.tokens, times, "blocks_start", "blocks_grad_end"))
+            routed = routed.with_tokens(tokens)
             with balanced_blocks(routed):  # drop-in DistributedAttention modules balance it, forward
                 out = blocks(routed)
             out = stamp(balanced_in_backward(out, routed), times, "blocks_end", "blocks_grad_start")  # and backward

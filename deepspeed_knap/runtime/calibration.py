@@ -53,7 +53,7 @@ def calibrate_at_start(model: nn.Module, prior: CostModel, seq_lens: Sequence[in
 
     start = time.perf_counter()
     device = torch.device(get_accelerator().current_device_name())
-    dtype = next(model.parameters()).dtype
+    dtype = model.dtype  # the packed model's: outside the modules it keeps in float32
     times, calls, problem, step = [], None, None, None
     try:
         step = spec(model.family).load("step_timer")(model, device, dtype, groups.topology, backend)

@@ -132,8 +132,8 @@ class Trainer:
         options = dict(gradient_checkpointing=a.gradient_checkpointing)
         plain = plain_ds_config(ds_config)
         if a.model_path:  # the family from config.json, agreed on by every rank
-            family = checked(plain, "reading a checkpoint's model family", lambda: checkpoint_family(a.model_path),
-                             f"the model family of {a.model_path}")  # fmt: skip
+            family = checked(plain, f"reading the model family of {a.model_path}",
+                             lambda: checkpoint_family(a.model_path), "the model family of --model-path")  # fmt: skip
         else:
             family = a.family
         self.hooks = spec(family).hooks()
@@ -155,7 +155,8 @@ class Trainer:
         dist.barrier()  # every rank has mapped every rank's CPU all-reduce buffer: the files can go
         unlink_own_shm_buffer(self.rank)
         self.model = self.engine.module
-        self.dtype = next(self.model.parameters()).dtype  # bf16 under a "bf16" config: inputs must match
+        # bf16 under a "bf16" config: inputs must match (the packed model's dtype, outside its fp32 modules)
+        self.dtype = self.model.dtype
         embeds = bool(self.model.config.get("guidance_embeds"))
         self.guidance = (1.0 if a.guidance is None else a.guidance) if embeds else None
         # A scale the model has no embedding for would be ignored (FLUX.1 [schnell], FLUX.2 [klein],

@@ -114,7 +114,7 @@ def _balanced_worker(rank: int, world: int) -> dict:
         q, k, v = qkv_layer(tokens).view(1, -1, 3, heads, dim // heads).unbind(2)  # [1, T, H, Dh]
         return attention(q, k, v, batch_dim_idx=0).reshape(-1, dim)
 
-    def blocks(routed):  # recomputed in backward: the step stays current until it closes
+    def blocks(routed):  # recomputed in backward: the step is current while its gradient runs
         return torch.utils.checkpoint.checkpoint(block, routed.batch.tokens, use_reentrant=False)
 
     seq_lens = [[37, 5, 1], [64, 3], [2, 11, 19, 7], [23, 23]][rank]

@@ -19,7 +19,7 @@ def _load_worker(rank: int, world: int, root: str) -> dict[str, str]:
 
     os.chdir(Path(root) / f"rank{rank}")  # a node of its own: the same relative paths, other copies
     outcomes = {}
-    for name in ("family", "config", "same"):
+    for name in ("family", "config", "same", f"own{rank}"):  # own{rank}: the same copy under a path of its own
         try:
             model = from_pretrained(name, ds_config=ZERO3)
             outcomes[name] = f"loaded {type(model).__name__}"
@@ -43,16 +43,18 @@ def test_ranks_that_read_another_family_or_config_under_one_path_raise_together(
         family.save_pretrained(folder / "family")
         config.save_pretrained(folder / "config")
         flux.save_pretrained(folder / "same")
+        flux.save_pretrained(folder / f"own{rank}")
     first, second = run_distributed(_load_worker, 2, args=(str(tmp_path),), timeout=120)
+    assert first.pop("own0") == second.pop("own1") == "loaded PackedFluxTransformer"
     assert first == second
     assert first["same"] == "loaded PackedFluxTransformer"
     assert first["family"].startswith(
-        "reading a checkpoint's model family: ranks see different settings, so they would act differently and the "
-        "job would hang: the model family of family (ranks [1] differ from rank 0): rank 0 sees 'flux', rank 1 "
+        "reading the model family of family: ranks see different settings, so they would act differently and the "
+        "job would hang: the checkpoint's model family (ranks [1] differ from rank 0): rank 0 sees 'flux', rank 1 "
         "sees 'flux2'"
     ), first["family"]
     assert first["config"].startswith(
-        "loading a PackedFluxTransformer checkpoint: ranks see different settings, so they would act differently "
-        "and the job would hang: the transformer config under config (ranks [1] differ from rank 0)"
+        "loading a PackedFluxTransformer checkpoint from config: ranks see different settings, so they would act "
+        "differently and the job would hang: the checkpoint's transformer config (ranks [1] differ from rank 0)"
     ), first["config"]
-    assert "'num_layers': 3" in first["config"], first["config"]
+    assert '"num_layers": 3' in first["config"], first["config"]

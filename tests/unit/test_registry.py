@@ -37,6 +37,10 @@ def test_every_name_a_spec_gives_imports_and_the_model_is_the_spec_s(family):
     assert family_spec.model_class.spec is family_spec and family_spec.model_class.family == family
     assert family_spec.hooks().spec is family_spec
     assert family_spec.default_mix in MIXES
+    # What diffusers' model keeps in float32 when loaded in another dtype, the packed one keeps too.
+    diffusers = pytest.importorskip("diffusers")
+    keep = getattr(diffusers, family_spec.diffusers_class)._keep_in_fp32_modules
+    assert family_spec.keep_in_fp32 == tuple(keep or ())
 
 
 def _family_choices(parser: argparse.ArgumentParser) -> list[str] | None:

@@ -117,4 +117,5 @@ FLUX3 = ModelSpec(
     # Generation and validation run around diffusers' modular FLUX.3 blocks (Flux3AutoBlocks): there
     # is no pipeline class.
     generator="deepspeed_knap.models.flux3.generate:Flux3Generator",
+    keep_in_fp32=("norm_q", "norm_k"),
 )

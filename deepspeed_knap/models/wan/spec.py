@@ -211,4 +211,5 @@ WAN = ModelSpec(
     block_timer="deepspeed_knap.models.wan.calibrate:wan_blocks_step",
     full_config=WAN_14B,
     video=True,
+    keep_in_fp32=("rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"),
 )
