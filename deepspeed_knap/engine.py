@@ -50,11 +50,29 @@ from deepspeed_knap.runtime.groups import (
 from deepspeed_knap.runtime.shm_buffers import unlink_own_shm_buffer
 
 
-def initialize(args: Any = None, model: nn.Module | None = None, config: Any = None, **kwargs: Any):
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+):
     """``deepspeed.initialize`` plus the balancer its config's ``"knapformer"`` block asks for.
 
-    Takes the same arguments as ``deepspeed.initialize`` (the config as ``config=`` or as
-    ``args.deepspeed_config``). Every rank first joins the process group, whatever its config says,
+    Takes the arguments of ``deepspeed.initialize``, in its order (the config as ``config=``, its
+    alias ``config_params=``, or ``args.deepspeed_config``, or the deprecated
+    ``args.deepscale_config``; ``distributed_port``, default ``MASTER_PORT`` or 29500, and
+    ``dist_init_required`` for joining the process group). ``mpu`` and ``mesh_param`` are refused
+    with the block enabled: the balancer routes over every rank of the world, and a model-parallel
+    group would average gradients over another. Every rank first joins the process group, whatever its config says,
     so that a config bad on one node cannot leave the others waiting in the rendezvous; then the
     config is read and the block validated on every rank, and the ranks agree in one collective: a
     config unreadable or a block invalid on any rank raises the same ``ValueError`` on every rank,
@@ -82,13 +100,20 @@ def initialize(args: Any = None, model: nn.Module | None = None, config: Any = N
         ``"enabled": false`` (then nothing extra is created, and nothing extra communicates after the
         start-up agreement).
     """
+    config = config_params if config is None else config
     if config is None:
-        if args is None or getattr(args, "deepspeed_config", None) is None:
+        name = next((name for name in ("deepspeed_config", "deepscale_config") if getattr(args, name, None)), None)
+        if name is None:
             raise ValueError("no DeepSpeed config: pass config= or args with --deepspeed_config")
-        config, args = args.deepspeed_config, copy.copy(args)
-        args.deepspeed_config = None  # DeepSpeed refuses a config given both ways
-    ds_config = read_ds_config(config)
+        config, args = getattr(args, name), copy.copy(args)
+        setattr(args, name, None)  # DeepSpeed refuses a config given both ways
+    ds_config = read_ds_config(config, distributed_port, dist_init_required)
     rank = dist.get_rank()
+    kwargs = dict(optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
+                  lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn,
+                  mesh_param=mesh_param)  # fmt: skip
+    if distributed_port is not None:
+        kwargs["distributed_port"] = distributed_port
     try:
         return _initialize(args, model, ds_config, collective_timeout(ds_config.get(KNAPFORMER)), kwargs)
     except BaseException:
@@ -116,6 +141,12 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, timeout: da
     check_same_deepspeed_config(plain_config)
     topology = cost_model = None
     calibrating = False
+    if knap.enabled and (kwargs["mpu"] is not None or kwargs["mesh_param"] is not None):  # the same code on every rank
+        raise ValueError(
+            "deepspeed_knap.initialize got an mpu or mesh_param with balancing on: the balancer routes tokens over "
+            "every rank of the world, and DeepSpeed would average gradients over the model-parallel group's data-"
+            'parallel ranks only; drop mpu and mesh_param, or set "knapformer": {"enabled": false}'
+        )
     if knap.enabled:
         attention = [m for m in model.modules() if isinstance(m, KnapDistributedAttention)] if model is not None else []
         cost_model, views = _rank_views(knap, model, attention)

@@ -204,8 +204,9 @@ class OnlineSettings:
             rank's speed: two steps at least; the shape, an overhead) stays the prior's until its
             evidence test passes.
         forgetting: weight of a step relative to the next newer one (1: all steps count alike;
-            below 0.01 every older step has expired by the next, so speeds and the overhead, which
-            need the scatter of two steps, stay 1 and 0).
+            below 0.01 every older step has expired by the next: the last step's busy GPUs refit
+            ``a``, ``b`` and an overhead they show, two GPUs at least, and rank speeds, which need
+            the scatter of two steps, stay as they were).
         refit_interval: refit every this many observed steps.
         max_speed_ratio: a rank's speed factor stays within ``[1/r, r]`` of the median rank's.
         fit_route: refit ``route_coef`` and ``route_latency_s`` from the measured route phases
@@ -286,6 +287,7 @@ class OnlineCostModel:
         self.num_gpus = num_gpus
         self.settings = settings or OnlineSettings()
         self.sums = np.zeros((len(_ROWS), num_gpus))  # [R, S], rows named by _ROWS
+        self.rows = np.zeros(num_gpus, dtype=np.int64)  # [S] steps each GPU's sums hold, undecayed
         forgetting = self.settings.forgetting
         self._decay = np.array([[forgetting]] * len(_SUMS) + [[forgetting * forgetting]])  # [R, 1] a step's
         self.alltoall_sums = [0.0, 0.0]  # weighted least-waiting Ulysses rate, weight
@@ -323,8 +325,10 @@ class OnlineCostModel:
         expired = sums[0] < _EVIDENCE_EXPIRED  # the weight: older than that is forgotten, not decayed
         if expired.any():  # (forever decaying weights end in subnormal noise)
             sums[:, expired] = 0.0
+            self.rows[expired] = 0
         measured_us = np.asarray(compute_us, dtype=np.float64)
-        busy = (measured_us >= 0) & (x > 0)  # measured, busy GPUs
+        busy = (measured_us > 0) & (x > 0)  # measured, busy GPUs (a busy GPU's 0 us is no measurement)
+        self.rows[busy] += 1
         t = measured_us[busy] / 1e6
         # Once refit, a step counts at most max_speed_ratio times off the model's prediction: one
         # stalled step cannot swing a rank's speed (before, the prior's scale may be anything).
@@ -426,7 +430,7 @@ class OnlineCostModel:
 
     def _refit(self) -> None:
         busy = np.flatnonzero(self.sums[0] > 0)  # a weight
-        if len(busy) < 1 or _ordered_sum(self.sums[0, busy]) < 2:
+        if int(self.rows[busy].sum()) < 2:  # two rows at least, however decayed (forgetting <= 0.5, one GPU busy)
             return
         speeds = list(self.speeds)
         for _ in range(_ALTERNATIONS):

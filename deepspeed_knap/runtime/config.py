@@ -15,9 +15,9 @@ naming it. Every field is documented in docs/config.md with its default.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -459,28 +459,47 @@ class KnapFormerConfig(_KnapConfigModel):
 
 
 def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    """A DeepSpeed config given as a dict or a JSON file path, as a dict.
+    """A DeepSpeed config given as a dict, a file path or a base64 string, as a dict, read as
+    ``DeepSpeedConfig`` reads it: a file is hjson (JSON, comments allowed), and a key given twice at
+    any depth is an error.
 
     Raises:
-        ValueError: the file is unreadable or not a JSON object, naming the file and where.
+        ValueError: the file is unreadable or not a JSON object, or repeats a key, naming the file
+            and where.
     """
+    import hjson
+    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+
     if isinstance(config, Mapping):
         return dict(config)
+    if not Path(config).exists() and isinstance(config, str):  # DeepSpeed also takes the config in base64
+        try:
+            loaded = hjson.loads(base64.urlsafe_b64decode(config).decode("utf-8"),
+                                 object_pairs_hook=dict_raise_error_on_duplicate_keys)  # fmt: skip
+        except ValueError:  # not base64 of a config (binascii.Error, UnicodeDecodeError, hjson's): a path
+            pass
+        else:
+            if isinstance(loaded, dict):
+                return loaded
     try:
-        loaded = json.loads(Path(config).read_text())
+        with open(config) as file:
+            loaded = hjson.load(file, object_pairs_hook=dict_raise_error_on_duplicate_keys)
     except OSError as error:
         where = "" if Path(config).is_absolute() else f" ({Path(config).absolute()})"  # relative to this rank's cwd
         raise ValueError(f"cannot read the DeepSpeed config {config}{where}: {error.strerror or error}") from None
-    except json.JSONDecodeError as error:
+    except hjson.HjsonDecodeError as error:
         raise ValueError(
             f"the DeepSpeed config {config} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
         ) from None
+    except ValueError as error:  # a key given twice
+        raise ValueError(f"the DeepSpeed config {config}: {error}; give each key once") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"the DeepSpeed config {config} must hold a JSON object; it holds a {type(loaded).__name__}")
     return loaded
 
 
-def read_ds_config(config: Any) -> dict[str, Any]:
+def read_ds_config(config: Any, distributed_port: int | None = None,
+                   dist_init_required: bool | None = None) -> dict[str, Any]:  # fmt: skip
     """The DeepSpeed config (a dict, or a JSON file every rank reads), once every rank has read it.
 
     Collective: every rank first joins the process group, whatever its file says
@@ -491,6 +510,9 @@ def read_ds_config(config: Any) -> dict[str, Any]:
     every rank, naming the node, the ranks and the file, rather than an error on some ranks while the
     others wait in the rendezvous or in their next collective. ``initialize``, the trainer and
     ``from_pretrained(..., ds_config=...)`` read the config so; given the dict, nothing reads it again.
+
+    ``distributed_port`` (default ``MASTER_PORT``, else 29500) and ``dist_init_required``: as
+    ``deepspeed.init_distributed`` takes them.
 
     Raises:
         ValueError: on every rank, when any rank could not read the config, or when ``srun`` started
@@ -517,12 +539,13 @@ def read_ds_config(config: Any) -> dict[str, Any]:
     timeout = collective_timeout(ds_config.get(KNAPFORMER))
     joining = not torch.distributed.is_initialized()  # else a group's timeouts are someone else's to set
     # Under mpirun, DeepSpeed discovers ranks through mpi4py and would take port 29500 unless told.
-    port = int(os.environ.get("MASTER_PORT", "29500"))
+    port = int(os.environ.get("MASTER_PORT", "29500")) if distributed_port is None else distributed_port
+    joined = dict(distributed_port=port, dist_init_required=dist_init_required)
     if timeout is None:
-        deepspeed.init_distributed(distributed_port=port)
+        deepspeed.init_distributed(**joined)
     else:
         # The rendezvous (torch's store) takes this timeout too: never shorter than DeepSpeed's.
-        deepspeed.init_distributed(distributed_port=port, timeout=max(timeout, default_pg_timeout))
+        deepspeed.init_distributed(**joined, timeout=max(timeout, default_pg_timeout))
     rank = dist.get_rank()
     try:
         # Our set-up collectives run before DeepSpeed's engine binds this rank to its GPU: bind it

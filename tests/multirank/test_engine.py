@@ -277,6 +277,43 @@ def _differing_config_worker(rank: int, world: int) -> dict:
     return errors
 
 
+def _arguments_worker(rank: int, world: int, config_path: str) -> dict:
+    """deepspeed.initialize's arguments as DeepSpeed takes them: positionally in its order, the config
+    as config_params= or args.deepscale_config (each read: its gradient clipping is the engine's); an
+    mpu refused with balancing on."""
+    import argparse
+
+    import deepspeed_knap
+    from deepspeed_knap.models.tiny_dit import TinyDiT
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:  # an engine takes over its model's parameters
+        model = TinyDiT(DIM, HEADS, COND)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    config = {**ds_config(0, {"enabled": False}), "gradient_clipping": 0.5}
+    outcome = {}
+    model, sgd = fresh()
+    engine, optimizer, *_ = deepspeed_knap.initialize(None, model, sgd, None, config=config)  # DeepSpeed's positions
+    outcome["positional"] = (optimizer is sgd or optimizer.optimizer is sgd, engine.gradient_clipping())
+    outcome["config_params"] = deepspeed_knap.initialize(None, *fresh(), config_params=config)[0].gradient_clipping()
+    args = argparse.Namespace(deepscale_config=config_path, deepspeed_config=None)
+    outcome["deepscale_config"] = deepspeed_knap.initialize(args, *fresh())[0].gradient_clipping()
+    try:
+        deepspeed_knap.initialize(None, *fresh(), config={**config, "knapformer": {"enabled": True}}, mpu=object())
+    except ValueError as error:
+        outcome["mpu"] = str(error)
+    return outcome
+
+
+def test_initialize_takes_deepspeeds_arguments_and_refuses_an_mpu_with_balancing_on(tmp_path):
+    import json
+
+    (tmp_path / "ds.json").write_text(json.dumps({**ds_config(0, {"enabled": False}), "gradient_clipping": 0.5}))
+    (outcome,) = run_distributed(_arguments_worker, 1, args=(str(tmp_path / "ds.json"),), timeout=120)
+    assert outcome.pop("mpu").startswith("deepspeed_knap.initialize got an mpu or mesh_param with balancing on")
+    assert outcome == {"positional": (True, 0.5), "config_params": 0.5, "deepscale_config": 0.5}
+
+
 def test_a_deepspeed_config_differing_between_ranks_is_one_error_naming_the_setting_and_ranks():
     """Before, ranks given other ZeRO stages went into DeepSpeed's start-up and the job hung, or ended
     in an opaque gloo store error: the harness's timeout reports it."""

@@ -274,6 +274,28 @@ def test_a_bad_config_file_is_named(tmp_path):
         load_ds_config(tmp_path / "list.json")
 
 
+def test_a_config_file_reads_as_deepspeed_reads_it(tmp_path):
+    """As DeepSpeedConfig: hjson (comments), a key given twice refused (it silently took the last
+    block), and the config as a base64 string."""
+    import base64
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from deepspeed_knap.runtime.config import load_ds_config
+
+    commented = tmp_path / "commented.json"
+    commented.write_text('// ZeRO-2 on one GPU\n{"train_batch_size": 8, "zero_optimization": {"stage": 2}}')
+    assert load_ds_config(commented) == DeepSpeedConfig(str(commented))._param_dict
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"train_batch_size": 8, "knapformer": {"enabled": true}, "knapformer": {"enabled": false}}')
+    with pytest.raises(
+        ValueError, match=r"twice.json: Duplicate keys in DeepSpeed config: \['knapformer'\]; give each"
+    ):
+        load_ds_config(twice)
+    encoded = base64.urlsafe_b64encode(b'{"train_batch_size": 8}').decode()
+    assert load_ds_config(encoded) == DeepSpeedConfig(encoded)._param_dict == {"train_batch_size": 8}
+
+
 @pytest.mark.parametrize("key", ["tflops", "alltoall_gbps"])
 def test_infinite_dims_are_refused_naming_the_key(key):
     with pytest.raises(ValueError, match=f"knapformer.cost_model.{key} = inf: Input should be a finite number"):

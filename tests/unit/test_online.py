@@ -352,6 +352,26 @@ def test_the_first_refit_after_one_step_and_an_all_overhead_fit_still_refit():
     assert online.compute_fitted and online.model().linear_coef + online.model().quadratic_coef > 0
 
 
+def test_one_busy_gpu_refits_whatever_the_forgetting_and_a_zero_time_is_no_measurement():
+    """Two rows of evidence refit, however decayed: one busy GPU at forgetting 0.5 or below never
+    reached a decayed weight of 2 and never refit (at 0.5 it did at step 54, when the float sum
+    rounded up). A busy GPU timed at 0 us says nothing: it is left out, not fitted as a GPU that
+    did its work in no time (which called the other 4x slower)."""
+    rng = np.random.default_rng(0)
+    truth = CostModel(2e-5, 3e-9)
+    for forgetting in (0.3, 0.5):
+        online = OnlineCostModel(CostModel(1e-5, 1e-9), 1, OnlineSettings(forgetting=forgetting))
+        for _ in range(3):
+            plan = plan_routing([[int(rng.choice([1000, 2000, 4000]))]], build_topology("g1n1"), truth, "none")
+            online.observe(plan, [round(1e6 * float(plan.gpu_loads[0]))], [-1])
+        assert online.compute_fitted, forgetting
+    online = OnlineCostModel(truth, 2, OnlineSettings(warmup_steps=1))
+    for step in range(6):
+        plan = plan_routing([[1000 + 500 * step], [3000]], build_topology("g1n2"), truth, "none")
+        online.observe(plan, [0, round(1e6 * float(plan.gpu_loads[1]))], [-1, -1])
+    assert online.model().gpu_speed in (None, (1.0, 1.0))
+
+
 def test_old_evidence_expires_instead_of_decaying_into_noise():
     """At forgetting 0.5 a GPU unmeasured for 1,100 steps would keep sums of subnormal weight, and the
     all-to-all sums likewise: expired at 1% instead, the half-speed GPU's speed is 1 again (no
