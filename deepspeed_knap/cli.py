@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(error, ValueError):
             print(f"deepspeed-knap {name}: error: {error}", file=sys.stderr)
             return 2
-        print(f"deepspeed-knap {name}: error: {type(error).__name__}: {error} (--debug shows where)", file=sys.stderr)
+        print(f"deepspeed-knap {name}: error: {type(error).__name__}: {error} (deepspeed-knap --debug {name} ... "
+              "shows where)", file=sys.stderr)  # fmt: skip
         return 1
 
 

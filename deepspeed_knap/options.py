@@ -117,6 +117,16 @@ def seq_lens(text: str) -> list[int]:
     return lengths
 
 
+def calibration_lengths(text: str) -> list[int]:
+    """An argparse type: :func:`seq_lens` with at least 4 different lengths (a calibration fits
+    overhead, ``a`` and ``b``: three would fit any times exactly and say nothing)."""
+    lengths = seq_lens(text)
+    if len(set(lengths)) < 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least 4 different lengths to fit overhead, a and b with "
+                                         "one to spare")  # fmt: skip
+    return lengths
+
+
 def output_file(text: str) -> str:
     """An argparse type: a file path whose folder exists and can be written, and that is not a
     folder itself (checked before any work, not after it)."""

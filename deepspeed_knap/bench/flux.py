@@ -183,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.flux_dims:
         args.layers, args.single_layers, args.heads, args.head_dim = (8, 48, 48, 128) if flux2 else (19, 38, 24, 128)
+    if flux2 and args.head_dim % 8:
+        raise ValueError(f"--head-dim {args.head_dim}: FLUX.2 splits a head's channels into 4 RoPE axes of an even "
+                         "size each; give a multiple of 8")  # fmt: skip
     config = dict(patch_size=1, num_layers=args.layers, num_single_layers=args.single_layers,
                   attention_head_dim=args.head_dim, num_attention_heads=args.heads, guidance_embeds=True)  # fmt: skip
     if flux2:  # four RoPE axes (t, h, w, l) of equal size, as FLUX.2 [dev]'s (32, 32, 32, 32)

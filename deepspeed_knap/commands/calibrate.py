@@ -11,6 +11,7 @@ import numpy as np
 
 from deepspeed_knap.models.wan.spec import WAN
 from deepspeed_knap.options import (
+    calibration_lengths,
     device,
     int_at_least,
     nonnegative_int,
@@ -18,7 +19,6 @@ from deepspeed_knap.options import (
     plot_file,
     positive_float,
     positive_int,
-    seq_lens,
 )
 from deepspeed_knap.runtime.timing import check_fits_memory
 
@@ -42,7 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", required=True, type=output_file, metavar="FILE.json", help="where to write the fitted model"
     )
     parser.add_argument(
-        "--seq-lens", type=seq_lens, default="256,512,1024,2048,4096", help="comma-separated lengths to time"
+        "--seq-lens",
+        type=calibration_lengths,
+        default="256,512,1024,2048,4096",
+        help="comma-separated lengths to time (4 different at least)",
     )
     parser.add_argument("--repeats", type=int_at_least(1, MAX_REPEATS), default=3,
                         help=f"timed runs per length (median), at most {MAX_REPEATS}")  # fmt: skip
@@ -85,11 +88,6 @@ def run(args: argparse.Namespace) -> int:
     )
 
     lengths = args.seq_lens
-    if len(set(lengths)) < 4:
-        raise ValueError(
-            f"--seq-lens {','.join(map(str, lengths))}: give at least 4 different lengths to fit overhead, a and b "
-            "with one to spare"
-        )
     if (args.route_gbps is None) != (args.route_token_bytes is None):
         raise ValueError(
             f"--route-gbps {args.route_gbps} and --route-token-bytes {args.route_token_bytes}: give both (route_coef "

@@ -43,7 +43,16 @@ from deepspeed_knap.cost.calibrate import calibrate, startup_model, time_lengths
 from deepspeed_knap.models.flux.calibrate import flux_blocks_step
 from deepspeed_knap.models.registry import spec
 from deepspeed_knap.models.timing import ConfigModel
-from deepspeed_knap.options import add_family_argument, device, flux_head_dim, nonnegative_int, positive_int, seq_lens
+from deepspeed_knap.options import (
+    add_family_argument,
+    calibration_lengths,
+    device,
+    flux_head_dim,
+    nonnegative_int,
+    output_folder,
+    positive_int,
+    seq_lens,
+)
 from deepspeed_knap.runtime.attention import BACKENDS, VarlenAttention, VarlenSeqs
 from deepspeed_knap.runtime.config import KnapCostModelConfig
 
@@ -338,7 +347,11 @@ def render_startup(startup: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--out", default="doctor", metavar="DIR", help="writes doctor.json, doctor.txt, calibration.json"
+        "--out",
+        type=output_folder,
+        default="doctor",
+        metavar="DIR",
+        help="writes doctor.json, doctor.txt, calibration.json",
     )
     parser.add_argument("--device", type=device, default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -353,9 +366,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--single-blocks", type=nonnegative_int, default=38, help="single-stream blocks of the model")
     parser.add_argument(
         "--seq-lens",
-        type=seq_lens,
+        type=calibration_lengths,
         default=None,
-        help="calibration lengths (default: 1k-16k on CUDA, 128-1,024 on CPU)",
+        help="calibration lengths, 4 different at least (default: 1k-16k on CUDA, 128-1,024 on CPU)",
     )
     parser.add_argument(
         "--compare-lens",

@@ -10,7 +10,7 @@
 One request per line (``{"prompt": ..., "height": ..., "width": ..., "steps": ..., "guidance": ...,
 "seed": ...}``, Wan's ``"frames"``, ``"negative_prompt"`` for classifier-free guidance, or
 ``"embeddings"`` for precomputed text embeddings; docs/generation.md). Rank ``r`` encodes and decodes
-lines ``r``, ``r + N``, ...; the family (FLUX.1, FLUX.2, FLUX.3 or Wan) is the model's: ``--model-path``'s
+lines ``r``, ``r + N``, ...; the family (FLUX.1, FLUX.2, FLUX.3, Wan or Qwen-Image) is the model's: ``--model-path``'s
 checkpoint, or ``--tiny --family``; the transformer runs every rank's running requests together,
 balanced (topology ``auto``), and requests join and leave at step boundaries under the token
 budget; each request set's plan is solved in a worker process while the set before it runs
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="where the PNGs and timings.json go")
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--model-path", metavar="DIR",
-                       help="a diffusers FLUX.1, FLUX.2, FLUX.3 (modular) or Wan pipeline directory (model_index.json "
+                       help="a diffusers FLUX.1, FLUX.2, FLUX.3 (modular), Wan or Qwen-Image pipeline directory (model_index.json "
                        "or modular_model_index.json); its family is its transformer's")  # fmt: skip
     model.add_argument("--tiny", action="store_true", help="a tiny random pipeline of --family (CPU demos, tests)")
     add_family_argument(parser, "the --tiny model's family (default: flux)", default=None, having="generator")
@@ -208,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_options(args: argparse.Namespace, out: Path) -> list[str] | None:
     """``[what, message]`` of the first problem with the options that stops the run, or ``None``;
-    ``--out`` is made, and a file written and removed in it, before any work."""
+    the request file is read, and ``--out`` made and a file written and removed in it, before any
+    work."""
     if args.family is not None and not args.tiny:
         return ["checking the options", f"--family {args.family} picks the --tiny model's family; --model-path "
                 f"{args.model_path}'s family is its checkpoint's: drop --family"]  # fmt: skip
@@ -218,6 +219,12 @@ def _check_options(args: argparse.Namespace, out: Path) -> list[str] | None:
                 "pipeline's modular_model_index.json); give a diffusers FLUX.1, FLUX.2, FLUX.3, Wan or Qwen-Image "
                 "pipeline directory (what FluxPipeline, Flux2Pipeline, Flux2KleinPipeline, FLUX.3's modular "
                 "pipeline, WanPipeline or QwenImagePipeline.save_pretrained writes), or --tiny"]  # fmt: skip
+    from deepspeed_knap.generation.requests import RequestFileError, request_lines
+
+    try:  # read again (with its lines' checks) once the model is loaded: a file missing is found now
+        request_lines(args.requests)
+    except RequestFileError as error:
+        return ["reading the requests", str(error)]
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:

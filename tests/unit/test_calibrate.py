@@ -63,8 +63,12 @@ def test_flux_blocks_on_cpu_smoke(tmp_path, capsys):
 
 
 def test_too_few_lengths_is_a_clear_error(tmp_path, capsys):
-    assert main(["calibrate", "--out", str(tmp_path / "x.json"), "--seq-lens", "16,32,64,64"]) == 2
-    assert "give at least 4 different lengths" in capsys.readouterr().err
+    """calibrate and doctor alike (doctor fitted 3 parameters to 2 lengths and called it a perfect fit)."""
+    for command in (["calibrate", "--out", str(tmp_path / "x.json")], ["doctor", "--out", str(tmp_path / "doctor")]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--seq-lens", "16,32,64,64"])
+        assert exit_info.value.code == 2 and "give at least 4 different lengths" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_wan_blocks_on_cpu_and_the_heads_reach_the_cost_model(tmp_path, capsys):

@@ -78,6 +78,7 @@ CASES = [
     (["plan", "--alltoall-gbps", "0"], "argument --alltoall-gbps: 0 is not a finite number > 0"),
     (["bench", "step", "--head-dim", "3"], "argument --head-dim: 3: FLUX blocks rotate a head's channels in pairs"),
     (["doctor", "--head-dim", "3"], "argument --head-dim: 3: FLUX blocks rotate a head's channels in pairs"),
+    (["bench", "flux", "--family", "flux2", "--head-dim", "18"], "--head-dim 18: FLUX.2 splits a head's channels"),
     (
         ["bench", "planner", "--plot-dir", "/dev/null/plots"],
         "argument --plot-dir: /dev/null/plots: /dev/null is a file",
@@ -113,7 +114,8 @@ def test_a_failure_exits_1_with_one_line_and_debug_shows_the_traceback(tmp_path,
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (
-        "deepspeed-knap calibrate: error: RuntimeError: the model broke at 64 tokens (--debug shows where)"
+        "deepspeed-knap calibrate: error: RuntimeError: the model broke at 64 tokens (deepspeed-knap --debug "
+        "calibrate ... shows where)"
     )
     with pytest.raises(RuntimeError, match="the model broke"):  # the traceback reaches the console
         main(["--debug", *argv])
