@@ -1347,6 +1347,12 @@ def test_generate_command_refuses_an_out_it_cannot_write_in_before_any_work(tmp_
     output = capsys.readouterr().out.strip().splitlines()
     assert output == ["deepspeed-knap generate: error checking --out: cannot write in --out /proc/self/fdinfo: No "
                       "such file or directory; give a directory this user can write in"]  # fmt: skip
+    # A request file that cannot be read is found before the model loads too (it was after).
+    code = main(["generate", "--requests", str(tmp_path / "missing.jsonl"), "--tiny", "--out", str(tmp_path / "out"),
+                 "--no-progress"])  # fmt: skip
+    assert code == 1 and loads == []
+    assert capsys.readouterr().out.startswith("deepspeed-knap generate: error reading the requests: cannot read the "
+                                              f"request file {tmp_path / 'missing.jsonl'}")  # fmt: skip
 
 
 def test_generate_command_keeps_each_output_and_its_timings_as_it_finishes_when_the_run_fails_later(
