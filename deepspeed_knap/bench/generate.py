@@ -180,8 +180,13 @@ def bench_generate(options: dict) -> dict:
     return {"options": {k: v for k, v in options.items() if k != "requests"}, "modes": modes}
 
 
-def _median_ms(seconds: list[float]) -> float:
-    return statistics.median(seconds) * 1e3 if seconds else float("nan")
+def _median_ms(seconds: list[float]) -> float | None:
+    """The median in milliseconds; ``None`` (JSON's null) for a mode that never plans or routes."""
+    return statistics.median(seconds) * 1e3 if seconds else None
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def format_report(report: dict) -> str:
@@ -198,7 +203,7 @@ def format_report(report: dict) -> str:
         speedup = f" ({m['images_per_s'] / base:.2f}x)" if base else ""
         imbalance = max(m["rank_busy_s"]) / statistics.mean(m["rank_busy_s"])
         lines.append(f"{mode:<15}{m['images_per_s']:>9.2f}{m['wall_s']:>8.2f}{imbalance:>14.2f}{m['steps']:>6}{m['solves']:>7}"
-                     f"{m['plan_ms']:>13.2f}{m['route_ms']:>14.2f}  {ranks}{speedup}")  # fmt: skip
+                     f"{_ms(m['plan_ms']):>13}{_ms(m['route_ms']):>14}  {ranks}{speedup}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -244,6 +249,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} {getattr(args, name)}: give a multiple of 16 px (the tiny VAEs and patches)")
     if (args.frames - 1) % 4:
         raise ValueError(f"--frames {args.frames}: video VAEs take 1 + a multiple of 4 frames")
+    if args.requests is not None:  # read in every rank once they start: a file missing is found now
+        from deepspeed_knap.generation.requests import request_lines
+
+        request_lines(args.requests)  # a RequestFileError (a ValueError) names it
     options = {"ranks": args.ranks, "family": args.family, "frames": args.frames, "requests": args.requests,
                "count": args.count, "large": args.large,
                "small": args.small, "steps": args.steps, "modes": modes, "heads": args.heads,

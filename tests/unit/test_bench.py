@@ -219,3 +219,22 @@ def test_counting_saved_activations_frees_them():
     saved = saved_activation_bytes(lambda: model(torch.ones(1000, 4)), model)
     assert saved == 2 * 1000 * 4 * 4  # x (for the weight's gradient) and y, float32
     assert outputs[0]() is None
+
+
+def test_bench_generate_reports_no_plan_time_for_a_mode_that_never_plans_as_strict_json(tmp_path):
+    """The unbalanced and pipeline modes neither plan nor route: their plan and route times are
+    null in --json (NaN was, which strict JSON readers such as jq refuse) and n/a in the table. A
+    --requests file that cannot be read is refused before the ranks start."""
+    import json
+
+    from deepspeed_knap.bench.generate import format_report
+    from deepspeed_knap.cli import main
+
+    mode = {"images": 4, "wall_s": 2.0, "images_per_s": 2.0, "rank_wall_s": [2.0, 1.9], "rank_busy_s": [1.5, 1.0],
+            "rank_cpu_s": [1.6, 1.1], "rank_images": [2, 2], "steps": 8, "solves": 0, "plan_ms": None,
+            "route_ms": None}  # fmt: skip
+    report = {"options": {"ranks": 2, "dtype": "float32", "family": "flux", "heads": 4, "head_dim": 32, "repeats": 1},
+              "modes": {"unbalanced": mode}}  # fmt: skip
+    assert json.loads(json.dumps(report, allow_nan=False)) == report
+    assert "n/a" in format_report(report).splitlines()[-1]
+    assert main(["bench", "generate", "--requests", str(tmp_path / "missing.jsonl")]) == 2
