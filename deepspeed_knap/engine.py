@@ -101,12 +101,17 @@ def initialize(
         start-up agreement).
     """
     config = config_params if config is None else config
+    # DeepSpeed's rules, before anything starts (they are the same code on every rank).
+    given = [name for name in ("deepspeed_config", "deepscale_config") if getattr(args, name, None) is not None]
+    if len(given) == 2:
+        raise ValueError("args holds both deepspeed_config and its deprecated spelling deepscale_config; give one")
+    if given and config is not None:
+        raise ValueError(f"the DeepSpeed config is given twice, as args.{given[0]} and as config=; give it once")
     if config is None:
-        name = next((name for name in ("deepspeed_config", "deepscale_config") if getattr(args, name, None)), None)
-        if name is None:
+        if not given:
             raise ValueError("no DeepSpeed config: pass config= or args with --deepspeed_config")
-        config, args = getattr(args, name), copy.copy(args)
-        setattr(args, name, None)  # DeepSpeed refuses a config given both ways
+        config, args = getattr(args, given[0]), copy.copy(args)
+        setattr(args, given[0], None)  # DeepSpeed refuses a config given both ways
     ds_config = read_ds_config(config, distributed_port, dist_init_required)
     rank = dist.get_rank()
     kwargs = dict(optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
@@ -121,6 +126,21 @@ def initialize(
         # returned anywhere.
         unlink_own_shm_buffer(rank)
         raise
+
+
+def _model_parallel(model: nn.Module | None, config: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str | None:
+    """What asks ``deepspeed.initialize`` for a model-parallel layout (a mesh or an mpu), or ``None``."""
+    from deepspeed.pipe import PipelineModule
+
+    if kwargs["mpu"] is not None or kwargs["mesh_param"] is not None:
+        return "an mpu or mesh_param"
+    if "sequence_parallel_size" in config and "data_parallel_size" in config:
+        return "a config with sequence_parallel_size and data_parallel_size (DeepSpeed's mesh)"
+    if ((config.get("tensor_parallel") or {}).get("autotp_size") or 0) > 0:
+        return "a config with tensor_parallel.autotp_size"
+    if isinstance(model, PipelineModule):
+        return "a PipelineModule"
+    return None
 
 
 def _initialize(args: Any, model: nn.Module | None, ds_config: dict, timeout: datetime.timedelta | None,
@@ -141,11 +161,12 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, timeout: da
     check_same_deepspeed_config(plain_config)
     topology = cost_model = None
     calibrating = False
-    if knap.enabled and (kwargs["mpu"] is not None or kwargs["mesh_param"] is not None):  # the same code on every rank
+    parallel = _model_parallel(model, plain_config, kwargs) if knap.enabled else None  # the config is agreed
+    if parallel:  # (an mpu, a mesh or a pipeline module is the same code on every rank)
         raise ValueError(
-            "deepspeed_knap.initialize got an mpu or mesh_param with balancing on: the balancer routes tokens over "
-            "every rank of the world, and DeepSpeed would average gradients over the model-parallel group's data-"
-            'parallel ranks only; drop mpu and mesh_param, or set "knapformer": {"enabled": false}'
+            f"deepspeed_knap.initialize got {parallel} with balancing on: the balancer routes tokens over every rank "
+            "of the world, and DeepSpeed would average gradients over a model-parallel layout's data-parallel ranks "
+            'only; drop it, or set "knapformer": {"enabled": false}'
         )
     if knap.enabled:
         attention = [m for m in model.modules() if isinstance(m, KnapDistributedAttention)] if model is not None else []

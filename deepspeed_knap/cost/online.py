@@ -339,7 +339,7 @@ class OnlineCostModel:
         sums[:, busy] += np.stack((one, x, y, x * x, x * y, y * y, t, t * x, t * y, t * t, u, u * x, u * y, u * t,
                                    u * u, one))  # in _ROWS' order  # fmt: skip
         exchange_us = np.asarray(ulysses_us, dtype=np.float64)
-        timed = (exchange_us >= 0) & (z > 0)
+        timed = (exchange_us > 0) & (z > 0)  # (0 us for planned traffic is no measurement either)
         self.alltoall_sums = [self.alltoall_sums[0] * forgetting, self.alltoall_sums[1] * forgetting]
         if self.alltoall_sums[1] < _EVIDENCE_EXPIRED:  # expired: the prior's (scaled) price returns
             self.alltoall_sums = [0.0, 0.0]

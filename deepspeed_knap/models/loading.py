@@ -265,8 +265,8 @@ def _pipeline_names_second_transformer(pipeline: Path) -> bool:
 
 
 def plain_ds_config(ds_config: Any) -> dict:
-    """The DeepSpeed config (dict or JSON path) without the ``"knapformer"`` block, which
-    DeepSpeed's own config parsing does not know."""
+    """The DeepSpeed config (a dict, a JSON path or its base64 string) without the ``"knapformer"``
+    block, which DeepSpeed's own config parsing does not know."""
     from deepspeed_knap.runtime.config import KNAPFORMER, load_ds_config
 
     return {key: value for key, value in load_ds_config(ds_config).items() if key != KNAPFORMER}
@@ -598,8 +598,8 @@ class DiffusersCheckpoint:
             torch_dtype: cast to this dtype (default: the stored dtype; under ZeRO-3, DeepSpeed's), but the
                 modules diffusers keeps in float32 (:meth:`keep_in_fp32`), as its ``from_pretrained``
                 (under ZeRO-3 partitioned loading every parameter takes DeepSpeed's dtype).
-            ds_config: the DeepSpeed config (dict or JSON path) the model will train with. With it,
-                loading is collective (every rank calls it): ranks agree on the checkpoint's checks
+            ds_config: the DeepSpeed config (a dict, a JSON path or its base64 string) the model will
+                train with. With it, loading is collective (every rank calls it): ranks agree on the checkpoint's checks
                 and raise the same error, and under ZeRO-3 the model is built inside
                 ``deepspeed.zero.Init`` and each rank reads only the slices of the tensors it keeps,
                 so no rank ever holds the whole model. Rank 0 prints every rank's peak host memory.

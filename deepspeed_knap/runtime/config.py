@@ -459,9 +459,9 @@ class KnapFormerConfig(_KnapConfigModel):
 
 
 def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    """A DeepSpeed config given as a dict, a file path or a base64 string, as a dict, read as
-    ``DeepSpeedConfig`` reads it: a file is hjson (JSON, comments allowed), and a key given twice at
-    any depth is an error.
+    """A DeepSpeed config given as a dict, a file path or a base64 string of a JSON object, as a dict,
+    read as ``DeepSpeedConfig`` reads it: hjson (JSON, comments allowed), and in a file a key given
+    twice at any depth is an error.
 
     Raises:
         ValueError: the file is unreadable or not a JSON object, or repeats a key, naming the file
@@ -472,15 +472,18 @@ def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 
     if isinstance(config, Mapping):
         return dict(config)
-    if not Path(config).exists() and isinstance(config, str):  # DeepSpeed also takes the config in base64
+    if isinstance(config, str) and not os.path.exists(config):  # DeepSpeed also takes the config in base64
         try:
-            loaded = hjson.loads(base64.urlsafe_b64decode(config).decode("utf-8"),
-                                 object_pairs_hook=dict_raise_error_on_duplicate_keys)  # fmt: skip
-        except ValueError:  # not base64 of a config (binascii.Error, UnicodeDecodeError, hjson's): a path
-            pass
-        else:
-            if isinstance(loaded, dict):
-                return loaded
+            decoded = base64.urlsafe_b64decode(config).decode("utf-8")
+        except ValueError:  # not base64 (binascii.Error, UnicodeDecodeError): a path, reported below
+            decoded = ""
+        if decoded.lstrip().startswith("{"):
+            try:
+                loaded = hjson.loads(decoded)  # (as DeepSpeed: a base64 config's repeated key is its last)
+            except hjson.HjsonDecodeError as error:
+                raise ValueError(f"the DeepSpeed config given in base64 is not valid JSON: {error.msg} at line "
+                                 f"{error.lineno}, column {error.colno}") from None  # fmt: skip
+            return dict(loaded)
     try:
         with open(config) as file:
             loaded = hjson.load(file, object_pairs_hook=dict_raise_error_on_duplicate_keys)
@@ -500,7 +503,8 @@ def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 
 def read_ds_config(config: Any, distributed_port: int | None = None,
                    dist_init_required: bool | None = None) -> dict[str, Any]:  # fmt: skip
-    """The DeepSpeed config (a dict, or a JSON file every rank reads), once every rank has read it.
+    """The DeepSpeed config (a dict, a JSON file every rank reads, or its base64 string), once every
+    rank has read it.
 
     Collective: every rank first joins the process group, whatever its file says
     (``deepspeed.init_distributed``; with the ``"knapformer"`` block's ``timeout_s`` where

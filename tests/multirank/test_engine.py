@@ -298,10 +298,14 @@ def _arguments_worker(rank: int, world: int, config_path: str) -> dict:
     outcome["config_params"] = deepspeed_knap.initialize(None, *fresh(), config_params=config)[0].gradient_clipping()
     args = argparse.Namespace(deepscale_config=config_path, deepspeed_config=None)
     outcome["deepscale_config"] = deepspeed_knap.initialize(args, *fresh())[0].gradient_clipping()
-    try:
-        deepspeed_knap.initialize(None, *fresh(), config={**config, "knapformer": {"enabled": True}}, mpu=object())
-    except ValueError as error:
-        outcome["mpu"] = str(error)
+    balanced = {**config, "knapformer": {"enabled": True}}
+    refused = {"mpu": dict(config=balanced, mpu=object()), "twice": dict(config=config),
+               "mesh": dict(config={**balanced, "sequence_parallel_size": 1, "data_parallel_size": 1})}  # fmt: skip
+    for name, arguments in refused.items():
+        try:
+            deepspeed_knap.initialize(args if name == "twice" else None, *fresh(), **arguments)
+        except ValueError as error:
+            outcome[name] = str(error)
     return outcome
 
 
@@ -311,6 +315,12 @@ def test_initialize_takes_deepspeeds_arguments_and_refuses_an_mpu_with_balancing
     (tmp_path / "ds.json").write_text(json.dumps({**ds_config(0, {"enabled": False}), "gradient_clipping": 0.5}))
     (outcome,) = run_distributed(_arguments_worker, 1, args=(str(tmp_path / "ds.json"),), timeout=120)
     assert outcome.pop("mpu").startswith("deepspeed_knap.initialize got an mpu or mesh_param with balancing on")
+    assert outcome.pop("mesh").startswith("deepspeed_knap.initialize got a config with sequence_parallel_size and "
+                                          "data_parallel_size (DeepSpeed's mesh) with balancing on")  # fmt: skip
+    assert (
+        outcome.pop("twice")
+        == "the DeepSpeed config is given twice, as args.deepscale_config and as config=; give it once"
+    )
     assert outcome == {"positional": (True, 0.5), "config_params": 0.5, "deepscale_config": 0.5}
 
 

@@ -227,8 +227,10 @@ def test_bench_generate_reports_no_plan_time_for_a_mode_that_never_plans_as_stri
     --requests file that cannot be read is refused before the ranks start."""
     import json
 
-    from deepspeed_knap.bench.generate import format_report
+    from deepspeed_knap.bench.generate import _median_ms, format_report
     from deepspeed_knap.cli import main
+
+    assert _median_ms([]) is None and _median_ms([0.001, 0.003]) == pytest.approx(2.0)
 
     mode = {"images": 4, "wall_s": 2.0, "images_per_s": 2.0, "rank_wall_s": [2.0, 1.9], "rank_busy_s": [1.5, 1.0],
             "rank_cpu_s": [1.6, 1.1], "rank_images": [2, 2], "steps": 8, "solves": 0, "plan_ms": None,

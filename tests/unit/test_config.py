@@ -294,6 +294,13 @@ def test_a_config_file_reads_as_deepspeed_reads_it(tmp_path):
         load_ds_config(twice)
     encoded = base64.urlsafe_b64encode(b'{"train_batch_size": 8}').decode()
     assert load_ds_config(encoded) == DeepSpeedConfig(encoded)._param_dict == {"train_batch_size": 8}
+    # A config's base64 is longer than a file name may be (255 bytes): not a path that cannot be read.
+    config = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "bf16": {"enabled": True}, "knapformer": {"enabled": True, "topology": "auto", "log_interval": 10}}  # fmt: skip
+    encoded = base64.urlsafe_b64encode(json.dumps(config).encode()).decode()
+    assert len(encoded) > 255 and load_ds_config(encoded) == config
+    with pytest.raises(ValueError, match="the DeepSpeed config given in base64 is not valid JSON"):
+        load_ds_config(base64.urlsafe_b64encode(b'{"train_batch_size": 8,,}').decode())
 
 
 @pytest.mark.parametrize("key", ["tflops", "alltoall_gbps"])
