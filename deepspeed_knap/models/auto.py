@@ -43,6 +43,6 @@ def from_pretrained(path: str | Path, ds_config: Any = None, **kwargs: Any) -> A
     if ds_config is not None:  # read once, agreed by every rank (a file one rank cannot read is one error)
         ds_config = read_ds_config(ds_config)
     plain = None if ds_config is None else plain_ds_config(ds_config)
-    family = checked(plain, f"reading the model family of {path}", lambda: checkpoint_family(path),
+    family = checked(plain, "reading the checkpoint's model family", lambda: checkpoint_family(path),
                      "the checkpoint's model family")  # fmt: skip
     return model_class(family).from_pretrained(path, ds_config=ds_config, **kwargs)

@@ -208,9 +208,10 @@ def checked(ds_config: Mapping | None, what: str, fn: Callable[[], T], agree_on:
             view: Callable[[T], str] = str) -> T:  # fmt: skip
     """``fn()``; with a ``ds_config`` (a collective load), on every rank and agreed: any rank's
     error is raised on every rank (:func:`~deepspeed_knap.runtime.groups.raise_together`), so none is left
-    waiting for the others. With ``agree_on`` (its name in the error: the same on every rank, so no
-    per-node path), so is a result whose ``view`` differs between ranks (another copy of a folder on
-    another node), which would send the ranks down different code or build different parameters."""
+    waiting for the others. With ``agree_on`` (its name in the error), so is a result whose ``view``
+    differs between ranks (another copy of a folder on another node), which would send the ranks down
+    different code or build different parameters. ``what`` and ``agree_on`` must be the same on every
+    rank (no per-node path in them): every rank raises the same message."""
     if ds_config is None:
         return fn()
     import deepspeed
@@ -347,7 +348,7 @@ def load_checkpoint(
             raise CheckpointError(f"checkpoint {directory} does not fit {cls.__name__}:\n" + "\n".join(problems))
         return config, meta, files
 
-    config, meta, files = checked(plain, f"loading a {cls.__name__} checkpoint from {path}", prepare,
+    config, meta, files = checked(plain, f"loading a {cls.__name__} checkpoint", prepare,
                                   "the checkpoint's transformer config",
                                   lambda prepared: json.dumps(prepared[0], sort_keys=True, default=str))  # fmt: skip
     with HostMemory.measure() as host:

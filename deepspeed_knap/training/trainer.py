@@ -132,7 +132,7 @@ class Trainer:
         options = dict(gradient_checkpointing=a.gradient_checkpointing)
         plain = plain_ds_config(ds_config)
         if a.model_path:  # the family from config.json, agreed on by every rank
-            family = checked(plain, f"reading the model family of {a.model_path}",
+            family = checked(plain, "reading the checkpoint's model family",
                              lambda: checkpoint_family(a.model_path), "the model family of --model-path")  # fmt: skip
         else:
             family = a.family

@@ -49,12 +49,12 @@ def test_ranks_that_read_another_family_or_config_under_one_path_raise_together(
     assert first == second
     assert first["same"] == "loaded PackedFluxTransformer"
     assert first["family"].startswith(
-        "reading the model family of family: ranks see different settings, so they would act differently and the "
+        "reading the checkpoint's model family: ranks see different settings, so they would act differently and the "
         "job would hang: the checkpoint's model family (ranks [1] differ from rank 0): rank 0 sees 'flux', rank 1 "
         "sees 'flux2'"
     ), first["family"]
     assert first["config"].startswith(
-        "loading a PackedFluxTransformer checkpoint from config: ranks see different settings, so they would act "
-        "differently and the job would hang: the checkpoint's transformer config (ranks [1] differ from rank 0)"
+        "loading a PackedFluxTransformer checkpoint: ranks see different settings, so they would act differently "
+        "and the job would hang: the checkpoint's transformer config (ranks [1] differ from rank 0)"
     ), first["config"]
     assert '"num_layers": 3' in first["config"], first["config"]
