@@ -358,7 +358,10 @@ def load_checkpoint(
             read = _fill_partitions(model, files)
         else:
             model = meta
-            read = _assign_tensors(model, files, torch_dtype, cls.keep_in_fp32() if torch_dtype is not None else ())
+            # Kept as diffusers keeps them where it matters, below float32; a float64 model (the
+            # conformance tests) stays float64 throughout, exact whatever rows a batch groups.
+            narrower = torch_dtype is not None and torch_dtype.is_floating_point and torch.finfo(torch_dtype).bits < 32
+            read = _assign_tensors(model, files, torch_dtype, cls.keep_in_fp32() if narrower else ())
     report = LoadReport(
         model_bytes=sum(_numel(p) * p.element_size() for p in model.parameters()),
         kept_bytes=sum(_kept(p).numel() * p.element_size() for p in model.parameters()),
@@ -596,9 +599,10 @@ class DiffusersCheckpoint:
         them under ``transformer/``). Tensors are read lazily, shard by shard.
 
         Args:
-            torch_dtype: cast to this dtype (default: the stored dtype; under ZeRO-3, DeepSpeed's), but the
-                modules diffusers keeps in float32 (:meth:`keep_in_fp32`), as its ``from_pretrained``
-                (under ZeRO-3 partitioned loading every parameter takes DeepSpeed's dtype).
+            torch_dtype: cast to this dtype (default: the stored dtype; under ZeRO-3, DeepSpeed's), but, in
+                a dtype below float32, the modules diffusers keeps in float32 (:meth:`keep_in_fp32`), as
+                its ``from_pretrained`` (under ZeRO-3 partitioned loading every parameter takes
+                DeepSpeed's dtype).
             ds_config: the DeepSpeed config (a dict, a JSON path or its base64 string) the model will
                 train with. With it, loading is collective (every rank calls it): ranks agree on the checkpoint's checks
                 and raise the same error, and under ZeRO-3 the model is built inside

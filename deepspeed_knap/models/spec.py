@@ -78,7 +78,8 @@ class ModelSpec:
             (the tiny config is timed).
         video: the family generates video (clips of frames), not images.
         keep_in_fp32: the modules diffusers' model keeps in float32 when loaded in another dtype (its
-            ``_keep_in_fp32_modules``), which the packed model's ``from_pretrained`` keeps so too.
+            ``_keep_in_fp32_modules``), which the packed model's ``from_pretrained`` keeps so too in
+            a dtype below float32.
     """
 
     name: str
