@@ -490,6 +490,13 @@ def run(args: argparse.Namespace) -> int:
         build_topology(topology, args.ranks)  # a topology the ranks cannot form is refused before they start
     if args.flux_dims and args.family != "flux":
         raise ValueError("--flux-dims sets FLUX.1's width: it goes with --family flux")
+    heads = 24 if args.flux_dims else spec(args.family).tiny_config["num_attention_heads"]
+    fixed = {own for mode in modes if (own := mode.partition("@")[2])}
+    fixed |= {topology} if any(mode in ("knapformer", "refine") for mode in modes) else set()
+    for name in sorted(fixed - {"auto"}):  # Ulysses needs a head per GPU: refused in every rank otherwise
+        if (largest := max(build_topology(name, args.ranks).bag_sizes)) > heads:
+            raise ValueError(f"--topology {name}: bags of {largest} GPUs, but the model has {heads} attention heads "
+                             "(Ulysses needs one per GPU); give smaller bags, or --ranks of at most the heads")  # fmt: skip
     spec(args.family).hooks().check_arguments(TrainingArguments(None, family=args.family, expert=args.expert))
     cost_model = {"model": f"{args.family}-tiny"}
     if args.calibration:

@@ -176,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         "num_sequences": int(baseline.seq_lens.size),
         "num_tokens": int(baseline.seq_lens.sum()),
         "max_tokens_per_gpu": args.max_tokens_per_gpu,
+        "node_aligned": topology.node_aligned,
         "flexible_lower_bound": _flexible_bound(lengths, topology, cost_model, args.max_tokens_per_gpu, segments),
         "solvers": {name: _summary(plan, baseline, timings[name]) for name, plan in plans.items()},
     }
@@ -197,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
     flexible = "n/a (such groups cannot hold every sequence under the cap)" if flexible is None else f"{flexible:.4g} s"
     print(f"lower bound on the modeled step: {bound:.4g} s; with every sequence free to pick its "
           f"Ulysses degree (auto): {flexible}")  # fmt: skip
+    if not topology.node_aligned:
+        print(f"note: bags cross node boundaries (nodes of {topology.gpus_per_node} GPUs) here, priced at the inter-"
+              "node all-to-all; a training config with this topology is refused: use bags that divide the node, or "
+              "whole nodes")  # fmt: skip
     if args.max_tokens_per_gpu is not None and len(solvers) > 1:
         print(f"max_tokens_per_gpu={args.max_tokens_per_gpu} applies to refine; the baselines cannot honour it")
     header = f"{'solver':<11}{'step s':>9}{'imbalance':>11}{'vs bound':>10}{'speedup':>9}{'moved':>8}{'max tok/GPU':>13}{'solve ms':>10}"

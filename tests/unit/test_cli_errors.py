@@ -79,6 +79,8 @@ CASES = [
     (["bench", "step", "--head-dim", "3"], "argument --head-dim: 3: FLUX blocks rotate a head's channels in pairs"),
     (["doctor", "--head-dim", "3"], "argument --head-dim: 3: FLUX blocks rotate a head's channels in pairs"),
     (["bench", "flux", "--family", "flux2", "--head-dim", "18"], "--head-dim 18: FLUX.2 splits a head's channels"),
+    # Checked in every rank once they had started (the tiny FLUX.1 has 4 heads).
+    (["bench", "train", "--ranks", "8", "--modes", "off,knapformer"], "--topology g8n1: bags of 8 GPUs, but the model"),
     (
         ["bench", "planner", "--plot-dir", "/dev/null/plots"],
         "argument --plot-dir: /dev/null/plots: /dev/null is a file",
