@@ -70,9 +70,11 @@ def initialize(
     Takes the arguments of ``deepspeed.initialize``, in its order (the config as ``config=``, its
     alias ``config_params=``, or ``args.deepspeed_config``, or the deprecated
     ``args.deepscale_config``; ``distributed_port``, default ``MASTER_PORT`` or 29500, and
-    ``dist_init_required`` for joining the process group). ``mpu`` and ``mesh_param`` are refused
-    with the block enabled: the balancer routes over every rank of the world, and a model-parallel
-    group would average gradients over another. Every rank first joins the process group, whatever its config says,
+    ``dist_init_required`` for joining the process group). A model-parallel layout (``mpu``,
+    ``mesh_param``, the config's ``sequence_parallel_size`` with ``data_parallel_size`` or its
+    ``tensor_parallel.autotp_size``, a ``PipelineModule``) is refused with the block enabled: the
+    balancer routes over every rank of the world, and a model-parallel layout would average
+    gradients over another group. Every rank first joins the process group, whatever its config says,
     so that a config bad on one node cannot leave the others waiting in the rendezvous; then the
     config is read and the block validated on every rank, and the ranks agree in one collective: a
     config unreadable or a block invalid on any rank raises the same ``ValueError`` on every rank,

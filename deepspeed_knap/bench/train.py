@@ -493,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
     heads = 24 if args.flux_dims else spec(args.family).tiny_config["num_attention_heads"]
     fixed = {own for mode in modes if (own := mode.partition("@")[2])}
     fixed |= {topology} if any(mode in ("knapformer", "refine") for mode in modes) else set()
-    for name in sorted(fixed - {"auto"}):  # Ulysses needs a head per GPU: refused in every rank otherwise
+    for name in sorted(n for n in fixed if n.strip() != "auto"):  # a head per GPU: refused in every rank otherwise
         if (largest := max(build_topology(name, args.ranks).bag_sizes)) > heads:
             raise ValueError(f"--topology {name}: bags of {largest} GPUs, but the model has {heads} attention heads "
                              "(Ulysses needs one per GPU); give smaller bags, or --ranks of at most the heads")  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import stat
@@ -145,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.solver} does not run; use --solver refine (or all), or drop the cap")  # fmt: skip
     num_gpus = len(lengths) if lengths is not None else args.gpus
     topology = build_topology(args.topology, num_gpus if auto else None, args.gpus_per_node, args.max_degree)
+    # Training lays copies of a balance group back to back: a copy that starts mid-node can cross one.
+    node_aligned = topology.elastic or topology.gpus_per_node is None or build_topology(
+        args.topology, math.lcm(topology.group_size, topology.gpus_per_node), topology.gpus_per_node).node_aligned  # fmt: skip
     if lengths is not None:
         source = args.lengths
     else:
@@ -176,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         "num_sequences": int(baseline.seq_lens.size),
         "num_tokens": int(baseline.seq_lens.sum()),
         "max_tokens_per_gpu": args.max_tokens_per_gpu,
-        "node_aligned": topology.node_aligned,
+        "node_aligned": node_aligned,
         "flexible_lower_bound": _flexible_bound(lengths, topology, cost_model, args.max_tokens_per_gpu, segments),
         "solvers": {name: _summary(plan, baseline, timings[name]) for name, plan in plans.items()},
     }
@@ -198,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     flexible = "n/a (such groups cannot hold every sequence under the cap)" if flexible is None else f"{flexible:.4g} s"
     print(f"lower bound on the modeled step: {bound:.4g} s; with every sequence free to pick its "
           f"Ulysses degree (auto): {flexible}")  # fmt: skip
-    if not topology.node_aligned:
+    if not node_aligned:
         print(f"note: bags cross node boundaries (nodes of {topology.gpus_per_node} GPUs) here, priced at the inter-"
               "node all-to-all; a training config with this topology is refused: use bags that divide the node, or "
               "whole nodes")  # fmt: skip

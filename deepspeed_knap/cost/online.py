@@ -371,7 +371,7 @@ class OnlineCostModel:
         tokens, seconds = np.asarray(moved, dtype=np.float64), np.asarray(route_us, dtype=np.float64) / 1e6
         if len(tokens) != len(seconds):
             raise ValueError(f"route_us has {len(seconds)} entries and moved_tokens {len(tokens)}; give one per GPU")
-        pairs = np.flatnonzero((tokens > 0) & (seconds >= 0))
+        pairs = np.flatnonzero((tokens > 0) & (seconds > 0))  # (0 us for moved tokens is no measurement)
         if not len(pairs):
             return  # nothing moved, or no timer: through the origin, the step says nothing
         least = pairs[np.argmin(seconds[pairs] / tokens[pairs])]  # the first of equals: the same on every rank

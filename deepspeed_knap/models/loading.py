@@ -360,7 +360,8 @@ def load_checkpoint(
             model = meta
             # Kept as diffusers keeps them where it matters, below float32; a float64 model (the
             # conformance tests) stays float64 throughout, exact whatever rows a batch groups.
-            narrower = torch_dtype is not None and torch_dtype.is_floating_point and torch.finfo(torch_dtype).bits < 32
+            narrower = isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point and \
+                torch.finfo(torch_dtype).bits < 32  # fmt: skip
             read = _assign_tensors(model, files, torch_dtype, cls.keep_in_fp32() if narrower else ())
     report = LoadReport(
         model_bytes=sum(_numel(p) * p.element_size() for p in model.parameters()),

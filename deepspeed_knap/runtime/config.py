@@ -477,12 +477,14 @@ def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
             decoded = base64.urlsafe_b64decode(config).decode("utf-8")
         except ValueError:  # not base64 (binascii.Error, UnicodeDecodeError): a path, reported below
             decoded = ""
-        if decoded.lstrip().startswith("{"):
-            try:
-                loaded = hjson.loads(decoded)  # (as DeepSpeed: a base64 config's repeated key is its last)
-            except hjson.HjsonDecodeError as error:
-                raise ValueError(f"the DeepSpeed config given in base64 is not valid JSON: {error.msg} at line "
-                                 f"{error.lineno}, column {error.colno}") from None  # fmt: skip
+        try:
+            loaded = hjson.loads(decoded) if decoded.strip() else None  # (a base64 config's repeated key: its last)
+        except hjson.HjsonDecodeError as error:
+            if decoded.lstrip().startswith("{"):  # meant as a config: its error, not the missing file's
+                raise ValueError(f"the DeepSpeed config given in base64 (no file has that name) is not valid JSON: "
+                                 f"{error.msg} at line {error.lineno}, column {error.colno}") from None  # fmt: skip
+            loaded = None
+        if isinstance(loaded, Mapping):
             return dict(loaded)
     try:
         with open(config) as file:

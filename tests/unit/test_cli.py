@@ -88,10 +88,11 @@ def test_a_bag_only_it_can_hold_under_the_cap_is_planned_with_no_flexible_bound(
 
 def test_bags_that_cross_nodes_are_planned_with_a_note(capsys):
     """g6n2 over nodes of 4: a bag of 6 holds part of a node, which a training config refuses; plan
-    prices it and says so (it said nothing). Bags of whole nodes (g8n4 over nodes of 4) are aligned."""
-    code, out, _ = run_cli(capsys, "plan", "--topology", "g6n2", "--gpus-per-node", "4", "--gpus", "12",
-                           "--repeat", "1")  # fmt: skip
-    assert code == 0 and "note: bags cross node boundaries (nodes of 4 GPUs) here" in out
+    prices it and says so (it said nothing). So does g2n1+g1n1, aligned within one group of 3 but not
+    in the copies training lays back to back. Bags of whole nodes (g8n4 over nodes of 4) are aligned."""
+    for topology in ("g6n2", "g2n1+g1n1"):
+        code, out, _ = run_cli(capsys, "plan", "--topology", topology, "--gpus-per-node", "4", "--repeat", "1")
+        assert code == 0 and "note: bags cross node boundaries (nodes of 4 GPUs) here" in out, topology
     code, out, _ = run_cli(capsys, "plan", "--topology", "g8n4", "--gpus-per-node", "4", "--repeat", "1", "--json")
     assert code == 0 and json.loads(out)["node_aligned"] is True
 

@@ -299,8 +299,12 @@ def test_a_config_file_reads_as_deepspeed_reads_it(tmp_path):
               "bf16": {"enabled": True}, "knapformer": {"enabled": True, "topology": "auto", "log_interval": 10}}  # fmt: skip
     encoded = base64.urlsafe_b64encode(json.dumps(config).encode()).decode()
     assert len(encoded) > 255 and load_ds_config(encoded) == config
-    with pytest.raises(ValueError, match="the DeepSpeed config given in base64 is not valid JSON"):
+    with pytest.raises(
+        ValueError, match=r"the DeepSpeed config given in base64 \(no file has that name\) is not valid"
+    ):
         load_ds_config(base64.urlsafe_b64encode(b'{"train_batch_size": 8,,}').decode())
+    braceless = base64.urlsafe_b64encode(b"// hjson\ntrain_batch_size: 8").decode()  # hjson, as DeepSpeed reads it
+    assert load_ds_config(braceless) == DeepSpeedConfig(braceless)._param_dict == {"train_batch_size": 8}
 
 
 @pytest.mark.parametrize("key", ["tflops", "alltoall_gbps"])

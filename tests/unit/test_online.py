@@ -642,3 +642,17 @@ def test_observe_refuses_times_of_another_number_of_gpus():
     with pytest.raises(ValueError, match="the refit's 4 GPUs"):
         OnlineCostModel(prior, 4).observe(plan, [1000] * 8, [0] * 8)
     assert online.observed == 0 and not online.sums.any()
+
+
+def test_a_zero_exchange_time_is_no_measurement():
+    """The all-to-all price is the least waiting GPU's rate: a GPU with Ulysses traffic timed at 0 us
+    made the exchange free; it is left out, and the other GPU's 5e-6 s a unit is the price."""
+    prior = CostModel(1e-5, 1e-9, 1e-7)
+    online = OnlineCostModel(prior, 2, OnlineSettings(warmup_steps=1))
+    plan = plan_routing([[3000], [3000]], build_topology("g2n1"), prior, "knapformer")
+    exchange = plan_terms(plan, prior)[2]
+    assert (exchange > 0).all()
+    for _ in range(3):
+        online.observe(plan, [round(1e6 * float(load)) for load in plan.gpu_loads],
+                       [0, round(5e-6 * float(exchange[1]) * 1e6)])  # fmt: skip
+    assert online.model().alltoall_coef == pytest.approx(5e-6, rel=1e-3)
