@@ -473,12 +473,13 @@ def run(args: argparse.Namespace) -> int:
     if unknown or "off" not in modes or len(set(modes)) < len(modes):
         raise ValueError(f"--modes {args.modes!r}: choose among {', '.join(MODES)}, each once, including off (the "
                          "baseline); knapformer and refine may name a topology, e.g. knapformer@g1n2")  # fmt: skip
+    built = {}  # the topologies of the modes that have one, by name: refused before the ranks start
     for mode in modes:
         solver, _, own_topology = mode.partition("@")
         if own_topology and solver not in ("knapformer", "refine"):
             raise ValueError(f"--modes: {mode!r}: only knapformer and refine run on a topology of their own")
         if own_topology:
-            build_topology(own_topology, args.ranks)  # refused before the ranks start
+            built[own_topology] = build_topology(own_topology, args.ranks)
     if args.ranks < 1 or args.steps < 2 or args.token_scale <= 0:
         raise ValueError(f"need --ranks >= 1, --steps >= 2, --token-scale > 0; got {args.ranks}, {args.steps}, "
                          f"{args.token_scale}")  # fmt: skip
@@ -487,14 +488,12 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.ranks}, on CPU ranks (it sleeps on the host)")  # fmt: skip
     topology = args.topology or f"g{args.ranks}n1"
     if any(mode in ("knapformer", "refine") for mode in modes):  # the modes without a topology of their own
-        build_topology(topology, args.ranks)  # a topology the ranks cannot form is refused before they start
+        built[topology] = build_topology(topology, args.ranks)  # one the ranks cannot form is refused now
     if args.flux_dims and args.family != "flux":
         raise ValueError("--flux-dims sets FLUX.1's width: it goes with --family flux")
     heads = 24 if args.flux_dims else spec(args.family).tiny_config["num_attention_heads"]
-    fixed = {own for mode in modes if (own := mode.partition("@")[2])}
-    fixed |= {topology} if any(mode in ("knapformer", "refine") for mode in modes) else set()
-    for name in sorted(n for n in fixed if n.strip() != "auto"):  # a head per GPU: refused in every rank otherwise
-        if (largest := max(build_topology(name, args.ranks).bag_sizes)) > heads:
+    for name, built_topology in sorted(built.items()):  # a head per GPU: refused in every rank otherwise
+        if not built_topology.elastic and (largest := max(built_topology.bag_sizes)) > heads:
             raise ValueError(f"--topology {name}: bags of {largest} GPUs, but the model has {heads} attention heads "
                              "(Ulysses needs one per GPU); give smaller bags, or --ranks of at most the heads")  # fmt: skip
     spec(args.family).hooks().check_arguments(TrainingArguments(None, family=args.family, expert=args.expert))
