@@ -375,11 +375,16 @@ def load_checkpoint(
     return model, report
 
 
+def _in_modules(name: str, modules: tuple[str, ...]) -> bool:
+    """Whether the parameter ``name`` (diffusers' dotted name) lies in a module named in ``modules``
+    (a component of the name, as diffusers matches ``_keep_in_fp32_modules``)."""
+    return not set(name.split(".")).isdisjoint(modules)
+
+
 def compute_dtype(model: nn.Module, keep_in_fp32: tuple[str, ...]) -> torch.dtype:
-    """The dtype of ``model``'s first parameter outside the modules named in ``keep_in_fp32`` (a
-    component of its name), or of its first parameter if all are in them."""
-    kept = set(keep_in_fp32)
-    found = next((p for name, p in model.named_parameters() if kept.isdisjoint(name.split("."))), None)
+    """The dtype of ``model``'s first parameter outside the modules named in ``keep_in_fp32``, or of
+    its first parameter if all are in them."""
+    found = next((p for name, p in model.named_parameters() if not _in_modules(name, keep_in_fp32)), None)
     return (found if found is not None else next(model.parameters())).dtype
 
 
@@ -394,8 +399,8 @@ def _kept(param: Tensor) -> Tensor:
 def _assign_tensors(model: nn.Module, files: Mapping[str, Path], dtype: torch.dtype | None,
                     keep_in_fp32: tuple[str, ...] = ()) -> int:  # fmt: skip
     """Read every tensor, shard by shard, into the meta-built ``model``, floating ones cast to
-    ``dtype`` but those of modules named in ``keep_in_fp32`` (a component of the tensor's name), which
-    are float32, as diffusers' ``from_pretrained`` loads them; returns bytes read."""
+    ``dtype`` but those of modules named in ``keep_in_fp32`` (:func:`_in_modules`), which are
+    float32, as diffusers' ``from_pretrained`` loads them; returns bytes read."""
     from safetensors import safe_open
 
     read = 0
@@ -406,8 +411,7 @@ def _assign_tensors(model: nn.Module, files: Mapping[str, Path], dtype: torch.dt
                 tensor = handle.get_tensor(name)
                 read += tensor.numel() * tensor.element_size()
                 if dtype is not None and tensor.is_floating_point():
-                    kept = not set(name.split(".")).isdisjoint(keep_in_fp32)
-                    tensor = tensor.to(torch.float32 if kept else dtype)
+                    tensor = tensor.to(torch.float32 if _in_modules(name, keep_in_fp32) else dtype)
                 tensors[name] = tensor
         model.load_state_dict(tensors, strict=False, assign=True)
     return read
@@ -555,7 +559,7 @@ class DiffusersCheckpoint:
         """The modules diffusers' model of this family keeps in float32 when it is loaded in another
         dtype (the spec's ``keep_in_fp32``, diffusers' ``_keep_in_fp32_modules``: Wan's modulation
         tables, time embedder and norms, FLUX.3's q/k norms); :meth:`from_pretrained` with a
-        ``torch_dtype`` keeps them so too."""
+        ``torch_dtype`` below float32 keeps them so too."""
         return cls.spec.keep_in_fp32
 
     @classmethod
@@ -600,13 +604,13 @@ class DiffusersCheckpoint:
         them under ``transformer/``). Tensors are read lazily, shard by shard.
 
         Args:
-            torch_dtype: cast to this dtype (default: the stored dtype; under ZeRO-3, DeepSpeed's), but, in
-                a dtype below float32, the modules diffusers keeps in float32 (:meth:`keep_in_fp32`), as
-                its ``from_pretrained`` (under ZeRO-3 partitioned loading every parameter takes
-                DeepSpeed's dtype).
+            torch_dtype: cast to this dtype (default: the stored dtype; under ZeRO-3, DeepSpeed's),
+                but, in a dtype below float32, the modules diffusers keeps in float32
+                (:meth:`keep_in_fp32`), as its ``from_pretrained`` (under ZeRO-3 partitioned loading
+                every parameter takes DeepSpeed's dtype).
             ds_config: the DeepSpeed config (a dict, a JSON path or its base64 string) the model will
-                train with. With it, loading is collective (every rank calls it): ranks agree on the checkpoint's checks
-                and raise the same error, and under ZeRO-3 the model is built inside
+                train with. With it, loading is collective (every rank calls it): ranks agree on the
+                checkpoint's checks and raise the same error, and under ZeRO-3 the model is built inside
                 ``deepspeed.zero.Init`` and each rank reads only the slices of the tensors it keeps,
                 so no rank ever holds the whole model. Rank 0 prints every rank's peak host memory.
             kwargs: :data:`EXTRA_ARGS`.
