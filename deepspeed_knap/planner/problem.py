@@ -399,8 +399,8 @@ class Problem:
         every GPU, with the GPUs' overheads (moving tokens costs more, never less: left out)."""
         if not self.seq_lens.size:
             return 0.0
-        speed = np.ones(self.num_gpus) if self.cost_model.gpu_speed is None else np.asarray(self.cost_model.gpu_speed)
-        home = self.cost_model.per_gpu_time(self.seq_lens, 1, speed[self.src], self.segment_squares)  # [N]
+        home_speed = self.cost_model.group_speeds(self.src, np.ones_like(self.src), self.num_gpus)  # alone at home
+        home = self.cost_model.per_gpu_time(self.seq_lens, 1, home_speed, self.segment_squares)  # [N]
         in_bags = np.where(self.allowed, self.cost, np.iinfo(np.int64).max)  # quantised down: at most the truth
         piece = np.minimum(home, in_bags.min(axis=1) * self.seconds_per_unit)
         bag_gpu_s = np.where(self.allowed, self.gpu_seconds, np.iinfo(np.int64).max).min(axis=1) * self.seconds_per_unit
