@@ -143,9 +143,8 @@ class SourcePixels:
         source_size: ``(height, width)`` as decoded (turned upright).
         fps: the frame rate of ``pixels`` (``None``: an image, or a stream that gives none).
         notes: what was done to it, for the summary: ``"rotated"`` (turned upright), ``"fps"``
-            (subsampled), ``"frames"`` (4k+1 rule
-            or ``max_frames``), ``"scaled"`` (``max_area``), ``"cropped"`` (to the multiple), each a
-            short description.
+            (subsampled), ``"frames"`` (4k+1 rule or ``max_frames``), ``"scaled"`` (``max_area``),
+            ``"cropped"`` (to the multiple), each a short description.
     """
 
     pixels: Tensor
@@ -193,12 +192,12 @@ def _decode_video(
                     if time + 1e-6 < next_time:
                         continue  # dropped to reach ``fps``: the next kept frame is the first at or after next_time
                     next_time += step * (math.floor((time + 1e-6 - next_time) / step) + 1)
-                # The angle the display matrix turns the frame counterclockwise (0 without one).
-                if frame.rotation % 90:
-                    raise Refused("unreadable", f"unreadable: its display matrix turns it {frame.rotation} degrees; "
-                                  "only quarter turns are undone: turn the clip upright with ffmpeg first")  # fmt: skip
-                turns.add(frame.rotation // 90 % 4)
-                frames.append(np.rot90(frame.to_ndarray(format="rgb24"), frame.rotation // 90))
+                rotation = frame.rotation  # degrees the display matrix turns the frame counterclockwise (0: none)
+                if rotation % 90:
+                    raise Refused("unreadable", f"unreadable: its display matrix turns it {rotation} degrees; only "
+                                  "quarter turns are undone: turn the clip upright with ffmpeg first")  # fmt: skip
+                turns.add(rotation // 90 % 4)
+                frames.append(np.rot90(frame.to_ndarray(format="rgb24"), rotation // 90))
                 if read_limit is not None and len(frames) >= read_limit:
                     break
         except av.FFmpegError as error:
