@@ -251,7 +251,7 @@ class Trainer:
         except ValueError as error:
             raise TrainingError(f"--resume {a.resume}: {error}") from None
         self.start_step, self.position = step, position
-        listed, now = client_state.get("data_files"), self.data.listing if a.data_dir else None
+        listed, now = client_state.get("data_files"), self._data_files()
         if self.rank == 0 and None not in (listed, now) and listed != now:  # (the listing is agreed at start-up)
             print(f"note: --resume: checkpoint {choice.tag} was trained on {listed} and {a.data_dir} holds {now}: the "
                   "data position goes on from where it was, over the files as they are now (this epoch may read "
@@ -285,6 +285,11 @@ class Trainer:
         ``{"shuffle_seed": seed}`` (``None``: name order); ``None`` for synthetic data."""
         a = self.arguments
         return {"shuffle_seed": a.seed if a.shuffle_data else None} if a.data_dir else None
+
+    def _data_files(self) -> str | None:
+        """This run's prepared files as a checkpoint records them (:attr:`LatentDirectory.listing`);
+        ``None`` for synthetic data."""
+        return self.data.listing if self.arguments.data_dir else None
 
     def _lora_alpha(self) -> float | None:
         """The LoRA alpha the model's adapters have (``None``: no LoRA)."""
@@ -458,7 +463,7 @@ class Trainer:
             "lora_alpha": self._lora_alpha(),
             "expert": self.hooks.expert,
             "data_order": self._data_order(),
-            "data_files": self.data.listing if self.arguments.data_dir else None,
+            "data_files": self._data_files(),
         }
         problem = None
         try:  # (DeepSpeed's rank 0 makes the folder before its first barrier: made here on every rank)

@@ -334,6 +334,7 @@ def test_a_resume_over_changed_files_goes_on_with_a_note(monkeypatch, tmp_path, 
                               data=latent_directory(tmp_path / "data"), raise_together=lambda problem: None,
                               _lora_alpha=lambda: None)  # fmt: skip
         run._data_order = lambda: Trainer._data_order(run)
+        run._data_files = lambda: Trainer._data_files(run)
         run._saved_run_problem = lambda recorded, tag: Trainer._saved_run_problem(run, recorded, tag)
         Trainer._resume(run)
         assert (run.start_step, run.position) == (2, 4)

@@ -293,7 +293,8 @@ def test_resuming_one_expert_from_the_others_checkpoint_is_refused(monkeypatch, 
     def resume(expert):
         run = SimpleNamespace(arguments=SimpleNamespace(resume=str(tmp_path), data_dir=None), rank=1, engine=None,
                               hooks=SimpleNamespace(expert=expert), raise_together=raise_alone,
-                              _lora_alpha=lambda: None, _data_order=lambda: None)  # fmt: skip
+                              _lora_alpha=lambda: None, _data_order=lambda: None,
+                              _data_files=lambda: None)  # fmt: skip
         run._saved_run_problem = lambda recorded, tag: Trainer._saved_run_problem(run, recorded, tag)
         Trainer._resume(run)
         return run
