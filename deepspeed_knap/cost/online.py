@@ -36,9 +36,18 @@ the measured degrees of freedom together. Measured alone, the scatter of the fir
 so uncertain (2 GPUs of two steps each: about 2 degrees of freedom, 6.75 standard errors at 3's
 tail) that a 2x slower rank on 2 GPUs at 10% noise was called after two measured steps in 8 of 20
 seeds; with the prior in 15, and equal GPUs no more often (none of 1,600 decisions at 5% or 10%
-noise either way; at 20%, twice the prior's, 4 against none). No speed is called or dropped on
+noise either way; at 20%, twice the prior's, 2 against none). No speed is called or dropped on
 less than one measured degree of freedom (one step per GPU): the prior alone is no evidence, and
-the speeds stay as they were (the start-up calibration's at the first refit). Likewise the overhead
+the speeds stay as they were (the start-up calibration's at the first refit). A speed is called
+only where the planned coefficients and a fit of the same ratio of ``a`` to ``b`` with an overhead
+fitted free (``h + k (a X + b Y)``, both ``>= 0``, its one more parameter taken from the scatter's
+degrees of freedom) both show it. The planned overhead is the prior's until its test shows another
+(below), and a misfit the same for one rank step after step is bias, not scatter: where one rank
+always held the long sequences and the other the short ones (every sequence home, 5% noise), a
+prior with half of a true 20 ms overhead had equal GPUs called unequal in 200 of 300 refits, the
+short rank at 0.84-0.91; with the free overhead's test, in none, and a 2x slower rank holding the
+long ones is still called in 282 of 300 (290 before). Plans that give every rank a mix of sizes,
+as balanced ones do, cannot hide a speed in an overhead, and call as before. Likewise the overhead
 is fitted only when it exceeds ``OVERHEAD_EVIDENCE`` (5)
 standard errors in the full model, else ``a, b`` are fitted without it: balanced plans give every GPU
 about the same work step after step, so the data cannot tell a fixed cost from per-token work, and
@@ -434,10 +443,14 @@ class OnlineCostModel:
             return
         speeds = list(self.speeds)
         for _ in range(_ALTERNATIONS):
-            coef = self._fit_coefficients(busy, speeds)
-            if coef is None:
+            fits = self._fit_coefficients(busy, speeds)
+            if fits is None:
                 return  # the measurements say nothing usable yet: keep the current model
-            fitted, speeds = speeds, self._fit_speeds(busy, coef)
+            coef, overhead_free = fits
+            # A speed is called only where the fit with a free overhead shows it too (module docstring).
+            shown = self._fit_speeds(busy, overhead_free, 1 + (overhead_free[0] > 0))
+            fitted, speeds = speeds, [v if u != 1.0 else 1.0 for v, u in zip(self._fit_speeds(busy, coef), shown,
+                                                                             strict=True)]  # fmt: skip
             if speeds == fitted:  # a fixed point (equal ranks: every refit): the rest would repeat it
                 break
         self.speeds = speeds
@@ -463,8 +476,11 @@ class OnlineCostModel:
         priced = _ordered_sum(prior.linear_coef * x + prior.quadratic_coef * y)
         return fitted / priced if priced > 0 else 1.0
 
-    def _fit_coefficients(self, busy: np.ndarray, speeds: list[float]) -> list[float] | None:
-        """``[overhead, a, b]`` for ``measured * speed - e*W = overhead + a*X + b*Y``, from the running sums."""
+    def _fit_coefficients(self, busy: np.ndarray, speeds: list[float]) -> tuple[list[float], list[float]] | None:
+        """``[overhead, a, b]`` for ``measured * speed - e*W = overhead + a*X + b*Y``, from the running
+        sums, twice: as planned (an overhead and a shape of their own only where shown), and with the
+        planned ratio of ``a`` to ``b`` and an overhead fitted free (``>= 0``, untested); ``None`` where
+        the measurements price no work."""
         e = self.prior.sequence_coef
         sums = self._sums_of(busy)
         v = np.asarray(speeds, dtype=np.float64)[busy]
@@ -480,7 +496,14 @@ class OnlineCostModel:
             coef = _overhead_if_shown(gram, rhs, tt, w, ww)
         if coef[1] > 0 or coef[2] > 0:
             coef = self._prior_shape_unless_shown(gram, rhs, tt, coef, w, ww)
-        return coef if coef[1] > 0 or coef[2] > 0 else None
+        if coef[1] <= 0 and coef[2] <= 0:
+            return None
+        # h + k P, P = a X + b Y the planned per-token seconds: the normal equations in the columns (1, P).
+        a, b = coef[1], coef[2]
+        work = a * x + b * y
+        h, k = nonnegative_normal_equations([[w, work], [work, a * a * xx + 2 * a * b * xy + b * b * yy]],
+                                            [t, a * tx + b * ty], tt)  # fmt: skip
+        return coef, ([h, k * a, k * b] if k > 0 else coef)
 
     def _prior_shape_unless_shown(self, gram: list[list[float]], rhs: list[float], target_norm: float,
                                   coef: list[float], weight: float, squared_weight: float) -> list[float]:  # fmt: skip
@@ -535,9 +558,10 @@ class OnlineCostModel:
         # k <= 0 only if measured time falls as work rises: the free fit then says more than the prior.
         return [h + k * o0, k * a0, k * b0] if k > 0 else coef
 
-    def _fit_speeds(self, busy: np.ndarray, coef: list[float]) -> list[float]:
-        """Each rank's predicted over measured seconds, relative to the median rank's where the
-        measurements tell them apart (:data:`EVIDENCE`; 1 where they do not), bounded, on a grid."""
+    def _fit_speeds(self, busy: np.ndarray, coef: list[float], fitted: int = 1) -> list[float]:
+        """Each rank's predicted over measured seconds under ``coef``, relative to the median rank's
+        where the measurements tell them apart (:data:`EVIDENCE`; 1 where they do not), bounded, on a
+        grid. ``fitted``: the parameters ``coef`` was fitted with beside the speeds (1: one scale)."""
         known = busy[self.sums[_ROWS.index("t"), busy] > 0]  # GPUs with a measured step
         speed, scatter, steps = self._speed_fits(known, coef)
         # The relative scatter per step, pooled over the GPUs and weighed with the prior's (a rank's
@@ -546,7 +570,8 @@ class OnlineCostModel:
         measured_dof = _ordered_sum(steps - 1)
         if measured_dof < 1:  # one step each (or all but expired): the prior's scatter alone is no evidence
             return list(self.speeds)  # the start-up calibration's, or the last refit's
-        dof = PRIOR_SCATTER_DOF + measured_dof
+        # Parameters beyond one common scale were fitted to the same steps: their freedom is not scatter.
+        dof = PRIOR_SCATTER_DOF + max(measured_dof - (fitted - 1), 0.0)
         pooled = (PRIOR_SCATTER * PRIOR_SCATTER_DOF + _ordered_sum(scatter * (steps - 1))) / dof
         middle = np.lexsort((steps, scatter, speed))[len(known) // 2]  # the median of the sorted fits
         median, median_scatter, median_steps = speed[middle], scatter[middle], steps[middle]
