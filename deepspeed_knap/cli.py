@@ -60,8 +60,9 @@ def _add_command(commands, name: str, module_name: str, wanted: str | None) -> N
         commands.add_parser(name, help=SUMMARIES[full], add_help=False)  # listed in the help, not imported
         return
     module = importlib.import_module(module_name)
-    parser = commands.add_parser(name, help=SUMMARIES[full], description=module.__doc__,
-                                 formatter_class=getattr(module, "FORMATTER", argparse.RawDescriptionHelpFormatter))  # fmt: skip
+    from deepspeed_knap.options import DefaultsHelp  # (a command's imports: not for the list of commands)
+
+    parser = commands.add_parser(name, help=SUMMARIES[full], description=module.__doc__, formatter_class=DefaultsHelp)
     module.add_arguments(parser)
     parser.set_defaults(func=module.run)
 

@@ -11,11 +11,13 @@ from deepspeed_knap.models.registry import MIXES, SPECS, family_names
 from deepspeed_knap.planner.topology import MAX_GPUS
 
 
-class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default unless it has none."""
+class DefaultsHelp(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every command's help: its description as written (examples, lists), and each option's default
+    unless it has none or is a flag."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        return action.help if action.default is None else super()._get_help_string(action)
+        plain = action.default is None or action.nargs == 0
+        return action.help if plain else super()._get_help_string(action)
 
 
 class _DeprecatedSpelling(argparse.Action):

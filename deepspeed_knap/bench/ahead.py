@@ -41,7 +41,6 @@ from deepspeed_knap.planner.worker import PlanWorker
 GPUS_PER_NODE = 8
 
 HELP = "how long a step waits for its plan: solved in the step or ahead"
-FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def bench_ahead(mixes: Sequence[str], gpu_counts: Sequence[int], steps: int, workers: int = 1,

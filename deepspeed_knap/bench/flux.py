@@ -39,7 +39,6 @@ from deepspeed_knap.runtime.attention import BACKENDS, VarlenAttention
 from deepspeed_knap.runtime.timing import backward_seconds
 
 HELP = "packed FLUX against diffusers sample by sample: time and memory"
-FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def saved_activation_bytes(run: Callable[[], Tensor], model: nn.Module) -> int:

@@ -55,7 +55,6 @@ from deepspeed_knap.runtime.shm_buffers import remove_job_buffers
 MODES = ("balanced", "decode-at-home", "no-reuse", "unbalanced", "pipeline")
 BALANCED = ("balanced", "decode-at-home", "no-reuse")
 HELP = "measured generation on local ranks: balanced, unbalanced, one pipeline call per request"
-FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def imbalanced_requests(count: int, large: int, small: int, steps: tuple[int, int],

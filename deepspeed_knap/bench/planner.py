@@ -54,7 +54,6 @@ GPUS_PER_NODE = 8
 SHORT = {"none": "none", "knapformer": "kf", "refine": "refine"}
 
 HELP = "plan quality and solve time over mixes, topologies, GPU counts"
-FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def suite_topologies(num_gpus: int) -> list[str]:

@@ -119,7 +119,6 @@ class RouteBytes:
 
 
 HELP = "bytes moved by routing and Ulysses, before and after routing less"
-FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def moved_tokens(plan: RoutingPlan, text_lens: np.ndarray) -> tuple[int, int, int]:

@@ -53,7 +53,6 @@ from deepspeed_knap.plots import write_report
 from deepspeed_knap.runtime.emulation import emulated_rank_batch
 
 HELP = "measured step time of emulated ranks, balanced against not"
-FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def scaled_lengths(mix: str, num_gpus: int, seed: int, token_scale: float) -> tuple[list[list[int]], np.ndarray]:

@@ -83,7 +83,6 @@ MODES = ("off", "knapformer", "refine", "auto")
 PHASES = ("gather", "refit", "solve", "agree", "route", "ulysses", "compute", "reverse_route")
 
 HELP = "measured training steps on local ranks: off, knapformer, refine, auto"
-FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def parse_slow_rank(text: str) -> tuple[int, float]:

@@ -23,7 +23,6 @@ from deepspeed_knap.options import (
 from deepspeed_knap.runtime.timing import check_fits_memory
 
 HELP = "fit the cost model to timed blocks on this device"
-FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 # Timed runs per length (and per degree): each repeats every timing.
 MAX_REPEATS = 100
 

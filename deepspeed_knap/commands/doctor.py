@@ -57,7 +57,6 @@ from deepspeed_knap.runtime.attention import BACKENDS, VarlenAttention, VarlenSe
 from deepspeed_knap.runtime.config import KnapCostModelConfig
 
 HELP = "versions, attention kernels, a kernel check and a calibration here"
-FORMATTER = argparse.RawDescriptionHelpFormatter
 
 KERNELS = tuple(backend for backend in BACKENDS if backend != "auto")
 # Largest relative error (to the largest reference value) a kernel may show against float64.

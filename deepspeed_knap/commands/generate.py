@@ -36,10 +36,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from deepspeed_knap.options import DefaultsHelp, add_family_argument, positive_int
+from deepspeed_knap.options import add_family_argument, positive_int
 
 HELP = "images for a JSONL file of requests, balanced across the ranks"
-FORMATTER = DefaultsHelp
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 # Training's knapformer.timeout_s, its default and its range (runtime/config.py: 1 s to a day).
 DEFAULT_TIMEOUT_S = 300.0

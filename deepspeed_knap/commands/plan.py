@@ -18,7 +18,6 @@ import sys
 from deepspeed_knap.cost.model import DEFAULT_ALLTOALL_GBPS, DEFAULT_TFLOPS
 from deepspeed_knap.models.registry import PRESETS, SPECS, default_cost_model, sample_mix, sample_segments
 from deepspeed_knap.options import (
-    DefaultsHelp,
     add_mix_argument,
     gpu_count,
     int_at_least,
@@ -32,7 +31,6 @@ from deepspeed_knap.planner.solve import timed_plan
 from deepspeed_knap.planner.topology import AUTO, MAX_GPUS, build_topology
 
 HELP = "solve one step and compare solvers"
-FORMATTER = DefaultsHelp
 
 # The most sequences `plan` solves in a step: the slowest case measured at it (2-core CPU; topology
 # auto, refine, per solve; --repeat solves each solver that many times) is all 65,536 on 2 GPUs, 23 s;

@@ -1,5 +1,6 @@
 """``deepspeed-knap plan`` end to end: table, JSON, plot, lengths file, errors."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -145,6 +146,28 @@ def test_plan_help_describes_plan_only_and_each_default_once():
     options = text[text.index("options:") :]
     solver_help = options[options.index("--solver") : options.index("--model")]
     assert solver_help.count("default") == 1
+
+
+def test_every_command_help_shows_its_defaults_and_keeps_its_examples():
+    """Every command's and benchmark's help names each option's default (the benchmarks' and
+    doctor's named none) but a flag's, and keeps its description's lines as written (generate's
+    examples ran together into one paragraph)."""
+    from deepspeed_knap.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    benches = commands.pop("bench")._subparsers._group_actions[0].choices
+    parsers = commands | {f"bench {name}": parser for name, parser in benches.items()}
+    assert len(parsers) == 11
+    for name, parser in parsers.items():
+        shown = [action for action in parser._actions if action.option_strings and action.help
+                 and action.default not in (None, argparse.SUPPRESS) and action.nargs != 0]  # fmt: skip
+        formatter = parser._get_formatter()
+        assert shown and all("%(default)" in formatter._get_help_string(action) for action in shown), name
+        assert not any("%(default)" in formatter._get_help_string(action) for action in parser._actions
+                       if action.nargs == 0), name  # fmt: skip
+    generate = parsers["generate"].format_help()
+    assert "\n    deepspeed-knap generate --requests prompts.jsonl --tiny --out images/" in generate
+    assert "(default: False)" not in generate
 
 
 def test_console_entry_point_runs_as_a_module():
