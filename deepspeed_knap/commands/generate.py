@@ -176,7 +176,10 @@ def run(args: argparse.Namespace) -> int:
     except GenerationError as error:  # the same error on every rank
         _report_fatal([["generating", str(error)]], rank)
         if rank == 0:
-            print(f"what was done is kept: the outputs in {out}, their timings in {out}/timings.rank*.jsonl")
+            print(
+                f"what was done is kept: the outputs in {out}, their timings in {out}/timings.rank*.jsonl",
+                file=sys.stderr,
+            )
         return 1
     # Outputs not written: by write_output (a file system error), or by the loop (a decode, or any
     # other error handing the output over).
@@ -194,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as error:
             written = False
             print(f"deepspeed-knap generate: error: cannot write {out / 'timings.json'}: {error}; the timings are "
-                  f"in {out}/timings.rank*.jsonl")  # fmt: skip
+                  f"in {out}/timings.rank*.jsonl", file=sys.stderr)  # fmt: skip
     try:
         with watching("the final report"):
             written = all_gather_json(written)[0]
@@ -335,7 +338,7 @@ def _report_fatal(problems: list[list[str] | None], rank: int) -> bool:
     if found and rank == 0:
         for (what, message), ranks in found.items():
             where = "" if len(problems) == 1 else f" (rank(s) {ranks})"
-            print(f"deepspeed-knap generate: error {what}{where}: {message}")
+            print(f"deepspeed-knap generate: error {what}{where}: {message}", file=sys.stderr)
     return bool(found)
 
 
@@ -347,7 +350,7 @@ def _report_missing(error: Exception, rank: int, journal: _Journal | None = None
         if journal is None or not journal.path.exists()
         else f"; its finished requests' timings are in {journal.path}"
     )
-    print(f"deepspeed-knap generate: error on rank {rank}: {error}{kept}")
+    print(f"deepspeed-knap generate: error on rank {rank}: {error}{kept}", file=sys.stderr)
     return 1
 
 

@@ -439,7 +439,7 @@ def _stopped_rank_generate(rank: int, world: int, requests: str, out: str, signa
 
     command._load = load_and_stop_in_decode
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    with contextlib.redirect_stderr(printed):
         # --decode-at-home: rank 1 decodes its own request (placed, a lone decode goes to the
         # rank least busy so far, which timing decides).
         code = main(["generate", "--requests", requests, "--tiny", "--out", out, "--no-progress",

@@ -998,7 +998,7 @@ def test_generate_command_takes_family_with_tiny_only(tmp_path, capsys):
     code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--model-path", str(tmp_path),
                  "--family", "flux2", "--out", str(tmp_path / "out")])  # fmt: skip
     assert code == 1
-    assert "--family flux2 picks the --tiny model's family" in capsys.readouterr().out
+    assert "--family flux2 picks the --tiny model's family" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -1009,7 +1009,7 @@ def test_generate_command_refuses_a_missing_model_path(tmp_path, capsys):
     code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--model-path", str(tmp_path / "none"),
                  "--out", str(tmp_path / "out")])  # fmt: skip
     assert code == 1
-    assert "no model_index.json there" in capsys.readouterr().out
+    assert "no model_index.json there" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before any work
 
 
@@ -1025,10 +1025,10 @@ def test_generate_command_stops_every_rank_on_any_load_error_and_an_out_it_canno
 
     monkeypatch.setattr(command, "_load", broken)
     assert main([*args, "--out", str(tmp_path / "out")]) == 1
-    assert "cannot load the --tiny model: ImportError: no module named 'damaged'" in capsys.readouterr().out
+    assert "cannot load the --tiny model: ImportError: no module named 'damaged'" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
     assert main([*args, "--out", str(tmp_path / "file" / "out")]) == 1
-    assert "cannot make --out" in capsys.readouterr().out
+    assert "cannot make --out" in capsys.readouterr().err
 
 
 def test_generate_command_goes_on_past_an_image_it_cannot_write(tmp_path, capsys, monkeypatch):
@@ -1344,14 +1344,16 @@ def test_generate_command_refuses_an_out_it_cannot_write_in_before_any_work(tmp_
     code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--out", "/proc/self/fdinfo",
                  "--no-progress"])  # fmt: skip
     assert code == 1 and loads == []
-    output = capsys.readouterr().out.strip().splitlines()
+    printed = capsys.readouterr()
+    output = printed.err.strip().splitlines()
+    assert printed.out == ""  # errors go to stderr, as every other command's
     assert output == ["deepspeed-knap generate: error checking --out: cannot write in --out /proc/self/fdinfo: No "
                       "such file or directory; give a directory this user can write in"]  # fmt: skip
     # A request file that cannot be read is found before the model loads too (it was after).
     code = main(["generate", "--requests", str(tmp_path / "missing.jsonl"), "--tiny", "--out", str(tmp_path / "out"),
                  "--no-progress"])  # fmt: skip
     assert code == 1 and loads == []
-    assert capsys.readouterr().out.startswith("deepspeed-knap generate: error reading the requests: cannot read the "
+    assert capsys.readouterr().err.startswith("deepspeed-knap generate: error reading the requests: cannot read the "
                                               f"request file {tmp_path / 'missing.jsonl'}")  # fmt: skip
 
 
@@ -1388,7 +1390,7 @@ def test_generate_command_keeps_each_output_and_its_timings_as_it_finishes_when_
     args = ["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--no-progress",
             "--max-tokens-per-gpu", "12"]  # fmt: skip
     assert main([*args, "--out", str(tmp_path / "out")]) == 1
-    assert "cannot start the request: OSError: the text encoder's shard is gone" in capsys.readouterr().out
+    assert "cannot start the request: OSError: the text encoder's shard is gone" in capsys.readouterr().err
     out = tmp_path / "out"
     assert sorted(path.name for path in out.iterdir()) == ["done.png", "timings.rank0.jsonl"]
     journal = [json.loads(line) for line in (out / "timings.rank0.jsonl").read_text().splitlines()]
@@ -1416,7 +1418,8 @@ def test_generate_command_refuses_a_flux1_pipeline_directory_holding_a_flux2_tra
     code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--model-path", str(tmp_path / "model"),
                  "--out", str(tmp_path / "out"), "--no-progress"])  # fmt: skip
     assert code == 1
-    output = capsys.readouterr().out.strip().splitlines()
+    # (stderr also has what the libraries warn of)
+    output = [line for line in capsys.readouterr().err.splitlines() if line.startswith("deepspeed-knap")]
     assert output == [f"deepspeed-knap generate: error loading the model: cannot load {tmp_path / 'model'}: "
                       f"ValueError: {tmp_path / 'model'}: its transformer is a Flux2Transformer2DModel but "
                       "model_index.json names a FluxPipeline, which takes a FluxTransformer2DModel; give a "
