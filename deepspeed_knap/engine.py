@@ -133,6 +133,7 @@ def initialize(
 def _model_parallel(model: nn.Module | None, config: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str | None:
     """What asks ``deepspeed.initialize`` for a model-parallel layout (a mesh or an mpu), or ``None``."""
     from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.tensor_parallel import init_utils
 
     if kwargs["mpu"] is not None or kwargs["mesh_param"] is not None:
         return "an mpu or mesh_param"
@@ -140,6 +141,9 @@ def _model_parallel(model: nn.Module | None, config: Mapping[str, Any], kwargs: 
         return "a config with sequence_parallel_size and data_parallel_size (DeepSpeed's mesh)"
     if ((config.get("tensor_parallel") or {}).get("autotp_size") or 0) > 0:
         return "a config with tensor_parallel.autotp_size"
+    # deepspeed.tp_model_init records its AutoTP there, for initialize to merge into the config (no public reader).
+    if getattr(init_utils, "_TP_MODEL_INIT_ARGS", None) is not None:
+        return "AutoTP recorded by deepspeed.tp_model_init"
     if isinstance(model, PipelineModule):
         return "a PipelineModule"
     return None

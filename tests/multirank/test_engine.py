@@ -280,8 +280,10 @@ def _differing_config_worker(rank: int, world: int) -> dict:
 def _arguments_worker(rank: int, world: int, config_path: str) -> dict:
     """deepspeed.initialize's arguments as DeepSpeed takes them: positionally in its order, the config
     as config_params= or args.deepscale_config (each read: its gradient clipping is the engine's); an
-    mpu refused with balancing on."""
+    mpu, DeepSpeed's mesh and AutoTP recorded by deepspeed.tp_model_init refused with balancing on."""
     import argparse
+
+    import deepspeed
 
     import deepspeed_knap
     from deepspeed_knap.models.tiny_dit import TinyDiT
@@ -306,6 +308,12 @@ def _arguments_worker(rank: int, world: int, config_path: str) -> dict:
             deepspeed_knap.initialize(args if name == "twice" else None, *fresh(), **arguments)
         except ValueError as error:
             outcome[name] = str(error)
+    model, sgd = fresh()  # last: DeepSpeed keeps what tp_model_init records for the rest of the process
+    deepspeed.tp_model_init(model, tp_size=1, dtype=torch.float32)
+    try:
+        deepspeed_knap.initialize(model=model, optimizer=sgd, config=balanced)
+    except ValueError as error:
+        outcome["tp_model_init"] = str(error)
     return outcome
 
 
@@ -317,6 +325,8 @@ def test_initialize_takes_deepspeeds_arguments_and_refuses_an_mpu_with_balancing
     assert outcome.pop("mpu").startswith("deepspeed_knap.initialize got an mpu or mesh_param with balancing on")
     assert outcome.pop("mesh").startswith("deepspeed_knap.initialize got a config with sequence_parallel_size and "
                                           "data_parallel_size (DeepSpeed's mesh) with balancing on")  # fmt: skip
+    assert outcome.pop("tp_model_init").startswith("deepspeed_knap.initialize got AutoTP recorded by "
+                                                   "deepspeed.tp_model_init with balancing on")  # fmt: skip
     assert (
         outcome.pop("twice")
         == "the DeepSpeed config is given twice, as args.deepscale_config and as config=; give it once"
