@@ -36,7 +36,8 @@ def plot_loads(plans: dict[str, RoutingPlan], path: str | Path, title: str, topo
 def loads_figure(plans: dict[str, RoutingPlan], title: str, topology: Topology | None = None):
     """Bar chart of modeled per-GPU load, one panel per solver, lower bound dashed. With ``topology``,
     bags are shaded in alternation and their boundaries drawn, so a reader sees which GPUs share
-    sequences. The legend sits beside the panels, never over a bar."""
+    sequences (for ``auto``, which has no bags, its largest groups: no sequence spans two). The
+    legend sits beside the panels, never over a bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,8 +64,9 @@ def loads_figure(plans: dict[str, RoutingPlan], title: str, topology: Topology |
         Patch(color="tab:blue", label="GPU load, balanced"),
         plt.Line2D([], [], color="tab:red", linestyle="--", label="lower bound"),
     ]
-    if bags:
-        handles.append(Patch(facecolor="0.92", edgecolor="0.55", label="bags (alternate shading)"))
+    if len(bags) > 1:  # (one bag: nothing shaded, no boundary)
+        groups = f"largest groups, {topology.max_degree} GPUs" if topology.elastic else "bags"
+        handles.append(Patch(facecolor="0.92", edgecolor="0.55", label=f"{groups} (alternate shading)"))
     fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=8, frameon=False)
     axes[-1].set_xlabel("GPU (rank in balance group)")
     fig.suptitle(title, fontsize=11)

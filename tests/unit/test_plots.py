@@ -24,3 +24,18 @@ def test_bag_boundaries_are_drawn_and_the_legend_hides_no_bar():
                 assert not legend.overlaps(bar.get_window_extent())
     finally:
         plt.close(fig)
+
+
+def test_auto_shades_its_largest_groups_not_bags_it_does_not_have():
+    """``auto`` has no bags: its legend named its largest groups "bags"; one bag is no shading."""
+    lengths = sample_mix("kf_image_video", 8, 0)
+    for topology, label in ((build_topology("auto", 8, max_degree=4), "largest groups, 4 GPUs (alternate shading)"),
+                            (build_topology("g8n1"), None)):  # fmt: skip
+        fig = loads_figure(
+            {"refine": plan_routing(lengths, topology, default_cost_model(), "refine")}, "test", topology
+        )
+        try:
+            labels = [text.get_text() for text in fig.legends[0].get_texts()]
+            assert labels[-1] == label if label else not any("shading" in text for text in labels), labels
+        finally:
+            plt.close(fig)
