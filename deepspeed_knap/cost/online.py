@@ -46,8 +46,9 @@ degrees of freedom) both show it. The planned overhead is the prior's until its 
 always held the long sequences and the other the short ones (every sequence home, 5% noise), a
 prior with half of a true 20 ms overhead had equal GPUs called unequal in 200 of 300 refits, the
 short rank at 0.84-0.91; with the free overhead's test, in none, and a 2x slower rank holding the
-long ones is still called in 282 of 300 (290 before). Plans that give every rank a mix of sizes,
-as balanced ones do, cannot hide a speed in an overhead, and call as before. Likewise the overhead
+long ones is still called in 282 of 300 (290 before), one holding the short ones no more (its times
+are an overhead's too). Plans that give every rank a mix of sizes, as balanced ones do, tell the
+two apart, and call as before. Likewise the overhead
 is fitted only when it exceeds ``OVERHEAD_EVIDENCE`` (5)
 standard errors in the full model, else ``a, b`` are fitted without it: balanced plans give every GPU
 about the same work step after step, so the data cannot tell a fixed cost from per-token work, and
