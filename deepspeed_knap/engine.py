@@ -133,15 +133,17 @@ def initialize(
 def _model_parallel(model: nn.Module | None, config: Mapping[str, Any], kwargs: Mapping[str, Any]) -> str | None:
     """What asks ``deepspeed.initialize`` for a model-parallel layout (a mesh or an mpu), or ``None``."""
     from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.tensor_parallel import init_utils
 
+    try:  # where deepspeed.tp_model_init records its AutoTP, for initialize to merge (no public reader)
+        from deepspeed.runtime.tensor_parallel import init_utils
+    except ImportError:  # a DeepSpeed without it has no such record
+        init_utils = None
     if kwargs["mpu"] is not None or kwargs["mesh_param"] is not None:
         return "an mpu or mesh_param"
     if "sequence_parallel_size" in config and "data_parallel_size" in config:
         return "a config with sequence_parallel_size and data_parallel_size (DeepSpeed's mesh)"
     if ((config.get("tensor_parallel") or {}).get("autotp_size") or 0) > 0:
         return "a config with tensor_parallel.autotp_size"
-    # deepspeed.tp_model_init records its AutoTP there, for initialize to merge into the config (no public reader).
     if getattr(init_utils, "_TP_MODEL_INIT_ARGS", None) is not None:
         return "AutoTP recorded by deepspeed.tp_model_init"
     if isinstance(model, PipelineModule):

@@ -34,7 +34,7 @@ prior (``PRIOR_SCATTER``, 10% a step, worth ``PRIOR_SCATTER_DOF`` = 4 degrees of
 conjugate update of a normal variance), and the speed test takes the t quantile of the prior's and
 the measured degrees of freedom together. Measured alone, the scatter of the first steps is itself
 so uncertain (2 GPUs of two steps each: about 2 degrees of freedom, 6.75 standard errors at 3's
-tail) that a 2x slower rank on 2 GPUs at 10% noise was called after two measured steps in 8 of 20
+tail) that a 2x slower rank on 2 GPUs at 10% noise was called after two measured steps in 7 of 20
 seeds; with the prior in 15, and equal GPUs no more often (none of 1,600 decisions at 5% or 10%
 noise either way; at 20%, twice the prior's, 2 against none). No speed is called or dropped on
 less than one measured degree of freedom (one step per GPU): the prior alone is no evidence, and
@@ -448,10 +448,14 @@ class OnlineCostModel:
             if fits is None:
                 return  # the measurements say nothing usable yet: keep the current model
             coef, overhead_free = fits
-            # A speed is called only where the fit with a free overhead shows it too (module docstring).
+            # A speed is called only where the fit with a free overhead calls it too, the same way
+            # (module docstring).
             shown = self._fit_speeds(busy, overhead_free, 1 + (overhead_free[0] > 0))
-            fitted, speeds = speeds, [v if u != 1.0 else 1.0 for v, u in zip(self._fit_speeds(busy, coef), shown,
-                                                                             strict=True)]  # fmt: skip
+            called = self._fit_speeds(busy, coef)
+            fitted, speeds = (
+                speeds,
+                [v if (v - 1.0) * (u - 1.0) > 0 else 1.0 for v, u in zip(called, shown, strict=True)],
+            )
             if speeds == fitted:  # a fixed point (equal ranks: every refit): the rest would repeat it
                 break
         self.speeds = speeds

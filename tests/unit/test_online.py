@@ -177,7 +177,8 @@ def test_an_overhead_the_planned_model_lacks_is_not_taken_for_a_rank_speed():
                 found += [online.model().gpu_speed] if online.compute_fitted else []
         return found
 
-    assert all(speeds == (1.0, 1.0) for speeds in refits((1.0, 1.0)))
+    equal = refits((1.0, 1.0))
+    assert len(equal) == 300 and all(speeds == (1.0, 1.0) for speeds in equal)
     slow = refits((1.0, 0.5))
     assert sum(speeds[0] == 1.0 and 0.5 <= speeds[1] <= 0.6 for speeds in slow) >= 0.8 * len(slow)
 

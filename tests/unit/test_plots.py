@@ -29,7 +29,7 @@ def test_bag_boundaries_are_drawn_and_the_legend_hides_no_bar():
 def test_auto_shades_its_largest_groups_not_bags_it_does_not_have():
     """``auto`` has no bags: its legend named its largest groups "bags"; one bag is no shading."""
     lengths = sample_mix("kf_image_video", 8, 0)
-    for topology, label in ((build_topology("auto", 8, max_degree=4), "largest groups, 4 GPUs (alternate shading)"),
+    for topology, label in ((build_topology("auto", 8, max_degree=4), "auto's largest groups (alternate shading)"),
                             (build_topology("g8n1"), None)):  # fmt: skip
         fig = loads_figure(
             {"refine": plan_routing(lengths, topology, default_cost_model(), "refine")}, "test", topology
