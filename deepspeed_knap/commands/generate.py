@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             partial.parent.mkdir(exist_ok=True)
             if image.ndim == 4:  # [F, H, W, 3] frames
-                write_gif(image, partial)
+                write_gif(image, partial, generator.frames_per_second)
             else:  # diffusers' numpy_to_pil: the same rounding as FluxPipeline's output_type="pil".
                 Image.fromarray((image * 255).round().astype("uint8")).save(partial)
             os.replace(partial, path)

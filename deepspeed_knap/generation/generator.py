@@ -36,6 +36,7 @@ class Generator:
     name: ClassVar[str]
     default_guidance: ClassVar[float]  # the pipeline's guidance_scale
     default_max_sequence_length: ClassVar[int] = 512  # the pipeline's max_sequence_length
+    frames_per_second = 16  # a video family's clips' frame rate (a Wan pipeline's own)
     # The embeddings file's tensors the family's pipeline takes by the same names (pipeline_call).
     pipeline_embeddings: ClassVar[tuple[str, ...]] = ("prompt_embeds", "negative_prompt_embeds")
 

@@ -530,6 +530,36 @@ def _image_to_video_generator(two_experts: bool):
     return WanGenerator(pipe, model.eval())
 
 
+def test_a_ti2v_video_is_written_at_24_frames_per_second(tmp_path, monkeypatch):
+    """Wan 2.2 TI2V-5B's clips play at 24 fps (its 121 frames: 5 s); they were written at the other
+    Wan models' 16, 1.5x too slow. A GIF's delays are hundredths: frame i ends at (i + 1) / 24 s."""
+    from PIL import Image
+
+    import deepspeed_knap.commands.generate as command
+    from deepspeed_knap.cli import main
+    from deepspeed_knap.models.wan.generate import WanGenerator, tiny_wan_generator
+
+    def load(args, dtype):
+        tiny = tiny_wan_generator(dtype, "cpu")
+        tiny.pipeline.register_to_config(expand_timesteps=True)  # TI2V-5B's WanPipeline
+        return WanGenerator(tiny.pipeline, tiny.model)
+
+    monkeypatch.setattr(command, "_load", load)
+    (tmp_path / "requests.jsonl").write_text(
+        '{"id": "clip", "prompt": "a cat", "height": 16, "width": 16, "frames": 5, "steps": 1}\n'
+    )
+    code = main(["generate", "--requests", str(tmp_path / "requests.jsonl"), "--tiny", "--family", "wan", "--out",
+                 str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    assert code == 0
+    with Image.open(tmp_path / "out" / "clip.gif") as gif:
+        durations = []
+        for index in range(gif.n_frames):
+            gif.seek(index)
+            durations.append(gif.info["duration"])
+    assert durations == [40, 40, 40, 50, 40]  # ends at 4, 8, 12, 17, 21 hundredths
+    assert tiny_wan_generator(torch.float32, "cpu").frames_per_second == 16  # Wan 2.1 and 2.2 A14B
+
+
 def test_an_image_to_video_pipeline_with_expand_timesteps_still_needs_an_image():
     """``WanImageToVideoPipeline(expand_timesteps=True)`` refuses a request without an image (its
     check_inputs); only TI2V-5B's ``WanPipeline`` takes one or none. Refused at the intake, not a

@@ -63,6 +63,7 @@ __all__ = [
     "SyntheticVideoLatents",
     "center_crop_multiple",
     "check_video_latent_file",
+    "frames_per_second",
     "frames_to_keep",
     "latent_directory",
     "load_video_sample",
@@ -88,6 +89,12 @@ IMAGE_CONTEXT_TOKENS = 257
 # splits the context it is given there (image rows first, then 512 of text), so the pipelines pad
 # the prompt to 512 (their max_sequence_length) and shorter text would be split wrong.
 I2V_TEXT_ROWS = 512
+
+
+def frames_per_second(expand_timesteps: bool) -> int:
+    """The frame rate a Wan model's clips play at: Wan 2.2 TI2V-5B's (its pipeline sets
+    ``expand_timesteps``) 24, its 121 frames 5 s; Wan 2.1's and Wan 2.2 A14B's 16 (the model cards')."""
+    return 24 if expand_timesteps else 16
 
 
 class Refused(ValueError):

@@ -29,6 +29,7 @@ from deepspeed_knap.models.wan.data import (
     IMAGE_CONTEXT_KEY,
     SyntheticVideoLatents,
     condition_channels,
+    frames_per_second,
     latent_channels,
     latent_directory,
     tiny_wan_pipeline,
@@ -118,7 +119,7 @@ def flow_matching(
 
 def write_gif(frames: np.ndarray, path: str | Path, fps: int = 16) -> Path:
     """Write ``frames [F, H, W, 3]`` (floats in ``[0, 1]``, ``WanPipeline``'s ``output_type="np"``)
-    as a looping GIF at ``fps`` (Wan's 16); PIL only, no video codec needed. A GIF holds each frame's
+    as a looping GIF at ``fps`` (:func:`~deepspeed_knap.models.wan.data.frames_per_second`); PIL only, no video codec needed. A GIF holds each frame's
     delay in hundredths of a second: frame ``i`` ends at ``(i + 1) / fps`` rounded to one, so 16 fps
     plays 6, 6, 7, 6 hundredths (one delay of 6 for every frame played at 16.7 fps)."""
     from PIL import Image
@@ -198,7 +199,7 @@ class WanValidation(ValidationHooks):
         if "image" in call and type(pipe).__name__ == "WanPipeline":  # TI2V from an image, as diffusers runs it
             pipe = image_to_video_pipeline(pipe)
         clip = pipe(**call, generator=generator, output_type="np", **options).frames[0]
-        return write_gif(clip, path.with_suffix(".gif"))
+        return write_gif(clip, path.with_suffix(".gif"), frames_per_second(self.expands_timesteps))
 
 
 def _two_expert_parent(path: str | Path) -> Path | None:

@@ -51,7 +51,7 @@ from deepspeed_knap.generation.denoising import Denoising
 from deepspeed_knap.generation.generator import Generator
 from deepspeed_knap.generation.requests import Request, RequestError
 from deepspeed_knap.models.loading import pipeline_index
-from deepspeed_knap.models.wan.data import I2V_TEXT_ROWS, IMAGE_CONTEXT_KEY
+from deepspeed_knap.models.wan.data import I2V_TEXT_ROWS, IMAGE_CONTEXT_KEY, frames_per_second
 from deepspeed_knap.models.wan.experts import PackedWanExperts, image_to_video_pipeline, pipeline_experts
 from deepspeed_knap.models.wan.spec import TINY_WAN, WAN
 from deepspeed_knap.models.wan.wan import PackedWanTransformer
@@ -120,6 +120,7 @@ class WanGenerator(Generator):
         super().__init__(pipeline, model)
         self.boundary_ratio = pipeline.config.get("boundary_ratio")
         self.expand_timesteps = bool(pipeline.config.get("expand_timesteps"))
+        self.frames_per_second = frames_per_second(self.expand_timesteps)
         # An image-to-video pipeline needs an image (with expand_timesteps too: its check_inputs refuses a
         # request without one); TI2V-5B's WanPipeline (expand_timesteps) takes one or none.
         self.needs_image = type(pipeline).__name__ == "WanImageToVideoPipeline"
