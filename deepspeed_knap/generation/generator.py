@@ -35,6 +35,7 @@ class Generator:
     family: ClassVar[str]
     name: ClassVar[str]
     default_guidance: ClassVar[float]  # the pipeline's guidance_scale
+    default_steps: ClassVar[int] = 50  # the pipeline's num_inference_steps (FluxPipeline's 28)
     default_max_sequence_length: ClassVar[int] = 512  # the pipeline's max_sequence_length
     frames_per_second = 16  # a video family's clips' frame rate (a Wan pipeline's own)
     # The embeddings file's tensors the family's pipeline takes by the same names (pipeline_call).

@@ -9,7 +9,8 @@ A request names its text by ``prompt`` (the rank that owns it runs the family's 
 and ``pooled_prompt_embeds [Dp]``; with classifier-free guidance also ``negative_prompt_embeds``
 and FLUX.1's ``negative_pooled_prompt_embeds``). ``height`` and ``width`` (pixels) are required,
 except with ``image`` where the family's pipeline sizes the output by its image (FLUX.3, Qwen-Image
-edits; the other families refuse the request without them); ``steps`` (default 28), ``guidance`` (the family's
+edits; the other families refuse the request without them); ``steps`` (the family's pipeline's
+default: FLUX.1 28, the others 50), ``guidance`` (the family's
 pipeline's default: FLUX.1 3.5, FLUX.2 4.0, FLUX.3 3.5, Wan 5.0), ``seed`` (0),
 ``max_sequence_length`` (the family's pipeline's default: 512, FLUX.3 8192; the text tokens a prompt
 is padded or truncated to, as diffusers' pipelines do) and ``id`` (default ``line{N}``) are
@@ -50,7 +51,9 @@ from pathlib import Path
 from typing import Any
 
 # guidance and max_sequence_length: the family's (generator's) defaults, its pipeline's.
-DEFAULTS = {"steps": 28, "seed": 0}
+DEFAULTS = {"seed": 0}
+# The steps of a request that gives none, where the caller does not say the family's: FluxPipeline's.
+DEFAULT_STEPS = 28
 # Denoising steps a request may take: 30 to 300 times the usual 28 to 50, which both families'
 # schedulers (FLUX's flow-match Euler, Wan's UniPC) take. More is a typo: a scheduler sets every
 # step's timestep up front, and 10**9 of them held gigabytes and ran on for hours.
@@ -221,9 +224,10 @@ def _check_regular(status: os.stat_result, limit: int) -> None:
         raise ValueError(f"it holds {status.st_size:,} bytes, over the {limit:,} read at most")
 
 
-def parse_request(index: int, line: int, text: str, directory: str | Path = ".") -> Request:
+def parse_request(index: int, line: int, text: str, directory: str | Path = ".", steps: int = DEFAULT_STEPS) -> Request:
     """The request of one line; a relative ``embeddings`` or ``image`` path is taken from
-    ``directory`` (the request file's).
+    ``directory`` (the request file's); ``steps`` where it gives none (the family's pipeline's:
+    :attr:`~deepspeed_knap.generation.generator.Generator.default_steps`).
 
     Raises:
         RequestError: malformed JSON, an unknown key, a missing or ill-typed value; the message
@@ -262,7 +266,7 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".")
             raise RequestError(f"line {line}: {key!r} must be valid Unicode; got {fields[key]!r}")
     request_id = fields.get("id", f"line{line}")
     _check_id(line, request_id)
-    values = {**DEFAULTS, **fields}
+    values = {**DEFAULTS, "steps": steps, **fields}
     if "negative_prompt" in fields and not isinstance(fields["negative_prompt"], str):
         raise RequestError(f"line {line}: 'negative_prompt' must be a string; got {fields['negative_prompt']!r}")
     if "negative_prompt" in fields and "embeddings" in fields:

@@ -74,6 +74,8 @@ def test_the_largest_seed_and_a_255_byte_file_name_are_taken():
 class _Tokens:
     """A generator's ``request_seq_lens`` that fails as the family's checks are not meant to."""
 
+    default_steps = 28
+
     def request_seq_lens(self, request):
         if request.id == "boom":
             raise RuntimeError("an unexpected failure")
@@ -93,6 +95,20 @@ def test_the_intake_refuses_a_line_whatever_its_check_raises(tmp_path):
     assert [r["line"] for r in intake.refused] == [2, 3]
     assert intake.refused[0]["reason"] == "line 2: cannot take this request: RuntimeError: an unexpected failure"
     assert "nested too deeply" in intake.refused[1]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("family", "steps"), [("flux", 28), ("flux2", 50), ("flux3", 50), ("wan", 50), ("qwen-image", 50)]
+)
+def test_a_request_without_steps_takes_its_familys_pipeline_default(tmp_path, family, steps):
+    """FLUX.1's pipeline defaults to 28 steps, every other family's to 50: a request that gave none
+    took 28 in every family, a different image from the pipeline's for the same request."""
+    from deepspeed_knap.generation.runner import take_requests
+
+    (tmp_path / "requests.jsonl").write_text('{"prompt": "a", "height": 16, "width": 16}\n{"prompt": "b", '
+                                             '"height": 16, "width": 16, "steps": 3}\n')  # fmt: skip
+    intake = take_requests(tmp_path / "requests.jsonl", _tiny_generator(family))
+    assert [job.steps for job in intake.jobs] == [steps, 3] and intake.refused == []
 
 
 def test_without_a_budget_one_request_over_the_ceiling_is_refused_and_the_others_taken(tmp_path):
@@ -1161,6 +1177,8 @@ def test_the_intake_refuses_a_guided_pair_that_no_plan_can_place(tmp_path, monke
     from deepspeed_knap.planner.topology import build_topology
 
     class Pairs:
+        default_steps = 28
+
         def request_seq_lens(self, request):
             return (request.height, request.height)
 
@@ -1203,6 +1221,8 @@ def test_a_pair_within_one_groups_budget_that_the_planner_cannot_place_is_refuse
     from deepspeed_knap.planner.topology import build_topology
 
     class Pairs:
+        default_steps = 28
+
         def request_seq_lens(self, request):
             return (request.height, request.width)
 
@@ -1275,6 +1295,19 @@ def test_embeddings_no_text_encoder_gives_are_refused_at_the_intake_naming_the_l
     with pytest.raises(RequestError) as error:
         _tiny_generator("flux").request_seq_lens(request)
     assert str(error.value).startswith(f"line 3: embeddings {path}") and message in str(error.value)
+
+
+def test_wan_embeddings_without_the_negative_ones_under_guidance_say_what_diffusers_would_do(tmp_path):
+    """diffusers' WanPipeline given prompt_embeds alone under guidance encodes the negative prompt "";
+    here the generator holds no reason to: the refusal says so, and how to go on."""
+    from safetensors.torch import save_file
+
+    width = _tiny_generator("wan").model.config["text_dim"]
+    save_file({"prompt_embeds": torch.ones(4, width)}, tmp_path / "emb.safetensors")
+    line = {"embeddings": "emb.safetensors", "height": 16, "width": 16, "frames": 1}
+    with pytest.raises(RequestError, match='would encode the negative prompt "" in its place: save those embeddings'):
+        _tiny_generator("wan").request_seq_lens(parse_request(0, 2, json.dumps(line), tmp_path))
+    assert _tiny_generator("wan").request_seq_lens(parse_request(0, 2, json.dumps({**line, "guidance": 1}), tmp_path))
 
 
 def test_wan_embeddings_with_nan_are_refused_at_the_intake(tmp_path):

@@ -89,6 +89,7 @@ class FluxGenerator(Generator):
     pipeline_class = FLUX1.pipeline  # the diffusers pipeline of a directory this generator runs (model_index.json)
     tiny_transformer = TINY_FLUX  # the tiny random model's config (tiny)
     default_guidance = 3.5  # FluxPipeline's guidance_scale
+    default_steps = 28  # its num_inference_steps
     pipeline_embeddings = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds",
                            "negative_pooled_prompt_embeds")  # fmt: skip
 
@@ -372,6 +373,7 @@ class Flux2Generator(FluxGenerator):
     pipeline_class = FLUX2.pipeline
     tiny_transformer = TINY_FLUX2
     default_guidance = 4.0  # Flux2Pipeline's guidance_scale
+    default_steps = 50  # its num_inference_steps (and Flux2KleinPipeline's)
     pipeline_embeddings = ("prompt_embeds",)
 
     @classmethod

@@ -236,9 +236,18 @@ class WanGenerator(Generator):
         if not all(key in shapes and len(shapes[key]) == 2 and shapes[key][1] == width and shapes[key][0] >= 1
                    and rows in (None, shapes[key][0]) for key in wanted):  # fmt: skip
             rows_name = "Tt" if rows is None else str(rows)
+            missing_negative = branches == 2 and "negative_prompt_embeds" not in shapes
+            hint = (
+                (
+                    '; diffusers\' pipeline would encode the negative prompt "" in its place: save those embeddings '
+                    'as negative_prompt_embeds, or give "guidance": 1 for no guidance'
+                )
+                if missing_negative
+                else ""
+            )
             raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; this model takes "
                                f"{', '.join(f'{key} [{rows_name}, {width}]' for key in wanted)} (one prompt, "
-                               "unbatched; the negative one for guidance above 1)")  # fmt: skip
+                               f"unbatched; the negative one for guidance above 1){hint}")  # fmt: skip
         self.check_embedding_values(request, tensors, wanted)
 
     @torch.no_grad()
