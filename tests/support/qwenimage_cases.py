@@ -33,7 +33,9 @@ SHAPES = [
     (((2, 2, 3), (1, 2, 2)), 7),
 ]
 
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+# float32: a gradient's sums round by the host's vector width (measured below 9e-6 on one 2-core
+# host, 1.01e-5 on another with AVX-512: the zero_cond case's text input gradient).
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 INPUTS = ("hidden_states", "encoder_hidden_states")
 
 
