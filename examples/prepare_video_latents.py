@@ -67,7 +67,10 @@ parser.add_argument(
     help="scale frames with more pixels down to this many first, aspect kept (default 720p); 0: never",
 )
 parser.add_argument(
-    "--fps", type=positive_float, default=None, help="subsample clips above this frame rate to it (Wan: 16)"
+    "--fps",
+    type=positive_float,
+    default=None,
+    help="subsample clips above this frame rate to it (Wan: 16; Wan 2.2 TI2V-5B: 24)",
 )
 parser.add_argument("--max-sequence-length", type=positive_int, default=512, help="UMT5 tokens per caption (Wan: 512)")
 parser.add_argument(

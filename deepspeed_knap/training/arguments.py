@@ -188,7 +188,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validation-frames", type=int, default=None,
                         help="video families: frames per clip, 4k+1 (Wan: 81; --tiny: 5)")  # fmt: skip
     parser.add_argument("--validation-inference-steps", type=int, default=None,
-                        help="denoising steps (FLUX: 28, Wan: 50; --tiny: 2)")  # fmt: skip
+                        help="denoising steps (the pipeline's: FLUX.1 28, the others 50; --tiny: 2)")  # fmt: skip
     parser.add_argument("--validation-guidance", type=float, default=None, help="guidance scale (FLUX: 3.5, Wan: 5.0)")
     parser.add_argument("--validation-timeout", type=float, default=120.0, metavar="MINUTES",
                         help="how long the other ranks wait for rank 0's validation renders")  # fmt: skip

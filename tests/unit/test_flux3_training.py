@@ -204,3 +204,16 @@ def test_flux2_klein_validation_renders_through_the_klein_pipeline(tmp_path):
     index.parent.mkdir()
     index.write_text('{"_class_name": "FluxPipeline"}')
     assert "names 'FluxPipeline'" in hooks.model_path_problem(str(index.parent))
+
+
+def test_validation_renders_at_each_pipelines_default_steps():
+    """Without --validation-inference-steps a render takes its pipeline's steps: FluxPipeline's 28,
+    Flux2Pipeline's (and klein's) 50; FLUX.2 rendered at 28. --tiny: 2; given: as given."""
+    from deepspeed_knap.models.flux.finetune import Flux2Validation, FluxValidation
+    from deepspeed_knap.models.hooks import ValidationSettings
+    from deepspeed_knap.models.registry import spec
+
+    for hooks, steps in ((FluxValidation(spec("flux"), None), 28), (Flux2Validation(spec("flux2"), None), 50)):
+        assert hooks.options(ValidationSettings(tiny=False))["num_inference_steps"] == steps
+        assert hooks.options(ValidationSettings(tiny=True))["num_inference_steps"] == 2
+        assert hooks.options(ValidationSettings(tiny=False, steps=7))["num_inference_steps"] == 7

@@ -202,6 +202,8 @@ class Flux2Validation(ValidationHooks):
 
     def options(self, settings: Any) -> dict[str, Any]:
         options = super().options(settings)
+        if not settings.steps and not settings.tiny:
+            options["num_inference_steps"] = 50  # Flux2Pipeline's and Flux2KleinPipeline's default
         if settings.guidance is None and self.model_path is not None and self._index.get("is_distilled"):
             options["guidance_scale"] = 1.0  # a step-distilled klein's own: no guidance
         return options
