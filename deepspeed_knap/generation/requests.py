@@ -11,7 +11,7 @@ and FLUX.1's ``negative_pooled_prompt_embeds``). ``height`` and ``width`` (pixel
 except with ``image`` where the family's pipeline sizes the output by its image (FLUX.3, Qwen-Image
 edits; the other families refuse the request without them); ``steps`` (the family's pipeline's
 default: FLUX.1 28, the others 50), ``guidance`` (the family's
-pipeline's default: FLUX.1 3.5, FLUX.2 4.0, FLUX.3 3.5, Wan 5.0), ``seed`` (0),
+pipeline's default: FLUX.1 3.5, FLUX.2 4.0, FLUX.3 3.5, Wan 5.0, Qwen-Image 4.0), ``seed`` (0),
 ``max_sequence_length`` (the family's pipeline's default: 512, FLUX.3 8192; the text tokens a prompt
 is padded or truncated to, as diffusers' pipelines do) and ``id`` (default ``line{N}``) are
 optional. Video families take ``frames`` (Wan: 81, its pipeline's default; an image is 1).

@@ -119,9 +119,10 @@ def flow_matching(
 
 def write_gif(frames: np.ndarray, path: str | Path, fps: int = 16) -> Path:
     """Write ``frames [F, H, W, 3]`` (floats in ``[0, 1]``, ``WanPipeline``'s ``output_type="np"``)
-    as a looping GIF at ``fps`` (:func:`~deepspeed_knap.models.wan.data.frames_per_second`); PIL only, no video codec needed. A GIF holds each frame's
-    delay in hundredths of a second: frame ``i`` ends at ``(i + 1) / fps`` rounded to one, so 16 fps
-    plays 6, 6, 7, 6 hundredths (one delay of 6 for every frame played at 16.7 fps)."""
+    as a looping GIF at ``fps`` (:func:`~deepspeed_knap.models.wan.data.frames_per_second`); PIL
+    only, no video codec needed. A GIF holds each frame's delay in hundredths of a second: frame
+    ``i`` ends at ``(i + 1) / fps`` rounded to one, so 16 fps plays 6, 6, 7, 6 hundredths (one delay
+    of 6 for every frame played at 16.7 fps)."""
     from PIL import Image
 
     pixels = (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
