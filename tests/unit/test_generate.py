@@ -1297,17 +1297,33 @@ def test_embeddings_no_text_encoder_gives_are_refused_at_the_intake_naming_the_l
     assert str(error.value).startswith(f"line 3: embeddings {path}") and message in str(error.value)
 
 
-def test_wan_embeddings_without_the_negative_ones_under_guidance_say_what_diffusers_would_do(tmp_path):
+def test_wan_embeddings_without_the_negative_ones_under_guidance_encode_the_empty_prompt_as_diffusers_does(tmp_path):
     """diffusers' WanPipeline given prompt_embeds alone under guidance encodes the negative prompt "";
-    here the generator holds no reason to: the refusal says so, and how to go on."""
+    such a request was refused, and now draws the pipeline's video (fp64 transformers)."""
+    import diffusers
     from safetensors.torch import save_file
 
-    width = _tiny_generator("wan").model.config["text_dim"]
-    save_file({"prompt_embeds": torch.ones(4, width)}, tmp_path / "emb.safetensors")
-    line = {"embeddings": "emb.safetensors", "height": 16, "width": 16, "frames": 1}
-    with pytest.raises(RequestError, match='would encode the negative prompt "" in its place: save those embeddings'):
-        _tiny_generator("wan").request_seq_lens(parse_request(0, 2, json.dumps(line), tmp_path))
-    assert _tiny_generator("wan").request_seq_lens(parse_request(0, 2, json.dumps({**line, "guidance": 1}), tmp_path))
+    from deepspeed_knap.generation.runner import generate
+    from deepspeed_knap.models.wan.generate import load_wan_generator
+    from tests.support.wan_cases import WAN22_KINDS, save_wan22_pipeline
+
+    save_wan22_pipeline(tmp_path, WAN22_KINDS["ti2v"])
+    vae = diffusers.AutoencoderKLWan.from_pretrained(tmp_path, subfolder="vae", torch_dtype=torch.float32)
+    pipe = diffusers.WanPipeline.from_pretrained(tmp_path, vae=vae, torch_dtype=torch.float64)
+    pipe.set_progress_bar_config(disable=True)
+    text, _ = pipe.encode_prompt("a red cat", do_classifier_free_guidance=False, max_sequence_length=8)
+    save_file({"prompt_embeds": text[0].contiguous()}, tmp_path / "emb.safetensors")
+    request = {"id": "a", "embeddings": "emb.safetensors", "height": 32, "width": 48, "frames": 5, "steps": 2,
+               "seed": 1, "max_sequence_length": 16}  # fmt: skip
+    (tmp_path / "requests.jsonl").write_text(json.dumps(request) + "\n")
+    videos = {}
+    generator = load_wan_generator(tmp_path, torch.float64, "cpu")
+    report = generate(str(tmp_path / "requests.jsonl"), generator, None,
+                      on_image=lambda r, video: videos.update({r.id: video}), progress=False)  # fmt: skip
+    assert report.refused == [] and generator.guidance_scale(parse_request(0, 1, json.dumps(request))) > 1
+    theirs = pipe(prompt_embeds=text, height=32, width=48, num_frames=5, num_inference_steps=2, max_sequence_length=16,
+                  generator=torch.Generator().manual_seed(1), output_type="np").frames[0]  # fmt: skip
+    assert np.abs(videos["a"] - theirs).max() < 1e-6
 
 
 def test_wan_embeddings_with_nan_are_refused_at_the_intake(tmp_path):

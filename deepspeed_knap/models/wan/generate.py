@@ -198,9 +198,8 @@ class WanGenerator(Generator):
             raise RequestError(f"line {line}: max_sequence_length {request.max_sequence_length} is over the "
                                f"{MAX_SEQUENCE_LENGTH} text tokens Wan's pipelines pad prompts to; give at most "
                                f"{MAX_SEQUENCE_LENGTH}")  # fmt: skip
-        if request.embeddings is not None:
-            self._check_embeddings(request, branches)
-        elif config.get("image_dim") is not None and self.max_sequence_length(request) != I2V_TEXT_ROWS:
+        encodes = request.embeddings is None or self._check_embeddings(request, branches)  # (some text)
+        if encodes and config.get("image_dim") is not None and self.max_sequence_length(request) != I2V_TEXT_ROWS:
             raise RequestError(f"line {line}: max_sequence_length {request.max_sequence_length}: a model with image "
                                f"context (Wan 2.1 I2V) takes its text as {I2V_TEXT_ROWS} rows (diffusers splits the "
                                f"context there); drop 'max_sequence_length'")  # fmt: skip
@@ -225,30 +224,26 @@ class WanGenerator(Generator):
         if request.image is not None:
             self.image_file(request)
 
-    def _check_embeddings(self, request: Request, branches: int) -> None:
-        """The embeddings file holds ``prompt_embeds [Tt, Dj]`` and, with guidance, ``negative_prompt_embeds
-        [Tn, Dj]`` (a model with image context: 512 rows each, :data:`I2V_TEXT_ROWS`)."""
+    def _check_embeddings(self, request: Request, branches: int) -> bool:
+        """The embeddings file holds ``prompt_embeds [Tt, Dj]`` and, with guidance, may hold
+        ``negative_prompt_embeds [Tn, Dj]`` (a model with image context: 512 rows each,
+        :data:`I2V_TEXT_ROWS`). Returns whether the negative prompt ``""`` is encoded in their place
+        (guidance without them), as diffusers' pipelines do."""
         width, line = self.model.config["text_dim"], request.line
-        wanted = ["prompt_embeds", "negative_prompt_embeds"][:branches]
         tensors = self.embeddings_file(request)
         shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
+        wanted = ["prompt_embeds"] + (["negative_prompt_embeds"] if branches == 2 and "negative_prompt_embeds" in shapes
+                                      else [])  # fmt: skip
         rows = I2V_TEXT_ROWS if self.model.config.get("image_dim") is not None else None  # None: any
         if not all(key in shapes and len(shapes[key]) == 2 and shapes[key][1] == width and shapes[key][0] >= 1
                    and rows in (None, shapes[key][0]) for key in wanted):  # fmt: skip
             rows_name = "Tt" if rows is None else str(rows)
-            missing_negative = branches == 2 and "negative_prompt_embeds" not in shapes
-            hint = (
-                (
-                    '; diffusers\' pipeline would encode the negative prompt "" in its place: save those embeddings '
-                    'as negative_prompt_embeds, or give "guidance": 1 for no guidance'
-                )
-                if missing_negative
-                else ""
-            )
             raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; this model takes "
                                f"{', '.join(f'{key} [{rows_name}, {width}]' for key in wanted)} (one prompt, "
-                               f"unbatched; the negative one for guidance above 1){hint}")  # fmt: skip
+                               "unbatched; for guidance above 1 also negative_prompt_embeds, else the negative "
+                               'prompt "" is encoded)')  # fmt: skip
         self.check_embedding_values(request, tensors, wanted)
+        return branches == 2 and len(wanted) == 1
 
     @torch.no_grad()
     def start(self, request: Request) -> WanDenoising:
@@ -266,7 +261,11 @@ class WanGenerator(Generator):
         else:
             saved = {key: tensor.to(device) for key, tensor in self.embeddings_file(request).items()}
             text, negative = saved["prompt_embeds"][None], saved.get("negative_prompt_embeds") if cfg else None
-            negative = None if negative is None else negative[None]
+            if cfg and negative is None:  # the negative prompt "", as the pipeline encodes it in its place
+                _, negative = pipe.encode_prompt(prompt=None, prompt_embeds=text, do_classifier_free_guidance=True,
+                                                 device=device, max_sequence_length=self.max_sequence_length(request))  # fmt: skip
+            elif negative is not None:
+                negative = negative[None]
         image = None if request.image is None else self.image_file(request)
         context = {}
         if image is not None and self.model.config.get("image_dim") is not None:  # Wan 2.1 I2V's CLIP context
