@@ -271,7 +271,8 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".",
         raise RequestError(f"line {line}: 'negative_prompt' must be a string; got {fields['negative_prompt']!r}")
     if "negative_prompt" in fields and "embeddings" in fields:
         raise RequestError(f"line {line}: with 'embeddings' the unconditional branch's text is the file's "
-                           "negative_prompt_embeds: drop 'negative_prompt'")  # fmt: skip
+                           "negative_prompt_embeds (or, where the family encodes it without them, \"\"): drop "
+                           "'negative_prompt'")  # fmt: skip
     if "negative_prompt" in fields and not _encodable(fields["negative_prompt"]):
         raise RequestError(f"line {line}: 'negative_prompt' must be valid Unicode; got {fields['negative_prompt']!r}")
     for key in ("height", "width", "steps", "seed", "max_sequence_length", "frames"):

@@ -200,9 +200,10 @@ class WanGenerator(Generator):
                                f"{MAX_SEQUENCE_LENGTH}")  # fmt: skip
         encodes = request.embeddings is None or self._check_embeddings(request, branches)  # (some text)
         if encodes and config.get("image_dim") is not None and self.max_sequence_length(request) != I2V_TEXT_ROWS:
+            negative = f", or save negative_prompt_embeds [{I2V_TEXT_ROWS}, D] too" if request.embeddings else ""
             raise RequestError(f"line {line}: max_sequence_length {request.max_sequence_length}: a model with image "
                                f"context (Wan 2.1 I2V) takes its text as {I2V_TEXT_ROWS} rows (diffusers splits the "
-                               f"context there); drop 'max_sequence_length'")  # fmt: skip
+                               f"context there); drop 'max_sequence_length'{negative}")  # fmt: skip
         return (int(np.prod(grid)),) * branches
 
     def frames(self, request: Request) -> int:
@@ -240,8 +241,8 @@ class WanGenerator(Generator):
             rows_name = "Tt" if rows is None else str(rows)
             raise RequestError(f"line {line}: embeddings {request.embeddings} hold {shapes}; this model takes "
                                f"{', '.join(f'{key} [{rows_name}, {width}]' for key in wanted)} (one prompt, "
-                               "unbatched; for guidance above 1 also negative_prompt_embeds, else the negative "
-                               'prompt "" is encoded)')  # fmt: skip
+                               "unbatched; for guidance above 1 optionally negative_prompt_embeds, else the "
+                               'negative prompt "" is encoded)')  # fmt: skip
         self.check_embedding_values(request, tensors, wanted)
         return branches == 2 and len(wanted) == 1
 
@@ -263,7 +264,8 @@ class WanGenerator(Generator):
             text, negative = saved["prompt_embeds"][None], saved.get("negative_prompt_embeds") if cfg else None
             if cfg and negative is None:  # the negative prompt "", as the pipeline encodes it in its place
                 _, negative = pipe.encode_prompt(prompt=None, prompt_embeds=text, do_classifier_free_guidance=True,
-                                                 device=device, max_sequence_length=self.max_sequence_length(request))  # fmt: skip
+                                                 device=device,
+                                                 max_sequence_length=self.max_sequence_length(request))  # fmt: skip
             elif negative is not None:
                 negative = negative[None]
         image = None if request.image is None else self.image_file(request)
