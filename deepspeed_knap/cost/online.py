@@ -448,14 +448,13 @@ class OnlineCostModel:
             if fits is None:
                 return  # the measurements say nothing usable yet: keep the current model
             coef, overhead_free = fits
-            # A speed is called only where the fit with a free overhead calls it too, the same way
-            # (module docstring).
-            shown = self._fit_speeds(busy, overhead_free, 1 + (overhead_free[0] > 0))
             called = self._fit_speeds(busy, coef)
-            fitted, speeds = (
-                speeds,
-                [v if (v - 1.0) * (u - 1.0) > 0 else 1.0 for v, u in zip(called, shown, strict=True)],
-            )
+            if any(v != 1.0 for v in called):  # (equal ranks, most refits, need no second fit's word)
+                # A speed is called only where the fit with a free overhead calls it too, the same way
+                # (module docstring).
+                shown = self._fit_speeds(busy, overhead_free, 1 + (overhead_free[0] > 0))
+                called = [v if (v - 1.0) * (u - 1.0) > 0 else 1.0 for v, u in zip(called, shown, strict=True)]
+            fitted, speeds = speeds, called
             if speeds == fitted:  # a fixed point (equal ranks: every refit): the rest would repeat it
                 break
         self.speeds = speeds
