@@ -52,8 +52,6 @@ from typing import Any
 
 # guidance and max_sequence_length: the family's (generator's) defaults, its pipeline's.
 DEFAULTS = {"seed": 0}
-# The steps of a request that gives none, where the caller does not say the family's: FluxPipeline's.
-DEFAULT_STEPS = 28
 # Denoising steps a request may take: 30 to 300 times the usual 28 to 50, which both families'
 # schedulers (FLUX's flow-match Euler, Wan's UniPC) take. More is a typo: a scheduler sets every
 # step's timestep up front, and 10**9 of them held gigabytes and ran on for hours.
@@ -224,10 +222,10 @@ def _check_regular(status: os.stat_result, limit: int) -> None:
         raise ValueError(f"it holds {status.st_size:,} bytes, over the {limit:,} read at most")
 
 
-def parse_request(index: int, line: int, text: str, directory: str | Path = ".", steps: int = DEFAULT_STEPS) -> Request:
+def parse_request(index: int, line: int, text: str, directory: str | Path = ".", *, default_steps: int) -> Request:
     """The request of one line; a relative ``embeddings`` or ``image`` path is taken from
-    ``directory`` (the request file's); ``steps`` where it gives none (the family's pipeline's:
-    :attr:`~deepspeed_knap.generation.generator.Generator.default_steps`).
+    ``directory`` (the request file's); ``default_steps`` where it gives no ``steps`` (the family's
+    pipeline's, which differ: :attr:`~deepspeed_knap.generation.generator.Generator.default_steps`).
 
     Raises:
         RequestError: malformed JSON, an unknown key, a missing or ill-typed value; the message
@@ -266,7 +264,7 @@ def parse_request(index: int, line: int, text: str, directory: str | Path = ".",
             raise RequestError(f"line {line}: {key!r} must be valid Unicode; got {fields[key]!r}")
     request_id = fields.get("id", f"line{line}")
     _check_id(line, request_id)
-    values = {**DEFAULTS, "steps": steps, **fields}
+    values = {**DEFAULTS, "steps": default_steps, **fields}
     if "negative_prompt" in fields and not isinstance(fields["negative_prompt"], str):
         raise RequestError(f"line {line}: 'negative_prompt' must be a string; got {fields['negative_prompt']!r}")
     if "negative_prompt" in fields and "embeddings" in fields:

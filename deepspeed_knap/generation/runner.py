@@ -137,7 +137,7 @@ def take_requests(path: str | Path, generator: Any, max_tokens_per_gpu: int | No
         number, text = lines[index]
         entry = {"index": index, "line": number, "id": f"line{number}", "seq_lens": [], "steps": 0, "reason": None}
         try:
-            request = parse_request(index, number, text, Path(path).parent, generator.default_steps)
+            request = parse_request(index, number, text, Path(path).parent, default_steps=generator.default_steps)
             entry["id"] = request.id  # a request the family refuses is reported under its own id
             seq_lens = generator.request_seq_lens(request)
             entry.update(seq_lens=[int(n) for n in seq_lens], steps=request.steps)

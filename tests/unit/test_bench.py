@@ -158,7 +158,10 @@ def test_bench_generate_builds_each_family_and_its_default_requests_are_imbalanc
     generator = tiny_generator(family, torch.float32, torch.device("cpu"), config=config)
     assert generator.model.config["num_attention_heads"] * generator.model.config["attention_head_dim"] == 256
     lines = imbalanced_requests(4, 64, 32, (2, 4), frames=9 if family == "wan" else None)
-    seq_lens = [generator.request_seq_lens(parse_request(i, i + 1, json.dumps(line))) for i, line in enumerate(lines)]
+    seq_lens = [
+        generator.request_seq_lens(parse_request(i, i + 1, json.dumps(line), default_steps=28))
+        for i, line in enumerate(lines)
+    ]
     if family == "wan":  # 3 latent frames x 4 x 4 tokens, twice; 2 x 2 once
         assert seq_lens == [(48, 48), (4,), (48, 48), (4,)]
     elif family == "flux3":  # as FLUX's, twice: the guider's unconditional branch (text "", also cut at 16)

@@ -20,11 +20,13 @@ from deepspeed_knap.generation.schedule import Job, StepBatcher
 
 
 def test_a_request_line_with_defaults_and_a_relative_embeddings_path(tmp_path):
-    request = parse_request(3, 7, '{"embeddings": "e.safetensors", "height": 64, "width": 32}', tmp_path)
+    request = parse_request(
+        3, 7, '{"embeddings": "e.safetensors", "height": 64, "width": 32}', tmp_path, default_steps=13
+    )
     assert (request.index, request.line, request.id) == (3, 7, "line7")
     assert request.embeddings == str(tmp_path / "e.safetensors") and request.prompt is None
-    # guidance and max_sequence_length: the family's defaults (its pipeline's)
-    assert (request.steps, request.guidance, request.seed, request.max_sequence_length) == (28, None, 0, None)
+    # steps: the caller's (the family's pipeline's); guidance and max_sequence_length: the family's
+    assert (request.steps, request.guidance, request.seed, request.max_sequence_length) == (13, None, 0, None)
 
 
 @pytest.mark.parametrize(
@@ -60,13 +62,13 @@ def test_a_request_line_with_defaults_and_a_relative_embeddings_path(tmp_path):
 )
 def test_a_bad_request_line_is_named_by_its_line_number(text, message):
     with pytest.raises(RequestError) as error:
-        parse_request(0, 5, text)
+        parse_request(0, 5, text, default_steps=28)
     assert str(error.value).startswith("line 5: ") and message in str(error.value)
 
 
 def test_the_largest_seed_and_a_255_byte_file_name_are_taken():
     request = parse_request(0, 1, json.dumps({"prompt": "a", "height": 8, "width": 8, "seed": 2**64 - 1,
-                                              "id": "x" * 251}))  # fmt: skip
+                                              "id": "x" * 251}), default_steps=28)  # fmt: skip
     assert request.seed == 2**64 - 1 and len(f"{request.id}.png") == 255
     torch.Generator().manual_seed(request.seed)
 
@@ -513,7 +515,7 @@ def _tiny_generator(family: str):
 ])  # fmt: skip
 def test_each_family_counts_a_requests_sequences_and_refuses_what_it_cannot_take(family, fields, expected):
     generator = _tiny_generator(family)
-    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "max_sequence_length": 8, **fields}))
+    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "max_sequence_length": 8, **fields}), default_steps=28)
     if isinstance(expected, tuple):
         assert generator.request_seq_lens(request) == expected
         state = generator.start(request)  # packs the sequences the intake counted, no more
@@ -590,7 +592,9 @@ def test_an_image_to_video_pipeline_with_expand_timesteps_still_needs_an_image()
     pipe = tiny_wan_pipeline(image_to_video=True, image_dim=kind.get("clip"))
     pipe.register_to_config(expand_timesteps=True)
     generator = WanGenerator(pipe, PackedWanTransformer(**{**TINY_WAN, **kind["config"]}).eval())
-    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "height": 32, "width": 48, "frames": 9, "steps": 3}))
+    request = parse_request(
+        0, 1, json.dumps({"prompt": "a cat", "height": 32, "width": 48, "frames": 9, "steps": 3}), default_steps=28
+    )
     with pytest.raises(RequestError, match="this WanImageToVideoPipeline makes a video from an image: give 'image'"):
         generator.request_seq_lens(request)
 
@@ -617,7 +621,7 @@ def test_image_to_video_requests_are_checked_at_the_intake(tmp_path, two_experts
     generator = _image_to_video_generator(two_experts)
     # 3 steps: timesteps 999, 666, 333.
     fields = {"prompt": "a cat", "height": 32, "width": 48, "frames": 9, "steps": 3, **fields}
-    request = parse_request(0, 1, json.dumps(fields), tmp_path)
+    request = parse_request(0, 1, json.dumps(fields), tmp_path, default_steps=28)
     if isinstance(expected, tuple):
         assert request.image == (str(tmp_path / "cat.png"),)
         assert generator.request_seq_lens(request) == expected
@@ -653,7 +657,7 @@ def test_the_reference_pipeline_keeps_the_pipeline_s_settings_and_runs_both_expe
     fields = {"prompt": "a cat", "image": "cat.png", "height": 32, "width": 48, "frames": 5, "steps": 3,
               "max_sequence_length": 8}  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
-    generator.run_pipeline(pipe, parse_request(0, 1, json.dumps(fields), tmp_path))
+    generator.run_pipeline(pipe, parse_request(0, 1, json.dumps(fields), tmp_path, default_steps=28))
     assert calls == {"transformer": 4, "transformer_2": 2}  # two guidance branches a step
 
 
@@ -666,7 +670,7 @@ def test_a_request_with_an_image_may_leave_out_its_size_only_where_the_pipeline_
 
     Image.fromarray(np.zeros((64, 64, 3), dtype=np.uint8)).save(tmp_path / "cat.png")
     fields = {"prompt": "a cat", "image": "cat.png", **({"height": 32} if family == "wan" else {})}
-    request = parse_request(0, 3, json.dumps(fields), tmp_path)
+    request = parse_request(0, 3, json.dumps(fields), tmp_path, default_steps=28)
     assert (request.width, request.max_sequence_length) == (None, None)
     # Wan: an image-to-video pipeline (it takes the image, and still needs the size)
     generator = _image_to_video_generator(two_experts=False) if family == "wan" else _tiny_generator(family)
@@ -674,7 +678,7 @@ def test_a_request_with_an_image_may_leave_out_its_size_only_where_the_pipeline_
                                                      "image too")):  # fmt: skip
         generator.request_seq_lens(request)
     with pytest.raises(RequestError, match="'height' is required"):  # without an image, as before
-        parse_request(0, 3, json.dumps({"prompt": "a cat", "width": 32}))
+        parse_request(0, 3, json.dumps({"prompt": "a cat", "width": 32}), default_steps=28)
 
 
 def test_flux2_references_are_counted_and_checked_as_the_pipeline_prepares_them(tmp_path):
@@ -687,12 +691,12 @@ def test_flux2_references_are_counted_and_checked_as_the_pipeline_prepares_them(
     Image.fromarray(np.zeros((40, 90, 3), dtype=np.uint8)).save(tmp_path / "small.png")
     generator = _tiny_generator("flux2")
     fields = {"prompt": "a cat", "height": 32, "width": 48, "max_sequence_length": 8}
-    request = parse_request(0, 1, json.dumps({**fields, "image": ["ref.png", "ref.png"]}), tmp_path)
+    request = parse_request(0, 1, json.dumps({**fields, "image": ["ref.png", "ref.png"]}), tmp_path, default_steps=28)
     assert generator.request_seq_lens(request) == (8 + 8 * 12 + 2 * 16 * 20,)
     state = generator.start(request)
     assert tuple(generator.model.pack(state.samples()).seq_lens) == (8 + 8 * 12 + 2 * 16 * 20,)
     assert state.target_rows(torch.zeros(8 * 12 + 2 * 16 * 20, 1)).shape[0] == 8 * 12  # the noise's rows
-    small = parse_request(0, 2, json.dumps({**fields, "image": "small.png"}), tmp_path)
+    small = parse_request(0, 2, json.dumps({**fields, "image": "small.png"}), tmp_path, default_steps=28)
     with pytest.raises(RequestError, match=re.escape(f"line 2: image {tmp_path / 'small.png'}: Image too small")):
         generator.request_seq_lens(small)
 
@@ -1006,7 +1010,7 @@ def test_flux2_klein_in_one_process_draws_what_its_pipeline_draws_guided_edited_
         in refused["reason"])  # fmt: skip
     # Step-distilled: one branch, the guidance ignored as the pipeline ignores it.
     ours.pipeline.register_to_config(is_distilled=True)
-    request = parse_request(0, 1, json.dumps(lines[2]), tmp_path)
+    request = parse_request(0, 1, json.dumps(lines[2]), tmp_path, default_steps=28)
     assert ours.request_seq_lens(request) == (8 + 24 + 16 * 18,)
     pipe.register_to_config(is_distilled=True)
     distilled = pipe(prompt="a boat", image=[reference], height=24, width=16, num_inference_steps=3,
@@ -1255,7 +1259,10 @@ def test_flux_embeddings_take_true_cfg_scale_1_as_off_and_above_1_need_the_negat
 
     def request(scale):
         return parse_request(
-            0, 1, json.dumps({"embeddings": str(path), "height": 16, "width": 16, "true_cfg_scale": scale})
+            0,
+            1,
+            json.dumps({"embeddings": str(path), "height": 16, "width": 16, "true_cfg_scale": scale}),
+            default_steps=28,
         )
 
     assert generator.request_seq_lens(request(1.0)) == (5 + 16,)  # off, as with a prompt
@@ -1291,7 +1298,7 @@ def test_embeddings_no_text_encoder_gives_are_refused_at_the_intake_naming_the_l
     """All-NaN embeddings drew a black PNG with exit code 0; whole-number, boolean and empty ones
     were taken too. Each is the request's refusal, naming its line and file."""
     path = make(tmp_path / "emb.safetensors")
-    request = parse_request(0, 3, json.dumps({"embeddings": path, "height": 16, "width": 16}))
+    request = parse_request(0, 3, json.dumps({"embeddings": path, "height": 16, "width": 16}), default_steps=28)
     with pytest.raises(RequestError) as error:
         _tiny_generator("flux").request_seq_lens(request)
     assert str(error.value).startswith(f"line 3: embeddings {path}") and message in str(error.value)
@@ -1320,7 +1327,10 @@ def test_wan_embeddings_without_the_negative_ones_under_guidance_encode_the_empt
     generator = load_wan_generator(tmp_path, torch.float64, "cpu")
     report = generate(str(tmp_path / "requests.jsonl"), generator, None,
                       on_image=lambda r, video: videos.update({r.id: video}), progress=False)  # fmt: skip
-    assert report.refused == [] and generator.guidance_scale(parse_request(0, 1, json.dumps(request))) > 1
+    assert (
+        report.refused == []
+        and generator.guidance_scale(parse_request(0, 1, json.dumps(request), default_steps=28)) > 1
+    )
     theirs = pipe(prompt_embeds=text, height=32, width=48, num_frames=5, num_inference_steps=2, max_sequence_length=16,
                   generator=torch.Generator().manual_seed(1), output_type="np").frames[0]  # fmt: skip
     assert videos["a"].std() > 0.01 and np.abs(videos["a"] - theirs).max() < 1e-6
@@ -1334,7 +1344,7 @@ def test_wan_embeddings_with_nan_are_refused_at_the_intake(tmp_path):
     text[2, 1] = float("nan")
     save_file({"prompt_embeds": text, "negative_prompt_embeds": torch.ones(3, width)}, tmp_path / "emb.safetensors")
     request = parse_request(0, 2, json.dumps({"embeddings": "emb.safetensors", "height": 16, "width": 16,
-                                              "frames": 1}), tmp_path)  # fmt: skip
+                                              "frames": 1}), tmp_path, default_steps=28)  # fmt: skip
     with pytest.raises(RequestError, match=r"^line 2: embeddings .*emb.safetensors: prompt_embeds holds 1 NaN"):
         _tiny_generator("wan").request_seq_lens(request)
 
@@ -1547,7 +1557,7 @@ def test_qwen_image_intake_counts_each_branchs_text_cuts_embeddings_and_refuses_
 
     generator = _tiny_generator("qwen-image")
     fields = {"prompt": "a cat", "negative_prompt": "blurry and dark", "height": 32, "width": 48, "steps": 2}
-    request = parse_request(0, 1, json.dumps(fields))
+    request = parse_request(0, 1, json.dumps(fields), default_steps=28)
     rows = [generator._text_rows(request, text, None) for text in ("a cat", "blurry and dark")]
     assert rows[0] != rows[1]
     assert generator.request_seq_lens(request) == (rows[0] + 24, rows[1] + 24)
@@ -1555,20 +1565,22 @@ def test_qwen_image_intake_counts_each_branchs_text_cuts_embeddings_and_refuses_
     width = generator.model.config["joint_attention_dim"]
     save_file({"prompt_embeds": torch.randn(40, width)}, str(tmp_path / "long.safetensors"))
     cut = parse_request(0, 2, json.dumps({"embeddings": "long.safetensors", "max_sequence_length": 30, "height": 32,
-                                          "width": 48, "steps": 2}), tmp_path)  # fmt: skip
+                                          "width": 48, "steps": 2}), tmp_path, default_steps=28)  # fmt: skip
     assert generator.request_seq_lens(cut) == (30 + 24,)
     assert tuple(generator.model.pack(generator.start(cut).samples()).seq_lens) == (30 + 24,)
     save_file({"prompt_embeds": torch.randn(1500, width)}, str(tmp_path / "longer.safetensors"))
     over = parse_request(0, 2, json.dumps({"embeddings": "longer.safetensors", "max_sequence_length": 1500,
-                                           "height": 32, "width": 48, "steps": 2}), tmp_path)  # fmt: skip
+                                           "height": 32, "width": 48, "steps": 2}), tmp_path, default_steps=28)  # fmt: skip
     with pytest.raises(RequestError, match="max_sequence_length 1500 is over QwenImagePipeline's 1024"):
         generator.request_seq_lens(over)  # as the pipeline's check_inputs refuses it
     save_file({"prompt_embeds": torch.randn(4, width), "prompt_embeds_mask": torch.ones(4)},
               str(tmp_path / "mask.safetensors"))  # fmt: skip
-    masked = parse_request(0, 3, json.dumps({"embeddings": "mask.safetensors", "height": 32, "width": 48}), tmp_path)
+    masked = parse_request(
+        0, 3, json.dumps({"embeddings": "mask.safetensors", "height": 32, "width": 48}), tmp_path, default_steps=28
+    )
     with pytest.raises(RequestError, match="nothing else"):
         generator.request_seq_lens(masked)
-    wide = parse_request(0, 4, json.dumps({"prompt": "a cat", "height": 8, "width": 65600}))
+    wide = parse_request(0, 4, json.dumps({"prompt": "a cat", "height": 8, "width": 65600}), default_steps=28)
     with pytest.raises(RequestError, match=re.escape("positions of Qwen-Image's RoPE tables")):
         generator.request_seq_lens(wide)
 
@@ -1577,7 +1589,9 @@ def test_qwen_image_counts_a_prompts_own_rows_without_a_max_sequence_length():
     """Without ``max_sequence_length`` a Qwen-Image prompt is its chat-templated tokens less the
     template's dropped prefix (the pipeline pads nothing), what the start packs."""
     generator = _tiny_generator("qwen-image")
-    request = parse_request(0, 1, json.dumps({"prompt": "a cat", "height": 32, "width": 48, "steps": 2}))
+    request = parse_request(
+        0, 1, json.dumps({"prompt": "a cat", "height": 32, "width": 48, "steps": 2}), default_steps=28
+    )
     pipe = generator.pipeline
     rows = len(pipe.tokenizer(pipe.prompt_template_encode.format("a cat"))["input_ids"]) - 34
     assert generator.request_seq_lens(request) == (rows + 24,)
@@ -1642,7 +1656,9 @@ def test_a_qwen_image_edit_counts_its_text_with_the_vision_tokens_then_the_targe
         ({"image": "wide.png"}, (rows("a cat", [14]) + 72 * 220 + 48,)),
     ]  # fmt: skip
     for fields, expected in cases:
-        request = parse_request(0, 1, json.dumps({"prompt": "a cat", "steps": 2, **fields}), edit_images)
+        request = parse_request(
+            0, 1, json.dumps({"prompt": "a cat", "steps": 2, **fields}), edit_images, default_steps=28
+        )
         assert generator.request_seq_lens(request) == expected, fields
         state = generator.start(request)
         assert tuple(generator.model.pack(state.samples()).seq_lens) == expected, fields
@@ -1666,7 +1682,9 @@ def test_a_qwen_image_edit_counts_its_text_with_the_vision_tokens_then_the_targe
 ])  # fmt: skip
 def test_qwen_image_edits_refuse_what_the_pipelines_would_refuse_or_change(edit_images, pipeline, fields, expected):
     generator = _tiny_edit_generator(pipeline)
-    request = parse_request(0, 3, json.dumps({"prompt": "a cat", "height": 32, "width": 48, **fields}), edit_images)
+    request = parse_request(
+        0, 3, json.dumps({"prompt": "a cat", "height": 32, "width": 48, **fields}), edit_images, default_steps=28
+    )
     with pytest.raises(RequestError, match=re.escape(expected)) as error:
         generator.request_seq_lens(request)
     assert str(error.value).startswith("line 3: ")
@@ -1775,7 +1793,7 @@ def test_a_request_file_is_split_at_newlines_only(tmp_path):
     lines = request_lines(path)
     assert [number for number, _ in lines] == [1, 2, 3]
     assert [json.loads(text)["prompt"] for _, text in lines] == prompts
-    assert parse_request(2, 3, lines[2][1]).id == "line3"
+    assert parse_request(2, 3, lines[2][1], default_steps=28).id == "line3"
 
 
 def test_srun_tasks_without_rank_are_refused_before_each_runs_the_whole_job_alone(monkeypatch, tmp_path):
@@ -1833,4 +1851,4 @@ def test_a_huge_whole_number_guidance_is_refused_naming_the_line():
     """A JSON integer past a float's range is a request error naming the key, not an OverflowError."""
     for key in ("guidance", "true_cfg_scale", "guidance_2"):
         with pytest.raises(RequestError, match=f"line 3: '{key}' must be a finite number; got a larger number"):
-            parse_request(0, 3, f'{{"prompt": "a", "height": 16, "width": 16, "{key}": {"9" * 400}}}')
+            parse_request(0, 3, f'{{"prompt": "a", "height": 16, "width": 16, "{key}": {"9" * 400}}}', default_steps=28)

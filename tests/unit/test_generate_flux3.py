@@ -62,7 +62,7 @@ def images(tmp_path):
 ])  # fmt: skip
 def test_the_intake_counts_what_start_packs_and_the_text_encoder_gives(images, fields, expected):
     generator = _generator()
-    request = parse_request(0, 1, json.dumps({"prompt": "a cat", **fields}), images)
+    request = parse_request(0, 1, json.dumps({"prompt": "a cat", **fields}), images, default_steps=28)
     assert generator.request_seq_lens(request) == expected
     state = generator.start(request)
     assert tuple(generator.model.pack(state.samples()).seq_lens) == expected
@@ -94,7 +94,7 @@ def test_the_intake_refuses_what_flux3_does_not_take_naming_the_line_and_the_fix
     base = {"prompt": "a cat", "height": 32, "width": 48}
     if "embeddings" in fields:
         base.pop("prompt")
-    request = parse_request(0, 4, json.dumps({**base, **fields}), images)
+    request = parse_request(0, 4, json.dumps({**base, **fields}), images, default_steps=28)
     with pytest.raises(RequestError, match=re.escape(message)) as error:
         _generator().request_seq_lens(request)
     assert str(error.value).startswith("line 4: ")
@@ -105,7 +105,7 @@ def test_one_reference_alone_is_cropped_back_and_a_single_small_one_is_padded(im
     pads, where several would be cropped to nothing); the image is cropped back to 30x10 px."""
     generator = _generator()
     request = parse_request(0, 1, json.dumps({"prompt": "a dot", "image": "dot.png", "steps": 1, "guidance": 1.0}),
-                            images)  # fmt: skip
+                            images, default_steps=28)  # fmt: skip
     assert generator.request_seq_lens(request) == (80 + 256 + 256,)
     state = generator.start(request)
     state.advance(generator.model.forward_samples(state.samples()))
@@ -137,7 +137,7 @@ def test_generate_command_loads_a_flux3_folder_and_writes_what_the_modular_pipel
     pipe = generator.reference_pipeline({"transformer": _diffusers_transformer(generator)})
     pipe.set_progress_bar_config(disable=True)
     for number, line in enumerate(lines[:2], start=1):
-        request = parse_request(number - 1, number, json.dumps(line), images)
+        request = parse_request(number - 1, number, json.dumps(line), images, default_steps=28)
         pipe.update_components(guider=generator.guider(request))
         expected = pipe(**generator.pipeline_call(request), output="images")[0]  # PIL, as the command writes
         written = np.asarray(Image.open(images / "out" / f"{line['id']}.png"))
