@@ -320,7 +320,7 @@ def test_a_gif_plays_at_16_frames_per_second(tmp_path):
     from deepspeed_knap.models.wan.finetune import write_gif
 
     frames = np.random.default_rng(0).random((81, 8, 8, 3))
-    with Image.open(write_gif(frames, tmp_path / "clip.gif")) as gif:
+    with Image.open(write_gif(frames, tmp_path / "clip.gif", 16)) as gif:
         durations = []
         for index in range(gif.n_frames):
             gif.seek(index)
