@@ -214,6 +214,16 @@ def test_export_loads_in_diffusers_and_diffusers_checkpoints_load_here(tmp_path)
         from_pretrained(exported)
 
 
+def test_two_experts_of_different_shapes_are_refused_naming_each_value():
+    from deepspeed_knap.models.wan import PackedWanTransformer
+    from deepspeed_knap.models.wan.experts import PackedWanExperts
+    from deepspeed_knap.models.wan.spec import TINY_WAN
+
+    low_noise = PackedWanTransformer(**{**TINY_WAN, "num_layers": 1})
+    with pytest.raises(ValueError, match=r"configs differ \(num_layers: 2 in transformer, 1 in transformer_2\)"):
+        PackedWanExperts(PackedWanTransformer(**{**TINY_WAN, "num_layers": 2}), low_noise, boundary_ratio=0.875)
+
+
 def test_bad_samples_name_the_sample_and_the_problem():
     from deepspeed_knap.models.wan import PackedWanTransformer
 

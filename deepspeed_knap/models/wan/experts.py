@@ -98,8 +98,10 @@ class PackedWanExperts(nn.Module):
                  boundary_ratio: float) -> None:  # fmt: skip
         super().__init__()
         if transformer.config != transformer_2.config:
-            differ = sorted(k for k in transformer.config if transformer.config[k] != transformer_2.config.get(k))
-            raise ValueError(f"the two experts' configs differ in {differ}; a two-expert pipeline's have one shape")
+            keys = sorted(set(transformer.config) | set(transformer_2.config))
+            differ = "; ".join(f"{k}: {transformer.config.get(k)!r} in transformer, {transformer_2.config.get(k)!r} in "
+                               "transformer_2" for k in keys if transformer.config.get(k) != transformer_2.config.get(k))  # fmt: skip
+            raise ValueError(f"the two experts' configs differ ({differ}); a two-expert pipeline's have one shape")
         if not 0 < boundary_ratio < 1:
             raise ValueError(f"boundary_ratio {boundary_ratio} must lie in (0, 1)")
         if transformer.embed_text_before_routing:
