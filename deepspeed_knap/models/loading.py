@@ -6,6 +6,10 @@ A checkpoint directory holds ``config.json`` and ``diffusion_pytorch_model.safet
 it with ``diffusion_pytorch_model.safetensors.index.json`` (a pipeline directory has them under
 ``transformer/``). Before any tensor is read, the config is checked against the family and every
 shard's header against the model's parameter names and shapes; errors name the file and the key.
+What diffusers' own class ignores is ignored here too, with a warning: config keys its constructor
+does not take (Qwen/Qwen-Image's ``pooled_projection_dim``), and stored tensors its
+``_keys_to_ignore_on_load_unexpected`` names (the zero ``attn2.norm_added_q`` weights of Wan 2.1
+I2V's diffusers release). Without diffusers installed neither is known, and both are refused.
 
 Under ZeRO-3 (``ds_config`` with ``zero_optimization.stage == 3``) the model is built inside
 ``deepspeed.zero.Init``, so each parameter is partitioned as its module is constructed, and then each
@@ -26,6 +30,7 @@ import inspect
 import json
 import math
 import os
+import re
 import resource
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
+from deepspeed.utils import logger
 from torch import Tensor, nn
 
 from deepspeed_knap.models.registry import CONFIG_NAME, transformer_dir
@@ -68,12 +74,43 @@ def read_config(path: Path, diffusers_class: str, config_keys: tuple[str, ...]) 
             "(deepspeed_knap.models.auto.from_pretrained picks it from _class_name)"
         )
     unknown = sorted(key for key in config if not key.startswith("_") and key not in config_keys)
+    theirs = _diffusers_class(diffusers_class)
+    if theirs is not None:  # keys diffusers' class does not take either, diffusers ignores (with a warning)
+        taken = inspect.signature(theirs.__init__).parameters
+        ignored = [key for key in unknown if key not in taken]
+        unknown = [key for key in unknown if key in taken]
+        if ignored:
+            logger.warning(f"{path}: config keys {ignored} are not arguments of {diffusers_class}; ignored, as "
+                           "diffusers ignores them")  # fmt: skip
     if unknown:
+        which = "" if theirs is not None else " (without diffusers installed, not even those diffusers ignores)"
         raise CheckpointError(
-            f"{path} has config keys {unknown} that this {diffusers_class} implementation does not know (it knows "
-            f"{sorted(config_keys)}); this checkpoint is a variant it cannot run faithfully"
+            f"{path} has config keys {unknown} that this {diffusers_class} implementation does not know{which} (it "
+            f"knows {sorted(config_keys)}); this checkpoint is a variant it cannot run faithfully"
         )
     return {key: value for key, value in config.items() if key in config_keys}
+
+
+def _diffusers_class(name: str) -> type | None:
+    """diffusers' model class ``name``, or ``None`` (diffusers not installed, or without it)."""
+    try:
+        import diffusers
+    except ImportError:
+        return None
+    return getattr(diffusers, name, None)
+
+
+def _ignored_tensors(files: Mapping[str, Path], diffusers_class: str) -> dict[str, Path]:
+    """``files`` (:func:`weight_files`) less the tensors diffusers' ``diffusers_class`` ignores when
+    it loads a checkpoint (its ``_keys_to_ignore_on_load_unexpected`` patterns, searched in each
+    name as diffusers does), with a warning naming how many."""
+    theirs = _diffusers_class(diffusers_class)
+    patterns = (getattr(theirs, "_keys_to_ignore_on_load_unexpected", None) or []) if theirs is not None else []
+    ignored = sorted(name for name in files if any(re.search(pattern, name) for pattern in patterns))
+    if ignored:
+        logger.warning(f"{files[ignored[0]].parent}: {len(ignored)} stored tensors that {diffusers_class} ignores "
+                       f"(its _keys_to_ignore_on_load_unexpected {patterns}), e.g. {ignored[0]!r}, are not read")  # fmt: skip
+    return {name: file for name, file in files.items() if name not in ignored}
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
@@ -336,7 +373,7 @@ def load_checkpoint(
         config = read_config(directory / CONFIG_NAME, cls.diffusers_class, cls.config_keys())
         with torch.device("meta"):  # checks the config (RoPE axes, heads against a topology) at no cost
             meta = cls(**config, **kwargs)
-        files = weight_files(directory)
+        files = _ignored_tensors(weight_files(directory), cls.diffusers_class)
         problems = checkpoint_problems(files, {name: tuple(p.shape) for name, p in meta.named_parameters()})
         if ds_config is not None and (
             bags := _bag_problem(ds_config, directory / CONFIG_NAME, meta.attention.num_heads)
@@ -398,16 +435,18 @@ def _kept(param: Tensor) -> Tensor:
 
 def _assign_tensors(model: nn.Module, files: Mapping[str, Path], dtype: torch.dtype | None,
                     keep_in_fp32: tuple[str, ...] = ()) -> int:  # fmt: skip
-    """Read every tensor, shard by shard, into the meta-built ``model``, floating ones cast to
+    """Read every tensor of ``files``, shard by shard, into the meta-built ``model``, floating ones cast to
     ``dtype`` but those of modules named in ``keep_in_fp32`` (:func:`_in_modules`), which are
     float32, as diffusers' ``from_pretrained`` loads them; returns bytes read."""
     from safetensors import safe_open
 
-    read = 0
-    for file in sorted(set(files.values())):
+    read, by_file = 0, {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in sorted(by_file.items()):
         with safe_open(str(file), "pt") as handle:
             tensors = {}
-            for name in handle.keys():  # noqa: SIM118
+            for name in names:
                 tensor = handle.get_tensor(name)
                 read += tensor.numel() * tensor.element_size()
                 if dtype is not None and tensor.is_floating_point():

@@ -193,16 +193,28 @@ def test_bad_samples_name_the_problem(family):
         packed_class(family)(**{**config, "axes_dims_rope": (4,) * axes})
 
 
-def test_bad_checkpoints_name_the_file_and_the_key(tmp_path):
+def test_bad_checkpoints_name_the_file_and_the_key(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
     from deepspeed_knap.models.auto import from_pretrained
     from deepspeed_knap.models.flux import PackedFluxTransformer
     from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
     from deepspeed_knap.models.loading import CheckpointError
     from deepspeed_knap.planner.topology import build_topology
 
+    # A config key diffusers' class takes and this one does not is a variant; one neither takes,
+    # diffusers ignores, and so does the loader (test_qwenimage: Qwen-Image's released config).
+    class NewerDiffusers:
+        def __init__(self, ip_adapter_layers=0, **config):
+            pass
+
     (tmp_path / "config.json").write_text(json.dumps({**CONFIGS["flux"], "ip_adapter_layers": 3}))
-    with pytest.raises(ValueError, match=r"config keys \['ip_adapter_layers'\]"):
-        PackedFluxTransformer.from_pretrained(tmp_path)
+    for theirs, shown in ((NewerDiffusers, ""), (None, r" \(without diffusers installed")):
+        monkeypatch.setattr("deepspeed_knap.models.loading._diffusers_class", lambda name, theirs=theirs: theirs)
+        with pytest.raises(ValueError, match=r"config keys \['ip_adapter_layers'\] that this FluxTransformer2DModel "
+                           f"implementation does not know{shown}"):  # fmt: skip
+            PackedFluxTransformer.from_pretrained(tmp_path)
+    monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         from_pretrained(tmp_path / "missing")
     (tmp_path / "config.json").write_text("[]")  # an AttributeError on the rank that read it, before
@@ -236,6 +248,13 @@ def test_bad_checkpoints_name_the_file_and_the_key(tmp_path):
         match=r"safetensors: 'context_embedder.weight' has shape \[48, 104\], the model's is \[48, 100\]",
     ):
         from_pretrained(tmp_path / "wider")
+
+    # A tensor the model lacks, which diffusers' class does not ignore either (FLUX.1 ignores none).
+    save_file({"norm_added_q.weight": torch.zeros(3)}, str(sharded / "extra.safetensors"))
+    extra = {**index, "weight_map": {**index["weight_map"], "norm_added_q.weight": "extra.safetensors"}}
+    (sharded / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(extra))
+    with pytest.raises(CheckpointError, match=r"extra\.safetensors holds 'norm_added_q\.weight', which the model does"):
+        from_pretrained(sharded)
 
     index["weight_map"][key] = sorted(set(index["weight_map"].values()))[0]  # the index points at a shard without it
     (sharded / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))

@@ -9,6 +9,7 @@ tests/multirank/test_qwenimage.py.
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -159,8 +160,13 @@ def test_export_loads_in_diffusers_and_diffusers_checkpoints_load_here(tmp_path)
     assert reloaded.config.zero_cond_t
     assert all(torch.equal(t, ref.state_dict()[k]) for k, t in reloaded.state_dict().items())
     ref.save_pretrained(tmp_path / "pipeline" / "transformer")
+    # Qwen/Qwen-Image's released config.json holds pooled_projection_dim, which diffusers' class does
+    # not take and ignores (with a warning): so does the loader.
+    config = tmp_path / "pipeline" / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "pooled_projection_dim": 768}))
     model = from_pretrained(tmp_path / "pipeline", attention_backend="sdpa")  # the family from _class_name
     assert type(model) is PackedQwenImageTransformer and model.config["zero_cond_t"]
+    assert "pooled_projection_dim" not in model.config
     for output, want in zip(model.forward_samples(samples), expected, strict=True):
         assert relative_error(output, want) <= TOLERANCE[torch.float32]
 

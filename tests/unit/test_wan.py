@@ -185,6 +185,7 @@ def test_cross_attention_kernel_attends_each_query_chunk_to_its_own_keys():
 
 def test_export_loads_in_diffusers_and_diffusers_checkpoints_load_here(tmp_path):
     from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file, save_file
 
     from deepspeed_knap.models.auto import from_pretrained
     from deepspeed_knap.models.wan import PackedWanTransformer
@@ -208,6 +209,15 @@ def test_export_loads_in_diffusers_and_diffusers_checkpoints_load_here(tmp_path)
     with pytest.raises(ValueError, match=r"is a pipeline of two transformers .* PackedWanExperts.from_pretrained"):
         from_pretrained(tmp_path / "pipeline")
     assert type(from_pretrained(tmp_path / "pipeline" / "transformer")) is PackedWanTransformer
+    # Wan 2.1 I2V's diffusers release stores zero attn2.norm_added_q weights, which diffusers' class
+    # ignores (_keys_to_ignore_on_load_unexpected): so does the loader, and reads none of them.
+    weights = tmp_path / "pipeline" / "transformer" / "diffusion_pytorch_model.safetensors"
+    stored = load_file(weights)
+    save_file({**stored, "blocks.0.attn2.norm_added_q.weight": torch.full((3,), float("nan"))}, weights)
+    model = from_pretrained(tmp_path / "pipeline" / "transformer", attention_backend="sdpa")
+    assert not any("norm_added_q" in name for name in model.state_dict())
+    for output, want in zip(model.forward_samples(samples), expected, strict=True):
+        assert relative_error(output, want) <= 1e-5
     config = json.loads((exported / "config.json").read_text())
     (exported / "config.json").write_text(json.dumps({**config, "pos_embed_seq_len": 514}))
     with pytest.raises(ValueError, match=r"pos_embed_seq_len=514 \(first-last-frame models\) is not supported"):
