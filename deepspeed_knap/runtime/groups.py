@@ -232,8 +232,10 @@ def _short(view: str, limit: int = 400) -> str:
 
 
 def text_digest(text: str) -> int:
-    """A 63-bit digest of ``text`` (fits an int64 tensor), equal for equal texts on every machine."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    """A 63-bit digest of ``text`` (fits an int64 tensor), equal for equal texts on every machine.
+    A lone surrogate (a path's byte that is not UTF-8) is digested as itself: it must not raise on
+    the one rank whose path holds it."""
+    return int.from_bytes(hashlib.blake2b(text.encode(errors="surrogatepass"), digest_size=8).digest(), "little") >> 1
 
 
 def raise_together(problem: str | None, what: str, error: type[Exception] = ValueError) -> None:
@@ -256,7 +258,9 @@ def gather_problems(problem: str | None) -> str | None:
     that found it (``rank(s) [0, 3]: ...``), the same on every rank; ``None`` when no rank found one.
     Collective over the world (two all-gathers on the accelerator device: lengths, then the
     messages' bytes)."""
-    messages = [m.decode() for m in all_gather_bytes((problem or "").encode())]
+    # A lone surrogate (a path's byte that is not UTF-8) must not raise on the rank that found it alone.
+    encoded = (problem or "").encode(errors="backslashreplace")
+    messages = [m.decode(errors="replace") for m in all_gather_bytes(encoded)]
     by_message: dict[str, list[int]] = {}
     for rank, message in enumerate(messages):
         if message:

@@ -1,7 +1,8 @@
 """runtime.routing.gather_step_inputs on one rank (its all-gathers replaced by one that returns this
 rank's row): bad attention segments, ragged ones included, become this rank's problem, which reaches
 the header gather, so every rank raises together instead of one raising before it while the others
-wait. With a capacity, the rows ride the header: checked on ranks simulated by threads."""
+wait. With a capacity, the rows ride the header: checked on ranks simulated by threads. Likewise
+runtime.groups' agreement on problems and views."""
 
 import threading
 from types import SimpleNamespace
@@ -223,3 +224,17 @@ def test_segments_the_gather_refuses_match_no_prefetched_plan_and_reach_the_agre
     # The plan is chosen for the segments it was prefetched with: the test is not passing for want of a match.
     balancer._ahead = {0: ahead}
     assert KnapBalancer._plan_ahead(balancer, batch, prefetched, None)[1] == "plan" and sent == [-1, 0]
+
+
+def test_a_problem_or_view_naming_a_path_that_is_not_utf8_reaches_the_agreement(monkeypatch):
+    """A path's byte that is not UTF-8 (a lone surrogate in Python) must not raise on the one rank
+    that found it before the all-gather, leaving the others waiting in it."""
+    from deepspeed_knap.runtime import groups
+
+    monkeypatch.setattr(groups, "all_gather_bytes", lambda data: [b"", data])  # rank 1 found the problem
+    path = "/ckpt/\udcff/mp_rank_00_model_states.pt"
+    assert (
+        groups.gather_problems(f"{path} is not there")
+        == "rank(s) [1]: /ckpt/\\udcff/mp_rank_00_model_states.pt is not there"
+    )
+    assert groups.text_digest(path) != groups.text_digest(path.replace("\udcff", "\\udcff"))
