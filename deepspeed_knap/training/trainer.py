@@ -199,7 +199,12 @@ class Trainer:
         if not a.data_dir:
             return self.hooks.synthetic_data(a.mix or self.model.spec.default_mix, self.model.config, a.token_scale,
                                              a.seed)  # fmt: skip
-        data = self.hooks.latent_directory(a.data_dir, a.samples_per_rank, a.repeat_data)
+        data, problem = None, None
+        try:  # listing it may fail on one node alone (a stale NFS handle, a mount's permissions)
+            data = self.hooks.latent_directory(a.data_dir, a.samples_per_rank, a.repeat_data)
+        except OSError as error:
+            problem = f"--data-dir {a.data_dir}: {error}"
+        self.raise_together(problem)
         if a.shuffle_data:
             data.shuffle(a.seed, self.world * a.samples_per_rank)
         try:

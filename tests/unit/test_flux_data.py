@@ -363,3 +363,30 @@ def test_flux2_samples_are_written_without_pooled_text_and_pass_their_check(tmp_
                                                                                 "remove it")  # fmt: skip
     with pytest.raises(ValueError, match=r"missing \['txt_ids'\]"):
         save_latent_sample(tmp_path / "x.safetensors", {k: v for k, v in sample.items() if k != "txt_ids"})
+
+
+def test_a_data_directory_one_node_cannot_list_is_every_rank_s_error(monkeypatch, tmp_path):
+    """Listing the data directory may fail on one node alone (a stale NFS handle): its error is
+    agreed on, not raised on that node's ranks while the others wait in the files' check."""
+    import errno
+    from types import SimpleNamespace
+
+    from deepspeed_knap.training.trainer import Trainer
+
+    def stale(path, samples_per_rank, repeat):
+        raise OSError(errno.ESTALE, "Stale file handle", str(path / "manifest.json"))
+
+    agreed = []
+
+    def raise_together(problem):
+        agreed.append(problem)
+        raise RuntimeError("raised on every rank")
+
+    arguments = SimpleNamespace(data_dir=tmp_path, samples_per_rank=1, repeat_data=False, shuffle_data=False)
+    run = SimpleNamespace(arguments=arguments, hooks=SimpleNamespace(latent_directory=stale),
+                          raise_together=raise_together)  # fmt: skip
+    with pytest.raises(RuntimeError, match="raised on every rank"):
+        Trainer._data(run)
+    assert agreed == [
+        f"--data-dir {tmp_path}: [Errno {errno.ESTALE}] Stale file handle: '{tmp_path / 'manifest.json'}'"
+    ]
