@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from deepspeed_knap.cost.model import CostModel
 from deepspeed_knap.models.registry import family_names
 from deepspeed_knap.planner.topology import AUTO, Topology, build_topology, default_max_degree
-from deepspeed_knap.runtime.attention import KnapDistributedAttention, backend_problem
+from deepspeed_knap.runtime.attention import KnapDistributedAttention, backend_view
 from deepspeed_knap.runtime.balancer import KnapBalancer
 from deepspeed_knap.runtime.calibration import calibrate_at_start
 from deepspeed_knap.runtime.config import (
@@ -196,8 +196,9 @@ def _initialize(args: Any, model: nn.Module | None, ds_config: dict, timeout: da
     elif "attention_backend" in knap.model_fields_set:  # (the block is agreed: every rank or none)
         # Balancing off (an A/B against a run with it on) runs the kernel the block names, where it
         # names one; installed kernels differ between nodes: agreed first.
-        check_same_on_every_rank({f"attention backend {knap.attention_backend!r}":
-                                  str(backend_problem(knap.attention_backend))})  # fmt: skip
+        check_same_on_every_rank(
+            {f"attention backend {knap.attention_backend!r}": backend_view(knap.attention_backend)}
+        )
         for module in [] if model is None else model.modules():
             if isinstance(module, KnapDistributedAttention):
                 module.configure(None, knap.attention_backend)
@@ -299,7 +300,7 @@ def _rank_views(knap: KnapFormerConfig, model: nn.Module | None,
     views = {
         "gpus per node from the launcher": str(launcher_gpus_per_node()),
         "cost model (calibration_file)": repr(cost_model),
-        f"attention backend {knap.attention_backend!r}": str(backend_problem(knap.attention_backend)),
+        f"attention backend {knap.attention_backend!r}": backend_view(knap.attention_backend),
         "model parameters (names, shapes, dtypes)": repr(parameters),
         "attention heads": repr(sorted({m.num_heads or 0 for m in attention})),
         "accelerator (startup_calibration's auto)": get_accelerator().device_name(),

@@ -61,11 +61,15 @@ class VarlenSeqs:
 
 
 @functools.cache
-def _flash_varlen() -> Callable | None:
+def _flash_varlen() -> Callable | str:
+    """flash-attn's ``flash_attn_varlen_func``, or why there is none here."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
-        return None
+        return "flash-attn is not installed (pip install flash-attn)"
+    except Exception as error:  # a build for another torch or CUDA: its kernels' library fails to load
+        return (f"flash-attn fails to import ({type(error).__name__}: {error}); reinstall it for torch "
+                f"{torch.__version__}")  # fmt: skip
     return flash_attn_varlen_func
 
 
@@ -112,11 +116,20 @@ def _unusable(backend: str, device: torch.device, dtype: torch.dtype) -> str | N
 def backend_problem(backend: str) -> str | None:
     """Why ``backend`` cannot be used on this machine at all (not installed), or ``None``. Differs
     between nodes when packages do, so :func:`deepspeed_knap.initialize` agrees on it first."""
-    if backend == "flash" and _flash_varlen() is None:
-        return "flash-attn is not installed (pip install flash-attn)"
+    if backend == "flash" and isinstance(found := _flash_varlen(), str):
+        return found
     if backend == "torch_varlen" and _torch_varlen() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
     return None
+
+
+def backend_view(backend: str) -> str:
+    """What ``backend`` finds on this machine, which must be the same on every rank
+    (:func:`deepspeed_knap.initialize` agrees on it): why it cannot run (:func:`backend_problem`),
+    and for ``"auto"`` that of each kernel it may pick, since it runs the first one usable: nodes
+    with flash-attn and nodes without would run different kernels within one attention group."""
+    names = ("flash", "torch_varlen") if backend == "auto" else (backend,)
+    return "; ".join(f"{name}: {backend_problem(name) or 'usable'}" for name in names)
 
 
 class VarlenAttention:

@@ -74,6 +74,35 @@ def test_unusable_backends_fail_clearly():
         VarlenAttention("torch_varlen")(q, k, v, seqs)
 
 
+def test_auto_s_agreed_view_tells_nodes_with_and_without_flash_apart(monkeypatch):
+    """``auto`` runs the first usable kernel, so the view the ranks agree on holds each kernel's state:
+    a node whose flash-attn fails to load (a build for another torch) differs from one with none."""
+    import sys
+    import types
+
+    from deepspeed_knap.runtime import attention as attention_module
+
+    def fails_to_load(name):
+        raise OSError("undefined symbol: _ZN3c104cuda")
+
+    broken = types.ModuleType("flash_attn")
+    broken.__getattr__ = fails_to_load
+    views = {}
+    for node, module in (("none", None), ("broken", broken)):
+        monkeypatch.setitem(sys.modules, "flash_attn", module)
+        attention_module._flash_varlen.cache_clear()
+        views[node] = attention_module.backend_view("auto")
+    attention_module._flash_varlen.cache_clear()
+    assert views["none"].startswith("flash: flash-attn is not installed (pip install flash-attn); torch_varlen: ")
+    assert views["broken"].startswith("flash: flash-attn fails to import (OSError: undefined symbol: _ZN3c104cuda)")
+    with pytest.raises(ValueError, match="flash-attn fails to import"):
+        monkeypatch.setitem(sys.modules, "flash_attn", broken)
+        try:
+            VarlenAttention("flash")
+        finally:
+            attention_module._flash_varlen.cache_clear()
+
+
 def test_head_splits_are_near_equal_and_cover_all_heads():
     assert head_splits(24, 8) == [3] * 8
     assert head_splits(6, 4) == [2, 2, 1, 1]
