@@ -161,13 +161,14 @@ class TrainingHooks(ABC):
         small files, such as a pipeline's ``model_index.json``; the trainer agrees on the outcome).
 
         Raises:
-            ValueError: naming the argument and the fix: here, Wan's ``expert`` and
-                ``first_frame_share``, which a family without experts or image-conditioned frames
+            ValueError: naming the argument and the fix: here, Wan's ``expert``, ``high_noise_share``
+                and ``first_frame_share``, which a family without experts or image-conditioned frames
                 would silently ignore.
         """
-        if arguments.expert is not None:
-            raise ValueError(f"--expert {arguments.expert}: {self.spec.title} has one transformer (--expert chooses "
-                             "among Wan 2.2 A14B's two); drop --expert")  # fmt: skip
+        if arguments.expert is not None or arguments.high_noise_share is not None:
+            given = f"--expert {arguments.expert}" if arguments.expert is not None else "--high-noise-share"
+            raise ValueError(f"{given}: {self.spec.title} has one transformer (it chooses among Wan 2.2 A14B's two); "
+                             "drop it")  # fmt: skip
         if arguments.first_frame_share is not None:
             raise ValueError(f"--first-frame-share {arguments.first_frame_share}: {self.spec.title} has no "
                              "image-conditioned first frame (Wan 2.2 TI2V's); drop it")  # fmt: skip

@@ -36,6 +36,10 @@ class TrainingArguments:
         expert: a two-expert model (Wan 2.2 A14B): ``"both"`` (the default for a two-expert pipeline:
             each sample's noise level picks its expert), ``"high"`` or ``"low"`` (that expert alone,
             on its side of the pipeline's ``boundary_ratio``). ``None``: the checkpoint's one model.
+        high_noise_share: with both experts, the share of samples the high-noise expert trains on:
+            each sample draws its expert, then its noise level on that expert's side, as one expert
+            alone draws it. ``None``: one noise level drawn over both sides (logit-normal: about 3%
+            of samples above Wan 2.2 T2V-A14B's boundary 0.875).
         first_frame_share: Wan 2.2 TI2V's image-to-video training: the share of clips trained with
             their first latent frame clean (timestep 0, no loss), as ``WanImageToVideoPipeline``
             with ``expand_timesteps`` generates them. ``None``: 0.5 for a pipeline with
@@ -70,6 +74,7 @@ class TrainingArguments:
     lr: float = 1e-5
     guidance: float | None = None
     expert: str | None = None
+    high_noise_share: float | None = None
     first_frame_share: float | None = None
     gradient_checkpointing: bool = False
     seed: int = 0
@@ -95,6 +100,8 @@ class TrainingArguments:
             raise ValueError(f"family {self.family!r}: choose one of {', '.join(SPECS)}")
         if self.expert not in (None, "high", "low", "both"):
             raise ValueError(f"expert {self.expert!r}: choose high, low or both")
+        if self.high_noise_share is not None and not 0 <= self.high_noise_share <= 1:
+            raise ValueError(f"high_noise_share {self.high_noise_share} must lie in [0, 1]")
         if self.first_frame_share is not None and not 0 <= self.first_frame_share <= 1:
             raise ValueError(f"first_frame_share {self.first_frame_share} must lie in [0, 1]")
         if self.seed < 0:
@@ -157,6 +164,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert", choices=["high", "low", "both"], default=None,
                         help="a two-expert model (Wan 2.2 A14B): both (default: each sample's noise level picks its "
                         "expert), or the high- or low-noise expert alone on its side of boundary_ratio")  # fmt: skip
+    parser.add_argument("--high-noise-share", type=float, default=None,
+                        help="with both experts: the share of samples the high-noise expert trains on, each drawn on "
+                        "its side of boundary_ratio; default: one logit-normal draw over both (about 3%% high at "
+                        "0.875)")  # fmt: skip
     parser.add_argument("--first-frame-share", type=float, default=None,
                         help="Wan 2.2 TI2V: the share of clips trained image-conditioned (first latent frame clean, "
                         "timestep 0, no loss); default 0.5 with expand_timesteps, else 0")  # fmt: skip

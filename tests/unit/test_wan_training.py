@@ -55,6 +55,37 @@ def test_one_expert_draws_its_noise_levels_on_its_side_of_the_boundary():
     assert min(both) < 875 <= max(both)  # both: the draw picks the expert
 
 
+def test_two_experts_trained_together_split_the_samples_by_the_high_noise_share():
+    """--expert both with --high-noise-share P: each sample draws the high-noise expert with
+    probability P, then its noise level on that side; without it, one logit-normal draw over both
+    sides puts about 3% of samples above 0.875. The trainer hooks refuse the share without both."""
+    from deepspeed_knap.models.registry import spec
+    from deepspeed_knap.models.wan.finetune import WanTraining
+    from deepspeed_knap.training.arguments import TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    latents = [{"latents": torch.randn(4, 1, 2, 2, generator=g), "encoder_hidden_states": torch.randn(2, 24, generator=g)}
+               for _ in range(400)]  # fmt: skip
+
+    def high_share(**draw):
+        samples = flow_matching(latents, torch.Generator().manual_seed(1), [1, 2, 2], **draw).samples
+        return sum(float(s["timestep"]) >= 875 for s in samples) / len(samples)
+
+    assert high_share() < 0.08  # one draw over both sides: about 3%
+    assert high_share(expert_draw=(0.875, 0.0)) == 0 and high_share(expert_draw=(0.875, 1.0)) == 1
+    assert 0.4 < high_share(expert_draw=(0.875, 0.5)) < 0.6  # 200 +- 10 (1 sd) of 400
+    hooks = WanTraining(spec("wan"))
+    hooks.load_model(TrainingArguments(None, family="wan", expert="both", high_noise_share=0.5), {})
+    assert hooks.expert_draw == (0.875, 0.5)  # the tiny pipeline's boundary
+    for expert in (None, "high"):
+        with pytest.raises(ValueError, match=r"--high-noise-share 0\.5: it splits the samples between the two experts"):
+            hooks.check_arguments(TrainingArguments(None, family="wan", expert=expert, high_noise_share=0.5))
+    with pytest.raises(ValueError, match=r"--high-noise-share: FLUX\.1 has one transformer"):
+        spec("flux").hooks().check_arguments(TrainingArguments(None, family="flux", high_noise_share=0.5))
+    with pytest.raises(ValueError, match=r"high_noise_share 1\.5 must lie in \[0, 1\]"):
+        TrainingArguments(None, family="wan", high_noise_share=1.5)
+
+
 def test_image_to_video_samples_feed_the_condition_beside_the_noisy_latents():
     """WanImageToVideoPipeline's input: [noisy latents | first-frame mask | first-frame latents] on
     the channels; the target is the noisy latents' velocity only; the CLIP context goes along."""

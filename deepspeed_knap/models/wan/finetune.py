@@ -59,6 +59,7 @@ def flow_matching(
     patch_size: Sequence[int],
     sigma_range: tuple[float, float] | None = None,
     first_frame_share: float = 0.0,
+    expert_draw: tuple[float, float] | None = None,
 ) -> Objective:
     """The flow-matching objective of Wan training, per video latent sample (``latents [C, F, H, W]``,
     ``encoder_hidden_states [Lt, Dj]``, and for image-to-video ``condition``, maybe
@@ -66,7 +67,10 @@ def flow_matching(
 
     ``sigma = sigmoid(n)``, ``n ~ N(0, 1)`` (logit-normal, as FLUX fine-tuning here; Wan's own
     trainers also draw it uniformly and shift it), scaled into ``sigma_range`` where given (one
-    expert of Wan 2.2 A14B: its side of ``boundary_ratio``); ``noisy = (1 - sigma) * x0 + sigma *
+    expert of Wan 2.2 A14B: its side of ``boundary_ratio``). ``expert_draw`` ``(boundary_ratio,
+    high_noise_share)`` (two experts trained together): each sample first draws its expert, the
+    high-noise one with probability ``high_noise_share``, then its ``sigma`` scaled into that
+    expert's side, as one expert alone draws it; ``noisy = (1 - sigma) * x0 + sigma *
     noise``; the model sees ``noisy`` at timestep ``1000 * sigma`` (diffusers' scale) and must predict
     ``noise - x0``, what the pipelines' flow-matching scheduler integrates.
 
@@ -85,6 +89,10 @@ def flow_matching(
     model_samples, targets, weights = [], [], []
     for sample in samples:
         x0 = sample["latents"]
+        if expert_draw is not None:
+            boundary, high_share = expert_draw
+            high = bool(torch.rand((), generator=generator) < high_share)
+            sigma_range = (boundary, 1.0) if high else (0.0, boundary)
         # One sigma, in the data's dtype, for both the mix and the timestep (bf16 rounds it).
         sigma, noisy, velocity = flow_noise(x0, generator, sigma_range)
         timestep = 1000 * sigma.float()
@@ -227,6 +235,7 @@ class WanTraining(TrainingHooks):
     def __init__(self, spec) -> None:
         super().__init__(spec)
         self.sigma_range: tuple[float, float] | None = None  # one expert's side of the boundary
+        self.expert_draw: tuple[float, float] | None = None  # both experts: (boundary, high-noise share)
         self.first_frame_share = 0.0
         # (boundary_ratio, has transformer_2, expand_timesteps) of the pipeline folder, read once, in
         # check_arguments: that runs where the ranks agree on its errors (an unreadable file).
@@ -263,6 +272,11 @@ class WanTraining(TrainingHooks):
             raise ValueError(f"--validation-every with --expert {expert}: validation renders run both experts; train "
                              "both (--expert both) to validate, or render the exported expert with the pipeline "
                              "yourself")  # fmt: skip
+        share = arguments.high_noise_share
+        if share is not None and not ((two and expert in (None, "both")) or (path is None and expert == "both")):
+            raise ValueError(f"--high-noise-share {share}: it splits the samples between the two experts trained "
+                             "together; give a two-expert Wan 2.2 A14B pipeline with --expert both (one expert "
+                             "alone trains on its side of boundary_ratio only)")  # fmt: skip
         if arguments.first_frame_share and path is not None and not expand:
             raise ValueError(f"--first-frame-share {arguments.first_frame_share}: {path} is not a Wan 2.2 TI2V "
                              "pipeline (its model_index.json does not set expand_timesteps); drop it")  # fmt: skip
@@ -279,6 +293,8 @@ class WanTraining(TrainingHooks):
         if expert in ("high", "low"):  # one expert, trained on its side of the boundary
             self.sigma_range = (boundary, 1.0) if expert == "high" else (0.0, boundary)
             self.expert = expert
+        if expert == "both" and arguments.high_noise_share is not None:
+            self.expert_draw = (boundary, arguments.high_noise_share)
         if expert is None:
             return super().load_model(arguments, options)
         if path is None:
@@ -297,7 +313,8 @@ class WanTraining(TrainingHooks):
 
     def objective(self, latents: Sequence[Mapping[str, Tensor]], generator: torch.Generator, config: Mapping,
                   guidance: float | None) -> Objective:  # fmt: skip
-        return flow_matching(latents, generator, config["patch_size"], self.sigma_range, self.first_frame_share)
+        return flow_matching(latents, generator, config["patch_size"], self.sigma_range, self.first_frame_share,
+                             self.expert_draw)  # fmt: skip
 
     def save_adapters(self, model: nn.Module, state: Mapping[str, Tensor], directory: Path) -> list[tuple[Path, dict]]:
         """Two experts: one adapter file each, ``directory/transformer`` and ``directory/transformer_2``
