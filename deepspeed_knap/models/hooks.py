@@ -165,10 +165,11 @@ class TrainingHooks(ABC):
                 and ``first_frame_share``, which a family without experts or image-conditioned frames
                 would silently ignore.
         """
-        if arguments.expert is not None or arguments.high_noise_share is not None:
-            given = f"--expert {arguments.expert}" if arguments.expert is not None else "--high-noise-share"
-            raise ValueError(f"{given}: {self.spec.title} has one transformer (it chooses among Wan 2.2 A14B's two); "
-                             "drop it")  # fmt: skip
+        given = [f"--{name.replace('_', '-')} {value}" for name in ("expert", "high_noise_share")
+                 if (value := getattr(arguments, name)) is not None]  # fmt: skip
+        if given:
+            raise ValueError(f"{' and '.join(given)}: {self.spec.title} has one transformer (these choose among and "
+                             "split the samples between Wan 2.2 A14B's two); drop them")  # fmt: skip
         if arguments.first_frame_share is not None:
             raise ValueError(f"--first-frame-share {arguments.first_frame_share}: {self.spec.title} has no "
                              "image-conditioned first frame (Wan 2.2 TI2V's); drop it")  # fmt: skip

@@ -74,16 +74,16 @@ def read_config(path: Path, diffusers_class: str, config_keys: tuple[str, ...]) 
             "(deepspeed_knap.models.auto.from_pretrained picks it from _class_name)"
         )
     unknown = sorted(key for key in config if not key.startswith("_") and key not in config_keys)
-    theirs = _diffusers_class(diffusers_class)
-    if theirs is not None:  # keys diffusers' class does not take either, diffusers ignores (with a warning)
+    theirs = _diffusers_class(diffusers_class) if unknown else None
+    if isinstance(theirs, type):  # keys diffusers' class does not take either, diffusers ignores (with a warning)
         taken = inspect.signature(theirs.__init__).parameters
         ignored = [key for key in unknown if key not in taken]
         unknown = [key for key in unknown if key in taken]
-        if ignored:
+        if ignored and _first_rank():
             logger.warning(f"{path}: config keys {ignored} are not arguments of {diffusers_class}; ignored, as "
                            "diffusers ignores them")  # fmt: skip
     if unknown:
-        which = "" if theirs is not None else " (without diffusers installed, not even those diffusers ignores)"
+        which = f" ({theirs}, to tell which ones diffusers ignores)" if isinstance(theirs, str) else ""
         raise CheckpointError(
             f"{path} has config keys {unknown} that this {diffusers_class} implementation does not know{which} (it "
             f"knows {sorted(config_keys)}); this checkpoint is a variant it cannot run faithfully"
@@ -91,25 +91,37 @@ def read_config(path: Path, diffusers_class: str, config_keys: tuple[str, ...]) 
     return {key: value for key, value in config.items() if key in config_keys}
 
 
-def _diffusers_class(name: str) -> type | None:
-    """diffusers' model class ``name``, or ``None`` (diffusers not installed, or without it)."""
+def _diffusers_class(name: str) -> type | str:
+    """diffusers' model class ``name``, or why there is none here (the reason, for a message)."""
     try:
         import diffusers
+
+        return getattr(diffusers, name)
     except ImportError:
-        return None
-    return getattr(diffusers, name, None)
+        return "diffusers is not installed"
+    except Exception as error:  # an older diffusers without the class; one whose import fails (RuntimeError)
+        return f"diffusers has no {name} here ({type(error).__name__}: {error})"
 
 
-def _ignored_tensors(files: Mapping[str, Path], diffusers_class: str) -> dict[str, Path]:
-    """``files`` (:func:`weight_files`) less the tensors diffusers' ``diffusers_class`` ignores when
-    it loads a checkpoint (its ``_keys_to_ignore_on_load_unexpected`` patterns, searched in each
-    name as diffusers does), with a warning naming how many."""
-    theirs = _diffusers_class(diffusers_class)
-    patterns = (getattr(theirs, "_keys_to_ignore_on_load_unexpected", None) or []) if theirs is not None else []
-    ignored = sorted(name for name in files if any(re.search(pattern, name) for pattern in patterns))
-    if ignored:
-        logger.warning(f"{files[ignored[0]].parent}: {len(ignored)} stored tensors that {diffusers_class} ignores "
-                       f"(its _keys_to_ignore_on_load_unexpected {patterns}), e.g. {ignored[0]!r}, are not read")  # fmt: skip
+def _first_rank() -> bool:
+    """Whether this process logs for all: rank 0, or a process outside ``torch.distributed``."""
+    import deepspeed.comm as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _without_ignored(files: Mapping[str, Path], expected: Mapping[str, Any], diffusers_class: str) -> dict[str, Path]:
+    """``files`` (:func:`weight_files`) less the stored tensors the model does not have (not in
+    ``expected``) that diffusers' ``diffusers_class`` ignores when it loads a checkpoint: its
+    ``_keys_to_ignore_on_load_unexpected`` patterns, searched in each such name as diffusers does.
+    The rest of them stay, for :func:`checkpoint_problems` to name."""
+    unexpected = sorted(set(files) - set(expected))
+    theirs = _diffusers_class(diffusers_class) if unexpected else None
+    patterns = (getattr(theirs, "_keys_to_ignore_on_load_unexpected", None) or []) if isinstance(theirs, type) else []
+    ignored = {name for name in unexpected if any(re.search(pattern, name) for pattern in patterns)}
+    if ignored and _first_rank():
+        logger.warning(f"{files[min(ignored)].parent}: {len(ignored)} stored tensors that {diffusers_class} ignores "
+                       f"(its _keys_to_ignore_on_load_unexpected {patterns}), e.g. {min(ignored)!r}, are not read")  # fmt: skip
     return {name: file for name, file in files.items() if name not in ignored}
 
 
@@ -373,8 +385,9 @@ def load_checkpoint(
         config = read_config(directory / CONFIG_NAME, cls.diffusers_class, cls.config_keys())
         with torch.device("meta"):  # checks the config (RoPE axes, heads against a topology) at no cost
             meta = cls(**config, **kwargs)
-        files = _ignored_tensors(weight_files(directory), cls.diffusers_class)
-        problems = checkpoint_problems(files, {name: tuple(p.shape) for name, p in meta.named_parameters()})
+        expected = {name: tuple(p.shape) for name, p in meta.named_parameters()}
+        files = _without_ignored(weight_files(directory), expected, cls.diffusers_class)
+        problems = checkpoint_problems(files, expected)
         if ds_config is not None and (
             bags := _bag_problem(ds_config, directory / CONFIG_NAME, meta.attention.num_heads)
         ):

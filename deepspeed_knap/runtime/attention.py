@@ -65,12 +65,17 @@ def _flash_varlen() -> Callable | str:
     """flash-attn's ``flash_attn_varlen_func``, or why there is none here."""
     try:
         from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return "flash-attn is not installed (pip install flash-attn)"
-    except Exception as error:  # a build for another torch or CUDA: its kernels' library fails to load
-        return (f"flash-attn fails to import ({type(error).__name__}: {error}); reinstall it for torch "
-                f"{torch.__version__}")  # fmt: skip
-    return flash_attn_varlen_func
+    except ModuleNotFoundError as error:
+        if error.name == "flash_attn":
+            return "flash-attn is not installed (pip install flash-attn)"
+        problem = error
+    except Exception as error:  # a build for another torch or CUDA: "undefined symbol" (an ImportError)
+        problem = error
+    else:
+        return flash_attn_varlen_func
+    return (
+        f"flash-attn fails to import ({type(problem).__name__}: {problem}); reinstall it for torch {torch.__version__}"
+    )
 
 
 @functools.cache
@@ -126,10 +131,14 @@ def backend_problem(backend: str) -> str | None:
 def backend_view(backend: str) -> str:
     """What ``backend`` finds on this machine, which must be the same on every rank
     (:func:`deepspeed_knap.initialize` agrees on it): why it cannot run (:func:`backend_problem`),
-    and for ``"auto"`` that of each kernel it may pick, since it runs the first one usable: nodes
-    with flash-attn and nodes without would run different kernels within one attention group."""
-    names = ("flash", "torch_varlen") if backend == "auto" else (backend,)
-    return "; ".join(f"{name}: {backend_problem(name) or 'usable'}" for name in names)
+    or for ``"auto"`` which of the kernels it prefers to ``sdpa`` are usable, since it runs the
+    first usable one: nodes with flash-attn and nodes without would run different kernels within
+    one attention group (a missing and a broken flash-attn alike leave the next)."""
+    if backend != "auto":
+        return backend_problem(backend) or "usable"
+    return "; ".join(
+        f"{name} {'unusable' if backend_problem(name) else 'usable'}" for name in ("flash", "torch_varlen")
+    )
 
 
 class VarlenAttention:

@@ -214,7 +214,9 @@ def test_prepared_samples_are_what_generation_conditions_on(prepared):
     assert torch.equal(edit["img_ids"], flux3_image_ids(16, 16))
 
     def packed(**fields):
-        request = parse_request(0, 1, json.dumps({"guidance": 1.0, "height": 64, "width": 64, **fields}), d / "inputs")
+        request = parse_request(
+            0, 1, json.dumps({"guidance": 1.0, "height": 64, "width": 64, **fields}), d / "inputs", default_steps=28
+        )
         (branch,) = generator.start(request).branches
         return branch
 

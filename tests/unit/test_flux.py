@@ -8,6 +8,8 @@ a rank's samples packed, unbalanced in one process and balanced over 4 gloo rank
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -209,11 +211,22 @@ def test_bad_checkpoints_name_the_file_and_the_key(tmp_path, monkeypatch):
             pass
 
     (tmp_path / "config.json").write_text(json.dumps({**CONFIGS["flux"], "ip_adapter_layers": 3}))
-    for theirs, shown in ((NewerDiffusers, ""), (None, r" \(without diffusers installed")):
+    missing = "diffusers is not installed"
+    for theirs, shown in ((NewerDiffusers, ""), (missing, rf" \({missing}, to tell which ones diffusers ignores\)")):
         monkeypatch.setattr("deepspeed_knap.models.loading._diffusers_class", lambda name, theirs=theirs: theirs)
         with pytest.raises(ValueError, match=r"config keys \['ip_adapter_layers'\] that this FluxTransformer2DModel "
                            f"implementation does not know{shown}"):  # fmt: skip
             PackedFluxTransformer.from_pretrained(tmp_path)
+    monkeypatch.undo()
+
+    def fails_to_import(name):  # diffusers' lazy import of a model whose dependency is broken
+        raise RuntimeError(f"Failed to import diffusers.models.{name}")
+
+    broken = types.ModuleType("diffusers")
+    broken.__getattr__ = fails_to_import
+    monkeypatch.setitem(sys.modules, "diffusers", broken)
+    with pytest.raises(CheckpointError, match=r"\(diffusers has no FluxTransformer2DModel here \(RuntimeError: Failed"):
+        PackedFluxTransformer.from_pretrained(tmp_path)  # a CheckpointError, which the ranks agree on
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         from_pretrained(tmp_path / "missing")

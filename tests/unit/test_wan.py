@@ -188,6 +188,7 @@ def test_export_loads_in_diffusers_and_diffusers_checkpoints_load_here(tmp_path)
     from safetensors.torch import load_file, save_file
 
     from deepspeed_knap.models.auto import from_pretrained
+    from deepspeed_knap.models.loading import load_checkpoint
     from deepspeed_knap.models.wan import PackedWanTransformer
 
     ref = reference_model("wan22_ti2v", torch.float32)
@@ -212,10 +213,10 @@ def test_export_loads_in_diffusers_and_diffusers_checkpoints_load_here(tmp_path)
     # Wan 2.1 I2V's diffusers release stores zero attn2.norm_added_q weights, which diffusers' class
     # ignores (_keys_to_ignore_on_load_unexpected): so does the loader, and reads none of them.
     weights = tmp_path / "pipeline" / "transformer" / "diffusion_pytorch_model.safetensors"
-    stored = load_file(weights)
-    save_file({**stored, "blocks.0.attn2.norm_added_q.weight": torch.full((3,), float("nan"))}, weights)
-    model = from_pretrained(tmp_path / "pipeline" / "transformer", attention_backend="sdpa")
-    assert not any("norm_added_q" in name for name in model.state_dict())
+    _, read = load_checkpoint(PackedWanTransformer, weights.parent)
+    save_file({**load_file(weights), "blocks.0.attn2.norm_added_q.weight": torch.full((3,), float("nan"))}, weights)
+    model, report = load_checkpoint(PackedWanTransformer, weights.parent, attention_backend="sdpa")
+    assert report.read_bytes == read.read_bytes and not any("norm_added_q" in name for name in model.state_dict())
     for output, want in zip(model.forward_samples(samples), expected, strict=True):
         assert relative_error(output, want) <= 1e-5
     config = json.loads((exported / "config.json").read_text())
