@@ -168,8 +168,9 @@ class TrainingHooks(ABC):
         given = [f"--{name.replace('_', '-')} {value}" for name in ("expert", "high_noise_share")
                  if (value := getattr(arguments, name)) is not None]  # fmt: skip
         if given:
-            raise ValueError(f"{' and '.join(given)}: {self.spec.title} has one transformer (these choose among and "
-                             "split the samples between Wan 2.2 A14B's two); drop them")  # fmt: skip
+            raise ValueError(f"{' and '.join(given)}: {self.spec.title} has one transformer (--expert chooses among "
+                             "Wan 2.2 A14B's two, --high-noise-share splits the samples between them); drop "
+                             f"{'it' if len(given) == 1 else 'them'}")  # fmt: skip
         if arguments.first_frame_share is not None:
             raise ValueError(f"--first-frame-share {arguments.first_frame_share}: {self.spec.title} has no "
                              "image-conditioned first frame (Wan 2.2 TI2V's); drop it")  # fmt: skip

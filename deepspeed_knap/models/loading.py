@@ -97,15 +97,18 @@ def _diffusers_class(name: str) -> type | str:
         import diffusers
 
         return getattr(diffusers, name)
-    except ImportError:
-        return "diffusers is not installed"
+    except ModuleNotFoundError as error:
+        if error.name == "diffusers":
+            return "diffusers is not installed"
+        problem: Exception = error
     except Exception as error:  # an older diffusers without the class; one whose import fails (RuntimeError)
-        return f"diffusers has no {name} here ({type(error).__name__}: {error})"
+        problem = error
+    return f"diffusers has no {name} here ({type(problem).__name__}: {problem})"
 
 
 def _first_rank() -> bool:
     """Whether this process logs for all: rank 0, or a process outside ``torch.distributed``."""
-    import deepspeed.comm as dist
+    import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
 

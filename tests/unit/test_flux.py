@@ -222,11 +222,15 @@ def test_bad_checkpoints_name_the_file_and_the_key(tmp_path, monkeypatch):
     def fails_to_import(name):  # diffusers' lazy import of a model whose dependency is broken
         raise RuntimeError(f"Failed to import diffusers.models.{name}")
 
+    from deepspeed_knap.models import loading
+
     broken = types.ModuleType("diffusers")
     broken.__getattr__ = fails_to_import
     monkeypatch.setitem(sys.modules, "diffusers", broken)
     with pytest.raises(CheckpointError, match=r"\(diffusers has no FluxTransformer2DModel here \(RuntimeError: Failed"):
         PackedFluxTransformer.from_pretrained(tmp_path)  # a CheckpointError, which the ranks agree on
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # not installed, unlike a dependency of it missing
+    assert loading._diffusers_class("FluxTransformer2DModel") == "diffusers is not installed"
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         from_pretrained(tmp_path / "missing")

@@ -80,8 +80,12 @@ def test_two_experts_trained_together_split_the_samples_by_the_high_noise_share(
     for expert in (None, "high"):
         with pytest.raises(ValueError, match=r"--high-noise-share 0\.5: it splits the samples between the two experts"):
             hooks.check_arguments(TrainingArguments(None, family="wan", expert=expert, high_noise_share=0.5))
-    with pytest.raises(ValueError, match=r"--high-noise-share 0\.5: FLUX\.1 has one transformer"):
+    with pytest.raises(ValueError, match=r"--high-noise-share 0\.5: FLUX\.1 has one transformer .*; drop it$"):
         spec("flux").hooks().check_arguments(TrainingArguments(None, family="flux", high_noise_share=0.5))
+    with pytest.raises(ValueError, match=r"^--expert both and --high-noise-share 0\.5: FLUX\.1 .*; drop them$"):
+        spec("flux").hooks().check_arguments(
+            TrainingArguments(None, family="flux", expert="both", high_noise_share=0.5)
+        )
     with pytest.raises(ValueError, match=r"high_noise_share 1\.5 must lie in \[0, 1\]"):
         TrainingArguments(None, family="wan", high_noise_share=1.5)
 
