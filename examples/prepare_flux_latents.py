@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from deepspeed_knap.models.flux.data import save_latent_sample, synthetic_samples
-from deepspeed_knap.models.latents import prepared_image, write_latent_manifest
+from deepspeed_knap.models.latents import prepared_image, read_caption_file, write_latent_manifest
 from deepspeed_knap.models.registry import MIXES, sample_shapes
 from deepspeed_knap.options import positive_float, positive_int
 from deepspeed_knap.runtime.manifest import MANIFEST
@@ -66,7 +66,10 @@ def images_with_captions(directory: Path) -> list[tuple[Path, str]]:
         raise SystemExit(
             f"{len(missing)} images have no caption file: {', '.join(missing[:10])}; write one .txt per image"
         )
-    return [(p, p.with_suffix(".txt").read_text().strip()) for p in images]
+    try:
+        return [(p, read_caption_file(p.with_suffix(".txt"))) for p in images]
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
 
 captioned = images_with_captions(Path(args.images)) if args.images else []  # before anything in --out goes

@@ -191,7 +191,8 @@ def read_regular_file(path: str | Path, limit: int) -> bytes:
 def read_image(path: str | Path) -> Any:
     """The image at ``path`` as an RGB ``PIL.Image``, oriented by its EXIF tag (as diffusers'
     ``load_image``), read only if it is a regular file of at most :data:`MAX_IMAGE_BYTES` (a FIFO
-    would block, a device never end).
+    would block, a device never end). A 16-bit grayscale image (PIL's mode ``I;16`` or ``I``) is
+    scaled to 8 bits; PIL's (and ``load_image``'s) conversion clips it, so mid-grey became white.
 
     Raises:
         ValueError: naming the file: missing, unreadable, not a regular file, too large, or not an
@@ -202,8 +203,13 @@ def read_image(path: str | Path) -> Any:
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
-        image = Image.open(io.BytesIO(read_regular_file(path, MAX_IMAGE_BYTES)))
-        return ImageOps.exif_transpose(image).convert("RGB")
+        image = ImageOps.exif_transpose(Image.open(io.BytesIO(read_regular_file(path, MAX_IMAGE_BYTES))))
+        if image.mode == "I" or image.mode.startswith("I;16"):
+            import numpy as np
+
+            levels = np.asarray(image, dtype=np.float64) / 257  # 65535 -> 255
+            image = Image.fromarray(np.clip(np.round(levels), 0, 255).astype(np.uint8), "L")
+        return image.convert("RGB")
     except UnidentifiedImageError:  # (its message names the in-memory copy, not the file)
         raise ValueError(f"cannot read image {path}: not an image PIL reads") from None
     except Exception as error:

@@ -165,8 +165,21 @@ def targets_and_references(directory: str | Path) -> list[tuple[Path, str, list[
         problems.append(f"references of a number already taken ({', '.join(doubles[:10])}): one file per NAME.refN")
     if problems:
         raise ValueError(f"{directory}: " + "; ".join(problems))
-    return [(p, p.with_suffix(".txt").read_text().strip(), [by_target[p.stem][n] for n in sorted(by_target[p.stem])])
+    return [(p, read_caption_file(p.with_suffix(".txt")), [by_target[p.stem][n] for n in sorted(by_target[p.stem])])
             for p in targets]  # fmt: skip
+
+
+def read_caption_file(path: Path) -> str:
+    """The caption in ``path``, stripped: UTF-8 text, a byte-order mark dropped (it would reach the
+    text encoder as a character).
+
+    Raises:
+        ValueError: naming the file, when it cannot be read or is not UTF-8.
+    """
+    try:
+        return path.read_text(encoding="utf-8-sig").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"caption {path} cannot be read as UTF-8 text ({error}); save it as UTF-8") from None
 
 
 def reference_sizes(shape: SampleShape, reference: int) -> list[int]:

@@ -1852,3 +1852,31 @@ def test_a_huge_whole_number_guidance_is_refused_naming_the_line():
     for key in ("guidance", "true_cfg_scale", "guidance_2"):
         with pytest.raises(RequestError, match=f"line 3: '{key}' must be a finite number; got a larger number"):
             parse_request(0, 3, f'{{"prompt": "a", "height": 16, "width": 16, "{key}": {"9" * 400}}}', default_steps=28)
+
+
+def test_a_16_bit_grayscale_image_is_scaled_to_8_bits_not_clipped(tmp_path):
+    """PIL opens a 16-bit grayscale PNG in mode I;16 and its RGB conversion clips: mid-grey (32768)
+    read as white. The prepare scripts and edit requests read images through read_image."""
+    from PIL import Image
+
+    from deepspeed_knap.generation.requests import read_image
+
+    levels = np.array([[0, 100, 32768, 65535]], dtype=np.uint16)
+    Image.fromarray(levels).save(tmp_path / "grey16.png")
+    assert Image.open(tmp_path / "grey16.png").mode.startswith("I")
+    assert np.asarray(read_image(tmp_path / "grey16.png"))[0, :, 0].tolist() == [0, 0, 128, 255]
+
+
+def test_captions_drop_a_byte_order_mark_and_one_not_utf8_is_named(tmp_path):
+    from PIL import Image
+
+    from deepspeed_knap.models.latents import targets_and_references
+
+    for name in ("a", "b"):
+        Image.new("RGB", (8, 8)).save(tmp_path / f"{name}.png")
+    (tmp_path / "a.txt").write_bytes("\ufeffa red cat\n".encode())
+    (tmp_path / "b.txt").write_bytes("a café".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"caption {re.escape(str(tmp_path / 'b.txt'))} cannot be read as UTF-8"):
+        targets_and_references(tmp_path)
+    (tmp_path / "b.txt").write_text("a dog")
+    assert [caption for _, caption, _ in targets_and_references(tmp_path)] == ["a red cat", "a dog"]

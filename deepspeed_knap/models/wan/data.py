@@ -51,7 +51,13 @@ from torch import Tensor
 
 from deepspeed_knap.data.mixes import SampleShape
 from deepspeed_knap.generation.requests import read_image
-from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents, non_float_tensors, sample_file_header
+from deepspeed_knap.models.latents import (
+    LatentDirectory,
+    SyntheticMixLatents,
+    non_float_tensors,
+    read_caption_file,
+    sample_file_header,
+)
 
 __all__ = [
     "CAPTION_SUFFIX",
@@ -116,9 +122,9 @@ def read_caption(source: Path) -> str:
     if not sidecar.is_file():
         raise Refused("no caption", f"no caption: write it in {sidecar.name} next to it")
     try:
-        caption = sidecar.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as error:
-        raise Refused("no caption", f"its caption {sidecar.name} cannot be read as UTF-8 text ({error})") from None
+        caption = read_caption_file(sidecar)
+    except ValueError as error:
+        raise Refused("no caption", str(error)) from None
     if not caption:
         raise Refused("no caption", f"its caption {sidecar.name} is empty")
     return caption
