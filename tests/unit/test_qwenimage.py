@@ -311,3 +311,44 @@ def test_the_generator_s_tiny_config_builds_at_any_even_head_size(head_dim):
     assert sum(axes) == head_dim and all(axis > 0 and axis % 2 == 0 for axis in axes)
     assert head_dim != 128 or tuple(axes) == (16, 56, 56)
     PackedQwenImageTransformer(**config)
+
+
+def test_an_edit_checkpoint_validates_edits_of_its_references_through_its_own_pipeline(tmp_path, monkeypatch):
+    """Training an edit model (a QwenImageEditPlusPipeline folder) validated it as text to image
+    through QwenImagePipeline; its renders are edits of the line's references, through its pipeline."""
+    import numpy as np
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+    from PIL import Image
+
+    from deepspeed_knap.models.hooks import ValidationSettings
+    from deepspeed_knap.models.qwenimage.finetune import QwenImageValidation
+    from deepspeed_knap.models.qwenimage.generate import QwenImageEditPlusGenerator
+    from deepspeed_knap.models.registry import spec
+
+    tiny = QwenImageEditPlusGenerator.tiny(torch.float32, "cpu", seed=0)
+    (tmp_path / "edit").mkdir()  # the folder's index (the tiny processor cannot be saved: its parts are)
+    (tmp_path / "edit" / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPlusPipeline"}))
+    hooks = QwenImageValidation(spec("qwen-image"), str(tmp_path / "edit"))
+    assert hooks.model_path_problem(str(tmp_path / "edit")) is None
+    assert hooks.pipeline(tiny.model)[0] == "QwenImageEditPlusPipeline"
+    with pytest.raises(
+        ValueError, match="QwenImageEditPlusPipeline checkpoint edits reference images: write IMAGE<TAB>"
+    ):
+        hooks.call("a cat", tmp_path, tiny.model)
+    for name, colour in (("red.png", (255, 0, 0)), ("blue.png", (0, 0, 255))):
+        Image.new("RGB", (48, 48), colour).save(tmp_path / name)
+    calls = [hooks.call(f"{name}\ta cat", tmp_path, tiny.model) for name in ("red.png", "blue.png")]
+    assert calls[0]["prompt"] == "a cat" and len(calls[0]["image"]) == 1
+    assert hooks.options(ValidationSettings(False, steps=2))["height"] is None  # the pipeline's, from the reference
+    options = hooks.options(ValidationSettings(False, 32, 32, steps=2))
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 112 * 112)  # tiny images
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 48 * 48)
+    components = {name: part for name, part in tiny.pipeline.components.items() if name != "transformer"}
+    transformers = type(tiny.model).pipeline_transformers(tiny.model.config, tiny.model.state_dict())
+    pipe = hooks.build_pipeline(tiny.model, components, transformers)
+    pipe.set_progress_bar_config(disable=True)
+    files = [hooks.render(pipe, call, torch.Generator().manual_seed(0), options, tmp_path / f"out{i}")
+             for i, call in enumerate(calls)]  # fmt: skip
+    red, blue = (np.asarray(Image.open(file), dtype=np.float64) for file in files)
+    # The renders differ only in their reference (same prompt and seed): it conditions the edit.
+    assert red.shape == (32, 32, 3) and not np.array_equal(red, blue)

@@ -1,6 +1,6 @@
 """Qwen-Image fine-tuning: the family's training hooks (:class:`QwenImageTraining`), validation images
-through diffusers' own ``QwenImagePipeline`` over the trained weights, and tiny random pipeline parts
-for runs without downloaded weights. LoRA is every family's (:mod:`deepspeed_knap.models.lora`); the
+through diffusers' own ``QwenImagePipeline`` (an edit model's: its edit pipeline) over the trained
+weights, and tiny random pipeline parts for runs without downloaded weights. LoRA is every family's (:mod:`deepspeed_knap.models.lora`); the
 adapter is written in the format ``QwenImagePipeline.load_lora_weights`` reads.
 """
 
@@ -16,12 +16,15 @@ from torch import Tensor, nn
 from deepspeed_knap.models.hooks import Objective, TrainingHooks, ValidationHooks, ValidationSettings
 from deepspeed_knap.models.latents import LatentDirectory, SyntheticMixLatents
 from deepspeed_knap.models.qwenimage.data import SyntheticQwenImageLatents, flow_matching, latent_directory
+from deepspeed_knap.models.spec import ModelSpec
 
 # Qwen-Image's scheduler_config.json (the released checkpoints): dynamic, exponential shifting from
 # the image's tokens, ending at sigma 0.02. The tiny pipeline uses it, so its schedule is the real one.
 QWEN_IMAGE_SCHEDULER = dict(base_image_seq_len=256, max_image_seq_len=8192, base_shift=0.5, max_shift=0.9,
                             use_dynamic_shifting=True, time_shift_type="exponential", shift_terminal=0.02,
                             shift=1.0, num_train_timesteps=1000)  # fmt: skip
+# The pipelines of Qwen-Image's edit models (validation renders edits through them).
+EDIT_PIPELINES = ("QwenImageEditPlusPipeline", "QwenImageEditPipeline")
 # Qwen2.5-VL's chat markers: each must stay one token for the pipelines' templates.
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                    "<|image_pad|>", "<|video_pad|>")  # fmt: skip
@@ -108,16 +111,63 @@ def tiny_qwen2vl_processor(tokenizer: Any) -> Any:
 class QwenImageValidation(ValidationHooks):
     """Validation images through diffusers' ``QwenImagePipeline`` (text to image), with its true
     classifier-free guidance: a negative prompt of one space and ``true_cfg_scale`` (4.0, the
-    pipeline's default; ``--validation-guidance`` sets it), as Qwen-Image's model card renders."""
+    pipeline's default; ``--validation-guidance`` sets it), as Qwen-Image's model card renders.
+
+    An edit checkpoint (``--model-path`` a ``QwenImageEditPlusPipeline`` folder, Qwen-Image-Edit-2509
+    and -2511, or a ``QwenImageEditPipeline`` one, Qwen-Image-Edit) renders edits through its own
+    pipeline, as it trains: a line is ``IMAGE<TAB>PROMPT`` (Edit-Plus: ``IMAGE<TAB>IMAGE<TAB>...
+    <TAB>PROMPT``, its references in order), the paths relative to the prompts file; without
+    ``--validation-resolution`` the edit's size is the pipeline's, from its last reference."""
 
     default_guidance = 4.0
+
+    def __init__(self, spec: ModelSpec, model_path: str | None = None) -> None:
+        super().__init__(spec, model_path)
+        self._pipeline_class: str | None = None  # the folder's, read once at the start-up check
+
+    def model_path_problem(self, model_path: str) -> str | None:
+        problem = super().model_path_problem(model_path)
+        if problem is None:
+            from deepspeed_knap.models.loading import pipeline_index
+
+            try:
+                self._pipeline_class = pipeline_index(model_path).get("_class_name")
+            except ValueError as error:
+                return str(error)
+        return problem
+
+    @property
+    def edits(self) -> bool:
+        """Whether the checkpoint is an edit model's (:data:`EDIT_PIPELINES`)."""
+        return self._pipeline_class in EDIT_PIPELINES
+
+    def pipeline(self, model: nn.Module) -> tuple[str, dict[str, Any]]:
+        return (self._pipeline_class if self.edits else self.spec.pipeline), {}
 
     def options(self, settings: ValidationSettings) -> dict[str, Any]:
         options = super().options(settings)
         options["true_cfg_scale"] = options.pop("guidance_scale")  # the model is not guidance-distilled
         if not settings.steps and not settings.tiny:
-            options["num_inference_steps"] = 50  # QwenImagePipeline's default
+            options["num_inference_steps"] = 50  # the pipelines' default
+        if self.edits and not settings.height:  # the edit pipelines' size: the last reference's aspect
+            options.update(height=None, width=None)
         return {**options, "negative_prompt": " "}
+
+    def call(self, line: str, directory: Path, model: nn.Module) -> dict[str, Any]:
+        """Text to image: the line is the prompt. An edit model: its references, then the prompt,
+        separated by tabs (class docstring)."""
+        if not self.edits:
+            return {"prompt": line}
+        *names, prompt = line.split("\t")
+        one = self._pipeline_class == "QwenImageEditPipeline"
+        if not names or not prompt.strip() or (one and len(names) > 1):
+            form = "IMAGE<TAB>PROMPT" if one else "IMAGE<TAB>PROMPT (or IMAGE<TAB>IMAGE<TAB>...<TAB>PROMPT)"
+            raise ValueError(f"{line[:60]!r}: a {self._pipeline_class} checkpoint edits reference images: write {form}, "
+                             "the paths relative to the prompts file")  # fmt: skip
+        from deepspeed_knap.generation.requests import read_image
+
+        images = [read_image(directory / name) for name in names]
+        return {"image": images[0] if one else images, "prompt": prompt}
 
     def tiny_components(self, model: nn.Module, seed: int) -> dict[str, Any]:
         return tiny_qwen_image_components(model.config, seed)
@@ -128,7 +178,7 @@ class QwenImageTraining(TrainingHooks):
     text embeddings (:mod:`deepspeed_knap.models.qwenimage.data`'s format) or a synthetic mix
     (``qwen_edit``); the flow-matching velocity of the target's tokens; a sample the model cannot
     pack is raised on every rank by the step's first collective; validation images through
-    ``QwenImagePipeline``."""
+    ``QwenImagePipeline``, or an edit model's own edit pipeline (:class:`QwenImageValidation`)."""
 
     validation = QwenImageValidation
 
