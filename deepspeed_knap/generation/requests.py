@@ -191,8 +191,9 @@ def read_regular_file(path: str | Path, limit: int) -> bytes:
 def read_image(path: str | Path) -> Any:
     """The image at ``path`` as an RGB ``PIL.Image``, oriented by its EXIF tag (as diffusers'
     ``load_image``), read only if it is a regular file of at most :data:`MAX_IMAGE_BYTES` (a FIFO
-    would block, a device never end). A 16-bit grayscale image (PIL's mode ``I;16`` or ``I``) is
-    scaled to 8 bits; PIL's (and ``load_image``'s) conversion clips it, so mid-grey became white.
+    would block, a device never end). A 16-bit grayscale image (PIL's mode ``I;16``, or ``I`` with
+    values above 255) is scaled to 8 bits; PIL's (and ``load_image``'s) conversion clips it, so
+    mid-grey became white.
 
     Raises:
         ValueError: naming the file: missing, unreadable, not a regular file, too large, or not an
@@ -204,11 +205,13 @@ def read_image(path: str | Path) -> Any:
 
     try:
         image = ImageOps.exif_transpose(Image.open(io.BytesIO(read_regular_file(path, MAX_IMAGE_BYTES))))
-        if image.mode == "I" or image.mode.startswith("I;16"):
+        if image.mode.startswith("I;16") or image.mode == "I":
             import numpy as np
 
-            levels = np.asarray(image, dtype=np.float64) / 257  # 65535 -> 255
-            image = Image.fromarray(np.clip(np.round(levels), 0, 255).astype(np.uint8), "L")
+            levels = np.asarray(image).astype(np.int64)
+            if image.mode.startswith("I;16") or levels.max(initial=0) > 255:  # ("I" of 8-bit values stays)
+                levels = (np.clip(levels, 0, 65535) + 128) // 257  # 65535 -> 255, rounded
+            image = Image.fromarray(np.clip(levels, 0, 255).astype(np.uint8), "L")
         return image.convert("RGB")
     except UnidentifiedImageError:  # (its message names the in-memory copy, not the file)
         raise ValueError(f"cannot read image {path}: not an image PIL reads") from None

@@ -1865,6 +1865,9 @@ def test_a_16_bit_grayscale_image_is_scaled_to_8_bits_not_clipped(tmp_path):
     Image.fromarray(levels).save(tmp_path / "grey16.png")
     assert Image.open(tmp_path / "grey16.png").mode.startswith("I")
     assert np.asarray(read_image(tmp_path / "grey16.png"))[0, :, 0].tolist() == [0, 0, 128, 255]
+    Image.fromarray(np.array([[0, 100, 128, 255]], dtype=np.int32)).save(tmp_path / "grey8_as_i.tiff")
+    assert Image.open(tmp_path / "grey8_as_i.tiff").mode == "I"  # 32-bit integers holding 8-bit values stay
+    assert np.asarray(read_image(tmp_path / "grey8_as_i.tiff"))[0, :, 0].tolist() == [0, 100, 128, 255]
 
 
 def test_captions_drop_a_byte_order_mark_and_one_not_utf8_is_named(tmp_path):

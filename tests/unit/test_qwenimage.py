@@ -339,7 +339,8 @@ def test_an_edit_checkpoint_validates_edits_of_its_references_through_its_own_pi
         Image.new("RGB", (48, 48), colour).save(tmp_path / name)
     calls = [hooks.call(f"{name}\ta cat", tmp_path, tiny.model) for name in ("red.png", "blue.png")]
     assert calls[0]["prompt"] == "a cat" and len(calls[0]["image"]) == 1
-    assert hooks.options(ValidationSettings(False, steps=2))["height"] is None  # the pipeline's, from the reference
+    unsized = hooks.options(ValidationSettings(False, width=64, steps=2))
+    assert (unsized["height"], unsized["width"]) == (None, 64)  # the height the pipeline's, from the reference
     options = hooks.options(ValidationSettings(False, 32, 32, steps=2))
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 112 * 112)  # tiny images
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 48 * 48)

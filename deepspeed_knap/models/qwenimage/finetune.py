@@ -150,7 +150,7 @@ class QwenImageValidation(ValidationHooks):
         if not settings.steps and not settings.tiny:
             options["num_inference_steps"] = 50  # the pipelines' default
         if self.edits and not settings.height:  # the edit pipelines' size: the last reference's aspect
-            options.update(height=None, width=None)
+            options.update(height=None, width=settings.width)
         return {**options, "negative_prompt": " "}
 
     def call(self, line: str, directory: Path, model: nn.Module) -> dict[str, Any]:
