@@ -451,9 +451,9 @@ def _kept(param: Tensor) -> Tensor:
 
 def _assign_tensors(model: nn.Module, files: Mapping[str, Path], dtype: torch.dtype | None,
                     keep_in_fp32: tuple[str, ...] = ()) -> int:  # fmt: skip
-    """Read every tensor of ``files``, shard by shard, into the meta-built ``model``, floating ones cast to
-    ``dtype`` but those of modules named in ``keep_in_fp32`` (:func:`_in_modules`), which are
-    float32, as diffusers' ``from_pretrained`` loads them; returns bytes read."""
+    """Read every tensor of ``files``, shard by shard, into the meta-built ``model``, floating ones
+    cast to ``dtype`` but those of modules named in ``keep_in_fp32`` (:func:`_in_modules`), which
+    are float32, as diffusers' ``from_pretrained`` loads them; returns bytes read."""
     from safetensors import safe_open
 
     read, by_file = 0, {}

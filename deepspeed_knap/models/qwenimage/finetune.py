@@ -1,7 +1,8 @@
 """Qwen-Image fine-tuning: the family's training hooks (:class:`QwenImageTraining`), validation images
 through diffusers' own ``QwenImagePipeline`` (an edit model's: its edit pipeline) over the trained
-weights, and tiny random pipeline parts for runs without downloaded weights. LoRA is every family's (:mod:`deepspeed_knap.models.lora`); the
-adapter is written in the format ``QwenImagePipeline.load_lora_weights`` reads.
+weights, and tiny random pipeline parts for runs without downloaded weights. LoRA is every
+family's (:mod:`deepspeed_knap.models.lora`); the adapter is written in the format
+``QwenImagePipeline.load_lora_weights`` reads.
 """
 
 from __future__ import annotations

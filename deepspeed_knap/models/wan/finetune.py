@@ -127,8 +127,9 @@ def flow_matching(
 
 def write_gif(frames: np.ndarray, path: str | Path, fps: int) -> Path:
     """Write ``frames [F, H, W, 3]`` (floats in ``[0, 1]``, ``WanPipeline``'s ``output_type="np"``)
-    as a looping GIF at ``fps`` (the model's: :func:`~deepspeed_knap.models.wan.data.frames_per_second`); PIL
-    only, no video codec needed. A GIF holds each frame's delay in hundredths of a second: frame
+    as a looping GIF at ``fps`` (the model's:
+    :func:`~deepspeed_knap.models.wan.data.frames_per_second`); PIL only, no video codec needed.
+    A GIF holds each frame's delay in hundredths of a second: frame
     ``i`` ends at ``(i + 1) / fps`` rounded to one, so 16 fps plays 6, 6, 7, 6 hundredths (one delay
     of 6 for every frame played at 16.7 fps)."""
     from PIL import Image
