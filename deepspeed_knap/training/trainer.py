@@ -212,9 +212,9 @@ class Trainer:
         except ValueError as error:
             raise TrainingError(str(error)) from None
         if self.rank == 0 and data.manifest is None:
-            print(f"note: {a.data_dir} has no manifest.json: the ranks compared a sampled digest of each file; "
-                  f"{data.writer} writes one (or python -m deepspeed_knap.runtime.manifest DIR) to have "
-                  "each file's sha256 checked when it is read", flush=True)  # fmt: skip
+            self._say(f"note: {a.data_dir} has no manifest.json: the ranks compared a sampled digest of each file; "
+                      f"{data.writer} writes one (or python -m deepspeed_knap.runtime.manifest DIR) to have "
+                      "each file's sha256 checked when it is read")  # fmt: skip
         return data
 
     def _resume(self) -> None:
@@ -226,9 +226,9 @@ class Trainer:
             raise TrainingError(f"--resume {a.resume}: {error}") from None
         if self.rank == 0:  # say which tag, and why newer ones were not taken
             for tag, why in choice.skipped:
-                print(f"--resume: skipped checkpoint {tag}: {why}", flush=True)
-            print(f"--resume: loading checkpoint {choice.tag} from {choice.load_dir}"
-                  + ("" if choice.given else ", the newest complete one"), flush=True)  # fmt: skip
+                self._say(f"--resume: skipped checkpoint {tag}: {why}")
+            self._say(f"--resume: loading checkpoint {choice.tag} from {choice.load_dir}"
+                      + ("" if choice.given else ", the newest complete one"))  # fmt: skip
         # Before DeepSpeed loads anything (minutes at A14B size): the expert and data order the manifest recorded.
         self.raise_together(self._saved_run_problem(choice.manifest.get("metadata") or {}, choice.tag))
         try:  # weights-only: no pickle of the checkpoint runs; another model's checkpoint is one error
@@ -258,9 +258,9 @@ class Trainer:
         self.start_step, self.position = step, position
         listed, now = client_state.get("data_files"), self._data_files()
         if self.rank == 0 and None not in (listed, now) and listed != now:  # (the listing is agreed at start-up)
-            print(f"note: --resume: checkpoint {choice.tag} was trained on {listed} and {a.data_dir} holds {now}: the "
-                  "data position goes on from where it was, over the files as they are now (this epoch may read "
-                  "some files again and skip others)", flush=True)  # fmt: skip
+            self._say(f"note: --resume: checkpoint {choice.tag} was trained on {listed} and {a.data_dir} holds {now}: "
+                      "the data position goes on from where it was, over the files as they are now (this epoch may "
+                      "read some files again and skip others)")  # fmt: skip
 
     def _saved_run_problem(self, saved: Mapping[str, Any], tag: str) -> str | None:
         """Why a checkpoint that recorded ``saved`` (its client state) cannot resume this run: another
@@ -443,7 +443,10 @@ class Trainer:
 
     def _say(self, line: str) -> None:
         """Rank 0's line: above the progress bar in :meth:`train`, printed when a loop of one's own
-        calls the parts."""
+        calls the parts. A path's byte that is not UTF-8 (a lone surrogate) is written escaped: where
+        stdout's encoding is strict, printing it raised on rank 0 alone, between collectives."""
+        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+        line = line.encode(encoding, "backslashreplace").decode(encoding)
         if self.progress is not None:
             self.progress.write(line)
         else:
@@ -543,7 +546,7 @@ class Trainer:
                              if p.requires_grad}  # fmt: skip
                     try:
                         for path, _ in self.hooks.save_adapters(self.model, state, Path(export_dir)):
-                            print(f"exported the LoRA adapter to {path}", flush=True)
+                            self._say(f"exported the LoRA adapter to {path}")
                     except Exception as error:  # safetensors' own error for a full disk, too
                         problem = (f"exporting the LoRA adapter to {export_dir} failed on rank 0: "
                                    f"{type(error).__name__}: {error}")  # fmt: skip
@@ -552,7 +555,7 @@ class Trainer:
             if self.rank == 0:
                 try:
                     self.model.save_pretrained(export_dir, state)
-                    print(f"exported diffusers weights to {export_dir}", flush=True)
+                    self._say(f"exported diffusers weights to {export_dir}")
                 except Exception as error:  # safetensors' own error for a full disk, too
                     problem = f"exporting the weights to {export_dir} failed on rank 0: {type(error).__name__}: {error}"
         self.raise_together(problem)

@@ -335,6 +335,7 @@ def test_a_resume_over_changed_files_goes_on_with_a_note(monkeypatch, tmp_path, 
                               _lora_alpha=lambda: None)  # fmt: skip
         run._data_order = lambda: Trainer._data_order(run)
         run._data_files = lambda: Trainer._data_files(run)
+        run.progress, run._say = None, lambda line: Trainer._say(run, line)
         run._saved_run_problem = lambda recorded, tag: Trainer._saved_run_problem(run, recorded, tag)
         Trainer._resume(run)
         assert (run.start_step, run.position) == (2, 4)
@@ -390,3 +391,18 @@ def test_a_data_directory_one_node_cannot_list_is_every_rank_s_error(monkeypatch
     assert agreed == [
         f"--data-dir {tmp_path}: [Errno {errno.ESTALE}] Stale file handle: '{tmp_path / 'manifest.json'}'"
     ]
+
+
+def test_rank_0_notes_naming_a_path_that_is_not_utf8_do_not_raise_where_stdout_is_strict(monkeypatch):
+    """Where stdout's encoding is strict (a UTF-8 locale), printing a path whose byte is not UTF-8
+    (a lone surrogate) raised on rank 0 alone, before the collectives of a resume."""
+    import io
+    from types import SimpleNamespace
+
+    from deepspeed_knap.training.trainer import Trainer
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+    monkeypatch.setattr("sys.stdout", out)
+    Trainer._say(SimpleNamespace(progress=None), "--resume: loading checkpoint step2 from /ckpt/\udcff")
+    out.flush()
+    assert out.buffer.getvalue() == b"--resume: loading checkpoint step2 from /ckpt/\\udcff\n"
