@@ -173,12 +173,12 @@ class Trainer:
                 "optimizer every step, and a checkpoint between accumulation boundaries would drop the gradients "
                 "so far; set it to 1 (with --data-dir, train more samples a step with --samples-per-rank)"
             )
+        self.progress: tqdm | None = None  # (before the set-up's notes, which _say writes)
         self.data = self._data()
         self.start_step, self.position = 0, 0  # steps done; files consumed by all ranks together
         if a.resume:
             self._resume()
         self.validator = self._validator() if a.validation_every else None
-        self.progress: tqdm | None = None
 
     # ---- errors every rank raises together ----
 
