@@ -249,6 +249,11 @@ class WanTraining(TrainingHooks):
             self._pipeline = (path, (*pipeline_experts(path), expand_timesteps(path)))
         return self._pipeline[1]
 
+    def _experts_trained(self, arguments: Any) -> str | None:
+        """``arguments.expert``, or ``"both"`` for a two-expert pipeline given without it."""
+        _, two, _ = self._pipeline_config(arguments.model_path)
+        return "both" if two and arguments.expert is None else arguments.expert
+
     def check_arguments(self, arguments: Any) -> None:
         path, expert = arguments.model_path, arguments.expert
         boundary, two, expand = self._pipeline_config(path)
@@ -274,7 +279,7 @@ class WanTraining(TrainingHooks):
                              "both (--expert both) to validate, or render the exported expert with the pipeline "
                              "yourself")  # fmt: skip
         share = arguments.high_noise_share
-        if share is not None and not ((two and expert in (None, "both")) or (path is None and expert == "both")):
+        if share is not None and self._experts_trained(arguments) != "both":  # (an --expert both without two: above)
             raise ValueError(f"--high-noise-share {share}: it splits the samples between the two experts trained "
                              "together; give a two-expert Wan 2.2 A14B pipeline with --expert both (one expert "
                              "alone trains on its side of boundary_ratio only)")  # fmt: skip
@@ -283,10 +288,8 @@ class WanTraining(TrainingHooks):
                              "pipeline (its model_index.json does not set expand_timesteps); drop it")  # fmt: skip
 
     def load_model(self, arguments: Any, options: Mapping[str, Any]) -> nn.Module:
-        path, expert = arguments.model_path, arguments.expert
-        boundary, two, expand = self._pipeline_config(path)
-        if two and expert is None:
-            expert = "both"
+        path, expert = arguments.model_path, self._experts_trained(arguments)
+        boundary, _, expand = self._pipeline_config(path)
         if path is None and expert is not None:
             boundary = DEFAULT_BOUNDARY_RATIO
         share = arguments.first_frame_share
