@@ -198,6 +198,7 @@ def test_bad_samples_name_the_problem(family):
 def test_bad_checkpoints_name_the_file_and_the_key(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
+    from deepspeed_knap.models import loading
     from deepspeed_knap.models.auto import from_pretrained
     from deepspeed_knap.models.flux import PackedFluxTransformer
     from deepspeed_knap.models.flux.flux2 import PackedFlux2Transformer
@@ -221,8 +222,6 @@ def test_bad_checkpoints_name_the_file_and_the_key(tmp_path, monkeypatch):
 
     def fails_to_import(name):  # diffusers' lazy import of a model whose dependency is broken
         raise RuntimeError(f"Failed to import diffusers.models.{name}")
-
-    from deepspeed_knap.models import loading
 
     broken = types.ModuleType("diffusers")
     broken.__getattr__ = fails_to_import
